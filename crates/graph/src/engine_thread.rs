@@ -1,0 +1,307 @@
+//! Where a stage's calls run: inline on its worker, or on an engine thread.
+//!
+//! A [`StageRunner`] wraps one stage instance and does the engine's share of
+//! every call: it stamps `policy_version` on a generator's output, stamps
+//! `learner_version` and `staleness` on a learner's input (and checks the
+//! bound), versions published weights, catches panics, and times the calls.
+//!
+//! An [`Executor`] runs the runner's jobs. `Inline` runs them on the worker
+//! thread, in the operator's activation. `Thread` runs them on a dedicated
+//! engine thread fed through a bounded queue: the operator stops handing over
+//! jobs when the queue is full (backpressure inside a step), keeps running
+//! other operators meanwhile, and is woken by a `SyncActivator` when results
+//! are ready. The stage instance is built on the engine thread itself, so it
+//! may hold thread-affine resources.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
+use std::sync::Arc;
+use std::time::Instant;
+
+use arrow::array::{ArrayRef, RecordBatch, UInt64Array};
+use timely::scheduling::SyncActivator;
+
+use crate::batch::{u64_column, with_column, with_u64_column};
+use crate::error::panic_message;
+use crate::metrics::{names, MetricRow};
+use crate::stage::{Stage, StageFactory, StepContext, WorkerInfo};
+use crate::weights_edge::{now_ns, WeightsBody, WeightsMessage, WeightsTransport};
+use crate::{columns, GraphError, PolicyVersion, StageError, Step};
+
+/// What the engine adds around a stage's calls.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StageKind {
+    /// A plain transformation.
+    Plain,
+    /// A generator: takes the weights edge, stamps `policy_version`.
+    Generate,
+    /// A learner: consumes steps in order, stamps `learner_version`/`staleness`, publishes weights.
+    Learn,
+}
+
+/// A unit of work for a stage.
+pub(crate) enum Job {
+    Process { step: Step, batch: RecordBatch },
+    EndStep { step: Step },
+    LoadWeights { message: WeightsMessage },
+}
+
+/// Per-step figures a runner collects.
+#[derive(Default, Debug)]
+pub(crate) struct StepStats {
+    busy_s: f64,
+    batches_in: u64,
+    rows_in: u64,
+    rows_out: u64,
+    staleness: BTreeMap<u64, u64>,
+}
+
+/// A finished job.
+pub(crate) enum Done {
+    Output { step: Step, batches: Vec<RecordBatch> },
+    Ended { step: Step, batches: Vec<RecordBatch>, published: Option<(PolicyVersion, WeightsBody)>, metrics: Vec<MetricRow> },
+    Loaded,
+    Failed(GraphError),
+}
+
+/// One stage instance plus the engine's bookkeeping around it.
+pub(crate) struct StageRunner {
+    name: String,
+    kind: StageKind,
+    stage: Box<dyn Stage>,
+    worker: WorkerInfo,
+    version: PolicyVersion,
+    max_staleness: u64,
+    transport: Arc<dyn WeightsTransport>,
+    steps: BTreeMap<Step, StepStats>,
+    transfers: Vec<f64>,
+}
+
+impl StageRunner {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn build(
+        name: &str,
+        kind: StageKind,
+        factory: &StageFactory,
+        worker: WorkerInfo,
+        version: PolicyVersion,
+        max_staleness: u64,
+        transport: Arc<dyn WeightsTransport>,
+    ) -> Result<Self, GraphError> {
+        let stage = guarded(name, None, worker.index, || factory(&worker))?;
+        Ok(StageRunner {
+            name: name.to_string(),
+            kind,
+            stage,
+            worker,
+            version,
+            max_staleness,
+            transport,
+            steps: BTreeMap::new(),
+            transfers: Vec::new(),
+        })
+    }
+
+    pub(crate) fn run(&mut self, job: Job) -> Done {
+        match self.try_run(job) {
+            Ok(done) => done,
+            Err(err) => Done::Failed(err),
+        }
+    }
+
+    fn try_run(&mut self, job: Job) -> Result<Done, GraphError> {
+        match job {
+            Job::Process { step, batch } => {
+                let stats = self.steps.entry(step).or_default();
+                stats.batches_in += 1;
+                stats.rows_in += batch.num_rows() as u64;
+                let batch = match self.kind {
+                    StageKind::Learn => self.stamp_learner_input(step, batch)?,
+                    _ => batch,
+                };
+                let mut ctx = StepContext::new(step, self.worker, self.version, false);
+                let started = Instant::now();
+                let out = guarded(&self.name, Some(step), self.worker.index, || self.stage.process(&mut ctx, batch));
+                self.steps.entry(step).or_default().busy_s += started.elapsed().as_secs_f64();
+                let batches = self.finish_output(step, out?)?;
+                Ok(Done::Output { step, batches })
+            }
+            Job::EndStep { step } => {
+                let mut ctx = StepContext::new(step, self.worker, self.version, self.kind == StageKind::Learn);
+                let started = Instant::now();
+                let out = guarded(&self.name, Some(step), self.worker.index, || self.stage.end_step(&mut ctx));
+                let busy = started.elapsed().as_secs_f64();
+                let batches = self.finish_output(step, out?)?;
+                let published = match ctx.published.take() {
+                    Some(weights) => {
+                        self.version += 1;
+                        Some((self.version, self.transport.pack(self.version, &weights)?))
+                    }
+                    None => None,
+                };
+                let mut stats = self.steps.remove(&step).unwrap_or_default();
+                stats.busy_s += busy;
+                Ok(Done::Ended { step, batches, published, metrics: self.step_metrics(step, stats) })
+            }
+            Job::LoadWeights { message } => {
+                if message.version <= self.version {
+                    return Ok(Done::Loaded);
+                }
+                let weights = self.transport.unpack(message.version, &message.body)?;
+                let step = message.step;
+                guarded(&self.name, Some(step), self.worker.index, || self.stage.load_weights(message.version, &weights))?;
+                self.version = message.version;
+                self.transfers.push(now_ns().saturating_sub(message.sent_at_ns) as f64 * 1e-9);
+                Ok(Done::Loaded)
+            }
+        }
+    }
+
+    /// Adds `learner_version` and `staleness` to a learner's input, checking the bound.
+    fn stamp_learner_input(&mut self, step: Step, batch: RecordBatch) -> Result<RecordBatch, GraphError> {
+        let policy = u64_column(&batch, columns::POLICY_VERSION, &self.name)?;
+        let mut staleness = Vec::with_capacity(policy.len());
+        for &pv in policy.values() {
+            let s = self.version.saturating_sub(pv);
+            if s > self.max_staleness {
+                return Err(GraphError::StalenessViolated {
+                    step,
+                    learner_version: self.version,
+                    policy_version: pv,
+                    staleness: s,
+                    max_staleness: self.max_staleness,
+                });
+            }
+            staleness.push(s);
+        }
+        let stats = self.steps.entry(step).or_default();
+        for &s in &staleness {
+            *stats.staleness.entry(s).or_insert(0) += 1;
+        }
+        let batch = with_u64_column(&batch, columns::LEARNER_VERSION, self.version)?;
+        with_column(&batch, columns::STALENESS, Arc::new(UInt64Array::from(staleness)) as ArrayRef)
+    }
+
+    fn finish_output(&mut self, step: Step, batches: Vec<RecordBatch>) -> Result<Vec<RecordBatch>, GraphError> {
+        let batches = match self.kind {
+            StageKind::Generate => batches
+                .iter()
+                .map(|b| with_u64_column(b, columns::POLICY_VERSION, self.version))
+                .collect::<Result<Vec<_>, _>>()?,
+            _ => batches,
+        };
+        self.steps.entry(step).or_default().rows_out += batches.iter().map(|b| b.num_rows() as u64).sum::<u64>();
+        Ok(batches)
+    }
+
+    fn step_metrics(&mut self, step: Step, stats: StepStats) -> Vec<MetricRow> {
+        let w = self.worker.index as u32;
+        let row = |metric: &str, label: Option<String>, value: f64| MetricRow::new(step, w, &self.name, metric, label, value);
+        let mut rows = vec![
+            row(names::BUSY_S, None, stats.busy_s),
+            row(names::BATCHES_IN, None, stats.batches_in as f64),
+            row(names::ROWS_IN, None, stats.rows_in as f64),
+            row(names::ROWS_OUT, None, stats.rows_out as f64),
+        ];
+        if self.kind == StageKind::Generate {
+            rows.push(row(names::POLICY_VERSION, None, self.version as f64));
+        }
+        for (s, n) in &stats.staleness {
+            rows.push(row(names::STALENESS, Some(s.to_string()), *n as f64));
+        }
+        for t in self.transfers.drain(..) {
+            rows.push(MetricRow::new(step, w, &self.name, names::WEIGHTS_TRANSFER_S, None, t));
+        }
+        tracing::debug!(stage = %self.name, step, worker = w, busy_s = stats.busy_s, rows_in = stats.rows_in, rows_out = stats.rows_out, version = self.version, "step ended");
+        rows
+    }
+}
+
+/// Runs a stage call, turning an error or a panic into a [`GraphError::Stage`].
+fn guarded<R>(stage: &str, step: Option<Step>, worker: usize, call: impl FnOnce() -> Result<R, StageError>) -> Result<R, GraphError> {
+    let failed = |message: String| GraphError::Stage { stage: stage.to_string(), step, worker, message };
+    match catch_unwind(AssertUnwindSafe(call)) {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(err)) => Err(failed(err.to_string())),
+        Err(payload) => Err(failed(format!("panicked: {}", panic_message(payload.as_ref())))),
+    }
+}
+
+/// Runs a runner's jobs inline or on an engine thread.
+pub(crate) enum Executor {
+    Inline { runner: StageRunner, done: VecDeque<Done> },
+    Thread { jobs: SyncSender<Job>, results: Receiver<Done>, in_flight: usize },
+}
+
+impl Executor {
+    /// Starts an engine thread with a queue of `capacity` jobs that builds the
+    /// stage with `build` and wakes the operator through `activator`.
+    pub(crate) fn spawn(
+        name: &str,
+        capacity: usize,
+        activator: SyncActivator,
+        build: impl FnOnce() -> Result<StageRunner, GraphError> + Send + 'static,
+    ) -> Result<Self, GraphError> {
+        let (jobs_tx, jobs_rx) = mpsc::sync_channel::<Job>(capacity.max(1));
+        let (done_tx, done_rx) = mpsc::channel::<Done>();
+        std::thread::Builder::new()
+            .name(format!("weir:{name}"))
+            .spawn(move || {
+                let mut runner = match build() {
+                    Ok(runner) => runner,
+                    Err(err) => {
+                        let _ = done_tx.send(Done::Failed(err));
+                        let _ = activator.activate();
+                        return;
+                    }
+                };
+                for job in jobs_rx {
+                    if done_tx.send(runner.run(job)).is_err() || activator.activate().is_err() {
+                        return;
+                    }
+                }
+            })
+            .map_err(|e| GraphError::Runtime(format!("starting the engine thread of `{name}`: {e}")))?;
+        Ok(Executor::Thread { jobs: jobs_tx, results: done_rx, in_flight: 0 })
+    }
+
+    /// Hands over a job, or gives it back when the queue is full.
+    pub(crate) fn try_submit(&mut self, job: Job) -> Result<(), Job> {
+        match self {
+            Executor::Inline { runner, done } => {
+                done.push_back(runner.run(job));
+                Ok(())
+            }
+            Executor::Thread { jobs, in_flight, .. } => match jobs.try_send(job) {
+                Ok(()) => {
+                    *in_flight += 1;
+                    Ok(())
+                }
+                Err(TrySendError::Full(job)) => Err(job),
+                // The engine thread ended (it failed and reported it); drop the job.
+                Err(TrySendError::Disconnected(_)) => Ok(()),
+            },
+        }
+    }
+
+    /// Results ready now.
+    pub(crate) fn poll(&mut self) -> Vec<Done> {
+        match self {
+            Executor::Inline { done, .. } => done.drain(..).collect(),
+            Executor::Thread { results, in_flight, .. } => {
+                let out: Vec<Done> = results.try_iter().collect();
+                *in_flight = in_flight.saturating_sub(out.iter().filter(|d| !matches!(d, Done::Failed(_))).count());
+                out
+            }
+        }
+    }
+
+    /// Jobs handed over and not yet finished.
+    pub(crate) fn in_flight(&self) -> usize {
+        match self {
+            Executor::Inline { .. } => 0,
+            Executor::Thread { in_flight, .. } => *in_flight,
+        }
+    }
+}

@@ -1,0 +1,65 @@
+//! # weir-graph: the streaming dataflow engine under weir
+//!
+//! weir runs RLHF as a timely dataflow graph: prompts flow as Arrow record
+//! batches through generate → score → advantage → learn, and a versioned
+//! weights edge carries the learner's weights back to the generators. This
+//! crate is that engine, and knows nothing of LLMs: its stages are generic
+//! over [`RecordBatch`](arrow::array::RecordBatch)es.
+//!
+//! The folder is the architecture:
+//! - [`pipeline`]: the declarative [`Pipeline`] builder (source, stages, sinks);
+//! - [`stage`]: the [`Stage`], [`Source`] and [`Sink`] traits;
+//! - [`partition`]: edge partitioning (round-robin, by key, local);
+//! - [`placement`]: roles → worker sets;
+//! - [`weights_edge`]: the versioned feedback edge with delay `max_staleness + 1`;
+//! - [`backpressure`]: at most `max_staleness + 1` steps in flight;
+//! - [`engine_thread`]: stages that run on their own thread behind a bounded queue;
+//! - [`run`]: one thread, N threads or N processes; failures and lost peers;
+//! - [`metrics`]: the metrics stream and the run report;
+//! - [`parquet_log`]: rows to rolling Parquet files;
+//! - [`synthetic`]: sleep-for-a-cost stages that emit real rows, for tests and benchmarks.
+
+pub mod backpressure;
+pub mod batch;
+mod edges;
+pub mod engine_thread;
+mod error;
+pub mod metrics;
+pub mod parquet_log;
+pub mod partition;
+pub mod pipeline;
+pub mod placement;
+pub mod run;
+pub mod stage;
+mod stage_op;
+pub mod synthetic;
+pub mod weights_edge;
+
+pub use backpressure::Admission;
+pub use batch::Batch;
+pub use engine_thread::StageKind;
+pub use error::{GraphError, StageError};
+pub use metrics::{MetricRow, RunReport};
+pub use parquet_log::ParquetLog;
+pub use partition::{Partition, Router};
+pub use pipeline::Pipeline;
+pub use placement::{roles, Placement};
+pub use run::{Execution, RunSettings};
+pub use stage::{Sink, Source, SourceContext, Stage, StepContext, WorkerInfo};
+pub use weights_edge::{InlineTransport, WeightsBody, WeightsMessage, WeightsPayload, WeightsTransport};
+
+/// A step: one rollout batch, and the timely timestamp it travels under.
+pub type Step = u64;
+
+/// A policy version: the actor's weights after that many learner updates.
+pub type PolicyVersion = u64;
+
+/// Columns the engine itself writes.
+pub mod columns {
+    /// The version of the weights that generated a row (set on a generator's output).
+    pub const POLICY_VERSION: &str = "policy_version";
+    /// The learner's version when it consumed a row (set on a learner's input).
+    pub const LEARNER_VERSION: &str = "learner_version";
+    /// `learner_version − policy_version`, never above `max_staleness`.
+    pub const STALENESS: &str = "staleness";
+}

@@ -1,0 +1,125 @@
+//! What a pipeline is made of: sources, stages and sinks.
+//!
+//! All three are plain traits over Arrow [`RecordBatch`]es. A pipeline holds
+//! *factories* for them, called once on each worker of the role, on the
+//! thread that will run the instance (so an instance may hold
+//! thread-affine resources such as a CUDA context and need not be `Send`).
+
+use arrow::array::RecordBatch;
+
+use crate::weights_edge::WeightsPayload;
+use crate::{PolicyVersion, StageError, Step};
+
+/// Where an instance runs: its worker and its rank within its role.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WorkerInfo {
+    /// Global worker index, `0..peers`.
+    pub index: usize,
+    /// Total number of workers over all processes.
+    pub peers: usize,
+    /// This process's id.
+    pub process: usize,
+    /// Rank of this worker within the role's worker set.
+    pub rank: usize,
+    /// Size of the role's worker set.
+    pub role_size: usize,
+}
+
+/// The per-call context of a stage: the step, where it runs, the weights
+/// version, and (for a learner) the slot for publishing new weights.
+#[derive(Debug)]
+pub struct StepContext {
+    /// The step being processed.
+    pub step: Step,
+    /// Where this instance runs.
+    pub worker: WorkerInfo,
+    /// For a generator, the policy version it holds; for a learner, the
+    /// version of the weights it is training (the number of updates so far).
+    pub version: PolicyVersion,
+    pub(crate) published: Option<WeightsPayload>,
+    pub(crate) may_publish: bool,
+}
+
+impl StepContext {
+    pub(crate) fn new(step: Step, worker: WorkerInfo, version: PolicyVersion, may_publish: bool) -> Self {
+        StepContext { step, worker, version, published: None, may_publish }
+    }
+
+    /// Publishes the learner's new weights (version `self.version + 1`) on
+    /// the weights edge. Only a learner stage may call this, at most once per
+    /// step, from [`Stage::end_step`].
+    pub fn publish_weights(&mut self, weights: WeightsPayload) -> Result<(), StageError> {
+        if !self.may_publish {
+            return Err("only a learner stage may publish weights, from end_step".into());
+        }
+        if self.published.is_some() {
+            return Err(format!("weights were already published at step {}", self.step).into());
+        }
+        self.published = Some(weights);
+        Ok(())
+    }
+}
+
+/// A stage transforms the batches of a step and may keep state across steps.
+///
+/// The engine calls `process` for each batch that reaches this worker and
+/// `end_step` once the step is complete here: every batch of the step has
+/// arrived (the input frontier passed it) and been processed. A learner is
+/// told `end_step` in step order and only then sees the next step's batches.
+pub trait Stage {
+    /// Processes one batch of `ctx.step`; returns the batches to send on.
+    fn process(&mut self, ctx: &mut StepContext, batch: RecordBatch) -> Result<Vec<RecordBatch>, StageError>;
+
+    /// Called once per step when the step is complete at this worker;
+    /// returns batches to send on (a learner's consumed rows, a reduction…).
+    fn end_step(&mut self, ctx: &mut StepContext) -> Result<Vec<RecordBatch>, StageError> {
+        let _ = ctx;
+        Ok(Vec::new())
+    }
+
+    /// Loads new policy weights; called on generator stages before the first
+    /// batch processed with `version`.
+    fn load_weights(&mut self, version: PolicyVersion, weights: &WeightsPayload) -> Result<(), StageError> {
+        let _ = (version, weights);
+        Err("this stage does not take weights".into())
+    }
+}
+
+/// Context of a source call.
+#[derive(Clone, Copy, Debug)]
+pub struct SourceContext {
+    /// The step to produce.
+    pub step: Step,
+    /// Where this source instance runs; `rank`/`role_size` say which share to produce.
+    pub worker: WorkerInfo,
+}
+
+/// A source produces the input of each step (e.g. B prompts × n samples).
+pub trait Source {
+    /// Returns this worker's share of step `ctx.step`, or `None` when exhausted.
+    fn next_step(&mut self, ctx: &SourceContext) -> Result<Option<Vec<RecordBatch>>, StageError>;
+}
+
+/// A sink consumes batches at the end of an edge (a Parquet log, a collector).
+pub trait Sink {
+    /// Takes one batch of `step`.
+    fn write(&mut self, step: Step, batch: &RecordBatch) -> Result<(), StageError>;
+
+    /// Called once `step` is complete at this sink (all its batches written).
+    fn end_step(&mut self, step: Step) -> Result<(), StageError> {
+        let _ = step;
+        Ok(())
+    }
+
+    /// Called once at the end of a successful run.
+    fn finish(&mut self) -> Result<(), StageError> {
+        Ok(())
+    }
+}
+
+/// Builds a stage instance on its worker.
+pub type StageFactory = std::sync::Arc<dyn Fn(&WorkerInfo) -> Result<Box<dyn Stage>, StageError> + Send + Sync>;
+/// Builds a source instance on its worker.
+pub type SourceFactory = std::sync::Arc<dyn Fn(&WorkerInfo) -> Result<Box<dyn Source>, StageError> + Send + Sync>;
+/// Builds a sink instance on its worker.
+pub type SinkFactory = std::sync::Arc<dyn Fn(&WorkerInfo) -> Result<Box<dyn Sink>, StageError> + Send + Sync>;

@@ -1,0 +1,277 @@
+//! The timely operator that runs one stage on every worker of its role.
+//!
+//! Inputs: the stage's data edge (exchanged by each batch's `dest`) and, for
+//! a generator, the weights edge. Outputs: the data it sends on, its metric
+//! rows, and, for a learner, weights messages for the generators.
+//!
+//! The operator keeps one capability per output at `next_end`, the first
+//! step it has not yet ended, and walks the steps densely: once the data
+//! input's frontier has passed step `s` and every batch of `s` has been
+//! handed to the stage, it asks for `end_step(s)` — also for steps in which no
+//! batch reached this worker, so a stage is told of every step. A generator
+//! hands a batch of step `s` over only once the weights frontier has passed
+//! `s`; a learner only once every earlier step has ended.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+
+use arrow::array::RecordBatch;
+use timely::dataflow::channels::pact::Exchange;
+use timely::dataflow::operators::generic::builder_rc::OperatorBuilder;
+use timely::dataflow::operators::generic::OutputBuilder;
+use timely::dataflow::operators::Capability;
+use timely::dataflow::Stream;
+use timely::progress::frontier::{Antichain, MutableAntichain};
+
+use crate::engine_thread::{Done, Executor, Job, StageKind, StageRunner};
+use crate::metrics::{names, rows_to_batch, MetricRow};
+use crate::run::OperatorEnv;
+use crate::stage::{StageFactory, WorkerInfo};
+use crate::weights_edge::{now_ns, WeightsMessage, WeightsTransport};
+use crate::{Batch, PolicyVersion, Step};
+
+/// Everything the operator needs to know about its stage.
+#[derive(Clone)]
+pub(crate) struct StageOpConfig {
+    pub name: String,
+    pub kind: StageKind,
+    pub factory: StageFactory,
+    pub workers: Vec<usize>,
+    pub offload: Option<usize>,
+    pub first_step: Step,
+    pub version: PolicyVersion,
+    pub max_staleness: u64,
+    pub transport: Arc<dyn WeightsTransport>,
+    /// Workers that receive this learner's weights.
+    pub generators: Vec<usize>,
+    /// The worker that collects metric rows.
+    pub metrics_worker: usize,
+}
+
+/// The streams a stage operator produces.
+pub(crate) struct StageStreams<'scope> {
+    pub data: Stream<'scope, Step, Vec<Batch>>,
+    pub metrics: Stream<'scope, Step, Vec<Batch>>,
+    pub weights: Option<Stream<'scope, Step, Vec<WeightsMessage>>>,
+}
+
+/// Builds the operator for `cfg` reading `input` (and `weights` for a generator).
+pub(crate) fn stage_operator<'scope>(
+    input: Stream<'scope, Step, Vec<Batch>>,
+    weights: Option<Stream<'scope, Step, Vec<WeightsMessage>>>,
+    cfg: StageOpConfig,
+    env: OperatorEnv,
+) -> StageStreams<'scope> {
+    let scope = input.scope();
+    let mut builder = OperatorBuilder::new(format!("Stage({})", cfg.name), scope);
+    let mut data_in = builder.new_input(input, Exchange::new(|b: &Batch| u64::from(b.dest)));
+    let (data_out, data) = builder.new_output::<Vec<Batch>>();
+    let (metrics_out, metrics) = builder.new_output::<Vec<Batch>>();
+    let (weights_out, weights_stream) = builder.new_output::<Vec<WeightsMessage>>();
+    // The weights input gates when batches may be processed but produces no
+    // output itself: it is connected to no output. Were it connected, the
+    // learner's capabilities would flow around the cycle into its own input
+    // frontier and the loop would never drain.
+    let no_outputs: Vec<(usize, Antichain<Step>)> = Vec::new();
+    let mut weights_in = weights.map(|w| builder.new_input_connection(w, Exchange::new(|m: &WeightsMessage| u64::from(m.dest)), no_outputs));
+    let mut data_out = OutputBuilder::from(data_out);
+    let mut metrics_out = OutputBuilder::from(metrics_out);
+    let mut weights_out = OutputBuilder::from(weights_out);
+
+    let me = scope.index();
+    let address = builder.operator_info().address.to_vec();
+    let activator = scope.worker().sync_activator_for(address);
+    let hosts = cfg.workers.contains(&me);
+    let is_learner = cfg.kind == StageKind::Learn;
+
+    builder.build(move |mut caps: Vec<Capability<Step>>| {
+        let mut state = OpState::new(&cfg, me);
+        if hosts {
+            for cap in caps.iter_mut() {
+                cap.downgrade(&cfg.first_step);
+            }
+            match state.start(&cfg, &env, activator) {
+                Ok(executor) => state.executor = Some(executor),
+                Err(err) => env.fail(err),
+            }
+        } else {
+            // Not this worker's role: hold nothing, so the frontier flows past.
+            caps.clear();
+        }
+        move |frontiers: &[MutableAntichain<Step>]| {
+            if env.aborted() || state.executor.is_none() {
+                data_in.for_each(|_, data| data.clear());
+                if let Some(w) = weights_in.as_mut() {
+                    w.for_each(|_, data| data.clear());
+                }
+                caps.clear();
+                state.ending.clear();
+                return;
+            }
+            // Weights first: a frontier past `s` means every message at or before `s` is here.
+            if let Some(w) = weights_in.as_mut() {
+                w.for_each(|_, data| {
+                    for message in data.drain(..) {
+                        if message.version > state.newest_weights {
+                            state.newest_weights = message.version;
+                            state.jobs.push_back(Job::LoadWeights { message });
+                        }
+                    }
+                });
+            }
+            data_in.for_each(|cap, data| {
+                let Some(&step) = cap.least() else { return };
+                state.max_seen = Some(state.max_seen.map_or(step, |m| m.max(step)));
+                for batch in data.drain(..) {
+                    state.pending.entry(step).or_default().push_back(batch.data);
+                }
+            });
+
+            let data_frontier = &frontiers[0];
+            let weights_frontier = frontiers.get(1);
+            loop {
+                let before = (state.next_end, state.jobs.len());
+                state.schedule(cfg.kind, weights_frontier);
+                state.end_complete_steps(data_frontier, &caps);
+                if before == (state.next_end, state.jobs.len()) {
+                    break;
+                }
+            }
+            match data_frontier.frontier().first() {
+                Some(_) => {
+                    for cap in caps.iter_mut() {
+                        cap.downgrade(&state.next_end);
+                    }
+                }
+                None if state.pending.is_empty() && state.max_seen.is_none_or(|m| state.next_end > m) => caps.clear(),
+                None => {}
+            }
+
+            let executor = state.executor.as_mut().expect("checked above: this worker hosts the stage");
+            while let Some(job) = state.jobs.pop_front() {
+                if let Err(job) = executor.try_submit(job) {
+                    state.jobs.push_front(job);
+                    break;
+                }
+            }
+            let depth = state.pending.values().map(VecDeque::len).sum::<usize>() + state.jobs.len() + executor.in_flight();
+            state.queue_peak = state.queue_peak.max(depth as u64);
+
+            let mut data_session = data_out.activate();
+            let mut metrics_session = metrics_out.activate();
+            let mut weights_session = weights_out.activate();
+            for done in executor.poll() {
+                match done {
+                    Done::Output { step, batches } => {
+                        let cap = match state.ending.get(&step) {
+                            Some(held) => held[0].clone(),
+                            None => caps[0].delayed(&step),
+                        };
+                        data_session.session(&cap).give_iterator(batches.into_iter().map(|data| Batch { dest: me as u32, data }));
+                    }
+                    Done::Ended { step, batches, published, mut metrics } => {
+                        let Some(held) = state.ending.remove(&step) else { continue };
+                        data_session.session(&held[0]).give_iterator(batches.into_iter().map(|data| Batch { dest: me as u32, data }));
+                        metrics.push(MetricRow::new(step, me as u32, &cfg.name, names::QUEUE_PEAK, None, state.queue_peak as f64));
+                        state.queue_peak = depth as u64;
+                        match rows_to_batch(&metrics) {
+                            Ok(data) => metrics_session.session(&held[1]).give(Batch { dest: cfg.metrics_worker as u32, data }),
+                            Err(err) => env.fail(err),
+                        }
+                        if let Some((version, body)) = published {
+                            let sent_at_ns = now_ns();
+                            let mut session = weights_session.session(&held[2]);
+                            for &dest in &cfg.generators {
+                                session.give(WeightsMessage { dest: dest as u32, version, step, sent_at_ns, body: body.clone() });
+                            }
+                        }
+                    }
+                    Done::Loaded => {}
+                    Done::Failed(err) => env.fail(err),
+                }
+            }
+        }
+    });
+
+    // Every stage operator has the same three outputs; only a learner's
+    // weights output is connected to the weights edge.
+    StageStreams { data, metrics, weights: is_learner.then_some(weights_stream) }
+}
+
+/// The operator's bookkeeping between activations.
+struct OpState {
+    me: usize,
+    executor: Option<Executor>,
+    pending: BTreeMap<Step, VecDeque<RecordBatch>>,
+    jobs: VecDeque<Job>,
+    next_end: Step,
+    max_seen: Option<Step>,
+    ending: BTreeMap<Step, Vec<Capability<Step>>>,
+    newest_weights: PolicyVersion,
+    queue_peak: u64,
+}
+
+impl OpState {
+    fn new(cfg: &StageOpConfig, me: usize) -> Self {
+        OpState {
+            me,
+            executor: None,
+            pending: BTreeMap::new(),
+            jobs: VecDeque::new(),
+            next_end: cfg.first_step,
+            max_seen: None,
+            ending: BTreeMap::new(),
+            newest_weights: cfg.version,
+            queue_peak: 0,
+        }
+    }
+
+    fn start(&self, cfg: &StageOpConfig, env: &OperatorEnv, activator: timely::scheduling::SyncActivator) -> Result<Executor, crate::GraphError> {
+        let rank = cfg.workers.iter().position(|&w| w == self.me).unwrap_or(0);
+        let worker = WorkerInfo { index: self.me, peers: env.peers, process: env.process, rank, role_size: cfg.workers.len() };
+        let (name, kind, factory, version, k, transport) =
+            (cfg.name.clone(), cfg.kind, cfg.factory.clone(), cfg.version, cfg.max_staleness, cfg.transport.clone());
+        let build = move || StageRunner::build(&name, kind, &factory, worker, version, k, transport);
+        match cfg.offload {
+            None => Ok(Executor::Inline { runner: build()?, done: VecDeque::new() }),
+            Some(capacity) => Executor::spawn(&cfg.name, capacity, activator, build),
+        }
+    }
+
+    /// Moves batches whose step may run now from `pending` to the job queue.
+    fn schedule(&mut self, kind: StageKind, weights_frontier: Option<&MutableAntichain<Step>>) {
+        while let Some((&step, _)) = self.pending.first_key_value() {
+            let ready = match kind {
+                StageKind::Plain => true,
+                StageKind::Generate => weights_frontier.is_some_and(|w| !w.less_equal(&step)),
+                StageKind::Learn => step <= self.next_end,
+            };
+            if !ready {
+                break;
+            }
+            let batches = self.pending.remove(&step).expect("key just read");
+            self.jobs.extend(batches.into_iter().map(|batch| Job::Process { step, batch }));
+        }
+    }
+
+    /// Asks for `end_step` on every step the data frontier has passed whose batches are all handed over.
+    fn end_complete_steps(&mut self, data_frontier: &MutableAntichain<Step>, caps: &[Capability<Step>]) {
+        if caps.is_empty() {
+            return;
+        }
+        loop {
+            let step = self.next_end;
+            let passed = match data_frontier.frontier().first() {
+                Some(&f) => step < f,
+                // Input closed: end every step up to the last one that brought data.
+                None => self.max_seen.is_some_and(|m| step <= m),
+            };
+            if !passed || self.pending.contains_key(&step) {
+                return;
+            }
+            self.jobs.push_back(Job::EndStep { step });
+            self.ending.insert(step, caps.iter().map(|c| c.delayed(&step)).collect());
+            self.next_end += 1;
+        }
+    }
+}

@@ -1,0 +1,283 @@
+//! Synthetic stages: they sleep for a configurable cost and emit real rows.
+//!
+//! They exercise the engine exactly as model stages will (same traits, same
+//! columns the engine stamps, real weights payloads on the weights edge)
+//! without any model, so the engine's guarantees can be tested and its
+//! overhead measured on their own. `engine_sim`, the property tests and the
+//! benchmarks use them.
+//!
+//! Rows carry `step`, `row_id` (unique in the run), `group_id`; the generator
+//! adds `response_len`, `gen_start_ns`, `gen_end_ns` and the engine adds
+//! `policy_version`; the scorer adds `reward`; the advantage stage adds
+//! `advantage` (reward minus its group's mean, so it needs whole groups); the
+//! learner adds `learn_start_ns`, `learn_end_ns` and the engine adds
+//! `learner_version` and `staleness`.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use arrow::array::{Array, ArrayRef, AsArray, Float32Array, RecordBatch, UInt32Array, UInt64Array};
+use arrow::compute::concat_batches;
+use arrow::datatypes::{Float32Type, UInt64Type};
+
+use crate::batch::{u64_column, with_column};
+use crate::stage::{Source, SourceContext, Stage, StepContext};
+use crate::weights_edge::{now_ns, WeightsPayload};
+use crate::{PolicyVersion, StageError};
+
+/// A stage's cost: a base sleep plus a seeded random jitter per call.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Cost {
+    /// Sleep this long on every call.
+    pub base: Duration,
+    /// Plus a pseudo-random extra in `0..=jitter`, fixed by (`seed`, step, call).
+    pub jitter: Duration,
+    /// Seed of the jitter.
+    pub seed: u64,
+}
+
+impl Cost {
+    /// A fixed cost of `ms` milliseconds.
+    pub fn millis(ms: u64) -> Self {
+        Cost { base: Duration::from_millis(ms), jitter: Duration::ZERO, seed: 0 }
+    }
+
+    /// Sleeps for this cost on the `call`-th call of `step`.
+    fn pay(&self, step: u64, call: u64) {
+        let mut d = self.base;
+        if !self.jitter.is_zero() {
+            let r = mix(self.seed ^ mix(step.wrapping_mul(0x9e37_79b9) ^ call));
+            d += Duration::from_nanos(r % (self.jitter.as_nanos() as u64 + 1));
+        }
+        if !d.is_zero() {
+            std::thread::sleep(d);
+        }
+    }
+}
+
+/// splitmix64: a tiny, good, deterministic mixer.
+fn mix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// Emits `rows` rows per step (split over the source role's workers), in
+/// groups of `group_size` consecutive row ids.
+#[derive(Clone, Debug)]
+pub struct SyntheticPrompts {
+    rows: u64,
+    group_size: u64,
+    rank: u64,
+    role_size: u64,
+}
+
+impl SyntheticPrompts {
+    /// `rows` rows a step, groups of 4.
+    pub fn new(rows: u64) -> Self {
+        SyntheticPrompts { rows, group_size: 4, rank: 0, role_size: 1 }
+    }
+
+    /// Groups of `size` rows sharing a `group_id`.
+    pub fn group_size(mut self, size: u64) -> Self {
+        self.group_size = size.max(1);
+        self
+    }
+
+    /// This instance's share when the source role has `size` workers.
+    pub fn shard(mut self, rank: usize, size: usize) -> Self {
+        self.rank = rank as u64;
+        self.role_size = size.max(1) as u64;
+        self
+    }
+}
+
+impl Source for SyntheticPrompts {
+    fn next_step(&mut self, ctx: &SourceContext) -> Result<Option<Vec<RecordBatch>>, StageError> {
+        let ids: Vec<u64> = (0..self.rows).filter(|i| i % self.role_size == self.rank).map(|i| ctx.step * self.rows + i).collect();
+        let groups: Vec<u64> = ids.iter().map(|id| id / self.group_size).collect();
+        let batch = RecordBatch::try_from_iter([
+            ("step", Arc::new(UInt64Array::from_value(ctx.step, ids.len())) as ArrayRef),
+            ("row_id", Arc::new(UInt64Array::from(ids)) as ArrayRef),
+            ("group_id", Arc::new(UInt64Array::from(groups)) as ArrayRef),
+        ])?;
+        Ok(Some(vec![batch]))
+    }
+}
+
+/// The payload a synthetic learner publishes for `version`: `bytes` bytes
+/// that encode the version, so a generator can check what it received.
+pub fn weights_for(version: PolicyVersion, bytes: usize) -> WeightsPayload {
+    let mut payload = vec![0u8; bytes.max(8)];
+    payload[..8].copy_from_slice(&version.to_le_bytes());
+    for (i, b) in payload.iter_mut().enumerate().skip(8) {
+        *b = (mix(version ^ i as u64) & 0xff) as u8;
+    }
+    WeightsPayload::from(payload)
+}
+
+/// A generator: sleeps `cost` per batch, adds a deterministic `response_len`.
+#[derive(Clone, Debug, Default)]
+pub struct SyntheticGenerate {
+    /// Cost of one batch.
+    pub cost: Cost,
+    calls: u64,
+    loaded: PolicyVersion,
+}
+
+impl SyntheticGenerate {
+    /// A generator with cost `cost`.
+    pub fn new(cost: Cost) -> Self {
+        SyntheticGenerate { cost, calls: 0, loaded: 0 }
+    }
+}
+
+impl Stage for SyntheticGenerate {
+    fn process(&mut self, ctx: &mut StepContext, batch: RecordBatch) -> Result<Vec<RecordBatch>, StageError> {
+        if ctx.version != self.loaded {
+            return Err(format!("engine says version {} but the stage loaded {}", ctx.version, self.loaded).into());
+        }
+        let start = now_ns();
+        self.cost.pay(ctx.step, self.calls);
+        self.calls += 1;
+        let ids = u64_column(&batch, "row_id", "generate")?;
+        let lens: UInt32Array = ids.values().iter().map(|id| 1 + (mix(*id) % 64) as u32).collect();
+        let n = batch.num_rows();
+        let batch = with_column(&batch, "response_len", Arc::new(lens))?;
+        let batch = with_column(&batch, "gen_start_ns", Arc::new(UInt64Array::from_value(start, n)))?;
+        let batch = with_column(&batch, "gen_end_ns", Arc::new(UInt64Array::from_value(now_ns(), n)))?;
+        Ok(vec![batch])
+    }
+
+    fn load_weights(&mut self, version: PolicyVersion, weights: &WeightsPayload) -> Result<(), StageError> {
+        let expected = weights_for(version, weights.len());
+        if *weights != expected {
+            return Err(format!("weights payload of version {version} is corrupt").into());
+        }
+        self.loaded = version;
+        Ok(())
+    }
+}
+
+/// A scorer: sleeps `cost` per batch, adds a deterministic `reward` in [0, 1).
+#[derive(Clone, Debug, Default)]
+pub struct SyntheticScore {
+    /// Cost of one batch.
+    pub cost: Cost,
+    calls: u64,
+}
+
+impl SyntheticScore {
+    /// A scorer with cost `cost`.
+    pub fn new(cost: Cost) -> Self {
+        SyntheticScore { cost, calls: 0 }
+    }
+}
+
+impl Stage for SyntheticScore {
+    fn process(&mut self, ctx: &mut StepContext, batch: RecordBatch) -> Result<Vec<RecordBatch>, StageError> {
+        self.cost.pay(ctx.step, self.calls);
+        self.calls += 1;
+        let ids = u64_column(&batch, "row_id", "score")?;
+        let rewards: Float32Array = ids.values().iter().map(|id| (mix(id ^ 0x5eed) % 1000) as f32 / 1000.0).collect();
+        Ok(vec![with_column(&batch, "reward", Arc::new(rewards))?])
+    }
+}
+
+/// Group-relative advantages: reward minus the mean reward of its
+/// `group_id`, computed when the step ends (a group may arrive in pieces).
+/// Fails if a group's rows are split over workers, which a `ByKey("group_id")` edge prevents.
+#[derive(Debug, Default)]
+pub struct SyntheticAdvantage {
+    held: Vec<RecordBatch>,
+    group_size: u64,
+}
+
+impl SyntheticAdvantage {
+    /// Expects groups of `group_size` rows.
+    pub fn new(group_size: u64) -> Self {
+        SyntheticAdvantage { held: Vec::new(), group_size }
+    }
+}
+
+impl Stage for SyntheticAdvantage {
+    fn process(&mut self, _ctx: &mut StepContext, batch: RecordBatch) -> Result<Vec<RecordBatch>, StageError> {
+        self.held.push(batch);
+        Ok(Vec::new())
+    }
+
+    fn end_step(&mut self, _ctx: &mut StepContext) -> Result<Vec<RecordBatch>, StageError> {
+        if self.held.is_empty() {
+            return Ok(Vec::new());
+        }
+        let batch = concat_batches(&self.held[0].schema(), &self.held)?;
+        self.held.clear();
+        let groups = batch.column_by_name("group_id").ok_or("advantage: missing group_id")?.as_primitive::<UInt64Type>();
+        let rewards = batch.column_by_name("reward").ok_or("advantage: missing reward")?.as_primitive::<Float32Type>();
+        let mut sums: HashMap<u64, (f32, u64)> = HashMap::new();
+        for i in 0..batch.num_rows() {
+            let e = sums.entry(groups.value(i)).or_insert((0.0, 0));
+            e.0 += rewards.value(i);
+            e.1 += 1;
+        }
+        if let Some((g, (_, n))) = sums.iter().find(|(_, (_, n))| *n != self.group_size) {
+            return Err(format!("group {g} has {n} rows here, expected {}: a group was split", self.group_size).into());
+        }
+        let adv: Float32Array =
+            (0..batch.num_rows()).map(|i| rewards.value(i) - sums[&groups.value(i)].0 / sums[&groups.value(i)].1 as f32).collect();
+        Ok(vec![with_column(&batch, "advantage", Arc::new(adv) as ArrayRef)?])
+    }
+}
+
+/// A learner: holds the step's rows, sleeps `cost` at the end of the step,
+/// stamps `learn_start_ns`/`learn_end_ns`, publishes a `weights_bytes` payload.
+#[derive(Clone, Debug)]
+pub struct SyntheticLearn {
+    /// Cost of one update.
+    pub cost: Cost,
+    /// Size of the published weights.
+    pub weights_bytes: usize,
+    held: Vec<RecordBatch>,
+}
+
+impl Default for SyntheticLearn {
+    fn default() -> Self {
+        SyntheticLearn::new(Cost::default(), 64)
+    }
+}
+
+impl SyntheticLearn {
+    /// A learner with cost `cost` publishing `weights_bytes` bytes per update.
+    pub fn new(cost: Cost, weights_bytes: usize) -> Self {
+        SyntheticLearn { cost, weights_bytes, held: Vec::new() }
+    }
+}
+
+impl Stage for SyntheticLearn {
+    fn process(&mut self, _ctx: &mut StepContext, batch: RecordBatch) -> Result<Vec<RecordBatch>, StageError> {
+        self.held.push(batch);
+        Ok(Vec::new())
+    }
+
+    fn end_step(&mut self, ctx: &mut StepContext) -> Result<Vec<RecordBatch>, StageError> {
+        let start = now_ns();
+        self.cost.pay(ctx.step, 0);
+        let end = now_ns();
+        ctx.publish_weights(weights_for(ctx.version + 1, self.weights_bytes))?;
+        let mut out = Vec::with_capacity(self.held.len());
+        for batch in self.held.drain(..) {
+            let n = batch.num_rows();
+            let batch = with_column(&batch, "learn_start_ns", Arc::new(UInt64Array::from_value(start, n)))?;
+            out.push(with_column(&batch, "learn_end_ns", Arc::new(UInt64Array::from_value(end, n)))?);
+        }
+        Ok(out)
+    }
+}
+
+/// Keeps `Array` in scope for the trait methods used above.
+#[allow(dead_code)]
+fn _uses_array(a: &dyn Array) -> usize {
+    a.len()
+}
