@@ -13,7 +13,7 @@
 //! are ready. The stage instance is built on the engine thread itself, so it
 //! may hold thread-affine resources.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
@@ -230,11 +230,19 @@ fn guarded<R>(stage: &str, step: Option<Step>, worker: usize, call: impl FnOnce(
 
 /// Runs a runner's jobs inline or on an engine thread.
 pub(crate) enum Executor {
-    Inline { runner: StageRunner, done: VecDeque<Done> },
+    /// On the worker thread, one job per activation, so each job's output
+    /// leaves (and other operators run) before the next job starts.
+    Inline { runner: StageRunner, slot: Option<Job> },
+    /// On an engine thread behind a bounded queue.
     Thread { jobs: SyncSender<Job>, results: Receiver<Done>, in_flight: usize },
 }
 
 impl Executor {
+    /// Runs jobs on the worker thread, one per activation.
+    pub(crate) fn inline(runner: StageRunner) -> Self {
+        Executor::Inline { runner, slot: None }
+    }
+
     /// Starts an engine thread with a queue of `capacity` jobs that builds the
     /// stage with `build` and wakes the operator through `activator`.
     pub(crate) fn spawn(
@@ -269,10 +277,13 @@ impl Executor {
     /// Hands over a job, or gives it back when the queue is full.
     pub(crate) fn try_submit(&mut self, job: Job) -> Result<(), Job> {
         match self {
-            Executor::Inline { runner, done } => {
-                done.push_back(runner.run(job));
-                Ok(())
-            }
+            Executor::Inline { slot, .. } => match slot {
+                Some(_) => Err(job),
+                None => {
+                    *slot = Some(job);
+                    Ok(())
+                }
+            },
             Executor::Thread { jobs, in_flight, .. } => match jobs.try_send(job) {
                 Ok(()) => {
                     *in_flight += 1;
@@ -285,13 +296,13 @@ impl Executor {
         }
     }
 
-    /// Results ready now.
+    /// Results ready now; inline, this runs the job handed over.
     pub(crate) fn poll(&mut self) -> Vec<Done> {
         match self {
-            Executor::Inline { done, .. } => done.drain(..).collect(),
+            Executor::Inline { runner, slot } => slot.take().map(|job| runner.run(job)).into_iter().collect(),
             Executor::Thread { results, in_flight, .. } => {
                 let out: Vec<Done> = results.try_iter().collect();
-                *in_flight = in_flight.saturating_sub(out.iter().filter(|d| !matches!(d, Done::Failed(_))).count());
+                *in_flight = in_flight.saturating_sub(out.len());
                 out
             }
         }
@@ -300,7 +311,7 @@ impl Executor {
     /// Jobs handed over and not yet finished.
     pub(crate) fn in_flight(&self) -> usize {
         match self {
-            Executor::Inline { .. } => 0,
+            Executor::Inline { slot, .. } => usize::from(slot.is_some()),
             Executor::Thread { in_flight, .. } => *in_flight,
         }
     }

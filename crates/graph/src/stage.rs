@@ -64,8 +64,11 @@ impl StepContext {
 ///
 /// The engine calls `process` for each batch that reaches this worker and
 /// `end_step` once the step is complete here: every batch of the step has
-/// arrived (the input frontier passed it) and been processed. A learner is
-/// told `end_step` in step order and only then sees the next step's batches.
+/// arrived (the input frontier passed it) and been processed. `end_step` is
+/// called in step order. A plain stage may receive batches of step `s + 1`
+/// before `end_step(s)` (with `max_staleness > 0` steps overlap), so state it
+/// keeps per step must be keyed by `ctx.step`. A learner sees a step's
+/// batches only after `end_step` of every earlier step.
 pub trait Stage {
     /// Processes one batch of `ctx.step`; returns the batches to send on.
     fn process(&mut self, ctx: &mut StepContext, batch: RecordBatch) -> Result<Vec<RecordBatch>, StageError>;

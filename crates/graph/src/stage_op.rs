@@ -80,7 +80,8 @@ pub(crate) fn stage_operator<'scope>(
 
     let me = scope.index();
     let address = builder.operator_info().address.to_vec();
-    let activator = scope.worker().sync_activator_for(address);
+    let activator = scope.worker().sync_activator_for(address.clone());
+    let reschedule = scope.activator_for(address.into());
     let hosts = cfg.workers.contains(&me);
     let is_learner = cfg.kind == StageKind::Learn;
 
@@ -114,7 +115,7 @@ pub(crate) fn stage_operator<'scope>(
                     for message in data.drain(..) {
                         if message.version > state.newest_weights {
                             state.newest_weights = message.version;
-                            state.jobs.push_back(Job::LoadWeights { message });
+                            state.jobs.push(Job::LoadWeights { message });
                         }
                     }
                 });
@@ -148,19 +149,24 @@ pub(crate) fn stage_operator<'scope>(
             }
 
             let executor = state.executor.as_mut().expect("checked above: this worker hosts the stage");
-            while let Some(job) = state.jobs.pop_front() {
+            while let Some(job) = state.jobs.pop() {
                 if let Err(job) = executor.try_submit(job) {
                     state.jobs.push_front(job);
                     break;
                 }
             }
             let depth = state.pending.values().map(VecDeque::len).sum::<usize>() + state.jobs.len() + executor.in_flight();
+            let results = executor.poll();
+            if !state.jobs.is_empty() && matches!(executor, Executor::Inline { .. }) {
+                // Inline stages run one job per activation: come back for the next.
+                reschedule.activate();
+            }
             state.queue_peak = state.queue_peak.max(depth as u64);
 
             let mut data_session = data_out.activate();
             let mut metrics_session = metrics_out.activate();
             let mut weights_session = weights_out.activate();
-            for done in executor.poll() {
+            for done in results {
                 match done {
                     Done::Output { step, batches } => {
                         let cap = match state.ending.get(&step) {
@@ -203,7 +209,7 @@ struct OpState {
     me: usize,
     executor: Option<Executor>,
     pending: BTreeMap<Step, VecDeque<RecordBatch>>,
-    jobs: VecDeque<Job>,
+    jobs: JobQueue,
     next_end: Step,
     max_seen: Option<Step>,
     ending: BTreeMap<Step, Vec<Capability<Step>>>,
@@ -217,7 +223,7 @@ impl OpState {
             me,
             executor: None,
             pending: BTreeMap::new(),
-            jobs: VecDeque::new(),
+            jobs: JobQueue::default(),
             next_end: cfg.first_step,
             max_seen: None,
             ending: BTreeMap::new(),
@@ -233,7 +239,7 @@ impl OpState {
             (cfg.name.clone(), cfg.kind, cfg.factory.clone(), cfg.version, cfg.max_staleness, cfg.transport.clone());
         let build = move || StageRunner::build(&name, kind, &factory, worker, version, k, transport);
         match cfg.offload {
-            None => Ok(Executor::Inline { runner: build()?, done: VecDeque::new() }),
+            None => Ok(Executor::inline(build()?)),
             Some(capacity) => Executor::spawn(&cfg.name, capacity, activator, build),
         }
     }
@@ -250,7 +256,9 @@ impl OpState {
                 break;
             }
             let batches = self.pending.remove(&step).expect("key just read");
-            self.jobs.extend(batches.into_iter().map(|batch| Job::Process { step, batch }));
+            for batch in batches {
+                self.jobs.push(Job::Process { step, batch });
+            }
         }
     }
 
@@ -269,9 +277,49 @@ impl OpState {
             if !passed || self.pending.contains_key(&step) {
                 return;
             }
-            self.jobs.push_back(Job::EndStep { step });
+            self.jobs.push(Job::EndStep { step });
             self.ending.insert(step, caps.iter().map(|c| c.delayed(&step)).collect());
             self.next_end += 1;
         }
+    }
+}
+
+/// Jobs not yet handed to the executor, in the order they should run:
+/// weights loads first (a generator should use the newest weights it has),
+/// then by step, and within a step in arrival order — so `end_step(s)`,
+/// queued after the last batch of `s`, runs before any batch of `s + 1` and
+/// step `s` completes downstream as early as possible.
+#[derive(Default)]
+struct JobQueue {
+    jobs: BTreeMap<(u8, Step, u64), Job>,
+    seq: u64,
+    front: Option<Job>,
+}
+
+impl JobQueue {
+    fn push(&mut self, job: Job) {
+        let key = match &job {
+            Job::LoadWeights { .. } => (0, 0, self.seq),
+            Job::Process { step, .. } | Job::EndStep { step } => (1, *step, self.seq),
+        };
+        self.seq += 1;
+        self.jobs.insert(key, job);
+    }
+
+    /// Puts back a job the executor could not take, to be tried first next time.
+    fn push_front(&mut self, job: Job) {
+        self.front = Some(job);
+    }
+
+    fn pop(&mut self) -> Option<Job> {
+        self.front.take().or_else(|| self.jobs.pop_first().map(|(_, job)| job))
+    }
+
+    fn len(&self) -> usize {
+        self.jobs.len() + usize::from(self.front.is_some())
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }

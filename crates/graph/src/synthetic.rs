@@ -13,11 +13,11 @@
 //! learner adds `learn_start_ns`, `learn_end_ns` and the engine adds
 //! `learner_version` and `staleness`.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
-use arrow::array::{Array, ArrayRef, AsArray, Float32Array, RecordBatch, UInt32Array, UInt64Array};
+use arrow::array::{ArrayRef, AsArray, Float32Array, RecordBatch, UInt32Array, UInt64Array};
 use arrow::compute::concat_batches;
 use arrow::datatypes::{Float32Type, UInt64Type};
 
@@ -166,18 +166,29 @@ impl Stage for SyntheticGenerate {
 pub struct SyntheticScore {
     /// Cost of one batch.
     pub cost: Cost,
+    /// Fail on the first batch of this step (to test failure handling).
+    pub fail_at: Option<u64>,
     calls: u64,
 }
 
 impl SyntheticScore {
     /// A scorer with cost `cost`.
     pub fn new(cost: Cost) -> Self {
-        SyntheticScore { cost, calls: 0 }
+        SyntheticScore { cost, fail_at: None, calls: 0 }
+    }
+
+    /// Makes the scorer fail at `step`.
+    pub fn fail_at(mut self, step: Option<u64>) -> Self {
+        self.fail_at = step;
+        self
     }
 }
 
 impl Stage for SyntheticScore {
     fn process(&mut self, ctx: &mut StepContext, batch: RecordBatch) -> Result<Vec<RecordBatch>, StageError> {
+        if self.fail_at == Some(ctx.step) {
+            return Err(format!("injected failure at step {}", ctx.step).into());
+        }
         self.cost.pay(ctx.step, self.calls);
         self.calls += 1;
         let ids = u64_column(&batch, "row_id", "score")?;
@@ -191,29 +202,29 @@ impl Stage for SyntheticScore {
 /// Fails if a group's rows are split over workers, which a `ByKey("group_id")` edge prevents.
 #[derive(Debug, Default)]
 pub struct SyntheticAdvantage {
-    held: Vec<RecordBatch>,
+    // A plain stage may see batches of step s + 1 before step s ends.
+    held: BTreeMap<u64, Vec<RecordBatch>>,
     group_size: u64,
 }
 
 impl SyntheticAdvantage {
     /// Expects groups of `group_size` rows.
     pub fn new(group_size: u64) -> Self {
-        SyntheticAdvantage { held: Vec::new(), group_size }
+        SyntheticAdvantage { held: BTreeMap::new(), group_size }
     }
 }
 
 impl Stage for SyntheticAdvantage {
-    fn process(&mut self, _ctx: &mut StepContext, batch: RecordBatch) -> Result<Vec<RecordBatch>, StageError> {
-        self.held.push(batch);
+    fn process(&mut self, ctx: &mut StepContext, batch: RecordBatch) -> Result<Vec<RecordBatch>, StageError> {
+        self.held.entry(ctx.step).or_default().push(batch);
         Ok(Vec::new())
     }
 
-    fn end_step(&mut self, _ctx: &mut StepContext) -> Result<Vec<RecordBatch>, StageError> {
-        if self.held.is_empty() {
+    fn end_step(&mut self, ctx: &mut StepContext) -> Result<Vec<RecordBatch>, StageError> {
+        let Some(held) = self.held.remove(&ctx.step) else {
             return Ok(Vec::new());
-        }
-        let batch = concat_batches(&self.held[0].schema(), &self.held)?;
-        self.held.clear();
+        };
+        let batch = concat_batches(&held[0].schema(), &held)?;
         let groups = batch.column_by_name("group_id").ok_or("advantage: missing group_id")?.as_primitive::<UInt64Type>();
         let rewards = batch.column_by_name("reward").ok_or("advantage: missing reward")?.as_primitive::<Float32Type>();
         let mut sums: HashMap<u64, (f32, u64)> = HashMap::new();
@@ -274,10 +285,4 @@ impl Stage for SyntheticLearn {
         }
         Ok(out)
     }
-}
-
-/// Keeps `Array` in scope for the trait methods used above.
-#[allow(dead_code)]
-fn _uses_array(a: &dyn Array) -> usize {
-    a.len()
 }

@@ -1,0 +1,115 @@
+//! Devices: CPU everywhere, CUDA through tch when present, and the libtorch
+//! thread count each worker uses.
+
+use std::fmt;
+use std::str::FromStr;
+
+/// Errors of device selection.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum DeviceError {
+    /// The text is not `cpu`, `cuda` or `cuda:N`.
+    #[error("`{0}` is not a device (expected cpu, cuda or cuda:N)")]
+    Unparsable(String),
+    /// A CUDA device was asked for that this machine does not have.
+    #[error("device cuda:{index} requested, but {available} CUDA device(s) are visible to libtorch")]
+    Unavailable {
+        /// The requested index.
+        index: usize,
+        /// How many devices libtorch sees.
+        available: usize,
+    },
+}
+
+/// Where a model runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Device {
+    /// The CPU.
+    Cpu,
+    /// A CUDA device by index.
+    Cuda(usize),
+}
+
+impl Device {
+    /// Number of CUDA devices libtorch can use (0 without a driver or a CUDA build).
+    pub fn cuda_count() -> usize {
+        tch::Cuda::device_count().max(0) as usize
+    }
+
+    /// Checks that the device exists here and converts it for tch.
+    pub fn to_tch(self) -> Result<tch::Device, DeviceError> {
+        match self {
+            Device::Cpu => Ok(tch::Device::Cpu),
+            Device::Cuda(index) => {
+                let available = Device::cuda_count();
+                if index < available {
+                    Ok(tch::Device::Cuda(index))
+                } else {
+                    Err(DeviceError::Unavailable { index, available })
+                }
+            }
+        }
+    }
+
+    /// The device of worker `worker` when each worker owns one GPU: CUDA
+    /// device `worker % count` if there are any, else the CPU.
+    pub fn for_worker(worker: usize) -> Device {
+        match Device::cuda_count() {
+            0 => Device::Cpu,
+            n => Device::Cuda(worker % n),
+        }
+    }
+}
+
+impl FromStr for Device {
+    type Err = DeviceError;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        match text.trim() {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda(0)),
+            other => other
+                .strip_prefix("cuda:")
+                .and_then(|i| i.parse().ok())
+                .map(Device::Cuda)
+                .ok_or_else(|| DeviceError::Unparsable(text.to_string())),
+        }
+    }
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Device::Cpu => write!(f, "cpu"),
+            Device::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
+
+/// Sets libtorch's intra-op threads for this process. On a machine with
+/// few cores, workers × threads should not exceed the cores.
+pub fn set_threads(threads: usize) {
+    tch::set_num_threads(threads.max(1) as i32);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_and_prints_devices() {
+        assert_eq!("cpu".parse::<Device>().unwrap(), Device::Cpu);
+        assert_eq!("cuda".parse::<Device>().unwrap(), Device::Cuda(0));
+        assert_eq!("cuda:3".parse::<Device>().unwrap().to_string(), "cuda:3");
+        assert_eq!("gpu".parse::<Device>().unwrap_err(), DeviceError::Unparsable("gpu".into()));
+    }
+
+    #[test]
+    fn cpu_always_converts_and_missing_cuda_is_an_error() {
+        assert_eq!(Device::Cpu.to_tch().unwrap(), tch::Device::Cpu);
+        let too_many = Device::cuda_count() + 1;
+        let err = Device::Cuda(too_many).to_tch().unwrap_err().to_string();
+        assert!(err.contains(&format!("cuda:{too_many}")), "{err}");
+        set_threads(1);
+        assert_eq!(tch::get_num_threads(), 1);
+    }
+}

@@ -1,0 +1,12 @@
+//! # weir: an RLHF engine that runs RLHF as a streaming dataflow graph
+//!
+//! This crate is the `weir` command line and re-exports the layers:
+//! [`graph`] (the timely dataflow engine), [`gpu`] (the model runtime),
+//! [`operators`] (RLHF stages and algorithms) and [`pipelines`].
+
+pub use weir_gpu as gpu;
+pub use weir_graph as graph;
+pub use weir_operators as operators;
+pub use weir_pipelines as pipelines;
+
+pub mod sim;
