@@ -104,6 +104,13 @@ impl Execution {
         }
     }
 
+    fn local_workers(&self) -> usize {
+        match self {
+            Execution::Threads(n) => (*n).max(1),
+            Execution::Cluster { threads, .. } => *threads,
+        }
+    }
+
     fn processes(&self) -> usize {
         match self {
             Execution::Threads(_) => 1,
@@ -255,7 +262,7 @@ pub(crate) struct OperatorEnv {
 impl OperatorEnv {
     /// Fails the run: this process stops at once, the driver tells the others.
     pub(crate) fn fail(&self, err: GraphError) {
-        tracing::error!(%err, "run failed");
+        tracing::debug!(%err, "run failed");
         self.shared.record(err.clone());
         self.outbox.borrow_mut().push(err);
     }
@@ -296,6 +303,8 @@ pub fn run(pipeline: &Pipeline, settings: &RunSettings) -> Result<RunReport, Gra
     let (builders, others) = connect(&settings.execution, settings.peer_timeout)?;
     let shared = Arc::new(RunShared::new(settings.execution.processes()));
     let started = Instant::now();
+    let local_workers = settings.execution.local_workers();
+    let (report_tx, report_rx) = std::sync::mpsc::channel::<Result<WorkerOutcome, GraphError>>();
     let guards = {
         let (pipeline, settings, shared) = (pipeline.clone(), settings.clone(), shared.clone());
         timely::execute::execute_from(builders, others, WorkerConfig::default(), move |worker| {
@@ -313,20 +322,52 @@ pub fn run(pipeline: &Pipeline, settings: &RunSettings) -> Result<RunReport, Gra
                     }
                 }));
             }
-            outcome
+            let _ = report_tx.send(outcome);
         })
         .map_err(GraphError::Runtime)?
     };
-    let results = guards.join();
+
+    // Outcomes arrive over a channel rather than from `join`, because joining
+    // also joins timely's network threads, which block for as long as a hung
+    // peer keeps its connection open.
+    let mut outcomes = Vec::new();
+    let mut aborted_at: Option<Instant> = None;
+    while outcomes.len() < local_workers {
+        match report_rx.recv_timeout(PARK * 5) {
+            Ok(outcome) => outcomes.push(outcome),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                if shared.aborted.load(Ordering::SeqCst) {
+                    let since = *aborted_at.get_or_insert_with(Instant::now);
+                    if since.elapsed() > FAILURE_GRACE * 10 {
+                        break;
+                    }
+                }
+            }
+        }
+    }
     let wall_s = started.elapsed().as_secs_f64();
     if let Some(err) = shared.error() {
+        // Join in the background: with a live peer this ends at once; with a
+        // hung one it never does, and the run must not wait for it.
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        let _ = std::thread::Builder::new().name("weir:join".into()).spawn(move || {
+            let _ = catch_unwind(AssertUnwindSafe(|| guards.join()));
+            let _ = done_tx.send(());
+        });
+        let _ = done_rx.recv_timeout(FAILURE_GRACE * 3);
         return Err(err);
+    }
+    // A connection that broke after the last step makes join panic: a lost peer.
+    catch_unwind(AssertUnwindSafe(|| guards.join())).map_err(|payload| runtime_panic(&panic_message(payload.as_ref())))?;
+    if outcomes.len() < local_workers {
+        return Err(GraphError::Runtime(format!("{} of {local_workers} workers ended without a result", local_workers - outcomes.len())));
     }
     let mut steps = 0;
     let mut peak = 0;
     let mut metrics = Vec::new();
-    for result in results {
-        let outcome = result.map_err(|msg| runtime_panic(&msg))??;
+    for outcome in outcomes {
+        let outcome = outcome?;
         steps = steps.max(outcome.steps);
         peak = peak.max(outcome.peak_in_flight);
         metrics.extend(outcome.metrics);
@@ -342,7 +383,7 @@ pub fn run(pipeline: &Pipeline, settings: &RunSettings) -> Result<RunReport, Gra
 
 /// A panic that reached the driver: a broken connection to a peer, or a bug.
 fn runtime_panic(message: &str) -> GraphError {
-    if message.contains("timely communication error") || message.contains("MergeQueue poisoned") {
+    if is_network_panic(message) {
         GraphError::PeerLost { peer: "a peer process".into(), reason: format!("connection broken ({message})") }
     } else {
         GraphError::Runtime(format!("worker panicked: {message}"))
@@ -373,6 +414,11 @@ fn connect(execution: &Execution, timeout: Duration) -> Result<Allocators, Graph
     }
 }
 
+/// True for the panics timely raises when a connection to a peer breaks.
+fn is_network_panic(message: &str) -> bool {
+    ["timely communication error", "MergeQueue poisoned", "Send thread panic", "Recv thread panic"].iter().any(|m| message.contains(m))
+}
+
 /// Filters timely's network-thread panic messages from stderr: the run turns
 /// them into a [`GraphError::PeerLost`] and reports that instead.
 fn quiet_network_panics() {
@@ -381,7 +427,7 @@ fn quiet_network_panics() {
         let previous = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info| {
             let message = panic_message(info.payload());
-            if message.contains("timely communication error") || message.contains("MergeQueue poisoned") {
+            if is_network_panic(&message) {
                 return;
             }
             previous(info);

@@ -227,17 +227,23 @@ impl Stage for SyntheticAdvantage {
         let batch = concat_batches(&held[0].schema(), &held)?;
         let groups = batch.column_by_name("group_id").ok_or("advantage: missing group_id")?.as_primitive::<UInt64Type>();
         let rewards = batch.column_by_name("reward").ok_or("advantage: missing reward")?.as_primitive::<Float32Type>();
-        let mut sums: HashMap<u64, (f32, u64)> = HashMap::new();
+        // Sums in f64 are exact for these rewards, so the result does not
+        // depend on the order in which a group's rows arrived.
+        let mut sums: HashMap<u64, (f64, u64)> = HashMap::new();
         for i in 0..batch.num_rows() {
             let e = sums.entry(groups.value(i)).or_insert((0.0, 0));
-            e.0 += rewards.value(i);
+            e.0 += f64::from(rewards.value(i));
             e.1 += 1;
         }
         if let Some((g, (_, n))) = sums.iter().find(|(_, (_, n))| *n != self.group_size) {
             return Err(format!("group {g} has {n} rows here, expected {}: a group was split", self.group_size).into());
         }
-        let adv: Float32Array =
-            (0..batch.num_rows()).map(|i| rewards.value(i) - sums[&groups.value(i)].0 / sums[&groups.value(i)].1 as f32).collect();
+        let adv: Float32Array = (0..batch.num_rows())
+            .map(|i| {
+                let (sum, n) = sums[&groups.value(i)];
+                (f64::from(rewards.value(i)) - sum / n as f64) as f32
+            })
+            .collect();
         Ok(vec![with_column(&batch, "advantage", Arc::new(adv) as ArrayRef)?])
     }
 }
