@@ -45,6 +45,11 @@ impl StepContext {
         StepContext { step, worker, version, published: None, may_publish }
     }
 
+    /// True in a learner's `end_step`, where [`StepContext::publish_weights`] may be called.
+    pub fn may_publish(&self) -> bool {
+        self.may_publish
+    }
+
     /// Publishes the learner's new weights (version `self.version + 1`) on
     /// the weights edge. Only a learner stage may call this, at most once per
     /// step, from [`Stage::end_step`].

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Runs every test of weir on a fresh machine: set-up (libtorch venv), then
+# the whole workspace's unit, integration and doc tests.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+./scripts/setup.sh
+cargo test --workspace --all-targets
+cargo test --workspace --doc
