@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 use arrow::array::{ArrayRef, RecordBatch, UInt64Array};
 use criterion::{criterion_group, Criterion};
 use weir::graph::{
-    Execution, Partition, Pipeline, Placement, PolicyVersion, RunSettings, Source, SourceContext, Stage, StageError,
-    StepContext, WeightsPayload,
+    Execution, Partition, Pipeline, Placement, PolicyVersion, RunSettings, Source, SourceContext,
+    Stage, StageError, StepContext, WeightsPayload,
 };
 
 /// One row per step.
@@ -23,7 +23,10 @@ struct OneRow;
 
 impl Source for OneRow {
     fn next_step(&mut self, ctx: &SourceContext) -> Result<Option<Vec<RecordBatch>>, StageError> {
-        let rows = RecordBatch::try_from_iter([("row_id", std::sync::Arc::new(UInt64Array::from(vec![ctx.step])) as ArrayRef)])?;
+        let rows = RecordBatch::try_from_iter([(
+            "row_id",
+            std::sync::Arc::new(UInt64Array::from(vec![ctx.step])) as ArrayRef,
+        )])?;
         Ok(Some(vec![rows]))
     }
 }
@@ -32,7 +35,11 @@ impl Source for OneRow {
 struct PassThrough;
 
 impl Stage for PassThrough {
-    fn process(&mut self, _ctx: &mut StepContext, batch: RecordBatch) -> Result<Vec<RecordBatch>, StageError> {
+    fn process(
+        &mut self,
+        _ctx: &mut StepContext,
+        batch: RecordBatch,
+    ) -> Result<Vec<RecordBatch>, StageError> {
         Ok(vec![batch])
     }
 
@@ -43,7 +50,11 @@ impl Stage for PassThrough {
         Ok(Vec::new())
     }
 
-    fn load_weights(&mut self, _version: PolicyVersion, _weights: &WeightsPayload) -> Result<(), StageError> {
+    fn load_weights(
+        &mut self,
+        _version: PolicyVersion,
+        _weights: &WeightsPayload,
+    ) -> Result<(), StageError> {
         Ok(())
     }
 }
@@ -51,14 +62,18 @@ impl Stage for PassThrough {
 fn cycle() -> Pipeline {
     Pipeline::new("empty_cycle")
         .source("rollout", |_| Ok(OneRow))
-        .generate("generate", "rollout", Partition::RoundRobin, |_| Ok(PassThrough))
+        .generate("generate", "rollout", Partition::RoundRobin, |_| {
+            Ok(PassThrough)
+        })
         .learn("learn", "train", Partition::RoundRobin, |_| Ok(PassThrough))
 }
 
 fn chain(stages: usize) -> Pipeline {
     let mut p = Pipeline::new("chain").source("rollout", |_| Ok(OneRow));
     for i in 0..stages {
-        p = p.stage(&format!("s{i}"), "rollout", Partition::RoundRobin, |_| Ok(PassThrough));
+        p = p.stage(&format!("s{i}"), "rollout", Partition::RoundRobin, |_| {
+            Ok(PassThrough)
+        });
     }
     p
 }
@@ -67,22 +82,30 @@ fn settings(workers: usize, steps: u64, k: u64) -> RunSettings {
     let placement = if workers == 1 {
         Placement::colocated(1)
     } else {
-        Placement::new(workers).assign("rollout", [0]).assign("train", [workers - 1])
+        Placement::new(workers)
+            .assign("rollout", [0])
+            .assign("train", [workers - 1])
     };
-    RunSettings::new(Execution::Threads(workers), placement).max_staleness(k).steps(steps)
+    RunSettings::new(Execution::Threads(workers), placement)
+        .max_staleness(k)
+        .steps(steps)
 }
 
 /// Wall time of `steps` steps, start-up included (amortised over many steps).
 fn time_run(pipeline: &Pipeline, workers: usize, steps: u64, k: u64) -> Duration {
     let started = Instant::now();
-    let report = pipeline.run(&settings(workers, steps, k)).expect("benchmark pipeline runs");
+    let report = pipeline
+        .run(&settings(workers, steps, k))
+        .expect("benchmark pipeline runs");
     assert_eq!(report.steps, steps);
     started.elapsed()
 }
 
 fn bench_engine(c: &mut Criterion) {
     let mut group = c.benchmark_group("engine");
-    group.sample_size(10).measurement_time(Duration::from_secs(5));
+    group
+        .sample_size(10)
+        .measurement_time(Duration::from_secs(5));
     for workers in [1usize, 2] {
         group.bench_function(format!("empty_cycle_step/{workers}_workers/k0"), |b| {
             b.iter_custom(|iters| time_run(&cycle(), workers, iters.max(1), 0));
@@ -133,7 +156,9 @@ fn sim_steps_per_s(k: u64, queue: usize, steps: u64) -> f64 {
         fail_at_step: None,
         out: out.path().to_path_buf(),
     };
-    weir::sim::run_sim(&args).expect("simulation runs").steps_per_s
+    weir::sim::run_sim(&args)
+        .expect("simulation runs")
+        .steps_per_s
 }
 
 fn derived_figures(full: bool) {
@@ -141,15 +166,27 @@ fn derived_figures(full: bool) {
     println!("\n== derived figures (median of {runs} runs of {steps} steps) ==");
     for workers in [1usize, 2] {
         let t = per_step(runs, || (time_run(&cycle(), workers, steps, 0), steps));
-        println!("empty cyclic pipeline, {workers} worker(s), k=0: {:.0} steps/s ({:.1} µs/step)", 1.0 / t, t * 1e6);
+        println!(
+            "empty cyclic pipeline, {workers} worker(s), k=0: {:.0} steps/s ({:.1} µs/step)",
+            1.0 / t,
+            t * 1e6
+        );
     }
     let t1 = per_step(runs, || (time_run(&chain(1), 1, steps, 0), steps));
     let t9 = per_step(runs, || (time_run(&chain(9), 1, steps, 0), steps));
-    println!("per-hop overhead, 1 worker: {:.2} µs  ((t9 − t1) / 8 with t1 = {:.1} µs, t9 = {:.1} µs)", (t9 - t1) / 8.0 * 1e6, t1 * 1e6, t9 * 1e6);
+    println!(
+        "per-hop overhead, 1 worker: {:.2} µs  ((t9 − t1) / 8 with t1 = {:.1} µs, t9 = {:.1} µs)",
+        (t9 - t1) / 8.0 * 1e6,
+        t1 * 1e6,
+        t9 * 1e6
+    );
 
     let sim_steps = if full { 40 } else { 6 };
     let target = 0.9 * (40.0 + 20.0) / 40.0;
-    for (queue, label) in [(2usize, "generation on an engine thread (default)"), (0, "generation inline on its worker")] {
+    for (queue, label) in [
+        (2usize, "generation on an engine thread (default)"),
+        (0, "generation inline on its worker"),
+    ] {
         let k0 = sim_steps_per_s(0, queue, sim_steps);
         let k1 = sim_steps_per_s(1, queue, sim_steps);
         println!(

@@ -5,7 +5,10 @@
 use clap::Parser;
 
 #[derive(Parser)]
-#[command(name = "engine_sim", about = "weir's engine simulation: generate → score → advantage → learn")]
+#[command(
+    name = "engine_sim",
+    about = "weir's engine simulation: generate → score → advantage → learn"
+)]
 struct Args {
     #[command(flatten)]
     sim: weir::sim::SimArgs,

@@ -10,8 +10,12 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
-use weir_graph::synthetic::{Cost, SyntheticAdvantage, SyntheticGenerate, SyntheticLearn, SyntheticPrompts, SyntheticScore};
-use weir_graph::{roles, Execution, ParquetLog, Partition, Pipeline, Placement, RunReport, RunSettings};
+use weir_graph::synthetic::{
+    Cost, SyntheticAdvantage, SyntheticGenerate, SyntheticLearn, SyntheticPrompts, SyntheticScore,
+};
+use weir_graph::{
+    roles, Execution, ParquetLog, Partition, Pipeline, Placement, RunReport, RunSettings,
+};
 
 /// Flags of `weir sim` and of the `engine_sim` example.
 #[derive(Clone, Debug, clap::Args)]
@@ -80,7 +84,8 @@ pub struct SimArgs {
 impl SimArgs {
     fn placement(&self, workers: usize) -> anyhow::Result<Placement> {
         if let Some(text) = &self.placement {
-            return Placement::parse(workers, text).with_context(|| format!("--placement `{text}`"));
+            return Placement::parse(workers, text)
+                .with_context(|| format!("--placement `{text}`"));
         }
         if workers == 1 {
             return Ok(Placement::colocated(1));
@@ -94,7 +99,11 @@ impl SimArgs {
     }
 
     fn cost(&self, ms: u64, salt: u64) -> Cost {
-        Cost { base: Duration::from_millis(ms), jitter: Duration::from_millis(self.jitter_ms), seed: self.seed ^ salt }
+        Cost {
+            base: Duration::from_millis(ms),
+            jitter: Duration::from_millis(self.jitter_ms),
+            seed: self.seed ^ salt,
+        }
     }
 }
 
@@ -107,31 +116,61 @@ pub fn sim_pipeline(args: &SimArgs) -> Pipeline {
     let (weights_bytes, fail_at) = (args.weights_bytes, args.fail_at_step);
     let rollouts = args.out.join("rollouts");
     let mut pipeline = Pipeline::new("engine_sim")
-        .source(roles::ROLLOUT, move |w| Ok(SyntheticPrompts::new(rows).group_size(group).shard(w.rank, w.role_size)))
-        .generate("generate", roles::ROLLOUT, Partition::Local, move |_| Ok(SyntheticGenerate::new(gen_cost)));
+        .source(roles::ROLLOUT, move |w| {
+            Ok(SyntheticPrompts::new(rows)
+                .group_size(group)
+                .shard(w.rank, w.role_size))
+        })
+        .generate("generate", roles::ROLLOUT, Partition::Local, move |_| {
+            Ok(SyntheticGenerate::new(gen_cost))
+        });
     if args.generate_queue > 0 {
         pipeline = pipeline.offload(args.generate_queue);
     }
     pipeline
-        .stage("score", roles::REWARD, Partition::RoundRobin, move |_| Ok(SyntheticScore::new(score_cost).fail_at(fail_at)))
-        .stage("advantage", roles::TRAIN, Partition::ByKey("group_id".into()), move |_| Ok(SyntheticAdvantage::new(group)))
-        .learn("learn", roles::TRAIN, Partition::RoundRobin, move |_| Ok(SyntheticLearn::new(train_cost, weights_bytes)))
-        .sink("rollout_log", roles::LOG, Partition::RoundRobin, move |w| Ok(ParquetLog::new(&rollouts, w.index, 4096)?))
+        .stage("score", roles::REWARD, Partition::RoundRobin, move |_| {
+            Ok(SyntheticScore::new(score_cost).fail_at(fail_at))
+        })
+        .stage(
+            "advantage",
+            roles::TRAIN,
+            Partition::ByKey("group_id".into()),
+            move |_| Ok(SyntheticAdvantage::new(group)),
+        )
+        .learn("learn", roles::TRAIN, Partition::RoundRobin, move |_| {
+            Ok(SyntheticLearn::new(train_cost, weights_bytes))
+        })
+        .sink("rollout_log", roles::LOG, Partition::RoundRobin, move |w| {
+            Ok(ParquetLog::new(&rollouts, w.index, 4096)?)
+        })
 }
 
 /// Runs the simulation and returns its report.
 pub fn run_sim(args: &SimArgs) -> anyhow::Result<RunReport> {
-    if args.batch_rows % args.group_size != 0 {
-        anyhow::bail!("--batch-rows {} is not a multiple of --group-size {}", args.batch_rows, args.group_size);
+    if args.group_size == 0 || args.batch_rows == 0 {
+        anyhow::bail!("--batch-rows and --group-size must be at least 1");
     }
-    let execution = Execution::cluster(args.workers, args.processes, args.process_id, args.hostfile.as_deref())?;
+    if !args.batch_rows.is_multiple_of(args.group_size) {
+        anyhow::bail!(
+            "--batch-rows {} is not a multiple of --group-size {}",
+            args.batch_rows,
+            args.group_size
+        );
+    }
+    let execution = Execution::cluster(
+        args.workers,
+        args.processes,
+        args.process_id,
+        args.hostfile.as_deref(),
+    )?;
     let placement = args.placement(execution.total_workers())?;
     let settings = RunSettings::new(execution, placement)
         .max_staleness(args.max_staleness)
         .steps(args.steps)
         .peer_timeout(Duration::from_secs_f64(args.peer_timeout_s))
         .metrics_path(args.out.join("metrics.parquet"));
-    std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
     Ok(sim_pipeline(args).run(&settings)?)
 }
 

@@ -60,13 +60,35 @@ fn read_rows(out: &Path) -> Vec<Row> {
     let batches = read_parquet_dir(&out.join("rollouts")).expect("rollout log readable");
     let mut rows = Vec::new();
     for b in &batches {
-        let u64s = |name: &str| b.column_by_name(name).unwrap_or_else(|| panic!("column {name}")).as_primitive::<UInt64Type>().clone();
-        let f32s = |name: &str| b.column_by_name(name).unwrap_or_else(|| panic!("column {name}")).as_primitive::<Float32Type>().clone();
+        let u64s = |name: &str| {
+            b.column_by_name(name)
+                .unwrap_or_else(|| panic!("column {name}"))
+                .as_primitive::<UInt64Type>()
+                .clone()
+        };
+        let f32s = |name: &str| {
+            b.column_by_name(name)
+                .unwrap_or_else(|| panic!("column {name}"))
+                .as_primitive::<Float32Type>()
+                .clone()
+        };
         let (step, row_id, group_id) = (u64s("step"), u64s("row_id"), u64s("group_id"));
-        let (pv, lv, st) = (u64s("policy_version"), u64s("learner_version"), u64s("staleness"));
-        let (gs, ls, le) = (u64s("gen_start_ns"), u64s("learn_start_ns"), u64s("learn_end_ns"));
+        let (pv, lv, st) = (
+            u64s("policy_version"),
+            u64s("learner_version"),
+            u64s("staleness"),
+        );
+        let (gs, ls, le) = (
+            u64s("gen_start_ns"),
+            u64s("learn_start_ns"),
+            u64s("learn_end_ns"),
+        );
         let (reward, advantage) = (f32s("reward"), f32s("advantage"));
-        let len = b.column_by_name("response_len").expect("response_len").as_primitive::<UInt32Type>().clone();
+        let len = b
+            .column_by_name("response_len")
+            .expect("response_len")
+            .as_primitive::<UInt32Type>()
+            .clone();
         for i in 0..b.num_rows() {
             rows.push(Row {
                 step: step.value(i),
@@ -91,12 +113,29 @@ fn read_rows(out: &Path) -> Vec<Row> {
 /// Checks every engine guarantee on a finished run's rows.
 fn check_guarantees(rows: &[Row], k: u64, steps: u64, rows_per_step: u64) {
     let ids: Vec<u64> = rows.iter().map(|r| r.row_id).collect();
-    assert_eq!(ids, (0..steps * rows_per_step).collect::<Vec<_>>(), "every row exactly once");
+    assert_eq!(
+        ids,
+        (0..steps * rows_per_step).collect::<Vec<_>>(),
+        "every row exactly once"
+    );
     for r in rows {
-        assert_eq!(r.step, r.row_id / rows_per_step, "row {} in the wrong step", r.row_id);
-        assert_eq!(r.learner_version, r.step, "one update per step: learner version = step");
+        assert_eq!(
+            r.step,
+            r.row_id / rows_per_step,
+            "row {} in the wrong step",
+            r.row_id
+        );
+        assert_eq!(
+            r.learner_version, r.step,
+            "one update per step: learner version = step"
+        );
         assert_eq!(r.staleness, r.learner_version - r.policy_version);
-        assert!(r.staleness <= k, "row {}: staleness {} > k = {k}", r.row_id, r.staleness);
+        assert!(
+            r.staleness <= k,
+            "row {}: staleness {} > k = {k}",
+            r.row_id,
+            r.staleness
+        );
     }
     // Per step: when generation started, when learning ended.
     let mut gen_start: BTreeMap<u64, u64> = BTreeMap::new();
@@ -108,7 +147,11 @@ fn check_guarantees(rows: &[Row], k: u64, steps: u64, rows_per_step: u64) {
     }
     if k == 0 {
         for s in 1..steps {
-            assert!(gen_start[&s] >= learn[&(s - 1)].1, "k = 0: generation of step {s} started before learning on step {} ended", s - 1);
+            assert!(
+                gen_start[&s] >= learn[&(s - 1)].1,
+                "k = 0: generation of step {s} started before learning on step {} ended",
+                s - 1
+            );
         }
     }
     // In flight: steps whose [first generation, end of learning] intervals overlap.
@@ -155,49 +198,103 @@ proptest! {
 #[test]
 fn metrics_parquet_has_every_stage_and_the_weights_edge() {
     let dir = tempfile::tempdir().unwrap();
-    let args = SimArgs { workers: 3, max_staleness: 2, ..sim_args(dir.path()) };
+    let args = SimArgs {
+        workers: 3,
+        max_staleness: 2,
+        ..sim_args(dir.path())
+    };
     let report = run_sim(&args).unwrap();
-    let metrics = weir::graph::parquet_log::read_parquet_file(&dir.path().join("metrics.parquet")).unwrap();
-    let rows: Vec<_> = metrics.iter().flat_map(|b| weir::graph::metrics::batch_to_rows(b).unwrap()).collect();
+    let metrics =
+        weir::graph::parquet_log::read_parquet_file(&dir.path().join("metrics.parquet")).unwrap();
+    let rows: Vec<_> = metrics
+        .iter()
+        .flat_map(|b| weir::graph::metrics::batch_to_rows(b).unwrap())
+        .collect();
     let stages: BTreeSet<&str> = rows.iter().map(|r| r.stage.as_str()).collect();
-    assert_eq!(stages, BTreeSet::from(["advantage", "generate", "learn", "score"]));
-    assert!(rows.iter().any(|r| r.metric == "weights_transfer_s" && r.value >= 0.0));
+    assert_eq!(
+        stages,
+        BTreeSet::from(["advantage", "generate", "learn", "score"])
+    );
+    assert!(rows
+        .iter()
+        .any(|r| r.metric == "weights_transfer_s" && r.value >= 0.0));
     assert_eq!(report.stages["learn"].rows_in, 8 * 16);
-    assert_eq!(report.stages["generate"].workers, 2, "default placement: 2 of 3 workers generate");
+    assert_eq!(
+        report.stages["generate"].workers, 2,
+        "default placement: 2 of 3 workers generate"
+    );
     assert!(report.stages["generate"].busy_s > 0.0 && report.stages["generate"].idle_s > 0.0);
 }
 
 #[test]
 fn a_failing_stage_ends_the_run_with_its_name_and_step() {
     let dir = tempfile::tempdir().unwrap();
-    let args = SimArgs { workers: 4, steps: 50, fail_at_step: Some(3), ..sim_args(dir.path()) };
+    let args = SimArgs {
+        workers: 4,
+        steps: 50,
+        fail_at_step: Some(3),
+        ..sim_args(dir.path())
+    };
     let started = Instant::now();
     let err = run_sim(&args).unwrap_err().to_string();
-    assert!(err.contains("`score`") && err.contains("step 3") && err.contains("injected failure"), "{err}");
-    assert!(started.elapsed() < Duration::from_secs(10), "took {:?}", started.elapsed());
+    assert!(
+        err.contains("`score`") && err.contains("step 3") && err.contains("injected failure"),
+        "{err}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        started.elapsed()
+    );
 }
 
 #[test]
 fn bad_settings_are_reported_not_panicked() {
     let dir = tempfile::tempdir().unwrap();
-    let err = run_sim(&SimArgs { batch_rows: 10, ..sim_args(dir.path()) }).unwrap_err().to_string();
-    assert!(err.contains("--batch-rows 10") && err.contains("--group-size 4"), "{err}");
-    let err = run_sim(&SimArgs { placement: Some("rollout=0;train=5".into()), ..sim_args(dir.path()) }).unwrap_err();
+    let err = run_sim(&SimArgs {
+        batch_rows: 10,
+        ..sim_args(dir.path())
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("--batch-rows 10") && err.contains("--group-size 4"),
+        "{err}"
+    );
+    let err = run_sim(&SimArgs {
+        placement: Some("rollout=0;train=5".into()),
+        ..sim_args(dir.path())
+    })
+    .unwrap_err();
     assert!(format!("{err:#}").contains("worker 5"), "{err:#}");
-    let err = run_sim(&SimArgs { processes: 2, process_id: 2, ..sim_args(dir.path()) }).unwrap_err().to_string();
+    let err = run_sim(&SimArgs {
+        processes: 2,
+        process_id: 2,
+        ..sim_args(dir.path())
+    })
+    .unwrap_err()
+    .to_string();
     assert!(err.contains("process id 2"), "{err}");
 }
 
 // ---- Two processes on localhost ----
 
 fn free_ports(n: usize) -> Vec<u16> {
-    let listeners: Vec<_> = (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap()).collect();
-    listeners.iter().map(|l| l.local_addr().unwrap().port()).collect()
+    let listeners: Vec<_> = (0..n)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    listeners
+        .iter()
+        .map(|l| l.local_addr().unwrap().port())
+        .collect()
 }
 
 fn hostfile(dir: &Path) -> PathBuf {
     let path = dir.join("hosts.txt");
-    let lines: Vec<String> = free_ports(2).iter().map(|p| format!("127.0.0.1:{p}")).collect();
+    let lines: Vec<String> = free_ports(2)
+        .iter()
+        .map(|p| format!("127.0.0.1:{p}"))
+        .collect();
     std::fs::write(&path, lines.join("\n")).unwrap();
     path
 }
@@ -206,7 +303,14 @@ fn spawn_peer(args: &[String], process: usize, hosts: &Path, out: &Path) -> Chil
     Command::new(env!("CARGO_BIN_EXE_weir"))
         .arg("sim")
         .args(args)
-        .args(["--processes", "2", "--process-id", &process.to_string(), "--workers", "1"])
+        .args([
+            "--processes",
+            "2",
+            "--process-id",
+            &process.to_string(),
+            "--workers",
+            "1",
+        ])
         .arg("--hostfile")
         .arg(hosts)
         .arg("--out")
@@ -226,7 +330,10 @@ fn wait_with_deadline(mut child: Child, deadline: Duration) -> Output {
         if started.elapsed() > deadline {
             let _ = child.kill();
             let out = child.wait_with_output().unwrap();
-            panic!("process hung for {deadline:?}; stderr: {}", String::from_utf8_lossy(&out.stderr));
+            panic!(
+                "process hung for {deadline:?}; stderr: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
         }
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -247,15 +354,41 @@ fn strings(args: &[&str]) -> Vec<String> {
 
 #[test]
 fn two_processes_keep_every_guarantee() {
-    for k in [0u64, 2] {
+    for k in [0u64, 1, 2, 4] {
         let dir = tempfile::tempdir().unwrap();
         let k_text = k.to_string();
-        let args = strings(&["--steps", "10", "--batch-rows", "16", "--max-staleness", &k_text, "--gen-ms", "2", "--train-ms", "1", "--jitter-ms", "2", "--seed", "7"]);
+        let args = strings(&[
+            "--steps",
+            "10",
+            "--batch-rows",
+            "16",
+            "--max-staleness",
+            &k_text,
+            "--gen-ms",
+            "2",
+            "--train-ms",
+            "1",
+            "--jitter-ms",
+            "2",
+            "--seed",
+            "7",
+        ]);
         let (o0, o1) = run_two_processes(&args, dir.path());
-        assert!(o0.status.success(), "process 0: {}", String::from_utf8_lossy(&o0.stderr));
-        assert!(o1.status.success(), "process 1: {}", String::from_utf8_lossy(&o1.stderr));
+        assert!(
+            o0.status.success(),
+            "process 0: {}",
+            String::from_utf8_lossy(&o0.stderr)
+        );
+        assert!(
+            o1.status.success(),
+            "process 1: {}",
+            String::from_utf8_lossy(&o1.stderr)
+        );
         let stdout = String::from_utf8_lossy(&o0.stdout);
-        assert!(stdout.lines().last().unwrap().starts_with("steps_per_s="), "{stdout}");
+        assert!(
+            stdout.lines().last().unwrap().starts_with("steps_per_s="),
+            "{stdout}"
+        );
         check_guarantees(&read_rows(dir.path()), k, 10, 16);
     }
 }
@@ -263,15 +396,48 @@ fn two_processes_keep_every_guarantee() {
 #[test]
 fn one_thread_and_two_processes_produce_identical_rows() {
     let single = tempfile::tempdir().unwrap();
-    run_sim(&SimArgs { max_staleness: 0, steps: 6, ..sim_args(single.path()) }).unwrap();
+    run_sim(&SimArgs {
+        max_staleness: 0,
+        steps: 6,
+        ..sim_args(single.path())
+    })
+    .unwrap();
     let cluster = tempfile::tempdir().unwrap();
-    let (o0, o1) = run_two_processes(&strings(&["--steps", "6", "--batch-rows", "16", "--max-staleness", "0", "--gen-ms", "1", "--train-ms", "1"]), cluster.path());
-    assert!(o0.status.success() && o1.status.success(), "{}", String::from_utf8_lossy(&o1.stderr));
+    let (o0, o1) = run_two_processes(
+        &strings(&[
+            "--steps",
+            "6",
+            "--batch-rows",
+            "16",
+            "--max-staleness",
+            "0",
+            "--gen-ms",
+            "1",
+            "--train-ms",
+            "1",
+        ]),
+        cluster.path(),
+    );
+    assert!(
+        o0.status.success() && o1.status.success(),
+        "{}",
+        String::from_utf8_lossy(&o1.stderr)
+    );
     // Everything but wall-clock timings must agree.
     let strip = |rows: Vec<Row>| -> Vec<Row> {
-        rows.into_iter().map(|r| Row { gen_start_ns: 0, learn_start_ns: 0, learn_end_ns: 0, ..r }).collect()
+        rows.into_iter()
+            .map(|r| Row {
+                gen_start_ns: 0,
+                learn_start_ns: 0,
+                learn_end_ns: 0,
+                ..r
+            })
+            .collect()
     };
-    let (a, b) = (strip(read_rows(single.path())), strip(read_rows(cluster.path())));
+    let (a, b) = (
+        strip(read_rows(single.path())),
+        strip(read_rows(cluster.path())),
+    );
     assert_eq!(a.len(), 6 * 16);
     assert_eq!(a, b);
 }
@@ -279,22 +445,54 @@ fn one_thread_and_two_processes_produce_identical_rows() {
 #[test]
 fn a_failing_stage_stops_both_processes_with_one_error() {
     let dir = tempfile::tempdir().unwrap();
-    let args = strings(&["--steps", "40", "--batch-rows", "16", "--gen-ms", "5", "--fail-at-step", "3", "--peer-timeout-s", "30"]);
+    let args = strings(&[
+        "--steps",
+        "40",
+        "--batch-rows",
+        "16",
+        "--gen-ms",
+        "5",
+        "--fail-at-step",
+        "3",
+        "--peer-timeout-s",
+        "30",
+    ]);
     let started = Instant::now();
     let (o0, o1) = run_two_processes(&args, dir.path());
-    assert!(started.elapsed() < Duration::from_secs(20), "took {:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "took {:?}",
+        started.elapsed()
+    );
     for (i, o) in [(0, &o0), (1, &o1)] {
         let stderr = String::from_utf8_lossy(&o.stderr);
         assert!(!o.status.success(), "process {i} succeeded");
-        assert!(stderr.contains("`score`") && stderr.contains("step 3"), "process {i}: {stderr}");
-        assert!(!stderr.contains("panicked"), "process {i} panicked: {stderr}");
+        assert!(
+            stderr.contains("`score`") && stderr.contains("step 3"),
+            "process {i}: {stderr}"
+        );
+        assert!(
+            !stderr.contains("panicked"),
+            "process {i} panicked: {stderr}"
+        );
     }
 }
 
 #[test]
 fn a_killed_peer_ends_the_run_with_an_error_within_the_timeout() {
     let dir = tempfile::tempdir().unwrap();
-    let args = strings(&["--steps", "100000", "--batch-rows", "8", "--gen-ms", "10", "--train-ms", "5", "--peer-timeout-s", "5"]);
+    let args = strings(&[
+        "--steps",
+        "100000",
+        "--batch-rows",
+        "8",
+        "--gen-ms",
+        "10",
+        "--train-ms",
+        "5",
+        "--peer-timeout-s",
+        "5",
+    ]);
     let hosts = hostfile(dir.path());
     let p0 = spawn_peer(&args, 0, &hosts, dir.path());
     let mut p1 = spawn_peer(&args, 1, &hosts, dir.path());
@@ -307,20 +505,37 @@ fn a_killed_peer_ends_the_run_with_an_error_within_the_timeout() {
     assert!(!o0.status.success(), "process 0 succeeded: {stderr}");
     assert!(stderr.contains("lost"), "{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
-    assert!(killed_at.elapsed() < Duration::from_secs(5 + 5), "took {:?} after the kill", killed_at.elapsed());
+    assert!(
+        killed_at.elapsed() < Duration::from_secs(5 + 5),
+        "took {:?} after the kill",
+        killed_at.elapsed()
+    );
 }
-
 
 #[test]
 fn a_hung_peer_ends_the_run_with_an_error_after_the_peer_timeout() {
     let dir = tempfile::tempdir().unwrap();
-    let args = strings(&["--steps", "100000", "--batch-rows", "8", "--gen-ms", "10", "--train-ms", "5", "--peer-timeout-s", "2"]);
+    let args = strings(&[
+        "--steps",
+        "100000",
+        "--batch-rows",
+        "8",
+        "--gen-ms",
+        "10",
+        "--train-ms",
+        "5",
+        "--peer-timeout-s",
+        "2",
+    ]);
     let hosts = hostfile(dir.path());
     let p0 = spawn_peer(&args, 0, &hosts, dir.path());
     let mut p1 = spawn_peer(&args, 1, &hosts, dir.path());
     std::thread::sleep(Duration::from_secs(2));
     // A stopped process keeps its connections open but sends nothing: only the heartbeat notices.
-    let stopped = Command::new("kill").args(["-STOP", &p1.id().to_string()]).status().unwrap();
+    let stopped = Command::new("kill")
+        .args(["-STOP", &p1.id().to_string()])
+        .status()
+        .unwrap();
     assert!(stopped.success());
     let stopped_at = Instant::now();
     let o0 = wait_with_deadline(p0, Duration::from_secs(30));
@@ -329,6 +544,12 @@ fn a_hung_peer_ends_the_run_with_an_error_after_the_peer_timeout() {
     let _ = p1.wait();
     let stderr = String::from_utf8_lossy(&o0.stderr);
     assert!(!o0.status.success(), "process 0 succeeded: {stderr}");
-    assert!(stderr.contains("process 1 lost") && stderr.contains("no heartbeat"), "{stderr}");
-    assert!(waited >= Duration::from_millis(1500) && waited < Duration::from_secs(8), "ended {waited:?} after the stop");
+    assert!(
+        stderr.contains("process 1 lost") && stderr.contains("no heartbeat"),
+        "{stderr}"
+    );
+    assert!(
+        waited >= Duration::from_millis(1500) && waited < Duration::from_secs(8),
+        "ended {waited:?} after the stop"
+    );
 }

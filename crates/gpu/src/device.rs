@@ -11,7 +11,9 @@ pub enum DeviceError {
     #[error("`{0}` is not a device (expected cpu, cuda or cuda:N)")]
     Unparsable(String),
     /// A CUDA device was asked for that this machine does not have.
-    #[error("device cuda:{index} requested, but {available} CUDA device(s) are visible to libtorch")]
+    #[error(
+        "device cuda:{index} requested, but {available} CUDA device(s) are visible to libtorch"
+    )]
     Unavailable {
         /// The requested index.
         index: usize,
@@ -100,7 +102,10 @@ mod tests {
         assert_eq!("cpu".parse::<Device>().unwrap(), Device::Cpu);
         assert_eq!("cuda".parse::<Device>().unwrap(), Device::Cuda(0));
         assert_eq!("cuda:3".parse::<Device>().unwrap().to_string(), "cuda:3");
-        assert_eq!("gpu".parse::<Device>().unwrap_err(), DeviceError::Unparsable("gpu".into()));
+        assert_eq!(
+            "gpu".parse::<Device>().unwrap_err(),
+            DeviceError::Unparsable("gpu".into())
+        );
     }
 
     #[test]

@@ -35,7 +35,12 @@ pub struct Admission {
 impl Admission {
     /// Admission from step `first`, for `steps` steps (unbounded if `None`), with `max_staleness` = `k`.
     pub fn new(first: Step, steps: Option<u64>, k: u64) -> Self {
-        Admission { k, next: first, end: steps.map(|n| first + n), peak_in_flight: 0 }
+        Admission {
+            k,
+            next: first,
+            end: steps.map(|n| first + n),
+            peak_in_flight: 0,
+        }
     }
 
     /// The next step to admit.

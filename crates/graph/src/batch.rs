@@ -67,17 +67,29 @@ impl<'de> Deserialize<'de> for Batch {
 
 /// Returns `batch` with a `UInt64` column `name` set to `value` on every row,
 /// replacing a column of that name if there is one.
-pub fn with_u64_column(batch: &RecordBatch, name: &str, value: u64) -> Result<RecordBatch, GraphError> {
+pub fn with_u64_column(
+    batch: &RecordBatch,
+    name: &str,
+    value: u64,
+) -> Result<RecordBatch, GraphError> {
     let column: ArrayRef = Arc::new(UInt64Array::from_value(value, batch.num_rows()));
     with_column(batch, name, column)
 }
 
 /// Returns `batch` with `column` under `name`, replacing a column of that name if there is one.
-pub fn with_column(batch: &RecordBatch, name: &str, column: ArrayRef) -> Result<RecordBatch, GraphError> {
+pub fn with_column(
+    batch: &RecordBatch,
+    name: &str,
+    column: ArrayRef,
+) -> Result<RecordBatch, GraphError> {
     let schema = batch.schema();
     let mut fields: Vec<Arc<Field>> = schema.fields().iter().cloned().collect();
     let mut columns: Vec<ArrayRef> = batch.columns().to_vec();
-    let field = Arc::new(Field::new(name, column.data_type().clone(), column.null_count() > 0));
+    let field = Arc::new(Field::new(
+        name,
+        column.data_type().clone(),
+        column.null_count() > 0,
+    ));
     match schema.index_of(name) {
         Ok(i) => {
             fields[i] = field;
@@ -89,28 +101,43 @@ pub fn with_column(batch: &RecordBatch, name: &str, column: ArrayRef) -> Result<
         }
     }
     let schema = Schema::new_with_metadata(fields, schema.metadata().clone());
-    RecordBatch::try_new(Arc::new(schema), columns).map_err(|e| GraphError::Codec(format!("adding column `{name}`: {e}")))
+    RecordBatch::try_new(Arc::new(schema), columns)
+        .map_err(|e| GraphError::Codec(format!("adding column `{name}`: {e}")))
 }
 
 /// The `UInt64` column `name` of `batch`, or an error naming the stage and the column.
-pub fn u64_column<'a>(batch: &'a RecordBatch, name: &str, stage: &str) -> Result<&'a UInt64Array, GraphError> {
-    let column = batch.column_by_name(name).ok_or_else(|| GraphError::Column {
-        stage: stage.to_string(),
-        column: name.to_string(),
-        problem: "missing".to_string(),
-    })?;
-    column.as_any().downcast_ref::<UInt64Array>().ok_or_else(|| GraphError::Column {
-        stage: stage.to_string(),
-        column: name.to_string(),
-        problem: format!("expected UInt64, found {}", column.data_type()),
-    })
+pub fn u64_column<'a>(
+    batch: &'a RecordBatch,
+    name: &str,
+    stage: &str,
+) -> Result<&'a UInt64Array, GraphError> {
+    let column = batch
+        .column_by_name(name)
+        .ok_or_else(|| GraphError::Column {
+            stage: stage.to_string(),
+            column: name.to_string(),
+            problem: "missing".to_string(),
+        })?;
+    column
+        .as_any()
+        .downcast_ref::<UInt64Array>()
+        .ok_or_else(|| GraphError::Column {
+            stage: stage.to_string(),
+            column: name.to_string(),
+            problem: format!("expected UInt64, found {}", column.data_type()),
+        })
 }
 
 /// True when `data_type` can serve as a partitioning key.
 pub(crate) fn is_key_type(data_type: &DataType) -> bool {
     matches!(
         data_type,
-        DataType::UInt64 | DataType::UInt32 | DataType::Int64 | DataType::Int32 | DataType::Utf8 | DataType::LargeUtf8
+        DataType::UInt64
+            | DataType::UInt32
+            | DataType::Int64
+            | DataType::Int32
+            | DataType::Utf8
+            | DataType::LargeUtf8
     )
 }
 
@@ -122,7 +149,10 @@ mod tests {
     fn sample() -> RecordBatch {
         RecordBatch::try_from_iter([
             ("id", Arc::new(UInt64Array::from(vec![1, 2, 3])) as ArrayRef),
-            ("text", Arc::new(StringArray::from(vec!["a", "bb", "ccc"])) as ArrayRef),
+            (
+                "text",
+                Arc::new(StringArray::from(vec!["a", "bb", "ccc"])) as ArrayRef,
+            ),
         ])
         .unwrap()
     }
@@ -137,7 +167,10 @@ mod tests {
     #[test]
     fn serde_round_trip_keeps_destination() {
         // bincode is what timely uses for data that crosses processes.
-        let batch = Batch { dest: 7, data: sample() };
+        let batch = Batch {
+            dest: 7,
+            data: sample(),
+        };
         let bytes = bincode::serialize(&vec![batch.clone()]).unwrap();
         let back: Vec<Batch> = bincode::deserialize(&bytes).unwrap();
         assert_eq!(back[0].dest, 7);
@@ -147,17 +180,27 @@ mod tests {
     #[test]
     fn with_u64_column_adds_then_replaces() {
         let batch = with_u64_column(&sample(), "policy_version", 4).unwrap();
-        assert_eq!(u64_column(&batch, "policy_version", "t").unwrap().values(), &[4, 4, 4]);
+        assert_eq!(
+            u64_column(&batch, "policy_version", "t").unwrap().values(),
+            &[4, 4, 4]
+        );
         let batch = with_u64_column(&batch, "policy_version", 5).unwrap();
         assert_eq!(batch.num_columns(), 3);
-        assert_eq!(u64_column(&batch, "policy_version", "t").unwrap().values(), &[5, 5, 5]);
+        assert_eq!(
+            u64_column(&batch, "policy_version", "t").unwrap().values(),
+            &[5, 5, 5]
+        );
     }
 
     #[test]
     fn u64_column_names_the_missing_column() {
-        let err = u64_column(&sample(), "step", "learn").unwrap_err().to_string();
+        let err = u64_column(&sample(), "step", "learn")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("`step`") && err.contains("`learn`"), "{err}");
-        let err = u64_column(&sample(), "text", "learn").unwrap_err().to_string();
+        let err = u64_column(&sample(), "text", "learn")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("expected UInt64"), "{err}");
     }
 }

@@ -7,17 +7,16 @@
 //! stage and any number of sinks, each with its own partitioning.
 
 use std::collections::BTreeSet;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use timely::container::CapacityContainerBuilder;
 use timely::dataflow::channels::pact::{Exchange, Pipeline};
 use timely::dataflow::operators::Operator;
 use timely::dataflow::Stream;
 
-use crate::error::panic_message;
+use crate::error::call_user;
 use crate::run::OperatorEnv;
 use crate::stage::Sink;
-use crate::{Batch, GraphError, Router, StageError, Step};
+use crate::{Batch, GraphError, Router, Step};
 
 /// Re-addresses every batch of `stream` with `router`, for consumer `consumer`.
 pub(crate) fn route<'scope>(
@@ -27,74 +26,84 @@ pub(crate) fn route<'scope>(
     env: OperatorEnv,
 ) -> Stream<'scope, Step, Vec<Batch>> {
     let consumer = consumer.to_string();
-    stream.unary::<CapacityContainerBuilder<Vec<Batch>>, _, _, _>(Pipeline, &format!("Route({consumer})"), move |_, _| {
-        move |input, output| {
-            input.for_each(|cap, data| {
-                let mut session = output.session(&cap);
-                for batch in data.drain(..) {
-                    if env.aborted() {
-                        continue;
+    stream.unary::<CapacityContainerBuilder<Vec<Batch>>, _, _, _>(
+        Pipeline,
+        &format!("Route({consumer})"),
+        move |_, _| {
+            move |input, output| {
+                input.for_each(|cap, data| {
+                    let mut session = output.session(&cap);
+                    for batch in data.drain(..) {
+                        if env.aborted() {
+                            continue;
+                        }
+                        match router.route(batch.data, &consumer) {
+                            Ok(pieces) => session.give_iterator(pieces.into_iter()),
+                            Err(err) => env.fail(err),
+                        }
                     }
-                    match router.route(batch.data, &consumer) {
-                        Ok(pieces) => session.give_iterator(pieces.into_iter()),
-                        Err(err) => env.fail(err),
-                    }
-                }
-            });
-        }
-    })
+                });
+            }
+        },
+    )
 }
 
 /// Feeds `stream` (already routed) into `sink` on the workers that hold one.
 ///
 /// `sink.end_step(s)` follows the last batch of every step `s` that brought
 /// data to this worker; `finish` follows the end of the stream.
-pub(crate) fn sink_operator(stream: Stream<'_, Step, Vec<Batch>>, name: &str, mut sink: Option<Box<dyn Sink>>, env: OperatorEnv) {
+pub(crate) fn sink_operator(
+    stream: Stream<'_, Step, Vec<Batch>>,
+    name: &str,
+    mut sink: Option<Box<dyn Sink>>,
+    env: OperatorEnv,
+) {
     let name = name.to_string();
     let mut open_steps: BTreeSet<Step> = BTreeSet::new();
-    stream.sink(Exchange::new(|b: &Batch| u64::from(b.dest)), &format!("Sink({name})"), move |(input, frontier)| {
-        let Some(target) = sink.as_mut().filter(|_| !env.aborted()) else {
-            input.for_each(|_, data| data.clear());
-            return;
-        };
-        let fail = |step: Option<Step>, message: String| GraphError::Stage { stage: name.clone(), step, worker: env.index, message };
-        let mut failed = None;
-        input.for_each(|cap, data| {
-            let Some(&step) = cap.least() else { return };
-            open_steps.insert(step);
-            for batch in data.drain(..) {
-                if failed.is_none() {
-                    if let Err(message) = guarded(|| target.write(step, &batch.data)) {
-                        failed = Some(fail(Some(step), message));
+    stream.sink(
+        Exchange::new(|b: &Batch| u64::from(b.dest)),
+        &format!("Sink({name})"),
+        move |(input, frontier)| {
+            let Some(target) = sink.as_mut().filter(|_| !env.aborted()) else {
+                input.for_each(|_, data| data.clear());
+                return;
+            };
+            let fail = |step: Option<Step>, message: String| GraphError::Stage {
+                stage: name.clone(),
+                step,
+                worker: env.index,
+                message,
+            };
+            let mut failed = None;
+            input.for_each(|cap, data| {
+                let Some(&step) = cap.least() else { return };
+                open_steps.insert(step);
+                for batch in data.drain(..) {
+                    if failed.is_none() {
+                        if let Err(message) = call_user(|| target.write(step, &batch.data)) {
+                            failed = Some(fail(Some(step), message));
+                        }
                     }
                 }
+            });
+            while let Some(&step) = open_steps.first() {
+                if frontier.less_equal(&step) || failed.is_some() {
+                    break;
+                }
+                open_steps.remove(&step);
+                if let Err(message) = call_user(|| target.end_step(step)) {
+                    failed = Some(fail(Some(step), message));
+                }
             }
-        });
-        while let Some(&step) = open_steps.first() {
-            if frontier.less_equal(&step) || failed.is_some() {
-                break;
+            if failed.is_none() && frontier.is_empty() && open_steps.is_empty() {
+                if let Err(message) = call_user(|| target.finish()) {
+                    failed = Some(fail(None, message));
+                }
+                sink = None;
             }
-            open_steps.remove(&step);
-            if let Err(message) = guarded(|| target.end_step(step)) {
-                failed = Some(fail(Some(step), message));
+            if let Some(err) = failed {
+                env.fail(err);
             }
-        }
-        if failed.is_none() && frontier.is_empty() && open_steps.is_empty() {
-            if let Err(message) = guarded(|| target.finish()) {
-                failed = Some(fail(None, message));
-            }
-            sink = None;
-        }
-        if let Some(err) = failed {
-            env.fail(err);
-        }
-    });
-}
-
-fn guarded(call: impl FnOnce() -> Result<(), StageError>) -> Result<(), String> {
-    match catch_unwind(AssertUnwindSafe(call)) {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(err)) => Err(err.to_string()),
-        Err(payload) => Err(format!("panicked: {}", panic_message(payload.as_ref()))),
-    }
+        },
+    );
 }

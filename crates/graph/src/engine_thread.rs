@@ -14,7 +14,6 @@
 //! may hold thread-affine resources.
 
 use std::collections::BTreeMap;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::time::Instant;
@@ -23,7 +22,7 @@ use arrow::array::{ArrayRef, RecordBatch, UInt64Array};
 use timely::scheduling::SyncActivator;
 
 use crate::batch::{u64_column, with_column, with_u64_column};
-use crate::error::panic_message;
+use crate::error::call_user;
 use crate::metrics::{names, MetricRow};
 use crate::stage::{Stage, StageFactory, StepContext, WorkerInfo};
 use crate::weights_edge::{now_ns, WeightsBody, WeightsMessage, WeightsTransport};
@@ -59,8 +58,16 @@ pub(crate) struct StepStats {
 
 /// A finished job.
 pub(crate) enum Done {
-    Output { step: Step, batches: Vec<RecordBatch> },
-    Ended { step: Step, batches: Vec<RecordBatch>, published: Option<(PolicyVersion, WeightsBody)>, metrics: Vec<MetricRow> },
+    Output {
+        step: Step,
+        batches: Vec<RecordBatch>,
+    },
+    Ended {
+        step: Step,
+        batches: Vec<RecordBatch>,
+        published: Option<(PolicyVersion, WeightsBody)>,
+        metrics: Vec<MetricRow>,
+    },
     Loaded,
     Failed(GraphError),
 }
@@ -122,15 +129,24 @@ impl StageRunner {
                 };
                 let mut ctx = StepContext::new(step, self.worker, self.version, false);
                 let started = Instant::now();
-                let out = guarded(&self.name, Some(step), self.worker.index, || self.stage.process(&mut ctx, batch));
+                let out = guarded(&self.name, Some(step), self.worker.index, || {
+                    self.stage.process(&mut ctx, batch)
+                });
                 self.steps.entry(step).or_default().busy_s += started.elapsed().as_secs_f64();
                 let batches = self.finish_output(step, out?)?;
                 Ok(Done::Output { step, batches })
             }
             Job::EndStep { step } => {
-                let mut ctx = StepContext::new(step, self.worker, self.version, self.kind == StageKind::Learn);
+                let mut ctx = StepContext::new(
+                    step,
+                    self.worker,
+                    self.version,
+                    self.kind == StageKind::Learn,
+                );
                 let started = Instant::now();
-                let out = guarded(&self.name, Some(step), self.worker.index, || self.stage.end_step(&mut ctx));
+                let out = guarded(&self.name, Some(step), self.worker.index, || {
+                    self.stage.end_step(&mut ctx)
+                });
                 let busy = started.elapsed().as_secs_f64();
                 let batches = self.finish_output(step, out?)?;
                 let published = match ctx.published.take() {
@@ -142,7 +158,12 @@ impl StageRunner {
                 };
                 let mut stats = self.steps.remove(&step).unwrap_or_default();
                 stats.busy_s += busy;
-                Ok(Done::Ended { step, batches, published, metrics: self.step_metrics(step, stats) })
+                Ok(Done::Ended {
+                    step,
+                    batches,
+                    published,
+                    metrics: self.step_metrics(step, stats),
+                })
             }
             Job::LoadWeights { message } => {
                 if message.version <= self.version {
@@ -150,16 +171,23 @@ impl StageRunner {
                 }
                 let weights = self.transport.unpack(message.version, &message.body)?;
                 let step = message.step;
-                guarded(&self.name, Some(step), self.worker.index, || self.stage.load_weights(message.version, &weights))?;
+                guarded(&self.name, Some(step), self.worker.index, || {
+                    self.stage.load_weights(message.version, &weights)
+                })?;
                 self.version = message.version;
-                self.transfers.push(now_ns().saturating_sub(message.sent_at_ns) as f64 * 1e-9);
+                self.transfers
+                    .push(now_ns().saturating_sub(message.sent_at_ns) as f64 * 1e-9);
                 Ok(Done::Loaded)
             }
         }
     }
 
     /// Adds `learner_version` and `staleness` to a learner's input, checking the bound.
-    fn stamp_learner_input(&mut self, step: Step, batch: RecordBatch) -> Result<RecordBatch, GraphError> {
+    fn stamp_learner_input(
+        &mut self,
+        step: Step,
+        batch: RecordBatch,
+    ) -> Result<RecordBatch, GraphError> {
         let policy = u64_column(&batch, columns::POLICY_VERSION, &self.name)?;
         let mut staleness = Vec::with_capacity(policy.len());
         for &pv in policy.values() {
@@ -180,10 +208,18 @@ impl StageRunner {
             *stats.staleness.entry(s).or_insert(0) += 1;
         }
         let batch = with_u64_column(&batch, columns::LEARNER_VERSION, self.version)?;
-        with_column(&batch, columns::STALENESS, Arc::new(UInt64Array::from(staleness)) as ArrayRef)
+        with_column(
+            &batch,
+            columns::STALENESS,
+            Arc::new(UInt64Array::from(staleness)) as ArrayRef,
+        )
     }
 
-    fn finish_output(&mut self, step: Step, batches: Vec<RecordBatch>) -> Result<Vec<RecordBatch>, GraphError> {
+    fn finish_output(
+        &mut self,
+        step: Step,
+        batches: Vec<RecordBatch>,
+    ) -> Result<Vec<RecordBatch>, GraphError> {
         let batches = match self.kind {
             StageKind::Generate => batches
                 .iter()
@@ -191,13 +227,16 @@ impl StageRunner {
                 .collect::<Result<Vec<_>, _>>()?,
             _ => batches,
         };
-        self.steps.entry(step).or_default().rows_out += batches.iter().map(|b| b.num_rows() as u64).sum::<u64>();
+        self.steps.entry(step).or_default().rows_out +=
+            batches.iter().map(|b| b.num_rows() as u64).sum::<u64>();
         Ok(batches)
     }
 
     fn step_metrics(&mut self, step: Step, stats: StepStats) -> Vec<MetricRow> {
         let w = self.worker.index as u32;
-        let row = |metric: &str, label: Option<String>, value: f64| MetricRow::new(step, w, &self.name, metric, label, value);
+        let row = |metric: &str, label: Option<String>, value: f64| {
+            MetricRow::new(step, w, &self.name, metric, label, value)
+        };
         let mut rows = vec![
             row(names::BUSY_S, None, stats.busy_s),
             row(names::BATCHES_IN, None, stats.batches_in as f64),
@@ -211,7 +250,14 @@ impl StageRunner {
             rows.push(row(names::STALENESS, Some(s.to_string()), *n as f64));
         }
         for t in self.transfers.drain(..) {
-            rows.push(MetricRow::new(step, w, &self.name, names::WEIGHTS_TRANSFER_S, None, t));
+            rows.push(MetricRow::new(
+                step,
+                w,
+                &self.name,
+                names::WEIGHTS_TRANSFER_S,
+                None,
+                t,
+            ));
         }
         tracing::debug!(stage = %self.name, step, worker = w, busy_s = stats.busy_s, rows_in = stats.rows_in, rows_out = stats.rows_out, version = self.version, "step ended");
         rows
@@ -219,22 +265,34 @@ impl StageRunner {
 }
 
 /// Runs a stage call, turning an error or a panic into a [`GraphError::Stage`].
-fn guarded<R>(stage: &str, step: Option<Step>, worker: usize, call: impl FnOnce() -> Result<R, StageError>) -> Result<R, GraphError> {
-    let failed = |message: String| GraphError::Stage { stage: stage.to_string(), step, worker, message };
-    match catch_unwind(AssertUnwindSafe(call)) {
-        Ok(Ok(value)) => Ok(value),
-        Ok(Err(err)) => Err(failed(err.to_string())),
-        Err(payload) => Err(failed(format!("panicked: {}", panic_message(payload.as_ref())))),
-    }
+fn guarded<R>(
+    stage: &str,
+    step: Option<Step>,
+    worker: usize,
+    call: impl FnOnce() -> Result<R, StageError>,
+) -> Result<R, GraphError> {
+    call_user(call).map_err(|message| GraphError::Stage {
+        stage: stage.to_string(),
+        step,
+        worker,
+        message,
+    })
 }
 
 /// Runs a runner's jobs inline or on an engine thread.
 pub(crate) enum Executor {
     /// On the worker thread, one job per activation, so each job's output
     /// leaves (and other operators run) before the next job starts.
-    Inline { runner: StageRunner, slot: Option<Job> },
+    Inline {
+        runner: StageRunner,
+        slot: Option<Job>,
+    },
     /// On an engine thread behind a bounded queue.
-    Thread { jobs: SyncSender<Job>, results: Receiver<Done>, in_flight: usize },
+    Thread {
+        jobs: SyncSender<Job>,
+        results: Receiver<Done>,
+        in_flight: usize,
+    },
 }
 
 impl Executor {
@@ -270,8 +328,14 @@ impl Executor {
                     }
                 }
             })
-            .map_err(|e| GraphError::Runtime(format!("starting the engine thread of `{name}`: {e}")))?;
-        Ok(Executor::Thread { jobs: jobs_tx, results: done_rx, in_flight: 0 })
+            .map_err(|e| {
+                GraphError::Runtime(format!("starting the engine thread of `{name}`: {e}"))
+            })?;
+        Ok(Executor::Thread {
+            jobs: jobs_tx,
+            results: done_rx,
+            in_flight: 0,
+        })
     }
 
     /// Hands over a job, or gives it back when the queue is full.
@@ -284,7 +348,9 @@ impl Executor {
                     Ok(())
                 }
             },
-            Executor::Thread { jobs, in_flight, .. } => match jobs.try_send(job) {
+            Executor::Thread {
+                jobs, in_flight, ..
+            } => match jobs.try_send(job) {
                 Ok(()) => {
                     *in_flight += 1;
                     Ok(())
@@ -299,8 +365,12 @@ impl Executor {
     /// Results ready now; inline, this runs the job handed over.
     pub(crate) fn poll(&mut self) -> Vec<Done> {
         match self {
-            Executor::Inline { runner, slot } => slot.take().map(|job| runner.run(job)).into_iter().collect(),
-            Executor::Thread { results, in_flight, .. } => {
+            Executor::Inline { runner, slot } => {
+                slot.take().map(|job| runner.run(job)).into_iter().collect()
+            }
+            Executor::Thread {
+                results, in_flight, ..
+            } => {
                 let out: Vec<Done> = results.try_iter().collect();
                 *in_flight = in_flight.saturating_sub(out.len());
                 out

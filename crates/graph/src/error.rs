@@ -85,6 +85,16 @@ impl GraphError {
     }
 }
 
+/// Calls user code (a stage, source, sink or factory), turning its error or
+/// its panic into a message: user code must never take a worker down.
+pub(crate) fn call_user<R>(call: impl FnOnce() -> Result<R, StageError>) -> Result<R, String> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(call)) {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(err)) => Err(err.to_string()),
+        Err(payload) => Err(format!("panicked: {}", panic_message(payload.as_ref()))),
+    }
+}
+
 /// Turns a caught panic's payload into a message.
 pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     if let Some(s) = payload.downcast_ref::<&str>() {

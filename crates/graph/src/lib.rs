@@ -46,7 +46,9 @@ pub use pipeline::Pipeline;
 pub use placement::{roles, Placement};
 pub use run::{Execution, RunSettings};
 pub use stage::{Sink, Source, SourceContext, Stage, StepContext, WorkerInfo};
-pub use weights_edge::{InlineTransport, WeightsBody, WeightsMessage, WeightsPayload, WeightsTransport};
+pub use weights_edge::{
+    InlineTransport, WeightsBody, WeightsMessage, WeightsPayload, WeightsTransport,
+};
 
 /// A step: one rollout batch, and the timely timestamp it travels under.
 pub type Step = u64;

@@ -22,7 +22,9 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 
-use arrow::array::{Array, ArrayRef, AsArray, Float64Array, RecordBatch, StringArray, UInt32Array, UInt64Array};
+use arrow::array::{
+    Array, ArrayRef, AsArray, Float64Array, RecordBatch, StringArray, UInt32Array, UInt64Array,
+};
 use arrow::datatypes::{DataType, Field, Float64Type, Schema, SchemaRef, UInt32Type, UInt64Type};
 
 use crate::{GraphError, Step};
@@ -50,7 +52,7 @@ pub mod names {
 }
 
 /// One metric observation.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct MetricRow {
     /// The step it belongs to.
     pub step: Step,
@@ -68,8 +70,22 @@ pub struct MetricRow {
 
 impl MetricRow {
     /// A metric row.
-    pub fn new(step: Step, worker: u32, stage: &str, metric: &str, label: Option<String>, value: f64) -> Self {
-        MetricRow { step, worker, stage: stage.to_string(), metric: metric.to_string(), label, value }
+    pub fn new(
+        step: Step,
+        worker: u32,
+        stage: &str,
+        metric: &str,
+        label: Option<String>,
+        value: f64,
+    ) -> Self {
+        MetricRow {
+            step,
+            worker,
+            stage: stage.to_string(),
+            metric: metric.to_string(),
+            label,
+            value,
+        }
     }
 }
 
@@ -90,18 +106,28 @@ pub fn rows_to_batch(rows: &[MetricRow]) -> Result<RecordBatch, GraphError> {
     let columns: Vec<ArrayRef> = vec![
         Arc::new(UInt64Array::from_iter_values(rows.iter().map(|r| r.step))),
         Arc::new(UInt32Array::from_iter_values(rows.iter().map(|r| r.worker))),
-        Arc::new(StringArray::from_iter_values(rows.iter().map(|r| r.stage.as_str()))),
-        Arc::new(StringArray::from_iter_values(rows.iter().map(|r| r.metric.as_str()))),
-        Arc::new(StringArray::from_iter(rows.iter().map(|r| r.label.as_deref()))),
+        Arc::new(StringArray::from_iter_values(
+            rows.iter().map(|r| r.stage.as_str()),
+        )),
+        Arc::new(StringArray::from_iter_values(
+            rows.iter().map(|r| r.metric.as_str()),
+        )),
+        Arc::new(StringArray::from_iter(
+            rows.iter().map(|r| r.label.as_deref()),
+        )),
         Arc::new(Float64Array::from_iter_values(rows.iter().map(|r| r.value))),
     ];
-    RecordBatch::try_new(metrics_schema(), columns).map_err(|e| GraphError::Codec(format!("metrics batch: {e}")))
+    RecordBatch::try_new(metrics_schema(), columns)
+        .map_err(|e| GraphError::Codec(format!("metrics batch: {e}")))
 }
 
 /// Unpacks a batch of [`metrics_schema`].
 pub fn batch_to_rows(batch: &RecordBatch) -> Result<Vec<MetricRow>, GraphError> {
     if batch.schema().fields() != metrics_schema().fields() {
-        return Err(GraphError::Codec(format!("not a metrics batch: schema {:?}", batch.schema())));
+        return Err(GraphError::Codec(format!(
+            "not a metrics batch: schema {:?}",
+            batch.schema()
+        )));
     }
     let step = batch.column(0).as_primitive::<UInt64Type>();
     let worker = batch.column(1).as_primitive::<UInt32Type>();
@@ -166,7 +192,12 @@ pub struct RunReport {
 
 impl RunReport {
     /// Builds the report from metric rows and the run's wall time.
-    pub fn from_metrics(metrics: Vec<MetricRow>, steps: u64, wall_s: f64, peak_in_flight_steps: u64) -> Self {
+    pub fn from_metrics(
+        metrics: Vec<MetricRow>,
+        steps: u64,
+        wall_s: f64,
+        peak_in_flight_steps: u64,
+    ) -> Self {
         let mut stages: BTreeMap<String, StageTotals> = BTreeMap::new();
         let mut stage_workers: BTreeMap<String, std::collections::BTreeSet<u32>> = BTreeMap::new();
         let mut staleness_histogram = BTreeMap::new();
@@ -185,7 +216,10 @@ impl RunReport {
                 continue;
             }
             let totals = stages.entry(row.stage.clone()).or_default();
-            stage_workers.entry(row.stage.clone()).or_default().insert(row.worker);
+            stage_workers
+                .entry(row.stage.clone())
+                .or_default()
+                .insert(row.worker);
             match row.metric.as_str() {
                 names::BUSY_S => totals.busy_s += row.value,
                 names::BATCHES_IN => totals.batches_in += row.value as u64,
@@ -199,13 +233,20 @@ impl RunReport {
             totals.workers = stage_workers.get(stage).map_or(0, |w| w.len() as u64);
             totals.idle_s = (wall_s * totals.workers as f64 - totals.busy_s).max(0.0);
         }
-        let weights_transfer_s_mean =
-            if transfers.is_empty() { 0.0 } else { transfers.iter().sum::<f64>() / transfers.len() as f64 };
+        let weights_transfer_s_mean = if transfers.is_empty() {
+            0.0
+        } else {
+            transfers.iter().sum::<f64>() / transfers.len() as f64
+        };
         let weights_transfer_s_max = transfers.iter().cloned().fold(0.0, f64::max);
         RunReport {
             steps,
             wall_s,
-            steps_per_s: if wall_s > 0.0 { steps as f64 / wall_s } else { 0.0 },
+            steps_per_s: if wall_s > 0.0 {
+                steps as f64 / wall_s
+            } else {
+                0.0
+            },
             stages,
             staleness_histogram,
             peak_in_flight_steps,
@@ -250,7 +291,10 @@ mod tests {
         assert_eq!(gen.workers, 2);
         assert_eq!(gen.idle_s, 17.0);
         assert_eq!(gen.queue_peak, 3);
-        assert_eq!(report.staleness_histogram, BTreeMap::from([(0, 8), (1, 12)]));
+        assert_eq!(
+            report.staleness_histogram,
+            BTreeMap::from([(0, 8), (1, 12)])
+        );
         assert_eq!(report.max_staleness_observed(), Some(1));
         assert_eq!(report.weights_transfer_s_mean, 1.0);
         assert_eq!(report.weights_transfer_s_max, 1.5);
@@ -259,7 +303,9 @@ mod tests {
 
     #[test]
     fn batch_to_rows_rejects_other_schemas() {
-        let other = RecordBatch::try_from_iter([("x", Arc::new(UInt64Array::from(vec![1])) as ArrayRef)]).unwrap();
+        let other =
+            RecordBatch::try_from_iter([("x", Arc::new(UInt64Array::from(vec![1])) as ArrayRef)])
+                .unwrap();
         assert!(batch_to_rows(&other).is_err());
     }
 }

@@ -64,7 +64,9 @@ impl ParquetLog {
         if self.buffered.is_empty() {
             return Ok(());
         }
-        let path = self.dir.join(format!("part-{:04}-{:06}.parquet", self.worker, self.seq));
+        let path = self
+            .dir
+            .join(format!("part-{:04}-{:06}.parquet", self.worker, self.seq));
         write_parquet_atomically(&path, &self.buffered)?;
         self.seq += 1;
         self.buffered.clear();
@@ -110,7 +112,8 @@ pub fn write_parquet_atomically(path: &Path, batches: &[RecordBatch]) -> Result<
     let props = WriterProperties::builder()
         .set_compression(Compression::ZSTD(ZstdLevel::default()))
         .build();
-    let mut writer = ArrowWriter::try_new(file, first.schema(), Some(props)).map_err(|e| GraphError::io(&tmp, e))?;
+    let mut writer = ArrowWriter::try_new(file, first.schema(), Some(props))
+        .map_err(|e| GraphError::io(&tmp, e))?;
     for batch in batches {
         writer.write(batch).map_err(|e| GraphError::io(&tmp, e))?;
     }
@@ -140,7 +143,9 @@ pub fn read_parquet_file(path: &Path) -> Result<Vec<RecordBatch>, GraphError> {
     let reader = ParquetRecordBatchReaderBuilder::try_new(file)
         .and_then(|b| b.build())
         .map_err(|e| GraphError::io(path, e))?;
-    reader.map(|b| b.map_err(|e| GraphError::io(path, e))).collect()
+    reader
+        .map(|b| b.map_err(|e| GraphError::io(path, e)))
+        .collect()
 }
 
 #[cfg(test)]
@@ -150,7 +155,11 @@ mod tests {
     use std::sync::Arc;
 
     fn rows(ids: std::ops::Range<u64>) -> RecordBatch {
-        RecordBatch::try_from_iter([("row_id", Arc::new(UInt64Array::from_iter_values(ids)) as ArrayRef)]).unwrap()
+        RecordBatch::try_from_iter([(
+            "row_id",
+            Arc::new(UInt64Array::from_iter_values(ids)) as ArrayRef,
+        )])
+        .unwrap()
     }
 
     #[test]
@@ -166,12 +175,24 @@ mod tests {
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
             .collect();
-        assert!(names.iter().all(|n| n.starts_with("part-0003-") && n.ends_with(".parquet")), "{names:?}");
+        assert!(
+            names
+                .iter()
+                .all(|n| n.starts_with("part-0003-") && n.ends_with(".parquet")),
+            "{names:?}"
+        );
         assert_eq!(names.len(), 3);
         let back = read_parquet_dir(dir.path()).unwrap();
         let ids: Vec<u64> = back
             .iter()
-            .flat_map(|b| b.column(0).as_any().downcast_ref::<UInt64Array>().unwrap().values().to_vec())
+            .flat_map(|b| {
+                b.column(0)
+                    .as_any()
+                    .downcast_ref::<UInt64Array>()
+                    .unwrap()
+                    .values()
+                    .to_vec()
+            })
             .collect();
         assert_eq!(ids, (0..15).collect::<Vec<_>>());
     }
@@ -181,7 +202,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("a-file");
         std::fs::write(&file, b"x").unwrap();
-        let err = ParquetLog::new(&file.join("sub"), 0, 1).err().unwrap().to_string();
+        let err = ParquetLog::new(&file.join("sub"), 0, 1)
+            .err()
+            .unwrap()
+            .to_string();
         assert!(err.contains("a-file"), "{err}");
     }
 }

@@ -55,10 +55,18 @@ pub struct Router {
 impl Router {
     /// A router from worker `me` to the workers `targets` (non-empty).
     pub fn new(partition: Partition, targets: Vec<usize>, me: usize) -> Self {
-        assert!(!targets.is_empty(), "a router needs a target worker; placement validation guarantees one");
+        assert!(
+            !targets.is_empty(),
+            "a router needs a target worker; placement validation guarantees one"
+        );
         // Start the round-robin at a worker-dependent offset so senders spread.
         let next = me % targets.len();
-        Router { partition, targets, me, next }
+        Router {
+            partition,
+            targets,
+            me,
+            next,
+        }
     }
 
     /// Splits `data` into addressed batches. Empty pieces are not emitted.
@@ -67,28 +75,47 @@ impl Router {
             Partition::RoundRobin => {
                 let dest = self.targets[self.next];
                 self.next = (self.next + 1) % self.targets.len();
-                Ok(vec![Batch { dest: dest as u32, data }])
+                Ok(vec![Batch {
+                    dest: dest as u32,
+                    data,
+                }])
             }
-            Partition::Local => Ok(vec![Batch { dest: self.me as u32, data }]),
+            Partition::Local => Ok(vec![Batch {
+                dest: self.me as u32,
+                data,
+            }]),
             Partition::ByKey(column) => self.route_by_key(data, column, stage),
         }
     }
 
-    fn route_by_key(&self, data: RecordBatch, column: &str, stage: &str) -> Result<Vec<Batch>, GraphError> {
-        let keys = data.column_by_name(column).ok_or_else(|| GraphError::Column {
-            stage: stage.to_string(),
-            column: column.to_string(),
-            problem: "missing (it is this edge's partitioning key)".to_string(),
-        })?;
+    fn route_by_key(
+        &self,
+        data: RecordBatch,
+        column: &str,
+        stage: &str,
+    ) -> Result<Vec<Batch>, GraphError> {
+        let keys = data
+            .column_by_name(column)
+            .ok_or_else(|| GraphError::Column {
+                stage: stage.to_string(),
+                column: column.to_string(),
+                problem: "missing (it is this edge's partitioning key)".to_string(),
+            })?;
         if !is_key_type(keys.data_type()) {
             return Err(GraphError::Column {
                 stage: stage.to_string(),
                 column: column.to_string(),
-                problem: format!("a partitioning key must be an integer or string column, found {}", keys.data_type()),
+                problem: format!(
+                    "a partitioning key must be an integer or string column, found {}",
+                    keys.data_type()
+                ),
             });
         }
         if self.targets.len() == 1 {
-            return Ok(vec![Batch { dest: self.targets[0] as u32, data }]);
+            return Ok(vec![Batch {
+                dest: self.targets[0] as u32,
+                data,
+            }]);
         }
         let mut rows_for: Vec<Vec<u32>> = vec![Vec::new(); self.targets.len()];
         for row in 0..data.num_rows() {
@@ -103,9 +130,13 @@ impl Router {
             let piece = if rows.len() == data.num_rows() {
                 data.clone()
             } else {
-                take_record_batch(&data, &UInt32Array::from(rows)).map_err(|e| GraphError::Codec(e.to_string()))?
+                take_record_batch(&data, &UInt32Array::from(rows))
+                    .map_err(|e| GraphError::Codec(e.to_string()))?
             };
-            out.push(Batch { dest: self.targets[slot] as u32, data: piece });
+            out.push(Batch {
+                dest: self.targets[slot] as u32,
+                data: piece,
+            });
         }
         Ok(out)
     }
@@ -127,9 +158,13 @@ fn key_hash(keys: &dyn Array, row: usize) -> u64 {
     }
     match keys.data_type() {
         DataType::UInt64 => fnv(&keys.as_primitive::<UInt64Type>().value(row).to_le_bytes()),
-        DataType::UInt32 => fnv(&u64::from(keys.as_primitive::<UInt32Type>().value(row)).to_le_bytes()),
+        DataType::UInt32 => {
+            fnv(&u64::from(keys.as_primitive::<UInt32Type>().value(row)).to_le_bytes())
+        }
         DataType::Int64 => fnv(&keys.as_primitive::<Int64Type>().value(row).to_le_bytes()),
-        DataType::Int32 => fnv(&i64::from(keys.as_primitive::<Int32Type>().value(row)).to_le_bytes()),
+        DataType::Int32 => {
+            fnv(&i64::from(keys.as_primitive::<Int32Type>().value(row)).to_le_bytes())
+        }
         DataType::Utf8 => fnv(keys.as_string::<i32>().value(row).as_bytes()),
         DataType::LargeUtf8 => fnv(keys.as_string::<i64>().value(row).as_bytes()),
         other => unreachable!("key type {other} was rejected by is_key_type"),
@@ -137,7 +172,12 @@ fn key_hash(keys: &dyn Array, row: usize) -> u64 {
 }
 
 /// Checks, when a pipeline is built, that a `Local` edge only joins colocated roles.
-pub(crate) fn check_local(partition: &Partition, producers: &[usize], consumers: &[usize], stage: &str) -> Result<(), GraphError> {
+pub(crate) fn check_local(
+    partition: &Partition,
+    producers: &[usize],
+    consumers: &[usize],
+    stage: &str,
+) -> Result<(), GraphError> {
     if *partition == Partition::Local {
         if let Some(w) = producers.iter().find(|w| !consumers.contains(w)) {
             return Err(GraphError::Pipeline(format!(
@@ -151,15 +191,18 @@ pub(crate) fn check_local(partition: &Partition, producers: &[usize], consumers:
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Arc;
     use arrow::array::{ArrayRef, StringArray, UInt64Array};
     use std::collections::HashMap;
+    use std::sync::Arc;
 
     fn groups(ids: Vec<u64>) -> RecordBatch {
         let n = ids.len() as u64;
         RecordBatch::try_from_iter([
             ("group_id", Arc::new(UInt64Array::from(ids)) as ArrayRef),
-            ("row_id", Arc::new(UInt64Array::from((0..n).collect::<Vec<_>>())) as ArrayRef),
+            (
+                "row_id",
+                Arc::new(UInt64Array::from((0..n).collect::<Vec<_>>())) as ArrayRef,
+            ),
         ])
         .unwrap()
     }
@@ -167,7 +210,9 @@ mod tests {
     #[test]
     fn round_robin_cycles_through_targets() {
         let mut r = Router::new(Partition::RoundRobin, vec![4, 5, 6], 0);
-        let dests: Vec<u32> = (0..6).map(|_| r.route(groups(vec![1]), "s").unwrap()[0].dest).collect();
+        let dests: Vec<u32> = (0..6)
+            .map(|_| r.route(groups(vec![1]), "s").unwrap()[0].dest)
+            .collect();
         assert_eq!(dests, vec![4, 5, 6, 4, 5, 6]);
     }
 
@@ -179,16 +224,36 @@ mod tests {
         let mut owner: HashMap<u64, u32> = HashMap::new();
         let mut rows = Vec::new();
         for p in &pieces {
-            let g = p.data.column_by_name("group_id").unwrap().as_primitive::<UInt64Type>();
-            let id = p.data.column_by_name("row_id").unwrap().as_primitive::<UInt64Type>();
+            let g = p
+                .data
+                .column_by_name("group_id")
+                .unwrap()
+                .as_primitive::<UInt64Type>();
+            let id = p
+                .data
+                .column_by_name("row_id")
+                .unwrap()
+                .as_primitive::<UInt64Type>();
             for i in 0..p.data.num_rows() {
-                assert_eq!(*owner.entry(g.value(i)).or_insert(p.dest), p.dest, "group {} split", g.value(i));
+                assert_eq!(
+                    *owner.entry(g.value(i)).or_insert(p.dest),
+                    p.dest,
+                    "group {} split",
+                    g.value(i)
+                );
                 rows.push(id.value(i));
             }
         }
         rows.sort_unstable();
         assert_eq!(rows, (0..200).collect::<Vec<_>>());
-        assert!(owner.values().collect::<std::collections::HashSet<_>>().len() > 1, "all groups on one worker");
+        assert!(
+            owner
+                .values()
+                .collect::<std::collections::HashSet<_>>()
+                .len()
+                > 1,
+            "all groups on one worker"
+        );
     }
 
     #[test]
@@ -202,22 +267,46 @@ mod tests {
         let pieces = r.route(batch, "s").unwrap();
         let with_a: Vec<_> = pieces
             .iter()
-            .filter(|p| p.data.column(0).as_string::<i32>().iter().any(|v| v == Some("a")))
+            .filter(|p| {
+                p.data
+                    .column(0)
+                    .as_string::<i32>()
+                    .iter()
+                    .any(|v| v == Some("a"))
+            })
             .collect();
         assert_eq!(with_a.len(), 1);
-        assert_eq!(with_a[0].data.column(0).as_string::<i32>().iter().filter(|v| *v == Some("a")).count(), 3);
+        assert_eq!(
+            with_a[0]
+                .data
+                .column(0)
+                .as_string::<i32>()
+                .iter()
+                .filter(|v| *v == Some("a"))
+                .count(),
+            3
+        );
     }
 
     #[test]
     fn by_key_names_a_missing_or_unsuitable_column() {
         let mut r = Router::new(Partition::ByKey("nope".into()), vec![0, 1], 0);
-        let err = r.route(groups(vec![1]), "advantage").unwrap_err().to_string();
-        assert!(err.contains("`nope`") && err.contains("`advantage`"), "{err}");
+        let err = r
+            .route(groups(vec![1]), "advantage")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("`nope`") && err.contains("`advantage`"),
+            "{err}"
+        );
     }
 
     #[test]
     fn local_requires_colocation() {
         assert!(check_local(&Partition::Local, &[0, 1], &[0, 1, 2], "s").is_ok());
-        assert!(check_local(&Partition::Local, &[3], &[0, 1], "s").unwrap_err().to_string().contains("worker 3"));
+        assert!(check_local(&Partition::Local, &[3], &[0, 1], "s")
+            .unwrap_err()
+            .to_string()
+            .contains("worker 3"));
     }
 }

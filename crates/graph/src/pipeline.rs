@@ -76,7 +76,11 @@ pub struct Pipeline {
 impl Pipeline {
     /// An empty pipeline called `name`.
     pub fn new(name: &str) -> Self {
-        Pipeline { name: name.to_string(), source: None, nodes: Vec::new() }
+        Pipeline {
+            name: name.to_string(),
+            source: None,
+            nodes: Vec::new(),
+        }
     }
 
     /// The pipeline's name.
@@ -90,8 +94,12 @@ impl Pipeline {
         S: Source + 'static,
         F: Fn(&WorkerInfo) -> Result<S, StageError> + Send + Sync + 'static,
     {
-        let factory: SourceFactory = Arc::new(move |w| factory(w).map(|s| Box::new(s) as Box<dyn Source>));
-        self.source = Some(SourceSpec { role: role.to_string(), factory });
+        let factory: SourceFactory =
+            Arc::new(move |w| factory(w).map(|s| Box::new(s) as Box<dyn Source>));
+        self.source = Some(SourceSpec {
+            role: role.to_string(),
+            factory,
+        });
         self
     }
 
@@ -128,7 +136,12 @@ impl Pipeline {
     /// queue of `capacity` batches, so the worker keeps driving its other
     /// operators while the stage works.
     pub fn offload(mut self, capacity: usize) -> Self {
-        if let Some(Node::Stage(spec)) = self.nodes.iter_mut().rev().find(|n| matches!(n, Node::Stage(_))) {
+        if let Some(Node::Stage(spec)) = self
+            .nodes
+            .iter_mut()
+            .rev()
+            .find(|n| matches!(n, Node::Stage(_)))
+        {
             spec.offload = Some(capacity.max(1));
         }
         self
@@ -140,17 +153,31 @@ impl Pipeline {
         S: Sink + 'static,
         F: Fn(&WorkerInfo) -> Result<S, StageError> + Send + Sync + 'static,
     {
-        let factory: SinkFactory = Arc::new(move |w| factory(w).map(|s| Box::new(s) as Box<dyn Sink>));
-        self.nodes.push(Node::Sink(SinkSpec { name: name.to_string(), role: role.to_string(), partition, factory }));
+        let factory: SinkFactory =
+            Arc::new(move |w| factory(w).map(|s| Box::new(s) as Box<dyn Sink>));
+        self.nodes.push(Node::Sink(SinkSpec {
+            name: name.to_string(),
+            role: role.to_string(),
+            partition,
+            factory,
+        }));
         self
     }
 
-    fn push_stage<S, F>(mut self, name: &str, role: &str, partition: Partition, kind: StageKind, factory: F) -> Self
+    fn push_stage<S, F>(
+        mut self,
+        name: &str,
+        role: &str,
+        partition: Partition,
+        kind: StageKind,
+        factory: F,
+    ) -> Self
     where
         S: Stage + 'static,
         F: Fn(&WorkerInfo) -> Result<S, StageError> + Send + Sync + 'static,
     {
-        let factory: StageFactory = Arc::new(move |w| factory(w).map(|s| Box::new(s) as Box<dyn Stage>));
+        let factory: StageFactory =
+            Arc::new(move |w| factory(w).map(|s| Box::new(s) as Box<dyn Stage>));
         self.nodes.push(Node::Stage(StageSpec {
             name: name.to_string(),
             role: role.to_string(),
@@ -166,10 +193,9 @@ impl Pipeline {
     /// at most one generator and one learner, known roles, valid edges.
     pub fn validate(&self, placement: &Placement) -> Result<(), GraphError> {
         placement.validate()?;
-        let source = self
-            .source
-            .as_ref()
-            .ok_or_else(|| GraphError::Pipeline(format!("pipeline `{}` has no source", self.name)))?;
+        let source = self.source.as_ref().ok_or_else(|| {
+            GraphError::Pipeline(format!("pipeline `{}` has no source", self.name))
+        })?;
         let mut producers = placement.workers(&source.role)?;
         let mut names = BTreeSet::new();
         let (mut generators, mut learners) = (0, 0);
@@ -179,7 +205,9 @@ impl Pipeline {
                 Node::Sink(s) => (&s.name, &s.role, &s.partition),
             };
             if !names.insert(name.clone()) {
-                return Err(GraphError::Pipeline(format!("two stages or sinks are named `{name}`")));
+                return Err(GraphError::Pipeline(format!(
+                    "two stages or sinks are named `{name}`"
+                )));
             }
             let consumers = placement.workers(role)?;
             check_local(partition, &producers, &consumers, name)?;
@@ -198,7 +226,10 @@ impl Pipeline {
             )));
         }
         if !self.nodes.iter().any(|n| matches!(n, Node::Stage(_))) {
-            return Err(GraphError::Pipeline(format!("pipeline `{}` has no stage", self.name)));
+            return Err(GraphError::Pipeline(format!(
+                "pipeline `{}` has no stage",
+                self.name
+            )));
         }
         Ok(())
     }

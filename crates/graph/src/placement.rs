@@ -54,12 +54,20 @@ pub struct Placement {
 impl Placement {
     /// A placement over `workers` workers with no role assigned yet.
     pub fn new(workers: usize) -> Self {
-        Placement { workers, roles: BTreeMap::new(), everywhere: false }
+        Placement {
+            workers,
+            roles: BTreeMap::new(),
+            everywhere: false,
+        }
     }
 
     /// A placement where every role runs on every worker (fully colocated).
     pub fn colocated(workers: usize) -> Self {
-        Placement { workers, roles: BTreeMap::new(), everywhere: true }
+        Placement {
+            workers,
+            roles: BTreeMap::new(),
+            everywhere: true,
+        }
     }
 
     /// Assigns `role` to the given workers (replacing an earlier assignment).
@@ -95,17 +103,25 @@ impl Placement {
 
     /// The roles `worker` hosts.
     pub fn roles_of(&self, worker: usize) -> Vec<&str> {
-        self.roles.iter().filter(|(_, set)| set.contains(&worker)).map(|(role, _)| role.as_str()).collect()
+        self.roles
+            .iter()
+            .filter(|(_, set)| set.contains(&worker))
+            .map(|(role, _)| role.as_str())
+            .collect()
     }
 
     /// Checks that every assigned set is non-empty and inside `0..worker_count`.
     pub fn validate(&self) -> Result<(), GraphError> {
         if self.workers == 0 {
-            return Err(GraphError::Pipeline("a placement needs at least one worker".into()));
+            return Err(GraphError::Pipeline(
+                "a placement needs at least one worker".into(),
+            ));
         }
         for (role, set) in &self.roles {
             if set.is_empty() {
-                return Err(GraphError::Pipeline(format!("role `{role}` is assigned to no worker")));
+                return Err(GraphError::Pipeline(format!(
+                    "role `{role}` is assigned to no worker"
+                )));
             }
             if let Some(bad) = set.iter().find(|&&w| w >= self.workers) {
                 return Err(GraphError::Pipeline(format!(
@@ -121,14 +137,16 @@ impl Placement {
     pub fn parse(workers: usize, text: &str) -> Result<Self, GraphError> {
         let mut placement = Placement::colocated(workers);
         for part in text.split(';').map(str::trim).filter(|p| !p.is_empty()) {
-            let (role, list) = part
-                .split_once('=')
-                .ok_or_else(|| GraphError::Pipeline(format!("placement entry `{part}` is not `role=workers`")))?;
+            let (role, list) = part.split_once('=').ok_or_else(|| {
+                GraphError::Pipeline(format!("placement entry `{part}` is not `role=workers`"))
+            })?;
             let mut set = Vec::new();
             for item in list.split(',').map(str::trim).filter(|i| !i.is_empty()) {
                 let parse = |s: &str| {
                     s.trim().parse::<usize>().map_err(|_| {
-                        GraphError::Pipeline(format!("placement entry `{part}`: `{s}` is not a worker index"))
+                        GraphError::Pipeline(format!(
+                            "placement entry `{part}`: `{s}` is not a worker index"
+                        ))
                     })
                 };
                 match item.split_once('-') {
@@ -155,9 +173,17 @@ mod tests {
 
     #[test]
     fn validate_rejects_out_of_range_workers() {
-        let err = Placement::new(2).assign("train", [2]).validate().unwrap_err().to_string();
+        let err = Placement::new(2)
+            .assign("train", [2])
+            .validate()
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("worker 2") && err.contains("train"), "{err}");
-        let err = Placement::new(2).assign("train", []).validate().unwrap_err().to_string();
+        let err = Placement::new(2)
+            .assign("train", [])
+            .validate()
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("no worker"), "{err}");
     }
 
@@ -167,7 +193,10 @@ mod tests {
         assert_eq!(p.workers("rollout").unwrap(), &[0, 1, 2]);
         assert_eq!(p.workers("train").unwrap(), &[3]);
         assert_eq!(p.roles_of(3), vec!["train"]);
-        assert!(Placement::parse(4, "rollout=x").unwrap_err().to_string().contains("`x`"));
+        assert!(Placement::parse(4, "rollout=x")
+            .unwrap_err()
+            .to_string()
+            .contains("`x`"));
         assert!(Placement::parse(4, "rollout").is_err());
     }
 }

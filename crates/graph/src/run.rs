@@ -20,22 +20,24 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use timely::communication::Config as CommunicationConfig;
-use timely::dataflow::channels::pact::Pipeline as LocalPact;
+use timely::dataflow::channels::pact::{Exchange, Pipeline as LocalPact};
 use timely::dataflow::operators::vec::Broadcast;
 use timely::dataflow::operators::{Concatenate, ConnectLoop, Input, Operator, Probe};
 use timely::dataflow::{InputHandle, ProbeHandle, Scope};
 use timely::worker::Worker;
 use timely::WorkerConfig;
 
-use crate::engine_thread::StageKind;
-use crate::error::panic_message;
-use crate::metrics::{batch_to_rows, MetricRow};
-use crate::pipeline::Node;
-use crate::stage::{Sink, SourceContext, WorkerInfo};
-use crate::stage_op::{stage_operator, StageOpConfig};
 use crate::edges::{route, sink_operator};
+use crate::engine_thread::StageKind;
+use crate::error::{call_user, panic_message};
+use crate::metrics::MetricRow;
+use crate::pipeline::Node;
+use crate::stage::{SourceContext, WorkerInfo};
+use crate::stage_op::{stage_operator, StageOpConfig};
 use crate::weights_edge::{weights_edge, InlineTransport, WeightsTransport};
-use crate::{Admission, Batch, GraphError, Pipeline, Placement, PolicyVersion, RunReport, Router, StageError, Step};
+use crate::{
+    Admission, Batch, GraphError, Pipeline, Placement, PolicyVersion, Router, RunReport, Step,
+};
 
 /// How many workers, and where.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -56,12 +58,21 @@ pub enum Execution {
 impl Execution {
     /// A cluster of `processes` processes: addresses from `hostfile` (one
     /// `host:port` per line), or `localhost:2101..` when `None`.
-    pub fn cluster(threads: usize, processes: usize, process: usize, hostfile: Option<&Path>) -> Result<Self, GraphError> {
+    pub fn cluster(
+        threads: usize,
+        processes: usize,
+        process: usize,
+        hostfile: Option<&Path>,
+    ) -> Result<Self, GraphError> {
         if processes == 0 || threads == 0 {
-            return Err(GraphError::Execution("processes and threads must be at least 1".into()));
+            return Err(GraphError::Execution(
+                "processes and threads must be at least 1".into(),
+            ));
         }
         if process >= processes {
-            return Err(GraphError::Execution(format!("process id {process} is not below the process count {processes}")));
+            return Err(GraphError::Execution(format!(
+                "process id {process} is not below the process count {processes}"
+            )));
         }
         if processes == 1 {
             return Ok(Execution::Threads(threads));
@@ -69,10 +80,18 @@ impl Execution {
         let hosts: Vec<String> = match hostfile {
             Some(path) => {
                 let text = std::fs::read_to_string(path).map_err(|e| GraphError::io(path, e))?;
-                let hosts: Vec<String> =
-                    text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')).map(String::from).collect();
+                let hosts: Vec<String> = text
+                    .lines()
+                    .map(str::trim)
+                    .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                    .map(String::from)
+                    .collect();
                 if let Some((i, bad)) = hosts.iter().enumerate().find(|(_, h)| !h.contains(':')) {
-                    return Err(GraphError::Execution(format!("{}: line {}: `{bad}` is not host:port", path.display(), i + 1)));
+                    return Err(GraphError::Execution(format!(
+                        "{}: line {}: `{bad}` is not host:port",
+                        path.display(),
+                        i + 1
+                    )));
                 }
                 if hosts.len() < processes {
                     return Err(GraphError::Execution(format!(
@@ -83,9 +102,15 @@ impl Execution {
                 }
                 hosts.into_iter().take(processes).collect()
             }
-            None => (0..processes).map(|i| format!("localhost:{}", 2101 + i)).collect(),
+            None => (0..processes)
+                .map(|i| format!("localhost:{}", 2101 + i))
+                .collect(),
         };
-        Ok(Execution::Cluster { threads, process, hosts })
+        Ok(Execution::Cluster {
+            threads,
+            process,
+            hosts,
+        })
     }
 
     /// Total workers over all processes.
@@ -122,7 +147,11 @@ impl Execution {
         match self {
             Execution::Threads(0 | 1) => CommunicationConfig::Thread,
             Execution::Threads(n) => CommunicationConfig::Process(*n),
-            Execution::Cluster { threads, process, hosts } => CommunicationConfig::Cluster {
+            Execution::Cluster {
+                threads,
+                process,
+                hosts,
+            } => CommunicationConfig::Cluster {
                 threads: *threads,
                 process: *process,
                 addresses: hosts.clone(),
@@ -245,7 +274,12 @@ impl RunShared {
     /// The first peer silent for longer than `timeout`, if any.
     fn silent_peer(&self, me: usize, timeout: Duration) -> Option<(usize, Duration)> {
         let heard = self.last_heard.lock().unwrap_or_else(|p| p.into_inner());
-        heard.iter().enumerate().filter(|(p, _)| *p != me).map(|(p, t)| (p, t.elapsed())).find(|(_, e)| *e > timeout)
+        heard
+            .iter()
+            .enumerate()
+            .filter(|(p, _)| *p != me)
+            .map(|(p, t)| (p, t.elapsed()))
+            .find(|(_, e)| *e > timeout)
     }
 }
 
@@ -289,7 +323,9 @@ const FAILURE_GRACE: Duration = Duration::from_millis(300);
 pub fn run(pipeline: &Pipeline, settings: &RunSettings) -> Result<RunReport, GraphError> {
     let workers = settings.execution.total_workers();
     if workers == 0 {
-        return Err(GraphError::Execution("at least one worker is needed".into()));
+        return Err(GraphError::Execution(
+            "at least one worker is needed".into(),
+        ));
     }
     if settings.placement.worker_count() != workers {
         return Err(GraphError::Execution(format!(
@@ -308,7 +344,9 @@ pub fn run(pipeline: &Pipeline, settings: &RunSettings) -> Result<RunReport, Gra
     let guards = {
         let (pipeline, settings, shared) = (pipeline.clone(), settings.clone(), shared.clone());
         timely::execute::execute_from(builders, others, WorkerConfig::default(), move |worker| {
-            let outcome = catch_unwind(AssertUnwindSafe(|| drive_worker(worker, &pipeline, &settings, &shared)));
+            let outcome = catch_unwind(AssertUnwindSafe(|| {
+                drive_worker(worker, &pipeline, &settings, &shared)
+            }));
             let outcome = match outcome {
                 Ok(result) => result,
                 Err(payload) => Err(runtime_panic(&panic_message(payload.as_ref()))),
@@ -351,17 +389,23 @@ pub fn run(pipeline: &Pipeline, settings: &RunSettings) -> Result<RunReport, Gra
         // Join in the background: with a live peer this ends at once; with a
         // hung one it never does, and the run must not wait for it.
         let (done_tx, done_rx) = std::sync::mpsc::channel();
-        let _ = std::thread::Builder::new().name("weir:join".into()).spawn(move || {
-            let _ = catch_unwind(AssertUnwindSafe(|| guards.join()));
-            let _ = done_tx.send(());
-        });
+        let _ = std::thread::Builder::new()
+            .name("weir:join".into())
+            .spawn(move || {
+                let _ = catch_unwind(AssertUnwindSafe(|| guards.join()));
+                let _ = done_tx.send(());
+            });
         let _ = done_rx.recv_timeout(FAILURE_GRACE * 3);
         return Err(err);
     }
     // A connection that broke after the last step makes join panic: a lost peer.
-    catch_unwind(AssertUnwindSafe(|| guards.join())).map_err(|payload| runtime_panic(&panic_message(payload.as_ref())))?;
+    catch_unwind(AssertUnwindSafe(|| guards.join()))
+        .map_err(|payload| runtime_panic(&panic_message(payload.as_ref())))?;
     if outcomes.len() < local_workers {
-        return Err(GraphError::Runtime(format!("{} of {local_workers} workers ended without a result", local_workers - outcomes.len())));
+        return Err(GraphError::Runtime(format!(
+            "{} of {local_workers} workers ended without a result",
+            local_workers - outcomes.len()
+        )));
     }
     let mut steps = 0;
     let mut peak = 0;
@@ -384,13 +428,19 @@ pub fn run(pipeline: &Pipeline, settings: &RunSettings) -> Result<RunReport, Gra
 /// A panic that reached the driver: a broken connection to a peer, or a bug.
 fn runtime_panic(message: &str) -> GraphError {
     if is_network_panic(message) {
-        GraphError::PeerLost { peer: "a peer process".into(), reason: format!("connection broken ({message})") }
+        GraphError::PeerLost {
+            peer: "a peer process".into(),
+            reason: format!("connection broken ({message})"),
+        }
     } else {
         GraphError::Runtime(format!("worker panicked: {message}"))
     }
 }
 
-type Allocators = (Vec<timely::communication::allocator::AllocatorBuilder>, Box<dyn std::any::Any + Send>);
+type Allocators = (
+    Vec<timely::communication::allocator::AllocatorBuilder>,
+    Box<dyn std::any::Any + Send>,
+);
 
 /// Builds timely's allocators, giving up when peers do not connect within `timeout`.
 fn connect(execution: &Execution, timeout: Duration) -> Result<Allocators, GraphError> {
@@ -416,7 +466,14 @@ fn connect(execution: &Execution, timeout: Duration) -> Result<Allocators, Graph
 
 /// True for the panics timely raises when a connection to a peer breaks.
 fn is_network_panic(message: &str) -> bool {
-    ["timely communication error", "MergeQueue poisoned", "Send thread panic", "Recv thread panic"].iter().any(|m| message.contains(m))
+    [
+        "timely communication error",
+        "MergeQueue poisoned",
+        "Send thread panic",
+        "Recv thread panic",
+    ]
+    .iter()
+    .any(|m| message.contains(m))
 }
 
 /// Filters timely's network-thread panic messages from stderr: the run turns
@@ -436,54 +493,97 @@ fn quiet_network_panics() {
 }
 
 /// Builds the dataflow on this worker and drives it to completion.
-fn drive_worker(worker: &mut Worker, pipeline: &Pipeline, settings: &RunSettings, shared: &Arc<RunShared>) -> Result<WorkerOutcome, GraphError> {
+fn drive_worker(
+    worker: &mut Worker,
+    pipeline: &Pipeline,
+    settings: &RunSettings,
+    shared: &Arc<RunShared>,
+) -> Result<WorkerOutcome, GraphError> {
     let index = worker.index();
     let process = settings.execution.process();
-    let env = OperatorEnv { shared: shared.clone(), outbox: Rc::new(RefCell::new(Vec::new())), index, peers: worker.peers(), process };
+    let env = OperatorEnv {
+        shared: shared.clone(),
+        outbox: Rc::new(RefCell::new(Vec::new())),
+        index,
+        peers: worker.peers(),
+        process,
+    };
     let metrics_worker = 0;
     let collected: Rc<RefCell<Vec<MetricRow>>> = Rc::new(RefCell::new(Vec::new()));
 
-    let mut input = InputHandle::<Step, timely::container::CapacityContainerBuilder<Vec<Batch>>>::new();
-    let mut control = InputHandle::<Step, timely::container::CapacityContainerBuilder<Vec<Control>>>::new();
+    let mut input =
+        InputHandle::<Step, timely::container::CapacityContainerBuilder<Vec<Batch>>>::new();
+    let mut control =
+        InputHandle::<Step, timely::container::CapacityContainerBuilder<Vec<Control>>>::new();
     let probe = ProbeHandle::<Step>::new();
     let dataflow = worker.next_dataflow_index();
     worker.dataflow::<Step, _, _>(|scope| {
-        build_dataflow(scope, pipeline, settings, &env, &mut input, &probe, metrics_worker, &collected)?;
+        build_dataflow(
+            scope,
+            pipeline,
+            settings,
+            &env,
+            &mut input,
+            &probe,
+            metrics_worker,
+            &collected,
+        )?;
         let shared = shared.clone();
-        scope.input_from(&mut control).broadcast().sink(LocalPact, "Control", move |(input, _)| {
-            input.for_each(|_, data| {
-                for message in data.drain(..) {
-                    match message {
-                        Control::Heartbeat { process } => shared.heard_from(process),
-                        Control::Failed { process, error } => {
-                            shared.heard_from(process);
-                            shared.record(error);
+        scope
+            .input_from(&mut control)
+            .broadcast()
+            .sink(LocalPact, "Control", move |(input, _)| {
+                input.for_each(|_, data| {
+                    for message in data.drain(..) {
+                        match message {
+                            Control::Heartbeat { process } => shared.heard_from(process),
+                            Control::Failed { process, error } => {
+                                shared.heard_from(process);
+                                shared.record(error);
+                            }
                         }
                     }
-                }
+                });
             });
-        });
         Ok::<(), GraphError>(())
     })?;
 
-    let source_spec = pipeline.source.as_ref().expect("validated: the pipeline has a source");
+    let source_spec = pipeline
+        .source
+        .as_ref()
+        .expect("validated: the pipeline has a source");
     let source_workers = settings.placement.workers(&source_spec.role)?;
     let mut source = None;
     if let Some(rank) = source_workers.iter().position(|&w| w == index) {
-        let info = WorkerInfo { index, peers: worker.peers(), process, rank, role_size: source_workers.len() };
-        match guarded_source(|| (source_spec.factory)(&info)) {
+        let info = WorkerInfo {
+            index,
+            peers: worker.peers(),
+            process,
+            rank,
+            role_size: source_workers.len(),
+        };
+        match call_user(|| (source_spec.factory)(&info)) {
             Ok(s) => source = Some((s, info)),
-            Err(message) => env.fail(GraphError::Stage { stage: "source".into(), step: None, worker: index, message }),
+            Err(message) => env.fail(GraphError::Stage {
+                stage: "source".into(),
+                step: None,
+                worker: index,
+                message,
+            }),
         }
     }
     let mut input = Some(input);
-    input.as_mut().expect("just set").advance_to(settings.first_step);
+    input
+        .as_mut()
+        .expect("just set")
+        .advance_to(settings.first_step);
     if source.is_none() {
         input = None;
     }
 
     let mut admission = Admission::new(settings.first_step, settings.steps, settings.max_staleness);
-    let heartbeat_every = (settings.peer_timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
+    let heartbeat_every =
+        (settings.peer_timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
     let mut last_heartbeat: Option<Instant> = None;
     let mut failure: Option<(GraphError, Instant)> = None;
 
@@ -493,7 +593,9 @@ fn drive_worker(worker: &mut Worker, pipeline: &Pipeline, settings: &RunSettings
             control.send(Control::Failed { process, error });
         }
         if env.aborted() {
-            let error = shared.error().unwrap_or_else(|| GraphError::Runtime("aborted".into()));
+            let error = shared
+                .error()
+                .unwrap_or_else(|| GraphError::Runtime("aborted".into()));
             let since = failure.get_or_insert_with(|| (error, Instant::now())).1;
             control.flush();
             if since.elapsed() >= FAILURE_GRACE {
@@ -506,7 +608,11 @@ fn drive_worker(worker: &mut Worker, pipeline: &Pipeline, settings: &RunSettings
             if let Some((peer, silent)) = shared.silent_peer(process, settings.peer_timeout) {
                 env.fail(GraphError::PeerLost {
                     peer: format!("process {peer}"),
-                    reason: format!("no heartbeat for {:.1} s (peer timeout {:.1} s)", silent.as_secs_f64(), settings.peer_timeout.as_secs_f64()),
+                    reason: format!(
+                        "no heartbeat for {:.1} s (peer timeout {:.1} s)",
+                        silent.as_secs_f64(),
+                        settings.peer_timeout.as_secs_f64()
+                    ),
                 });
                 continue;
             }
@@ -523,17 +629,28 @@ fn drive_worker(worker: &mut Worker, pipeline: &Pipeline, settings: &RunSettings
                 input = None;
             } else if admission.may_admit(first_incomplete) {
                 let step = admission.next_step();
-                let ctx = SourceContext { step, worker: *info };
-                match guarded_source(|| src.next_step(&ctx)) {
+                let ctx = SourceContext {
+                    step,
+                    worker: *info,
+                };
+                match call_user(|| src.next_step(&ctx)) {
                     Ok(Some(batches)) => {
                         admission.admit(first_incomplete);
                         for data in batches {
-                            handle.send(Batch { dest: index as u32, data });
+                            handle.send(Batch {
+                                dest: index as u32,
+                                data,
+                            });
                         }
                         handle.advance_to(step + 1);
                     }
                     Ok(None) => input = None,
-                    Err(message) => env.fail(GraphError::Stage { stage: "source".into(), step: Some(step), worker: index, message }),
+                    Err(message) => env.fail(GraphError::Stage {
+                        stage: "source".into(),
+                        step: Some(step),
+                        worker: index,
+                        message,
+                    }),
                 }
                 continue;
             }
@@ -558,7 +675,10 @@ fn drive_worker(worker: &mut Worker, pipeline: &Pipeline, settings: &RunSettings
         if env.aborted() || Instant::now() > deadline {
             let error = shared.error().unwrap_or_else(|| GraphError::PeerLost {
                 peer: "some peer process".into(),
-                reason: format!("did not finish within {:.0} s of this process finishing", settings.peer_timeout.as_secs_f64()),
+                reason: format!(
+                    "did not finish within {:.0} s of this process finishing",
+                    settings.peer_timeout.as_secs_f64()
+                ),
             });
             worker.drop_dataflow(dataflow);
             return Err(error);
@@ -567,7 +687,11 @@ fn drive_worker(worker: &mut Worker, pipeline: &Pipeline, settings: &RunSettings
     }
     let steps = admission.next_step() - settings.first_step;
     let metrics = std::mem::take(&mut *collected.borrow_mut());
-    Ok(WorkerOutcome { steps, peak_in_flight: admission.peak_in_flight(), metrics })
+    Ok(WorkerOutcome {
+        steps,
+        peak_in_flight: admission.peak_in_flight(),
+        metrics,
+    })
 }
 
 /// Builds the chain: route → stage for every stage, sinks where declared,
@@ -603,8 +727,15 @@ fn build_dataflow<'scope>(
         match node {
             Node::Stage(spec) => {
                 let workers = placement.workers(&spec.role)?;
-                let routed = route(stream, &spec.name, Router::new(spec.partition.clone(), workers.clone(), index), env.clone());
-                let weights = (spec.kind == StageKind::Generate).then(|| weights_stream.take()).flatten();
+                let routed = route(
+                    stream,
+                    &spec.name,
+                    Router::new(spec.partition.clone(), workers.clone(), index),
+                    env.clone(),
+                );
+                let weights = (spec.kind == StageKind::Generate)
+                    .then(|| weights_stream.take())
+                    .flatten();
                 let cfg = StageOpConfig {
                     name: spec.name.clone(),
                     kind: spec.kind,
@@ -616,7 +747,6 @@ fn build_dataflow<'scope>(
                     max_staleness: settings.max_staleness,
                     transport: settings.transport.clone(),
                     generators: generators.clone(),
-                    metrics_worker,
                 };
                 let out = stage_operator(routed, weights, cfg, env.clone());
                 metric_streams.push(out.metrics);
@@ -629,14 +759,30 @@ fn build_dataflow<'scope>(
             }
             Node::Sink(spec) => {
                 let workers = placement.workers(&spec.role)?;
-                let routed = route(stream.clone(), &spec.name, Router::new(spec.partition.clone(), workers.clone(), index), env.clone());
+                let routed = route(
+                    stream.clone(),
+                    &spec.name,
+                    Router::new(spec.partition.clone(), workers.clone(), index),
+                    env.clone(),
+                );
                 let sink = match workers.iter().position(|&w| w == index) {
                     Some(rank) => {
-                        let info = WorkerInfo { index, peers: env.peers, process: env.process, rank, role_size: workers.len() };
-                        match guarded_source(|| (spec.factory)(&info)) {
+                        let info = WorkerInfo {
+                            index,
+                            peers: env.peers,
+                            process: env.process,
+                            rank,
+                            role_size: workers.len(),
+                        };
+                        match call_user(|| (spec.factory)(&info)) {
                             Ok(sink) => Some(sink),
                             Err(message) => {
-                                env.fail(GraphError::Stage { stage: spec.name.clone(), step: None, worker: index, message });
+                                env.fail(GraphError::Stage {
+                                    stage: spec.name.clone(),
+                                    step: None,
+                                    worker: index,
+                                    message,
+                                });
                                 None
                             }
                         }
@@ -649,30 +795,21 @@ fn build_dataflow<'scope>(
     }
     if let Some(handle) = weights_handle.take() {
         // No learner: the weights edge carries nothing, but timely needs it closed.
-        timely::dataflow::operators::generic::operator::empty::<Step, Vec<crate::WeightsMessage>>(scope).connect_loop(handle);
+        timely::dataflow::operators::generic::operator::empty::<Step, Vec<crate::WeightsMessage>>(
+            scope,
+        )
+        .connect_loop(handle);
     }
     stream.probe_with(probe);
 
-    let collector: Option<Box<dyn Sink>> = (index == metrics_worker).then(|| Box::new(MetricsCollector(collected.clone())) as Box<dyn Sink>);
-    sink_operator(scope.concatenate(metric_streams), "metrics", collector, env.clone());
+    // Every metric row goes to the metrics worker, which keeps them for the report.
+    let collected = collected.clone();
+    scope.concatenate(metric_streams).sink(
+        Exchange::new(move |_: &MetricRow| metrics_worker as u64),
+        "Metrics",
+        move |(input, _)| {
+            input.for_each(|_, rows| collected.borrow_mut().append(rows));
+        },
+    );
     Ok(())
-}
-
-/// Keeps the metric rows that reach the metrics worker.
-struct MetricsCollector(Rc<RefCell<Vec<MetricRow>>>);
-
-impl Sink for MetricsCollector {
-    fn write(&mut self, _step: Step, batch: &arrow::array::RecordBatch) -> Result<(), StageError> {
-        self.0.borrow_mut().extend(batch_to_rows(batch)?);
-        Ok(())
-    }
-}
-
-/// Calls a factory or source, turning an error or a panic into a message.
-fn guarded_source<R>(call: impl FnOnce() -> Result<R, StageError>) -> Result<R, String> {
-    match catch_unwind(AssertUnwindSafe(call)) {
-        Ok(Ok(value)) => Ok(value),
-        Ok(Err(err)) => Err(err.to_string()),
-        Err(payload) => Err(format!("panicked: {}", panic_message(payload.as_ref()))),
-    }
 }

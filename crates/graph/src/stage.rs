@@ -41,8 +41,19 @@ pub struct StepContext {
 }
 
 impl StepContext {
-    pub(crate) fn new(step: Step, worker: WorkerInfo, version: PolicyVersion, may_publish: bool) -> Self {
-        StepContext { step, worker, version, published: None, may_publish }
+    pub(crate) fn new(
+        step: Step,
+        worker: WorkerInfo,
+        version: PolicyVersion,
+        may_publish: bool,
+    ) -> Self {
+        StepContext {
+            step,
+            worker,
+            version,
+            published: None,
+            may_publish,
+        }
     }
 
     /// True in a learner's `end_step`, where [`StepContext::publish_weights`] may be called.
@@ -76,7 +87,11 @@ impl StepContext {
 /// batches only after `end_step` of every earlier step.
 pub trait Stage {
     /// Processes one batch of `ctx.step`; returns the batches to send on.
-    fn process(&mut self, ctx: &mut StepContext, batch: RecordBatch) -> Result<Vec<RecordBatch>, StageError>;
+    fn process(
+        &mut self,
+        ctx: &mut StepContext,
+        batch: RecordBatch,
+    ) -> Result<Vec<RecordBatch>, StageError>;
 
     /// Called once per step when the step is complete at this worker;
     /// returns batches to send on (a learner's consumed rows, a reduction…).
@@ -87,7 +102,11 @@ pub trait Stage {
 
     /// Loads new policy weights; called on generator stages before the first
     /// batch processed with `version`.
-    fn load_weights(&mut self, version: PolicyVersion, weights: &WeightsPayload) -> Result<(), StageError> {
+    fn load_weights(
+        &mut self,
+        version: PolicyVersion,
+        weights: &WeightsPayload,
+    ) -> Result<(), StageError> {
         let _ = (version, weights);
         Err("this stage does not take weights".into())
     }
@@ -126,8 +145,11 @@ pub trait Sink {
 }
 
 /// Builds a stage instance on its worker.
-pub type StageFactory = std::sync::Arc<dyn Fn(&WorkerInfo) -> Result<Box<dyn Stage>, StageError> + Send + Sync>;
+pub type StageFactory =
+    std::sync::Arc<dyn Fn(&WorkerInfo) -> Result<Box<dyn Stage>, StageError> + Send + Sync>;
 /// Builds a source instance on its worker.
-pub type SourceFactory = std::sync::Arc<dyn Fn(&WorkerInfo) -> Result<Box<dyn Source>, StageError> + Send + Sync>;
+pub type SourceFactory =
+    std::sync::Arc<dyn Fn(&WorkerInfo) -> Result<Box<dyn Source>, StageError> + Send + Sync>;
 /// Builds a sink instance on its worker.
-pub type SinkFactory = std::sync::Arc<dyn Fn(&WorkerInfo) -> Result<Box<dyn Sink>, StageError> + Send + Sync>;
+pub type SinkFactory =
+    std::sync::Arc<dyn Fn(&WorkerInfo) -> Result<Box<dyn Sink>, StageError> + Send + Sync>;

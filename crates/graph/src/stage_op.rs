@@ -14,6 +14,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use arrow::array::RecordBatch;
 use timely::dataflow::channels::pact::Exchange;
@@ -24,11 +25,14 @@ use timely::dataflow::Stream;
 use timely::progress::frontier::{Antichain, MutableAntichain};
 
 use crate::engine_thread::{Done, Executor, Job, StageKind, StageRunner};
-use crate::metrics::{names, rows_to_batch, MetricRow};
+use crate::metrics::{names, MetricRow};
 use crate::run::OperatorEnv;
 use crate::stage::{StageFactory, WorkerInfo};
 use crate::weights_edge::{now_ns, WeightsMessage, WeightsTransport};
 use crate::{Batch, PolicyVersion, Step};
+
+/// How long an inline stage may keep running queued jobs in one activation.
+const INLINE_SLICE: Duration = Duration::from_millis(1);
 
 /// Everything the operator needs to know about its stage.
 #[derive(Clone)]
@@ -44,14 +48,12 @@ pub(crate) struct StageOpConfig {
     pub transport: Arc<dyn WeightsTransport>,
     /// Workers that receive this learner's weights.
     pub generators: Vec<usize>,
-    /// The worker that collects metric rows.
-    pub metrics_worker: usize,
 }
 
 /// The streams a stage operator produces.
 pub(crate) struct StageStreams<'scope> {
     pub data: Stream<'scope, Step, Vec<Batch>>,
-    pub metrics: Stream<'scope, Step, Vec<Batch>>,
+    pub metrics: Stream<'scope, Step, Vec<MetricRow>>,
     pub weights: Option<Stream<'scope, Step, Vec<WeightsMessage>>>,
 }
 
@@ -66,14 +68,20 @@ pub(crate) fn stage_operator<'scope>(
     let mut builder = OperatorBuilder::new(format!("Stage({})", cfg.name), scope);
     let mut data_in = builder.new_input(input, Exchange::new(|b: &Batch| u64::from(b.dest)));
     let (data_out, data) = builder.new_output::<Vec<Batch>>();
-    let (metrics_out, metrics) = builder.new_output::<Vec<Batch>>();
+    let (metrics_out, metrics) = builder.new_output::<Vec<MetricRow>>();
     let (weights_out, weights_stream) = builder.new_output::<Vec<WeightsMessage>>();
     // The weights input gates when batches may be processed but produces no
     // output itself: it is connected to no output. Were it connected, the
     // learner's capabilities would flow around the cycle into its own input
     // frontier and the loop would never drain.
     let no_outputs: Vec<(usize, Antichain<Step>)> = Vec::new();
-    let mut weights_in = weights.map(|w| builder.new_input_connection(w, Exchange::new(|m: &WeightsMessage| u64::from(m.dest)), no_outputs));
+    let mut weights_in = weights.map(|w| {
+        builder.new_input_connection(
+            w,
+            Exchange::new(|m: &WeightsMessage| u64::from(m.dest)),
+            no_outputs,
+        )
+    });
     let mut data_out = OutputBuilder::from(data_out);
     let mut metrics_out = OutputBuilder::from(metrics_out);
     let mut weights_out = OutputBuilder::from(weights_out);
@@ -144,56 +152,106 @@ pub(crate) fn stage_operator<'scope>(
                         cap.downgrade(&state.next_end);
                     }
                 }
-                None if state.pending.is_empty() && state.max_seen.is_none_or(|m| state.next_end > m) => caps.clear(),
+                None if state.pending.is_empty()
+                    && state.max_seen.is_none_or(|m| state.next_end > m) =>
+                {
+                    caps.clear()
+                }
                 None => {}
             }
 
-            let executor = state.executor.as_mut().expect("checked above: this worker hosts the stage");
-            while let Some(job) = state.jobs.pop() {
-                if let Err(job) = executor.try_submit(job) {
-                    state.jobs.push_front(job);
-                    break;
-                }
-            }
-            let depth = state.pending.values().map(VecDeque::len).sum::<usize>() + state.jobs.len() + executor.in_flight();
-            let results = executor.poll();
-            if !state.jobs.is_empty() && matches!(executor, Executor::Inline { .. }) {
-                // Inline stages run one job per activation: come back for the next.
-                reschedule.activate();
-            }
-            state.queue_peak = state.queue_peak.max(depth as u64);
-
+            let executor = state
+                .executor
+                .as_mut()
+                .expect("checked above: this worker hosts the stage");
+            let inline = matches!(executor, Executor::Inline { .. });
             let mut data_session = data_out.activate();
             let mut metrics_session = metrics_out.activate();
             let mut weights_session = weights_out.activate();
-            for done in results {
-                match done {
-                    Done::Output { step, batches } => {
-                        let cap = match state.ending.get(&step) {
-                            Some(held) => held[0].clone(),
-                            None => caps[0].delayed(&step),
-                        };
-                        data_session.session(&cap).give_iterator(batches.into_iter().map(|data| Batch { dest: me as u32, data }));
+            let started = Instant::now();
+            let mut ended_a_step = false;
+            loop {
+                while let Some(job) = state.jobs.pop() {
+                    if let Err(job) = executor.try_submit(job) {
+                        state.jobs.push_front(job);
+                        break;
                     }
-                    Done::Ended { step, batches, published, mut metrics } => {
-                        let Some(held) = state.ending.remove(&step) else { continue };
-                        data_session.session(&held[0]).give_iterator(batches.into_iter().map(|data| Batch { dest: me as u32, data }));
-                        metrics.push(MetricRow::new(step, me as u32, &cfg.name, names::QUEUE_PEAK, None, state.queue_peak as f64));
-                        state.queue_peak = depth as u64;
-                        match rows_to_batch(&metrics) {
-                            Ok(data) => metrics_session.session(&held[1]).give(Batch { dest: cfg.metrics_worker as u32, data }),
-                            Err(err) => env.fail(err),
+                }
+                let depth = state.pending.values().map(VecDeque::len).sum::<usize>()
+                    + state.jobs.len()
+                    + executor.in_flight();
+                state.queue_peak = state.queue_peak.max(depth as u64);
+                for done in executor.poll() {
+                    match done {
+                        Done::Output { step, batches } => {
+                            let cap = match state.ending.get(&step) {
+                                Some(held) => held[0].clone(),
+                                None => caps[0].delayed(&step),
+                            };
+                            data_session
+                                .session(&cap)
+                                .give_iterator(batches.into_iter().map(|data| Batch {
+                                    dest: me as u32,
+                                    data,
+                                }));
                         }
-                        if let Some((version, body)) = published {
-                            let sent_at_ns = now_ns();
-                            let mut session = weights_session.session(&held[2]);
-                            for &dest in &cfg.generators {
-                                session.give(WeightsMessage { dest: dest as u32, version, step, sent_at_ns, body: body.clone() });
+                        Done::Ended {
+                            step,
+                            batches,
+                            published,
+                            mut metrics,
+                        } => {
+                            ended_a_step = true;
+                            let Some(held) = state.ending.remove(&step) else {
+                                continue;
+                            };
+                            data_session
+                                .session(&held[0])
+                                .give_iterator(batches.into_iter().map(|data| Batch {
+                                    dest: me as u32,
+                                    data,
+                                }));
+                            metrics.push(MetricRow::new(
+                                step,
+                                me as u32,
+                                &cfg.name,
+                                names::QUEUE_PEAK,
+                                None,
+                                state.queue_peak as f64,
+                            ));
+                            state.queue_peak = depth as u64;
+                            metrics_session
+                                .session(&held[1])
+                                .give_iterator(metrics.into_iter());
+                            if let Some((version, body)) = published {
+                                let sent_at_ns = now_ns();
+                                let mut session = weights_session.session(&held[2]);
+                                for &dest in &cfg.generators {
+                                    session.give(WeightsMessage {
+                                        dest: dest as u32,
+                                        version,
+                                        step,
+                                        sent_at_ns,
+                                        body: body.clone(),
+                                    });
+                                }
                             }
                         }
+                        Done::Loaded => {}
+                        Done::Failed(err) => env.fail(err),
                     }
-                    Done::Loaded => {}
-                    Done::Failed(err) => env.fail(err),
+                }
+                // An engine thread answers later and wakes us. Inline jobs run
+                // here, back to back while they are quick. After a long job, or
+                // once a step has ended, the operator yields: the output and
+                // the released step leave now, and other operators on this
+                // worker run, before the next (maybe long) job starts.
+                if !inline || state.jobs.is_empty() || env.aborted() {
+                    break;
+                }
+                if ended_a_step || started.elapsed() >= INLINE_SLICE {
+                    reschedule.activate();
+                    break;
                 }
             }
         }
@@ -201,7 +259,11 @@ pub(crate) fn stage_operator<'scope>(
 
     // Every stage operator has the same three outputs; only a learner's
     // weights output is connected to the weights edge.
-    StageStreams { data, metrics, weights: is_learner.then_some(weights_stream) }
+    StageStreams {
+        data,
+        metrics,
+        weights: is_learner.then_some(weights_stream),
+    }
 }
 
 /// The operator's bookkeeping between activations.
@@ -232,12 +294,30 @@ impl OpState {
         }
     }
 
-    fn start(&self, cfg: &StageOpConfig, env: &OperatorEnv, activator: timely::scheduling::SyncActivator) -> Result<Executor, crate::GraphError> {
+    fn start(
+        &self,
+        cfg: &StageOpConfig,
+        env: &OperatorEnv,
+        activator: timely::scheduling::SyncActivator,
+    ) -> Result<Executor, crate::GraphError> {
         let rank = cfg.workers.iter().position(|&w| w == self.me).unwrap_or(0);
-        let worker = WorkerInfo { index: self.me, peers: env.peers, process: env.process, rank, role_size: cfg.workers.len() };
-        let (name, kind, factory, version, k, transport) =
-            (cfg.name.clone(), cfg.kind, cfg.factory.clone(), cfg.version, cfg.max_staleness, cfg.transport.clone());
-        let build = move || StageRunner::build(&name, kind, &factory, worker, version, k, transport);
+        let worker = WorkerInfo {
+            index: self.me,
+            peers: env.peers,
+            process: env.process,
+            rank,
+            role_size: cfg.workers.len(),
+        };
+        let (name, kind, factory, version, k, transport) = (
+            cfg.name.clone(),
+            cfg.kind,
+            cfg.factory.clone(),
+            cfg.version,
+            cfg.max_staleness,
+            cfg.transport.clone(),
+        );
+        let build =
+            move || StageRunner::build(&name, kind, &factory, worker, version, k, transport);
         match cfg.offload {
             None => Ok(Executor::inline(build()?)),
             Some(capacity) => Executor::spawn(&cfg.name, capacity, activator, build),
@@ -263,7 +343,11 @@ impl OpState {
     }
 
     /// Asks for `end_step` on every step the data frontier has passed whose batches are all handed over.
-    fn end_complete_steps(&mut self, data_frontier: &MutableAntichain<Step>, caps: &[Capability<Step>]) {
+    fn end_complete_steps(
+        &mut self,
+        data_frontier: &MutableAntichain<Step>,
+        caps: &[Capability<Step>],
+    ) {
         if caps.is_empty() {
             return;
         }
@@ -278,7 +362,8 @@ impl OpState {
                 return;
             }
             self.jobs.push(Job::EndStep { step });
-            self.ending.insert(step, caps.iter().map(|c| c.delayed(&step)).collect());
+            self.ending
+                .insert(step, caps.iter().map(|c| c.delayed(&step)).collect());
             self.next_end += 1;
         }
     }
@@ -312,7 +397,9 @@ impl JobQueue {
     }
 
     fn pop(&mut self) -> Option<Job> {
-        self.front.take().or_else(|| self.jobs.pop_first().map(|(_, job)| job))
+        self.front
+            .take()
+            .or_else(|| self.jobs.pop_first().map(|(_, job)| job))
     }
 
     fn len(&self) -> usize {

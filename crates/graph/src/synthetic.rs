@@ -40,7 +40,11 @@ pub struct Cost {
 impl Cost {
     /// A fixed cost of `ms` milliseconds.
     pub fn millis(ms: u64) -> Self {
-        Cost { base: Duration::from_millis(ms), jitter: Duration::ZERO, seed: 0 }
+        Cost {
+            base: Duration::from_millis(ms),
+            jitter: Duration::ZERO,
+            seed: 0,
+        }
     }
 
     /// Sleeps for this cost on the `call`-th call of `step`.
@@ -77,7 +81,12 @@ pub struct SyntheticPrompts {
 impl SyntheticPrompts {
     /// `rows` rows a step, groups of 4.
     pub fn new(rows: u64) -> Self {
-        SyntheticPrompts { rows, group_size: 4, rank: 0, role_size: 1 }
+        SyntheticPrompts {
+            rows,
+            group_size: 4,
+            rank: 0,
+            role_size: 1,
+        }
     }
 
     /// Groups of `size` rows sharing a `group_id`.
@@ -96,10 +105,16 @@ impl SyntheticPrompts {
 
 impl Source for SyntheticPrompts {
     fn next_step(&mut self, ctx: &SourceContext) -> Result<Option<Vec<RecordBatch>>, StageError> {
-        let ids: Vec<u64> = (0..self.rows).filter(|i| i % self.role_size == self.rank).map(|i| ctx.step * self.rows + i).collect();
+        let ids: Vec<u64> = (0..self.rows)
+            .filter(|i| i % self.role_size == self.rank)
+            .map(|i| ctx.step * self.rows + i)
+            .collect();
         let groups: Vec<u64> = ids.iter().map(|id| id / self.group_size).collect();
         let batch = RecordBatch::try_from_iter([
-            ("step", Arc::new(UInt64Array::from_value(ctx.step, ids.len())) as ArrayRef),
+            (
+                "step",
+                Arc::new(UInt64Array::from_value(ctx.step, ids.len())) as ArrayRef,
+            ),
             ("row_id", Arc::new(UInt64Array::from(ids)) as ArrayRef),
             ("group_id", Arc::new(UInt64Array::from(groups)) as ArrayRef),
         ])?;
@@ -130,28 +145,56 @@ pub struct SyntheticGenerate {
 impl SyntheticGenerate {
     /// A generator with cost `cost`.
     pub fn new(cost: Cost) -> Self {
-        SyntheticGenerate { cost, calls: 0, loaded: 0 }
+        SyntheticGenerate {
+            cost,
+            calls: 0,
+            loaded: 0,
+        }
     }
 }
 
 impl Stage for SyntheticGenerate {
-    fn process(&mut self, ctx: &mut StepContext, batch: RecordBatch) -> Result<Vec<RecordBatch>, StageError> {
+    fn process(
+        &mut self,
+        ctx: &mut StepContext,
+        batch: RecordBatch,
+    ) -> Result<Vec<RecordBatch>, StageError> {
         if ctx.version != self.loaded {
-            return Err(format!("engine says version {} but the stage loaded {}", ctx.version, self.loaded).into());
+            return Err(format!(
+                "engine says version {} but the stage loaded {}",
+                ctx.version, self.loaded
+            )
+            .into());
         }
         let start = now_ns();
         self.cost.pay(ctx.step, self.calls);
         self.calls += 1;
         let ids = u64_column(&batch, "row_id", "generate")?;
-        let lens: UInt32Array = ids.values().iter().map(|id| 1 + (mix(*id) % 64) as u32).collect();
+        let lens: UInt32Array = ids
+            .values()
+            .iter()
+            .map(|id| 1 + (mix(*id) % 64) as u32)
+            .collect();
         let n = batch.num_rows();
         let batch = with_column(&batch, "response_len", Arc::new(lens))?;
-        let batch = with_column(&batch, "gen_start_ns", Arc::new(UInt64Array::from_value(start, n)))?;
-        let batch = with_column(&batch, "gen_end_ns", Arc::new(UInt64Array::from_value(now_ns(), n)))?;
+        let batch = with_column(
+            &batch,
+            "gen_start_ns",
+            Arc::new(UInt64Array::from_value(start, n)),
+        )?;
+        let batch = with_column(
+            &batch,
+            "gen_end_ns",
+            Arc::new(UInt64Array::from_value(now_ns(), n)),
+        )?;
         Ok(vec![batch])
     }
 
-    fn load_weights(&mut self, version: PolicyVersion, weights: &WeightsPayload) -> Result<(), StageError> {
+    fn load_weights(
+        &mut self,
+        version: PolicyVersion,
+        weights: &WeightsPayload,
+    ) -> Result<(), StageError> {
         let expected = weights_for(version, weights.len());
         if *weights != expected {
             return Err(format!("weights payload of version {version} is corrupt").into());
@@ -174,7 +217,11 @@ pub struct SyntheticScore {
 impl SyntheticScore {
     /// A scorer with cost `cost`.
     pub fn new(cost: Cost) -> Self {
-        SyntheticScore { cost, fail_at: None, calls: 0 }
+        SyntheticScore {
+            cost,
+            fail_at: None,
+            calls: 0,
+        }
     }
 
     /// Makes the scorer fail at `step`.
@@ -185,14 +232,22 @@ impl SyntheticScore {
 }
 
 impl Stage for SyntheticScore {
-    fn process(&mut self, ctx: &mut StepContext, batch: RecordBatch) -> Result<Vec<RecordBatch>, StageError> {
+    fn process(
+        &mut self,
+        ctx: &mut StepContext,
+        batch: RecordBatch,
+    ) -> Result<Vec<RecordBatch>, StageError> {
         if self.fail_at == Some(ctx.step) {
             return Err(format!("injected failure at step {}", ctx.step).into());
         }
         self.cost.pay(ctx.step, self.calls);
         self.calls += 1;
         let ids = u64_column(&batch, "row_id", "score")?;
-        let rewards: Float32Array = ids.values().iter().map(|id| (mix(id ^ 0x5eed) % 1000) as f32 / 1000.0).collect();
+        let rewards: Float32Array = ids
+            .values()
+            .iter()
+            .map(|id| (mix(id ^ 0x5eed) % 1000) as f32 / 1000.0)
+            .collect();
         Ok(vec![with_column(&batch, "reward", Arc::new(rewards))?])
     }
 }
@@ -210,12 +265,19 @@ pub struct SyntheticAdvantage {
 impl SyntheticAdvantage {
     /// Expects groups of `group_size` rows.
     pub fn new(group_size: u64) -> Self {
-        SyntheticAdvantage { held: BTreeMap::new(), group_size }
+        SyntheticAdvantage {
+            held: BTreeMap::new(),
+            group_size,
+        }
     }
 }
 
 impl Stage for SyntheticAdvantage {
-    fn process(&mut self, ctx: &mut StepContext, batch: RecordBatch) -> Result<Vec<RecordBatch>, StageError> {
+    fn process(
+        &mut self,
+        ctx: &mut StepContext,
+        batch: RecordBatch,
+    ) -> Result<Vec<RecordBatch>, StageError> {
         self.held.entry(ctx.step).or_default().push(batch);
         Ok(Vec::new())
     }
@@ -225,8 +287,14 @@ impl Stage for SyntheticAdvantage {
             return Ok(Vec::new());
         };
         let batch = concat_batches(&held[0].schema(), &held)?;
-        let groups = batch.column_by_name("group_id").ok_or("advantage: missing group_id")?.as_primitive::<UInt64Type>();
-        let rewards = batch.column_by_name("reward").ok_or("advantage: missing reward")?.as_primitive::<Float32Type>();
+        let groups = batch
+            .column_by_name("group_id")
+            .ok_or("advantage: missing group_id")?
+            .as_primitive::<UInt64Type>();
+        let rewards = batch
+            .column_by_name("reward")
+            .ok_or("advantage: missing reward")?
+            .as_primitive::<Float32Type>();
         // Sums in f64 are exact for these rewards, so the result does not
         // depend on the order in which a group's rows arrived.
         let mut sums: HashMap<u64, (f64, u64)> = HashMap::new();
@@ -236,7 +304,11 @@ impl Stage for SyntheticAdvantage {
             e.1 += 1;
         }
         if let Some((g, (_, n))) = sums.iter().find(|(_, (_, n))| *n != self.group_size) {
-            return Err(format!("group {g} has {n} rows here, expected {}: a group was split", self.group_size).into());
+            return Err(format!(
+                "group {g} has {n} rows here, expected {}: a group was split",
+                self.group_size
+            )
+            .into());
         }
         let adv: Float32Array = (0..batch.num_rows())
             .map(|i| {
@@ -244,7 +316,11 @@ impl Stage for SyntheticAdvantage {
                 (f64::from(rewards.value(i)) - sum / n as f64) as f32
             })
             .collect();
-        Ok(vec![with_column(&batch, "advantage", Arc::new(adv) as ArrayRef)?])
+        Ok(vec![with_column(
+            &batch,
+            "advantage",
+            Arc::new(adv) as ArrayRef,
+        )?])
     }
 }
 
@@ -268,12 +344,20 @@ impl Default for SyntheticLearn {
 impl SyntheticLearn {
     /// A learner with cost `cost` publishing `weights_bytes` bytes per update.
     pub fn new(cost: Cost, weights_bytes: usize) -> Self {
-        SyntheticLearn { cost, weights_bytes, held: Vec::new() }
+        SyntheticLearn {
+            cost,
+            weights_bytes,
+            held: Vec::new(),
+        }
     }
 }
 
 impl Stage for SyntheticLearn {
-    fn process(&mut self, _ctx: &mut StepContext, batch: RecordBatch) -> Result<Vec<RecordBatch>, StageError> {
+    fn process(
+        &mut self,
+        _ctx: &mut StepContext,
+        batch: RecordBatch,
+    ) -> Result<Vec<RecordBatch>, StageError> {
         self.held.push(batch);
         Ok(Vec::new())
     }
@@ -286,8 +370,16 @@ impl Stage for SyntheticLearn {
         let mut out = Vec::with_capacity(self.held.len());
         for batch in self.held.drain(..) {
             let n = batch.num_rows();
-            let batch = with_column(&batch, "learn_start_ns", Arc::new(UInt64Array::from_value(start, n)))?;
-            out.push(with_column(&batch, "learn_end_ns", Arc::new(UInt64Array::from_value(end, n)))?);
+            let batch = with_column(
+                &batch,
+                "learn_start_ns",
+                Arc::new(UInt64Array::from_value(start, n)),
+            )?;
+            out.push(with_column(
+                &batch,
+                "learn_end_ns",
+                Arc::new(UInt64Array::from_value(end, n)),
+            )?);
         }
         Ok(out)
     }

@@ -102,9 +102,17 @@ pub struct WeightsMessage {
 /// Moves a learner's weights to the generators.
 pub trait WeightsTransport: Send + Sync {
     /// On the learner: the body to send for `version`.
-    fn pack(&self, version: PolicyVersion, weights: &WeightsPayload) -> Result<WeightsBody, GraphError>;
+    fn pack(
+        &self,
+        version: PolicyVersion,
+        weights: &WeightsPayload,
+    ) -> Result<WeightsBody, GraphError>;
     /// On a generator: the weights of `version` from a received body.
-    fn unpack(&self, version: PolicyVersion, body: &WeightsBody) -> Result<WeightsPayload, GraphError>;
+    fn unpack(
+        &self,
+        version: PolicyVersion,
+        body: &WeightsBody,
+    ) -> Result<WeightsPayload, GraphError>;
 }
 
 /// Carries the payload bytes on the edge: shared in a process, serialised between processes.
@@ -112,11 +120,19 @@ pub trait WeightsTransport: Send + Sync {
 pub struct InlineTransport;
 
 impl WeightsTransport for InlineTransport {
-    fn pack(&self, _version: PolicyVersion, weights: &WeightsPayload) -> Result<WeightsBody, GraphError> {
+    fn pack(
+        &self,
+        _version: PolicyVersion,
+        weights: &WeightsPayload,
+    ) -> Result<WeightsBody, GraphError> {
         Ok(WeightsBody::Inline(weights.clone()))
     }
 
-    fn unpack(&self, version: PolicyVersion, body: &WeightsBody) -> Result<WeightsPayload, GraphError> {
+    fn unpack(
+        &self,
+        version: PolicyVersion,
+        body: &WeightsBody,
+    ) -> Result<WeightsPayload, GraphError> {
         match body {
             WeightsBody::Inline(payload) => Ok(payload.clone()),
             WeightsBody::External => Err(GraphError::Codec(format!(
@@ -132,7 +148,10 @@ impl WeightsTransport for InlineTransport {
 pub fn weights_edge<'scope>(
     scope: Scope<'scope, Step>,
     max_staleness: u64,
-) -> (LoopHandle<'scope, Step, Vec<WeightsMessage>>, Stream<'scope, Step, Vec<WeightsMessage>>) {
+) -> (
+    LoopHandle<'scope, Step, Vec<WeightsMessage>>,
+    Stream<'scope, Step, Vec<WeightsMessage>>,
+) {
     scope.feedback(max_staleness + 1)
 }
 
@@ -158,7 +177,11 @@ mod tests {
             body: WeightsBody::Inline(WeightsPayload::from(vec![7u8; 1000])),
         };
         let bytes = bincode::serialize(&vec![msg]).unwrap();
-        assert!(bytes.len() < 1100, "payload not sent as raw bytes: {} bytes", bytes.len());
+        assert!(
+            bytes.len() < 1100,
+            "payload not sent as raw bytes: {} bytes",
+            bytes.len()
+        );
         let back: Vec<WeightsMessage> = bincode::deserialize(&bytes).unwrap();
         assert_eq!(back[0].version, 4);
         match &back[0].body {
@@ -169,6 +192,10 @@ mod tests {
 
     #[test]
     fn inline_transport_rejects_an_external_body() {
-        assert!(InlineTransport.unpack(2, &WeightsBody::External).unwrap_err().to_string().contains("version 2"));
+        assert!(InlineTransport
+            .unpack(2, &WeightsBody::External)
+            .unwrap_err()
+            .to_string()
+            .contains("version 2"));
     }
 }
