@@ -1,12 +1,21 @@
 //! # weir-gpu: the model runtime
 //!
-//! HuggingFace checkpoints on tch (libtorch): loading, forward passes,
-//! KV-cache generation, log-probs, reward and value heads, optimisers,
-//! saving, and devices. This crate knows nothing of timely or pipelines.
-//!
-//! Today it holds device selection and per-worker thread settings; the model
-//! families arrive with the model-runtime issue.
+//! HuggingFace checkpoints on tch (libtorch): configuration, loading
+//! (single and sharded safetensors), the shared decoder of the Llama,
+//! Mistral, Qwen2 and Qwen3 families with causal-LM and
+//! sequence-classification heads, log-probs, and devices. This crate knows
+//! nothing of timely or pipelines.
 
+pub mod checkpoint;
+pub mod config;
+pub mod decoder;
 pub mod device;
+mod error;
+pub mod logprobs;
+pub mod model;
+pub mod rope;
 
+pub use config::{Family, Head, ModelConfig};
 pub use device::{Device, DeviceError};
+pub use error::ModelError;
+pub use model::Model;

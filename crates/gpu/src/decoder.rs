@@ -1,0 +1,222 @@
+//! The decoder shared by every family: embeddings, layers of RMSNorm →
+//! attention (GQA, optional q/k/v biases, optional per-head q/k RMSNorm,
+//! RoPE, optional KV cache) → RMSNorm → gated SiLU MLP, and the final norm.
+//! Parameters live in a `VarStore` under their HuggingFace names, so they
+//! load from and save to the same safetensors layout and can be trained.
+
+use tch::nn::{self, Module};
+use tch::{Kind, Tensor};
+
+use crate::config::ModelConfig;
+use crate::rope::{self, Rope};
+
+/// RMSNorm as transformers computes it: normalised in float32 whatever the
+/// model dtype (also for a float64 model), then cast back and scaled.
+#[derive(Debug)]
+pub struct RmsNorm {
+    weight: Tensor,
+    eps: f64,
+}
+
+impl RmsNorm {
+    fn new(vs: nn::Path, size: i64, eps: f64) -> Self {
+        RmsNorm { weight: vs.ones("weight", &[size]), eps }
+    }
+
+    /// Normalises the last dimension of `x`.
+    pub fn forward(&self, x: &Tensor) -> Tensor {
+        let kind = x.kind();
+        let xf = x.to_kind(Kind::Float);
+        let variance = xf.pow_tensor_scalar(2).mean_dim(-1, true, xf.kind());
+        let normed = &xf * (variance + self.eps).rsqrt();
+        &self.weight * normed.to_kind(kind)
+    }
+}
+
+/// The keys and values of earlier positions, per layer.
+#[derive(Debug, Default)]
+pub struct KvCache {
+    layers: Vec<Option<(Tensor, Tensor)>>,
+}
+
+impl KvCache {
+    /// An empty cache for `layers` layers.
+    pub fn new(layers: usize) -> Self {
+        KvCache { layers: (0..layers).map(|_| None).collect() }
+    }
+
+    /// Positions cached so far.
+    pub fn len(&self) -> i64 {
+        self.layers.first().and_then(|l| l.as_ref()).map_or(0, |(k, _)| k.size()[2])
+    }
+
+    /// True when nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Keeps only batch rows `rows` (finished sequences dropped).
+    pub fn select_rows(&mut self, rows: &Tensor) {
+        for (k, v) in self.layers.iter_mut().flatten() {
+            *k = k.index_select(0, rows);
+            *v = v.index_select(0, rows);
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Attention {
+    q: nn::Linear,
+    k: nn::Linear,
+    v: nn::Linear,
+    o: nn::Linear,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    heads: i64,
+    kv_heads: i64,
+    head_dim: i64,
+}
+
+impl Attention {
+    fn new(vs: nn::Path, c: &ModelConfig) -> Self {
+        let lin = |name: &str, i: i64, o: i64, bias: bool| nn::linear(&vs / name, i, o, nn::LinearConfig { bias, ..Default::default() });
+        let (h, kv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        Attention {
+            q: lin("q_proj", c.hidden_size, h * d, c.attention_bias),
+            k: lin("k_proj", c.hidden_size, kv * d, c.attention_bias),
+            v: lin("v_proj", c.hidden_size, kv * d, c.attention_bias),
+            o: lin("o_proj", h * d, c.hidden_size, c.o_bias),
+            q_norm: c.qk_norm.then(|| RmsNorm::new(&vs / "q_norm", d, c.rms_norm_eps)),
+            k_norm: c.qk_norm.then(|| RmsNorm::new(&vs / "k_norm", d, c.rms_norm_eps)),
+            heads: h,
+            kv_heads: kv,
+            head_dim: d,
+        }
+    }
+
+    fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, mask: &Tensor, cache: Option<&mut Option<(Tensor, Tensor)>>) -> Tensor {
+        let (b, t) = (x.size()[0], x.size()[1]);
+        let shape = |y: Tensor, n: i64| y.view([b, t, n, self.head_dim]);
+        let mut q = shape(self.q.forward(x), self.heads);
+        let mut k = shape(self.k.forward(x), self.kv_heads);
+        let v = shape(self.v.forward(x), self.kv_heads).transpose(1, 2);
+        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
+            q = qn.forward(&q);
+            k = kn.forward(&k);
+        }
+        let q = rope::apply(&q.transpose(1, 2), cos, sin);
+        let mut k = rope::apply(&k.transpose(1, 2), cos, sin);
+        let mut v = v;
+        if let Some(slot) = cache {
+            if let Some((pk, pv)) = slot.take() {
+                k = Tensor::cat(&[&pk, &k], 2);
+                v = Tensor::cat(&[&pv, &v], 2);
+            }
+            *slot = Some((k.shallow_clone(), v.shallow_clone()));
+        }
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
+        let y = Tensor::scaled_dot_product_attention(&q, &k, &v, Some(mask), 0.0, false, scale, self.kv_heads != self.heads);
+        self.o.forward(&y.transpose(1, 2).reshape([b, t, self.heads * self.head_dim]))
+    }
+}
+
+#[derive(Debug)]
+struct Mlp {
+    gate: nn::Linear,
+    up: nn::Linear,
+    down: nn::Linear,
+}
+
+impl Mlp {
+    fn new(vs: nn::Path, c: &ModelConfig) -> Self {
+        let cfg = nn::LinearConfig { bias: c.mlp_bias, ..Default::default() };
+        Mlp {
+            gate: nn::linear(&vs / "gate_proj", c.hidden_size, c.intermediate_size, cfg),
+            up: nn::linear(&vs / "up_proj", c.hidden_size, c.intermediate_size, cfg),
+            down: nn::linear(&vs / "down_proj", c.intermediate_size, c.hidden_size, cfg),
+        }
+    }
+
+    fn forward(&self, x: &Tensor) -> Tensor {
+        self.down.forward(&(self.gate.forward(x).silu() * self.up.forward(x)))
+    }
+}
+
+#[derive(Debug)]
+struct Layer {
+    input_norm: RmsNorm,
+    attention: Attention,
+    post_norm: RmsNorm,
+    mlp: Mlp,
+}
+
+/// Embeddings, decoder layers and the final norm (`model.*` in a checkpoint).
+#[derive(Debug)]
+pub struct Decoder {
+    /// The token embedding matrix `[vocab, hidden]`.
+    pub embed: Tensor,
+    layers: Vec<Layer>,
+    norm: RmsNorm,
+    rope: Rope,
+}
+
+impl Decoder {
+    /// Creates the parameters under `vs` (which should be the `model` path).
+    pub fn new(vs: nn::Path, c: &ModelConfig) -> Self {
+        let embed = (&vs / "embed_tokens").zeros("weight", &[c.vocab_size, c.hidden_size]);
+        let layers = (0..c.num_hidden_layers)
+            .map(|i| {
+                let l = &vs / "layers" / i;
+                Layer {
+                    input_norm: RmsNorm::new(&l / "input_layernorm", c.hidden_size, c.rms_norm_eps),
+                    attention: Attention::new(&l / "self_attn", c),
+                    post_norm: RmsNorm::new(&l / "post_attention_layernorm", c.hidden_size, c.rms_norm_eps),
+                    mlp: Mlp::new(&l / "mlp", c),
+                }
+            })
+            .collect();
+        Decoder { embed, layers, norm: RmsNorm::new(&vs / "norm", c.hidden_size, c.rms_norm_eps), rope: Rope::new(c, vs.device()) }
+    }
+
+    /// Number of layers.
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Final hidden states `[B, T, hidden]` for `input_ids` `[B, T]`.
+    ///
+    /// `key_mask` `[B, S]` (1 = attend) covers the cached and the new
+    /// positions (S = cached + T); `position_ids` `[B, T]` are the new
+    /// tokens' positions. With a cache, new keys are appended to it.
+    pub fn forward(&self, input_ids: &Tensor, key_mask: &Tensor, position_ids: &Tensor, mut cache: Option<&mut KvCache>) -> Tensor {
+        let kind = self.embed.kind();
+        let mut h = Tensor::embedding(&self.embed, input_ids, -1, false, false);
+        let (cos, sin) = self.rope.tables(position_ids, kind);
+        let past = cache.as_ref().map_or(0, |c| c.len());
+        let mask = attention_bias(key_mask, input_ids.size()[1], past, kind);
+        for (i, layer) in self.layers.iter().enumerate() {
+            let slot = cache.as_mut().map(|c| &mut c.layers[i]);
+            h = &h + layer.attention.forward(&layer.input_norm.forward(&h), &cos, &sin, &mask, slot);
+            h = &h + layer.mlp.forward(&layer.post_norm.forward(&h));
+        }
+        self.norm.forward(&h)
+    }
+}
+
+/// The additive attention bias `[B, 1, T, S]`: 0 where query t (at absolute
+/// position `past + t`) may see key s (causal and not padding), a large
+/// negative number elsewhere. Finite, so fully masked (padding) rows stay
+/// finite instead of NaN.
+fn attention_bias(key_mask: &Tensor, t: i64, past: i64, kind: Kind) -> Tensor {
+    let device = key_mask.device();
+    let s = key_mask.size()[1];
+    let q_pos = Tensor::arange_start(past, past + t, (Kind::Int64, device)).view([t, 1]);
+    let k_pos = Tensor::arange(s, (Kind::Int64, device)).view([1, s]);
+    let causal = k_pos.le_tensor(&q_pos).view([1, 1, t, s]);
+    let keep = causal.logical_and(&key_mask.to_kind(Kind::Bool).view([-1, 1, 1, s]));
+    let neg = match kind {
+        Kind::Half => -6.0e4,
+        _ => -1.0e30,
+    };
+    Tensor::zeros([1], (kind, device)).where_self(&keep, &Tensor::full([1], neg, (kind, device)))
+}

@@ -1,0 +1,181 @@
+//! `Model`: a HuggingFace decoder checkpoint loaded for inference and training.
+//!
+//! # Examples
+//! ```no_run
+//! use weir_gpu::{Model, Device};
+//!
+//! let model = Model::load("checkpoints/tiny-llama".as_ref(), Device::Cpu, tch::Kind::Float).unwrap();
+//! let ids = tch::Tensor::from_slice(&[1i64, 5, 9, 2]).view([1, 4]);
+//! let logprobs = model.token_logprobs(&ids, None, 1.0).unwrap(); // [1, 3]
+//! ```
+
+use std::path::{Path, PathBuf};
+
+use tch::nn::{self, Module};
+use tch::{Kind, Tensor};
+
+use crate::checkpoint::read_tensors;
+use crate::config::{Head, ModelConfig};
+use crate::decoder::{Decoder, KvCache};
+use crate::{Device, ModelError};
+
+/// A decoder-only model with its head.
+#[derive(Debug)]
+pub struct Model {
+    /// The configuration it was built from.
+    pub config: ModelConfig,
+    /// Where it was loaded from.
+    pub source: PathBuf,
+    vs: nn::VarStore,
+    decoder: Decoder,
+    lm_head: Option<nn::Linear>,
+    score: Option<nn::Linear>,
+}
+
+impl Model {
+    /// Loads `dir` (config.json + safetensors) onto `device`, computing in `kind`.
+    pub fn load(dir: &Path, device: Device, kind: Kind) -> Result<Self, ModelError> {
+        let config = ModelConfig::load(dir)?;
+        let mut model = Model::new(config, device, dir)?;
+        model.load_weights(dir)?;
+        model.vs.set_kind(kind);
+        Ok(model)
+    }
+
+    /// A model with zero weights for `config` (to be loaded or initialised).
+    pub fn new(config: ModelConfig, device: Device, source: &Path) -> Result<Self, ModelError> {
+        let vs = nn::VarStore::new(device.to_tch()?);
+        let root = vs.root();
+        let decoder = Decoder::new(&root / "model", &config);
+        let lm_head = (config.head == Head::CausalLm && !config.tie_word_embeddings)
+            .then(|| nn::linear(&root / "lm_head", config.hidden_size, config.vocab_size, nn::LinearConfig { bias: false, ..Default::default() }));
+        let score = (config.head == Head::SequenceClassification)
+            .then(|| nn::linear(&root / "score", config.hidden_size, config.num_labels, nn::LinearConfig { bias: false, ..Default::default() }));
+        Ok(Model { config, source: source.to_path_buf(), vs, decoder, lm_head, score })
+    }
+
+    /// Copies every parameter from the checkpoint in `dir`, checking names and shapes.
+    pub fn load_weights(&mut self, dir: &Path) -> Result<(), ModelError> {
+        let tensors = read_tensors(dir)?;
+        let _guard = tch::no_grad_guard();
+        for (name, mut var) in self.vs.variables() {
+            let (tensor, file) = tensors.get(&name).ok_or_else(|| ModelError::MissingTensor { path: dir.display().to_string(), name: name.clone() })?;
+            if tensor.size() != var.size() {
+                return Err(ModelError::ShapeMismatch { path: file.display().to_string(), name, expected: var.size(), found: tensor.size() });
+            }
+            var.f_copy_(&tensor.to_kind(var.kind()))?;
+        }
+        Ok(())
+    }
+
+    /// The parameters, by HuggingFace name.
+    pub fn var_store(&self) -> &nn::VarStore {
+        &self.vs
+    }
+
+    /// The parameters, mutably (for optimisers and dtype changes).
+    pub fn var_store_mut(&mut self) -> &mut nn::VarStore {
+        &mut self.vs
+    }
+
+    /// The compute dtype.
+    pub fn kind(&self) -> Kind {
+        self.decoder.embed.kind()
+    }
+
+    /// The device.
+    pub fn device(&self) -> tch::Device {
+        self.vs.device()
+    }
+
+    /// Final hidden states `[B, T, hidden]`. `attention_mask` `[B, T]` (1 =
+    /// token, 0 = padding) defaults to all ones; `position_ids` default to
+    /// `cumsum(mask) − 1` (padding slots 1), as transformers' generate does.
+    pub fn hidden_states(&self, input_ids: &Tensor, attention_mask: Option<&Tensor>, position_ids: Option<&Tensor>) -> Result<Tensor, ModelError> {
+        let ids = self.check_ids(input_ids)?;
+        let mask = match attention_mask {
+            Some(m) if m.size() == ids.size() => m.to_device(self.device()).to_kind(Kind::Int64),
+            Some(m) => return Err(ModelError::Input(format!("attention mask has shape {:?}, input ids {:?}", m.size(), ids.size()))),
+            None => ids.ones_like(),
+        };
+        let positions = match position_ids {
+            Some(p) => p.to_device(self.device()).to_kind(Kind::Int64),
+            None => default_positions(&mask),
+        };
+        Ok(self.decoder.forward(&ids, &mask, &positions, None))
+    }
+
+    /// Logits `[B, T, vocab]` of a causal LM.
+    pub fn logits(&self, input_ids: &Tensor, attention_mask: Option<&Tensor>, position_ids: Option<&Tensor>) -> Result<Tensor, ModelError> {
+        let hidden = self.hidden_states(input_ids, attention_mask, position_ids)?;
+        self.lm_logits(&hidden)
+    }
+
+    /// `log p(token t | tokens < t)` for t = 1..T, `[B, T − 1]`, from logits divided by `temperature`.
+    pub fn token_logprobs(&self, input_ids: &Tensor, attention_mask: Option<&Tensor>, temperature: f64) -> Result<Tensor, ModelError> {
+        let logits = self.logits(input_ids, attention_mask, None)?;
+        let t = logits.size()[1];
+        let ids = input_ids.to_device(self.device()).to_kind(Kind::Int64);
+        Ok(crate::logprobs::gather_logprobs(&logits.narrow(1, 0, t - 1), &ids.narrow(1, 1, t - 1), temperature))
+    }
+
+    /// Scores `[B, num_labels]` of a sequence-classification model, taken at
+    /// each row's rightmost token that is not the padding id (as transformers pools).
+    pub fn scores(&self, input_ids: &Tensor, attention_mask: Option<&Tensor>) -> Result<Tensor, ModelError> {
+        let score = self.score.as_ref().ok_or_else(|| ModelError::Input(format!("{} has no score head", self.config.architecture)))?;
+        let hidden = self.hidden_states(input_ids, attention_mask, None)?;
+        let ids = input_ids.to_device(self.device()).to_kind(Kind::Int64);
+        let t = ids.size()[1];
+        let last = match self.config.pad_token_id {
+            Some(pad) => (ids.ne(pad).to_kind(Kind::Int64) * Tensor::arange(t, (Kind::Int64, ids.device()))).argmax(-1, false),
+            None => Tensor::full([ids.size()[0]], t - 1, (Kind::Int64, ids.device())),
+        };
+        let b = ids.size()[0];
+        let pooled = hidden.index_select(1, &last).diagonal(0, 0, 1).transpose(0, 1);
+        debug_assert_eq!(pooled.size(), vec![b, self.config.hidden_size]);
+        Ok(score.forward(&pooled))
+    }
+
+    /// Per-position scores `[B, T, num_labels]` (a critic's values).
+    pub fn position_scores(&self, input_ids: &Tensor, attention_mask: Option<&Tensor>) -> Result<Tensor, ModelError> {
+        let score = self.score.as_ref().ok_or_else(|| ModelError::Input(format!("{} has no score head", self.config.architecture)))?;
+        Ok(score.forward(&self.hidden_states(input_ids, attention_mask, None)?))
+    }
+
+    /// Logits for hidden states `[.., hidden]`.
+    pub fn lm_logits(&self, hidden: &Tensor) -> Result<Tensor, ModelError> {
+        match (&self.lm_head, self.config.head) {
+            (Some(head), _) => Ok(head.forward(hidden)),
+            (None, Head::CausalLm) => Ok(hidden.matmul(&self.decoder.embed.tr())),
+            (None, Head::SequenceClassification) => Err(ModelError::Input(format!("{} has no LM head", self.config.architecture))),
+        }
+    }
+
+    /// Runs new tokens through the decoder with a KV cache; returns hidden states of the new tokens.
+    pub fn forward_cached(&self, input_ids: &Tensor, key_mask: &Tensor, position_ids: &Tensor, cache: &mut KvCache) -> Tensor {
+        self.decoder.forward(input_ids, key_mask, position_ids, Some(cache))
+    }
+
+    /// An empty KV cache for this model.
+    pub fn new_cache(&self) -> KvCache {
+        KvCache::new(self.decoder.num_layers())
+    }
+
+    fn check_ids(&self, input_ids: &Tensor) -> Result<Tensor, ModelError> {
+        if input_ids.dim() != 2 || input_ids.size()[1] == 0 {
+            return Err(ModelError::Input(format!("input ids must be [batch, length>0], got {:?}", input_ids.size())));
+        }
+        let ids = input_ids.to_device(self.device()).to_kind(Kind::Int64);
+        let (min, max) = (ids.min().int64_value(&[]), ids.max().int64_value(&[]));
+        if min < 0 || max >= self.config.vocab_size {
+            return Err(ModelError::Input(format!("token ids must lie in 0..{}, found {}", self.config.vocab_size, if min < 0 { min } else { max })));
+        }
+        Ok(ids)
+    }
+}
+
+/// `cumsum(mask) − 1`, with padding slots set to 1 (transformers' generate convention).
+pub fn default_positions(mask: &Tensor) -> Tensor {
+    let positions = mask.cumsum(1, Kind::Int64) - 1;
+    positions.masked_fill(&mask.eq(0), 1)
+}

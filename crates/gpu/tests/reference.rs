@@ -1,0 +1,185 @@
+//! The model runtime against float64 transformers references
+//! (`../shared/fixtures/models/*/reference.json`): logits and token
+//! log-probs of single and padded batches (left, right, and the RL layout),
+//! reward scores, in fp32 (tolerance 1e-4) and in float64 (tighter).
+
+use std::path::PathBuf;
+
+use serde_json::Value;
+use tch::{Kind, Tensor};
+use weir_gpu::{Device, Model};
+
+fn fixtures() -> PathBuf {
+    match std::env::var_os("WEIR_FIXTURES") {
+        Some(dir) => PathBuf::from(dir),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures"),
+    }
+}
+
+fn reference(model: &str) -> Value {
+    let path = fixtures().join("models").join(model).join("reference.json");
+    serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap()
+}
+
+fn load(model: &str, kind: Kind) -> Model {
+    Model::load(&fixtures().join("models").join(model), Device::Cpu, kind).unwrap()
+}
+
+fn ints(v: &Value) -> Vec<i64> {
+    v.as_array().unwrap().iter().map(|x| x.as_i64().unwrap()).collect()
+}
+
+fn matrix(v: &Value) -> Tensor {
+    let rows: Vec<Vec<i64>> = v.as_array().unwrap().iter().map(ints).collect();
+    let (b, t) = (rows.len() as i64, rows[0].len() as i64);
+    Tensor::from_slice(&rows.concat()).view([b, t])
+}
+
+fn floats(v: &Value) -> Vec<Option<f64>> {
+    v.as_array().unwrap().iter().map(Value::as_f64).collect()
+}
+
+/// Largest |ours − reference| over the entries where the reference has a number.
+fn max_diff(ours: &Tensor, reference: &[Option<f64>]) -> f64 {
+    let ours: Vec<f64> = Vec::<f64>::try_from(ours.to_kind(Kind::Double).flatten(0, -1)).unwrap();
+    assert_eq!(ours.len(), reference.len());
+    ours.iter().zip(reference).filter_map(|(o, r)| r.map(|r| (o - r).abs())).fold(0.0, f64::max)
+}
+
+fn flat(v: &Value) -> Vec<Option<f64>> {
+    match v {
+        Value::Array(items) => items.iter().flat_map(flat).collect(),
+        Value::Null => vec![None],
+        other => vec![other.as_f64()],
+    }
+}
+
+fn check_causal_lm(name: &str, kind: Kind, tol: f64) {
+    let r = reference(name);
+    let model = load(name, kind);
+    for case in r["single"].as_array().unwrap() {
+        let ids = Tensor::from_slice(&ints(&case["input_ids"])).view([1, -1]);
+        let logits = model.logits(&ids, None, None).unwrap();
+        let d = max_diff(&logits, &flat(&case["logits"]));
+        assert!(d < tol, "{name} {kind:?} single {}: logits differ by {d:e}", case["name"]);
+        let lp = model.token_logprobs(&ids, None, 1.0).unwrap();
+        let d = max_diff(&lp, &floats(&case["token_logprobs"])[1..]);
+        assert!(d < tol, "{name} {kind:?} single {}: log-probs differ by {d:e}", case["name"]);
+    }
+    for case in r["batched"].as_array().unwrap() {
+        let ids = matrix(&case["input_ids"]);
+        let mask = matrix(&case["attention_mask"]);
+        let positions = matrix(&case["position_ids"]);
+        let logits = model.logits(&ids, Some(&mask), Some(&positions)).unwrap();
+        if !case["logits"].is_null() {
+            // Rows at padding are null in the reference and skipped.
+            let reference: Vec<Option<f64>> = flat(&case["logits"]);
+            let per_row = logits.size()[2] as usize;
+            let expanded: Vec<Option<f64>> = case["logits"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .flat_map(|b| b.as_array().unwrap().iter().flat_map(|row| if row.is_null() { vec![None; per_row] } else { flat(row) }))
+                .collect();
+            assert!(reference.len() <= expanded.len());
+            let d = max_diff(&logits, &expanded);
+            assert!(d < tol, "{name} {kind:?} {}: logits differ by {d:e}", case["name"]);
+        }
+        let t = ids.size()[1];
+        let lp = weir_gpu::logprobs::gather_logprobs(&logits.narrow(1, 0, t - 1), &ids.narrow(1, 1, t - 1), 1.0);
+        let reference: Vec<Option<f64>> = case["token_logprobs"].as_array().unwrap().iter().flat_map(|row| floats(row)[1..].to_vec()).collect();
+        let d = max_diff(&lp, &reference);
+        assert!(d < tol, "{name} {kind:?} {}: log-probs differ by {d:e}", case["name"]);
+        // The same batch with default positions (cumsum of the mask) agrees too.
+        let lp_default = model.token_logprobs(&ids, Some(&mask), 1.0).unwrap();
+        let d = max_diff(&lp_default, &reference);
+        assert!(d < tol, "{name} {kind:?} {}: default positions: log-probs differ by {d:e}", case["name"]);
+    }
+}
+
+#[test]
+fn llama_matches_transformers() {
+    check_causal_lm("tiny-llama", Kind::Float, 1e-4);
+    check_causal_lm("tiny-llama", Kind::Double, 1e-8);
+}
+
+#[test]
+fn qwen2_matches_transformers() {
+    check_causal_lm("tiny-qwen2", Kind::Float, 1e-4);
+    check_causal_lm("tiny-qwen2", Kind::Double, 1e-8);
+}
+
+#[test]
+fn qwen3_matches_transformers() {
+    check_causal_lm("tiny-qwen3", Kind::Float, 1e-4);
+    check_causal_lm("tiny-qwen3", Kind::Double, 1e-8);
+}
+
+#[test]
+fn arith_sft_target_logprobs_match_transformers() {
+    let r = reference("arith-sft");
+    let model = load("arith-sft", Kind::Float);
+    let cases = r["target_logprobs_fp64"].as_array().unwrap();
+    assert!(!cases.is_empty());
+    for case in cases {
+        let prompt = ints(&case["prompt_ids"]);
+        let completion = ints(&case["completion_ids"]);
+        let ids = Tensor::from_slice(&[prompt.clone(), completion.clone()].concat()).view([1, -1]);
+        let lp = model.token_logprobs(&ids, None, 1.0).unwrap();
+        // Log-probs of the completion tokens: positions len(prompt)..end, i.e. the last |completion| entries.
+        let n = completion.len() as i64;
+        let tail = lp.narrow(1, lp.size()[1] - n, n);
+        let d = max_diff(&tail, &floats(&case["completion_token_logprobs"]));
+        assert!(d < 1e-4, "arith-sft {}: log-probs differ by {d:e}", case["pair"]);
+    }
+}
+
+#[test]
+fn reward_model_scores_match_transformers() {
+    let r = reference("tiny-llama-rm");
+    for (kind, tol) in [(Kind::Float, 1e-4), (Kind::Double, 1e-8)] {
+        let model = load("tiny-llama-rm", kind);
+        for case in r["single"].as_array().unwrap() {
+            let ids = Tensor::from_slice(&ints(&case["input_ids"])).view([1, -1]);
+            let score = model.scores(&ids, None).unwrap().double_value(&[0, 0]);
+            let want = case["score"].as_f64().unwrap();
+            assert!((score - want).abs() < tol, "{kind:?} {}: score {score} vs {want}", case["name"]);
+            let per_position = model.position_scores(&ids, None).unwrap();
+            let d = max_diff(&per_position, &floats(&case["per_position_scores"]));
+            assert!(d < tol, "{kind:?} {}: per-position scores differ by {d:e}", case["name"]);
+        }
+        for case in r["batched"].as_array().unwrap() {
+            let ids = matrix(&case["input_ids"]);
+            let mask = matrix(&case["attention_mask"]);
+            let scores = model.scores(&ids, Some(&mask)).unwrap();
+            let d = max_diff(&scores, &floats(&case["scores"]));
+            assert!(d < tol, "{kind:?} {}: scores differ by {d:e}", case["name"]);
+        }
+    }
+}
+
+#[test]
+fn broken_checkpoints_give_errors_naming_the_file_and_tensor() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = fixtures().join("models/tiny-llama");
+    std::fs::copy(src.join("config.json"), dir.path().join("config.json")).unwrap();
+    let err = Model::load(dir.path(), Device::Cpu, Kind::Float).unwrap_err().to_string();
+    assert!(err.contains("model.safetensors"), "{err}");
+    // A checkpoint lacking one tensor.
+    let tensors = Tensor::read_safetensors(src.join("model.safetensors")).unwrap();
+    let kept: Vec<(String, Tensor)> = tensors.into_iter().filter(|(n, _)| n != "model.layers.1.mlp.up_proj.weight").collect();
+    Tensor::write_safetensors(&kept, dir.path().join("model.safetensors")).unwrap();
+    let err = Model::load(dir.path(), Device::Cpu, Kind::Float).unwrap_err().to_string();
+    assert!(err.contains("model.layers.1.mlp.up_proj.weight") && err.contains("missing"), "{err}");
+    // A config that disagrees with the tensors' shapes.
+    let mut config: Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    config["intermediate_size"] = 100.into();
+    std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+    std::fs::copy(src.join("model.safetensors"), dir.path().join("model.safetensors")).unwrap();
+    let err = Model::load(dir.path(), Device::Cpu, Kind::Float).unwrap_err().to_string();
+    assert!(err.contains("model.safetensors") && err.contains("_proj.weight") && err.contains("100"), "{err}");
+    // Malformed JSON.
+    std::fs::write(dir.path().join("config.json"), "{ not json").unwrap();
+    let err = Model::load(dir.path(), Device::Cpu, Kind::Float).unwrap_err().to_string();
+    assert!(err.contains("config.json"), "{err}");
+}
