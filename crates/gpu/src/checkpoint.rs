@@ -17,17 +17,25 @@ pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
     }
     let index = dir.join("model.safetensors.index.json");
     if !index.is_file() {
-        return Err(ModelError::io(dir, "no model.safetensors and no model.safetensors.index.json"));
+        return Err(ModelError::io(
+            dir,
+            "no model.safetensors and no model.safetensors.index.json",
+        ));
     }
     let text = std::fs::read_to_string(&index).map_err(|e| ModelError::io(&index, e))?;
-    let value: Value = serde_json::from_str(&text).map_err(|e| ModelError::Json { path: index.display().to_string(), message: e.to_string() })?;
+    let value: Value = serde_json::from_str(&text).map_err(|e| ModelError::Json {
+        path: index.display().to_string(),
+        message: e.to_string(),
+    })?;
     let map = value
         .get("weight_map")
         .and_then(Value::as_object)
         .ok_or_else(|| ModelError::config(&index, "weight_map", "missing or not an object"))?;
     let mut files: Vec<PathBuf> = Vec::new();
     for file in map.values() {
-        let name = file.as_str().ok_or_else(|| ModelError::config(&index, "weight_map", "a value is not a file name"))?;
+        let name = file.as_str().ok_or_else(|| {
+            ModelError::config(&index, "weight_map", "a value is not a file name")
+        })?;
         let path = dir.join(name);
         if !files.contains(&path) {
             files.push(path);

@@ -116,7 +116,10 @@ impl ModelConfig {
     pub fn load(dir: &Path) -> Result<Self, ModelError> {
         let path = dir.join("config.json");
         let text = std::fs::read_to_string(&path).map_err(|e| ModelError::io(&path, e))?;
-        let value: Value = serde_json::from_str(&text).map_err(|e| ModelError::Json { path: path.display().to_string(), message: e.to_string() })?;
+        let value: Value = serde_json::from_str(&text).map_err(|e| ModelError::Json {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })?;
         Self::from_json(&value, &path)
     }
 
@@ -126,26 +129,58 @@ impl ModelConfig {
             .get("architectures")
             .and_then(|a| a.get(0))
             .and_then(Value::as_str)
-            .ok_or_else(|| ModelError::config(path, "architectures", "missing (expected e.g. [\"LlamaForCausalLM\"])"))?
+            .ok_or_else(|| {
+                ModelError::config(
+                    path,
+                    "architectures",
+                    "missing (expected e.g. [\"LlamaForCausalLM\"])",
+                )
+            })?
             .to_string();
-        let unknown = || ModelError::UnknownArchitecture { path: path.display().to_string(), name: architecture.clone(), supported: SUPPORTED.into() };
-        let (family, rest) = [("Llama", Family::Llama), ("Mistral", Family::Mistral), ("Qwen2", Family::Qwen2), ("Qwen3", Family::Qwen3)]
-            .iter()
-            .find_map(|(prefix, f)| architecture.strip_prefix(prefix).map(|rest| (*f, rest)))
-            .ok_or_else(unknown)?;
+        let unknown = || ModelError::UnknownArchitecture {
+            path: path.display().to_string(),
+            name: architecture.clone(),
+            supported: SUPPORTED.into(),
+        };
+        let (family, rest) = [
+            ("Llama", Family::Llama),
+            ("Mistral", Family::Mistral),
+            ("Qwen2", Family::Qwen2),
+            ("Qwen3", Family::Qwen3),
+        ]
+        .iter()
+        .find_map(|(prefix, f)| architecture.strip_prefix(prefix).map(|rest| (*f, rest)))
+        .ok_or_else(unknown)?;
         let head = match rest {
             "ForCausalLM" => Head::CausalLm,
             "ForSequenceClassification" => Head::SequenceClassification,
             _ => return Err(unknown()),
         };
-        if family == Family::Mistral && v.get("sliding_window").and_then(Value::as_i64).is_some_and(|w| w < v.get("max_position_embeddings").and_then(Value::as_i64).unwrap_or(i64::MAX)) {
-            return Err(ModelError::config(path, "sliding_window", "sliding-window attention is not supported"));
+        if family == Family::Mistral
+            && v.get("sliding_window")
+                .and_then(Value::as_i64)
+                .is_some_and(|w| {
+                    w < v
+                        .get("max_position_embeddings")
+                        .and_then(Value::as_i64)
+                        .unwrap_or(i64::MAX)
+                })
+        {
+            return Err(ModelError::config(
+                path,
+                "sliding_window",
+                "sliding-window attention is not supported",
+            ));
         }
         let int = |key: &str| -> Result<i64, ModelError> {
-            v.get(key).and_then(Value::as_i64).filter(|n| *n > 0).ok_or_else(|| ModelError::config(path, key, "missing or not a positive integer"))
+            v.get(key)
+                .and_then(Value::as_i64)
+                .filter(|n| *n > 0)
+                .ok_or_else(|| ModelError::config(path, key, "missing or not a positive integer"))
         };
         let opt_int = |key: &str| v.get(key).and_then(Value::as_i64);
-        let flag = |key: &str, default: bool| v.get(key).and_then(Value::as_bool).unwrap_or(default);
+        let flag =
+            |key: &str, default: bool| v.get(key).and_then(Value::as_bool).unwrap_or(default);
 
         let hidden_size = int("hidden_size")?;
         let num_attention_heads = int("num_attention_heads")?;
@@ -154,10 +189,17 @@ impl ModelConfig {
             return Err(ModelError::config(path, "num_key_value_heads", format!("{num_key_value_heads} does not divide num_attention_heads {num_attention_heads}")));
         }
         let head_dim = match v.get("head_dim") {
-            Some(Value::Number(n)) => n.as_i64().filter(|d| *d > 0).ok_or_else(|| ModelError::config(path, "head_dim", "not a positive integer"))?,
+            Some(Value::Number(n)) => n
+                .as_i64()
+                .filter(|d| *d > 0)
+                .ok_or_else(|| ModelError::config(path, "head_dim", "not a positive integer"))?,
             _ => {
                 if hidden_size % num_attention_heads != 0 {
-                    return Err(ModelError::config(path, "hidden_size", "not divisible by num_attention_heads and no head_dim given"));
+                    return Err(ModelError::config(
+                        path,
+                        "hidden_size",
+                        "not divisible by num_attention_heads and no head_dim given",
+                    ));
                 }
                 hidden_size / num_attention_heads
             }
@@ -184,7 +226,10 @@ impl ModelConfig {
         };
         let num_labels = match v.get("num_labels").and_then(Value::as_i64) {
             Some(n) => n,
-            None => v.get("id2label").and_then(Value::as_object).map_or(2, |m| m.len() as i64),
+            None => v
+                .get("id2label")
+                .and_then(Value::as_object)
+                .map_or(2, |m| m.len() as i64),
         };
         Ok(ModelConfig {
             architecture,
@@ -197,7 +242,10 @@ impl ModelConfig {
             num_attention_heads,
             num_key_value_heads,
             head_dim,
-            rms_norm_eps: v.get("rms_norm_eps").and_then(Value::as_f64).unwrap_or(1e-6),
+            rms_norm_eps: v
+                .get("rms_norm_eps")
+                .and_then(Value::as_f64)
+                .unwrap_or(1e-6),
             rope_theta,
             rope_scaling,
             attention_bias,
@@ -209,27 +257,49 @@ impl ModelConfig {
             pad_token_id: opt_int("pad_token_id"),
             eos_token_ids,
             bos_token_id: opt_int("bos_token_id"),
-            torch_dtype: v.get("torch_dtype").or_else(|| v.get("dtype")).and_then(Value::as_str).map(String::from),
+            torch_dtype: v
+                .get("torch_dtype")
+                .or_else(|| v.get("dtype"))
+                .and_then(Value::as_str)
+                .map(String::from),
         })
     }
 }
 
 fn parse_rope_scaling(scaling: Option<&Value>, path: &Path) -> Result<RopeScaling, ModelError> {
-    let Some(s) = scaling else { return Ok(RopeScaling::None) };
-    let kind = s.get("rope_type").or_else(|| s.get("type")).and_then(Value::as_str).unwrap_or("default");
+    let Some(s) = scaling else {
+        return Ok(RopeScaling::None);
+    };
+    let kind = s
+        .get("rope_type")
+        .or_else(|| s.get("type"))
+        .and_then(Value::as_str)
+        .unwrap_or("default");
     let num = |key: &str| {
-        s.get(key).and_then(Value::as_f64).ok_or_else(|| ModelError::config(path, &format!("rope_scaling.{key}"), format!("missing for rope type `{kind}`")))
+        s.get(key).and_then(Value::as_f64).ok_or_else(|| {
+            ModelError::config(
+                path,
+                &format!("rope_scaling.{key}"),
+                format!("missing for rope type `{kind}`"),
+            )
+        })
     };
     match kind {
         "default" => Ok(RopeScaling::None),
-        "linear" => Ok(RopeScaling::Linear { factor: num("factor")? }),
+        "linear" => Ok(RopeScaling::Linear {
+            factor: num("factor")?,
+        }),
         "llama3" => Ok(RopeScaling::Llama3 {
             factor: num("factor")?,
             low_freq_factor: num("low_freq_factor")?,
             high_freq_factor: num("high_freq_factor")?,
             original_max_position_embeddings: num("original_max_position_embeddings")?,
         }),
-        other => Err(ModelError::config(path, "rope_scaling.rope_type", format!("`{other}` is not supported (default, linear, llama3)"))),
+        other => Err(ModelError::config(
+            path,
+            "rope_scaling.rope_type",
+            format!("`{other}` is not supported (default, linear, llama3)"),
+        )),
     }
 }
 
@@ -254,7 +324,10 @@ mod tests {
         let mut v5 = base();
         v5["rope_parameters"] = json!({"rope_type": "default", "rope_theta": 1e6});
         let c = ModelConfig::from_json(&v5, Path::new("c.json")).unwrap();
-        assert_eq!((c.rope_theta, c.rope_scaling.clone(), c.head_dim), (1e6, RopeScaling::None, 16));
+        assert_eq!(
+            (c.rope_theta, c.rope_scaling.clone(), c.head_dim),
+            (1e6, RopeScaling::None, 16)
+        );
     }
 
     #[test]
@@ -268,24 +341,40 @@ mod tests {
         q["architectures"] = json!(["Qwen3ForSequenceClassification"]);
         q["head_dim"] = json!(32);
         let c = ModelConfig::from_json(&q, Path::new("c.json")).unwrap();
-        assert_eq!((c.head, c.qk_norm, c.head_dim, c.attention_bias), (Head::SequenceClassification, true, 32, false));
+        assert_eq!(
+            (c.head, c.qk_norm, c.head_dim, c.attention_bias),
+            (Head::SequenceClassification, true, 32, false)
+        );
     }
 
     #[test]
     fn errors_name_the_file_and_key() {
         let mut bad = base();
         bad["architectures"] = json!(["GPT2LMHeadModel"]);
-        let err = ModelConfig::from_json(&bad, Path::new("m/config.json")).unwrap_err().to_string();
-        assert!(err.contains("m/config.json") && err.contains("GPT2LMHeadModel"), "{err}");
+        let err = ModelConfig::from_json(&bad, Path::new("m/config.json"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("m/config.json") && err.contains("GPT2LMHeadModel"),
+            "{err}"
+        );
         let mut bad = base();
         bad.as_object_mut().unwrap().remove("hidden_size");
-        let err = ModelConfig::from_json(&bad, Path::new("m/config.json")).unwrap_err().to_string();
+        let err = ModelConfig::from_json(&bad, Path::new("m/config.json"))
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("`hidden_size`"), "{err}");
         let mut bad = base();
         bad["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0});
-        assert!(ModelConfig::from_json(&bad, Path::new("c")).unwrap_err().to_string().contains("yarn"));
+        assert!(ModelConfig::from_json(&bad, Path::new("c"))
+            .unwrap_err()
+            .to_string()
+            .contains("yarn"));
         let mut bad = base();
         bad["num_key_value_heads"] = json!(3);
-        assert!(ModelConfig::from_json(&bad, Path::new("c")).unwrap_err().to_string().contains("num_key_value_heads"));
+        assert!(ModelConfig::from_json(&bad, Path::new("c"))
+            .unwrap_err()
+            .to_string()
+            .contains("num_key_value_heads"));
     }
 }

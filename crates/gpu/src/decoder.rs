@@ -20,7 +20,10 @@ pub struct RmsNorm {
 
 impl RmsNorm {
     fn new(vs: nn::Path, size: i64, eps: f64) -> Self {
-        RmsNorm { weight: vs.ones("weight", &[size]), eps }
+        RmsNorm {
+            weight: vs.ones("weight", &[size]),
+            eps,
+        }
     }
 
     /// Normalises the last dimension of `x`.
@@ -42,12 +45,17 @@ pub struct KvCache {
 impl KvCache {
     /// An empty cache for `layers` layers.
     pub fn new(layers: usize) -> Self {
-        KvCache { layers: (0..layers).map(|_| None).collect() }
+        KvCache {
+            layers: (0..layers).map(|_| None).collect(),
+        }
     }
 
     /// Positions cached so far.
     pub fn len(&self) -> i64 {
-        self.layers.first().and_then(|l| l.as_ref()).map_or(0, |(k, _)| k.size()[2])
+        self.layers
+            .first()
+            .and_then(|l| l.as_ref())
+            .map_or(0, |(k, _)| k.size()[2])
     }
 
     /// True when nothing is cached.
@@ -79,22 +87,43 @@ struct Attention {
 
 impl Attention {
     fn new(vs: nn::Path, c: &ModelConfig) -> Self {
-        let lin = |name: &str, i: i64, o: i64, bias: bool| nn::linear(&vs / name, i, o, nn::LinearConfig { bias, ..Default::default() });
+        let lin = |name: &str, i: i64, o: i64, bias: bool| {
+            nn::linear(
+                &vs / name,
+                i,
+                o,
+                nn::LinearConfig {
+                    bias,
+                    ..Default::default()
+                },
+            )
+        };
         let (h, kv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         Attention {
             q: lin("q_proj", c.hidden_size, h * d, c.attention_bias),
             k: lin("k_proj", c.hidden_size, kv * d, c.attention_bias),
             v: lin("v_proj", c.hidden_size, kv * d, c.attention_bias),
             o: lin("o_proj", h * d, c.hidden_size, c.o_bias),
-            q_norm: c.qk_norm.then(|| RmsNorm::new(&vs / "q_norm", d, c.rms_norm_eps)),
-            k_norm: c.qk_norm.then(|| RmsNorm::new(&vs / "k_norm", d, c.rms_norm_eps)),
+            q_norm: c
+                .qk_norm
+                .then(|| RmsNorm::new(&vs / "q_norm", d, c.rms_norm_eps)),
+            k_norm: c
+                .qk_norm
+                .then(|| RmsNorm::new(&vs / "k_norm", d, c.rms_norm_eps)),
             heads: h,
             kv_heads: kv,
             head_dim: d,
         }
     }
 
-    fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, mask: &Tensor, cache: Option<&mut Option<(Tensor, Tensor)>>) -> Tensor {
+    fn forward(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: &Tensor,
+        cache: Option<&mut Option<(Tensor, Tensor)>>,
+    ) -> Tensor {
         let (b, t) = (x.size()[0], x.size()[1]);
         let shape = |y: Tensor, n: i64| y.view([b, t, n, self.head_dim]);
         let mut q = shape(self.q.forward(x), self.heads);
@@ -115,8 +144,20 @@ impl Attention {
             *slot = Some((k.shallow_clone(), v.shallow_clone()));
         }
         let scale = 1.0 / (self.head_dim as f64).sqrt();
-        let y = Tensor::scaled_dot_product_attention(&q, &k, &v, Some(mask), 0.0, false, scale, self.kv_heads != self.heads);
-        self.o.forward(&y.transpose(1, 2).reshape([b, t, self.heads * self.head_dim]))
+        let y = Tensor::scaled_dot_product_attention(
+            &q,
+            &k,
+            &v,
+            Some(mask),
+            0.0,
+            false,
+            scale,
+            self.kv_heads != self.heads,
+        );
+        self.o.forward(
+            &y.transpose(1, 2)
+                .reshape([b, t, self.heads * self.head_dim]),
+        )
     }
 }
 
@@ -129,7 +170,10 @@ struct Mlp {
 
 impl Mlp {
     fn new(vs: nn::Path, c: &ModelConfig) -> Self {
-        let cfg = nn::LinearConfig { bias: c.mlp_bias, ..Default::default() };
+        let cfg = nn::LinearConfig {
+            bias: c.mlp_bias,
+            ..Default::default()
+        };
         Mlp {
             gate: nn::linear(&vs / "gate_proj", c.hidden_size, c.intermediate_size, cfg),
             up: nn::linear(&vs / "up_proj", c.hidden_size, c.intermediate_size, cfg),
@@ -138,7 +182,8 @@ impl Mlp {
     }
 
     fn forward(&self, x: &Tensor) -> Tensor {
-        self.down.forward(&(self.gate.forward(x).silu() * self.up.forward(x)))
+        self.down
+            .forward(&(self.gate.forward(x).silu() * self.up.forward(x)))
     }
 }
 
@@ -170,12 +215,21 @@ impl Decoder {
                 Layer {
                     input_norm: RmsNorm::new(&l / "input_layernorm", c.hidden_size, c.rms_norm_eps),
                     attention: Attention::new(&l / "self_attn", c),
-                    post_norm: RmsNorm::new(&l / "post_attention_layernorm", c.hidden_size, c.rms_norm_eps),
+                    post_norm: RmsNorm::new(
+                        &l / "post_attention_layernorm",
+                        c.hidden_size,
+                        c.rms_norm_eps,
+                    ),
                     mlp: Mlp::new(&l / "mlp", c),
                 }
             })
             .collect();
-        Decoder { embed, layers, norm: RmsNorm::new(&vs / "norm", c.hidden_size, c.rms_norm_eps), rope: Rope::new(c, vs.device()) }
+        Decoder {
+            embed,
+            layers,
+            norm: RmsNorm::new(&vs / "norm", c.hidden_size, c.rms_norm_eps),
+            rope: Rope::new(c, vs.device()),
+        }
     }
 
     /// Number of layers.
@@ -188,7 +242,13 @@ impl Decoder {
     /// `key_mask` `[B, S]` (1 = attend) covers the cached and the new
     /// positions (S = cached + T); `position_ids` `[B, T]` are the new
     /// tokens' positions. With a cache, new keys are appended to it.
-    pub fn forward(&self, input_ids: &Tensor, key_mask: &Tensor, position_ids: &Tensor, mut cache: Option<&mut KvCache>) -> Tensor {
+    pub fn forward(
+        &self,
+        input_ids: &Tensor,
+        key_mask: &Tensor,
+        position_ids: &Tensor,
+        mut cache: Option<&mut KvCache>,
+    ) -> Tensor {
         let kind = self.embed.kind();
         let mut h = Tensor::embedding(&self.embed, input_ids, -1, false, false);
         let (cos, sin) = self.rope.tables(position_ids, kind);
@@ -196,7 +256,10 @@ impl Decoder {
         let mask = attention_bias(key_mask, input_ids.size()[1], past, kind);
         for (i, layer) in self.layers.iter().enumerate() {
             let slot = cache.as_mut().map(|c| &mut c.layers[i]);
-            h = &h + layer.attention.forward(&layer.input_norm.forward(&h), &cos, &sin, &mask, slot);
+            h = &h
+                + layer
+                    .attention
+                    .forward(&layer.input_norm.forward(&h), &cos, &sin, &mask, slot);
             h = &h + layer.mlp.forward(&layer.post_norm.forward(&h));
         }
         self.norm.forward(&h)

@@ -74,11 +74,18 @@ pub enum ModelError {
 
 impl ModelError {
     pub(crate) fn io(path: &Path, err: impl std::fmt::Display) -> Self {
-        ModelError::Io { path: path.display().to_string(), message: err.to_string() }
+        ModelError::Io {
+            path: path.display().to_string(),
+            message: err.to_string(),
+        }
     }
 
     pub(crate) fn config(path: &Path, key: &str, message: impl Into<String>) -> Self {
-        ModelError::Config { path: path.display().to_string(), key: key.to_string(), message: message.into() }
+        ModelError::Config {
+            path: path.display().to_string(),
+            key: key.to_string(),
+            message: message.into(),
+        }
     }
 }
 

@@ -47,11 +47,36 @@ impl Model {
         let vs = nn::VarStore::new(device.to_tch()?);
         let root = vs.root();
         let decoder = Decoder::new(&root / "model", &config);
-        let lm_head = (config.head == Head::CausalLm && !config.tie_word_embeddings)
-            .then(|| nn::linear(&root / "lm_head", config.hidden_size, config.vocab_size, nn::LinearConfig { bias: false, ..Default::default() }));
-        let score = (config.head == Head::SequenceClassification)
-            .then(|| nn::linear(&root / "score", config.hidden_size, config.num_labels, nn::LinearConfig { bias: false, ..Default::default() }));
-        Ok(Model { config, source: source.to_path_buf(), vs, decoder, lm_head, score })
+        let lm_head = (config.head == Head::CausalLm && !config.tie_word_embeddings).then(|| {
+            nn::linear(
+                &root / "lm_head",
+                config.hidden_size,
+                config.vocab_size,
+                nn::LinearConfig {
+                    bias: false,
+                    ..Default::default()
+                },
+            )
+        });
+        let score = (config.head == Head::SequenceClassification).then(|| {
+            nn::linear(
+                &root / "score",
+                config.hidden_size,
+                config.num_labels,
+                nn::LinearConfig {
+                    bias: false,
+                    ..Default::default()
+                },
+            )
+        });
+        Ok(Model {
+            config,
+            source: source.to_path_buf(),
+            vs,
+            decoder,
+            lm_head,
+            score,
+        })
     }
 
     /// Copies every parameter from the checkpoint in `dir`, checking names and shapes.
@@ -59,9 +84,19 @@ impl Model {
         let tensors = read_tensors(dir)?;
         let _guard = tch::no_grad_guard();
         for (name, mut var) in self.vs.variables() {
-            let (tensor, file) = tensors.get(&name).ok_or_else(|| ModelError::MissingTensor { path: dir.display().to_string(), name: name.clone() })?;
+            let (tensor, file) = tensors
+                .get(&name)
+                .ok_or_else(|| ModelError::MissingTensor {
+                    path: dir.display().to_string(),
+                    name: name.clone(),
+                })?;
             if tensor.size() != var.size() {
-                return Err(ModelError::ShapeMismatch { path: file.display().to_string(), name, expected: var.size(), found: tensor.size() });
+                return Err(ModelError::ShapeMismatch {
+                    path: file.display().to_string(),
+                    name,
+                    expected: var.size(),
+                    found: tensor.size(),
+                });
             }
             var.f_copy_(&tensor.to_kind(var.kind()))?;
         }
@@ -91,11 +126,22 @@ impl Model {
     /// Final hidden states `[B, T, hidden]`. `attention_mask` `[B, T]` (1 =
     /// token, 0 = padding) defaults to all ones; `position_ids` default to
     /// `cumsum(mask) − 1` (padding slots 1), as transformers' generate does.
-    pub fn hidden_states(&self, input_ids: &Tensor, attention_mask: Option<&Tensor>, position_ids: Option<&Tensor>) -> Result<Tensor, ModelError> {
+    pub fn hidden_states(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        position_ids: Option<&Tensor>,
+    ) -> Result<Tensor, ModelError> {
         let ids = self.check_ids(input_ids)?;
         let mask = match attention_mask {
             Some(m) if m.size() == ids.size() => m.to_device(self.device()).to_kind(Kind::Int64),
-            Some(m) => return Err(ModelError::Input(format!("attention mask has shape {:?}, input ids {:?}", m.size(), ids.size()))),
+            Some(m) => {
+                return Err(ModelError::Input(format!(
+                    "attention mask has shape {:?}, input ids {:?}",
+                    m.size(),
+                    ids.size()
+                )))
+            }
             None => ids.ones_like(),
         };
         let positions = match position_ids {
@@ -106,39 +152,70 @@ impl Model {
     }
 
     /// Logits `[B, T, vocab]` of a causal LM.
-    pub fn logits(&self, input_ids: &Tensor, attention_mask: Option<&Tensor>, position_ids: Option<&Tensor>) -> Result<Tensor, ModelError> {
+    pub fn logits(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        position_ids: Option<&Tensor>,
+    ) -> Result<Tensor, ModelError> {
         let hidden = self.hidden_states(input_ids, attention_mask, position_ids)?;
         self.lm_logits(&hidden)
     }
 
     /// `log p(token t | tokens < t)` for t = 1..T, `[B, T − 1]`, from logits divided by `temperature`.
-    pub fn token_logprobs(&self, input_ids: &Tensor, attention_mask: Option<&Tensor>, temperature: f64) -> Result<Tensor, ModelError> {
+    pub fn token_logprobs(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        temperature: f64,
+    ) -> Result<Tensor, ModelError> {
         let logits = self.logits(input_ids, attention_mask, None)?;
         let t = logits.size()[1];
         let ids = input_ids.to_device(self.device()).to_kind(Kind::Int64);
-        Ok(crate::logprobs::gather_logprobs(&logits.narrow(1, 0, t - 1), &ids.narrow(1, 1, t - 1), temperature))
+        Ok(crate::logprobs::gather_logprobs(
+            &logits.narrow(1, 0, t - 1),
+            &ids.narrow(1, 1, t - 1),
+            temperature,
+        ))
     }
 
     /// Scores `[B, num_labels]` of a sequence-classification model, taken at
     /// each row's rightmost token that is not the padding id (as transformers pools).
-    pub fn scores(&self, input_ids: &Tensor, attention_mask: Option<&Tensor>) -> Result<Tensor, ModelError> {
-        let score = self.score.as_ref().ok_or_else(|| ModelError::Input(format!("{} has no score head", self.config.architecture)))?;
+    pub fn scores(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+    ) -> Result<Tensor, ModelError> {
+        let score = self.score.as_ref().ok_or_else(|| {
+            ModelError::Input(format!("{} has no score head", self.config.architecture))
+        })?;
         let hidden = self.hidden_states(input_ids, attention_mask, None)?;
         let ids = input_ids.to_device(self.device()).to_kind(Kind::Int64);
         let t = ids.size()[1];
         let last = match self.config.pad_token_id {
-            Some(pad) => (ids.ne(pad).to_kind(Kind::Int64) * Tensor::arange(t, (Kind::Int64, ids.device()))).argmax(-1, false),
+            Some(pad) => (ids.ne(pad).to_kind(Kind::Int64)
+                * Tensor::arange(t, (Kind::Int64, ids.device())))
+            .argmax(-1, false),
             None => Tensor::full([ids.size()[0]], t - 1, (Kind::Int64, ids.device())),
         };
         let b = ids.size()[0];
-        let pooled = hidden.index_select(1, &last).diagonal(0, 0, 1).transpose(0, 1);
+        let pooled = hidden
+            .index_select(1, &last)
+            .diagonal(0, 0, 1)
+            .transpose(0, 1);
         debug_assert_eq!(pooled.size(), vec![b, self.config.hidden_size]);
         Ok(score.forward(&pooled))
     }
 
     /// Per-position scores `[B, T, num_labels]` (a critic's values).
-    pub fn position_scores(&self, input_ids: &Tensor, attention_mask: Option<&Tensor>) -> Result<Tensor, ModelError> {
-        let score = self.score.as_ref().ok_or_else(|| ModelError::Input(format!("{} has no score head", self.config.architecture)))?;
+    pub fn position_scores(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+    ) -> Result<Tensor, ModelError> {
+        let score = self.score.as_ref().ok_or_else(|| {
+            ModelError::Input(format!("{} has no score head", self.config.architecture))
+        })?;
         Ok(score.forward(&self.hidden_states(input_ids, attention_mask, None)?))
     }
 
@@ -147,13 +224,23 @@ impl Model {
         match (&self.lm_head, self.config.head) {
             (Some(head), _) => Ok(head.forward(hidden)),
             (None, Head::CausalLm) => Ok(hidden.matmul(&self.decoder.embed.tr())),
-            (None, Head::SequenceClassification) => Err(ModelError::Input(format!("{} has no LM head", self.config.architecture))),
+            (None, Head::SequenceClassification) => Err(ModelError::Input(format!(
+                "{} has no LM head",
+                self.config.architecture
+            ))),
         }
     }
 
     /// Runs new tokens through the decoder with a KV cache; returns hidden states of the new tokens.
-    pub fn forward_cached(&self, input_ids: &Tensor, key_mask: &Tensor, position_ids: &Tensor, cache: &mut KvCache) -> Tensor {
-        self.decoder.forward(input_ids, key_mask, position_ids, Some(cache))
+    pub fn forward_cached(
+        &self,
+        input_ids: &Tensor,
+        key_mask: &Tensor,
+        position_ids: &Tensor,
+        cache: &mut KvCache,
+    ) -> Tensor {
+        self.decoder
+            .forward(input_ids, key_mask, position_ids, Some(cache))
     }
 
     /// An empty KV cache for this model.
@@ -163,12 +250,19 @@ impl Model {
 
     fn check_ids(&self, input_ids: &Tensor) -> Result<Tensor, ModelError> {
         if input_ids.dim() != 2 || input_ids.size()[1] == 0 {
-            return Err(ModelError::Input(format!("input ids must be [batch, length>0], got {:?}", input_ids.size())));
+            return Err(ModelError::Input(format!(
+                "input ids must be [batch, length>0], got {:?}",
+                input_ids.size()
+            )));
         }
         let ids = input_ids.to_device(self.device()).to_kind(Kind::Int64);
         let (min, max) = (ids.min().int64_value(&[]), ids.max().int64_value(&[]));
         if min < 0 || max >= self.config.vocab_size {
-            return Err(ModelError::Input(format!("token ids must lie in 0..{}, found {}", self.config.vocab_size, if min < 0 { min } else { max })));
+            return Err(ModelError::Input(format!(
+                "token ids must lie in 0..{}, found {}",
+                self.config.vocab_size,
+                if min < 0 { min } else { max }
+            )));
         }
         Ok(ids)
     }

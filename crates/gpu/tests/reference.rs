@@ -18,7 +18,10 @@ fn fixtures() -> PathBuf {
 
 fn reference(model: &str) -> Value {
     let path = fixtures().join("models").join(model).join("reference.json");
-    serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap()
+    serde_json::from_str(
+        &std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())),
+    )
+    .unwrap()
 }
 
 fn load(model: &str, kind: Kind) -> Model {
@@ -26,7 +29,11 @@ fn load(model: &str, kind: Kind) -> Model {
 }
 
 fn ints(v: &Value) -> Vec<i64> {
-    v.as_array().unwrap().iter().map(|x| x.as_i64().unwrap()).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_i64().unwrap())
+        .collect()
 }
 
 fn matrix(v: &Value) -> Tensor {
@@ -43,7 +50,10 @@ fn floats(v: &Value) -> Vec<Option<f64>> {
 fn max_diff(ours: &Tensor, reference: &[Option<f64>]) -> f64 {
     let ours: Vec<f64> = Vec::<f64>::try_from(ours.to_kind(Kind::Double).flatten(0, -1)).unwrap();
     assert_eq!(ours.len(), reference.len());
-    ours.iter().zip(reference).filter_map(|(o, r)| r.map(|r| (o - r).abs())).fold(0.0, f64::max)
+    ours.iter()
+        .zip(reference)
+        .filter_map(|(o, r)| r.map(|r| (o - r).abs()))
+        .fold(0.0, f64::max)
 }
 
 fn flat(v: &Value) -> Vec<Option<f64>> {
@@ -61,10 +71,18 @@ fn check_causal_lm(name: &str, kind: Kind, tol: f64) {
         let ids = Tensor::from_slice(&ints(&case["input_ids"])).view([1, -1]);
         let logits = model.logits(&ids, None, None).unwrap();
         let d = max_diff(&logits, &flat(&case["logits"]));
-        assert!(d < tol, "{name} {kind:?} single {}: logits differ by {d:e}", case["name"]);
+        assert!(
+            d < tol,
+            "{name} {kind:?} single {}: logits differ by {d:e}",
+            case["name"]
+        );
         let lp = model.token_logprobs(&ids, None, 1.0).unwrap();
         let d = max_diff(&lp, &floats(&case["token_logprobs"])[1..]);
-        assert!(d < tol, "{name} {kind:?} single {}: log-probs differ by {d:e}", case["name"]);
+        assert!(
+            d < tol,
+            "{name} {kind:?} single {}: log-probs differ by {d:e}",
+            case["name"]
+        );
     }
     for case in r["batched"].as_array().unwrap() {
         let ids = matrix(&case["input_ids"]);
@@ -79,21 +97,50 @@ fn check_causal_lm(name: &str, kind: Kind, tol: f64) {
                 .as_array()
                 .unwrap()
                 .iter()
-                .flat_map(|b| b.as_array().unwrap().iter().flat_map(|row| if row.is_null() { vec![None; per_row] } else { flat(row) }))
+                .flat_map(|b| {
+                    b.as_array().unwrap().iter().flat_map(|row| {
+                        if row.is_null() {
+                            vec![None; per_row]
+                        } else {
+                            flat(row)
+                        }
+                    })
+                })
                 .collect();
             assert!(reference.len() <= expanded.len());
             let d = max_diff(&logits, &expanded);
-            assert!(d < tol, "{name} {kind:?} {}: logits differ by {d:e}", case["name"]);
+            assert!(
+                d < tol,
+                "{name} {kind:?} {}: logits differ by {d:e}",
+                case["name"]
+            );
         }
         let t = ids.size()[1];
-        let lp = weir_gpu::logprobs::gather_logprobs(&logits.narrow(1, 0, t - 1), &ids.narrow(1, 1, t - 1), 1.0);
-        let reference: Vec<Option<f64>> = case["token_logprobs"].as_array().unwrap().iter().flat_map(|row| floats(row)[1..].to_vec()).collect();
+        let lp = weir_gpu::logprobs::gather_logprobs(
+            &logits.narrow(1, 0, t - 1),
+            &ids.narrow(1, 1, t - 1),
+            1.0,
+        );
+        let reference: Vec<Option<f64>> = case["token_logprobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|row| floats(row)[1..].to_vec())
+            .collect();
         let d = max_diff(&lp, &reference);
-        assert!(d < tol, "{name} {kind:?} {}: log-probs differ by {d:e}", case["name"]);
+        assert!(
+            d < tol,
+            "{name} {kind:?} {}: log-probs differ by {d:e}",
+            case["name"]
+        );
         // The same batch with default positions (cumsum of the mask) agrees too.
         let lp_default = model.token_logprobs(&ids, Some(&mask), 1.0).unwrap();
         let d = max_diff(&lp_default, &reference);
-        assert!(d < tol, "{name} {kind:?} {}: default positions: log-probs differ by {d:e}", case["name"]);
+        assert!(
+            d < tol,
+            "{name} {kind:?} {}: default positions: log-probs differ by {d:e}",
+            case["name"]
+        );
     }
 }
 
@@ -130,7 +177,11 @@ fn arith_sft_target_logprobs_match_transformers() {
         let n = completion.len() as i64;
         let tail = lp.narrow(1, lp.size()[1] - n, n);
         let d = max_diff(&tail, &floats(&case["completion_token_logprobs"]));
-        assert!(d < 1e-4, "arith-sft {}: log-probs differ by {d:e}", case["pair"]);
+        assert!(
+            d < 1e-4,
+            "arith-sft {}: log-probs differ by {d:e}",
+            case["pair"]
+        );
     }
 }
 
@@ -143,10 +194,18 @@ fn reward_model_scores_match_transformers() {
             let ids = Tensor::from_slice(&ints(&case["input_ids"])).view([1, -1]);
             let score = model.scores(&ids, None).unwrap().double_value(&[0, 0]);
             let want = case["score"].as_f64().unwrap();
-            assert!((score - want).abs() < tol, "{kind:?} {}: score {score} vs {want}", case["name"]);
+            assert!(
+                (score - want).abs() < tol,
+                "{kind:?} {}: score {score} vs {want}",
+                case["name"]
+            );
             let per_position = model.position_scores(&ids, None).unwrap();
             let d = max_diff(&per_position, &floats(&case["per_position_scores"]));
-            assert!(d < tol, "{kind:?} {}: per-position scores differ by {d:e}", case["name"]);
+            assert!(
+                d < tol,
+                "{kind:?} {}: per-position scores differ by {d:e}",
+                case["name"]
+            );
         }
         for case in r["batched"].as_array().unwrap() {
             let ids = matrix(&case["input_ids"]);
@@ -163,23 +222,227 @@ fn broken_checkpoints_give_errors_naming_the_file_and_tensor() {
     let dir = tempfile::tempdir().unwrap();
     let src = fixtures().join("models/tiny-llama");
     std::fs::copy(src.join("config.json"), dir.path().join("config.json")).unwrap();
-    let err = Model::load(dir.path(), Device::Cpu, Kind::Float).unwrap_err().to_string();
+    let err = Model::load(dir.path(), Device::Cpu, Kind::Float)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("model.safetensors"), "{err}");
     // A checkpoint lacking one tensor.
     let tensors = Tensor::read_safetensors(src.join("model.safetensors")).unwrap();
-    let kept: Vec<(String, Tensor)> = tensors.into_iter().filter(|(n, _)| n != "model.layers.1.mlp.up_proj.weight").collect();
+    let kept: Vec<(String, Tensor)> = tensors
+        .into_iter()
+        .filter(|(n, _)| n != "model.layers.1.mlp.up_proj.weight")
+        .collect();
     Tensor::write_safetensors(&kept, dir.path().join("model.safetensors")).unwrap();
-    let err = Model::load(dir.path(), Device::Cpu, Kind::Float).unwrap_err().to_string();
-    assert!(err.contains("model.layers.1.mlp.up_proj.weight") && err.contains("missing"), "{err}");
+    let err = Model::load(dir.path(), Device::Cpu, Kind::Float)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("model.layers.1.mlp.up_proj.weight") && err.contains("missing"),
+        "{err}"
+    );
     // A config that disagrees with the tensors' shapes.
-    let mut config: Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
     config["intermediate_size"] = 100.into();
     std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
-    std::fs::copy(src.join("model.safetensors"), dir.path().join("model.safetensors")).unwrap();
-    let err = Model::load(dir.path(), Device::Cpu, Kind::Float).unwrap_err().to_string();
-    assert!(err.contains("model.safetensors") && err.contains("_proj.weight") && err.contains("100"), "{err}");
+    std::fs::copy(
+        src.join("model.safetensors"),
+        dir.path().join("model.safetensors"),
+    )
+    .unwrap();
+    let err = Model::load(dir.path(), Device::Cpu, Kind::Float)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("model.safetensors") && err.contains("_proj.weight") && err.contains("100"),
+        "{err}"
+    );
     // Malformed JSON.
     std::fs::write(dir.path().join("config.json"), "{ not json").unwrap();
-    let err = Model::load(dir.path(), Device::Cpu, Kind::Float).unwrap_err().to_string();
+    let err = Model::load(dir.path(), Device::Cpu, Kind::Float)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("config.json"), "{err}");
+}
+
+fn check_greedy(name: &str) {
+    let r = &reference(name)["greedy"];
+    let model = load(name, Kind::Float);
+    let prompts: Vec<Vec<i64>> = r["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(ints)
+        .collect();
+    let params = weir_gpu::SamplingParams {
+        max_new_tokens: 16,
+        greedy: true,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let out = weir_gpu::generate(&model, &prompts, &params).unwrap();
+    for (i, g) in out.iter().enumerate() {
+        assert_eq!(
+            g.tokens,
+            ints(&r["new_token_ids"][i]),
+            "{name}: greedy tokens of prompt {i}"
+        );
+        assert_eq!(g.finish_reason, weir_gpu::FinishReason::Length);
+        let reference: Vec<Option<f64>> = floats(&r["new_token_logprobs"][i]);
+        let d = max_diff(&Tensor::from_slice(&g.logprobs), &reference);
+        assert!(
+            d < 1e-4,
+            "{name}: greedy log-probs of prompt {i} differ by {d:e}"
+        );
+    }
+}
+
+#[test]
+fn greedy_generation_with_kv_cache_matches_transformers() {
+    for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3"] {
+        check_greedy(name);
+    }
+}
+
+#[test]
+fn sampling_is_seeded_per_sequence_and_respects_its_settings() {
+    use weir_gpu::{generate, SamplingParams};
+    let model = load("tiny-llama", Kind::Float);
+    let prompts = vec![
+        vec![1i64, 286, 202, 305],
+        vec![302, 592],
+        vec![5, 6, 7, 8, 9, 10],
+    ];
+    let params = SamplingParams {
+        max_new_tokens: 12,
+        temperature: 1.3,
+        top_p: Some(0.9),
+        top_k: Some(50),
+        n: 3,
+        seed: 11,
+        ..Default::default()
+    };
+    let all = generate(&model, &prompts, &params).unwrap();
+    assert_eq!(all.len(), 9);
+    assert_eq!(
+        generate(&model, &prompts, &params).unwrap(),
+        all,
+        "same seed, same samples"
+    );
+    // A prompt's samples do not depend on the other prompts in the batch
+    // (padding width, batch size): drop the longest prompt and compare.
+    let fewer = generate(&model, &prompts[..2], &params).unwrap();
+    for (a, b) in fewer.iter().zip(all.iter().filter(|g| g.prompt < 2)) {
+        assert_eq!(a.tokens, b.tokens);
+        let d = a
+            .logprobs
+            .iter()
+            .zip(&b.logprobs)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max);
+        assert!(d < 1e-4, "log-probs differ by {d}");
+    }
+    assert_ne!(
+        all[0].tokens, all[1].tokens,
+        "samples of one prompt should differ"
+    );
+    let other_seed = generate(
+        &model,
+        &prompts,
+        &SamplingParams {
+            seed: 12,
+            ..params.clone()
+        },
+    )
+    .unwrap();
+    assert_ne!(other_seed, all);
+    // top_k = 1 is greedy; the log-prob of a certain draw is 0.
+    let top1 = generate(
+        &model,
+        &prompts,
+        &SamplingParams {
+            top_k: Some(1),
+            top_p: None,
+            n: 1,
+            ..params.clone()
+        },
+    )
+    .unwrap();
+    let greedy = generate(
+        &model,
+        &prompts,
+        &SamplingParams {
+            greedy: true,
+            n: 1,
+            ..params.clone()
+        },
+    )
+    .unwrap();
+    for (a, b) in top1.iter().zip(&greedy) {
+        assert_eq!(a.tokens, b.tokens);
+        assert!(a.logprobs.iter().all(|l| l.abs() < 1e-6));
+    }
+    // Behaviour log-probs are those of the distribution sampled from: with top-k
+    // they are at least the unfiltered log-probs at temperature 1.3.
+    let full = generate(
+        &model,
+        &prompts,
+        &SamplingParams {
+            top_k: None,
+            top_p: None,
+            ..params.clone()
+        },
+    )
+    .unwrap();
+    for g in &full {
+        assert!(g.logprobs.iter().all(|l| *l <= 0.0 && l.is_finite()));
+    }
+}
+
+#[test]
+fn generation_stops_at_any_eos_id_and_keeps_it() {
+    use weir_gpu::{generate, FinishReason, SamplingParams};
+    let model = load("tiny-llama", Kind::Float);
+    let prompts = vec![vec![1i64, 286, 202, 305], vec![302, 592]];
+    let free = generate(
+        &model,
+        &prompts,
+        &SamplingParams {
+            max_new_tokens: 10,
+            greedy: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    // Make the 4th greedy token of prompt 0 an eos id: generation must stop right there.
+    let eos = free[0].tokens[3];
+    let params = SamplingParams {
+        max_new_tokens: 10,
+        greedy: true,
+        eos_token_ids: vec![999, eos],
+        ..Default::default()
+    };
+    let stopped = generate(&model, &prompts, &params).unwrap();
+    let first = free[0].tokens.iter().position(|&t| t == eos).unwrap();
+    assert_eq!(stopped[0].tokens, free[0].tokens[..=first].to_vec());
+    assert_eq!(stopped[0].finish_reason, FinishReason::Stop);
+    // The other sequence goes on unaffected by its neighbour leaving the batch.
+    let cut = free[1]
+        .tokens
+        .iter()
+        .position(|&t| t == eos)
+        .map_or(10, |i| i + 1);
+    assert_eq!(stopped[1].tokens, free[1].tokens[..cut].to_vec());
+    let err = generate(
+        &model,
+        &prompts,
+        &SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        },
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("temperature"), "{err}");
+    assert!(generate(&model, &[vec![]], &SamplingParams::default()).is_err());
 }

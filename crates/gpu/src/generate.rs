@@ -1,0 +1,300 @@
+//! Batched generation: one prefill over the left-padded prompts, then
+//! KV-cache decoding, one token per step for every unfinished sequence.
+//!
+//! Sampling happens on the model's device (temperature, then top-k, then
+//! top-p, as transformers orders its processors); only one uniform number
+//! per sequence goes up and one token id per sequence comes back each step.
+//! Each sequence draws from its own random stream, seeded by (seed, prompt,
+//! sample), so its tokens do not depend on what else is in the batch.
+//! Finished sequences leave the batch (and the cache).
+
+use tch::{Kind, Tensor};
+
+use crate::model::Model;
+use crate::ModelError;
+
+/// How to pick tokens.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// Tokens to generate at most.
+    pub max_new_tokens: usize,
+    /// Always take the most likely token (ignores the sampling settings).
+    pub greedy: bool,
+    /// Logits are divided by this before sampling.
+    pub temperature: f64,
+    /// Keep only the k most likely tokens (`None`: all).
+    pub top_k: Option<usize>,
+    /// Keep the smallest set of tokens whose probability reaches p (`None`: all).
+    pub top_p: Option<f64>,
+    /// Samples per prompt.
+    pub n: usize,
+    /// Seed of the sampling streams.
+    pub seed: u64,
+    /// Token ids that end a sequence (the id is kept in the output).
+    pub eos_token_ids: Vec<i64>,
+    /// Generate exactly `max_new_tokens`, never stopping at an eos id.
+    pub ignore_eos: bool,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            max_new_tokens: 64,
+            greedy: false,
+            temperature: 1.0,
+            top_k: None,
+            top_p: None,
+            n: 1,
+            seed: 0,
+            eos_token_ids: Vec::new(),
+            ignore_eos: false,
+        }
+    }
+}
+
+impl SamplingParams {
+    fn validate(&self) -> Result<(), ModelError> {
+        if !self.greedy && !(self.temperature > 0.0 && self.temperature.is_finite()) {
+            return Err(ModelError::Input(format!(
+                "temperature must be positive, got {}",
+                self.temperature
+            )));
+        }
+        if let Some(p) = self.top_p {
+            if !(p > 0.0 && p <= 1.0) {
+                return Err(ModelError::Input(format!(
+                    "top_p must lie in (0, 1], got {p}"
+                )));
+            }
+        }
+        if self.top_k == Some(0) {
+            return Err(ModelError::Input("top_k must be at least 1".into()));
+        }
+        if self.n == 0 {
+            return Err(ModelError::Input(
+                "n (samples per prompt) must be at least 1".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Why a sequence ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// It produced an eos id.
+    Stop,
+    /// It reached `max_new_tokens`.
+    Length,
+}
+
+impl FinishReason {
+    /// `stop` or `length`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// One generated sequence.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Generation {
+    /// Index of its prompt.
+    pub prompt: usize,
+    /// Index of the sample for that prompt.
+    pub sample: usize,
+    /// The new tokens (an eos id, if it stopped on one, included).
+    pub tokens: Vec<i64>,
+    /// log-prob of each new token under the distribution it was drawn from.
+    pub logprobs: Vec<f32>,
+    /// Why it ended.
+    pub finish_reason: FinishReason,
+}
+
+/// Generates `params.n` continuations of each prompt; results are ordered by
+/// (prompt, sample). Sample `s` of prompt `p` draws from the stream
+/// (`params.seed`, `p`, `s`), whatever else is in the batch.
+pub fn generate(
+    model: &Model,
+    prompts: &[Vec<i64>],
+    params: &SamplingParams,
+) -> Result<Vec<Generation>, ModelError> {
+    params.validate()?;
+    if prompts.is_empty() {
+        return Ok(Vec::new());
+    }
+    if let Some(i) = prompts.iter().position(Vec::is_empty) {
+        return Err(ModelError::Input(format!("prompt {i} is empty")));
+    }
+    let device = model.device();
+    let rows: Vec<(usize, usize)> = (0..prompts.len())
+        .flat_map(|p| (0..params.n).map(move |s| (p, s)))
+        .collect();
+    let b = rows.len() as i64;
+    let width = prompts.iter().map(Vec::len).max().unwrap_or(0) as i64;
+    let pad = model.config.pad_token_id.unwrap_or(0).max(0);
+    let mut ids = Vec::with_capacity((b * width) as usize);
+    let mut mask = Vec::with_capacity((b * width) as usize);
+    for &(p, _) in &rows {
+        let prompt = &prompts[p];
+        let padding = width as usize - prompt.len();
+        ids.extend(std::iter::repeat_n(pad, padding).chain(prompt.iter().copied()));
+        mask.extend(
+            std::iter::repeat_n(0i64, padding).chain(std::iter::repeat_n(1i64, prompt.len())),
+        );
+    }
+    let ids = Tensor::from_slice(&ids).view([b, width]).to_device(device);
+    let mut key_mask = Tensor::from_slice(&mask).view([b, width]).to_device(device);
+    if ids.max().int64_value(&[]) >= model.config.vocab_size {
+        return Err(ModelError::Input(format!(
+            "a prompt holds a token id ≥ the vocabulary size {}",
+            model.config.vocab_size
+        )));
+    }
+    let positions = crate::model::default_positions(&key_mask);
+    let mut next_position = positions.narrow(1, width - 1, 1);
+
+    let _guard = tch::no_grad_guard();
+    let mut cache = model.new_cache();
+    let hidden = model.forward_cached(&ids, &key_mask, &positions, &mut cache);
+    let mut logits = model.lm_logits(&hidden.narrow(1, width - 1, 1).squeeze_dim(1))?;
+
+    let mut streams: Vec<Stream> = rows
+        .iter()
+        .map(|&(p, s)| Stream::new(params.seed, p as u64, s as u64))
+        .collect();
+    let mut out: Vec<Generation> = rows
+        .iter()
+        .map(|&(prompt, sample)| Generation {
+            prompt,
+            sample,
+            tokens: Vec::new(),
+            logprobs: Vec::new(),
+            finish_reason: FinishReason::Length,
+        })
+        .collect();
+    // `active[i]` is the output row of batch row i.
+    let mut active: Vec<usize> = (0..rows.len()).collect();
+    for step in 0..params.max_new_tokens {
+        let uniforms: Vec<f32> = active.iter().map(|&r| streams[r].next_f32()).collect();
+        let (tokens, logprobs) = pick(&logits, params, &uniforms);
+        let tokens_v: Vec<i64> =
+            Vec::<i64>::try_from(&tokens).map_err(|e| ModelError::Torch(e.to_string()))?;
+        let logprobs_v: Vec<f32> = Vec::<f32>::try_from(&logprobs.to_kind(Kind::Float))
+            .map_err(|e| ModelError::Torch(e.to_string()))?;
+        let mut keep = Vec::with_capacity(active.len());
+        for (i, &r) in active.iter().enumerate() {
+            out[r].tokens.push(tokens_v[i]);
+            out[r].logprobs.push(logprobs_v[i]);
+            let stopped = !params.ignore_eos && params.eos_token_ids.contains(&tokens_v[i]);
+            if stopped {
+                out[r].finish_reason = FinishReason::Stop;
+            } else {
+                keep.push(i as i64);
+            }
+        }
+        if keep.is_empty() || step + 1 == params.max_new_tokens {
+            break;
+        }
+        let mut input = tokens.view([-1, 1]);
+        if keep.len() < active.len() {
+            let rows_kept = Tensor::from_slice(&keep).to_device(device);
+            cache.select_rows(&rows_kept);
+            key_mask = key_mask.index_select(0, &rows_kept);
+            next_position = next_position.index_select(0, &rows_kept);
+            input = input.index_select(0, &rows_kept);
+            active = keep.iter().map(|&i| active[i as usize]).collect();
+        }
+        next_position += 1;
+        key_mask = Tensor::cat(&[&key_mask, &key_mask.ones_like().narrow(1, 0, 1)], 1);
+        let hidden = model.forward_cached(&input, &key_mask, &next_position, &mut cache);
+        logits = model.lm_logits(&hidden.squeeze_dim(1))?;
+    }
+    Ok(out)
+}
+
+/// Picks one token per row of `logits` `[B, V]`; returns the tokens and
+/// their log-probs under the distribution they were drawn from.
+fn pick(logits: &Tensor, params: &SamplingParams, uniforms: &[f32]) -> (Tensor, Tensor) {
+    let logits = logits.to_kind(if logits.kind() == Kind::Double {
+        Kind::Double
+    } else {
+        Kind::Float
+    });
+    let kind = logits.kind();
+    if params.greedy {
+        let tokens = logits.argmax(-1, false);
+        let logp = logits
+            .log_softmax(-1, kind)
+            .gather(-1, &tokens.unsqueeze(-1), false)
+            .squeeze_dim(-1);
+        return (tokens, logp);
+    }
+    let mut scaled = logits / params.temperature;
+    let vocab = scaled.size()[1];
+    if let Some(k) = params.top_k.filter(|&k| (k as i64) < vocab) {
+        let (top, _) = scaled.topk(k as i64, -1, true, true);
+        let kth = top.narrow(1, k as i64 - 1, 1);
+        scaled = scaled.masked_fill(&scaled.lt_tensor(&kth), f64::NEG_INFINITY);
+    }
+    if let Some(p) = params.top_p.filter(|&p| p < 1.0) {
+        let (sorted, order) = scaled.sort(-1, true);
+        let probs = sorted.softmax(-1, kind);
+        // Drop a token when the tokens before it already reach p; the first always stays.
+        let before = probs.cumsum(-1, kind) - &probs;
+        let drop_sorted = before.gt(p);
+        let drop = drop_sorted.zeros_like().scatter(-1, &order, &drop_sorted);
+        scaled = scaled.masked_fill(&drop, f64::NEG_INFINITY);
+    }
+    let logp = scaled.log_softmax(-1, kind);
+    let cdf = logp.exp().cumsum(-1, kind);
+    let total = cdf.narrow(1, vocab - 1, 1);
+    let u = Tensor::from_slice(uniforms)
+        .to_device(cdf.device())
+        .to_kind(kind)
+        .view([-1, 1])
+        * &total;
+    // First index whose cumulative probability exceeds u: an inverse-CDF draw.
+    let tokens = u
+        .searchsorted(&cdf, false, true, "right", None::<Tensor>)
+        .clamp_max(vocab - 1)
+        .squeeze_dim(-1);
+    let chosen = logp
+        .gather(-1, &tokens.unsqueeze(-1), false)
+        .squeeze_dim(-1);
+    (tokens, chosen)
+}
+
+/// A small, seedable random stream (splitmix64 → xorshift64*).
+struct Stream(u64);
+
+impl Stream {
+    fn new(seed: u64, prompt: u64, sample: u64) -> Self {
+        let mut s = Stream(seed ^ 0x9e37_79b9_7f4a_7c15);
+        s.0 = s.mix(
+            prompt.wrapping_mul(0xbf58_476d_1ce4_e5b9) ^ sample.wrapping_mul(0x94d0_49bb_1331_11eb),
+        );
+        if s.0 == 0 {
+            s.0 = 1;
+        }
+        s
+    }
+
+    fn mix(&self, x: u64) -> u64 {
+        let mut z = self.0.wrapping_add(x).wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [0, 1).
+    fn next_f32(&mut self) -> f32 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        let x = self.0.wrapping_mul(0x2545_f491_4f6c_dd1d);
+        (x >> 40) as f32 / (1u64 << 24) as f32
+    }
+}
