@@ -54,7 +54,8 @@ impl Default for SamplingParams {
 
 impl SamplingParams {
     fn validate(&self) -> Result<(), ModelError> {
-        if !self.greedy && !(self.temperature > 0.0 && self.temperature.is_finite()) {
+        let usable_temperature = self.temperature > 0.0 && self.temperature.is_finite();
+        if !self.greedy && !usable_temperature {
             return Err(ModelError::Input(format!(
                 "temperature must be positive, got {}",
                 self.temperature
