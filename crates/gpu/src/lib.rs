@@ -15,9 +15,11 @@ pub mod generate;
 pub mod logprobs;
 pub mod model;
 pub mod rope;
+pub mod tokenizer;
 
 pub use config::{Family, Head, ModelConfig};
 pub use device::{Device, DeviceError};
 pub use error::ModelError;
 pub use generate::{generate, FinishReason, Generation, SamplingParams};
 pub use model::Model;
+pub use tokenizer::{Message, Tokenizer};
