@@ -15,6 +15,7 @@ pub mod generate;
 pub mod logprobs;
 pub mod model;
 pub mod rope;
+pub mod snapshot;
 pub mod tokenizer;
 
 pub use config::{Family, Head, ModelConfig};

@@ -33,7 +33,10 @@ pub struct Tokenizer {
 
 impl std::fmt::Debug for Tokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Tokenizer").field("dir", &self.dir).field("eos_token_ids", &self.eos_token_ids).finish()
+        f.debug_struct("Tokenizer")
+            .field("dir", &self.dir)
+            .field("eos_token_ids", &self.eos_token_ids)
+            .finish()
     }
 }
 
@@ -51,7 +54,12 @@ fn read_json(path: &Path) -> Result<Option<Value>, ModelError> {
         return Ok(None);
     }
     let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
-    serde_json::from_str(&text).map(Some).map_err(|e| ModelError::Json { path: path.display().to_string(), message: e.to_string() })
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|e| ModelError::Json {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })
 }
 
 impl Tokenizer {
@@ -61,7 +69,10 @@ impl Tokenizer {
         if !path.is_file() {
             return Err(ModelError::io(&path, "missing"));
         }
-        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| ModelError::Json { path: path.display().to_string(), message: e.to_string() })?;
+        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| ModelError::Json {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })?;
         let config = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Value::Null);
         let chat_template = match config.get("chat_template") {
             Some(Value::String(t)) => Some(t.clone()),
@@ -74,8 +85,17 @@ impl Tokenizer {
                 .map(String::from),
             _ => None,
         };
-        let (bos_token, eos_token, pad_token) = (token_text(config.get("bos_token")), token_text(config.get("eos_token")), token_text(config.get("pad_token")));
-        let mut eos_token_ids: Vec<i64> = eos_token.as_deref().and_then(|t| inner.token_to_id(t)).map(i64::from).into_iter().collect();
+        let (bos_token, eos_token, pad_token) = (
+            token_text(config.get("bos_token")),
+            token_text(config.get("eos_token")),
+            token_text(config.get("pad_token")),
+        );
+        let mut eos_token_ids: Vec<i64> = eos_token
+            .as_deref()
+            .and_then(|t| inner.token_to_id(t))
+            .map(i64::from)
+            .into_iter()
+            .collect();
         let gen_path = dir.join("generation_config.json");
         if let Some(gen) = read_json(&gen_path)? {
             let extra: Vec<i64> = match gen.get("eos_token_id") {
@@ -89,18 +109,32 @@ impl Tokenizer {
                 }
             }
         }
-        Ok(Tokenizer { inner, dir: dir.to_path_buf(), chat_template, bos_token, eos_token, pad_token, eos_token_ids })
+        Ok(Tokenizer {
+            inner,
+            dir: dir.to_path_buf(),
+            chat_template,
+            bos_token,
+            eos_token,
+            pad_token,
+            eos_token_ids,
+        })
     }
 
     /// Token ids of `text`; `add_special_tokens` applies the post-processor (BOS etc.).
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<i64>, ModelError> {
-        let encoding = self.inner.encode(text, add_special_tokens).map_err(|e| ModelError::Input(format!("tokenizing: {e}")))?;
+        let encoding = self
+            .inner
+            .encode(text, add_special_tokens)
+            .map_err(|e| ModelError::Input(format!("tokenizing: {e}")))?;
         Ok(encoding.get_ids().iter().map(|&i| i64::from(i)).collect())
     }
 
     /// The token strings of `text`.
     pub fn tokens(&self, text: &str) -> Result<Vec<String>, ModelError> {
-        let encoding = self.inner.encode(text, false).map_err(|e| ModelError::Input(format!("tokenizing: {e}")))?;
+        let encoding = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| ModelError::Input(format!("tokenizing: {e}")))?;
         Ok(encoding.get_tokens().to_vec())
     }
 
@@ -108,24 +142,44 @@ impl Tokenizer {
     pub fn decode(&self, ids: &[i64], skip_special_tokens: bool) -> Result<String, ModelError> {
         let ids: Vec<u32> = ids
             .iter()
-            .map(|&i| u32::try_from(i).map_err(|_| ModelError::Input(format!("token id {i} is negative or too large"))))
+            .map(|&i| {
+                u32::try_from(i).map_err(|_| {
+                    ModelError::Input(format!("token id {i} is negative or too large"))
+                })
+            })
             .collect::<Result<_, _>>()?;
-        self.inner.decode(&ids, skip_special_tokens).map_err(|e| ModelError::Input(format!("decoding: {e}")))
+        self.inner
+            .decode(&ids, skip_special_tokens)
+            .map_err(|e| ModelError::Input(format!("decoding: {e}")))
     }
 
     /// Renders `messages` with the chat template.
-    pub fn apply_chat_template(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String, ModelError> {
+    pub fn apply_chat_template(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+    ) -> Result<String, ModelError> {
         let template = self.chat_template.as_deref().ok_or_else(|| {
-            ModelError::config(&self.dir.join("tokenizer_config.json"), "chat_template", "missing: this tokenizer has no chat template")
+            ModelError::config(
+                &self.dir.join("tokenizer_config.json"),
+                "chat_template",
+                "missing: this tokenizer has no chat template",
+            )
         })?;
         let mut env = minijinja::Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         minijinja_contrib::add_to_environment(&mut env);
-        env.add_function("raise_exception", |message: String| -> Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, message))
-        });
+        env.add_function(
+            "raise_exception",
+            |message: String| -> Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    message,
+                ))
+            },
+        );
         let ctx = minijinja::context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
@@ -133,12 +187,25 @@ impl Tokenizer {
             eos_token => self.eos_token.clone().unwrap_or_default(),
             pad_token => self.pad_token.clone().unwrap_or_default(),
         };
-        env.render_str(template, ctx).map_err(|e| ModelError::config(&self.dir.join("tokenizer_config.json"), "chat_template", format!("rendering failed: {e}")))
+        env.render_str(template, ctx).map_err(|e| {
+            ModelError::config(
+                &self.dir.join("tokenizer_config.json"),
+                "chat_template",
+                format!("rendering failed: {e}"),
+            )
+        })
     }
 
     /// Token ids of the rendered chat (special tokens in the text are parsed, none added).
-    pub fn encode_chat(&self, messages: &[Message], add_generation_prompt: bool) -> Result<Vec<i64>, ModelError> {
-        self.encode(&self.apply_chat_template(messages, add_generation_prompt)?, false)
+    pub fn encode_chat(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+    ) -> Result<Vec<i64>, ModelError> {
+        self.encode(
+            &self.apply_chat_template(messages, add_generation_prompt)?,
+            false,
+        )
     }
 
     /// Every end-of-sequence id: the tokenizer's eos token and `generation_config.json`'s list.
@@ -148,7 +215,10 @@ impl Tokenizer {
 
     /// The padding token's id, if there is one.
     pub fn pad_token_id(&self) -> Option<i64> {
-        self.pad_token.as_deref().and_then(|t| self.inner.token_to_id(t)).map(i64::from)
+        self.pad_token
+            .as_deref()
+            .and_then(|t| self.inner.token_to_id(t))
+            .map(i64::from)
     }
 
     /// The vocabulary size, added tokens included.

@@ -451,21 +451,40 @@ fn generation_stops_at_any_eos_id_and_keeps_it() {
 fn tokenizer_and_chat_template_match_transformers() {
     use weir_gpu::{Message, Tokenizer};
     let dir = fixtures().join("tokenizer");
-    let r: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer_reference.json")).unwrap()).unwrap();
+    let r: Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("tokenizer_reference.json")).unwrap(),
+    )
+    .unwrap();
     let tok = Tokenizer::load(&dir).unwrap();
     for case in r["encode"].as_array().unwrap() {
         let text = case["text"].as_str().unwrap();
         let ids = tok.encode(text, true).unwrap();
         assert_eq!(ids, ints(&case["ids"]), "ids of {text:?}");
-        let tokens: Vec<String> = case["tokens"].as_array().unwrap().iter().map(|t| t.as_str().unwrap().to_string()).collect();
+        let tokens: Vec<String> = case["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_str().unwrap().to_string())
+            .collect();
         assert_eq!(tok.tokens(text).unwrap(), tokens, "tokens of {text:?}");
-        assert_eq!(tok.decode(&ids, false).unwrap(), case["decoded"].as_str().unwrap(), "decoded {text:?}");
-        assert_eq!(tok.decode(&ids, true).unwrap(), case["decoded_skip_special"].as_str().unwrap(), "decoded (skip special) {text:?}");
+        assert_eq!(
+            tok.decode(&ids, false).unwrap(),
+            case["decoded"].as_str().unwrap(),
+            "decoded {text:?}"
+        );
+        assert_eq!(
+            tok.decode(&ids, true).unwrap(),
+            case["decoded_skip_special"].as_str().unwrap(),
+            "decoded (skip special) {text:?}"
+        );
     }
     for case in r["chat"].as_array().unwrap() {
         let messages: Vec<Message> = serde_json::from_value(case["messages"].clone()).unwrap();
         let add = case["add_generation_prompt"].as_bool().unwrap();
-        assert_eq!(tok.apply_chat_template(&messages, add).unwrap(), case["rendered"].as_str().unwrap());
+        assert_eq!(
+            tok.apply_chat_template(&messages, add).unwrap(),
+            case["rendered"].as_str().unwrap()
+        );
         assert_eq!(tok.encode_chat(&messages, add).unwrap(), ints(&case["ids"]));
     }
     assert_eq!(tok.eos_token_ids(), &[r["eos_token_id"].as_i64().unwrap()]);
@@ -482,21 +501,124 @@ fn arith_sft_greedy_completions_match_transformers_on_all_500_pairs() {
     let r = reference("arith-sft");
     let tok = Tokenizer::load(&dir).unwrap();
     let model = load("arith-sft", Kind::Float);
-    let pairs: Vec<Vec<i64>> = r["eval_pairs"].as_array().unwrap().iter().map(ints).collect();
+    let pairs: Vec<Vec<i64>> = r["eval_pairs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(ints)
+        .collect();
     let prompts: Vec<Vec<i64>> = pairs
         .iter()
-        .map(|p| tok.encode_chat(&[Message { role: "user".into(), content: format!("Compute: {}+{}", p[0], p[1]) }], true).unwrap())
+        .map(|p| {
+            tok.encode_chat(
+                &[Message {
+                    role: "user".into(),
+                    content: format!("Compute: {}+{}", p[0], p[1]),
+                }],
+                true,
+            )
+            .unwrap()
+        })
         .collect();
-    let params = SamplingParams { max_new_tokens: 6, greedy: true, eos_token_ids: tok.eos_token_ids().to_vec(), ..Default::default() };
+    let params = SamplingParams {
+        max_new_tokens: 6,
+        greedy: true,
+        eos_token_ids: tok.eos_token_ids().to_vec(),
+        ..Default::default()
+    };
     let out = generate(&model, &prompts, &params).unwrap();
-    let expected: Vec<Vec<i64>> = r["greedy_completion_ids_fp32"].as_array().unwrap().iter().map(ints).collect();
-    let mismatches: Vec<usize> = (0..pairs.len()).filter(|&i| out[i].tokens != expected[i]).collect();
-    assert!(mismatches.is_empty(), "{} of 500 completions differ, first at pair {:?}", mismatches.len(), mismatches.first().map(|&i| &pairs[i]));
+    let expected: Vec<Vec<i64>> = r["greedy_completion_ids_fp32"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(ints)
+        .collect();
+    let mismatches: Vec<usize> = (0..pairs.len())
+        .filter(|&i| out[i].tokens != expected[i])
+        .collect();
+    assert!(
+        mismatches.is_empty(),
+        "{} of 500 completions differ, first at pair {:?}",
+        mismatches.len(),
+        mismatches.first().map(|&i| &pairs[i])
+    );
     let correct = out
         .iter()
         .zip(&pairs)
         .filter(|(g, p)| tok.decode(&g.tokens, true).unwrap().trim() == (p[0] + p[1]).to_string())
         .count();
     let accuracy = correct as f64 / pairs.len() as f64;
-    assert!((accuracy - r["greedy_accuracy_fp32"].as_f64().unwrap()).abs() < 1e-9, "accuracy {accuracy}");
+    assert!(
+        (accuracy - r["greedy_accuracy_fp32"].as_f64().unwrap()).abs() < 1e-9,
+        "accuracy {accuracy}"
+    );
+}
+
+#[test]
+fn save_then_load_is_bit_identical_and_snapshots_cross_instances() {
+    for name in ["tiny-qwen2", "tiny-llama-rm", "tiny-qwen3"] {
+        let model = load(name, Kind::Float);
+        let dir = tempfile::tempdir().unwrap();
+        model.save(dir.path(), None).unwrap();
+        for file in [
+            "config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "generation_config.json",
+        ] {
+            assert!(dir.path().join(file).is_file(), "{name}: {file} not saved");
+        }
+        let back = Model::load(dir.path(), Device::Cpu, Kind::Float).unwrap();
+        assert_eq!(back.config, model.config);
+        for ((a, ta), (b, tb)) in model
+            .named_tensors()
+            .iter()
+            .zip(back.named_tensors().iter())
+        {
+            assert_eq!(a, b);
+            assert!(ta.equal(tb), "{name}: {a} changed in the round trip");
+        }
+        // Tied checkpoints stay tied: no lm_head.weight is written.
+        let saved = Tensor::read_safetensors(dir.path().join("model.safetensors")).unwrap();
+        assert_eq!(
+            saved.iter().any(|(n, _)| n == "lm_head.weight"),
+            !model.config.tie_word_embeddings && model.config.head == weir_gpu::Head::CausalLm
+        );
+    }
+    // A snapshot moves weights between instances of other dtypes, with its version.
+    let source = load("tiny-llama", Kind::Float);
+    let bytes = source.export_snapshot(7).unwrap();
+    let mut target = load("tiny-llama", Kind::Double);
+    {
+        let _g = tch::no_grad_guard();
+        for (_, mut t) in target.named_tensors() {
+            t.f_zero_().unwrap();
+        }
+    }
+    assert_eq!(target.apply_snapshot(&bytes).unwrap(), 7);
+    let ids = Tensor::from_slice(&[1i64, 286, 202, 305, 29]).view([1, -1]);
+    let a = source.logits(&ids, None, None).unwrap();
+    let b = target
+        .logits(&ids, None, None)
+        .unwrap()
+        .to_kind(Kind::Float);
+    assert!((a - b).abs().max().double_value(&[]) < 1e-4);
+    // A snapshot of another architecture is refused with the tensor's name.
+    let other = load("tiny-qwen2", Kind::Float).export_snapshot(1).unwrap();
+    let err = target.apply_snapshot(&other).unwrap_err().to_string();
+    assert!(err.contains("weights snapshot"), "{err}");
+    // bf16 saving: loadable, close to fp32.
+    let dir = tempfile::tempdir().unwrap();
+    source.save(dir.path(), Some(Kind::BFloat16)).unwrap();
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("config.json")).unwrap())
+            .unwrap();
+    assert_eq!(config["torch_dtype"], "bfloat16");
+    let half = Model::load(dir.path(), Device::Cpu, Kind::Float).unwrap();
+    let d = (source.logits(&ids, None, None).unwrap() - half.logits(&ids, None, None).unwrap())
+        .abs()
+        .max()
+        .double_value(&[]);
+    assert!(d > 0.0 && d < 0.5, "bf16 round trip moved logits by {d}");
 }
