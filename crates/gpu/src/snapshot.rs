@@ -69,10 +69,13 @@ pub fn to_safetensors(
         .map_err(|e| ModelError::Torch(format!("safetensors: {e:?}")))
 }
 
+/// Named tensors, sorted by name.
+pub type NamedTensors = Vec<(String, Tensor)>;
+
 /// Reads named tensors and metadata from safetensors bytes.
 pub fn from_safetensors(
     bytes: &[u8],
-) -> Result<(Vec<(String, Tensor)>, HashMap<String, String>), ModelError> {
+) -> Result<(NamedTensors, HashMap<String, String>), ModelError> {
     let (_, meta) = SafeTensors::read_metadata(bytes)
         .map_err(|e| ModelError::Input(format!("not safetensors bytes: {e:?}")))?;
     let metadata = meta.metadata().clone().unwrap_or_default();
