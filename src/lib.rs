@@ -9,4 +9,5 @@ pub use weir_graph as graph;
 pub use weir_operators as operators;
 pub use weir_pipelines as pipelines;
 
+pub mod model_cli;
 pub mod sim;

@@ -14,6 +14,12 @@ struct Cli {
 enum Command {
     /// Run the engine simulation (synthetic stages, real rows, Parquet output).
     Sim(weir::sim::SimArgs),
+    /// Per-token log-probs of token sequences (JSONL `{"input_ids": [...]}` → Parquet).
+    Logprobs(weir::model_cli::ModelArgs),
+    /// Generate completions (JSONL `input_ids`, `prompt` or `messages` → Parquet).
+    Generate(weir::model_cli::GenerateArgs),
+    /// Score sequences with a reward model (JSONL → Parquet `score`).
+    Score(weir::model_cli::ModelArgs),
 }
 
 fn main() {
@@ -27,6 +33,9 @@ fn main() {
     let cli = Cli::parse();
     let result = match &cli.command {
         Command::Sim(args) => weir::sim::main_with(args),
+        Command::Logprobs(args) => weir::model_cli::logprobs(args),
+        Command::Generate(args) => weir::model_cli::generate(args),
+        Command::Score(args) => weir::model_cli::score(args),
     };
     if let Err(err) = result {
         eprintln!("error: {err:#}");

@@ -122,7 +122,27 @@ pub fn generate(
     prompts: &[Vec<i64>],
     params: &SamplingParams,
 ) -> Result<Vec<Generation>, ModelError> {
+    let ids: Vec<u64> = (0..prompts.len() as u64).collect();
+    generate_with_ids(model, prompts, &ids, params)
+}
+
+/// Like [`generate`], but prompt `i` draws from the streams of `stream_ids[i]`
+/// (e.g. its index in a whole dataset), so results do not depend on how the
+/// prompts were batched. `Generation::prompt` is still the index in `prompts`.
+pub fn generate_with_ids(
+    model: &Model,
+    prompts: &[Vec<i64>],
+    stream_ids: &[u64],
+    params: &SamplingParams,
+) -> Result<Vec<Generation>, ModelError> {
     params.validate()?;
+    if stream_ids.len() != prompts.len() {
+        return Err(ModelError::Input(format!(
+            "{} stream ids for {} prompts",
+            stream_ids.len(),
+            prompts.len()
+        )));
+    }
     if prompts.is_empty() {
         return Ok(Vec::new());
     }
@@ -164,7 +184,7 @@ pub fn generate(
 
     let mut streams: Vec<Stream> = rows
         .iter()
-        .map(|&(p, s)| Stream::new(params.seed, p as u64, s as u64))
+        .map(|&(p, s)| Stream::new(params.seed, stream_ids[p], s as u64))
         .collect();
     let mut out: Vec<Generation> = rows
         .iter()

@@ -21,6 +21,6 @@ pub mod tokenizer;
 pub use config::{Family, Head, ModelConfig};
 pub use device::{Device, DeviceError};
 pub use error::ModelError;
-pub use generate::{generate, FinishReason, Generation, SamplingParams};
+pub use generate::{generate, generate_with_ids, FinishReason, Generation, SamplingParams};
 pub use model::Model;
 pub use tokenizer::{Message, Tokenizer};

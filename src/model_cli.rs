@@ -1,0 +1,413 @@
+//! `weir logprobs`, `weir generate`, `weir score`: the model runtime from
+//! the command line, JSONL in, Parquet out. A bad input line is reported
+//! with its file and line number and nothing is written; the output file
+//! appears only when complete.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{bail, Context};
+use arrow::array::{
+    ArrayRef, Float32Array, Float32Builder, Int64Builder, ListBuilder, RecordBatch, StringArray,
+    UInt64Array,
+};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::Value;
+use tch::{Kind, Tensor};
+use weir_gpu::{generate_with_ids, Device, Message, Model, SamplingParams, Tokenizer};
+use weir_graph::parquet_log::write_parquet_atomically;
+
+/// Where the model runs and in which dtype.
+#[derive(Clone, Debug, clap::Args)]
+pub struct ModelArgs {
+    /// A checkpoint folder in HuggingFace layout.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Input JSONL file.
+    #[arg(long)]
+    pub input: PathBuf,
+    /// Output Parquet file.
+    #[arg(long)]
+    pub output: PathBuf,
+    /// Compute dtype: f32, bf16, f16 or f64.
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    /// Device: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Sequences per forward pass.
+    #[arg(long = "batch-size", default_value_t = 16)]
+    pub batch_size: usize,
+}
+
+/// Flags of `weir generate` beyond the model's.
+#[derive(Clone, Debug, clap::Args)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Tokens to generate at most.
+    #[arg(long = "max-new-tokens")]
+    pub max_new_tokens: usize,
+    /// Always take the most likely token.
+    #[arg(long, conflicts_with_all = ["temperature", "top_p", "top_k"])]
+    pub greedy: bool,
+    /// Sampling temperature.
+    #[arg(long, default_value_t = 1.0)]
+    pub temperature: f64,
+    /// Nucleus sampling mass.
+    #[arg(long = "top-p")]
+    pub top_p: Option<f64>,
+    /// Keep only the k most likely tokens.
+    #[arg(long = "top-k")]
+    pub top_k: Option<usize>,
+    /// Samples per prompt.
+    #[arg(long, default_value_t = 1)]
+    pub n: usize,
+    /// Seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Generate exactly --max-new-tokens tokens (no stop at eos), as benchmarks need.
+    #[arg(long = "ignore-eos")]
+    pub ignore_eos: bool,
+}
+
+fn kind(text: &str) -> anyhow::Result<Kind> {
+    Ok(match text {
+        "f32" | "float32" => Kind::Float,
+        "bf16" | "bfloat16" => Kind::BFloat16,
+        "f16" | "float16" => Kind::Half,
+        "f64" | "float64" => Kind::Double,
+        other => bail!("--dtype `{other}` is not one of f32, bf16, f16, f64"),
+    })
+}
+
+fn load(args: &ModelArgs) -> anyhow::Result<Model> {
+    let device: Device = args.device.parse()?;
+    weir_gpu::device::set_threads(1);
+    Ok(Model::load(&args.model, device, kind(&args.dtype)?)?)
+}
+
+/// Parses every line of a JSONL file; errors name the file and line.
+fn read_jsonl(path: &Path) -> anyhow::Result<Vec<(usize, Value)>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let value: Value = serde_json::from_str(line)
+            .with_context(|| format!("{}: line {}: not JSON", path.display(), i + 1))?;
+        out.push((i + 1, value));
+    }
+    if out.is_empty() {
+        bail!("{}: no input lines", path.display());
+    }
+    Ok(out)
+}
+
+fn line_error(path: &Path, line: usize, message: impl std::fmt::Display) -> anyhow::Error {
+    anyhow::anyhow!("{}: line {line}: {message}", path.display())
+}
+
+fn ids_of(value: &Value, key: &str, path: &Path, line: usize) -> anyhow::Result<Vec<i64>> {
+    let list = value
+        .get(key)
+        .and_then(Value::as_array)
+        .ok_or_else(|| line_error(path, line, format!("`{key}` must be a list of token ids")))?;
+    let ids: Option<Vec<i64>> = list.iter().map(Value::as_i64).collect();
+    match ids {
+        Some(ids) if !ids.is_empty() => Ok(ids),
+        Some(_) => Err(line_error(path, line, format!("`{key}` is empty"))),
+        None => Err(line_error(
+            path,
+            line,
+            format!("`{key}` holds a value that is not an integer"),
+        )),
+    }
+}
+
+fn check_vocab(ids: &[i64], model: &Model, path: &Path, line: usize) -> anyhow::Result<()> {
+    if let Some(bad) = ids.iter().find(|&&i| i < 0 || i >= model.config.vocab_size) {
+        return Err(line_error(
+            path,
+            line,
+            format!(
+                "token id {bad} is outside the vocabulary (0..{})",
+                model.config.vocab_size
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn messages_of(value: &Value, path: &Path, line: usize) -> anyhow::Result<Vec<Message>> {
+    serde_json::from_value(value["messages"].clone())
+        .map_err(|e| line_error(path, line, format!("`messages`: {e}")))
+}
+
+/// Token ids of one input line: `input_ids`, `prompt` (+ `response`), or `messages`.
+fn prompt_ids(
+    value: &Value,
+    tokenizer: Option<&Tokenizer>,
+    generation: bool,
+    path: &Path,
+    line: usize,
+) -> anyhow::Result<Vec<i64>> {
+    if value.get("input_ids").is_some() {
+        return ids_of(value, "input_ids", path, line);
+    }
+    let tok = || {
+        tokenizer.ok_or_else(|| {
+            line_error(
+                path,
+                line,
+                "text input needs the checkpoint's tokenizer.json",
+            )
+        })
+    };
+    if let Some(prompt) = value.get("prompt") {
+        let prompt = prompt
+            .as_str()
+            .ok_or_else(|| line_error(path, line, "`prompt` must be a string"))?;
+        let response = match value.get("response") {
+            Some(r) => r
+                .as_str()
+                .ok_or_else(|| line_error(path, line, "`response` must be a string"))?,
+            None => "",
+        };
+        let ids = tok()?.encode(&format!("{prompt}{response}"), true)?;
+        if ids.is_empty() {
+            return Err(line_error(path, line, "the text encodes to no tokens"));
+        }
+        return Ok(ids);
+    }
+    if value.get("messages").is_some() {
+        return Ok(tok()?.encode_chat(&messages_of(value, path, line)?, generation)?);
+    }
+    Err(line_error(
+        path,
+        line,
+        "expected `input_ids`, `prompt` or `messages`",
+    ))
+}
+
+fn progress(total: usize, what: &str) -> ProgressBar {
+    let bar = ProgressBar::new(total as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} {per_sec} eta {eta}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar.set_message(what.to_string());
+    bar
+}
+
+/// Right-pads `rows` into ids and mask tensors.
+fn pad_right(rows: &[&Vec<i64>], pad: i64) -> (Tensor, Tensor) {
+    let width = rows.iter().map(|r| r.len()).max().unwrap_or(1);
+    let mut ids = Vec::with_capacity(rows.len() * width);
+    let mut mask = Vec::with_capacity(rows.len() * width);
+    for r in rows {
+        ids.extend(
+            r.iter()
+                .copied()
+                .chain(std::iter::repeat_n(pad, width - r.len())),
+        );
+        mask.extend(
+            std::iter::repeat_n(1i64, r.len()).chain(std::iter::repeat_n(0, width - r.len())),
+        );
+    }
+    let shape = [rows.len() as i64, width as i64];
+    (
+        Tensor::from_slice(&ids).view(shape),
+        Tensor::from_slice(&mask).view(shape),
+    )
+}
+
+fn ids_column(rows: impl Iterator<Item = Vec<i64>>) -> ArrayRef {
+    let mut b = ListBuilder::new(Int64Builder::new());
+    for r in rows {
+        b.values().append_slice(&r);
+        b.append(true);
+    }
+    Arc::new(b.finish())
+}
+
+fn floats_column(rows: impl Iterator<Item = Vec<f32>>) -> ArrayRef {
+    let mut b = ListBuilder::new(Float32Builder::new());
+    for r in rows {
+        b.values().append_slice(&r);
+        b.append(true);
+    }
+    Arc::new(b.finish())
+}
+
+/// `weir logprobs`.
+pub fn logprobs(args: &ModelArgs) -> anyhow::Result<()> {
+    let lines = read_jsonl(&args.input)?;
+    let model = load(args)?;
+    let inputs: Vec<Vec<i64>> = lines
+        .iter()
+        .map(|(line, v)| {
+            let ids = ids_of(v, "input_ids", &args.input, *line)?;
+            check_vocab(&ids, &model, &args.input, *line)?;
+            if ids.len() < 2 {
+                return Err(line_error(
+                    &args.input,
+                    *line,
+                    "`input_ids` needs at least 2 tokens",
+                ));
+            }
+            Ok(ids)
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let bar = progress(inputs.len(), "logprobs");
+    let mut out: Vec<Vec<f32>> = Vec::with_capacity(inputs.len());
+    let _guard = tch::no_grad_guard();
+    for chunk in inputs.chunks(args.batch_size.max(1)) {
+        let rows: Vec<&Vec<i64>> = chunk.iter().collect();
+        let (ids, mask) = pad_right(&rows, model.config.pad_token_id.unwrap_or(0).max(0));
+        let lp = model
+            .token_logprobs(&ids, Some(&mask), 1.0)?
+            .to_kind(Kind::Float);
+        for (i, r) in chunk.iter().enumerate() {
+            let row: Vec<f32> =
+                Vec::<f32>::try_from(lp.get(i as i64).narrow(0, 0, r.len() as i64 - 1))?;
+            out.push(row);
+        }
+        bar.inc(chunk.len() as u64);
+    }
+    bar.finish_and_clear();
+    let batch = RecordBatch::try_from_iter([
+        ("input_ids", ids_column(inputs.into_iter())),
+        ("token_logprobs", floats_column(out.into_iter())),
+    ])?;
+    write_parquet_atomically(&args.output, &[batch])?;
+    eprintln!("wrote {} rows to {}", lines.len(), args.output.display());
+    Ok(())
+}
+
+/// `weir generate`.
+pub fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
+    let m = &args.model;
+    let lines = read_jsonl(&m.input)?;
+    let model = load(m)?;
+    let tokenizer = Tokenizer::load(&m.model).ok();
+    let prompts: Vec<Vec<i64>> = lines
+        .iter()
+        .map(|(line, v)| {
+            let ids = prompt_ids(v, tokenizer.as_ref(), true, &m.input, *line)?;
+            check_vocab(&ids, &model, &m.input, *line)?;
+            Ok(ids)
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let mut eos = tokenizer
+        .as_ref()
+        .map(|t| t.eos_token_ids().to_vec())
+        .unwrap_or_default();
+    for id in &model.config.eos_token_ids {
+        if !eos.contains(id) {
+            eos.push(*id);
+        }
+    }
+    let params = SamplingParams {
+        max_new_tokens: args.max_new_tokens,
+        greedy: args.greedy,
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        n: args.n,
+        seed: args.seed,
+        eos_token_ids: eos,
+        ignore_eos: args.ignore_eos,
+    };
+    let bar = progress(prompts.len(), "generate");
+    let (mut prompt_index, mut sample_index, mut tokens, mut logprobs, mut texts, mut reasons) =
+        (vec![], vec![], vec![], vec![], vec![], vec![]);
+    let started = std::time::Instant::now();
+    let mut new_tokens = 0usize;
+    for (c, chunk) in prompts.chunks(m.batch_size.max(1)).enumerate() {
+        let first = c * m.batch_size.max(1);
+        let ids: Vec<u64> = (first as u64..(first + chunk.len()) as u64).collect();
+        for g in generate_with_ids(&model, chunk, &ids, &params)? {
+            prompt_index.push((first + g.prompt) as u64);
+            sample_index.push(g.sample as u64);
+            texts.push(match &tokenizer {
+                Some(t) => t.decode(&g.tokens, true)?,
+                None => String::new(),
+            });
+            new_tokens += g.tokens.len();
+            reasons.push(g.finish_reason.as_str().to_string());
+            tokens.push(g.tokens);
+            logprobs.push(g.logprobs);
+        }
+        bar.inc(chunk.len() as u64);
+    }
+    bar.finish_and_clear();
+    let seconds = started.elapsed().as_secs_f64();
+    let batch = RecordBatch::try_from_iter([
+        (
+            "prompt_index",
+            Arc::new(UInt64Array::from(prompt_index)) as ArrayRef,
+        ),
+        (
+            "sample_index",
+            Arc::new(UInt64Array::from(sample_index)) as ArrayRef,
+        ),
+        ("response_tokens", ids_column(tokens.into_iter())),
+        ("response_logprobs", floats_column(logprobs.into_iter())),
+        ("response", Arc::new(StringArray::from(texts)) as ArrayRef),
+        (
+            "finish_reason",
+            Arc::new(StringArray::from(reasons)) as ArrayRef,
+        ),
+    ])?;
+    write_parquet_atomically(&m.output, &[batch])?;
+    eprintln!(
+        "wrote {} completions to {}",
+        lines.len() * args.n,
+        m.output.display()
+    );
+    println!("tokens_per_s={:.1}", new_tokens as f64 / seconds.max(1e-9));
+    Ok(())
+}
+
+/// `weir score`.
+pub fn score(args: &ModelArgs) -> anyhow::Result<()> {
+    let lines = read_jsonl(&args.input)?;
+    let model = load(args)?;
+    if model.config.head != weir_gpu::Head::SequenceClassification {
+        bail!(
+            "{}: `{}` is not a reward model (expected a *ForSequenceClassification checkpoint)",
+            args.model.display(),
+            model.config.architecture
+        );
+    }
+    let tokenizer = Tokenizer::load(&args.model).ok();
+    let inputs: Vec<Vec<i64>> = lines
+        .iter()
+        .map(|(line, v)| {
+            let ids = prompt_ids(v, tokenizer.as_ref(), false, &args.input, *line)?;
+            check_vocab(&ids, &model, &args.input, *line)?;
+            Ok(ids)
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let bar = progress(inputs.len(), "score");
+    let mut scores = Vec::with_capacity(inputs.len());
+    let _guard = tch::no_grad_guard();
+    for chunk in inputs.chunks(args.batch_size.max(1)) {
+        let rows: Vec<&Vec<i64>> = chunk.iter().collect();
+        let (ids, mask) = pad_right(&rows, model.config.pad_token_id.unwrap_or(0).max(0));
+        let s = model.scores(&ids, Some(&mask))?.to_kind(Kind::Float);
+        scores.extend(Vec::<f32>::try_from(s.select(1, 0))?);
+        bar.inc(chunk.len() as u64);
+    }
+    bar.finish_and_clear();
+    let batch = RecordBatch::try_from_iter([
+        ("input_ids", ids_column(inputs.into_iter())),
+        ("score", Arc::new(Float32Array::from(scores)) as ArrayRef),
+    ])?;
+    write_parquet_atomically(&args.output, &[batch])?;
+    eprintln!("wrote {} scores to {}", lines.len(), args.output.display());
+    Ok(())
+}
