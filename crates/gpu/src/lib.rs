@@ -14,6 +14,7 @@ mod error;
 pub mod generate;
 pub mod logprobs;
 pub mod model;
+pub mod optim;
 pub mod rope;
 pub mod snapshot;
 pub mod tokenizer;

@@ -42,6 +42,37 @@ impl Model {
         Ok(model)
     }
 
+    /// A critic: a value on every position. A sequence-classification
+    /// checkpoint (a reward model) is loaded as it is; a causal LM gets a
+    /// fresh one-output `score` head, initialised N(0, 1/(hidden + 1)) as
+    /// OpenRLHF initialises its value head.
+    pub fn load_critic(dir: &Path, device: Device, kind: Kind) -> Result<Self, ModelError> {
+        let mut config = ModelConfig::load(dir)?;
+        if config.head == Head::SequenceClassification {
+            if config.num_labels != 1 {
+                return Err(ModelError::config(
+                    &dir.join("config.json"),
+                    "num_labels",
+                    format!("a critic needs 1 label, found {}", config.num_labels),
+                ));
+            }
+            return Model::load(dir, device, kind);
+        }
+        config.head = Head::SequenceClassification;
+        config.num_labels = 1;
+        let mut model = Model::new(config, device, dir)?;
+        let std = 1.0 / (model.config.hidden_size as f64 + 1.0);
+        {
+            let _guard = tch::no_grad_guard();
+            if let Some(score) = &mut model.score {
+                let _ = score.ws.normal_(0.0, std);
+            }
+        }
+        model.load_weights_except(dir, &["score.weight"])?;
+        model.vs.set_kind(kind);
+        Ok(model)
+    }
+
     /// A model with zero weights for `config` (to be loaded or initialised).
     pub fn new(config: ModelConfig, device: Device, source: &Path) -> Result<Self, ModelError> {
         let vs = nn::VarStore::new(device.to_tch()?);
@@ -81,9 +112,16 @@ impl Model {
 
     /// Copies every parameter from the checkpoint in `dir`, checking names and shapes.
     pub fn load_weights(&mut self, dir: &Path) -> Result<(), ModelError> {
+        self.load_weights_except(dir, &[])
+    }
+
+    fn load_weights_except(&mut self, dir: &Path, keep: &[&str]) -> Result<(), ModelError> {
         let tensors = read_tensors(dir)?;
         let _guard = tch::no_grad_guard();
         for (name, mut var) in self.vs.variables() {
+            if keep.contains(&name.as_str()) {
+                continue;
+            }
             let (tensor, file) = tensors
                 .get(&name)
                 .ok_or_else(|| ModelError::MissingTensor {

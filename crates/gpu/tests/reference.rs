@@ -622,3 +622,55 @@ fn save_then_load_is_bit_identical_and_snapshots_cross_instances() {
         .double_value(&[]);
     assert!(d > 0.0 && d < 0.5, "bf16 round trip moved logits by {d}");
 }
+
+#[test]
+fn adamw_training_lowers_the_loss_and_critics_load_from_lm_or_rm() {
+    use weir_gpu::optim::{AdamWConfig, Optimizer};
+    let model = load("tiny-llama", Kind::Float);
+    let ids = Tensor::from_slice(&[1i64, 286, 202, 305, 29, 224, 26, 14, 27, 25, 2]).view([1, -1]);
+    let mut opt = Optimizer::adamw(
+        &model,
+        AdamWConfig {
+            lr: 1e-2,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let loss_of = |m: &Model| -m.token_logprobs(&ids, None, 1.0).unwrap().mean(Kind::Float);
+    let first = loss_of(&model).double_value(&[]);
+    let mut norms = Vec::new();
+    for _ in 0..5 {
+        opt.zero_grad();
+        loss_of(&model).backward();
+        norms.push(opt.step(Some(1.0)));
+    }
+    let last = loss_of(&model).double_value(&[]);
+    assert!(norms.iter().all(|n| n.is_finite() && *n > 0.0), "{norms:?}");
+    assert!(last < first - 0.1, "loss {first} → {last}");
+
+    // A critic from a causal LM: fresh one-output head, values on every position.
+    let critic = Model::load_critic(
+        &fixtures().join("models/tiny-llama"),
+        Device::Cpu,
+        Kind::Float,
+    )
+    .unwrap();
+    let values = critic.position_scores(&ids, None).unwrap();
+    assert_eq!(values.size(), vec![1, 11, 1]);
+    assert!(values.abs().max().double_value(&[]) > 0.0);
+    // A critic from a reward model is the reward model.
+    let rm = reference("tiny-llama-rm");
+    let critic = Model::load_critic(
+        &fixtures().join("models/tiny-llama-rm"),
+        Device::Cpu,
+        Kind::Float,
+    )
+    .unwrap();
+    let case = &rm["single"][0];
+    let ids = Tensor::from_slice(&ints(&case["input_ids"])).view([1, -1]);
+    let d = max_diff(
+        &critic.position_scores(&ids, None).unwrap(),
+        &floats(&case["per_position_scores"]),
+    );
+    assert!(d < 1e-4, "critic values differ by {d:e}");
+}
