@@ -1,0 +1,137 @@
+//! Model-runtime throughput, weir against transformers in the same run:
+//! generation tokens/s (8 prompts × 8 samples, 64 new tokens, EOS
+//! suppressed, temperature 1, 1 thread) and forward+backward tokens/s, on
+//! `../shared/fixtures/models/arith-sft` and on a random 24.6M-parameter
+//! Llama (hidden 512, 8 layers, 8/4 heads, vocab 1000), as in
+//! `../shared/bench/trl/grpo_throughput.py`.
+//!
+//! `cargo bench --bench generation`. transformers runs through
+//! `benches/hf_generate.py` with `$WEIR_BENCH_PYTHON` (a python with torch
+//! 2.11 and transformers; see `../shared/bench/trl/README.md`); without it
+//! only weir's figures are printed. Under `cargo test` everything runs once, tiny.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use tch::{Kind, Tensor};
+use weir::gpu::optim::{AdamWConfig, Optimizer};
+use weir::gpu::{generate, Device, Message, Model, ModelConfig, SamplingParams, Tokenizer};
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures")
+}
+
+/// The random 24.6M Llama of the TRL throughput baseline, written to `dir`.
+fn random_llama(dir: &Path) -> PathBuf {
+    let config = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1000, "hidden_size": 512,
+        "intermediate_size": 1408, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": false,
+        "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 3, "hidden_act": "silu", "torch_dtype": "float32"
+    });
+    let out = dir.join("random-llama-24.6m");
+    std::fs::create_dir_all(&out).unwrap();
+    std::fs::write(out.join("config.json"), config.to_string()).unwrap();
+    std::fs::write(out.join("generation_config.json"), r#"{"bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 3}"#).unwrap();
+    let parsed = ModelConfig::load(&out).unwrap();
+    let model = Model::new(parsed, Device::Cpu, &out).unwrap();
+    tch::manual_seed(42);
+    let _g = tch::no_grad_guard();
+    for (name, mut t) in model.named_tensors() {
+        if name.ends_with("norm.weight") {
+            let _ = t.fill_(1.0);
+        } else {
+            let _ = t.normal_(0.0, 0.02);
+        }
+    }
+    model.save(&out, None).unwrap();
+    out
+}
+
+fn prompts(count: usize) -> Vec<Vec<i64>> {
+    let tok = Tokenizer::load(&fixtures().join("tokenizer")).unwrap();
+    (0..count)
+        .map(|i| {
+            let (a, b) = ((i * 37 + 11) % 100, (i * 53 + 7) % 100);
+            tok.encode_chat(&[Message { role: "user".into(), content: format!("Compute: {a}+{b}") }], true).unwrap()
+        })
+        .collect()
+}
+
+fn weir_generate(model: &Model, prompts: &[Vec<i64>], n: usize, new: usize) -> f64 {
+    let params = SamplingParams { max_new_tokens: new, n, ignore_eos: true, seed: 1, ..Default::default() };
+    generate(model, prompts, &params).unwrap(); // warm-up
+    let mut times: Vec<(f64, usize)> = (0..3)
+        .map(|_| {
+            let t = Instant::now();
+            let out = generate(model, prompts, &params).unwrap();
+            (t.elapsed().as_secs_f64(), out.iter().map(|g| g.tokens.len()).sum())
+        })
+        .collect();
+    times.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let (s, tokens) = times[1];
+    tokens as f64 / s
+}
+
+fn weir_train(model: &Model, batch: i64, len: i64) -> f64 {
+    let ids = Tensor::randint(1000, [batch, len], (Kind::Int64, tch::Device::Cpu)).clamp(4, 999);
+    let mut opt = Optimizer::adamw(model, AdamWConfig::default()).unwrap();
+    let mut step = || {
+        opt.zero_grad();
+        let loss = -model.token_logprobs(&ids, None, 1.0).unwrap().mean(Kind::Float);
+        loss.backward();
+        opt.step(Some(1.0));
+    };
+    step();
+    let t = Instant::now();
+    let reps = 3;
+    for _ in 0..reps {
+        step();
+    }
+    (batch * len * reps) as f64 / t.elapsed().as_secs_f64()
+}
+
+fn hf_generate(model_dir: &Path, prompts: &[Vec<i64>], n: usize, new: usize) -> Option<f64> {
+    let python = std::env::var("WEIR_BENCH_PYTHON").ok()?;
+    let file = std::env::temp_dir().join(format!("weir-bench-prompts-{}.json", std::process::id()));
+    std::fs::write(&file, serde_json::to_string(prompts).unwrap()).unwrap();
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("benches/hf_generate.py");
+    let out = Command::new(python)
+        .arg(script)
+        .arg(model_dir)
+        .arg(&file)
+        .args([n.to_string(), new.to_string(), "1".into()])
+        .env("OMP_NUM_THREADS", "1")
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        eprintln!("transformers run failed: {}", String::from_utf8_lossy(&out.stderr));
+        return None;
+    }
+    let line = String::from_utf8_lossy(&out.stdout);
+    let v: serde_json::Value = serde_json::from_str(line.lines().last()?).ok()?;
+    v["tokens_per_s"].as_f64()
+}
+
+fn main() {
+    let full = std::env::args().any(|a| a == "--bench");
+    weir::gpu::device::set_threads(1);
+    let (n_prompts, n, new) = if full { (8, 8, 64) } else { (2, 2, 4) };
+    let dir = tempfile::tempdir().unwrap();
+    let random = random_llama(dir.path());
+    let prompts = prompts(n_prompts);
+    println!("== generation: {n_prompts} prompts × {n} samples, {new} new tokens, EOS suppressed, temperature 1, 1 thread ==");
+    for (name, path) in [("arith-sft (995k)", fixtures().join("models/arith-sft")), ("random llama (24.6M)", random.clone())] {
+        let model = Model::load(&path, Device::Cpu, Kind::Float).unwrap();
+        let ours = weir_generate(&model, &prompts, n, new);
+        let train = weir_train(&model, if full { 16 } else { 2 }, if full { 80 } else { 8 });
+        match hf_generate(&path, &prompts, n, new) {
+            Some(theirs) => println!(
+                "{name}: weir generate {ours:.0} tok/s, transformers generate {theirs:.0} tok/s, ratio {:.2} (target ≥ 3); weir forward+backward+AdamW {train:.0} tok/s",
+                ours / theirs
+            ),
+            None => println!("{name}: weir generate {ours:.0} tok/s (set WEIR_BENCH_PYTHON for transformers' figure); weir forward+backward+AdamW {train:.0} tok/s"),
+        }
+    }
+}
