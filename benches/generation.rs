@@ -33,7 +33,11 @@ fn random_llama(dir: &Path) -> PathBuf {
     let out = dir.join("random-llama-24.6m");
     std::fs::create_dir_all(&out).unwrap();
     std::fs::write(out.join("config.json"), config.to_string()).unwrap();
-    std::fs::write(out.join("generation_config.json"), r#"{"bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 3}"#).unwrap();
+    std::fs::write(
+        out.join("generation_config.json"),
+        r#"{"bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 3}"#,
+    )
+    .unwrap();
     let parsed = ModelConfig::load(&out).unwrap();
     let model = Model::new(parsed, Device::Cpu, &out).unwrap();
     tch::manual_seed(42);
@@ -54,19 +58,35 @@ fn prompts(count: usize) -> Vec<Vec<i64>> {
     (0..count)
         .map(|i| {
             let (a, b) = ((i * 37 + 11) % 100, (i * 53 + 7) % 100);
-            tok.encode_chat(&[Message { role: "user".into(), content: format!("Compute: {a}+{b}") }], true).unwrap()
+            tok.encode_chat(
+                &[Message {
+                    role: "user".into(),
+                    content: format!("Compute: {a}+{b}"),
+                }],
+                true,
+            )
+            .unwrap()
         })
         .collect()
 }
 
 fn weir_generate(model: &Model, prompts: &[Vec<i64>], n: usize, new: usize) -> f64 {
-    let params = SamplingParams { max_new_tokens: new, n, ignore_eos: true, seed: 1, ..Default::default() };
+    let params = SamplingParams {
+        max_new_tokens: new,
+        n,
+        ignore_eos: true,
+        seed: 1,
+        ..Default::default()
+    };
     generate(model, prompts, &params).unwrap(); // warm-up
     let mut times: Vec<(f64, usize)> = (0..3)
         .map(|_| {
             let t = Instant::now();
             let out = generate(model, prompts, &params).unwrap();
-            (t.elapsed().as_secs_f64(), out.iter().map(|g| g.tokens.len()).sum())
+            (
+                t.elapsed().as_secs_f64(),
+                out.iter().map(|g| g.tokens.len()).sum(),
+            )
         })
         .collect();
     times.sort_by(|a, b| a.0.total_cmp(&b.0));
@@ -79,7 +99,10 @@ fn weir_train(model: &Model, batch: i64, len: i64) -> f64 {
     let mut opt = Optimizer::adamw(model, AdamWConfig::default()).unwrap();
     let mut step = || {
         opt.zero_grad();
-        let loss = -model.token_logprobs(&ids, None, 1.0).unwrap().mean(Kind::Float);
+        let loss = -model
+            .token_logprobs(&ids, None, 1.0)
+            .unwrap()
+            .mean(Kind::Float);
         loss.backward();
         opt.step(Some(1.0));
     };
@@ -106,7 +129,10 @@ fn hf_generate(model_dir: &Path, prompts: &[Vec<i64>], n: usize, new: usize) -> 
         .output()
         .ok()?;
     if !out.status.success() {
-        eprintln!("transformers run failed: {}", String::from_utf8_lossy(&out.stderr));
+        eprintln!(
+            "transformers run failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         return None;
     }
     let line = String::from_utf8_lossy(&out.stdout);
@@ -122,7 +148,10 @@ fn main() {
     let random = random_llama(dir.path());
     let prompts = prompts(n_prompts);
     println!("== generation: {n_prompts} prompts × {n} samples, {new} new tokens, EOS suppressed, temperature 1, 1 thread ==");
-    for (name, path) in [("arith-sft (995k)", fixtures().join("models/arith-sft")), ("random llama (24.6M)", random.clone())] {
+    for (name, path) in [
+        ("arith-sft (995k)", fixtures().join("models/arith-sft")),
+        ("random llama (24.6M)", random.clone()),
+    ] {
         let model = Model::load(&path, Device::Cpu, Kind::Float).unwrap();
         let ours = weir_generate(&model, &prompts, n, new);
         let train = weir_train(&model, if full { 16 } else { 2 }, if full { 80 } else { 8 });

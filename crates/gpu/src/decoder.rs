@@ -36,26 +36,65 @@ impl RmsNorm {
     }
 }
 
-/// The keys and values of earlier positions, per layer.
+/// The keys and values of earlier positions, per layer, in buffers that
+/// grow by doubling: appending a step writes in place instead of copying
+/// the whole cache (which `cat` would do every step).
 #[derive(Debug, Default)]
 pub struct KvCache {
-    layers: Vec<Option<(Tensor, Tensor)>>,
+    layers: Vec<LayerCache>,
+}
+
+#[derive(Debug, Default)]
+struct LayerCache {
+    keys: Option<Tensor>,
+    values: Option<Tensor>,
+    len: i64,
+}
+
+impl LayerCache {
+    /// Appends `k`, `v` `[B, H, t, D]`; returns all keys and values so far.
+    fn append(&mut self, k: &Tensor, v: &Tensor) -> (Tensor, Tensor) {
+        let t = k.size()[2];
+        let needed = self.len + t;
+        let capacity = self.keys.as_ref().map_or(0, |b| b.size()[2]);
+        if needed > capacity {
+            let new_capacity = needed.max(capacity * 2).max(64);
+            let grow = |old: &Option<Tensor>, like: &Tensor| {
+                let mut shape = like.size();
+                shape[2] = new_capacity;
+                let buffer = Tensor::empty(shape.as_slice(), (like.kind(), like.device()));
+                if let Some(old) = old {
+                    buffer
+                        .narrow(2, 0, self.len)
+                        .copy_(&old.narrow(2, 0, self.len));
+                }
+                buffer
+            };
+            self.keys = Some(grow(&self.keys, k));
+            self.values = Some(grow(&self.values, v));
+        }
+        let (keys, values) = (
+            self.keys.as_ref().expect("allocated above"),
+            self.values.as_ref().expect("allocated above"),
+        );
+        keys.narrow(2, self.len, t).copy_(k);
+        values.narrow(2, self.len, t).copy_(v);
+        self.len = needed;
+        (keys.narrow(2, 0, self.len), values.narrow(2, 0, self.len))
+    }
 }
 
 impl KvCache {
     /// An empty cache for `layers` layers.
     pub fn new(layers: usize) -> Self {
         KvCache {
-            layers: (0..layers).map(|_| None).collect(),
+            layers: (0..layers).map(|_| LayerCache::default()).collect(),
         }
     }
 
     /// Positions cached so far.
     pub fn len(&self) -> i64 {
-        self.layers
-            .first()
-            .and_then(|l| l.as_ref())
-            .map_or(0, |(k, _)| k.size()[2])
+        self.layers.first().map_or(0, |l| l.len)
     }
 
     /// True when nothing is cached.
@@ -65,9 +104,10 @@ impl KvCache {
 
     /// Keeps only batch rows `rows` (finished sequences dropped).
     pub fn select_rows(&mut self, rows: &Tensor) {
-        for (k, v) in self.layers.iter_mut().flatten() {
-            *k = k.index_select(0, rows);
-            *v = v.index_select(0, rows);
+        for layer in &mut self.layers {
+            for buffer in [&mut layer.keys, &mut layer.values].into_iter().flatten() {
+                *buffer = buffer.index_select(0, rows);
+            }
         }
     }
 }
@@ -122,7 +162,7 @@ impl Attention {
         cos: &Tensor,
         sin: &Tensor,
         mask: &Tensor,
-        cache: Option<&mut Option<(Tensor, Tensor)>>,
+        cache: Option<&mut LayerCache>,
     ) -> Tensor {
         let (b, t) = (x.size()[0], x.size()[1]);
         let shape = |y: Tensor, n: i64| y.view([b, t, n, self.head_dim]);
@@ -134,15 +174,11 @@ impl Attention {
             k = kn.forward(&k);
         }
         let q = rope::apply(&q.transpose(1, 2), cos, sin);
-        let mut k = rope::apply(&k.transpose(1, 2), cos, sin);
-        let mut v = v;
-        if let Some(slot) = cache {
-            if let Some((pk, pv)) = slot.take() {
-                k = Tensor::cat(&[&pk, &k], 2);
-                v = Tensor::cat(&[&pv, &v], 2);
-            }
-            *slot = Some((k.shallow_clone(), v.shallow_clone()));
-        }
+        let k = rope::apply(&k.transpose(1, 2), cos, sin);
+        let (k, v) = match cache {
+            Some(cache) => cache.append(&k, &v),
+            None => (k, v),
+        };
         let scale = 1.0 / (self.head_dim as f64).sqrt();
         let y = Tensor::scaled_dot_product_attention(
             &q,

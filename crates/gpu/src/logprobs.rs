@@ -30,3 +30,29 @@ pub fn entropy(logits: &Tensor, temperature: f64) -> Tensor {
     let logp = (logits.to_kind(kind) / temperature).log_softmax(-1, kind);
     -(logp.exp() * &logp).sum_dim_intlist(-1, false, kind)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn logprobs_and_entropy_by_hand() {
+        let logits = Tensor::from_slice(&[0.0f32, 0.0, 0.0, 0.0, 2.0, 0.0, 0.0, 0.0]).view([2, 4]);
+        let targets = Tensor::from_slice(&[1i64, 0]);
+        let lp = Vec::<f32>::try_from(gather_logprobs(&logits, &targets, 1.0)).unwrap();
+        assert!((lp[0] - (0.25f32).ln()).abs() < 1e-6);
+        let z = 2.0f32.exp() + 3.0;
+        assert!((lp[1] - (2.0 - z.ln())).abs() < 1e-6);
+        // Temperature 2 halves the logits.
+        let lp2 = Vec::<f32>::try_from(gather_logprobs(&logits, &targets, 2.0)).unwrap();
+        assert!((lp2[1] - (1.0 - (1.0f32.exp() + 3.0).ln())).abs() < 1e-6);
+        let h = Vec::<f32>::try_from(entropy(&logits, 1.0)).unwrap();
+        assert!((h[0] - 4.0f32.ln()).abs() < 1e-6, "uniform over 4: ln 4");
+        let p: Vec<f32> = [2.0f32.exp(), 1.0, 1.0, 1.0]
+            .iter()
+            .map(|e| e / z)
+            .collect();
+        let want: f32 = -p.iter().map(|p| p * p.ln()).sum::<f32>();
+        assert!((h[1] - want).abs() < 1e-6);
+    }
+}
