@@ -20,6 +20,8 @@ enum Command {
     Generate(weir::model_cli::GenerateArgs),
     /// Score sequences with a reward model (JSONL → Parquet `score`).
     Score(weir::model_cli::ModelArgs),
+    /// List the devices weir can place roles on (CPU, and CUDA devices with free/total memory).
+    Devices,
 }
 
 fn main() {
@@ -36,6 +38,7 @@ fn main() {
         Command::Logprobs(args) => weir::model_cli::logprobs(args),
         Command::Generate(args) => weir::model_cli::generate(args),
         Command::Score(args) => weir::model_cli::score(args),
+        Command::Devices => weir::model_cli::devices(),
     };
     if let Err(err) = result {
         eprintln!("error: {err:#}");

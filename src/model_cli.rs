@@ -411,3 +411,28 @@ pub fn score(args: &ModelArgs) -> anyhow::Result<()> {
     eprintln!("wrote {} scores to {}", lines.len(), args.output.display());
     Ok(())
 }
+
+/// `weir devices`.
+pub fn devices() -> anyhow::Result<()> {
+    println!(
+        "cpu: {} threads available",
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    );
+    match weir_gpu::cuda::list_devices() {
+        Ok(devices) if devices.is_empty() => println!("cuda: driver present, no devices"),
+        Ok(devices) => {
+            for d in devices {
+                println!(
+                    "cuda:{} {} free {:.1} GiB of {:.1} GiB",
+                    d.index,
+                    d.name,
+                    d.free_bytes as f64 / 1073741824.0,
+                    d.total_bytes as f64 / 1073741824.0
+                );
+            }
+        }
+        Err(err) => println!("cuda: {err}"),
+    }
+    println!("libtorch sees {} CUDA device(s)", Device::cuda_count());
+    Ok(())
+}

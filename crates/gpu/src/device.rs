@@ -10,6 +10,14 @@ pub enum DeviceError {
     /// The text is not `cpu`, `cuda` or `cuda:N`.
     #[error("`{0}` is not a device (expected cpu, cuda or cuda:N)")]
     Unparsable(String),
+    /// No CUDA driver library (libcuda.so) on this machine.
+    #[error(
+        "no CUDA driver found (libcuda.so could not be loaded): this machine runs on CPU only"
+    )]
+    NoDriver,
+    /// The CUDA driver reported an error.
+    #[error("CUDA driver: {0}")]
+    Driver(String),
     /// A CUDA device was asked for that this machine does not have.
     #[error(
         "device cuda:{index} requested, but {available} CUDA device(s) are visible to libtorch"

@@ -8,6 +8,8 @@
 
 pub mod checkpoint;
 pub mod config;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod decoder;
 pub mod device;
 mod error;
