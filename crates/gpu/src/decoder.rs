@@ -180,20 +180,46 @@ impl Attention {
             None => (k, v),
         };
         let scale = 1.0 / (self.head_dim as f64).sqrt();
-        let y = Tensor::scaled_dot_product_attention(
-            &q,
-            &k,
-            &v,
-            Some(mask),
-            0.0,
-            false,
-            scale,
-            self.kv_heads != self.heads,
-        );
+        let y = if t == 1 {
+            self.decode_attention(&q, &k, &v, mask, scale)
+        } else {
+            Tensor::scaled_dot_product_attention(
+                &q,
+                &k,
+                &v,
+                Some(mask),
+                0.0,
+                false,
+                scale,
+                self.kv_heads != self.heads,
+            )
+        };
         self.o.forward(
             &y.transpose(1, 2)
                 .reshape([b, t, self.heads * self.head_dim]),
         )
+    }
+}
+
+impl Attention {
+    /// Attention of one new query per sequence (a decode step). The query
+    /// heads that share a key/value head are stacked as rows, so each
+    /// (sequence, kv head) is one small matrix product instead of one
+    /// matrix-vector product per query head, and no repeated keys are built.
+    fn decode_attention(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: &Tensor,
+        scale: f64,
+    ) -> Tensor {
+        let b = q.size()[0];
+        let group = self.heads / self.kv_heads;
+        let q = q.reshape([b, self.kv_heads, group, self.head_dim]);
+        let scores = q.matmul(&k.transpose(-2, -1)) * scale + mask;
+        let probs = scores.softmax(-1, scores.kind());
+        probs.matmul(v).reshape([b, self.heads, 1, self.head_dim])
     }
 }
 
