@@ -674,3 +674,50 @@ fn adamw_training_lowers_the_loss_and_critics_load_from_lm_or_rm() {
     );
     assert!(d < 1e-4, "critic values differ by {d:e}");
 }
+
+/// Checkpoint variants made by `tests/data/make_variants.py` with transformers:
+/// llama3 RoPE + biases, MQA + tied, Mistral, sharded bf16 Qwen2, Qwen3 with a
+/// wide head and linear RoPE; float64 within 1e-8 (bf16 weights: exactly the
+/// same values after the cast), fp32 within 1e-4.
+#[test]
+fn checkpoint_variants_match_transformers() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/variants");
+    let mut names: Vec<_> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    names.sort();
+    assert_eq!(names.len(), 5);
+    for dir in names {
+        let r: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+                .unwrap();
+        let ids = matrix(&r["input_ids"]);
+        let mask = matrix(&r["attention_mask"]);
+        let per_row = r["logits"][0][0].as_array().unwrap().len();
+        let reference: Vec<Option<f64>> = r["logits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|b| {
+                b.as_array().unwrap().iter().flat_map(|row| {
+                    if row.is_null() {
+                        vec![None; per_row]
+                    } else {
+                        flat(row)
+                    }
+                })
+            })
+            .collect();
+        for (kind, tol) in [(Kind::Double, 1e-8), (Kind::Float, 1e-4)] {
+            let model = Model::load(&dir, Device::Cpu, kind).unwrap();
+            let logits = model.logits(&ids, Some(&mask), None).unwrap();
+            let d = max_diff(&logits, &reference);
+            assert!(
+                d < tol,
+                "{} {kind:?}: logits differ by {d:e}",
+                dir.display()
+            );
+        }
+    }
+}
