@@ -38,6 +38,12 @@ if [ "$have" != "$torch_version" ]; then
   fi
 fi
 
+# cudarc dlopens `libnccl.so`; pip's NCCL wheel ships only libnccl.so.2.
+nccl_dir="$site/nvidia/cu13/lib"
+if [ -f "$nccl_dir/libnccl.so.2" ] && [ ! -e "$nccl_dir/libnccl.so" ]; then
+  ln -s libnccl.so.2 "$nccl_dir/libnccl.so"
+fi
+
 # A relative link, so the checkout can move.
 ln -sfn "${site#"$venv"/}/torch" "$venv/torch"
 echo "setup: libtorch ready at $venv/torch"

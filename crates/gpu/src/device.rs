@@ -15,6 +15,9 @@ pub enum DeviceError {
         "no CUDA driver found (libcuda.so could not be loaded): this machine runs on CPU only"
     )]
     NoDriver,
+    /// No NCCL library (libnccl.so) on this machine.
+    #[error("no NCCL library found (libnccl.so could not be loaded; pip's nvidia-nccl ships only libnccl.so.2: add a libnccl.so link beside it)")]
+    NoNccl,
     /// The CUDA driver reported an error.
     #[error("CUDA driver: {0}")]
     Driver(String),

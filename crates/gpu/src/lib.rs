@@ -16,6 +16,8 @@ mod error;
 pub mod generate;
 pub mod logprobs;
 pub mod model;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 pub mod optim;
 pub mod rope;
 pub mod snapshot;
