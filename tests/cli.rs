@@ -29,6 +29,15 @@ fn weir(args: &[&str], dir: &Path) -> std::process::Output {
         .unwrap()
 }
 
+/// Writes `in.jsonl` with one `{"input_ids": …}` line per reference case.
+fn write_input_ids(dir: &Path, cases: &[Value]) {
+    let lines: Vec<String> = cases
+        .iter()
+        .map(|c| serde_json::json!({"input_ids": c["input_ids"]}).to_string())
+        .collect();
+    std::fs::write(dir.join("in.jsonl"), lines.join("\n")).unwrap();
+}
+
 fn read(path: &Path) -> RecordBatch {
     let batches = read_parquet_file(path).unwrap();
     arrow::compute::concat_batches(&batches[0].schema(), &batches).unwrap()
@@ -39,11 +48,7 @@ fn logprobs_command_matches_transformers() {
     let dir = tempfile::tempdir().unwrap();
     let r = reference("tiny-llama");
     let cases = r["single"].as_array().unwrap();
-    let lines: Vec<String> = cases
-        .iter()
-        .map(|c| serde_json::json!({"input_ids": c["input_ids"]}).to_string())
-        .collect();
-    std::fs::write(dir.path().join("in.jsonl"), lines.join("\n")).unwrap();
+    write_input_ids(dir.path(), cases);
     let model = fixtures().join("tiny-llama");
     let out = weir(
         &[
@@ -204,11 +209,7 @@ fn score_command_matches_the_reward_reference() {
     let dir = tempfile::tempdir().unwrap();
     let r = reference("tiny-llama-rm");
     let cases = r["single"].as_array().unwrap();
-    let lines: Vec<String> = cases
-        .iter()
-        .map(|c| serde_json::json!({"input_ids": c["input_ids"]}).to_string())
-        .collect();
-    std::fs::write(dir.path().join("in.jsonl"), lines.join("\n")).unwrap();
+    write_input_ids(dir.path(), cases);
     let model = fixtures().join("tiny-llama-rm");
     let out = weir(
         &[

@@ -224,9 +224,7 @@ impl Model {
         input_ids: &Tensor,
         attention_mask: Option<&Tensor>,
     ) -> Result<Tensor, ModelError> {
-        let score = self.score.as_ref().ok_or_else(|| {
-            ModelError::Input(format!("{} has no score head", self.config.architecture))
-        })?;
+        let score = self.score_head()?;
         let hidden = self.hidden_states(input_ids, attention_mask, None)?;
         let ids = input_ids.to_device(self.device()).to_kind(Kind::Int64);
         let t = ids.size()[1];
@@ -236,12 +234,10 @@ impl Model {
             .argmax(-1, false),
             None => Tensor::full([ids.size()[0]], t - 1, (Kind::Int64, ids.device())),
         };
-        let b = ids.size()[0];
+        let (b, h) = (ids.size()[0], self.config.hidden_size);
         let pooled = hidden
-            .index_select(1, &last)
-            .diagonal(0, 0, 1)
-            .transpose(0, 1);
-        debug_assert_eq!(pooled.size(), vec![b, self.config.hidden_size]);
+            .gather(1, &last.view([b, 1, 1]).expand([b, 1, h], false), false)
+            .squeeze_dim(1);
         Ok(score.forward(&pooled))
     }
 
@@ -251,10 +247,14 @@ impl Model {
         input_ids: &Tensor,
         attention_mask: Option<&Tensor>,
     ) -> Result<Tensor, ModelError> {
-        let score = self.score.as_ref().ok_or_else(|| {
-            ModelError::Input(format!("{} has no score head", self.config.architecture))
-        })?;
+        let score = self.score_head()?;
         Ok(score.forward(&self.hidden_states(input_ids, attention_mask, None)?))
+    }
+
+    fn score_head(&self) -> Result<&nn::Linear, ModelError> {
+        self.score.as_ref().ok_or_else(|| {
+            ModelError::Input(format!("{} has no score head", self.config.architecture))
+        })
     }
 
     /// Logits for hidden states `[.., hidden]`.
