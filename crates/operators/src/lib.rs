@@ -3,7 +3,10 @@
 //! The rollout schema (Arrow columns), the RL algorithms (advantages, KL,
 //! policy and value losses), reward functions, datasets, the Parquet rollout
 //! log and checkpoints, built as `weir_graph::Stage`s over `weir_gpu` models.
-//! Filled by the RLHF-stages issue; the engine's own column names live in
+//! So far: [`algorithms`], the RL math as pure functions with OpenRLHF's
+//! and verl's semantics. The engine's own column names live in
 //! `weir_graph::columns`.
+
+pub mod algorithms;
 
 pub use weir_graph::columns;

@@ -1,0 +1,360 @@
+//! Advantages and returns: GAE, group-relative baselines (GRPO, Dr.GRPO,
+//! RLOO, REINFORCE++-baseline), discounted returns (REINFORCE++), and the
+//! whitening applied after them.
+
+use std::collections::BTreeMap;
+
+use super::stats::{masked_mean, masked_var, mean_std, Tokens};
+use super::Flavor;
+
+/// A group-relative estimator got a group it cannot use.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum GroupError {
+    /// OpenRLHF needs at least two samples per prompt for group baselines.
+    #[error("group {group} has {size} sample(s); group baselines need at least 2 per prompt")]
+    TooSmall {
+        /// The group id.
+        group: u64,
+        /// Its number of samples.
+        size: usize,
+    },
+    /// `scores` and `groups` differ in length.
+    #[error("{scores} scores but {groups} group ids")]
+    Length {
+        /// Number of scores.
+        scores: usize,
+        /// Number of group ids.
+        groups: usize,
+    },
+}
+
+/// Group ids for OpenRLHF's grouping: consecutive blocks of `n` samples.
+pub fn block_groups(samples: usize, n: usize) -> Vec<u64> {
+    (0..samples).map(|i| (i / n.max(1)) as u64).collect()
+}
+
+fn members(scores: &[f64], groups: &[u64]) -> Result<BTreeMap<u64, Vec<usize>>, GroupError> {
+    if scores.len() != groups.len() {
+        return Err(GroupError::Length {
+            scores: scores.len(),
+            groups: groups.len(),
+        });
+    }
+    let mut by_group: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
+    for (i, g) in groups.iter().enumerate() {
+        by_group.entry(*g).or_default().push(i);
+    }
+    Ok(by_group)
+}
+
+/// Generalised advantage estimation over token rewards `r`, values `V`, mask `m`.
+///
+/// `δ_t = r_t + γ V_{t+1} − V_t`, `A_t = δ_t + γλ A_{t+1}`, returns `R_t = A_t + V_t`.
+/// - OpenRLHF: `r` and `V` are multiplied by the mask first and the recursion
+///   runs over every position (a masked interior token is a step with
+///   r = V = 0); `R = A + m·V`.
+/// - verl: masked tokens are skipped — at a masked `t`, the carried `V_{t+1}`
+///   and `A_{t+1}` pass through unchanged (its own `A_t` is still written);
+///   `R = A + V`. verl then whitens the advantages ([`whiten_advantages`]).
+pub fn gae(
+    rewards: &Tokens,
+    values: &Tokens,
+    mask: &Tokens,
+    gamma: f64,
+    lambda: f64,
+    flavor: Flavor,
+) -> (Vec<Vec<f64>>, Vec<Vec<f64>>) {
+    let mut advantages = Vec::with_capacity(rewards.len());
+    let mut returns = Vec::with_capacity(rewards.len());
+    for ((r, v), m) in rewards.iter().zip(values).zip(mask) {
+        let len = r.len();
+        let mut adv = vec![0.0; len];
+        match flavor {
+            Flavor::OpenRlhf => {
+                let (mut next_value, mut last) = (0.0, 0.0);
+                for t in (0..len).rev() {
+                    let (rt, vt) = (r[t] * m[t], v[t] * m[t]);
+                    let delta = rt + gamma * next_value - vt;
+                    last = delta + gamma * lambda * last;
+                    adv[t] = last;
+                    next_value = vt;
+                }
+                returns.push(
+                    adv.iter()
+                        .zip(v.iter().zip(m))
+                        .map(|(a, (v, m))| a + v * m)
+                        .collect(),
+                );
+            }
+            Flavor::Verl => {
+                let (mut next_value, mut last) = (0.0, 0.0);
+                for t in (0..len).rev() {
+                    let delta = r[t] + gamma * next_value - v[t];
+                    let candidate = delta + gamma * lambda * last;
+                    next_value = v[t] * m[t] + (1.0 - m[t]) * next_value;
+                    last = candidate * m[t] + (1.0 - m[t]) * last;
+                    adv[t] = last;
+                }
+                returns.push(adv.iter().zip(v).map(|(a, v)| a + v).collect());
+            }
+        }
+        advantages.push(adv);
+    }
+    (advantages, returns)
+}
+
+/// Discounted returns `G_t = r_t + γ G_{t+1}` (REINFORCE++; its advantages
+/// are these returns, whitened).
+/// - OpenRLHF: rewards are multiplied by the mask, then `G` runs over every
+///   position.
+/// - verl: `G_t` is written with the token's reward, then the carried return
+///   is reset (multiplied by `m_t`) so nothing flows back across a masked token.
+pub fn discounted_returns(
+    rewards: &Tokens,
+    mask: &Tokens,
+    gamma: f64,
+    flavor: Flavor,
+) -> Vec<Vec<f64>> {
+    rewards
+        .iter()
+        .zip(mask)
+        .map(|(r, m)| {
+            let mut out = vec![0.0; r.len()];
+            let mut g = 0.0;
+            for t in (0..r.len()).rev() {
+                match flavor {
+                    Flavor::OpenRlhf => {
+                        g = r[t] * m[t] + gamma * g;
+                        out[t] = g;
+                    }
+                    Flavor::Verl => {
+                        g = r[t] + gamma * g;
+                        out[t] = g;
+                        g *= m[t];
+                    }
+                }
+            }
+            out
+        })
+        .collect()
+}
+
+/// GRPO's group-relative advantage of each response's scalar score:
+/// `(s − mean_g) / (std_g + ε)`, or `s − mean_g` without `std` scaling
+/// (Dr.GRPO, and REINFORCE++-baseline's shaping). The std is unbiased
+/// (n − 1) in both. `groups[i]` is sample `i`'s group id ([`block_groups`]
+/// gives OpenRLHF's consecutive blocks).
+/// - OpenRLHF: ε = 1e-9; a group of one sample is an error.
+/// - verl: ε = 1e-6; a group of one sample has mean 0 and std 1.
+pub fn grpo(
+    scores: &[f64],
+    groups: &[u64],
+    scale_by_std: bool,
+    flavor: Flavor,
+) -> Result<Vec<f64>, GroupError> {
+    let eps = match flavor {
+        Flavor::OpenRlhf => 1e-9,
+        Flavor::Verl => 1e-6,
+    };
+    let mut out = vec![0.0; scores.len()];
+    for (group, idx) in members(scores, groups)? {
+        let xs: Vec<f64> = idx.iter().map(|&i| scores[i]).collect();
+        let (mean, std) = match (xs.len(), flavor) {
+            (1, Flavor::OpenRlhf) => return Err(GroupError::TooSmall { group, size: 1 }),
+            (1, Flavor::Verl) => (0.0, 1.0),
+            _ => mean_std(&xs, true),
+        };
+        for &i in &idx {
+            out[i] = if scale_by_std {
+                (scores[i] - mean) / (std + eps)
+            } else {
+                scores[i] - mean
+            };
+        }
+    }
+    Ok(out)
+}
+
+/// RLOO: each score minus the mean of the *other* samples of its group,
+/// `s_i − (Σ_g s − s_i) / (n − 1)` (= `(n s_i − Σ_g s) / (n − 1)`, verl's form).
+/// - OpenRLHF: a group of one sample is an error.
+/// - verl: a group of one sample keeps its score.
+pub fn rloo(scores: &[f64], groups: &[u64], flavor: Flavor) -> Result<Vec<f64>, GroupError> {
+    let mut out = vec![0.0; scores.len()];
+    for (group, idx) in members(scores, groups)? {
+        let n = idx.len();
+        if n == 1 {
+            match flavor {
+                Flavor::OpenRlhf => return Err(GroupError::TooSmall { group, size: 1 }),
+                Flavor::Verl => {
+                    out[idx[0]] = scores[idx[0]];
+                    continue;
+                }
+            }
+        }
+        let sum: f64 = idx.iter().map(|&i| scores[i]).sum();
+        for &i in &idx {
+            out[i] = scores[i] - (sum - scores[i]) / (n as f64 - 1.0);
+        }
+    }
+    Ok(out)
+}
+
+/// Whitening of advantages over the whole batch, applied to every position
+/// (padding included; the loss mask removes it later).
+/// - OpenRLHF: `mean = ΣmA / Σm`, biased `var = Σm(A − mean)² / Σm`,
+///   `A ← (A − mean) / sqrt(max(var, 1e-8))`; with `mean_only`, `A − mean`.
+///   OpenRLHF applies it after GAE, REINFORCE++ and REINFORCE++-baseline
+///   only (not after RLOO, GRPO, Dr.GRPO).
+/// - verl: `masked_whiten`: unbiased var, `A ← (A − mean) / sqrt(var + 1e-8)`.
+pub fn whiten_advantages(
+    advantages: &Tokens,
+    mask: &Tokens,
+    mean_only: bool,
+    flavor: Flavor,
+) -> Vec<Vec<f64>> {
+    let mean = masked_mean(advantages, mask);
+    let scale = if mean_only {
+        1.0
+    } else {
+        match flavor {
+            Flavor::OpenRlhf => 1.0 / masked_var(advantages, mask, false).max(1e-8).sqrt(),
+            Flavor::Verl => 1.0 / (masked_var(advantages, mask, true) + 1e-8).sqrt(),
+        }
+    };
+    advantages
+        .iter()
+        .map(|row| row.iter().map(|a| (a - mean) * scale).collect())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn close(a: &[f64], b: &[f64]) {
+        assert_eq!(a.len(), b.len());
+        for (x, y) in a.iter().zip(b) {
+            assert!((x - y).abs() < 1e-9, "{a:?} vs {b:?}");
+        }
+    }
+
+    #[test]
+    fn gae_by_hand() {
+        // One response of 3 tokens, γ = 0.9, λ = 0.8, reward on the last token.
+        let r = vec![vec![0.0, 0.0, 1.0]];
+        let v = vec![vec![0.5, 0.4, 0.3]];
+        let m = vec![vec![1.0, 1.0, 1.0]];
+        let (a, ret) = gae(&r, &v, &m, 0.9, 0.8, Flavor::OpenRlhf);
+        let d2 = 1.0 - 0.3;
+        let d1 = 0.0 + 0.9 * 0.3 - 0.4;
+        let d0 = 0.0 + 0.9 * 0.4 - 0.5;
+        let a2 = d2;
+        let a1 = d1 + 0.72 * a2;
+        let a0 = d0 + 0.72 * a1;
+        close(&a[0], &[a0, a1, a2]);
+        close(&ret[0], &[a0 + 0.5, a1 + 0.4, a2 + 0.3]);
+        // With a full mask both flavors agree.
+        let (av, rv) = gae(&r, &v, &m, 0.9, 0.8, Flavor::Verl);
+        close(&av[0], &a[0]);
+        close(&rv[0], &ret[0]);
+    }
+
+    #[test]
+    fn gae_with_gamma_lambda_one_is_reward_to_go_minus_values() {
+        let r = vec![vec![0.1, -0.2, 0.3, 1.0], vec![0.5, 0.0]];
+        let v = vec![vec![0.2, 0.1, -0.3, 0.4], vec![0.7, 0.1]];
+        let m = vec![vec![1.0; 4], vec![1.0, 1.0]];
+        for flavor in [Flavor::OpenRlhf, Flavor::Verl] {
+            let (a, ret) = gae(&r, &v, &m, 1.0, 1.0, flavor);
+            for i in 0..2 {
+                let togo: Vec<f64> = (0..r[i].len()).map(|t| r[i][t..].iter().sum()).collect();
+                let want: Vec<f64> = togo.iter().zip(&v[i]).map(|(g, v)| g - v).collect();
+                close(&a[i], &want);
+                close(&ret[i], &togo);
+            }
+        }
+    }
+
+    #[test]
+    fn masked_interior_tokens_follow_each_flavor() {
+        // Token 1 is masked (an observation inside a multi-turn response).
+        let r = vec![vec![0.0, 5.0, 1.0]];
+        let v = vec![vec![0.2, 9.0, 0.3]];
+        let m = vec![vec![1.0, 0.0, 1.0]];
+        let (a, _) = gae(&r, &v, &m, 1.0, 1.0, Flavor::OpenRlhf);
+        // OpenRLHF: the masked step has r = V = 0 and still chains.
+        close(&a[0], &[1.0 - 0.2, 1.0, 1.0 - 0.3]);
+        let (a, _) = gae(&r, &v, &m, 1.0, 1.0, Flavor::Verl);
+        // verl: the masked step is skipped: A_0 = r_0 + V_2 − V_0 + (A_2 − ... ) = (0 + 0.3 − 0.2) + (1 − 0.3).
+        close(&a[0], &[0.3 - 0.2 + 0.7, 0.7, 0.7]);
+        let g = discounted_returns(&r, &m, 1.0, Flavor::OpenRlhf);
+        close(&g[0], &[1.0, 1.0, 1.0]);
+        let g = discounted_returns(&r, &m, 1.0, Flavor::Verl);
+        close(&g[0], &[0.0, 6.0, 1.0]);
+    }
+
+    #[test]
+    fn grpo_sums_to_zero_per_group_and_matches_by_hand() {
+        let scores = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.5];
+        let groups = block_groups(8, 4);
+        for flavor in [Flavor::OpenRlhf, Flavor::Verl] {
+            let a = grpo(&scores, &groups, true, flavor).unwrap();
+            for g in 0..2 {
+                let s: f64 = a[g * 4..g * 4 + 4].iter().sum();
+                assert!(s.abs() < 1e-9, "group {g} sums to {s}");
+            }
+        }
+        let a = grpo(&scores, &groups, true, Flavor::OpenRlhf).unwrap();
+        let std = (1.0f64 / 3.0).sqrt(); // [1,0,0,1]: mean 0.5, unbiased var 1/3
+        assert!((a[0] - 0.5 / (std + 1e-9)).abs() < 1e-12);
+        let dr = grpo(&scores, &groups, false, Flavor::OpenRlhf).unwrap();
+        close(&dr[..4], &[0.5, -0.5, -0.5, 0.5]);
+        // Groups by id, in any order (verl); a singleton keeps its score.
+        let a = grpo(&[2.0, 5.0, 4.0], &[7, 3, 7], false, Flavor::Verl).unwrap();
+        close(&a, &[-1.0, 5.0, 1.0]); // group 3 is a singleton: mean 0 in verl
+        assert!(matches!(
+            grpo(&[1.0], &[0], true, Flavor::OpenRlhf),
+            Err(GroupError::TooSmall { .. })
+        ));
+        close(
+            &grpo(&[3.0], &[0], true, Flavor::Verl).unwrap(),
+            &[3.0 / (1.0 + 1e-6)],
+        );
+    }
+
+    #[test]
+    fn rloo_baseline_excludes_the_sample() {
+        let scores = [1.0, 2.0, 6.0];
+        let a = rloo(&scores, &[0, 0, 0], Flavor::OpenRlhf).unwrap();
+        close(&a, &[1.0 - 4.0, 2.0 - 3.5, 6.0 - 1.5]);
+        // Changing a sample's own score moves its baseline not at all.
+        let b = rloo(&[10.0, 2.0, 6.0], &[0, 0, 0], Flavor::Verl).unwrap();
+        assert!(((10.0 - b[0]) - (1.0 - a[0])).abs() < 1e-12);
+        assert!(rloo(&[1.0, 2.0], &[0, 1], Flavor::OpenRlhf).is_err());
+        close(
+            &rloo(&[1.0, 2.0], &[0, 1], Flavor::Verl).unwrap(),
+            &[1.0, 2.0],
+        );
+    }
+
+    #[test]
+    fn whitening_flavors_differ_only_in_the_variance() {
+        let a = vec![vec![1.0, 2.0, 3.0, 50.0]];
+        let m = vec![vec![1.0, 1.0, 1.0, 0.0]];
+        let o = whiten_advantages(&a, &m, false, Flavor::OpenRlhf);
+        let v = whiten_advantages(&a, &m, false, Flavor::Verl);
+        let so = (2.0f64 / 3.0).sqrt();
+        close(&o[0][..3], &[-1.0 / so, 0.0, 1.0 / so]);
+        let sv = (1.0f64 + 1e-8).sqrt();
+        close(&v[0][..3], &[-1.0 / sv, 0.0, 1.0 / sv]);
+        assert!(
+            (o[0][3] - 48.0 / so).abs() < 1e-9,
+            "padding is transformed too"
+        );
+        close(
+            &whiten_advantages(&a, &m, true, Flavor::OpenRlhf)[0],
+            &[-1.0, 0.0, 1.0, 48.0],
+        );
+    }
+}

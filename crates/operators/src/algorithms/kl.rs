@@ -1,0 +1,150 @@
+//! KL estimators between the actor and the reference, and the per-token
+//! reward that carries the KL penalty and the scalar score.
+
+use super::stats::Tokens;
+use super::Flavor;
+
+/// Which estimator of KL(π‖π_ref) per token (J. Schulman, "Approximating KL divergence").
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KlEstimator {
+    /// k1 = log π − log π_ref.
+    #[default]
+    K1,
+    /// k2 = (log π − log π_ref)² / 2.
+    K2,
+    /// k3 = exp(log π_ref − log π) − 1 + (log π − log π_ref): unbiased, always ≥ 0.
+    K3,
+}
+
+/// One token's KL estimate from the actor's `logprob` and the reference's `ref_logprob`.
+///
+/// With `r = logprob − ref_logprob`:
+/// - OpenRLHF: k1 = r, k2 = r²/2, k3 = e^(−r) − 1 + r, and **every** estimator
+///   is clamped to [−10, 10].
+/// - verl: k1 = r and k2 = r²/2 unclamped; k3 with `x = clamp(−r, −20, 20)`
+///   is `e^x − x − 1`, clamped to [−10, 10].
+pub fn kl(logprob: f64, ref_logprob: f64, estimator: KlEstimator, flavor: Flavor) -> f64 {
+    let r = logprob - ref_logprob;
+    match flavor {
+        Flavor::OpenRlhf => {
+            let k = match estimator {
+                KlEstimator::K1 => r,
+                KlEstimator::K2 => r * r / 2.0,
+                KlEstimator::K3 => (-r).exp() - 1.0 + r,
+            };
+            k.clamp(-10.0, 10.0)
+        }
+        Flavor::Verl => match estimator {
+            KlEstimator::K1 => r,
+            KlEstimator::K2 => 0.5 * r * r,
+            KlEstimator::K3 => {
+                let x = (-r).clamp(-20.0, 20.0);
+                (x.exp() - x - 1.0).clamp(-10.0, 10.0)
+            }
+        },
+    }
+}
+
+/// [`kl`] for every token of a token matrix (no masking: callers mask).
+pub fn kl_tokens(
+    logprobs: &Tokens,
+    ref_logprobs: &Tokens,
+    estimator: KlEstimator,
+    flavor: Flavor,
+) -> Vec<Vec<f64>> {
+    logprobs
+        .iter()
+        .zip(ref_logprobs)
+        .map(|(lp, rp)| {
+            lp.iter()
+                .zip(rp)
+                .map(|(a, b)| kl(*a, *b, estimator, flavor))
+                .collect()
+        })
+        .collect()
+}
+
+/// Per-token rewards: `−kl_coef · kl` on every token, plus the scalar
+/// `score` of each response (clamped to `clip` first, if given) on its last
+/// token whose mask is 1 (the last position if the mask is all 0), as
+/// OpenRLHF's `compute_reward` places it. A non-positive `kl_coef` counts
+/// as 0. (verl's `compute_rewards` is the same with `clip = None`, given
+/// token-level scores that already hold the score on the last token.)
+pub fn token_rewards(
+    score: &[f64],
+    kl: &Tokens,
+    mask: &Tokens,
+    kl_coef: f64,
+    clip: Option<(f64, f64)>,
+) -> Vec<Vec<f64>> {
+    let coef = kl_coef.max(0.0);
+    score
+        .iter()
+        .zip(kl.iter().zip(mask))
+        .map(|(&s, (k, m))| {
+            let s = match clip {
+                Some((lo, hi)) => s.clamp(lo, hi),
+                None => s,
+            };
+            let mut row: Vec<f64> = k.iter().map(|x| -coef * x).collect();
+            let last = m
+                .iter()
+                .rposition(|&x| x > 0.0)
+                .unwrap_or(row.len().saturating_sub(1));
+            if let Some(slot) = row.get_mut(last) {
+                *slot += s;
+            }
+            row
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn estimators_by_hand() {
+        let (lp, rp) = (-1.0, -1.5); // r = 0.5
+        for flavor in [Flavor::OpenRlhf, Flavor::Verl] {
+            assert!((kl(lp, rp, KlEstimator::K1, flavor) - 0.5).abs() < 1e-12);
+            assert!((kl(lp, rp, KlEstimator::K2, flavor) - 0.125).abs() < 1e-12);
+            let k3 = (-0.5f64).exp() - 1.0 + 0.5;
+            assert!((kl(lp, rp, KlEstimator::K3, flavor) - k3).abs() < 1e-12);
+        }
+        // k3 is non-negative and zero at r = 0.
+        assert_eq!(kl(-2.0, -2.0, KlEstimator::K3, Flavor::OpenRlhf), 0.0);
+        assert!(kl(-3.0, -1.0, KlEstimator::K3, Flavor::Verl) > 0.0);
+    }
+
+    #[test]
+    fn clamping_differs_between_flavors() {
+        // r = 15: OpenRLHF clamps k1 and k2 to 10, verl does not.
+        assert_eq!(kl(0.0, -15.0, KlEstimator::K1, Flavor::OpenRlhf), 10.0);
+        assert_eq!(kl(0.0, -15.0, KlEstimator::K1, Flavor::Verl), 15.0);
+        assert_eq!(kl(0.0, -15.0, KlEstimator::K2, Flavor::Verl), 112.5);
+        // r = −30: k3 explodes; both clamp the result to 10.
+        assert_eq!(kl(-30.0, 0.0, KlEstimator::K3, Flavor::OpenRlhf), 10.0);
+        assert_eq!(kl(-30.0, 0.0, KlEstimator::K3, Flavor::Verl), 10.0);
+        assert_eq!(kl(-30.0, 0.0, KlEstimator::K1, Flavor::OpenRlhf), -10.0);
+    }
+
+    #[test]
+    fn score_lands_on_the_last_unmasked_token_after_clipping() {
+        let kl = vec![vec![0.1, 0.2, 0.3, 0.4], vec![1.0, 1.0]];
+        let mask = vec![vec![1.0, 1.0, 1.0, 0.0], vec![0.0, 0.0]];
+        let r = token_rewards(&[20.0, 3.0], &kl, &mask, 0.5, Some((-10.0, 10.0)));
+        assert_eq!(r[0], vec![-0.05, -0.1, -0.15 + 10.0, -0.2]);
+        assert_eq!(
+            r[1],
+            vec![-0.5, -0.5 + 3.0],
+            "all-zero mask: the last position"
+        );
+        let r = token_rewards(&[2.0], &kl[..1], &mask[..1], -1.0, None);
+        assert_eq!(
+            r[0],
+            vec![0.0, 0.0, 2.0, 0.0],
+            "negative coefficients count as 0"
+        );
+    }
+}

@@ -1,0 +1,27 @@
+//! RL math as pure functions over plain numbers: advantages and returns,
+//! KL estimators, reward shaping. Each function's doc comment states its
+//! formula, the shapes, what the mask means and where the reward sits.
+//!
+//! Default semantics follow OpenRLHF; where OpenRLHF and verl disagree the
+//! function takes a [`Flavor`] and says, in its doc comment, what each does.
+//! Token matrices are `&[Vec<f64>]`: one row per response, one entry per
+//! response token; a mask row holds 1.0 for tokens that count and 0.0 for
+//! padding (and masked interior tokens of multi-turn responses).
+
+pub mod advantages;
+pub mod kl;
+pub mod stats;
+
+pub use advantages::{discounted_returns, gae, grpo, rloo, whiten_advantages, GroupError};
+pub use kl::{kl, kl_tokens, token_rewards, KlEstimator};
+pub use stats::Tokens;
+
+/// Which reference implementation a function follows where they disagree.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Flavor {
+    /// OpenRLHF (`openrlhf/models/utils.py`, `trainer/ppo_utils/experience_maker.py`).
+    #[default]
+    OpenRlhf,
+    /// verl (`verl/trainer/ppo/core_algos.py`).
+    Verl,
+}
