@@ -10,10 +10,15 @@
 
 pub mod advantages;
 pub mod kl;
+pub mod losses;
 pub mod stats;
 
 pub use advantages::{discounted_returns, gae, grpo, rloo, whiten_advantages, GroupError};
 pub use kl::{kl, kl_tokens, token_rewards, KlEstimator};
+pub use losses::{
+    aggregate, policy_loss, value_loss, Aggregation, ImportanceCorrection, PolicyLoss,
+    PolicyLossConfig, RatioLevel,
+};
 pub use stats::Tokens;
 
 /// Which reference implementation a function follows where they disagree.
