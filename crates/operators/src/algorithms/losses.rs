@@ -209,7 +209,7 @@ pub fn policy_loss(
                 w.max().double_value(&[]),
             );
         }
-        loss = loss * weight.detach();
+        loss *= weight.detach();
     }
     let clip_fraction =
         masked_mean(&surr2.lt_tensor(&surr1).to_kind(Kind::Float), mask).double_value(&[]);
