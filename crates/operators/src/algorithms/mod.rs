@@ -11,6 +11,7 @@
 pub mod advantages;
 pub mod kl;
 pub mod losses;
+pub mod shaping;
 pub mod stats;
 
 pub use advantages::{discounted_returns, gae, grpo, rloo, whiten_advantages, GroupError};
@@ -19,6 +20,7 @@ pub use losses::{
     aggregate, policy_loss, value_loss, Aggregation, ImportanceCorrection, PolicyLoss,
     PolicyLossConfig, RatioLevel,
 };
+pub use shaping::{overlong_penalty, KlController};
 pub use stats::Tokens;
 
 /// Which reference implementation a function follows where they disagree.
