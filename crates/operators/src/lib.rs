@@ -8,5 +8,6 @@
 //! `weir_graph::columns`.
 
 pub mod algorithms;
+pub mod rollout;
 
 pub use weir_graph::columns;

@@ -1,0 +1,333 @@
+//! The rollout batch: one Arrow schema, declared once, that grows column by
+//! column as a batch flows through the stages. Every stage names columns
+//! through the constants here, so a misspelt column is a compile error.
+//! Per-token columns are `List<Float32>` aligned with `response_tokens`.
+//! The Parquet rollout log stores exactly these batches, with
+//! [`SCHEMA_VERSION`] in the file metadata under [`SCHEMA_VERSION_KEY`].
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use arrow::array::{Array, AsArray, RecordBatch};
+use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
+
+/// The rollout schema's version (bumped when a column changes meaning or type).
+pub const SCHEMA_VERSION: &str = "1";
+/// The metadata key holding [`SCHEMA_VERSION`].
+pub const SCHEMA_VERSION_KEY: &str = "weir.rollout_schema_version";
+
+/// Column names.
+pub mod col {
+    /// Step the row belongs to (u64).
+    pub const STEP: &str = "step";
+    /// The prompt's id in its dataset (u64).
+    pub const PROMPT_ID: &str = "prompt_id";
+    /// The group the row's advantage is computed in (u64; one per prompt and step).
+    pub const GROUP_ID: &str = "group_id";
+    /// Which of the n samples of its prompt (u32).
+    pub const SAMPLE_IDX: &str = "sample_idx";
+    /// The prompt text as given (utf8).
+    pub const PROMPT: &str = "prompt";
+    /// The prompt's token ids after the chat template (list<i64>).
+    pub const PROMPT_TOKENS: &str = "prompt_tokens";
+    /// The response text (utf8).
+    pub const RESPONSE: &str = "response";
+    /// The response's token ids (list<i64>).
+    pub const RESPONSE_TOKENS: &str = "response_tokens";
+    /// Per-token log-probs under the distribution the generator sampled from (list<f32>).
+    pub const BEHAVIOR_LOGPROBS: &str = "behavior_logprobs";
+    /// The weights version that generated the row (u64; set by the engine).
+    pub const POLICY_VERSION: &str = weir_graph::columns::POLICY_VERSION;
+    /// `stop` or `length` (utf8).
+    pub const FINISH_REASON: &str = "finish_reason";
+    /// The response's scalar reward (f32).
+    pub const REWARD: &str = "reward";
+    /// Per-token rewards, KL penalty included (list<f32>, optional).
+    pub const TOKEN_REWARDS: &str = "token_rewards";
+    /// Per-token log-probs under the reference model (list<f32>).
+    pub const REF_LOGPROBS: &str = "ref_logprobs";
+    /// Per-token critic values (list<f32>).
+    pub const VALUES: &str = "values";
+    /// Per-token advantages (list<f32>).
+    pub const ADVANTAGES: &str = "advantages";
+    /// Per-token returns (list<f32>).
+    pub const RETURNS: &str = "returns";
+    /// The learner's version when it consumed the row (u64; set by the engine).
+    pub const LEARNER_VERSION: &str = weir_graph::columns::LEARNER_VERSION;
+    /// learner_version − policy_version (u64; set by the engine).
+    pub const STALENESS: &str = weir_graph::columns::STALENESS;
+    /// Seconds the generator spent on the row's batch (f32).
+    pub const GENERATE_S: &str = "generate_s";
+}
+
+/// The stage after which a column exists.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Phase {
+    /// Written by the prompt source.
+    Prompt,
+    /// Written by the generator.
+    Generate,
+    /// Written by reward, reference and critic scoring.
+    Score,
+    /// Written by the advantage stage.
+    Advantage,
+    /// Written by the learner (and the engine around it).
+    Learn,
+}
+
+fn tokens_i64() -> DataType {
+    DataType::List(Arc::new(Field::new("item", DataType::Int64, false)))
+}
+
+fn per_token() -> DataType {
+    DataType::List(Arc::new(Field::new("item", DataType::Float32, false)))
+}
+
+/// Every engine-defined column: name, type, nullable, the phase that writes
+/// it, and whether it is per-token (aligned with `response_tokens`).
+pub fn columns() -> Vec<(&'static str, DataType, bool, Phase, bool)> {
+    use DataType::*;
+    vec![
+        (col::STEP, UInt64, false, Phase::Prompt, false),
+        (col::PROMPT_ID, UInt64, false, Phase::Prompt, false),
+        (col::GROUP_ID, UInt64, false, Phase::Prompt, false),
+        (col::SAMPLE_IDX, UInt32, false, Phase::Prompt, false),
+        (col::PROMPT, Utf8, false, Phase::Prompt, false),
+        (
+            col::PROMPT_TOKENS,
+            tokens_i64(),
+            false,
+            Phase::Prompt,
+            false,
+        ),
+        (col::RESPONSE, Utf8, false, Phase::Generate, false),
+        (
+            col::RESPONSE_TOKENS,
+            tokens_i64(),
+            false,
+            Phase::Generate,
+            false,
+        ),
+        (
+            col::BEHAVIOR_LOGPROBS,
+            per_token(),
+            false,
+            Phase::Generate,
+            true,
+        ),
+        (col::POLICY_VERSION, UInt64, false, Phase::Generate, false),
+        (col::FINISH_REASON, Utf8, false, Phase::Generate, false),
+        (col::GENERATE_S, Float32, false, Phase::Generate, false),
+        (col::REWARD, Float32, false, Phase::Score, false),
+        (col::TOKEN_REWARDS, per_token(), true, Phase::Score, true),
+        (col::REF_LOGPROBS, per_token(), true, Phase::Score, true),
+        (col::VALUES, per_token(), true, Phase::Score, true),
+        (col::ADVANTAGES, per_token(), false, Phase::Advantage, true),
+        (col::RETURNS, per_token(), false, Phase::Advantage, true),
+        (col::LEARNER_VERSION, UInt64, false, Phase::Learn, false),
+        (col::STALENESS, UInt64, false, Phase::Learn, false),
+    ]
+}
+
+/// The schema of a batch after `phase`, with the dataset's own columns
+/// (`dataset`, e.g. `answer`) after the prompt columns, and the version metadata.
+pub fn schema_after(phase: Phase, dataset: &[Field]) -> SchemaRef {
+    let mut fields: Vec<Field> = Vec::new();
+    for (name, ty, nullable, p, _) in columns() {
+        if p > phase {
+            continue;
+        }
+        fields.push(Field::new(name, ty, nullable));
+        if name == col::PROMPT_TOKENS {
+            fields.extend(dataset.iter().cloned());
+        }
+    }
+    let metadata = HashMap::from([(SCHEMA_VERSION_KEY.to_string(), SCHEMA_VERSION.to_string())]);
+    Arc::new(Schema::new_with_metadata(fields, metadata))
+}
+
+/// A batch that does not fit the rollout schema.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SchemaError {
+    /// A column the phase needs is missing.
+    #[error("stage `{stage}`: column `{column}` is missing")]
+    Missing {
+        /// The stage that checked.
+        stage: String,
+        /// The column.
+        column: String,
+    },
+    /// A column has another type.
+    #[error("stage `{stage}`: column `{column}` is {found}, expected {expected}")]
+    WrongType {
+        /// The stage that checked.
+        stage: String,
+        /// The column.
+        column: String,
+        /// What the schema says.
+        expected: String,
+        /// What the batch has.
+        found: String,
+    },
+    /// A per-token column's row is not as long as the row's response.
+    #[error("stage `{stage}`: column `{column}` row {row} has {found} entries, response_tokens has {expected}")]
+    Misaligned {
+        /// The stage that checked.
+        stage: String,
+        /// The column.
+        column: String,
+        /// The row.
+        row: usize,
+        /// The response length.
+        expected: usize,
+        /// The column's length there.
+        found: usize,
+    },
+}
+
+/// Checks that `batch` holds every column written up to `phase` with its
+/// type, and that per-token columns align with `response_tokens`.
+pub fn check(batch: &RecordBatch, phase: Phase, stage: &str) -> Result<(), SchemaError> {
+    let response_lengths: Option<Vec<usize>> = batch
+        .column_by_name(col::RESPONSE_TOKENS)
+        .and_then(|c| c.as_list_opt::<i32>())
+        .map(|l| (0..l.len()).map(|i| l.value_length(i) as usize).collect());
+    for (name, ty, nullable, p, per_tok) in columns() {
+        if p > phase {
+            continue;
+        }
+        let Some(column) = batch.column_by_name(name) else {
+            if nullable {
+                continue;
+            }
+            return Err(SchemaError::Missing {
+                stage: stage.into(),
+                column: name.into(),
+            });
+        };
+        if *column.data_type() != ty {
+            return Err(SchemaError::WrongType {
+                stage: stage.into(),
+                column: name.into(),
+                expected: ty.to_string(),
+                found: column.data_type().to_string(),
+            });
+        }
+        if let (true, Some(lengths)) = (per_tok, response_lengths.as_ref()) {
+            let list = column.as_list::<i32>();
+            for (row, want) in lengths.iter().enumerate() {
+                if list.is_valid(row) && list.value_length(row) as usize != *want {
+                    return Err(SchemaError::Misaligned {
+                        stage: stage.into(),
+                        column: name.into(),
+                        row,
+                        expected: *want,
+                        found: list.value_length(row) as usize,
+                    });
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::array::{
+        ArrayRef, Float32Builder, Int64Builder, ListBuilder, StringArray, UInt32Array, UInt64Array,
+    };
+
+    fn list_i64(rows: &[&[i64]]) -> ArrayRef {
+        let mut b = ListBuilder::new(Int64Builder::new()).with_field(Arc::new(Field::new(
+            "item",
+            DataType::Int64,
+            false,
+        )));
+        for r in rows {
+            b.values().append_slice(r);
+            b.append(true);
+        }
+        Arc::new(b.finish())
+    }
+
+    fn list_f32(rows: &[&[f32]]) -> ArrayRef {
+        let mut b = ListBuilder::new(Float32Builder::new()).with_field(Arc::new(Field::new(
+            "item",
+            DataType::Float32,
+            false,
+        )));
+        for r in rows {
+            b.values().append_slice(r);
+            b.append(true);
+        }
+        Arc::new(b.finish())
+    }
+
+    fn generated(logprobs: &[&[f32]]) -> RecordBatch {
+        let schema = schema_after(
+            Phase::Generate,
+            &[Field::new("answer", DataType::Utf8, false)],
+        );
+        let columns: Vec<ArrayRef> = vec![
+            Arc::new(UInt64Array::from(vec![0, 0])),
+            Arc::new(UInt64Array::from(vec![5, 5])),
+            Arc::new(UInt64Array::from(vec![5, 5])),
+            Arc::new(UInt32Array::from(vec![0, 1])),
+            Arc::new(StringArray::from(vec!["1+1", "1+1"])),
+            list_i64(&[&[1, 2], &[1, 2]]),
+            Arc::new(StringArray::from(vec!["2", "2"])),
+            Arc::new(StringArray::from(vec!["2", "3"])),
+            list_i64(&[&[7, 2], &[8]]),
+            list_f32(logprobs),
+            Arc::new(UInt64Array::from(vec![3, 3])),
+            Arc::new(StringArray::from(vec!["stop", "length"])),
+            Arc::new(arrow::array::Float32Array::from(vec![0.1, 0.1])),
+        ];
+        RecordBatch::try_new(schema, columns).unwrap()
+    }
+
+    #[test]
+    fn schema_grows_by_phase_and_carries_its_version() {
+        let prompt = schema_after(Phase::Prompt, &[]);
+        let learn = schema_after(Phase::Learn, &[Field::new("answer", DataType::Utf8, false)]);
+        assert!(prompt.field_with_name(col::RESPONSE).is_err());
+        assert!(learn.field_with_name(col::STALENESS).is_ok());
+        assert_eq!(learn.fields().len(), columns().len() + 1);
+        assert_eq!(
+            learn.index_of("answer").unwrap(),
+            learn.index_of(col::PROMPT_TOKENS).unwrap() + 1
+        );
+        assert_eq!(learn.metadata()[SCHEMA_VERSION_KEY], SCHEMA_VERSION);
+    }
+
+    #[test]
+    fn check_finds_missing_mistyped_and_misaligned_columns() {
+        let ok = generated(&[&[-0.5, -0.1], &[-2.0]]);
+        check(&ok, Phase::Generate, "generate").unwrap();
+        let err = check(&ok, Phase::Score, "reward").unwrap_err().to_string();
+        assert!(err.contains("`reward`") && err.contains("missing"), "{err}");
+        let bad = generated(&[&[-0.5], &[-2.0]]);
+        let err = check(&bad, Phase::Generate, "generate")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("behavior_logprobs") && err.contains("row 0"),
+            "{err}"
+        );
+        let wrong = ok.project(&[0, 1]).unwrap();
+        let renamed = RecordBatch::try_from_iter([(
+            col::STEP,
+            Arc::new(StringArray::from(vec!["x", "y"])) as ArrayRef,
+        )])
+        .unwrap();
+        assert!(check(&wrong, Phase::Prompt, "source")
+            .unwrap_err()
+            .to_string()
+            .contains("group_id"));
+        assert!(check(&renamed, Phase::Prompt, "source")
+            .unwrap_err()
+            .to_string()
+            .contains("expected UInt64"));
+    }
+}
