@@ -8,6 +8,7 @@
 //! `weir_graph::columns`.
 
 pub mod algorithms;
+pub mod rewards;
 pub mod rollout;
 
 pub use weir_graph::columns;
