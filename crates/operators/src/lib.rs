@@ -10,5 +10,6 @@
 pub mod algorithms;
 pub mod rewards;
 pub mod rollout;
+pub mod stages;
 
 pub use weir_graph::columns;

@@ -150,6 +150,13 @@ pub struct PolicyLoss {
     pub weight_stats: (f64, f64, f64),
 }
 
+impl PolicyLoss {
+    /// The loss as a number.
+    pub fn loss_value(&self) -> f64 {
+        self.loss.double_value(&[])
+    }
+}
+
 /// The clipped surrogate policy loss.
 ///
 /// `ratio = exp(log π − log π_old)` (per [`RatioLevel`]), `s1 = ratio·A`,

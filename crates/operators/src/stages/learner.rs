@@ -1,0 +1,222 @@
+//! `Learner`: one policy update per step with the clipped loss over the
+//! step's rows, AdamW with gradient clipping, micro-batches with gradient
+//! accumulation, then the next weights version published on the weights edge.
+//!
+//! Log-probs: the proximal ("old") log-probs are the learner's own, computed
+//! before the update; the behaviour log-probs (the generator's, possibly
+//! from an older version) enter only through the importance correction, if
+//! one is configured — the decoupled PPO objective.
+
+use std::collections::BTreeMap;
+
+use arrow::array::RecordBatch;
+use arrow::compute::concat_batches;
+use tch::{Kind, Tensor};
+use weir_gpu::optim::{AdamWConfig, Optimizer};
+use weir_gpu::Model;
+use weir_graph::{Stage, StageError, StepContext, WeightsPayload};
+
+use super::columns::{float_lists, token_lists};
+use crate::algorithms::{policy_loss, PolicyLossConfig};
+use crate::rollout::col;
+
+/// Learner settings.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LearnerConfig {
+    /// AdamW settings (learning rate included).
+    pub adamw: AdamWConfig,
+    /// Gradient-norm clip.
+    pub max_grad_norm: Option<f64>,
+    /// Rows per forward/backward pass.
+    pub micro_batch: usize,
+    /// The policy loss.
+    pub policy: PolicyLossConfig,
+    /// Sampling temperature the log-probs are computed at.
+    pub temperature: f64,
+}
+
+impl Default for LearnerConfig {
+    fn default() -> Self {
+        LearnerConfig {
+            adamw: AdamWConfig::default(),
+            max_grad_norm: Some(1.0),
+            micro_batch: 16,
+            policy: PolicyLossConfig::default(),
+            temperature: 1.0,
+        }
+    }
+}
+
+/// What the last update measured.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct UpdateStats {
+    /// The policy loss (token mean over the step).
+    pub loss: f64,
+    /// Gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Fraction of tokens clipped.
+    pub clip_fraction: f64,
+}
+
+/// The actor's learner.
+pub struct Learner {
+    model: Model,
+    optimizer: Optimizer,
+    cfg: LearnerConfig,
+    held: BTreeMap<u64, Vec<RecordBatch>>,
+    last: UpdateStats,
+}
+
+impl Learner {
+    /// A learner training `model`.
+    pub fn new(model: Model, cfg: LearnerConfig) -> Result<Self, StageError> {
+        let optimizer = Optimizer::adamw(&model, cfg.adamw)?;
+        Ok(Learner {
+            model,
+            optimizer,
+            cfg,
+            held: BTreeMap::new(),
+            last: UpdateStats::default(),
+        })
+    }
+
+    /// What the last update measured.
+    pub fn last_update(&self) -> UpdateStats {
+        self.last
+    }
+
+    /// Log-probs `[B, R]` of each row's response tokens given its prompt, with the response mask.
+    fn response_logprobs(
+        &self,
+        prompts: &[Vec<i64>],
+        responses: &[Vec<i64>],
+    ) -> Result<(Tensor, Tensor), StageError> {
+        let device = self.model.device();
+        let rows: Vec<Vec<i64>> = prompts
+            .iter()
+            .zip(responses)
+            .map(|(p, r)| [p.as_slice(), r.as_slice()].concat())
+            .collect();
+        let width = rows.iter().map(Vec::len).max().unwrap_or(1);
+        let r_max = responses.iter().map(Vec::len).max().unwrap_or(1).max(1);
+        let pad = self.model.config.pad_token_id.unwrap_or(0).max(0);
+        let (mut ids, mut mask, mut index, mut rmask) = (vec![], vec![], vec![], vec![]);
+        for ((row, p), r) in rows.iter().zip(prompts).zip(responses) {
+            ids.extend(
+                row.iter()
+                    .copied()
+                    .chain(std::iter::repeat_n(pad, width - row.len())),
+            );
+            mask.extend(
+                std::iter::repeat_n(1i64, row.len())
+                    .chain(std::iter::repeat_n(0, width - row.len())),
+            );
+            // log p(token t | < t) sits at index t − 1 of token_logprobs.
+            for j in 0..r_max {
+                index.push((p.len() + j.min(r.len().saturating_sub(1))) as i64 - 1);
+                rmask.push(if j < r.len() { 1.0f32 } else { 0.0 });
+            }
+        }
+        let b = rows.len() as i64;
+        let ids = Tensor::from_slice(&ids)
+            .view([b, width as i64])
+            .to_device(device);
+        let mask = Tensor::from_slice(&mask)
+            .view([b, width as i64])
+            .to_device(device);
+        let lp = self
+            .model
+            .token_logprobs(&ids, Some(&mask), self.cfg.temperature)?;
+        let index = Tensor::from_slice(&index)
+            .view([b, r_max as i64])
+            .to_device(device);
+        let rmask = Tensor::from_slice(&rmask)
+            .view([b, r_max as i64])
+            .to_device(device);
+        Ok((lp.gather(1, &index, false), rmask))
+    }
+}
+
+fn padded(rows: &[Vec<f64>], width: usize, device: tch::Device) -> Tensor {
+    let mut flat = Vec::with_capacity(rows.len() * width);
+    for r in rows {
+        flat.extend(
+            r.iter()
+                .map(|x| *x as f32)
+                .chain(std::iter::repeat_n(0.0, width - r.len().min(width))),
+        );
+    }
+    Tensor::from_slice(&flat)
+        .view([rows.len() as i64, width as i64])
+        .to_device(device)
+}
+
+impl Stage for Learner {
+    fn process(
+        &mut self,
+        ctx: &mut StepContext,
+        batch: RecordBatch,
+    ) -> Result<Vec<RecordBatch>, StageError> {
+        self.held.entry(ctx.step).or_default().push(batch);
+        Ok(Vec::new())
+    }
+
+    fn end_step(&mut self, ctx: &mut StepContext) -> Result<Vec<RecordBatch>, StageError> {
+        let Some(held) = self.held.remove(&ctx.step) else {
+            // No rows reached this learner: still publish, so versions stay in step.
+            ctx.publish_weights(WeightsPayload::from(
+                self.model.export_snapshot(ctx.version + 1)?,
+            ))?;
+            return Ok(Vec::new());
+        };
+        let batch = concat_batches(&held[0].schema(), &held)?;
+        let prompts = token_lists(&batch, col::PROMPT_TOKENS, "learn")?;
+        let responses = token_lists(&batch, col::RESPONSE_TOKENS, "learn")?;
+        let advantages = float_lists(&batch, col::ADVANTAGES, "learn")?;
+        let behaviour = float_lists(&batch, col::BEHAVIOR_LOGPROBS, "learn")?;
+        let total_tokens: usize = responses.iter().map(Vec::len).sum::<usize>().max(1);
+        let device = self.model.device();
+        self.optimizer.zero_grad();
+        let (mut loss_sum, mut clip_sum) = (0.0, 0.0);
+        for start in (0..batch.num_rows()).step_by(self.cfg.micro_batch.max(1)) {
+            let end = (start + self.cfg.micro_batch.max(1)).min(batch.num_rows());
+            let (lp, mask) =
+                self.response_logprobs(&prompts[start..end], &responses[start..end])?;
+            let width = lp.size()[1] as usize;
+            let adv = padded(&advantages[start..end], width, device);
+            let behaviour_t = padded(&behaviour[start..end], width, device);
+            let old = lp.detach();
+            let out = policy_loss(&lp, &old, &adv, &mask, Some(&behaviour_t), &self.cfg.policy);
+            // Token mean over the whole step: weight each micro-batch by its share of tokens.
+            let tokens = mask.sum(Kind::Double).double_value(&[]);
+            let share = tokens / total_tokens as f64;
+            loss_sum += out.loss_value() * share;
+            (&out.loss * share).backward();
+            clip_sum += out.clip_fraction * share;
+        }
+        let grad_norm = self.optimizer.step(self.cfg.max_grad_norm);
+        if !loss_sum.is_finite() || !grad_norm.is_finite() {
+            return Err(format!(
+                "step {}: the loss ({loss_sum}) or gradient norm ({grad_norm}) is not finite",
+                ctx.step
+            )
+            .into());
+        }
+        self.last = UpdateStats {
+            loss: loss_sum,
+            grad_norm,
+            clip_fraction: clip_sum,
+        };
+        tracing::info!(
+            step = ctx.step,
+            loss = loss_sum,
+            grad_norm,
+            clip_fraction = clip_sum,
+            "policy update"
+        );
+        ctx.publish_weights(WeightsPayload::from(
+            self.model.export_snapshot(ctx.version + 1)?,
+        ))?;
+        Ok(vec![batch])
+    }
+}

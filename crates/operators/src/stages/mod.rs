@@ -1,0 +1,14 @@
+//! The RLHF stages, as `weir_graph` sources and stages over `weir_gpu` models.
+//!
+//! - [`prompts::PromptSource`]: prompts × n samples per step, seeded shuffling per epoch, a cursor.
+//! - [`generate::Generate`]: the actor; loads weight snapshots from the weights edge.
+//! - [`reward::RuleReward`]: rule rewards on a dataset column.
+//! - [`advantage::GroupAdvantage`]: GRPO / Dr.GRPO / RLOO over whole prompt groups.
+//! - [`learner::Learner`]: the clipped policy loss, AdamW, publishes the next weights version.
+
+pub mod advantage;
+pub mod columns;
+pub mod generate;
+pub mod learner;
+pub mod prompts;
+pub mod reward;

@@ -1,0 +1,320 @@
+//! `PromptSource`: B prompts × n samples per step, the prompt order shuffled
+//! per epoch with a seed, and a cursor a checkpoint can restore.
+
+use std::sync::Arc;
+
+use arrow::array::{ArrayRef, RecordBatch, StringArray, UInt32Array, UInt64Array};
+use arrow::datatypes::{DataType, Field};
+use weir_gpu::{Message, Tokenizer};
+use weir_graph::{Source, SourceContext, StageError};
+
+use super::columns::token_list_array;
+use crate::rewards::arith;
+use crate::rollout::{schema_after, Phase};
+
+/// One prompt of a dataset.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PromptRow {
+    /// The prompt as given (text, or the rendered chat).
+    pub prompt: String,
+    /// Its token ids, chat template applied.
+    pub tokens: Vec<i64>,
+    /// Values of the dataset's extra string columns (e.g. `answer`), in column order.
+    pub extra: Vec<String>,
+}
+
+/// Where a source is in its dataset: the epoch and the position in that epoch's order.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Cursor {
+    /// Epochs completed.
+    pub epoch: u64,
+    /// Prompts of this epoch already emitted.
+    pub position: usize,
+}
+
+/// Emits prompts_per_step prompts × samples per step.
+#[derive(Clone, Debug)]
+pub struct PromptSource {
+    rows: Arc<Vec<PromptRow>>,
+    extra_columns: Vec<String>,
+    prompts_per_step: usize,
+    samples: usize,
+    seed: u64,
+    epochs: Option<u64>,
+    cursor: Cursor,
+    order: Vec<usize>,
+    rank: usize,
+    role_size: usize,
+}
+
+fn shuffled(n: usize, seed: u64, epoch: u64) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..n).collect();
+    let mut state = seed ^ epoch.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    let mut next = || {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    for i in (1..n).rev() {
+        let j = (next() % (i as u64 + 1)) as usize;
+        order.swap(i, j);
+    }
+    order
+}
+
+impl PromptSource {
+    /// A source over `rows` (with `extra_columns` named), `prompts_per_step` × `samples` rows a step.
+    pub fn new(
+        rows: Vec<PromptRow>,
+        extra_columns: Vec<String>,
+        prompts_per_step: usize,
+        samples: usize,
+        seed: u64,
+    ) -> Result<Self, StageError> {
+        if rows.is_empty() {
+            return Err("the prompt set is empty".into());
+        }
+        if prompts_per_step == 0 || samples == 0 {
+            return Err("prompts per step and samples per prompt must be at least 1".into());
+        }
+        if let Some((i, r)) = rows
+            .iter()
+            .enumerate()
+            .find(|(_, r)| r.extra.len() != extra_columns.len())
+        {
+            return Err(format!(
+                "prompt {i} has {} extra values for {} columns",
+                r.extra.len(),
+                extra_columns.len()
+            )
+            .into());
+        }
+        let order = shuffled(rows.len(), seed, 0);
+        Ok(PromptSource {
+            rows: Arc::new(rows),
+            extra_columns,
+            prompts_per_step,
+            samples,
+            seed,
+            epochs: None,
+            cursor: Cursor::default(),
+            order,
+            rank: 0,
+            role_size: 1,
+        })
+    }
+
+    /// The arith task's prompts for `pairs`, with an `answer` column.
+    pub fn arith(
+        pairs: &[(u32, u32)],
+        tokenizer: &Tokenizer,
+        prompts_per_step: usize,
+        samples: usize,
+        seed: u64,
+    ) -> Result<Self, StageError> {
+        let rows = pairs
+            .iter()
+            .map(|&(a, b)| {
+                let messages = [Message {
+                    role: "user".into(),
+                    content: arith::user_message(a, b),
+                }];
+                Ok(PromptRow {
+                    prompt: arith::user_message(a, b),
+                    tokens: tokenizer.encode_chat(&messages, true)?,
+                    extra: vec![(a + b).to_string()],
+                })
+            })
+            .collect::<Result<Vec<_>, StageError>>()?;
+        PromptSource::new(rows, vec!["answer".into()], prompts_per_step, samples, seed)
+    }
+
+    /// Stops after `epochs` passes over the prompts (default: never).
+    pub fn epochs(mut self, epochs: u64) -> Self {
+        self.epochs = Some(epochs);
+        self
+    }
+
+    /// This instance's share when the source role has `size` workers.
+    pub fn shard(mut self, rank: usize, size: usize) -> Self {
+        self.rank = rank;
+        self.role_size = size.max(1);
+        self
+    }
+
+    /// Where the source is now.
+    pub fn cursor(&self) -> Cursor {
+        self.cursor
+    }
+
+    /// Continues from a saved cursor.
+    pub fn restore(&mut self, cursor: Cursor) {
+        self.cursor = cursor;
+        self.order = shuffled(self.rows.len(), self.seed, cursor.epoch);
+    }
+
+    /// The next step's prompt indices, advancing the cursor (None when the epochs are done).
+    fn take_prompts(&mut self) -> Option<Vec<usize>> {
+        let mut out = Vec::with_capacity(self.prompts_per_step);
+        while out.len() < self.prompts_per_step {
+            if self.epochs.is_some_and(|e| self.cursor.epoch >= e) {
+                return None;
+            }
+            if self.cursor.position == self.order.len() {
+                self.cursor = Cursor {
+                    epoch: self.cursor.epoch + 1,
+                    position: 0,
+                };
+                self.order = shuffled(self.rows.len(), self.seed, self.cursor.epoch);
+                continue;
+            }
+            out.push(self.order[self.cursor.position]);
+            self.cursor.position += 1;
+        }
+        Some(out)
+    }
+}
+
+impl Source for PromptSource {
+    fn next_step(&mut self, ctx: &SourceContext) -> Result<Option<Vec<RecordBatch>>, StageError> {
+        // Every worker of the role advances the same cursor and keeps its share.
+        let Some(prompts) = self.take_prompts() else {
+            return Ok(None);
+        };
+        let mut step = Vec::new();
+        let (mut prompt_id, mut group_id, mut sample_idx, mut text, mut tokens) =
+            (vec![], vec![], vec![], vec![], vec![]);
+        let mut extra: Vec<Vec<String>> = vec![Vec::new(); self.extra_columns.len()];
+        for (i, &p) in prompts.iter().enumerate() {
+            if i % self.role_size != self.rank {
+                continue;
+            }
+            let row = &self.rows[p];
+            for s in 0..self.samples {
+                step.push(ctx.step);
+                prompt_id.push(p as u64);
+                group_id.push(ctx.step * self.prompts_per_step as u64 + i as u64);
+                sample_idx.push(s as u32);
+                text.push(row.prompt.clone());
+                tokens.push(row.tokens.clone());
+                for (c, v) in extra.iter_mut().zip(&row.extra) {
+                    c.push(v.clone());
+                }
+            }
+        }
+        let dataset: Vec<Field> = self
+            .extra_columns
+            .iter()
+            .map(|n| Field::new(n, DataType::Utf8, false))
+            .collect();
+        let schema = schema_after(Phase::Prompt, &dataset);
+        let mut columns: Vec<ArrayRef> = vec![
+            Arc::new(UInt64Array::from(step)),
+            Arc::new(UInt64Array::from(prompt_id)),
+            Arc::new(UInt64Array::from(group_id)),
+            Arc::new(UInt32Array::from(sample_idx)),
+            Arc::new(StringArray::from(text)),
+            token_list_array(&tokens),
+        ];
+        columns.extend(
+            extra
+                .into_iter()
+                .map(|c| Arc::new(StringArray::from(c)) as ArrayRef),
+        );
+        debug_assert_eq!(schema.fields().len(), columns.len());
+        Ok(Some(vec![RecordBatch::try_new(schema, columns)?]))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rollout::col;
+    use weir_graph::WorkerInfo;
+
+    fn rows(n: usize) -> Vec<PromptRow> {
+        (0..n)
+            .map(|i| PromptRow {
+                prompt: format!("p{i}"),
+                tokens: vec![i as i64 + 4],
+                extra: vec![i.to_string()],
+            })
+            .collect()
+    }
+
+    fn ctx(step: u64) -> SourceContext {
+        SourceContext {
+            step,
+            worker: WorkerInfo {
+                index: 0,
+                peers: 1,
+                process: 0,
+                rank: 0,
+                role_size: 1,
+            },
+        }
+    }
+
+    #[test]
+    fn every_prompt_once_per_epoch_then_reshuffled_and_restorable() {
+        let mut src = PromptSource::new(rows(6), vec!["answer".into()], 3, 2, 42)
+            .unwrap()
+            .epochs(2);
+        let mut seen = Vec::new();
+        for step in 0..4 {
+            let batch = src.next_step(&ctx(step)).unwrap().unwrap().remove(0);
+            assert_eq!(batch.num_rows(), 6, "3 prompts × 2 samples");
+            crate::rollout::check(&batch, Phase::Prompt, "source").unwrap();
+            let ids = super::super::columns::u64s(&batch, col::PROMPT_ID, "t").unwrap();
+            let groups = super::super::columns::u64s(&batch, col::GROUP_ID, "t").unwrap();
+            assert_eq!(
+                groups,
+                vec![
+                    step * 3,
+                    step * 3,
+                    step * 3 + 1,
+                    step * 3 + 1,
+                    step * 3 + 2,
+                    step * 3 + 2
+                ]
+            );
+            seen.extend(ids.iter().step_by(2).copied());
+        }
+        let (first, second) = seen.split_at(6);
+        let mut a = first.to_vec();
+        a.sort();
+        assert_eq!(a, vec![0, 1, 2, 3, 4, 5]);
+        assert_ne!(first, second, "a new epoch reshuffles");
+        assert!(
+            src.next_step(&ctx(4)).unwrap().is_none(),
+            "two epochs, then done"
+        );
+        // Restoring a cursor replays the same prompts.
+        let mut a = PromptSource::new(rows(6), vec!["answer".into()], 3, 1, 42).unwrap();
+        a.next_step(&ctx(0)).unwrap();
+        let saved = a.cursor();
+        let next = a.next_step(&ctx(1)).unwrap().unwrap().remove(0);
+        let mut b = PromptSource::new(rows(6), vec!["answer".into()], 3, 1, 42).unwrap();
+        b.restore(saved);
+        assert_eq!(b.next_step(&ctx(1)).unwrap().unwrap().remove(0), next);
+    }
+
+    #[test]
+    fn shards_split_the_prompts_of_a_step() {
+        let mut a = PromptSource::new(rows(8), vec!["answer".into()], 4, 1, 1)
+            .unwrap()
+            .shard(0, 2);
+        let mut b = PromptSource::new(rows(8), vec!["answer".into()], 4, 1, 1)
+            .unwrap()
+            .shard(1, 2);
+        let ra = a.next_step(&ctx(0)).unwrap().unwrap().remove(0);
+        let rb = b.next_step(&ctx(0)).unwrap().unwrap().remove(0);
+        assert_eq!(ra.num_rows() + rb.num_rows(), 4);
+        let ga = super::super::columns::u64s(&ra, col::GROUP_ID, "t").unwrap();
+        let gb = super::super::columns::u64s(&rb, col::GROUP_ID, "t").unwrap();
+        assert!(ga.iter().all(|g| !gb.contains(g)));
+        assert!(PromptSource::new(vec![], vec![], 1, 1, 0).is_err());
+    }
+}
