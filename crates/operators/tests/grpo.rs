@@ -19,6 +19,7 @@ use weir_operators::stages::advantage::{GroupAdvantage, GroupEstimator};
 use weir_operators::stages::generate::Generate;
 use weir_operators::stages::learner::{Learner, LearnerConfig};
 use weir_operators::stages::prompts::PromptSource;
+use weir_operators::stages::reference::RefLogprob;
 use weir_operators::stages::reward::RuleReward;
 
 fn model_dir() -> PathBuf {
@@ -61,6 +62,12 @@ fn grpo_runs_through_the_engine_with_async_weights() {
                 "answer",
             ))
         })
+        .stage("reference", "train", Partition::RoundRobin, |_| {
+            Ok(RefLogprob::new(
+                Model::load(&model_dir(), Device::Cpu, Kind::Float)?,
+                1.0,
+            ))
+        })
         .stage(
             "advantage",
             "train",
@@ -77,6 +84,7 @@ fn grpo_runs_through_the_engine_with_async_weights() {
                         ..Default::default()
                     },
                     micro_batch: 8,
+                    kl_coef: 0.04,
                     ..Default::default()
                 },
             )
@@ -124,6 +132,14 @@ fn grpo_runs_through_the_engine_with_async_weights() {
             .unwrap()
             .as_primitive::<Float32Type>();
         let adv = b.column_by_name(col::ADVANTAGES).unwrap().as_list::<i32>();
+        let behaviour = b
+            .column_by_name(col::BEHAVIOR_LOGPROBS)
+            .unwrap()
+            .as_list::<i32>();
+        let reference = b
+            .column_by_name(col::REF_LOGPROBS)
+            .unwrap()
+            .as_list::<i32>();
         for i in 0..b.num_rows() {
             assert_eq!(lv.value(i), step.value(i), "one update per step");
             assert!(lv.value(i) - pv.value(i) <= 1);
@@ -136,6 +152,18 @@ fn grpo_runs_through_the_engine_with_async_weights() {
                 "outcome advantage on every token"
             );
             *group_sums.entry(groups.value(i)).or_default() += f64::from(a.value(0));
+            if pv.value(i) == 0 {
+                // Version 0 is the reference: its log-probs equal the generator's behaviour log-probs.
+                let (bh, rf) = (behaviour.value(i), reference.value(i));
+                let (bh, rf) = (
+                    bh.as_primitive::<Float32Type>(),
+                    rf.as_primitive::<Float32Type>(),
+                );
+                assert_eq!(bh.len(), rf.len());
+                for (x, y) in bh.values().iter().zip(rf.values()) {
+                    assert!((x - y).abs() < 1e-4, "behaviour {x} vs reference {y}");
+                }
+            }
         }
     }
     assert!(

@@ -148,3 +148,48 @@ mod tests {
         );
     }
 }
+
+/// [`kl`] on tensors (differentiable in `logprobs`), elementwise.
+pub fn kl_tensor(
+    logprobs: &tch::Tensor,
+    ref_logprobs: &tch::Tensor,
+    estimator: KlEstimator,
+    flavor: Flavor,
+) -> tch::Tensor {
+    let r = logprobs - ref_logprobs;
+    match (flavor, estimator) {
+        (Flavor::OpenRlhf, KlEstimator::K1) => r.clamp(-10.0, 10.0),
+        (Flavor::OpenRlhf, KlEstimator::K2) => (r.square() / 2.0).clamp(-10.0, 10.0),
+        (Flavor::OpenRlhf, KlEstimator::K3) => ((-&r).exp() - 1.0 + &r).clamp(-10.0, 10.0),
+        (Flavor::Verl, KlEstimator::K1) => r,
+        (Flavor::Verl, KlEstimator::K2) => r.square() * 0.5,
+        (Flavor::Verl, KlEstimator::K3) => {
+            let x = (-r).clamp(-20.0, 20.0);
+            (x.exp() - &x - 1.0).clamp(-10.0, 10.0)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tensor_tests {
+    use super::*;
+
+    #[test]
+    fn tensor_estimators_match_the_scalar_ones() {
+        let lp = [-1.0f64, -3.0, 0.0, -30.0];
+        let rp = [-1.5f64, -1.0, -15.0, 0.0];
+        let lpt = tch::Tensor::from_slice(&lp);
+        let rpt = tch::Tensor::from_slice(&rp);
+        for flavor in [Flavor::OpenRlhf, Flavor::Verl] {
+            for est in [KlEstimator::K1, KlEstimator::K2, KlEstimator::K3] {
+                let got = Vec::<f64>::try_from(kl_tensor(&lpt, &rpt, est, flavor)).unwrap();
+                for i in 0..4 {
+                    assert!(
+                        (got[i] - kl(lp[i], rp[i], est, flavor)).abs() < 1e-12,
+                        "{flavor:?} {est:?} {i}"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -15,7 +15,7 @@ pub mod shaping;
 pub mod stats;
 
 pub use advantages::{discounted_returns, gae, grpo, rloo, whiten_advantages, GroupError};
-pub use kl::{kl, kl_tokens, token_rewards, KlEstimator};
+pub use kl::{kl, kl_tensor, kl_tokens, token_rewards, KlEstimator};
 pub use losses::{
     aggregate, policy_loss, value_loss, Aggregation, ImportanceCorrection, PolicyLoss,
     PolicyLossConfig, RatioLevel,

@@ -17,7 +17,7 @@ use weir_gpu::Model;
 use weir_graph::{Stage, StageError, StepContext, WeightsPayload};
 
 use super::columns::{float_lists, token_lists};
-use crate::algorithms::{policy_loss, PolicyLossConfig};
+use crate::algorithms::{aggregate, kl_tensor, policy_loss, KlEstimator, PolicyLossConfig};
 use crate::rollout::col;
 
 /// Learner settings.
@@ -33,6 +33,10 @@ pub struct LearnerConfig {
     pub policy: PolicyLossConfig,
     /// Sampling temperature the log-probs are computed at.
     pub temperature: f64,
+    /// β of the KL-to-reference loss term (needs `ref_logprobs`; 0 turns it off).
+    pub kl_coef: f64,
+    /// The KL estimator of that term.
+    pub kl_estimator: KlEstimator,
 }
 
 impl Default for LearnerConfig {
@@ -43,6 +47,8 @@ impl Default for LearnerConfig {
             micro_batch: 16,
             policy: PolicyLossConfig::default(),
             temperature: 1.0,
+            kl_coef: 0.0,
+            kl_estimator: KlEstimator::K3,
         }
     }
 }
@@ -56,6 +62,8 @@ pub struct UpdateStats {
     pub grad_norm: f64,
     /// Fraction of tokens clipped.
     pub clip_fraction: f64,
+    /// Mean KL to the reference (0 without a reference).
+    pub kl: f64,
 }
 
 /// The actor's learner.
@@ -84,57 +92,56 @@ impl Learner {
     pub fn last_update(&self) -> UpdateStats {
         self.last
     }
+}
 
-    /// Log-probs `[B, R]` of each row's response tokens given its prompt, with the response mask.
-    fn response_logprobs(
-        &self,
-        prompts: &[Vec<i64>],
-        responses: &[Vec<i64>],
-    ) -> Result<(Tensor, Tensor), StageError> {
-        let device = self.model.device();
-        let rows: Vec<Vec<i64>> = prompts
-            .iter()
-            .zip(responses)
-            .map(|(p, r)| [p.as_slice(), r.as_slice()].concat())
-            .collect();
-        let width = rows.iter().map(Vec::len).max().unwrap_or(1);
-        let r_max = responses.iter().map(Vec::len).max().unwrap_or(1).max(1);
-        let pad = self.model.config.pad_token_id.unwrap_or(0).max(0);
-        let (mut ids, mut mask, mut index, mut rmask) = (vec![], vec![], vec![], vec![]);
-        for ((row, p), r) in rows.iter().zip(prompts).zip(responses) {
-            ids.extend(
-                row.iter()
-                    .copied()
-                    .chain(std::iter::repeat_n(pad, width - row.len())),
-            );
-            mask.extend(
-                std::iter::repeat_n(1i64, row.len())
-                    .chain(std::iter::repeat_n(0, width - row.len())),
-            );
-            // log p(token t | < t) sits at index t − 1 of token_logprobs.
-            for j in 0..r_max {
-                index.push((p.len() + j.min(r.len().saturating_sub(1))) as i64 - 1);
-                rmask.push(if j < r.len() { 1.0f32 } else { 0.0 });
-            }
+/// Log-probs `[B, R]` of each row's response tokens given its prompt (at
+/// `temperature`), with the response mask `[B, R]` (R = the longest response).
+pub fn response_logprobs(
+    model: &Model,
+    prompts: &[Vec<i64>],
+    responses: &[Vec<i64>],
+    temperature: f64,
+) -> Result<(Tensor, Tensor), StageError> {
+    let device = model.device();
+    let rows: Vec<Vec<i64>> = prompts
+        .iter()
+        .zip(responses)
+        .map(|(p, r)| [p.as_slice(), r.as_slice()].concat())
+        .collect();
+    let width = rows.iter().map(Vec::len).max().unwrap_or(1);
+    let r_max = responses.iter().map(Vec::len).max().unwrap_or(1).max(1);
+    let pad = model.config.pad_token_id.unwrap_or(0).max(0);
+    let (mut ids, mut mask, mut index, mut rmask) = (vec![], vec![], vec![], vec![]);
+    for ((row, p), r) in rows.iter().zip(prompts).zip(responses) {
+        ids.extend(
+            row.iter()
+                .copied()
+                .chain(std::iter::repeat_n(pad, width - row.len())),
+        );
+        mask.extend(
+            std::iter::repeat_n(1i64, row.len()).chain(std::iter::repeat_n(0, width - row.len())),
+        );
+        // log p(token t | < t) sits at index t − 1 of token_logprobs.
+        for j in 0..r_max {
+            index.push((p.len() + j.min(r.len().saturating_sub(1))) as i64 - 1);
+            rmask.push(if j < r.len() { 1.0f32 } else { 0.0 });
         }
-        let b = rows.len() as i64;
-        let ids = Tensor::from_slice(&ids)
-            .view([b, width as i64])
-            .to_device(device);
-        let mask = Tensor::from_slice(&mask)
-            .view([b, width as i64])
-            .to_device(device);
-        let lp = self
-            .model
-            .token_logprobs(&ids, Some(&mask), self.cfg.temperature)?;
-        let index = Tensor::from_slice(&index)
-            .view([b, r_max as i64])
-            .to_device(device);
-        let rmask = Tensor::from_slice(&rmask)
-            .view([b, r_max as i64])
-            .to_device(device);
-        Ok((lp.gather(1, &index, false), rmask))
     }
+    let b = rows.len() as i64;
+    let ids = Tensor::from_slice(&ids)
+        .view([b, width as i64])
+        .to_device(device);
+    let mask = Tensor::from_slice(&mask)
+        .view([b, width as i64])
+        .to_device(device);
+    let lp = model.token_logprobs(&ids, Some(&mask), temperature)?;
+    let index = Tensor::from_slice(&index)
+        .view([b, r_max as i64])
+        .to_device(device);
+    let rmask = Tensor::from_slice(&rmask)
+        .view([b, r_max as i64])
+        .to_device(device);
+    Ok((lp.gather(1, &index, false), rmask))
 }
 
 fn padded(rows: &[Vec<f64>], width: usize, device: tch::Device) -> Tensor {
@@ -174,24 +181,47 @@ impl Stage for Learner {
         let responses = token_lists(&batch, col::RESPONSE_TOKENS, "learn")?;
         let advantages = float_lists(&batch, col::ADVANTAGES, "learn")?;
         let behaviour = float_lists(&batch, col::BEHAVIOR_LOGPROBS, "learn")?;
+        let references = if self.cfg.kl_coef > 0.0 {
+            Some(float_lists(&batch, col::REF_LOGPROBS, "learn")?)
+        } else {
+            None
+        };
         let total_tokens: usize = responses.iter().map(Vec::len).sum::<usize>().max(1);
         let device = self.model.device();
         self.optimizer.zero_grad();
-        let (mut loss_sum, mut clip_sum) = (0.0, 0.0);
+        let (mut loss_sum, mut clip_sum, mut kl_sum) = (0.0, 0.0, 0.0);
         for start in (0..batch.num_rows()).step_by(self.cfg.micro_batch.max(1)) {
             let end = (start + self.cfg.micro_batch.max(1)).min(batch.num_rows());
-            let (lp, mask) =
-                self.response_logprobs(&prompts[start..end], &responses[start..end])?;
+            let (lp, mask) = response_logprobs(
+                &self.model,
+                &prompts[start..end],
+                &responses[start..end],
+                self.cfg.temperature,
+            )?;
             let width = lp.size()[1] as usize;
             let adv = padded(&advantages[start..end], width, device);
             let behaviour_t = padded(&behaviour[start..end], width, device);
             let old = lp.detach();
             let out = policy_loss(&lp, &old, &adv, &mask, Some(&behaviour_t), &self.cfg.policy);
+            let mut loss = out.loss.shallow_clone();
+            if let Some(refs) = &references {
+                // KL to the reference as a loss term (GRPO's β · KL), aggregated like the policy loss.
+                let ref_t = padded(&refs[start..end], width, device);
+                let kl = aggregate(
+                    &kl_tensor(&lp, &ref_t, self.cfg.kl_estimator, self.cfg.policy.flavor),
+                    &mask,
+                    self.cfg.policy.aggregation,
+                    self.cfg.policy.flavor,
+                );
+                kl_sum += kl.double_value(&[]) * mask.sum(Kind::Double).double_value(&[])
+                    / total_tokens as f64;
+                loss = loss + kl * self.cfg.kl_coef;
+            }
             // Token mean over the whole step: weight each micro-batch by its share of tokens.
             let tokens = mask.sum(Kind::Double).double_value(&[]);
             let share = tokens / total_tokens as f64;
-            loss_sum += out.loss_value() * share;
-            (&out.loss * share).backward();
+            loss_sum += loss.double_value(&[]) * share;
+            (&loss * share).backward();
             clip_sum += out.clip_fraction * share;
         }
         let grad_norm = self.optimizer.step(self.cfg.max_grad_norm);
@@ -206,6 +236,7 @@ impl Stage for Learner {
             loss: loss_sum,
             grad_norm,
             clip_fraction: clip_sum,
+            kl: kl_sum,
         };
         tracing::info!(
             step = ctx.step,

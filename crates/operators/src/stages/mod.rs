@@ -3,6 +3,7 @@
 //! - [`prompts::PromptSource`]: prompts × n samples per step, seeded shuffling per epoch, a cursor.
 //! - [`generate::Generate`]: the actor; loads weight snapshots from the weights edge.
 //! - [`reward::RuleReward`]: rule rewards on a dataset column.
+//! - [`reference::RefLogprob`]: the frozen reference model's log-probs.
 //! - [`advantage::GroupAdvantage`]: GRPO / Dr.GRPO / RLOO over whole prompt groups.
 //! - [`learner::Learner`]: the clipped policy loss, AdamW, publishes the next weights version.
 
@@ -11,4 +12,5 @@ pub mod columns;
 pub mod generate;
 pub mod learner;
 pub mod prompts;
+pub mod reference;
 pub mod reward;

@@ -1,0 +1,51 @@
+//! `RefLogprob`: the frozen reference model's log-probs of each response.
+
+use arrow::array::RecordBatch;
+use tch::Kind;
+use weir_gpu::Model;
+use weir_graph::batch::with_column;
+use weir_graph::{Stage, StageError, StepContext};
+
+use super::columns::{float_list_array, token_lists};
+use super::learner::response_logprobs;
+use crate::rollout::col;
+
+/// Writes `ref_logprobs` with a frozen model.
+pub struct RefLogprob {
+    model: Model,
+    temperature: f64,
+}
+
+impl RefLogprob {
+    /// A reference stage over `model` (its weights are never updated).
+    pub fn new(model: Model, temperature: f64) -> Self {
+        RefLogprob { model, temperature }
+    }
+}
+
+impl Stage for RefLogprob {
+    fn process(
+        &mut self,
+        _ctx: &mut StepContext,
+        batch: RecordBatch,
+    ) -> Result<Vec<RecordBatch>, StageError> {
+        let prompts = token_lists(&batch, col::PROMPT_TOKENS, "reference")?;
+        let responses = token_lists(&batch, col::RESPONSE_TOKENS, "reference")?;
+        let _guard = tch::no_grad_guard();
+        let (lp, _) = response_logprobs(&self.model, &prompts, &responses, self.temperature)?;
+        let lp = lp.to_kind(Kind::Double);
+        let rows: Vec<Vec<f64>> = responses
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                Vec::<f64>::try_from(lp.get(i as i64).narrow(0, 0, r.len() as i64))
+                    .map_err(|e| e.to_string())
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(vec![with_column(
+            &batch,
+            col::REF_LOGPROBS,
+            float_list_array(&rows),
+        )?])
+    }
+}
