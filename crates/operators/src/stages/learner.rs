@@ -215,7 +215,7 @@ impl Stage for Learner {
                 );
                 kl_sum += kl.double_value(&[]) * mask.sum(Kind::Double).double_value(&[])
                     / total_tokens as f64;
-                loss = loss + kl * self.cfg.kl_coef;
+                loss += kl * self.cfg.kl_coef;
             }
             // Token mean over the whole step: weight each micro-batch by its share of tokens.
             let tokens = mask.sum(Kind::Double).double_value(&[]);
