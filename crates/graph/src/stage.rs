@@ -41,6 +41,12 @@ pub struct StepContext {
 }
 
 impl StepContext {
+    /// A context outside an engine run (to call a stage directly, in tests
+    /// or tools); it may not publish weights.
+    pub fn detached(step: Step, worker: WorkerInfo, version: PolicyVersion) -> Self {
+        StepContext::new(step, worker, version, false)
+    }
+
     pub(crate) fn new(
         step: Step,
         worker: WorkerInfo,

@@ -2,7 +2,7 @@
 //!
 //! - [`prompts::PromptSource`]: prompts × n samples per step, seeded shuffling per epoch, a cursor.
 //! - [`generate::Generate`]: the actor; loads weight snapshots from the weights edge.
-//! - [`reward::RuleReward`]: rule rewards on a dataset column.
+//! - [`reward::RuleReward`]: rule rewards on a dataset column; [`reward::RewardModel`]: a reward model.
 //! - [`reference::RefLogprob`]: the frozen reference model's log-probs.
 //! - [`advantage::GroupAdvantage`]: GRPO / Dr.GRPO / RLOO over whole prompt groups.
 //! - [`learner::Learner`]: the clipped policy loss, AdamW, publishes the next weights version.

@@ -46,3 +46,160 @@ impl Stage for RuleReward {
         )?])
     }
 }
+
+/// Scores `prompt_tokens + response_tokens` with a reward model
+/// (`*ForSequenceClassification`, pooled at the last non-pad token).
+pub struct RewardModel {
+    model: weir_gpu::Model,
+    micro_batch: usize,
+}
+
+impl RewardModel {
+    /// A reward stage over `model`, `micro_batch` rows per forward pass.
+    pub fn new(model: weir_gpu::Model, micro_batch: usize) -> Result<Self, StageError> {
+        if model.config.head != weir_gpu::Head::SequenceClassification {
+            return Err(format!(
+                "{}: `{}` is not a reward model",
+                model.source.display(),
+                model.config.architecture
+            )
+            .into());
+        }
+        Ok(RewardModel {
+            model,
+            micro_batch: micro_batch.max(1),
+        })
+    }
+}
+
+impl Stage for RewardModel {
+    fn process(
+        &mut self,
+        _ctx: &mut StepContext,
+        batch: RecordBatch,
+    ) -> Result<Vec<RecordBatch>, StageError> {
+        let prompts = super::columns::token_lists(&batch, col::PROMPT_TOKENS, "reward")?;
+        let responses = super::columns::token_lists(&batch, col::RESPONSE_TOKENS, "reward")?;
+        let pad = self.model.config.pad_token_id.unwrap_or(0).max(0);
+        let _guard = tch::no_grad_guard();
+        let mut scores = Vec::with_capacity(batch.num_rows());
+        for start in (0..prompts.len()).step_by(self.micro_batch) {
+            let end = (start + self.micro_batch).min(prompts.len());
+            let rows: Vec<Vec<i64>> = (start..end)
+                .map(|i| [prompts[i].as_slice(), responses[i].as_slice()].concat())
+                .collect();
+            let width = rows.iter().map(Vec::len).max().unwrap_or(1);
+            let mut ids = Vec::with_capacity(rows.len() * width);
+            let mut mask = Vec::with_capacity(rows.len() * width);
+            for r in &rows {
+                ids.extend(
+                    r.iter()
+                        .copied()
+                        .chain(std::iter::repeat_n(pad, width - r.len())),
+                );
+                mask.extend(
+                    std::iter::repeat_n(1i64, r.len())
+                        .chain(std::iter::repeat_n(0, width - r.len())),
+                );
+            }
+            let shape = [rows.len() as i64, width as i64];
+            let s = self.model.scores(
+                &tch::Tensor::from_slice(&ids).view(shape),
+                Some(&tch::Tensor::from_slice(&mask).view(shape)),
+            )?;
+            scores.extend(
+                Vec::<f32>::try_from(s.select(1, 0).to_kind(tch::Kind::Float))
+                    .map_err(|e| e.to_string())?,
+            );
+        }
+        Ok(vec![with_column(
+            &batch,
+            col::REWARD,
+            Arc::new(Float32Array::from(scores)) as ArrayRef,
+        )?])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::array::AsArray;
+    use arrow::datatypes::{DataType, Field, Float32Type};
+    use weir_graph::WorkerInfo;
+
+    fn ctx() -> StepContext {
+        // A stage context outside an engine run: only the step matters here.
+        weir_graph::stage::StepContext::detached(
+            0,
+            WorkerInfo {
+                index: 0,
+                peers: 1,
+                process: 0,
+                rank: 0,
+                role_size: 1,
+            },
+            0,
+        )
+    }
+
+    #[test]
+    fn reward_model_scores_match_a_direct_forward() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../../shared/fixtures/models/tiny-llama-rm");
+        let model = weir_gpu::Model::load(&dir, weir_gpu::Device::Cpu, tch::Kind::Float).unwrap();
+        let direct = weir_gpu::Model::load(&dir, weir_gpu::Device::Cpu, tch::Kind::Float).unwrap();
+        let prompts = vec![vec![1i64, 286, 202], vec![1, 5]];
+        let responses = vec![vec![305i64, 29, 2], vec![9]];
+        let schema = std::sync::Arc::new(arrow::datatypes::Schema::new(vec![
+            Field::new(
+                col::PROMPT_TOKENS,
+                DataType::List(std::sync::Arc::new(Field::new(
+                    "item",
+                    DataType::Int64,
+                    false,
+                ))),
+                false,
+            ),
+            Field::new(
+                col::RESPONSE_TOKENS,
+                DataType::List(std::sync::Arc::new(Field::new(
+                    "item",
+                    DataType::Int64,
+                    false,
+                ))),
+                false,
+            ),
+        ]));
+        let batch = RecordBatch::try_new(
+            schema,
+            vec![
+                super::super::columns::token_list_array(&prompts),
+                super::super::columns::token_list_array(&responses),
+            ],
+        )
+        .unwrap();
+        let mut stage = RewardModel::new(model, 1).unwrap();
+        let out = stage.process(&mut ctx(), batch).unwrap().remove(0);
+        let got = out
+            .column_by_name(col::REWARD)
+            .unwrap()
+            .as_primitive::<Float32Type>();
+        for i in 0..2 {
+            let ids = tch::Tensor::from_slice(&[prompts[i].clone(), responses[i].clone()].concat())
+                .view([1, -1]);
+            let want = direct.scores(&ids, None).unwrap().double_value(&[0, 0]);
+            assert!((f64::from(got.value(i)) - want).abs() < 1e-5);
+        }
+        let lm = weir_gpu::Model::load(
+            &dir.join("../tiny-llama"),
+            weir_gpu::Device::Cpu,
+            tch::Kind::Float,
+        )
+        .unwrap();
+        assert!(RewardModel::new(lm, 1)
+            .err()
+            .unwrap()
+            .to_string()
+            .contains("not a reward model"));
+    }
+}
