@@ -176,3 +176,119 @@ fn grpo_runs_through_the_engine_with_async_weights() {
         "GRPO advantages sum to 0 per group: {group_sums:?}"
     );
 }
+
+#[test]
+fn ppo_with_a_critic_runs_through_the_engine() {
+    use weir_operators::stages::advantage::GaeAdvantage;
+    use weir_operators::stages::critic::{Critic, CriticLearner, PerWorker};
+    let out = tempfile::tempdir().unwrap();
+    let log_dir = out.path().join("rollouts");
+    let (prompts_per_step, samples, steps) = (3usize, 2usize, 2u64);
+    let critic =
+        PerWorker::new(|_| Ok(Model::load_critic(&model_dir(), Device::Cpu, Kind::Float)?));
+    let (c1, c2) = (critic.clone(), critic.clone());
+    let pipeline = Pipeline::new("ppo")
+        .source("rollout", move |w| {
+            let tok = Tokenizer::load(&model_dir())?;
+            Ok(PromptSource::arith(
+                &arith::eval_pairs()[..32],
+                &tok,
+                prompts_per_step,
+                samples,
+                9,
+            )?
+            .shard(w.rank, w.role_size))
+        })
+        .generate("generate", "rollout", Partition::Local, |_| {
+            let model = Model::load(&model_dir(), Device::Cpu, Kind::Float)?;
+            let tok = Tokenizer::load(&model_dir())?;
+            let params = SamplingParams {
+                max_new_tokens: 6,
+                eos_token_ids: tok.eos_token_ids().to_vec(),
+                ..Default::default()
+            };
+            Ok(Generate::new(model, tok, params))
+        })
+        .offload(2)
+        .stage("reward", "rollout", Partition::Local, |_| {
+            Ok(RuleReward::new(
+                rule_reward("arith_exact_match").unwrap(),
+                "answer",
+            ))
+        })
+        .stage("reference", "train", Partition::RoundRobin, |_| {
+            Ok(RefLogprob::new(
+                Model::load(&model_dir(), Device::Cpu, Kind::Float)?,
+                1.0,
+            ))
+        })
+        .stage("critic", "train", Partition::Local, move |w| {
+            Critic::new(&c1, w)
+        })
+        .stage("advantage", "train", Partition::Local, |_| {
+            Ok(GaeAdvantage::new(0.05))
+        })
+        .learn("learn", "train", Partition::Local, |_| {
+            Learner::new(
+                Model::load(&model_dir(), Device::Cpu, Kind::Float)?,
+                LearnerConfig::default(),
+            )
+        })
+        .stage("critic_learn", "train", Partition::Local, move |w| {
+            CriticLearner::new(
+                &c2,
+                w,
+                AdamWConfig {
+                    lr: 1e-4,
+                    ..Default::default()
+                },
+                Some(0.5),
+                Some(1.0),
+            )
+        })
+        .sink("log", "train", Partition::Local, move |w| {
+            Ok(ParquetLog::new(&log_dir, w.index, 1 << 20)?)
+        });
+    let settings = RunSettings::new(
+        Execution::Threads(2),
+        Placement::new(2)
+            .assign("rollout", [0])
+            .assign("train", [1]),
+    )
+    .max_staleness(1)
+    .steps(steps);
+    pipeline.run(&settings).unwrap();
+
+    let batches = weir_graph::parquet_log::read_parquet_dir(&out.path().join("rollouts")).unwrap();
+    assert_eq!(
+        batches.iter().map(|b| b.num_rows()).sum::<usize>(),
+        steps as usize * prompts_per_step * samples
+    );
+    for b in &batches {
+        check(b, Phase::Learn, "log").unwrap();
+        let rewards = b
+            .column_by_name(col::TOKEN_REWARDS)
+            .unwrap()
+            .as_list::<i32>();
+        let returns = b.column_by_name(col::RETURNS).unwrap().as_list::<i32>();
+        let values = b.column_by_name(col::VALUES).unwrap().as_list::<i32>();
+        for i in 0..b.num_rows() {
+            let (r, g, v) = (rewards.value(i), returns.value(i), values.value(i));
+            let (r, g, v) = (
+                r.as_primitive::<Float32Type>(),
+                g.as_primitive::<Float32Type>(),
+                v.as_primitive::<Float32Type>(),
+            );
+            assert!(v.values().iter().all(|x| x.is_finite()));
+            // γ = λ = 1: the return of every token is its reward-to-go.
+            for t in 0..r.len() {
+                let to_go: f32 = r.values()[t..].iter().sum();
+                assert!(
+                    (g.value(t) - to_go).abs() < 1e-4,
+                    "row {i} token {t}: return {} vs reward-to-go {to_go}",
+                    g.value(t)
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,244 @@
+//! The critic: `Critic` writes per-token values before the advantage
+//! stage; `CriticLearner`, after it, fits the values to the returns with the
+//! clipped value loss. They share one model per worker through a
+//! [`PerWorker`] handle, so both must run on the same workers (`Local` edges).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use arrow::array::RecordBatch;
+use arrow::compute::concat_batches;
+use tch::{Kind, Tensor};
+use weir_gpu::optim::{AdamWConfig, Optimizer};
+use weir_gpu::Model;
+use weir_graph::batch::with_column;
+use weir_graph::{Stage, StageError, StepContext, WorkerInfo};
+
+use super::columns::{float_list_array, float_lists, token_lists};
+use crate::algorithms::{value_loss, Aggregation, Flavor};
+use crate::rollout::col;
+
+type Maker<T> = Box<dyn Fn(&WorkerInfo) -> Result<T, StageError> + Send + Sync>;
+
+/// One `T` per worker, made on first use and shared by the stages of a pipeline that ask for it.
+pub struct PerWorker<T> {
+    cells: Mutex<HashMap<usize, Arc<Mutex<T>>>>,
+    make: Maker<T>,
+}
+
+impl<T: Send> PerWorker<T> {
+    /// A handle that makes each worker's `T` with `make`.
+    pub fn new(
+        make: impl Fn(&WorkerInfo) -> Result<T, StageError> + Send + Sync + 'static,
+    ) -> Arc<Self> {
+        Arc::new(PerWorker {
+            cells: Mutex::new(HashMap::new()),
+            make: Box::new(make),
+        })
+    }
+
+    /// This worker's `T`, made on first use.
+    fn get(&self, worker: &WorkerInfo) -> Result<Arc<Mutex<T>>, StageError> {
+        let mut cells = self
+            .cells
+            .lock()
+            .map_err(|_| "a critic stage panicked while holding the model")?;
+        if let Some(cell) = cells.get(&worker.index) {
+            return Ok(cell.clone());
+        }
+        let cell = Arc::new(Mutex::new((self.make)(worker)?));
+        cells.insert(worker.index, cell.clone());
+        Ok(cell)
+    }
+}
+
+fn lock(model: &Mutex<Model>) -> Result<MutexGuard<'_, Model>, StageError> {
+    model
+        .lock()
+        .map_err(|_| "a critic stage panicked while holding the model".into())
+}
+
+/// Value of each response token `t`: the critic's output at the position
+/// before it (the state in which token `t` was chosen), `[B, R]`.
+fn response_values(
+    model: &Model,
+    prompts: &[Vec<i64>],
+    responses: &[Vec<i64>],
+) -> Result<(Tensor, Tensor), StageError> {
+    let rows: Vec<Vec<i64>> = prompts
+        .iter()
+        .zip(responses)
+        .map(|(p, r)| [p.as_slice(), r.as_slice()].concat())
+        .collect();
+    let width = rows.iter().map(Vec::len).max().unwrap_or(1);
+    let r_max = responses.iter().map(Vec::len).max().unwrap_or(1).max(1);
+    let pad = model.config.pad_token_id.unwrap_or(0).max(0);
+    let (mut ids, mut mask, mut index, mut rmask) = (vec![], vec![], vec![], vec![]);
+    for ((row, p), r) in rows.iter().zip(prompts).zip(responses) {
+        ids.extend(
+            row.iter()
+                .copied()
+                .chain(std::iter::repeat_n(pad, width - row.len())),
+        );
+        mask.extend(
+            std::iter::repeat_n(1i64, row.len()).chain(std::iter::repeat_n(0, width - row.len())),
+        );
+        for j in 0..r_max {
+            index.push((p.len() + j.min(r.len().saturating_sub(1))) as i64 - 1);
+            rmask.push(if j < r.len() { 1.0f32 } else { 0.0 });
+        }
+    }
+    let b = rows.len() as i64;
+    let device = model.device();
+    let ids = Tensor::from_slice(&ids)
+        .view([b, width as i64])
+        .to_device(device);
+    let mask = Tensor::from_slice(&mask)
+        .view([b, width as i64])
+        .to_device(device);
+    let scores = model
+        .position_scores(&ids, Some(&mask))?
+        .select(2, 0)
+        .to_kind(Kind::Float);
+    let index = Tensor::from_slice(&index)
+        .view([b, r_max as i64])
+        .to_device(device);
+    let rmask = Tensor::from_slice(&rmask)
+        .view([b, r_max as i64])
+        .to_device(device);
+    Ok((scores.gather(1, &index, false), rmask))
+}
+
+fn rows_of(t: &Tensor, lengths: &[usize]) -> Result<Vec<Vec<f64>>, StageError> {
+    let t = t.to_kind(Kind::Double);
+    lengths
+        .iter()
+        .enumerate()
+        .map(|(i, n)| {
+            Vec::<f64>::try_from(t.get(i as i64).narrow(0, 0, *n as i64))
+                .map_err(|e| e.to_string().into())
+        })
+        .collect()
+}
+
+/// Writes `values` with this worker's critic.
+pub struct Critic {
+    model: Arc<Mutex<Model>>,
+}
+
+impl Critic {
+    /// The value stage on `worker`, making the worker's critic if needed.
+    pub fn new(handle: &PerWorker<Model>, worker: &WorkerInfo) -> Result<Self, StageError> {
+        Ok(Critic {
+            model: handle.get(worker)?,
+        })
+    }
+}
+
+impl Stage for Critic {
+    fn process(
+        &mut self,
+        _ctx: &mut StepContext,
+        batch: RecordBatch,
+    ) -> Result<Vec<RecordBatch>, StageError> {
+        let prompts = token_lists(&batch, col::PROMPT_TOKENS, "critic")?;
+        let responses = token_lists(&batch, col::RESPONSE_TOKENS, "critic")?;
+        let _guard = tch::no_grad_guard();
+        let model = lock(&self.model)?;
+        let (values, _) = response_values(&model, &prompts, &responses)?;
+        let lengths: Vec<usize> = responses.iter().map(Vec::len).collect();
+        Ok(vec![with_column(
+            &batch,
+            col::VALUES,
+            float_list_array(&rows_of(&values, &lengths)?),
+        )?])
+    }
+}
+
+/// Fits this worker's critic to the step's returns.
+pub struct CriticLearner {
+    model: Arc<Mutex<Model>>,
+    optimizer: Optimizer,
+    clip: Option<f64>,
+    max_grad_norm: Option<f64>,
+    held: BTreeMap<u64, Vec<RecordBatch>>,
+    /// The last step's value loss.
+    pub last_loss: f64,
+}
+
+impl CriticLearner {
+    /// The critic's learner on `worker` (where a [`Critic`] stage must run too).
+    pub fn new(
+        handle: &PerWorker<Model>,
+        worker: &WorkerInfo,
+        adamw: AdamWConfig,
+        clip: Option<f64>,
+        max_grad_norm: Option<f64>,
+    ) -> Result<Self, StageError> {
+        let model = handle.get(worker)?;
+        let optimizer = Optimizer::adamw(&*lock(&model)?, adamw)?;
+        Ok(CriticLearner {
+            model,
+            optimizer,
+            clip,
+            max_grad_norm,
+            held: BTreeMap::new(),
+            last_loss: f64::NAN,
+        })
+    }
+}
+
+impl Stage for CriticLearner {
+    fn process(
+        &mut self,
+        ctx: &mut StepContext,
+        batch: RecordBatch,
+    ) -> Result<Vec<RecordBatch>, StageError> {
+        self.held.entry(ctx.step).or_default().push(batch);
+        Ok(Vec::new())
+    }
+
+    fn end_step(&mut self, ctx: &mut StepContext) -> Result<Vec<RecordBatch>, StageError> {
+        let Some(held) = self.held.remove(&ctx.step) else {
+            return Ok(Vec::new());
+        };
+        let batch = concat_batches(&held[0].schema(), &held)?;
+        let prompts = token_lists(&batch, col::PROMPT_TOKENS, "critic learner")?;
+        let responses = token_lists(&batch, col::RESPONSE_TOKENS, "critic learner")?;
+        let old = float_lists(&batch, col::VALUES, "critic learner")?;
+        let returns = float_lists(&batch, col::RETURNS, "critic learner")?;
+        let model = lock(&self.model)?;
+        self.optimizer.zero_grad();
+        let (values, mask) = response_values(&model, &prompts, &responses)?;
+        let width = values.size()[1] as usize;
+        let pad = |rows: &[Vec<f64>]| {
+            let flat: Vec<f32> = rows
+                .iter()
+                .flat_map(|r| {
+                    r.iter()
+                        .map(|x| *x as f32)
+                        .chain(std::iter::repeat_n(0.0, width - r.len()))
+                })
+                .collect();
+            Tensor::from_slice(&flat)
+                .view([rows.len() as i64, width as i64])
+                .to_device(model.device())
+        };
+        let (loss, _clip_fraction) = value_loss(
+            &values,
+            &pad(&old),
+            &pad(&returns),
+            &mask,
+            self.clip,
+            Aggregation::TokenMean,
+            Flavor::OpenRlhf,
+        );
+        loss.backward();
+        self.optimizer.step(self.max_grad_norm);
+        self.last_loss = loss.double_value(&[]);
+        if !self.last_loss.is_finite() {
+            return Err(format!("step {}: the value loss is not finite", ctx.step).into());
+        }
+        Ok(vec![batch])
+    }
+}
