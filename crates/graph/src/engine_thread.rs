@@ -54,6 +54,7 @@ pub(crate) struct StepStats {
     rows_in: u64,
     rows_out: u64,
     staleness: BTreeMap<u64, u64>,
+    recorded: Vec<(String, f64)>,
 }
 
 /// A finished job.
@@ -132,7 +133,9 @@ impl StageRunner {
                 let out = guarded(&self.name, Some(step), self.worker.index, || {
                     self.stage.process(&mut ctx, batch)
                 });
-                self.steps.entry(step).or_default().busy_s += started.elapsed().as_secs_f64();
+                let stats = self.steps.entry(step).or_default();
+                stats.busy_s += started.elapsed().as_secs_f64();
+                stats.recorded.append(&mut ctx.recorded);
                 let batches = self.finish_output(step, out?)?;
                 Ok(Done::Output { step, batches })
             }
@@ -158,6 +161,7 @@ impl StageRunner {
                 };
                 let mut stats = self.steps.remove(&step).unwrap_or_default();
                 stats.busy_s += busy;
+                stats.recorded.append(&mut ctx.recorded);
                 Ok(Done::Ended {
                     step,
                     batches,
@@ -248,6 +252,9 @@ impl StageRunner {
         }
         for (s, n) in &stats.staleness {
             rows.push(row(names::STALENESS, Some(s.to_string()), *n as f64));
+        }
+        for (name, value) in &stats.recorded {
+            rows.push(row(name, None, *value));
         }
         for t in self.transfers.drain(..) {
             rows.push(MetricRow::new(

@@ -38,6 +38,7 @@ pub struct StepContext {
     pub version: PolicyVersion,
     pub(crate) published: Option<WeightsPayload>,
     pub(crate) may_publish: bool,
+    pub(crate) recorded: Vec<(String, f64)>,
 }
 
 impl StepContext {
@@ -58,8 +59,16 @@ impl StepContext {
             worker,
             version,
             published: None,
+            recorded: Vec::new(),
             may_publish,
         }
+    }
+
+    /// Records a stage-specific metric for this step (a learner's loss,
+    /// gradient norm, KL…); it joins the engine's metric rows (stage = this
+    /// stage, metric = `name`) in the metrics stream and `metrics.parquet`.
+    pub fn record(&mut self, name: &str, value: f64) {
+        self.recorded.push((name.to_string(), value));
     }
 
     /// True in a learner's `end_step`, where [`StepContext::publish_weights`] may be called.

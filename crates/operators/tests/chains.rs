@@ -103,6 +103,19 @@ fn grpo_runs_through_the_engine_with_async_weights() {
     let report = pipeline.run(&settings).unwrap();
     assert_eq!(report.steps, steps);
     assert!(report.max_staleness_observed().unwrap() <= 1);
+    // The learner's own figures reach the metrics stream, one per step.
+    let losses: Vec<f64> = report
+        .metrics
+        .iter()
+        .filter(|m| m.stage == "learn" && m.metric == "loss")
+        .map(|m| m.value)
+        .collect();
+    assert_eq!(losses.len(), steps as usize);
+    assert!(losses.iter().all(|l| l.is_finite()));
+    assert!(report
+        .metrics
+        .iter()
+        .any(|m| m.stage == "learn" && m.metric == "kl" && m.value >= 0.0));
 
     let batches = weir_graph::parquet_log::read_parquet_dir(&out.path().join("rollouts")).unwrap();
     let rows: usize = batches.iter().map(|b| b.num_rows()).sum();

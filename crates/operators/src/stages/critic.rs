@@ -239,6 +239,7 @@ impl Stage for CriticLearner {
         if !self.last_loss.is_finite() {
             return Err(format!("step {}: the value loss is not finite", ctx.step).into());
         }
+        ctx.record("value_loss", self.last_loss);
         Ok(vec![batch])
     }
 }

@@ -245,6 +245,14 @@ impl Stage for Learner {
             clip_fraction = clip_sum,
             "policy update"
         );
+        for (name, value) in [
+            ("loss", loss_sum),
+            ("grad_norm", grad_norm),
+            ("clip_fraction", clip_sum),
+            ("kl", kl_sum),
+        ] {
+            ctx.record(name, value);
+        }
         ctx.publish_weights(WeightsPayload::from(
             self.model.export_snapshot(ctx.version + 1)?,
         ))?;
