@@ -390,10 +390,11 @@ impl PromptSource {
     }
 }
 
+/// One record of a prompt file: where it came from (`line 3`, `row 7`) and its fields.
+type Record = (String, serde_json::Map<String, serde_json::Value>);
+
 /// The records of a JSONL or Parquet file as JSON objects, each with where it came from.
-fn read_records(
-    path: &std::path::Path,
-) -> Result<Vec<(String, serde_json::Map<String, serde_json::Value>)>, StageError> {
+fn read_records(path: &std::path::Path) -> Result<Vec<Record>, StageError> {
     let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
     match ext {
         "jsonl" | "json" => {
