@@ -138,22 +138,21 @@ impl Stage for GaeAdvantage {
     }
 
     fn end_step(&mut self, ctx: &mut StepContext) -> Result<Vec<RecordBatch>, StageError> {
-        use crate::algorithms::{gae, kl_tokens, token_rewards, whiten_advantages};
+        use crate::algorithms::{gae, whiten_advantages};
         let Some(held) = self.held.remove(&ctx.step) else {
             return Ok(Vec::new());
         };
         let batch = concat_batches(&held[0].schema(), &held)?;
         let scores = f32s(&batch, col::REWARD, "advantage")?;
-        let behaviour = float_lists(&batch, col::BEHAVIOR_LOGPROBS, "advantage")?;
         let values = float_lists(&batch, col::VALUES, "advantage")?;
-        let mask: Vec<Vec<f64>> = behaviour.iter().map(|r| vec![1.0; r.len()]).collect();
-        let kl = if self.kl_coef > 0.0 {
-            let reference = float_lists(&batch, col::REF_LOGPROBS, "advantage")?;
-            kl_tokens(&behaviour, &reference, self.kl_estimator, self.flavor)
-        } else {
-            mask.iter().map(|r| vec![0.0; r.len()]).collect()
-        };
-        let rewards = token_rewards(&scores, &kl, &mask, self.kl_coef, self.reward_clip);
+        let (rewards, mask) = kl_shaped_rewards(
+            &batch,
+            &scores,
+            self.kl_coef,
+            self.kl_estimator,
+            self.reward_clip,
+            self.flavor,
+        )?;
         let (advantages, returns) = gae(
             &rewards,
             &values,
@@ -183,5 +182,197 @@ impl Stage for GaeAdvantage {
             super::columns::float_list_array(&returns),
         )?;
         Ok(vec![batch])
+    }
+}
+
+/// Per-token rewards of a batch: `scores` on each response's last token
+/// (clipped to `clip`) minus `kl_coef ·` KL(behaviour ‖ reference); and the
+/// all-ones response mask.
+fn kl_shaped_rewards(
+    batch: &RecordBatch,
+    scores: &[f64],
+    kl_coef: f64,
+    estimator: crate::algorithms::KlEstimator,
+    clip: Option<(f64, f64)>,
+    flavor: Flavor,
+) -> Result<(Vec<Vec<f64>>, Vec<Vec<f64>>), StageError> {
+    use crate::algorithms::{kl_tokens, token_rewards};
+    let behaviour = float_lists(batch, col::BEHAVIOR_LOGPROBS, "advantage")?;
+    let mask: Vec<Vec<f64>> = behaviour.iter().map(|r| vec![1.0; r.len()]).collect();
+    let kl = if kl_coef > 0.0 {
+        let reference = float_lists(batch, col::REF_LOGPROBS, "advantage")?;
+        kl_tokens(&behaviour, &reference, estimator, flavor)
+    } else {
+        mask.iter().map(|r| vec![0.0; r.len()]).collect()
+    };
+    Ok((token_rewards(scores, &kl, &mask, kl_coef, clip), mask))
+}
+
+/// REINFORCE++ (and, with `baseline`, REINFORCE++-baseline): scores minus
+/// their group mean when `baseline`, KL-shaped per-token rewards, discounted
+/// returns, advantages = the returns whitened over the step (OpenRLHF's
+/// order: group shaping, reward clip + KL, returns, whitening).
+pub struct ReinforceAdvantage {
+    /// Subtract the group mean of the scores first (needs whole groups: `ByKey("group_id")`).
+    pub baseline: bool,
+    /// Discount.
+    pub gamma: f64,
+    /// β of the KL penalty in the reward.
+    pub kl_coef: f64,
+    /// The KL estimator.
+    pub kl_estimator: crate::algorithms::KlEstimator,
+    /// Clip range of the shaped score.
+    pub reward_clip: Option<(f64, f64)>,
+    /// Whose semantics.
+    pub flavor: Flavor,
+    held: BTreeMap<u64, Vec<RecordBatch>>,
+}
+
+impl ReinforceAdvantage {
+    /// OpenRLHF's defaults: γ = 1, k1, score clipped to ±10.
+    pub fn new(baseline: bool, kl_coef: f64) -> Self {
+        ReinforceAdvantage {
+            baseline,
+            gamma: 1.0,
+            kl_coef,
+            kl_estimator: crate::algorithms::KlEstimator::K1,
+            reward_clip: Some((-10.0, 10.0)),
+            flavor: Flavor::OpenRlhf,
+            held: BTreeMap::new(),
+        }
+    }
+}
+
+impl Stage for ReinforceAdvantage {
+    fn process(
+        &mut self,
+        ctx: &mut StepContext,
+        batch: RecordBatch,
+    ) -> Result<Vec<RecordBatch>, StageError> {
+        self.held.entry(ctx.step).or_default().push(batch);
+        Ok(Vec::new())
+    }
+
+    fn end_step(&mut self, ctx: &mut StepContext) -> Result<Vec<RecordBatch>, StageError> {
+        use crate::algorithms::{discounted_returns, whiten_advantages};
+        let Some(held) = self.held.remove(&ctx.step) else {
+            return Ok(Vec::new());
+        };
+        let batch = concat_batches(&held[0].schema(), &held)?;
+        let mut scores = f32s(&batch, col::REWARD, "advantage")?;
+        if self.baseline {
+            let groups = u64s(&batch, col::GROUP_ID, "advantage")?;
+            scores = grpo(&scores, &groups, false, self.flavor)?;
+        }
+        let (rewards, mask) = kl_shaped_rewards(
+            &batch,
+            &scores,
+            self.kl_coef,
+            self.kl_estimator,
+            self.reward_clip,
+            self.flavor,
+        )?;
+        let returns = discounted_returns(&rewards, &mask, self.gamma, self.flavor);
+        let advantages = whiten_advantages(&returns, &mask, false, self.flavor);
+        let batch = with_column(
+            &batch,
+            col::TOKEN_REWARDS,
+            super::columns::float_list_array(&rewards),
+        )?;
+        let batch = with_column(
+            &batch,
+            col::ADVANTAGES,
+            super::columns::float_list_array(&advantages),
+        )?;
+        let batch = with_column(
+            &batch,
+            col::RETURNS,
+            super::columns::float_list_array(&returns),
+        )?;
+        Ok(vec![batch])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::array::{ArrayRef, AsArray, Float32Array, UInt64Array};
+    use arrow::datatypes::Float32Type;
+    use std::sync::Arc;
+    use weir_graph::WorkerInfo;
+
+    fn batch() -> RecordBatch {
+        RecordBatch::try_from_iter([
+            (
+                col::GROUP_ID,
+                Arc::new(UInt64Array::from(vec![0, 0, 1, 1])) as ArrayRef,
+            ),
+            (
+                col::REWARD,
+                Arc::new(Float32Array::from(vec![1.0, 0.0, 1.0, 1.0])) as ArrayRef,
+            ),
+            (
+                col::BEHAVIOR_LOGPROBS,
+                super::super::columns::float_list_array(&[
+                    vec![-1.0, -1.0],
+                    vec![-1.0],
+                    vec![-1.0, -1.0, -1.0],
+                    vec![-1.0],
+                ]),
+            ),
+        ])
+        .unwrap()
+    }
+
+    fn run(stage: &mut dyn Stage) -> RecordBatch {
+        let mut ctx = StepContext::detached(
+            0,
+            WorkerInfo {
+                index: 0,
+                peers: 1,
+                process: 0,
+                rank: 0,
+                role_size: 1,
+            },
+            0,
+        );
+        assert!(
+            stage.process(&mut ctx, batch()).unwrap().is_empty(),
+            "held until the step ends"
+        );
+        stage.end_step(&mut ctx).unwrap().remove(0)
+    }
+
+    #[test]
+    fn reinforce_baseline_returns_are_the_shaped_score_and_advantages_are_whitened() {
+        let out = run(&mut ReinforceAdvantage::new(true, 0.0));
+        let returns = float_lists(&out, col::RETURNS, "t").unwrap();
+        // Scores minus group means: [0.5, −0.5, 0, 0]; γ = 1 so every token carries it.
+        assert_eq!(
+            returns,
+            vec![vec![0.5, 0.5], vec![-0.5], vec![0.0, 0.0, 0.0], vec![0.0]]
+        );
+        let adv = out
+            .column_by_name(col::ADVANTAGES)
+            .unwrap()
+            .as_list::<i32>();
+        let all: Vec<f32> = (0..4)
+            .flat_map(|i| adv.value(i).as_primitive::<Float32Type>().values().to_vec())
+            .collect();
+        let mean: f32 = all.iter().sum::<f32>() / all.len() as f32;
+        assert!(mean.abs() < 1e-6, "whitened: mean {mean}");
+    }
+
+    #[test]
+    fn group_advantage_puts_the_grpo_value_on_every_token() {
+        let out = run(&mut GroupAdvantage::new(
+            GroupEstimator::DrGrpo,
+            Flavor::OpenRlhf,
+        ));
+        let adv = float_lists(&out, col::ADVANTAGES, "t").unwrap();
+        assert_eq!(
+            adv,
+            vec![vec![0.5, 0.5], vec![-0.5], vec![0.0, 0.0, 0.0], vec![0.0]]
+        );
     }
 }

@@ -4,7 +4,7 @@
 //! - [`generate::Generate`]: the actor; loads weight snapshots from the weights edge.
 //! - [`reward::RuleReward`]: rule rewards on a dataset column; [`reward::RewardModel`]: a reward model.
 //! - [`reference::RefLogprob`]: the frozen reference model's log-probs.
-//! - [`advantage::GroupAdvantage`]: GRPO / Dr.GRPO / RLOO over whole prompt groups; [`advantage::GaeAdvantage`]: PPO's KL-shaped rewards and GAE.
+//! - [`advantage::GroupAdvantage`]: GRPO / Dr.GRPO / RLOO over whole prompt groups; [`advantage::ReinforceAdvantage`]: REINFORCE++ (-baseline); [`advantage::GaeAdvantage`]: PPO's KL-shaped rewards and GAE.
 //! - [`critic::Critic`] and [`critic::CriticLearner`]: values before the advantage, the value fit after it.
 //! - [`learner::Learner`]: the clipped policy loss, AdamW, publishes the next weights version.
 
