@@ -185,6 +185,9 @@ impl Stage for GaeAdvantage {
     }
 }
 
+/// Rows of per-token values.
+type TokenRows = Vec<Vec<f64>>;
+
 /// Per-token rewards of a batch: `scores` on each response's last token
 /// (clipped to `clip`) minus `kl_coef ·` KL(behaviour ‖ reference); and the
 /// all-ones response mask.
@@ -195,7 +198,7 @@ fn kl_shaped_rewards(
     estimator: crate::algorithms::KlEstimator,
     clip: Option<(f64, f64)>,
     flavor: Flavor,
-) -> Result<(Vec<Vec<f64>>, Vec<Vec<f64>>), StageError> {
+) -> Result<(TokenRows, TokenRows), StageError> {
     use crate::algorithms::{kl_tokens, token_rewards};
     let behaviour = float_lists(batch, col::BEHAVIOR_LOGPROBS, "advantage")?;
     let mask: Vec<Vec<f64>> = behaviour.iter().map(|r| vec![1.0; r.len()]).collect();
