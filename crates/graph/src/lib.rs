@@ -45,7 +45,7 @@ pub use partition::{Partition, Router};
 pub use pipeline::Pipeline;
 pub use placement::{roles, Placement};
 pub use run::{Execution, RunSettings};
-pub use stage::{Sink, Source, SourceContext, Stage, StepContext, WorkerInfo};
+pub use stage::{Sink, Source, SourceContext, Stage, StepBuffer, StepContext, WorkerInfo};
 pub use weights_edge::{
     InlineTransport, WeightsBody, WeightsMessage, WeightsPayload, WeightsTransport,
 };

@@ -168,3 +168,35 @@ pub type SourceFactory =
 /// Builds a sink instance on its worker.
 pub type SinkFactory =
     std::sync::Arc<dyn Fn(&WorkerInfo) -> Result<Box<dyn Sink>, StageError> + Send + Sync>;
+
+/// The batches a stage holds until a step ends, by step — for stages that
+/// need a whole step (group statistics, a learner's update). A plain stage
+/// may receive batches of step `s + 1` before `end_step(s)`, hence the keying.
+#[derive(Debug, Default)]
+pub struct StepBuffer {
+    held: std::collections::BTreeMap<Step, Vec<RecordBatch>>,
+}
+
+impl StepBuffer {
+    /// An empty buffer.
+    pub fn new() -> Self {
+        StepBuffer::default()
+    }
+
+    /// Holds `batch` for `step`.
+    pub fn push(&mut self, step: Step, batch: RecordBatch) {
+        self.held.entry(step).or_default().push(batch);
+    }
+
+    /// The batches of `step` as one batch (they must share a schema), or
+    /// `None` if none arrived; the step is forgotten.
+    pub fn take(&mut self, step: Step) -> Result<Option<RecordBatch>, StageError> {
+        let Some(batches) = self.held.remove(&step) else {
+            return Ok(None);
+        };
+        Ok(Some(arrow::compute::concat_batches(
+            &batches[0].schema(),
+            &batches,
+        )?))
+    }
+}

@@ -13,16 +13,16 @@
 //! learner adds `learn_start_ns`, `learn_end_ns` and the engine adds
 //! `learner_version` and `staleness`.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use arrow::array::{ArrayRef, AsArray, Float32Array, RecordBatch, UInt32Array, UInt64Array};
-use arrow::compute::concat_batches;
+
 use arrow::datatypes::{Float32Type, UInt64Type};
 
 use crate::batch::{u64_column, with_column};
-use crate::stage::{Source, SourceContext, Stage, StepContext};
+use crate::stage::{Source, SourceContext, Stage, StepBuffer, StepContext};
 use crate::weights_edge::{now_ns, WeightsPayload};
 use crate::{PolicyVersion, StageError};
 
@@ -257,8 +257,7 @@ impl Stage for SyntheticScore {
 /// Fails if a group's rows are split over workers, which a `ByKey("group_id")` edge prevents.
 #[derive(Debug, Default)]
 pub struct SyntheticAdvantage {
-    // A plain stage may see batches of step s + 1 before step s ends.
-    held: BTreeMap<u64, Vec<RecordBatch>>,
+    held: StepBuffer,
     group_size: u64,
 }
 
@@ -266,7 +265,7 @@ impl SyntheticAdvantage {
     /// Expects groups of `group_size` rows.
     pub fn new(group_size: u64) -> Self {
         SyntheticAdvantage {
-            held: BTreeMap::new(),
+            held: StepBuffer::new(),
             group_size,
         }
     }
@@ -278,15 +277,14 @@ impl Stage for SyntheticAdvantage {
         ctx: &mut StepContext,
         batch: RecordBatch,
     ) -> Result<Vec<RecordBatch>, StageError> {
-        self.held.entry(ctx.step).or_default().push(batch);
+        self.held.push(ctx.step, batch);
         Ok(Vec::new())
     }
 
     fn end_step(&mut self, ctx: &mut StepContext) -> Result<Vec<RecordBatch>, StageError> {
-        let Some(held) = self.held.remove(&ctx.step) else {
+        let Some(batch) = self.held.take(ctx.step)? else {
             return Ok(Vec::new());
         };
-        let batch = concat_batches(&held[0].schema(), &held)?;
         let groups = batch
             .column_by_name("group_id")
             .ok_or("advantage: missing group_id")?

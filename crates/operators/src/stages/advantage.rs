@@ -3,12 +3,10 @@
 //! (from several generators); the stage keeps a step's rows and computes at
 //! `end_step`, so its input edge must be partitioned `ByKey("group_id")`.
 
-use std::collections::BTreeMap;
-
 use arrow::array::RecordBatch;
-use arrow::compute::concat_batches;
+
 use weir_graph::batch::with_column;
-use weir_graph::{Stage, StageError, StepContext};
+use weir_graph::{Stage, StageError, StepBuffer, StepContext};
 
 use super::columns::{f32s, float_lists, u64s};
 use crate::algorithms::{grpo, rloo, Flavor};
@@ -30,7 +28,7 @@ pub enum GroupEstimator {
 pub struct GroupAdvantage {
     estimator: GroupEstimator,
     flavor: Flavor,
-    held: BTreeMap<u64, Vec<RecordBatch>>,
+    held: StepBuffer,
 }
 
 impl GroupAdvantage {
@@ -39,7 +37,7 @@ impl GroupAdvantage {
         GroupAdvantage {
             estimator,
             flavor,
-            held: BTreeMap::new(),
+            held: StepBuffer::new(),
         }
     }
 }
@@ -50,15 +48,14 @@ impl Stage for GroupAdvantage {
         ctx: &mut StepContext,
         batch: RecordBatch,
     ) -> Result<Vec<RecordBatch>, StageError> {
-        self.held.entry(ctx.step).or_default().push(batch);
+        self.held.push(ctx.step, batch);
         Ok(Vec::new())
     }
 
     fn end_step(&mut self, ctx: &mut StepContext) -> Result<Vec<RecordBatch>, StageError> {
-        let Some(held) = self.held.remove(&ctx.step) else {
+        let Some(batch) = self.held.take(ctx.step)? else {
             return Ok(Vec::new());
         };
-        let batch = concat_batches(&held[0].schema(), &held)?;
         let rewards = f32s(&batch, col::REWARD, "advantage")?;
         let groups = u64s(&batch, col::GROUP_ID, "advantage")?;
         let per_response = match self.estimator {
@@ -108,7 +105,7 @@ pub struct GaeAdvantage {
     pub whiten: bool,
     /// Whose semantics.
     pub flavor: Flavor,
-    held: BTreeMap<u64, Vec<RecordBatch>>,
+    held: StepBuffer,
 }
 
 impl GaeAdvantage {
@@ -122,7 +119,7 @@ impl GaeAdvantage {
             reward_clip: Some((-10.0, 10.0)),
             whiten: true,
             flavor: Flavor::OpenRlhf,
-            held: BTreeMap::new(),
+            held: StepBuffer::new(),
         }
     }
 }
@@ -133,16 +130,15 @@ impl Stage for GaeAdvantage {
         ctx: &mut StepContext,
         batch: RecordBatch,
     ) -> Result<Vec<RecordBatch>, StageError> {
-        self.held.entry(ctx.step).or_default().push(batch);
+        self.held.push(ctx.step, batch);
         Ok(Vec::new())
     }
 
     fn end_step(&mut self, ctx: &mut StepContext) -> Result<Vec<RecordBatch>, StageError> {
         use crate::algorithms::{gae, whiten_advantages};
-        let Some(held) = self.held.remove(&ctx.step) else {
+        let Some(batch) = self.held.take(ctx.step)? else {
             return Ok(Vec::new());
         };
-        let batch = concat_batches(&held[0].schema(), &held)?;
         let scores = f32s(&batch, col::REWARD, "advantage")?;
         let values = float_lists(&batch, col::VALUES, "advantage")?;
         let (rewards, mask) = kl_shaped_rewards(
@@ -228,7 +224,7 @@ pub struct ReinforceAdvantage {
     pub reward_clip: Option<(f64, f64)>,
     /// Whose semantics.
     pub flavor: Flavor,
-    held: BTreeMap<u64, Vec<RecordBatch>>,
+    held: StepBuffer,
 }
 
 impl ReinforceAdvantage {
@@ -241,7 +237,7 @@ impl ReinforceAdvantage {
             kl_estimator: crate::algorithms::KlEstimator::K1,
             reward_clip: Some((-10.0, 10.0)),
             flavor: Flavor::OpenRlhf,
-            held: BTreeMap::new(),
+            held: StepBuffer::new(),
         }
     }
 }
@@ -252,16 +248,15 @@ impl Stage for ReinforceAdvantage {
         ctx: &mut StepContext,
         batch: RecordBatch,
     ) -> Result<Vec<RecordBatch>, StageError> {
-        self.held.entry(ctx.step).or_default().push(batch);
+        self.held.push(ctx.step, batch);
         Ok(Vec::new())
     }
 
     fn end_step(&mut self, ctx: &mut StepContext) -> Result<Vec<RecordBatch>, StageError> {
         use crate::algorithms::{discounted_returns, whiten_advantages};
-        let Some(held) = self.held.remove(&ctx.step) else {
+        let Some(batch) = self.held.take(ctx.step)? else {
             return Ok(Vec::new());
         };
-        let batch = concat_batches(&held[0].schema(), &held)?;
         let mut scores = f32s(&batch, col::REWARD, "advantage")?;
         if self.baseline {
             let groups = u64s(&batch, col::GROUP_ID, "advantage")?;

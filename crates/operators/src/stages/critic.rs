@@ -3,18 +3,19 @@
 //! clipped value loss. They share one model per worker through a
 //! [`PerWorker`] handle, so both must run on the same workers (`Local` edges).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use arrow::array::RecordBatch;
-use arrow::compute::concat_batches;
+
 use tch::{Kind, Tensor};
 use weir_gpu::optim::{AdamWConfig, Optimizer};
 use weir_gpu::Model;
 use weir_graph::batch::with_column;
-use weir_graph::{Stage, StageError, StepContext, WorkerInfo};
+use weir_graph::{Stage, StageError, StepBuffer, StepContext, WorkerInfo};
 
 use super::columns::{float_list_array, float_lists, token_lists};
+use super::sequences::pack;
 use crate::algorithms::{value_loss, Aggregation, Flavor};
 use crate::rollout::col;
 
@@ -65,48 +66,13 @@ fn response_values(
     prompts: &[Vec<i64>],
     responses: &[Vec<i64>],
 ) -> Result<(Tensor, Tensor), StageError> {
-    let rows: Vec<Vec<i64>> = prompts
-        .iter()
-        .zip(responses)
-        .map(|(p, r)| [p.as_slice(), r.as_slice()].concat())
-        .collect();
-    let width = rows.iter().map(Vec::len).max().unwrap_or(1);
-    let r_max = responses.iter().map(Vec::len).max().unwrap_or(1).max(1);
     let pad = model.config.pad_token_id.unwrap_or(0).max(0);
-    let (mut ids, mut mask, mut index, mut rmask) = (vec![], vec![], vec![], vec![]);
-    for ((row, p), r) in rows.iter().zip(prompts).zip(responses) {
-        ids.extend(
-            row.iter()
-                .copied()
-                .chain(std::iter::repeat_n(pad, width - row.len())),
-        );
-        mask.extend(
-            std::iter::repeat_n(1i64, row.len()).chain(std::iter::repeat_n(0, width - row.len())),
-        );
-        for j in 0..r_max {
-            index.push((p.len() + j.min(r.len().saturating_sub(1))) as i64 - 1);
-            rmask.push(if j < r.len() { 1.0f32 } else { 0.0 });
-        }
-    }
-    let b = rows.len() as i64;
-    let device = model.device();
-    let ids = Tensor::from_slice(&ids)
-        .view([b, width as i64])
-        .to_device(device);
-    let mask = Tensor::from_slice(&mask)
-        .view([b, width as i64])
-        .to_device(device);
+    let packed = pack(prompts, responses, pad, model.device());
     let scores = model
-        .position_scores(&ids, Some(&mask))?
+        .position_scores(&packed.ids, Some(&packed.mask))?
         .select(2, 0)
         .to_kind(Kind::Float);
-    let index = Tensor::from_slice(&index)
-        .view([b, r_max as i64])
-        .to_device(device);
-    let rmask = Tensor::from_slice(&rmask)
-        .view([b, r_max as i64])
-        .to_device(device);
-    Ok((scores.gather(1, &index, false), rmask))
+    Ok((scores.gather(1, &packed.index, false), packed.response_mask))
 }
 
 fn rows_of(t: &Tensor, lengths: &[usize]) -> Result<Vec<Vec<f64>>, StageError> {
@@ -161,7 +127,7 @@ pub struct CriticLearner {
     optimizer: Optimizer,
     clip: Option<f64>,
     max_grad_norm: Option<f64>,
-    held: BTreeMap<u64, Vec<RecordBatch>>,
+    held: StepBuffer,
     /// The last step's value loss.
     pub last_loss: f64,
 }
@@ -182,7 +148,7 @@ impl CriticLearner {
             optimizer,
             clip,
             max_grad_norm,
-            held: BTreeMap::new(),
+            held: StepBuffer::new(),
             last_loss: f64::NAN,
         })
     }
@@ -194,15 +160,14 @@ impl Stage for CriticLearner {
         ctx: &mut StepContext,
         batch: RecordBatch,
     ) -> Result<Vec<RecordBatch>, StageError> {
-        self.held.entry(ctx.step).or_default().push(batch);
+        self.held.push(ctx.step, batch);
         Ok(Vec::new())
     }
 
     fn end_step(&mut self, ctx: &mut StepContext) -> Result<Vec<RecordBatch>, StageError> {
-        let Some(held) = self.held.remove(&ctx.step) else {
+        let Some(batch) = self.held.take(ctx.step)? else {
             return Ok(Vec::new());
         };
-        let batch = concat_batches(&held[0].schema(), &held)?;
         let prompts = token_lists(&batch, col::PROMPT_TOKENS, "critic learner")?;
         let responses = token_lists(&batch, col::RESPONSE_TOKENS, "critic learner")?;
         let old = float_lists(&batch, col::VALUES, "critic learner")?;

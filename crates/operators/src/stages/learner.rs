@@ -7,16 +7,15 @@
 //! from an older version) enter only through the importance correction, if
 //! one is configured — the decoupled PPO objective.
 
-use std::collections::BTreeMap;
-
 use arrow::array::RecordBatch;
-use arrow::compute::concat_batches;
+
 use tch::{Kind, Tensor};
 use weir_gpu::optim::{AdamWConfig, Optimizer};
 use weir_gpu::Model;
-use weir_graph::{Stage, StageError, StepContext, WeightsPayload};
+use weir_graph::{Stage, StageError, StepBuffer, StepContext, WeightsPayload};
 
 use super::columns::{float_lists, token_lists};
+use super::sequences::pack;
 use crate::algorithms::{aggregate, kl_tensor, policy_loss, KlEstimator, PolicyLossConfig};
 use crate::rollout::col;
 
@@ -71,7 +70,7 @@ pub struct Learner {
     model: Model,
     optimizer: Optimizer,
     cfg: LearnerConfig,
-    held: BTreeMap<u64, Vec<RecordBatch>>,
+    held: StepBuffer,
     last: UpdateStats,
 }
 
@@ -83,7 +82,7 @@ impl Learner {
             model,
             optimizer,
             cfg,
-            held: BTreeMap::new(),
+            held: StepBuffer::new(),
             last: UpdateStats::default(),
         })
     }
@@ -102,46 +101,10 @@ pub fn response_logprobs(
     responses: &[Vec<i64>],
     temperature: f64,
 ) -> Result<(Tensor, Tensor), StageError> {
-    let device = model.device();
-    let rows: Vec<Vec<i64>> = prompts
-        .iter()
-        .zip(responses)
-        .map(|(p, r)| [p.as_slice(), r.as_slice()].concat())
-        .collect();
-    let width = rows.iter().map(Vec::len).max().unwrap_or(1);
-    let r_max = responses.iter().map(Vec::len).max().unwrap_or(1).max(1);
     let pad = model.config.pad_token_id.unwrap_or(0).max(0);
-    let (mut ids, mut mask, mut index, mut rmask) = (vec![], vec![], vec![], vec![]);
-    for ((row, p), r) in rows.iter().zip(prompts).zip(responses) {
-        ids.extend(
-            row.iter()
-                .copied()
-                .chain(std::iter::repeat_n(pad, width - row.len())),
-        );
-        mask.extend(
-            std::iter::repeat_n(1i64, row.len()).chain(std::iter::repeat_n(0, width - row.len())),
-        );
-        // log p(token t | < t) sits at index t − 1 of token_logprobs.
-        for j in 0..r_max {
-            index.push((p.len() + j.min(r.len().saturating_sub(1))) as i64 - 1);
-            rmask.push(if j < r.len() { 1.0f32 } else { 0.0 });
-        }
-    }
-    let b = rows.len() as i64;
-    let ids = Tensor::from_slice(&ids)
-        .view([b, width as i64])
-        .to_device(device);
-    let mask = Tensor::from_slice(&mask)
-        .view([b, width as i64])
-        .to_device(device);
-    let lp = model.token_logprobs(&ids, Some(&mask), temperature)?;
-    let index = Tensor::from_slice(&index)
-        .view([b, r_max as i64])
-        .to_device(device);
-    let rmask = Tensor::from_slice(&rmask)
-        .view([b, r_max as i64])
-        .to_device(device);
-    Ok((lp.gather(1, &index, false), rmask))
+    let packed = pack(prompts, responses, pad, model.device());
+    let lp = model.token_logprobs(&packed.ids, Some(&packed.mask), temperature)?;
+    Ok((lp.gather(1, &packed.index, false), packed.response_mask))
 }
 
 fn padded(rows: &[Vec<f64>], width: usize, device: tch::Device) -> Tensor {
@@ -164,19 +127,18 @@ impl Stage for Learner {
         ctx: &mut StepContext,
         batch: RecordBatch,
     ) -> Result<Vec<RecordBatch>, StageError> {
-        self.held.entry(ctx.step).or_default().push(batch);
+        self.held.push(ctx.step, batch);
         Ok(Vec::new())
     }
 
     fn end_step(&mut self, ctx: &mut StepContext) -> Result<Vec<RecordBatch>, StageError> {
-        let Some(held) = self.held.remove(&ctx.step) else {
+        let Some(batch) = self.held.take(ctx.step)? else {
             // No rows reached this learner: still publish, so versions stay in step.
             ctx.publish_weights(WeightsPayload::from(
                 self.model.export_snapshot(ctx.version + 1)?,
             ))?;
             return Ok(Vec::new());
         };
-        let batch = concat_batches(&held[0].schema(), &held)?;
         let prompts = token_lists(&batch, col::PROMPT_TOKENS, "learn")?;
         let responses = token_lists(&batch, col::RESPONSE_TOKENS, "learn")?;
         let advantages = float_lists(&batch, col::ADVANTAGES, "learn")?;

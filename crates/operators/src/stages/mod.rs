@@ -16,3 +16,4 @@ pub mod learner;
 pub mod prompts;
 pub mod reference;
 pub mod reward;
+pub mod sequences;
