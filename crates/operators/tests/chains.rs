@@ -17,7 +17,7 @@ use weir_operators::rewards::{arith, rule_reward};
 use weir_operators::rollout::{check, col, Phase};
 use weir_operators::stages::advantage::{GroupAdvantage, GroupEstimator};
 use weir_operators::stages::generate::Generate;
-use weir_operators::stages::learner::{Learner, LearnerConfig};
+use weir_operators::stages::learner::{Learner, LearnerConfig, LrSchedule};
 use weir_operators::stages::prompts::PromptSource;
 use weir_operators::stages::reference::RefLogprob;
 use weir_operators::stages::reward::RuleReward;
@@ -85,6 +85,8 @@ fn grpo_runs_through_the_engine_with_async_weights() {
                     },
                     micro_batch: 8,
                     kl_coef: 0.04,
+                    ppo_epochs: 2,
+                    schedule: LrSchedule::Constant { warmup: 2 },
                     ..Default::default()
                 },
             )

@@ -36,6 +36,59 @@ pub struct LearnerConfig {
     pub kl_coef: f64,
     /// The KL estimator of that term.
     pub kl_estimator: KlEstimator,
+    /// Passes (optimizer steps) over each step's rows; the proximal
+    /// log-probs are those before the first pass.
+    pub ppo_epochs: usize,
+    /// The learning-rate schedule over optimizer steps.
+    pub schedule: LrSchedule,
+}
+
+/// Learning rate over optimizer steps: linear warm-up from 0, then constant or cosine decay.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum LrSchedule {
+    /// `lr · min(1, (k + 1) / warmup)`.
+    Constant {
+        /// Warm-up steps.
+        warmup: u64,
+    },
+    /// Warm-up, then `min_lr + (lr − min_lr) · (1 + cos(π · progress)) / 2` until `total` steps.
+    Cosine {
+        /// Warm-up steps.
+        warmup: u64,
+        /// Steps over which the rate decays.
+        total: u64,
+        /// The floor, as a fraction of the base rate.
+        min_ratio: f64,
+    },
+}
+
+impl LrSchedule {
+    /// The rate of optimizer step `k` (0-based) for base rate `lr`.
+    pub fn rate(&self, lr: f64, k: u64) -> f64 {
+        let warm = |w: u64| {
+            if w == 0 {
+                1.0
+            } else {
+                ((k + 1) as f64 / w as f64).min(1.0)
+            }
+        };
+        match *self {
+            LrSchedule::Constant { warmup } => lr * warm(warmup),
+            LrSchedule::Cosine {
+                warmup,
+                total,
+                min_ratio,
+            } => {
+                if k < warmup {
+                    return lr * warm(warmup);
+                }
+                let span = total.saturating_sub(warmup).max(1) as f64;
+                let progress = ((k - warmup) as f64 / span).min(1.0);
+                let min_lr = lr * min_ratio;
+                min_lr + (lr - min_lr) * (1.0 + (std::f64::consts::PI * progress).cos()) / 2.0
+            }
+        }
+    }
 }
 
 impl Default for LearnerConfig {
@@ -48,6 +101,8 @@ impl Default for LearnerConfig {
             temperature: 1.0,
             kl_coef: 0.0,
             kl_estimator: KlEstimator::K3,
+            ppo_epochs: 1,
+            schedule: LrSchedule::Constant { warmup: 0 },
         }
     }
 }
@@ -72,6 +127,7 @@ pub struct Learner {
     cfg: LearnerConfig,
     held: StepBuffer,
     last: UpdateStats,
+    updates: u64,
 }
 
 impl Learner {
@@ -84,6 +140,7 @@ impl Learner {
             cfg,
             held: StepBuffer::new(),
             last: UpdateStats::default(),
+            updates: 0,
         })
     }
 
@@ -150,43 +207,67 @@ impl Stage for Learner {
         };
         let total_tokens: usize = responses.iter().map(Vec::len).sum::<usize>().max(1);
         let device = self.model.device();
-        self.optimizer.zero_grad();
-        let (mut loss_sum, mut clip_sum, mut kl_sum) = (0.0, 0.0, 0.0);
-        for start in (0..batch.num_rows()).step_by(self.cfg.micro_batch.max(1)) {
-            let end = (start + self.cfg.micro_batch.max(1)).min(batch.num_rows());
-            let (lp, mask) = response_logprobs(
-                &self.model,
-                &prompts[start..end],
-                &responses[start..end],
-                self.cfg.temperature,
-            )?;
-            let width = lp.size()[1] as usize;
-            let adv = padded(&advantages[start..end], width, device);
-            let behaviour_t = padded(&behaviour[start..end], width, device);
-            let old = lp.detach();
-            let out = policy_loss(&lp, &old, &adv, &mask, Some(&behaviour_t), &self.cfg.policy);
-            let mut loss = out.loss.shallow_clone();
-            if let Some(refs) = &references {
-                // KL to the reference as a loss term (GRPO's β · KL), aggregated like the policy loss.
-                let ref_t = padded(&refs[start..end], width, device);
-                let kl = aggregate(
-                    &kl_tensor(&lp, &ref_t, self.cfg.kl_estimator, self.cfg.policy.flavor),
-                    &mask,
-                    self.cfg.policy.aggregation,
-                    self.cfg.policy.flavor,
-                );
-                kl_sum += kl.double_value(&[]) * mask.sum(Kind::Double).double_value(&[])
-                    / total_tokens as f64;
-                loss += kl * self.cfg.kl_coef;
+        let micro = self.cfg.micro_batch.max(1);
+        let starts: Vec<usize> = (0..batch.num_rows()).step_by(micro).collect();
+        // The proximal policy: log-probs before this step's first update.
+        let proximal: Vec<Tensor> = {
+            let _guard = tch::no_grad_guard();
+            starts
+                .iter()
+                .map(|&start| {
+                    let end = (start + micro).min(batch.num_rows());
+                    response_logprobs(
+                        &self.model,
+                        &prompts[start..end],
+                        &responses[start..end],
+                        self.cfg.temperature,
+                    )
+                    .map(|(lp, _)| lp)
+                })
+                .collect::<Result<_, _>>()?
+        };
+        let (mut loss_sum, mut clip_sum, mut kl_sum, mut grad_norm) = (0.0, 0.0, 0.0, 0.0);
+        for _epoch in 0..self.cfg.ppo_epochs.max(1) {
+            self.optimizer
+                .set_lr(self.cfg.schedule.rate(self.cfg.adamw.lr, self.updates));
+            self.optimizer.zero_grad();
+            (loss_sum, clip_sum, kl_sum) = (0.0, 0.0, 0.0);
+            for (&start, old) in starts.iter().zip(&proximal) {
+                let end = (start + micro).min(batch.num_rows());
+                let (lp, mask) = response_logprobs(
+                    &self.model,
+                    &prompts[start..end],
+                    &responses[start..end],
+                    self.cfg.temperature,
+                )?;
+                let width = lp.size()[1] as usize;
+                let adv = padded(&advantages[start..end], width, device);
+                let behaviour_t = padded(&behaviour[start..end], width, device);
+                let out = policy_loss(&lp, old, &adv, &mask, Some(&behaviour_t), &self.cfg.policy);
+                let mut loss = out.loss.shallow_clone();
+                if let Some(refs) = &references {
+                    // KL to the reference as a loss term (GRPO's β · KL), aggregated like the policy loss.
+                    let ref_t = padded(&refs[start..end], width, device);
+                    let kl = aggregate(
+                        &kl_tensor(&lp, &ref_t, self.cfg.kl_estimator, self.cfg.policy.flavor),
+                        &mask,
+                        self.cfg.policy.aggregation,
+                        self.cfg.policy.flavor,
+                    );
+                    kl_sum += kl.double_value(&[]) * mask.sum(Kind::Double).double_value(&[])
+                        / total_tokens as f64;
+                    loss += kl * self.cfg.kl_coef;
+                }
+                // Token mean over the whole step: weight each micro-batch by its share of tokens.
+                let tokens = mask.sum(Kind::Double).double_value(&[]);
+                let share = tokens / total_tokens as f64;
+                loss_sum += loss.double_value(&[]) * share;
+                (&loss * share).backward();
+                clip_sum += out.clip_fraction * share;
             }
-            // Token mean over the whole step: weight each micro-batch by its share of tokens.
-            let tokens = mask.sum(Kind::Double).double_value(&[]);
-            let share = tokens / total_tokens as f64;
-            loss_sum += loss.double_value(&[]) * share;
-            (&loss * share).backward();
-            clip_sum += out.clip_fraction * share;
+            grad_norm = self.optimizer.step(self.cfg.max_grad_norm);
+            self.updates += 1;
         }
-        let grad_norm = self.optimizer.step(self.cfg.max_grad_norm);
         if !loss_sum.is_finite() || !grad_norm.is_finite() {
             return Err(format!(
                 "step {}: the loss ({loss_sum}) or gradient norm ({grad_norm}) is not finite",
@@ -219,5 +300,33 @@ impl Stage for Learner {
             self.model.export_snapshot(ctx.version + 1)?,
         ))?;
         Ok(vec![batch])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schedules_warm_up_then_hold_or_decay() {
+        let c = LrSchedule::Constant { warmup: 4 };
+        assert_eq!(c.rate(1.0, 0), 0.25);
+        assert_eq!(c.rate(1.0, 3), 1.0);
+        assert_eq!(c.rate(1.0, 100), 1.0);
+        let cos = LrSchedule::Cosine {
+            warmup: 2,
+            total: 12,
+            min_ratio: 0.1,
+        };
+        assert_eq!(cos.rate(2.0, 0), 1.0);
+        assert!(
+            (cos.rate(2.0, 2) - 2.0).abs() < 1e-12,
+            "decay starts at the base rate"
+        );
+        assert!(
+            (cos.rate(2.0, 7) - (0.2 + 1.8 * 0.5)).abs() < 1e-12,
+            "halfway"
+        );
+        assert!((cos.rate(2.0, 12) - 0.2).abs() < 1e-12 && (cos.rate(2.0, 50) - 0.2).abs() < 1e-12);
     }
 }
