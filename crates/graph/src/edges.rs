@@ -13,8 +13,8 @@ use timely::dataflow::channels::pact::{Exchange, Pipeline};
 use timely::dataflow::operators::Operator;
 use timely::dataflow::Stream;
 
+use crate::control::OperatorEnv;
 use crate::error::call_user;
-use crate::run::OperatorEnv;
 use crate::stage::Sink;
 use crate::{Batch, GraphError, Router, Step};
 

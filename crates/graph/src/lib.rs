@@ -14,16 +14,19 @@
 //! - [`weights_edge`]: the versioned feedback edge with delay `max_staleness + 1`;
 //! - [`backpressure`]: at most `max_staleness + 1` steps in flight;
 //! - [`engine_thread`]: stages that run on their own thread behind a bounded queue;
-//! - [`run`]: one thread, N threads or N processes; failures and lost peers;
+//! - [`execution`]: one thread, N threads or N processes, and the run settings;
+//! - [`run`]: the per-worker driver and the dataflow it builds; failures and lost peers (`control`);
 //! - [`metrics`]: the metrics stream and the run report;
 //! - [`parquet_log`]: rows to rolling Parquet files;
 //! - [`synthetic`]: sleep-for-a-cost stages that emit real rows, for tests and benchmarks.
 
 pub mod backpressure;
 pub mod batch;
+mod control;
 mod edges;
 pub mod engine_thread;
 mod error;
+pub mod execution;
 pub mod metrics;
 pub mod parquet_log;
 pub mod partition;
@@ -39,12 +42,12 @@ pub use backpressure::Admission;
 pub use batch::Batch;
 pub use engine_thread::StageKind;
 pub use error::{GraphError, StageError};
+pub use execution::{Execution, RunSettings};
 pub use metrics::{MetricRow, RunReport};
 pub use parquet_log::ParquetLog;
 pub use partition::{Partition, Router};
 pub use pipeline::Pipeline;
 pub use placement::{roles, Placement};
-pub use run::{Execution, RunSettings};
 pub use stage::{Sink, Source, SourceContext, Stage, StepBuffer, StepContext, WorkerInfo};
 pub use weights_edge::{
     InlineTransport, WeightsBody, WeightsMessage, WeightsPayload, WeightsTransport,

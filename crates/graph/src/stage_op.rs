@@ -24,9 +24,9 @@ use timely::dataflow::operators::Capability;
 use timely::dataflow::Stream;
 use timely::progress::frontier::{Antichain, MutableAntichain};
 
+use crate::control::OperatorEnv;
 use crate::engine_thread::{Done, Executor, Job, StageKind, StageRunner};
 use crate::metrics::{names, MetricRow};
-use crate::run::OperatorEnv;
 use crate::stage::{StageFactory, WorkerInfo};
 use crate::weights_edge::{now_ns, WeightsMessage, WeightsTransport};
 use crate::{Batch, PolicyVersion, Step};

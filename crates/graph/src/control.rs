@@ -1,0 +1,132 @@
+//! The control side-dataflow's state: failures and heartbeats shared by the
+//! workers of a process, what an operator needs to fail the run, and how
+//! timely's network panics become [`GraphError::PeerLost`].
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Once};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::panic_message;
+use crate::GraphError;
+
+/// Messages of the control side-dataflow.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub(crate) enum Control {
+    Heartbeat { process: usize },
+    Failed { process: usize, error: GraphError },
+}
+
+/// State shared by the workers of one process.
+pub(crate) struct RunShared {
+    pub(crate) aborted: AtomicBool,
+    error: Mutex<Option<GraphError>>,
+    last_heard: Mutex<Vec<Instant>>,
+}
+
+impl RunShared {
+    pub(crate) fn new(processes: usize) -> Self {
+        RunShared {
+            aborted: AtomicBool::new(false),
+            error: Mutex::new(None),
+            last_heard: Mutex::new(vec![Instant::now(); processes]),
+        }
+    }
+
+    /// Records `err` as the run's error if it is the first; aborts the run.
+    pub(crate) fn record(&self, err: GraphError) {
+        let mut slot = self.error.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.is_none() {
+            *slot = Some(err);
+        }
+        self.aborted.store(true, Ordering::SeqCst);
+    }
+
+    pub(crate) fn error(&self) -> Option<GraphError> {
+        self.error.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    pub(crate) fn heard_from(&self, process: usize) {
+        let mut heard = self.last_heard.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(t) = heard.get_mut(process) {
+            *t = Instant::now();
+        }
+    }
+
+    /// The first peer silent for longer than `timeout`, if any.
+    pub(crate) fn silent_peer(&self, me: usize, timeout: Duration) -> Option<(usize, Duration)> {
+        let heard = self.last_heard.lock().unwrap_or_else(|p| p.into_inner());
+        heard
+            .iter()
+            .enumerate()
+            .filter(|(p, _)| *p != me)
+            .map(|(p, t)| (p, t.elapsed()))
+            .find(|(_, e)| *e > timeout)
+    }
+}
+
+/// What an operator needs from its surroundings: where it runs and how to fail.
+#[derive(Clone)]
+pub(crate) struct OperatorEnv {
+    pub(crate) shared: Arc<RunShared>,
+    pub(crate) outbox: Rc<RefCell<Vec<GraphError>>>,
+    pub index: usize,
+    pub peers: usize,
+    pub process: usize,
+}
+
+impl OperatorEnv {
+    /// Fails the run: this process stops at once, the driver tells the others.
+    pub(crate) fn fail(&self, err: GraphError) {
+        tracing::debug!(%err, "run failed");
+        self.shared.record(err.clone());
+        self.outbox.borrow_mut().push(err);
+    }
+
+    pub(crate) fn aborted(&self) -> bool {
+        self.shared.aborted.load(Ordering::Relaxed)
+    }
+}
+
+/// A panic that reached the driver: a broken connection to a peer, or a bug.
+pub(crate) fn runtime_panic(message: &str) -> GraphError {
+    if is_network_panic(message) {
+        GraphError::PeerLost {
+            peer: "a peer process".into(),
+            reason: format!("connection broken ({message})"),
+        }
+    } else {
+        GraphError::Runtime(format!("worker panicked: {message}"))
+    }
+}
+
+/// True for the panics timely raises when a connection to a peer breaks.
+pub(crate) fn is_network_panic(message: &str) -> bool {
+    [
+        "timely communication error",
+        "MergeQueue poisoned",
+        "Send thread panic",
+        "Recv thread panic",
+    ]
+    .iter()
+    .any(|m| message.contains(m))
+}
+
+/// Filters timely's network-thread panic messages from stderr: the run turns
+/// them into a [`GraphError::PeerLost`] and reports that instead.
+pub(crate) fn quiet_network_panics() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let message = panic_message(info.payload());
+            if is_network_panic(&message) {
+                return;
+            }
+            previous(info);
+        }));
+    });
+}

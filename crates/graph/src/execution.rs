@@ -1,0 +1,227 @@
+//! Where a pipeline runs (one thread, N threads, N processes) and the
+//! settings of a run; connecting to the peers of a cluster.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use timely::communication::Config as CommunicationConfig;
+
+use crate::weights_edge::{InlineTransport, WeightsTransport};
+use crate::{GraphError, Placement, PolicyVersion, Step};
+
+/// How many workers, and where.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Execution {
+    /// `n` worker threads in this process (`Threads(1)`: a single thread).
+    Threads(usize),
+    /// One of several processes (timely cluster mode).
+    Cluster {
+        /// Worker threads per process.
+        threads: usize,
+        /// This process's id, `0..hosts.len()`.
+        process: usize,
+        /// `host:port` of every process, in process-id order.
+        hosts: Vec<String>,
+    },
+}
+
+impl Execution {
+    /// A cluster of `processes` processes: addresses from `hostfile` (one
+    /// `host:port` per line), or `localhost:2101..` when `None`.
+    pub fn cluster(
+        threads: usize,
+        processes: usize,
+        process: usize,
+        hostfile: Option<&Path>,
+    ) -> Result<Self, GraphError> {
+        if processes == 0 || threads == 0 {
+            return Err(GraphError::Execution(
+                "processes and threads must be at least 1".into(),
+            ));
+        }
+        if process >= processes {
+            return Err(GraphError::Execution(format!(
+                "process id {process} is not below the process count {processes}"
+            )));
+        }
+        if processes == 1 {
+            return Ok(Execution::Threads(threads));
+        }
+        let hosts: Vec<String> = match hostfile {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|e| GraphError::io(path, e))?;
+                let hosts: Vec<String> = text
+                    .lines()
+                    .map(str::trim)
+                    .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                    .map(String::from)
+                    .collect();
+                if let Some((i, bad)) = hosts.iter().enumerate().find(|(_, h)| !h.contains(':')) {
+                    return Err(GraphError::Execution(format!(
+                        "{}: line {}: `{bad}` is not host:port",
+                        path.display(),
+                        i + 1
+                    )));
+                }
+                if hosts.len() < processes {
+                    return Err(GraphError::Execution(format!(
+                        "{}: {} addresses for {processes} processes",
+                        path.display(),
+                        hosts.len()
+                    )));
+                }
+                hosts.into_iter().take(processes).collect()
+            }
+            None => (0..processes)
+                .map(|i| format!("localhost:{}", 2101 + i))
+                .collect(),
+        };
+        Ok(Execution::Cluster {
+            threads,
+            process,
+            hosts,
+        })
+    }
+
+    /// Total workers over all processes.
+    pub fn total_workers(&self) -> usize {
+        match self {
+            Execution::Threads(n) => *n,
+            Execution::Cluster { threads, hosts, .. } => threads * hosts.len(),
+        }
+    }
+
+    /// This process's id.
+    pub fn process(&self) -> usize {
+        match self {
+            Execution::Threads(_) => 0,
+            Execution::Cluster { process, .. } => *process,
+        }
+    }
+
+    pub(crate) fn local_workers(&self) -> usize {
+        match self {
+            Execution::Threads(n) => (*n).max(1),
+            Execution::Cluster { threads, .. } => *threads,
+        }
+    }
+
+    pub(crate) fn processes(&self) -> usize {
+        match self {
+            Execution::Threads(_) => 1,
+            Execution::Cluster { hosts, .. } => hosts.len(),
+        }
+    }
+
+    pub(crate) fn communication(&self) -> CommunicationConfig {
+        match self {
+            Execution::Threads(0 | 1) => CommunicationConfig::Thread,
+            Execution::Threads(n) => CommunicationConfig::Process(*n),
+            Execution::Cluster {
+                threads,
+                process,
+                hosts,
+            } => CommunicationConfig::Cluster {
+                threads: *threads,
+                process: *process,
+                addresses: hosts.clone(),
+                report: false,
+                zerocopy: false,
+            },
+        }
+    }
+}
+
+/// Everything about a run that is not the pipeline itself.
+#[derive(Clone)]
+pub struct RunSettings {
+    /// Threads and processes.
+    pub execution: Execution,
+    /// Which workers run which role.
+    pub placement: Placement,
+    /// k: a generator at step s holds a version ≥ s − k; at most k + 1 steps are in flight.
+    pub max_staleness: u64,
+    /// Steps to run (`None`: until the source is exhausted).
+    pub steps: Option<u64>,
+    /// The first step (a resumed run continues its counter).
+    pub first_step: Step,
+    /// The policy version the generators and the learner start from.
+    pub initial_version: PolicyVersion,
+    /// How long a silent peer process is tolerated, and how long start-up
+    /// may wait for peers to connect.
+    pub peer_timeout: Duration,
+    /// Where to write every metric row as Parquet (process of worker 0), if anywhere.
+    pub metrics_path: Option<PathBuf>,
+    /// How weights cross the weights edge.
+    pub transport: Arc<dyn WeightsTransport>,
+}
+
+impl RunSettings {
+    /// Settings with k = 0, an unbounded number of steps, a 60 s peer timeout
+    /// and the inline weights transport.
+    pub fn new(execution: Execution, placement: Placement) -> Self {
+        RunSettings {
+            execution,
+            placement,
+            max_staleness: 0,
+            steps: None,
+            first_step: 0,
+            initial_version: 0,
+            peer_timeout: Duration::from_secs(60),
+            metrics_path: None,
+            transport: Arc::new(InlineTransport),
+        }
+    }
+
+    /// Sets `max_staleness`.
+    pub fn max_staleness(mut self, k: u64) -> Self {
+        self.max_staleness = k;
+        self
+    }
+
+    /// Sets the number of steps.
+    pub fn steps(mut self, steps: u64) -> Self {
+        self.steps = Some(steps);
+        self
+    }
+
+    /// Sets the peer timeout.
+    pub fn peer_timeout(mut self, timeout: Duration) -> Self {
+        self.peer_timeout = timeout;
+        self
+    }
+
+    /// Sets where metrics are written.
+    pub fn metrics_path(mut self, path: impl Into<PathBuf>) -> Self {
+        self.metrics_path = Some(path.into());
+        self
+    }
+}
+
+pub(crate) type Allocators = (
+    Vec<timely::communication::allocator::AllocatorBuilder>,
+    Box<dyn std::any::Any + Send>,
+);
+
+/// Builds timely's allocators, giving up when peers do not connect within `timeout`.
+pub(crate) fn connect(execution: &Execution, timeout: Duration) -> Result<Allocators, GraphError> {
+    let config = execution.communication();
+    if !matches!(config, CommunicationConfig::Cluster { .. }) {
+        return config.try_build().map_err(GraphError::Runtime);
+    }
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("weir:connect".into())
+        .spawn(move || {
+            let _ = tx.send(config.try_build());
+        })
+        .map_err(|e| GraphError::Runtime(format!("starting the connection thread: {e}")))?;
+    match rx.recv_timeout(timeout) {
+        Ok(result) => result.map_err(GraphError::Runtime),
+        Err(_) => Err(GraphError::PeerLost {
+            peer: "some peer process".into(),
+            reason: format!("did not connect within {:.0} s (is every process started, with the same hostfile?)", timeout.as_secs_f64()),
+        }),
+    }
+}
