@@ -1,0 +1,185 @@
+//! Generation: greedy against the references, sampling, eos handling.
+
+use super::*;
+
+fn check_greedy(name: &str) {
+    let r = &reference(name)["greedy"];
+    let model = load(name, Kind::Float);
+    let prompts: Vec<Vec<i64>> = r["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(ints)
+        .collect();
+    let params = weir_gpu::SamplingParams {
+        max_new_tokens: 16,
+        greedy: true,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let out = weir_gpu::generate(&model, &prompts, &params).unwrap();
+    for (i, g) in out.iter().enumerate() {
+        assert_eq!(
+            g.tokens,
+            ints(&r["new_token_ids"][i]),
+            "{name}: greedy tokens of prompt {i}"
+        );
+        assert_eq!(g.finish_reason, weir_gpu::FinishReason::Length);
+        let reference: Vec<Option<f64>> = floats(&r["new_token_logprobs"][i]);
+        let d = max_diff(&Tensor::from_slice(&g.logprobs), &reference);
+        assert!(
+            d < 1e-4,
+            "{name}: greedy log-probs of prompt {i} differ by {d:e}"
+        );
+    }
+}
+
+#[test]
+fn greedy_generation_with_kv_cache_matches_transformers() {
+    for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3"] {
+        check_greedy(name);
+    }
+}
+
+#[test]
+fn sampling_is_seeded_per_sequence_and_respects_its_settings() {
+    use weir_gpu::{generate, SamplingParams};
+    let model = load("tiny-llama", Kind::Float);
+    let prompts = vec![
+        vec![1i64, 286, 202, 305],
+        vec![302, 592],
+        vec![5, 6, 7, 8, 9, 10],
+    ];
+    let params = SamplingParams {
+        max_new_tokens: 12,
+        temperature: 1.3,
+        top_p: Some(0.9),
+        top_k: Some(50),
+        n: 3,
+        seed: 11,
+        ..Default::default()
+    };
+    let all = generate(&model, &prompts, &params).unwrap();
+    assert_eq!(all.len(), 9);
+    assert_eq!(
+        generate(&model, &prompts, &params).unwrap(),
+        all,
+        "same seed, same samples"
+    );
+    // A prompt's samples do not depend on the other prompts in the batch
+    // (padding width, batch size): drop the longest prompt and compare.
+    let fewer = generate(&model, &prompts[..2], &params).unwrap();
+    for (a, b) in fewer.iter().zip(all.iter().filter(|g| g.prompt < 2)) {
+        assert_eq!(a.tokens, b.tokens);
+        let d = a
+            .logprobs
+            .iter()
+            .zip(&b.logprobs)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max);
+        assert!(d < 1e-4, "log-probs differ by {d}");
+    }
+    assert_ne!(
+        all[0].tokens, all[1].tokens,
+        "samples of one prompt should differ"
+    );
+    let other_seed = generate(
+        &model,
+        &prompts,
+        &SamplingParams {
+            seed: 12,
+            ..params.clone()
+        },
+    )
+    .unwrap();
+    assert_ne!(other_seed, all);
+    // top_k = 1 is greedy; the log-prob of a certain draw is 0.
+    let top1 = generate(
+        &model,
+        &prompts,
+        &SamplingParams {
+            top_k: Some(1),
+            top_p: None,
+            n: 1,
+            ..params.clone()
+        },
+    )
+    .unwrap();
+    let greedy = generate(
+        &model,
+        &prompts,
+        &SamplingParams {
+            greedy: true,
+            n: 1,
+            ..params.clone()
+        },
+    )
+    .unwrap();
+    for (a, b) in top1.iter().zip(&greedy) {
+        assert_eq!(a.tokens, b.tokens);
+        assert!(a.logprobs.iter().all(|l| l.abs() < 1e-6));
+    }
+    // Behaviour log-probs are those of the distribution sampled from: with top-k
+    // they are at least the unfiltered log-probs at temperature 1.3.
+    let full = generate(
+        &model,
+        &prompts,
+        &SamplingParams {
+            top_k: None,
+            top_p: None,
+            ..params.clone()
+        },
+    )
+    .unwrap();
+    for g in &full {
+        assert!(g.logprobs.iter().all(|l| *l <= 0.0 && l.is_finite()));
+    }
+}
+
+#[test]
+fn generation_stops_at_any_eos_id_and_keeps_it() {
+    use weir_gpu::{generate, FinishReason, SamplingParams};
+    let model = load("tiny-llama", Kind::Float);
+    let prompts = vec![vec![1i64, 286, 202, 305], vec![302, 592]];
+    let free = generate(
+        &model,
+        &prompts,
+        &SamplingParams {
+            max_new_tokens: 10,
+            greedy: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    // Make the 4th greedy token of prompt 0 an eos id: generation must stop right there.
+    let eos = free[0].tokens[3];
+    let params = SamplingParams {
+        max_new_tokens: 10,
+        greedy: true,
+        eos_token_ids: vec![999, eos],
+        ..Default::default()
+    };
+    let stopped = generate(&model, &prompts, &params).unwrap();
+    let first = free[0].tokens.iter().position(|&t| t == eos).unwrap();
+    assert_eq!(stopped[0].tokens, free[0].tokens[..=first].to_vec());
+    assert_eq!(stopped[0].finish_reason, FinishReason::Stop);
+    // The other sequence goes on unaffected by its neighbour leaving the batch.
+    let cut = free[1]
+        .tokens
+        .iter()
+        .position(|&t| t == eos)
+        .map_or(10, |i| i + 1);
+    assert_eq!(stopped[1].tokens, free[1].tokens[..cut].to_vec());
+    let err = generate(
+        &model,
+        &prompts,
+        &SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        },
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("temperature"), "{err}");
+    assert!(generate(&model, &[vec![]], &SamplingParams::default()).is_err());
+}

@@ -1,0 +1,124 @@
+//! Logits, log-probs and reward scores against the references; broken checkpoints.
+
+use super::*;
+
+#[test]
+fn llama_matches_transformers() {
+    check_causal_lm("tiny-llama", Kind::Float, 1e-4);
+    check_causal_lm("tiny-llama", Kind::Double, 1e-8);
+}
+
+#[test]
+fn qwen2_matches_transformers() {
+    check_causal_lm("tiny-qwen2", Kind::Float, 1e-4);
+    check_causal_lm("tiny-qwen2", Kind::Double, 1e-8);
+}
+
+#[test]
+fn qwen3_matches_transformers() {
+    check_causal_lm("tiny-qwen3", Kind::Float, 1e-4);
+    check_causal_lm("tiny-qwen3", Kind::Double, 1e-8);
+}
+
+#[test]
+fn arith_sft_target_logprobs_match_transformers() {
+    let r = reference("arith-sft");
+    let model = load("arith-sft", Kind::Float);
+    let cases = r["target_logprobs_fp64"].as_array().unwrap();
+    assert!(!cases.is_empty());
+    for case in cases {
+        let prompt = ints(&case["prompt_ids"]);
+        let completion = ints(&case["completion_ids"]);
+        let ids = Tensor::from_slice(&[prompt.clone(), completion.clone()].concat()).view([1, -1]);
+        let lp = model.token_logprobs(&ids, None, 1.0).unwrap();
+        // Log-probs of the completion tokens: positions len(prompt)..end, i.e. the last |completion| entries.
+        let n = completion.len() as i64;
+        let tail = lp.narrow(1, lp.size()[1] - n, n);
+        let d = max_diff(&tail, &floats(&case["completion_token_logprobs"]));
+        assert!(
+            d < 1e-4,
+            "arith-sft {}: log-probs differ by {d:e}",
+            case["pair"]
+        );
+    }
+}
+
+#[test]
+fn reward_model_scores_match_transformers() {
+    let r = reference("tiny-llama-rm");
+    for (kind, tol) in [(Kind::Float, 1e-4), (Kind::Double, 1e-8)] {
+        let model = load("tiny-llama-rm", kind);
+        for case in r["single"].as_array().unwrap() {
+            let ids = Tensor::from_slice(&ints(&case["input_ids"])).view([1, -1]);
+            let score = model.scores(&ids, None).unwrap().double_value(&[0, 0]);
+            let want = case["score"].as_f64().unwrap();
+            assert!(
+                (score - want).abs() < tol,
+                "{kind:?} {}: score {score} vs {want}",
+                case["name"]
+            );
+            let per_position = model.position_scores(&ids, None).unwrap();
+            let d = max_diff(&per_position, &floats(&case["per_position_scores"]));
+            assert!(
+                d < tol,
+                "{kind:?} {}: per-position scores differ by {d:e}",
+                case["name"]
+            );
+        }
+        for case in r["batched"].as_array().unwrap() {
+            let ids = matrix(&case["input_ids"]);
+            let mask = matrix(&case["attention_mask"]);
+            let scores = model.scores(&ids, Some(&mask)).unwrap();
+            let d = max_diff(&scores, &floats(&case["scores"]));
+            assert!(d < tol, "{kind:?} {}: scores differ by {d:e}", case["name"]);
+        }
+    }
+}
+
+#[test]
+fn broken_checkpoints_give_errors_naming_the_file_and_tensor() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = fixtures().join("models/tiny-llama");
+    std::fs::copy(src.join("config.json"), dir.path().join("config.json")).unwrap();
+    let err = Model::load(dir.path(), Device::Cpu, Kind::Float)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("model.safetensors"), "{err}");
+    // A checkpoint lacking one tensor.
+    let tensors = Tensor::read_safetensors(src.join("model.safetensors")).unwrap();
+    let kept: Vec<(String, Tensor)> = tensors
+        .into_iter()
+        .filter(|(n, _)| n != "model.layers.1.mlp.up_proj.weight")
+        .collect();
+    Tensor::write_safetensors(&kept, dir.path().join("model.safetensors")).unwrap();
+    let err = Model::load(dir.path(), Device::Cpu, Kind::Float)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("model.layers.1.mlp.up_proj.weight") && err.contains("missing"),
+        "{err}"
+    );
+    // A config that disagrees with the tensors' shapes.
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    config["intermediate_size"] = 100.into();
+    std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+    std::fs::copy(
+        src.join("model.safetensors"),
+        dir.path().join("model.safetensors"),
+    )
+    .unwrap();
+    let err = Model::load(dir.path(), Device::Cpu, Kind::Float)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("model.safetensors") && err.contains("_proj.weight") && err.contains("100"),
+        "{err}"
+    );
+    // Malformed JSON.
+    std::fs::write(dir.path().join("config.json"), "{ not json").unwrap();
+    let err = Model::load(dir.path(), Device::Cpu, Kind::Float)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("config.json"), "{err}");
+}

@@ -1,0 +1,110 @@
+//! The tokenizer and chat template; arith-sft greedy completions on all 500 pairs.
+
+use super::*;
+
+#[test]
+fn tokenizer_and_chat_template_match_transformers() {
+    use weir_gpu::{Message, Tokenizer};
+    let dir = fixtures().join("tokenizer");
+    let r: Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("tokenizer_reference.json")).unwrap(),
+    )
+    .unwrap();
+    let tok = Tokenizer::load(&dir).unwrap();
+    for case in r["encode"].as_array().unwrap() {
+        let text = case["text"].as_str().unwrap();
+        let ids = tok.encode(text, true).unwrap();
+        assert_eq!(ids, ints(&case["ids"]), "ids of {text:?}");
+        let tokens: Vec<String> = case["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_str().unwrap().to_string())
+            .collect();
+        assert_eq!(tok.tokens(text).unwrap(), tokens, "tokens of {text:?}");
+        assert_eq!(
+            tok.decode(&ids, false).unwrap(),
+            case["decoded"].as_str().unwrap(),
+            "decoded {text:?}"
+        );
+        assert_eq!(
+            tok.decode(&ids, true).unwrap(),
+            case["decoded_skip_special"].as_str().unwrap(),
+            "decoded (skip special) {text:?}"
+        );
+    }
+    for case in r["chat"].as_array().unwrap() {
+        let messages: Vec<Message> = serde_json::from_value(case["messages"].clone()).unwrap();
+        let add = case["add_generation_prompt"].as_bool().unwrap();
+        assert_eq!(
+            tok.apply_chat_template(&messages, add).unwrap(),
+            case["rendered"].as_str().unwrap()
+        );
+        assert_eq!(tok.encode_chat(&messages, add).unwrap(), ints(&case["ids"]));
+    }
+    assert_eq!(tok.eos_token_ids(), &[r["eos_token_id"].as_i64().unwrap()]);
+    assert_eq!(tok.pad_token_id(), r["pad_token_id"].as_i64());
+    // qwen2's generation config lists two eos ids; both count.
+    let qwen = Tokenizer::load(&fixtures().join("models/tiny-qwen2")).unwrap();
+    assert_eq!(qwen.eos_token_ids(), &[2, 0]);
+}
+
+#[test]
+fn arith_sft_greedy_completions_match_transformers_on_all_500_pairs() {
+    use weir_gpu::{generate, Message, SamplingParams, Tokenizer};
+    let dir = fixtures().join("models/arith-sft");
+    let r = reference("arith-sft");
+    let tok = Tokenizer::load(&dir).unwrap();
+    let model = load("arith-sft", Kind::Float);
+    let pairs: Vec<Vec<i64>> = r["eval_pairs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(ints)
+        .collect();
+    let prompts: Vec<Vec<i64>> = pairs
+        .iter()
+        .map(|p| {
+            tok.encode_chat(
+                &[Message {
+                    role: "user".into(),
+                    content: format!("Compute: {}+{}", p[0], p[1]),
+                }],
+                true,
+            )
+            .unwrap()
+        })
+        .collect();
+    let params = SamplingParams {
+        max_new_tokens: 6,
+        greedy: true,
+        eos_token_ids: tok.eos_token_ids().to_vec(),
+        ..Default::default()
+    };
+    let out = generate(&model, &prompts, &params).unwrap();
+    let expected: Vec<Vec<i64>> = r["greedy_completion_ids_fp32"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(ints)
+        .collect();
+    let mismatches: Vec<usize> = (0..pairs.len())
+        .filter(|&i| out[i].tokens != expected[i])
+        .collect();
+    assert!(
+        mismatches.is_empty(),
+        "{} of 500 completions differ, first at pair {:?}",
+        mismatches.len(),
+        mismatches.first().map(|&i| &pairs[i])
+    );
+    let correct = out
+        .iter()
+        .zip(&pairs)
+        .filter(|(g, p)| tok.decode(&g.tokens, true).unwrap().trim() == (p[0] + p[1]).to_string())
+        .count();
+    let accuracy = correct as f64 / pairs.len() as f64;
+    assert!(
+        (accuracy - r["greedy_accuracy_fp32"].as_f64().unwrap()).abs() < 1e-9,
+        "accuracy {accuracy}"
+    );
+}
