@@ -61,6 +61,24 @@ pub(crate) fn max_diff(ours: &Tensor, reference: &[Option<f64>]) -> f64 {
         .fold(0.0, f64::max)
 }
 
+/// `[B][T][V]` reference logits with null rows at padding, flattened, a
+/// null row standing for `vocab` missing entries (skipped in comparisons).
+pub(crate) fn batch_logits(v: &Value, vocab: usize) -> Vec<Option<f64>> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|b| {
+            b.as_array().unwrap().iter().flat_map(|row| {
+                if row.is_null() {
+                    vec![None; vocab]
+                } else {
+                    flat(row)
+                }
+            })
+        })
+        .collect()
+}
+
 pub(crate) fn flat(v: &Value) -> Vec<Option<f64>> {
     match v {
         Value::Array(items) => items.iter().flat_map(flat).collect(),
@@ -96,23 +114,8 @@ pub(crate) fn check_causal_lm(name: &str, kind: Kind, tol: f64) {
         let logits = model.logits(&ids, Some(&mask), Some(&positions)).unwrap();
         if !case["logits"].is_null() {
             // Rows at padding are null in the reference and skipped.
-            let reference: Vec<Option<f64>> = flat(&case["logits"]);
-            let per_row = logits.size()[2] as usize;
-            let expanded: Vec<Option<f64>> = case["logits"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .flat_map(|b| {
-                    b.as_array().unwrap().iter().flat_map(|row| {
-                        if row.is_null() {
-                            vec![None; per_row]
-                        } else {
-                            flat(row)
-                        }
-                    })
-                })
-                .collect();
-            assert!(reference.len() <= expanded.len());
+            let expanded = batch_logits(&case["logits"], logits.size()[2] as usize);
+            assert!(flat(&case["logits"]).len() <= expanded.len());
             let d = max_diff(&logits, &expanded);
             assert!(
                 d < tol,
