@@ -48,7 +48,9 @@ pub use parquet_log::ParquetLog;
 pub use partition::{Partition, Router};
 pub use pipeline::Pipeline;
 pub use placement::{roles, Placement};
-pub use stage::{Sink, Source, SourceContext, Stage, StepBuffer, StepContext, WorkerInfo};
+pub use stage::{
+    Sink, Source, SourceContext, Stage, StepBuffer, StepContext, StepStage, WorkerInfo,
+};
 pub use weights_edge::{
     InlineTransport, WeightsBody, WeightsMessage, WeightsPayload, WeightsTransport,
 };

@@ -200,3 +200,34 @@ impl StepBuffer {
         )?))
     }
 }
+
+/// A stage that works on whole steps (group statistics, a learner's update):
+/// every [`StepStage`] is a [`Stage`] that holds a step's batches in its
+/// [`StepBuffer`] and gets them at once, concatenated, when the step ends.
+pub trait StepStage {
+    /// Where the step's batches wait (a field of the stage).
+    fn buffer(&mut self) -> &mut StepBuffer;
+
+    /// Runs on the step's rows; `None` when no row of the step reached this worker.
+    fn run_step(
+        &mut self,
+        ctx: &mut StepContext,
+        rows: Option<RecordBatch>,
+    ) -> Result<Vec<RecordBatch>, StageError>;
+}
+
+impl<T: StepStage> Stage for T {
+    fn process(
+        &mut self,
+        ctx: &mut StepContext,
+        batch: RecordBatch,
+    ) -> Result<Vec<RecordBatch>, StageError> {
+        self.buffer().push(ctx.step, batch);
+        Ok(Vec::new())
+    }
+
+    fn end_step(&mut self, ctx: &mut StepContext) -> Result<Vec<RecordBatch>, StageError> {
+        let rows = self.buffer().take(ctx.step)?;
+        self.run_step(ctx, rows)
+    }
+}

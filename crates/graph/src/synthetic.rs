@@ -22,7 +22,7 @@ use arrow::array::{ArrayRef, AsArray, Float32Array, RecordBatch, UInt32Array, UI
 use arrow::datatypes::{Float32Type, UInt64Type};
 
 use crate::batch::{u64_column, with_column};
-use crate::stage::{Source, SourceContext, Stage, StepBuffer, StepContext};
+use crate::stage::{Source, SourceContext, Stage, StepBuffer, StepContext, StepStage};
 use crate::weights_edge::{now_ns, WeightsPayload};
 use crate::{PolicyVersion, StageError};
 
@@ -271,18 +271,17 @@ impl SyntheticAdvantage {
     }
 }
 
-impl Stage for SyntheticAdvantage {
-    fn process(
-        &mut self,
-        ctx: &mut StepContext,
-        batch: RecordBatch,
-    ) -> Result<Vec<RecordBatch>, StageError> {
-        self.held.push(ctx.step, batch);
-        Ok(Vec::new())
+impl StepStage for SyntheticAdvantage {
+    fn buffer(&mut self) -> &mut StepBuffer {
+        &mut self.held
     }
 
-    fn end_step(&mut self, ctx: &mut StepContext) -> Result<Vec<RecordBatch>, StageError> {
-        let Some(batch) = self.held.take(ctx.step)? else {
+    fn run_step(
+        &mut self,
+        _ctx: &mut StepContext,
+        rows: Option<RecordBatch>,
+    ) -> Result<Vec<RecordBatch>, StageError> {
+        let Some(batch) = rows else {
             return Ok(Vec::new());
         };
         let groups = batch

@@ -6,7 +6,7 @@
 use arrow::array::RecordBatch;
 
 use weir_graph::batch::with_column;
-use weir_graph::{Stage, StageError, StepBuffer, StepContext};
+use weir_graph::{StageError, StepBuffer, StepContext, StepStage};
 
 use super::columns::{f32s, float_lists, u64s};
 use crate::algorithms::{grpo, rloo, Flavor};
@@ -42,18 +42,17 @@ impl GroupAdvantage {
     }
 }
 
-impl Stage for GroupAdvantage {
-    fn process(
-        &mut self,
-        ctx: &mut StepContext,
-        batch: RecordBatch,
-    ) -> Result<Vec<RecordBatch>, StageError> {
-        self.held.push(ctx.step, batch);
-        Ok(Vec::new())
+impl StepStage for GroupAdvantage {
+    fn buffer(&mut self) -> &mut StepBuffer {
+        &mut self.held
     }
 
-    fn end_step(&mut self, ctx: &mut StepContext) -> Result<Vec<RecordBatch>, StageError> {
-        let Some(batch) = self.held.take(ctx.step)? else {
+    fn run_step(
+        &mut self,
+        _ctx: &mut StepContext,
+        rows: Option<RecordBatch>,
+    ) -> Result<Vec<RecordBatch>, StageError> {
+        let Some(batch) = rows else {
             return Ok(Vec::new());
         };
         let rewards = f32s(&batch, col::REWARD, "advantage")?;
@@ -124,19 +123,18 @@ impl GaeAdvantage {
     }
 }
 
-impl Stage for GaeAdvantage {
-    fn process(
-        &mut self,
-        ctx: &mut StepContext,
-        batch: RecordBatch,
-    ) -> Result<Vec<RecordBatch>, StageError> {
-        self.held.push(ctx.step, batch);
-        Ok(Vec::new())
+impl StepStage for GaeAdvantage {
+    fn buffer(&mut self) -> &mut StepBuffer {
+        &mut self.held
     }
 
-    fn end_step(&mut self, ctx: &mut StepContext) -> Result<Vec<RecordBatch>, StageError> {
+    fn run_step(
+        &mut self,
+        _ctx: &mut StepContext,
+        rows: Option<RecordBatch>,
+    ) -> Result<Vec<RecordBatch>, StageError> {
         use crate::algorithms::{gae, whiten_advantages};
-        let Some(batch) = self.held.take(ctx.step)? else {
+        let Some(batch) = rows else {
             return Ok(Vec::new());
         };
         let scores = f32s(&batch, col::REWARD, "advantage")?;
@@ -242,19 +240,18 @@ impl ReinforceAdvantage {
     }
 }
 
-impl Stage for ReinforceAdvantage {
-    fn process(
-        &mut self,
-        ctx: &mut StepContext,
-        batch: RecordBatch,
-    ) -> Result<Vec<RecordBatch>, StageError> {
-        self.held.push(ctx.step, batch);
-        Ok(Vec::new())
+impl StepStage for ReinforceAdvantage {
+    fn buffer(&mut self) -> &mut StepBuffer {
+        &mut self.held
     }
 
-    fn end_step(&mut self, ctx: &mut StepContext) -> Result<Vec<RecordBatch>, StageError> {
+    fn run_step(
+        &mut self,
+        _ctx: &mut StepContext,
+        rows: Option<RecordBatch>,
+    ) -> Result<Vec<RecordBatch>, StageError> {
         use crate::algorithms::{discounted_returns, whiten_advantages};
-        let Some(batch) = self.held.take(ctx.step)? else {
+        let Some(batch) = rows else {
             return Ok(Vec::new());
         };
         let mut scores = f32s(&batch, col::REWARD, "advantage")?;
@@ -297,7 +294,7 @@ mod tests {
     use arrow::array::{ArrayRef, AsArray, Float32Array, UInt64Array};
     use arrow::datatypes::Float32Type;
     use std::sync::Arc;
-    use weir_graph::WorkerInfo;
+    use weir_graph::{Stage, WorkerInfo};
 
     fn batch() -> RecordBatch {
         RecordBatch::try_from_iter([

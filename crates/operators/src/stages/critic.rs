@@ -12,7 +12,7 @@ use tch::{Kind, Tensor};
 use weir_gpu::optim::{AdamWConfig, Optimizer};
 use weir_gpu::Model;
 use weir_graph::batch::with_column;
-use weir_graph::{Stage, StageError, StepBuffer, StepContext, WorkerInfo};
+use weir_graph::{Stage, StageError, StepBuffer, StepContext, StepStage, WorkerInfo};
 
 use super::columns::{float_list_array, float_lists, token_lists};
 use super::sequences::pack;
@@ -154,18 +154,17 @@ impl CriticLearner {
     }
 }
 
-impl Stage for CriticLearner {
-    fn process(
-        &mut self,
-        ctx: &mut StepContext,
-        batch: RecordBatch,
-    ) -> Result<Vec<RecordBatch>, StageError> {
-        self.held.push(ctx.step, batch);
-        Ok(Vec::new())
+impl StepStage for CriticLearner {
+    fn buffer(&mut self) -> &mut StepBuffer {
+        &mut self.held
     }
 
-    fn end_step(&mut self, ctx: &mut StepContext) -> Result<Vec<RecordBatch>, StageError> {
-        let Some(batch) = self.held.take(ctx.step)? else {
+    fn run_step(
+        &mut self,
+        ctx: &mut StepContext,
+        rows: Option<RecordBatch>,
+    ) -> Result<Vec<RecordBatch>, StageError> {
+        let Some(batch) = rows else {
             return Ok(Vec::new());
         };
         let prompts = token_lists(&batch, col::PROMPT_TOKENS, "critic learner")?;

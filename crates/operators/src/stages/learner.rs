@@ -12,7 +12,7 @@ use arrow::array::RecordBatch;
 use tch::{Kind, Tensor};
 use weir_gpu::optim::{AdamWConfig, Optimizer};
 use weir_gpu::Model;
-use weir_graph::{Stage, StageError, StepBuffer, StepContext, WeightsPayload};
+use weir_graph::{StageError, StepBuffer, StepContext, StepStage, WeightsPayload};
 
 use super::columns::{float_lists, token_lists};
 use super::sequences::pack;
@@ -178,18 +178,17 @@ fn padded(rows: &[Vec<f64>], width: usize, device: tch::Device) -> Tensor {
         .to_device(device)
 }
 
-impl Stage for Learner {
-    fn process(
-        &mut self,
-        ctx: &mut StepContext,
-        batch: RecordBatch,
-    ) -> Result<Vec<RecordBatch>, StageError> {
-        self.held.push(ctx.step, batch);
-        Ok(Vec::new())
+impl StepStage for Learner {
+    fn buffer(&mut self) -> &mut StepBuffer {
+        &mut self.held
     }
 
-    fn end_step(&mut self, ctx: &mut StepContext) -> Result<Vec<RecordBatch>, StageError> {
-        let Some(batch) = self.held.take(ctx.step)? else {
+    fn run_step(
+        &mut self,
+        ctx: &mut StepContext,
+        rows: Option<RecordBatch>,
+    ) -> Result<Vec<RecordBatch>, StageError> {
+        let Some(batch) = rows else {
             // No rows reached this learner: still publish, so versions stay in step.
             ctx.publish_weights(WeightsPayload::from(
                 self.model.export_snapshot(ctx.version + 1)?,
