@@ -85,28 +85,13 @@ impl Stage for RewardModel {
         let mut scores = Vec::with_capacity(batch.num_rows());
         for start in (0..prompts.len()).step_by(self.micro_batch) {
             let end = (start + self.micro_batch).min(prompts.len());
-            let rows: Vec<Vec<i64>> = (start..end)
-                .map(|i| [prompts[i].as_slice(), responses[i].as_slice()].concat())
-                .collect();
-            let width = rows.iter().map(Vec::len).max().unwrap_or(1);
-            let mut ids = Vec::with_capacity(rows.len() * width);
-            let mut mask = Vec::with_capacity(rows.len() * width);
-            for r in &rows {
-                ids.extend(
-                    r.iter()
-                        .copied()
-                        .chain(std::iter::repeat_n(pad, width - r.len())),
-                );
-                mask.extend(
-                    std::iter::repeat_n(1i64, r.len())
-                        .chain(std::iter::repeat_n(0, width - r.len())),
-                );
-            }
-            let shape = [rows.len() as i64, width as i64];
-            let s = self.model.scores(
-                &tch::Tensor::from_slice(&ids).view(shape),
-                Some(&tch::Tensor::from_slice(&mask).view(shape)),
-            )?;
+            let packed = super::sequences::pack(
+                &prompts[start..end],
+                &responses[start..end],
+                pad,
+                self.model.device(),
+            );
+            let s = self.model.scores(&packed.ids, Some(&packed.mask))?;
             scores.extend(
                 Vec::<f32>::try_from(s.select(1, 0).to_kind(tch::Kind::Float))
                     .map_err(|e| e.to_string())?,
