@@ -41,6 +41,10 @@ pub struct LearnerConfig {
     pub ppo_epochs: usize,
     /// The learning-rate schedule over optimizer steps.
     pub schedule: LrSchedule,
+    /// Entropy bonus: `loss − coef · entropy`, the entropy aggregated like
+    /// the policy loss (OpenRLHF's `entropy_loss_coef`, verl's `entropy_coeff`;
+    /// 0 = off, the entropy is still logged).
+    pub entropy_coef: f64,
 }
 
 /// Learning rate over optimizer steps: linear warm-up from 0, then constant or cosine decay.
@@ -103,6 +107,7 @@ impl Default for LearnerConfig {
             kl_estimator: KlEstimator::K3,
             ppo_epochs: 1,
             schedule: LrSchedule::Constant { warmup: 0 },
+            entropy_coef: 0.0,
         }
     }
 }
@@ -118,6 +123,8 @@ pub struct UpdateStats {
     pub clip_fraction: f64,
     /// Mean KL to the reference (0 without a reference).
     pub kl: f64,
+    /// Mean per-token entropy of the policy over the response tokens.
+    pub entropy: f64,
 }
 
 /// The actor's learner.
@@ -148,6 +155,11 @@ impl Learner {
     pub fn last_update(&self) -> UpdateStats {
         self.last
     }
+
+    /// The model being trained.
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
 }
 
 /// Log-probs `[B, R]` of each row's response tokens given its prompt (at
@@ -158,10 +170,45 @@ pub fn response_logprobs(
     responses: &[Vec<i64>],
     temperature: f64,
 ) -> Result<(Tensor, Tensor), StageError> {
+    let f = response_forward(model, prompts, responses, temperature, false)?;
+    Ok((f.logprobs, f.mask))
+}
+
+/// One forward pass over `prompt ++ response` rows, read at the response positions.
+pub struct ResponseForward {
+    /// `log p(response token | prefix)` `[B, R]`.
+    pub logprobs: Tensor,
+    /// 1.0 on real response tokens `[B, R]`.
+    pub mask: Tensor,
+    /// The policy's entropy at each response position `[B, R]`, if asked for.
+    pub entropy: Option<Tensor>,
+}
+
+/// Log-probs (and optionally entropy) of each row's response tokens: the
+/// logits are gathered at the predicting positions first, so the softmax
+/// runs over `R` positions per row, not the whole sequence.
+pub fn response_forward(
+    model: &Model,
+    prompts: &[Vec<i64>],
+    responses: &[Vec<i64>],
+    temperature: f64,
+    with_entropy: bool,
+) -> Result<ResponseForward, StageError> {
     let pad = model.config.pad_token_id.unwrap_or(0).max(0);
     let packed = pack(prompts, responses, pad, model.device());
-    let lp = model.token_logprobs(&packed.ids, Some(&packed.mask), temperature)?;
-    Ok((lp.gather(1, &packed.index, false), packed.response_mask))
+    let logits = model.logits(&packed.ids, Some(&packed.mask), None)?;
+    let vocab = logits.size()[2];
+    let at = logits.gather(
+        1,
+        &packed.index.unsqueeze(-1).expand([-1, -1, vocab], false),
+        false,
+    );
+    let targets = packed.ids.gather(1, &(&packed.index + 1), false);
+    Ok(ResponseForward {
+        logprobs: weir_gpu::logprobs::gather_logprobs(&at, &targets, temperature),
+        mask: packed.response_mask,
+        entropy: with_entropy.then(|| weir_gpu::logprobs::entropy(&at, temperature)),
+    })
 }
 
 fn padded(rows: &[Vec<f64>], width: usize, device: tch::Device) -> Tensor {
@@ -178,29 +225,16 @@ fn padded(rows: &[Vec<f64>], width: usize, device: tch::Device) -> Tensor {
         .to_device(device)
 }
 
-impl StepStage for Learner {
-    fn buffer(&mut self) -> &mut StepBuffer {
-        &mut self.held
-    }
-
-    fn run_step(
-        &mut self,
-        ctx: &mut StepContext,
-        rows: Option<RecordBatch>,
-    ) -> Result<Vec<RecordBatch>, StageError> {
-        let Some(batch) = rows else {
-            // No rows reached this learner: still publish, so versions stay in step.
-            ctx.publish_weights(WeightsPayload::from(
-                self.model.export_snapshot(ctx.version + 1)?,
-            ))?;
-            return Ok(Vec::new());
-        };
-        let prompts = token_lists(&batch, col::PROMPT_TOKENS, "learn")?;
-        let responses = token_lists(&batch, col::RESPONSE_TOKENS, "learn")?;
-        let advantages = float_lists(&batch, col::ADVANTAGES, "learn")?;
-        let behaviour = float_lists(&batch, col::BEHAVIOR_LOGPROBS, "learn")?;
+impl Learner {
+    /// One policy update (`ppo_epochs` optimizer steps) on `batch`'s rows;
+    /// what it measured is also kept for [`Learner::last_update`].
+    pub fn update(&mut self, batch: &RecordBatch) -> Result<UpdateStats, StageError> {
+        let prompts = token_lists(batch, col::PROMPT_TOKENS, "learn")?;
+        let responses = token_lists(batch, col::RESPONSE_TOKENS, "learn")?;
+        let advantages = float_lists(batch, col::ADVANTAGES, "learn")?;
+        let behaviour = float_lists(batch, col::BEHAVIOR_LOGPROBS, "learn")?;
         let references = if self.cfg.kl_coef > 0.0 {
-            Some(float_lists(&batch, col::REF_LOGPROBS, "learn")?)
+            Some(float_lists(batch, col::REF_LOGPROBS, "learn")?)
         } else {
             None
         };
@@ -226,19 +260,22 @@ impl StepStage for Learner {
                 .collect::<Result<_, _>>()?
         };
         let (mut loss_sum, mut clip_sum, mut kl_sum, mut grad_norm) = (0.0, 0.0, 0.0, 0.0);
+        let mut entropy_sum = 0.0;
         for _epoch in 0..self.cfg.ppo_epochs.max(1) {
             self.optimizer
                 .set_lr(self.cfg.schedule.rate(self.cfg.adamw.lr, self.updates));
             self.optimizer.zero_grad();
-            (loss_sum, clip_sum, kl_sum) = (0.0, 0.0, 0.0);
+            (loss_sum, clip_sum, kl_sum, entropy_sum) = (0.0, 0.0, 0.0, 0.0);
             for (&start, old) in starts.iter().zip(&proximal) {
                 let end = (start + micro).min(batch.num_rows());
-                let (lp, mask) = response_logprobs(
+                let fwd = response_forward(
                     &self.model,
                     &prompts[start..end],
                     &responses[start..end],
                     self.cfg.temperature,
+                    true,
                 )?;
+                let (lp, mask) = (fwd.logprobs, fwd.mask);
                 let width = lp.size()[1] as usize;
                 let adv = padded(&advantages[start..end], width, device);
                 let behaviour_t = padded(&behaviour[start..end], width, device);
@@ -257,8 +294,23 @@ impl StepStage for Learner {
                         / total_tokens as f64;
                     loss += kl * self.cfg.kl_coef;
                 }
-                // Token mean over the whole step: weight each micro-batch by its share of tokens.
                 let tokens = mask.sum(Kind::Double).double_value(&[]);
+                if let Some(entropy) = &fwd.entropy {
+                    if self.cfg.entropy_coef != 0.0 {
+                        let bonus = aggregate(
+                            entropy,
+                            &mask,
+                            self.cfg.policy.aggregation,
+                            self.cfg.policy.flavor,
+                        );
+                        loss -= bonus * self.cfg.entropy_coef;
+                    }
+                    entropy_sum += (entropy.detach() * &mask)
+                        .sum(Kind::Double)
+                        .double_value(&[])
+                        / total_tokens as f64;
+                }
+                // Token mean over the whole step: weight each micro-batch by its share of tokens.
                 let share = tokens / total_tokens as f64;
                 loss_sum += loss.double_value(&[]) * share;
                 (&loss * share).backward();
@@ -269,8 +321,7 @@ impl StepStage for Learner {
         }
         if !loss_sum.is_finite() || !grad_norm.is_finite() {
             return Err(format!(
-                "step {}: the loss ({loss_sum}) or gradient norm ({grad_norm}) is not finite",
-                ctx.step
+                "the loss ({loss_sum}) or gradient norm ({grad_norm}) is not finite"
             )
             .into());
         }
@@ -279,32 +330,100 @@ impl StepStage for Learner {
             grad_norm,
             clip_fraction: clip_sum,
             kl: kl_sum,
+            entropy: entropy_sum,
         };
-        tracing::info!(
-            step = ctx.step,
-            loss = loss_sum,
-            grad_norm,
-            clip_fraction = clip_sum,
-            "policy update"
-        );
-        for (name, value) in [
-            ("loss", loss_sum),
-            ("grad_norm", grad_norm),
-            ("clip_fraction", clip_sum),
-            ("kl", kl_sum),
-        ] {
-            ctx.record(name, value);
+        Ok(self.last)
+    }
+}
+
+impl StepStage for Learner {
+    fn buffer(&mut self) -> &mut StepBuffer {
+        &mut self.held
+    }
+
+    fn run_step(
+        &mut self,
+        ctx: &mut StepContext,
+        rows: Option<RecordBatch>,
+    ) -> Result<Vec<RecordBatch>, StageError> {
+        let mut out = Vec::new();
+        if let Some(batch) = rows {
+            let u = self
+                .update(&batch)
+                .map_err(|e| format!("step {}: {e}", ctx.step))?;
+            tracing::info!(
+                step = ctx.step,
+                loss = u.loss,
+                grad_norm = u.grad_norm,
+                clip_fraction = u.clip_fraction,
+                entropy = u.entropy,
+                "policy update"
+            );
+            for (name, value) in [
+                ("loss", u.loss),
+                ("grad_norm", u.grad_norm),
+                ("clip_fraction", u.clip_fraction),
+                ("kl", u.kl),
+                ("entropy", u.entropy),
+            ] {
+                ctx.record(name, value);
+            }
+            out.push(batch);
         }
+        // Published even when no rows reached this learner, so versions stay in step.
         ctx.publish_weights(WeightsPayload::from(
             self.model.export_snapshot(ctx.version + 1)?,
         ))?;
-        Ok(vec![batch])
+        Ok(out)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::stages::columns::{float_list_array, token_list_array};
+
+    fn entropy_after_two_updates(coef: f64) -> (f64, f64) {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../../shared/fixtures/models/tiny-llama");
+        let model = Model::load(&dir, weir_gpu::Device::Cpu, Kind::Float).unwrap();
+        let mut cfg = LearnerConfig {
+            entropy_coef: coef,
+            ..LearnerConfig::default()
+        };
+        cfg.adamw.lr = 1e-2;
+        cfg.adamw.weight_decay = 0.0;
+        let mut learner = Learner::new(model, cfg).unwrap();
+        let responses = vec![vec![5i64, 6, 7], vec![8, 9]];
+        let zeros: Vec<Vec<f64>> = responses.iter().map(|r| vec![0.0; r.len()]).collect();
+        let batch = RecordBatch::try_from_iter([
+            (
+                col::PROMPT_TOKENS,
+                token_list_array(&[vec![1, 2], vec![1, 3, 4]]),
+            ),
+            (col::RESPONSE_TOKENS, token_list_array(&responses)),
+            (col::ADVANTAGES, float_list_array(&zeros)),
+            (col::BEHAVIOR_LOGPROBS, float_list_array(&zeros)),
+        ])
+        .unwrap();
+        let first = learner.update(&batch).unwrap();
+        let second = learner.update(&batch).unwrap();
+        assert!(first.loss.is_finite() && first.entropy > 0.0);
+        (first.entropy, second.entropy)
+    }
+
+    #[test]
+    fn the_entropy_bonus_moves_entropy_its_way() {
+        // Zero advantages: the policy term has no gradient; only the bonus moves the weights.
+        let (before, up) = entropy_after_two_updates(0.5);
+        let (same, down) = entropy_after_two_updates(-0.5);
+        assert_eq!(
+            before, same,
+            "the entropy before any update does not depend on the coefficient"
+        );
+        assert!(up > before + 1e-4, "{before} → {up}");
+        assert!(down < before - 1e-4, "{before} → {down}");
+    }
 
     #[test]
     fn schedules_warm_up_then_hold_or_decay() {

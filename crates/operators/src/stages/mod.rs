@@ -3,6 +3,7 @@
 //! - [`prompts::PromptSource`]: prompts × n samples per step, seeded shuffling per epoch, a cursor.
 //! - [`generate::Generate`]: the actor; loads weight snapshots from the weights edge.
 //! - [`reward::RuleReward`]: rule rewards on a dataset column; [`reward::RewardModel`]: a reward model.
+//! - [`remote_reward::RemoteReward`]: rewards from an HTTP reward server (OpenRLHF's protocol), with timeouts and retries.
 //! - [`reference::RefLogprob`]: the frozen reference model's log-probs.
 //! - [`advantage::GroupAdvantage`]: GRPO / Dr.GRPO / RLOO over whole prompt groups; [`advantage::ReinforceAdvantage`]: REINFORCE++ (-baseline); [`advantage::GaeAdvantage`]: PPO's KL-shaped rewards and GAE.
 //! - [`critic::Critic`] and [`critic::CriticLearner`]: values before the advantage, the value fit after it.
@@ -15,5 +16,6 @@ pub mod generate;
 pub mod learner;
 pub mod prompts;
 pub mod reference;
+pub mod remote_reward;
 pub mod reward;
 pub mod sequences;

@@ -22,7 +22,8 @@ pub fn pack(prompts: &[Vec<i64>], responses: &[Vec<i64>], pad: i64, device: tch:
     let width = prompts
         .iter()
         .zip(responses)
-        .map(|(p, r)| p.len() + r.len())
+        // An empty response still gets one (padded) slot to be read at.
+        .map(|(p, r)| p.len() + r.len().max(1))
         .max()
         .unwrap_or(1);
     let r_max = responses.iter().map(Vec::len).max().unwrap_or(1).max(1);
