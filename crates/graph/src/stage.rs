@@ -71,6 +71,11 @@ impl StepContext {
         self.recorded.push((name.to_string(), value));
     }
 
+    /// The metrics recorded so far in this call.
+    pub fn recorded(&self) -> &[(String, f64)] {
+        &self.recorded
+    }
+
     /// True in a learner's `end_step`, where [`StepContext::publish_weights`] may be called.
     pub fn may_publish(&self) -> bool {
         self.may_publish

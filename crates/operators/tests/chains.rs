@@ -307,3 +307,138 @@ fn ppo_with_a_critic_runs_through_the_engine() {
         }
     }
 }
+
+#[test]
+fn dapo_filters_groups_and_feeds_prompt_stats_through_the_engine() {
+    use weir_operators::stages::dynamic_sampling::{DynamicSampling, DynamicSamplingConfig};
+    use weir_operators::stages::prompt_stats::{PromptStats, StatsView};
+    let out = tempfile::tempdir().unwrap();
+    let log_dir = out.path().join("rollouts");
+    let (prompts_per_step, samples, steps, target) = (6usize, 4usize, 4u64, 2usize);
+    let view = StatsView::new();
+    let stats_view = view.clone();
+    let pipeline = Pipeline::new("dapo")
+        .source("rollout", move |w| {
+            let tok = Tokenizer::load(&model_dir())?;
+            Ok(PromptSource::arith(
+                &arith::eval_pairs()[..48],
+                &tok,
+                prompts_per_step,
+                samples,
+                11,
+            )?
+            .shard(w.rank, w.role_size))
+        })
+        .generate("generate", "rollout", Partition::Local, |_| {
+            let model = Model::load(&model_dir(), Device::Cpu, Kind::Float)?;
+            let tok = Tokenizer::load(&model_dir())?;
+            let params = SamplingParams {
+                max_new_tokens: 6,
+                temperature: 1.5,
+                eos_token_ids: tok.eos_token_ids().to_vec(),
+                seed: 2,
+                ..Default::default()
+            };
+            Ok(Generate::new(model, tok, params))
+        })
+        .stage("reward", "rollout", Partition::Local, |_| {
+            Ok(RuleReward::new(
+                rule_reward("arith_exact_match").unwrap(),
+                "answer",
+            ))
+        })
+        .stage(
+            "stats",
+            "train",
+            Partition::ByKey(col::PROMPT_ID.into()),
+            move |_| Ok(PromptStats::new(stats_view.clone(), 1.0)),
+        )
+        .stage("filter", "train", Partition::Local, move |_| {
+            Ok(DynamicSampling::new(DynamicSamplingConfig {
+                target_groups: Some(target),
+                max_staleness: 1,
+            }))
+        })
+        .stage("advantage", "train", Partition::Local, |_| {
+            Ok(GroupAdvantage::new(GroupEstimator::Grpo, Flavor::OpenRlhf))
+        })
+        .learn("learn", "train", Partition::Local, |_| {
+            Learner::new(
+                Model::load(&model_dir(), Device::Cpu, Kind::Float)?,
+                LearnerConfig::default(),
+            )
+        })
+        .sink("log", "train", Partition::Local, move |w| {
+            Ok(ParquetLog::new(&log_dir, w.index, 1 << 20)?)
+        });
+    let settings = RunSettings::new(
+        Execution::Threads(2),
+        Placement::new(2)
+            .assign("rollout", [0])
+            .assign("train", [1]),
+    )
+    .max_staleness(1)
+    .steps(steps);
+    let report = pipeline.run(&settings).unwrap();
+    assert!(report.max_staleness_observed().unwrap_or(0) <= 1);
+    let metric = |name: &str| -> f64 {
+        report
+            .metrics
+            .iter()
+            .filter(|m| m.stage == "filter" && m.metric == name)
+            .map(|m| m.value)
+            .sum()
+    };
+    let (kept, dropped) = (metric("groups_kept"), metric("groups_dropped"));
+    assert_eq!(kept + dropped, (steps as usize * prompts_per_step) as f64);
+    assert!(dropped > 0.0, "some groups agree at this size");
+
+    // Only informative groups reach the learner, at most `target` a step.
+    let batches = weir_graph::parquet_log::read_parquet_dir(&out.path().join("rollouts")).unwrap();
+    let mut rewards_of: BTreeMap<u64, Vec<f32>> = BTreeMap::new();
+    let mut groups_per_step: BTreeMap<u64, std::collections::BTreeSet<u64>> = BTreeMap::new();
+    for b in &batches {
+        let groups = b
+            .column_by_name(col::GROUP_ID)
+            .unwrap()
+            .as_primitive::<UInt64Type>();
+        let rewards = b
+            .column_by_name(col::REWARD)
+            .unwrap()
+            .as_primitive::<Float32Type>();
+        let lv = b
+            .column_by_name(col::LEARNER_VERSION)
+            .unwrap()
+            .as_primitive::<UInt64Type>();
+        for i in 0..b.num_rows() {
+            rewards_of
+                .entry(groups.value(i))
+                .or_default()
+                .push(rewards.value(i));
+            groups_per_step
+                .entry(lv.value(i))
+                .or_default()
+                .insert(groups.value(i));
+        }
+    }
+    assert_eq!(rewards_of.len() as f64, metric("groups_emitted"));
+    for (g, r) in &rewards_of {
+        assert_eq!(r.len(), samples, "group {g} arrives whole");
+        assert!(
+            r.iter().any(|x| *x != r[0]),
+            "group {g} is informative: {r:?}"
+        );
+    }
+    assert!(groups_per_step.values().all(|g| g.len() <= target));
+
+    // The view saw every scored sample, prompt by prompt.
+    let stats = view.as_of(steps);
+    let samples_seen: u64 = stats.values().map(|s| s.samples).sum();
+    assert_eq!(
+        samples_seen,
+        (steps as usize * prompts_per_step * samples) as u64
+    );
+    assert!(stats
+        .values()
+        .all(|s| s.samples % samples as u64 == 0 && s.solved <= s.samples));
+}

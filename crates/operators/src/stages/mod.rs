@@ -4,6 +4,8 @@
 //! - [`generate::Generate`]: the actor; loads weight snapshots from the weights edge.
 //! - [`reward::RuleReward`]: rule rewards on a dataset column; [`reward::RewardModel`]: a reward model.
 //! - [`remote_reward::RemoteReward`]: rewards from an HTTP reward server (OpenRLHF's protocol), with timeouts and retries.
+//! - [`dynamic_sampling::DynamicSampling`]: DAPO's filter of groups whose rewards all agree, refilled from a staleness-bounded pool.
+//! - [`prompt_stats::PromptStats`]: per-prompt solve rate and reward variance across epochs, a differential-dataflow view the prompt source can use as a curriculum.
 //! - [`reference::RefLogprob`]: the frozen reference model's log-probs.
 //! - [`advantage::GroupAdvantage`]: GRPO / Dr.GRPO / RLOO over whole prompt groups; [`advantage::ReinforceAdvantage`]: REINFORCE++ (-baseline); [`advantage::GaeAdvantage`]: PPO's KL-shaped rewards and GAE.
 //! - [`critic::Critic`] and [`critic::CriticLearner`]: values before the advantage, the value fit after it.
@@ -12,8 +14,10 @@
 pub mod advantage;
 pub mod columns;
 pub mod critic;
+pub mod dynamic_sampling;
 pub mod generate;
 pub mod learner;
+pub mod prompt_stats;
 pub mod prompts;
 pub mod reference;
 pub mod remote_reward;

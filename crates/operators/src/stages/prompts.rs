@@ -45,6 +45,7 @@ pub struct PromptSource {
     order: Vec<usize>,
     rank: usize,
     role_size: usize,
+    curriculum: Option<super::prompt_stats::Curriculum>,
 }
 
 fn shuffled(n: usize, seed: u64, epoch: u64) -> Vec<usize> {
@@ -103,6 +104,7 @@ impl PromptSource {
             order,
             rank: 0,
             role_size: 1,
+            curriculum: None,
         })
     }
 
@@ -144,6 +146,14 @@ impl PromptSource {
         self
     }
 
+    /// Skips the prompts `curriculum` rules out (mastered or hopeless so far).
+    /// When every prompt is ruled out, prompts are taken anyway rather than
+    /// searching forever.
+    pub fn curriculum(mut self, curriculum: super::prompt_stats::Curriculum) -> Self {
+        self.curriculum = Some(curriculum);
+        self
+    }
+
     /// Where the source is now.
     pub fn cursor(&self) -> Cursor {
         self.cursor
@@ -155,9 +165,11 @@ impl PromptSource {
         self.order = shuffled(self.rows.len(), self.seed, cursor.epoch);
     }
 
-    /// The next step's prompt indices, advancing the cursor (None when the epochs are done).
-    fn take_prompts(&mut self) -> Option<Vec<usize>> {
+    /// Step `step`'s prompt indices, advancing the cursor (None when the epochs are done).
+    fn take_prompts(&mut self, step: u64) -> Option<Vec<usize>> {
         let mut out = Vec::with_capacity(self.prompts_per_step);
+        // Skipped in a row; after a whole dataset's worth, the curriculum is ignored.
+        let mut skipped = 0;
         while out.len() < self.prompts_per_step {
             if self.epochs.is_some_and(|e| self.cursor.epoch >= e) {
                 return None;
@@ -170,8 +182,18 @@ impl PromptSource {
                 self.order = shuffled(self.rows.len(), self.seed, self.cursor.epoch);
                 continue;
             }
-            out.push(self.order[self.cursor.position]);
+            let prompt = self.order[self.cursor.position];
             self.cursor.position += 1;
+            if skipped < self.rows.len()
+                && self
+                    .curriculum
+                    .as_ref()
+                    .is_some_and(|c| c.skips(prompt as u64, step))
+            {
+                skipped += 1;
+                continue;
+            }
+            out.push(prompt);
         }
         Some(out)
     }
@@ -180,7 +202,7 @@ impl PromptSource {
 impl Source for PromptSource {
     fn next_step(&mut self, ctx: &SourceContext) -> Result<Option<Vec<RecordBatch>>, StageError> {
         // Every worker of the role advances the same cursor and keeps its share.
-        let Some(prompts) = self.take_prompts() else {
+        let Some(prompts) = self.take_prompts(ctx.step) else {
             return Ok(None);
         };
         let mut step = Vec::new();
@@ -299,6 +321,47 @@ mod tests {
         let mut b = PromptSource::new(rows(6), vec!["answer".into()], 3, 1, 42).unwrap();
         b.restore(saved);
         assert_eq!(b.next_step(&ctx(1)).unwrap().unwrap().remove(0), next);
+    }
+
+    #[test]
+    fn a_curriculum_skips_settled_mastered_prompts() {
+        use super::super::prompt_stats::{Curriculum, PromptStats, StatsView};
+        use weir_graph::{StepContext, StepStage};
+        let view = StatsView::new();
+        let mut stats = PromptStats::new(view.clone(), 1.0);
+        // Step 0 solved prompts 0 and 1 every time, prompt 2 half the time.
+        let scored = RecordBatch::try_from_iter([
+            (
+                col::PROMPT_ID,
+                Arc::new(UInt64Array::from(vec![0, 0, 1, 1, 2, 2])) as ArrayRef,
+            ),
+            (
+                col::REWARD,
+                Arc::new(arrow::array::Float32Array::from(vec![
+                    1.0, 1.0, 1.0, 1.0, 1.0, 0.0,
+                ])) as ArrayRef,
+            ),
+        ])
+        .unwrap();
+        let mut sctx = StepContext::detached(0, ctx(0).worker, 0);
+        stats.run_step(&mut sctx, Some(scored)).unwrap();
+        let curriculum = Curriculum {
+            view,
+            min_samples: 2,
+            max_solve_rate: 1.0,
+            min_solve_rate: -1.0,
+            max_staleness: 0,
+        };
+        let mut src = PromptSource::new(rows(4), vec!["answer".into()], 2, 1, 3)
+            .unwrap()
+            .curriculum(curriculum);
+        let mut drawn = Vec::new();
+        for step in 1..5 {
+            let batch = src.next_step(&ctx(step)).unwrap().unwrap().remove(0);
+            drawn.extend(super::super::columns::u64s(&batch, col::PROMPT_ID, "t").unwrap());
+        }
+        assert!(!drawn.contains(&0) && !drawn.contains(&1), "{drawn:?}");
+        assert_eq!(drawn.len(), 8, "mastered prompts do not shrink the step");
     }
 
     #[test]
