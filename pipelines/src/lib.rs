@@ -1,8 +1,123 @@
 //! # weir-pipelines: declarative RLHF pipelines
 //!
-//! Each pipeline (PPO, GRPO, REINFORCE++, RLOO, SFT, RM, DPO) is a short
-//! function that wires `weir_operators` stages into a `weir_graph::Pipeline`
-//! from a typed config. Filled by the pipelines issue; the engine simulation
-//! (`weir sim`) shows the shape with synthetic stages.
+//! Each pipeline is a short function that wires `weir_operators` stages
+//! into a `weir_graph::Pipeline` from a typed [`RunConfig`]: [`rl::grpo`],
+//! [`rl::dr_grpo`], [`rl::rloo`], [`rl::reinforce_pp`],
+//! [`rl::reinforce_pp_baseline`], [`rl::ppo`] and [`sft::sft`]. The pieces
+//! they share (the prompt source, the actor, rewards, the learner, the
+//! rollout log) are in [`roles`]; [`runner`] turns a config into a run
+//! folder: resolved config, rollouts, metrics, checkpoints, summary — and
+//! resumes one.
 
+pub mod config;
+pub mod progress;
+pub mod rl;
+pub mod roles;
+pub mod runner;
+pub mod sft;
+
+pub use config::{ConfigError, RunConfig};
+pub use runner::{run, RunOutcome, RunRequest};
 pub use weir_graph::Pipeline;
+
+/// The pipelines `weir run` knows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PipelineKind {
+    /// PPO: actor, critic, reference, GAE.
+    Ppo,
+    /// GRPO: group-normalised outcome advantages, β·KL in the loss.
+    Grpo,
+    /// Dr.GRPO: group-centred advantages (no std), length-unbiased aggregation.
+    DrGrpo,
+    /// RLOO: leave-one-out baselines.
+    Rloo,
+    /// REINFORCE++: KL-shaped token rewards, whitened returns.
+    ReinforcePp,
+    /// REINFORCE++-baseline: group-mean baseline first.
+    ReinforcePpBaseline,
+    /// Supervised fine-tuning on a target column.
+    Sft,
+}
+
+impl PipelineKind {
+    /// Every pipeline.
+    pub const ALL: &'static [PipelineKind] = &[
+        PipelineKind::Ppo,
+        PipelineKind::Grpo,
+        PipelineKind::DrGrpo,
+        PipelineKind::Rloo,
+        PipelineKind::ReinforcePp,
+        PipelineKind::ReinforcePpBaseline,
+        PipelineKind::Sft,
+    ];
+
+    /// The command-line name.
+    pub fn name(self) -> &'static str {
+        match self {
+            PipelineKind::Ppo => "ppo",
+            PipelineKind::Grpo => "grpo",
+            PipelineKind::DrGrpo => "dr_grpo",
+            PipelineKind::Rloo => "rloo",
+            PipelineKind::ReinforcePp => "reinforce_pp",
+            PipelineKind::ReinforcePpBaseline => "reinforce_pp_baseline",
+            PipelineKind::Sft => "sft",
+        }
+    }
+
+    /// Parses a command-line name.
+    pub fn parse(name: &str) -> Result<Self, String> {
+        PipelineKind::ALL
+            .iter()
+            .copied()
+            .find(|k| k.name() == name)
+            .ok_or_else(|| {
+                let names: Vec<&str> = PipelineKind::ALL.iter().map(|k| k.name()).collect();
+                format!("unknown pipeline `{name}` (one of {})", names.join(", "))
+            })
+    }
+
+    /// Whether advantages are computed over prompt groups.
+    pub fn is_group(self) -> bool {
+        matches!(
+            self,
+            PipelineKind::Grpo | PipelineKind::DrGrpo | PipelineKind::Rloo
+        )
+    }
+
+    /// Whether the pipeline generates (everything but SFT).
+    pub fn is_rl(self) -> bool {
+        self != PipelineKind::Sft
+    }
+}
+
+/// Why a pipeline could not be built or run.
+#[derive(Debug, thiserror::Error)]
+pub enum PipelineError {
+    /// A bad config.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The engine failed.
+    #[error(transparent)]
+    Graph(#[from] weir_graph::GraphError),
+    /// Anything else, described.
+    #[error("{0}")]
+    Other(String),
+}
+
+impl From<String> for PipelineError {
+    fn from(s: String) -> Self {
+        PipelineError::Other(s)
+    }
+}
+
+impl From<weir_graph::StageError> for PipelineError {
+    fn from(e: weir_graph::StageError) -> Self {
+        PipelineError::Other(e.to_string())
+    }
+}
+
+impl From<weir_gpu::ModelError> for PipelineError {
+    fn from(e: weir_gpu::ModelError) -> Self {
+        PipelineError::Other(e.to_string())
+    }
+}

@@ -110,6 +110,25 @@ impl Model {
         })
     }
 
+    /// Fresh weights as transformers initialises a new model: every matrix
+    /// and embedding from N(0, std²) (`initializer_range`), norms at 1,
+    /// biases at 0; seeded, so the same seed gives the same model.
+    pub fn init_weights(&mut self, std: f64, seed: i64) {
+        tch::manual_seed(seed);
+        let _guard = tch::no_grad_guard();
+        let mut vars: Vec<(String, Tensor)> = self.vs.variables().into_iter().collect();
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        for (name, mut t) in vars {
+            if name.ends_with("norm.weight") {
+                let _ = t.fill_(1.0);
+            } else if name.ends_with(".bias") {
+                let _ = t.zero_();
+            } else {
+                let _ = t.normal_(0.0, std);
+            }
+        }
+    }
+
     /// Copies every parameter from the checkpoint in `dir`, checking names and shapes.
     pub fn load_weights(&mut self, dir: &Path) -> Result<(), ModelError> {
         self.load_weights_except(dir, &[])

@@ -1,6 +1,5 @@
 //! Training a model: AdamW over its `VarStore` with gradient-norm clipping.
 
-use tch::nn::{self, OptimizerConfig};
 use tch::{Kind, Tensor};
 
 use crate::model::Model;
@@ -33,45 +32,67 @@ impl Default for AdamWConfig {
     }
 }
 
-/// An AdamW optimiser over one model's parameters.
+/// An AdamW optimiser over one model's parameters, PyTorch's update rule
+/// (decoupled decay, bias-corrected moments), with its state exposed so a
+/// checkpoint can save and restore it.
 pub struct Optimizer {
-    inner: nn::Optimizer,
-    params: Vec<Tensor>,
+    config: AdamWConfig,
+    lr: f64,
+    /// (name, parameter, first moment, second moment), sorted by name.
+    slots: Vec<(String, Tensor, Tensor, Tensor)>,
+    /// Optimizer steps taken.
+    steps: u64,
 }
 
 impl Optimizer {
     /// AdamW over every trainable parameter of `model`.
     pub fn adamw(model: &Model, config: AdamWConfig) -> Result<Self, ModelError> {
-        let adamw = nn::AdamW {
-            beta1: config.beta1,
-            beta2: config.beta2,
-            wd: config.weight_decay,
-            eps: config.eps,
-            amsgrad: false,
-        };
-        let inner = adamw.build(model.var_store(), config.lr)?;
+        let mut vars: Vec<(String, Tensor)> = model.var_store().variables().into_iter().collect();
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        let slots = vars
+            .into_iter()
+            .filter(|(_, p)| p.requires_grad())
+            .map(|(name, p)| {
+                let m = p.zeros_like().to_kind(Kind::Float);
+                let v = p.zeros_like().to_kind(Kind::Float);
+                (name, p, m, v)
+            })
+            .collect();
         Ok(Optimizer {
-            inner,
-            params: model.var_store().trainable_variables(),
+            config,
+            lr: config.lr,
+            slots,
+            steps: 0,
         })
     }
 
     /// Sets the learning rate (for warm-up and schedules).
     pub fn set_lr(&mut self, lr: f64) {
-        self.inner.set_lr(lr);
+        self.lr = lr;
+    }
+
+    /// Optimizer steps taken so far.
+    pub fn steps(&self) -> u64 {
+        self.steps
     }
 
     /// Clears the accumulated gradients.
     pub fn zero_grad(&mut self) {
-        self.inner.zero_grad();
+        for (_, p, _, _) in &mut self.slots {
+            let mut g = p.grad();
+            if g.defined() {
+                let _ = g.detach_();
+                let _ = g.zero_();
+            }
+        }
     }
 
     /// The global L2 norm of the accumulated gradients.
     pub fn grad_norm(&self) -> f64 {
         let total: f64 = self
-            .params
+            .slots
             .iter()
-            .map(|p| p.grad())
+            .map(|(_, p, _, _)| p.grad())
             .filter(|g| g.defined())
             .map(|g| {
                 g.to_kind(Kind::Double)
@@ -88,10 +109,78 @@ impl Optimizer {
     /// `backward()` on one or more micro-batch losses.
     pub fn step(&mut self, max_norm: Option<f64>) -> f64 {
         let norm = self.grad_norm();
-        if let Some(max) = max_norm {
-            self.inner.clip_grad_norm(max);
+        // PyTorch's clip_grad_norm_: scale by max / (norm + 1e-6) when above.
+        let scale = match max_norm {
+            Some(max) if norm > max => max / (norm + 1e-6),
+            _ => 1.0,
+        };
+        let c = self.config;
+        self.steps += 1;
+        let t = self.steps as i32;
+        let bias1 = 1.0 - c.beta1.powi(t);
+        let bias2 = 1.0 - c.beta2.powi(t);
+        let _guard = tch::no_grad_guard();
+        for (_, p, m, v) in &mut self.slots {
+            let g = p.grad();
+            if !g.defined() {
+                continue;
+            }
+            let g = if scale == 1.0 {
+                g.to_kind(Kind::Float)
+            } else {
+                g.to_kind(Kind::Float) * scale
+            };
+            if c.weight_decay != 0.0 {
+                let _ = p.g_mul_scalar_(1.0 - self.lr * c.weight_decay);
+            }
+            let _ = m.g_mul_scalar_(c.beta1);
+            let _ = m.g_add_(&(&g * (1.0 - c.beta1)));
+            let _ = v.g_mul_scalar_(c.beta2);
+            let _ = v.g_add_(&(&g * &g * (1.0 - c.beta2)));
+            let denom = v.sqrt() / bias2.sqrt() + c.eps;
+            let update = (&*m / denom) * (self.lr / bias1);
+            let _ = p.g_sub_(&update.to_kind(p.kind()));
         }
-        self.inner.step();
         norm
+    }
+
+    /// The optimizer state as named tensors (`exp_avg.NAME`, `exp_avg_sq.NAME`)
+    /// and the step count, for a checkpoint.
+    pub fn state(&self) -> (Vec<(String, Tensor)>, u64) {
+        let mut out = Vec::with_capacity(self.slots.len() * 2);
+        for (name, _, m, v) in &self.slots {
+            out.push((format!("exp_avg.{name}"), m.shallow_clone()));
+            out.push((format!("exp_avg_sq.{name}"), v.shallow_clone()));
+        }
+        (out, self.steps)
+    }
+
+    /// Restores a state saved by [`Optimizer::state`]; every parameter's moments must be present with its shape.
+    pub fn load_state(
+        &mut self,
+        tensors: &[(String, Tensor)],
+        steps: u64,
+    ) -> Result<(), ModelError> {
+        let by_name: std::collections::HashMap<&str, &Tensor> =
+            tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        for (name, p, m, v) in &mut self.slots {
+            for (prefix, slot) in [("exp_avg", &mut *m), ("exp_avg_sq", &mut *v)] {
+                let key = format!("{prefix}.{name}");
+                let t = by_name
+                    .get(key.as_str())
+                    .ok_or_else(|| ModelError::Input(format!("optimizer state has no `{key}`")))?;
+                if t.size() != p.size() {
+                    return Err(ModelError::Input(format!(
+                        "optimizer state `{key}` has shape {:?}, the parameter {:?}",
+                        t.size(),
+                        p.size()
+                    )));
+                }
+                let _guard = tch::no_grad_guard();
+                slot.copy_(&t.to_kind(Kind::Float).to_device(p.device()));
+            }
+        }
+        self.steps = steps;
+        Ok(())
     }
 }

@@ -164,6 +164,22 @@ impl Model {
             "torch_dtype"
         };
         config[key] = dtype.into();
+        if self.config.head == crate::Head::SequenceClassification {
+            // A critic made from a causal LM is saved as what it now is: a one-label classifier.
+            config["architectures"] = serde_json::json!([self
+                .config
+                .architecture
+                .replace("ForCausalLM", "ForSequenceClassification")]);
+            config["num_labels"] = self.config.num_labels.into();
+            config["id2label"] = (0..self.config.num_labels)
+                .map(|i| (i.to_string(), serde_json::Value::from(format!("LABEL_{i}"))))
+                .collect::<serde_json::Map<_, _>>()
+                .into();
+            config["label2id"] = (0..self.config.num_labels)
+                .map(|i| (format!("LABEL_{i}"), serde_json::Value::from(i)))
+                .collect::<serde_json::Map<_, _>>()
+                .into();
+        }
         let text = serde_json::to_string_pretty(&config).map_err(|e| ModelError::Json {
             path: config_path.display().to_string(),
             message: e.to_string(),

@@ -246,6 +246,13 @@ impl StageRunner {
             row(names::BATCHES_IN, None, stats.batches_in as f64),
             row(names::ROWS_IN, None, stats.rows_in as f64),
             row(names::ROWS_OUT, None, stats.rows_out as f64),
+            row(
+                names::DONE_UNIX_S,
+                None,
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0.0, |d| d.as_secs_f64()),
+            ),
         ];
         if self.kind == StageKind::Generate {
             rows.push(row(names::POLICY_VERSION, None, self.version as f64));

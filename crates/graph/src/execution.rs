@@ -155,7 +155,19 @@ pub struct RunSettings {
     pub metrics_path: Option<PathBuf>,
     /// How weights cross the weights edge.
     pub transport: Arc<dyn WeightsTransport>,
+    /// Called on the metrics worker with each arriving bundle of metric rows
+    /// (progress bars, live dashboards).
+    pub observer: Option<MetricsObserver>,
+    /// Metric rows of earlier segments of a resumed run: kept in the report
+    /// and the metrics file ahead of this segment's rows.
+    pub prior_metrics: Vec<crate::metrics::MetricRow>,
+    /// How often the metrics file is rewritten during the run (a crash loses
+    /// at most this much).
+    pub metrics_flush: Duration,
 }
+
+/// A callback over live metric rows.
+pub type MetricsObserver = Arc<dyn Fn(&[crate::metrics::MetricRow]) + Send + Sync>;
 
 impl RunSettings {
     /// Settings with k = 0, an unbounded number of steps, a 60 s peer timeout
@@ -171,7 +183,29 @@ impl RunSettings {
             peer_timeout: Duration::from_secs(60),
             metrics_path: None,
             transport: Arc::new(InlineTransport),
+            observer: None,
+            prior_metrics: Vec::new(),
+            metrics_flush: Duration::from_secs(10),
         }
+    }
+
+    /// Starts at `first_step` with the generators and learner at `version` (a resumed run).
+    pub fn resume_at(mut self, first_step: Step, version: PolicyVersion) -> Self {
+        self.first_step = first_step;
+        self.initial_version = version;
+        self
+    }
+
+    /// Calls `observer` with the live metric rows.
+    pub fn observe(mut self, observer: MetricsObserver) -> Self {
+        self.observer = Some(observer);
+        self
+    }
+
+    /// Keeps earlier segments' metric rows (see [`RunSettings::prior_metrics`]).
+    pub fn prior_metrics(mut self, rows: Vec<crate::metrics::MetricRow>) -> Self {
+        self.prior_metrics = rows;
+        self
     }
 
     /// Sets `max_staleness`.

@@ -42,7 +42,7 @@ pub use backpressure::Admission;
 pub use batch::Batch;
 pub use engine_thread::StageKind;
 pub use error::{GraphError, StageError};
-pub use execution::{Execution, RunSettings};
+pub use execution::{Execution, MetricsObserver, RunSettings};
 pub use metrics::{MetricRow, RunReport};
 pub use parquet_log::ParquetLog;
 pub use partition::{Partition, Router};

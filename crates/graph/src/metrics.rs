@@ -47,6 +47,9 @@ pub mod names {
     pub const WEIGHTS_TRANSFER_S: &str = "weights_transfer_s";
     /// Rows the learner consumed at each staleness (label = staleness).
     pub const STALENESS: &str = "staleness";
+    /// When the stage finished the step on this worker, in seconds since the
+    /// Unix epoch (a learner's figures give step times and throughput, across resumes too).
+    pub const DONE_UNIX_S: &str = "done_unix_s";
     /// Steps admitted but not yet completed, sampled when the source admits a step.
     pub const IN_FLIGHT_STEPS: &str = "in_flight_steps";
 }

@@ -1,6 +1,7 @@
 //! `ParquetLog`: a sink that writes every row it gets to rolling Parquet files.
 //!
-//! Files are named `part-<worker>-<seq>.parquet` and become visible only when
+//! Files are named `part-<worker>-<first step>.parquet` (so a resumed run,
+//! which starts at a later step, never reuses a name) and become visible only when
 //! complete (written to a `.tmp` name, then renamed), so a crash never leaves
 //! a truncated file for pandas, polars or DuckDB to trip over.
 //!
@@ -38,7 +39,7 @@ pub struct ParquetLog {
     dir: PathBuf,
     worker: usize,
     rows_per_file: usize,
-    seq: usize,
+    first_step: Option<Step>,
     buffered: Vec<RecordBatch>,
     buffered_rows: usize,
     schema: Option<SchemaRef>,
@@ -53,7 +54,7 @@ impl ParquetLog {
             dir: dir.to_path_buf(),
             worker,
             rows_per_file: rows_per_file.max(1),
-            seq: 0,
+            first_step: None,
             buffered: Vec::new(),
             buffered_rows: 0,
             schema: None,
@@ -64,11 +65,20 @@ impl ParquetLog {
         if self.buffered.is_empty() {
             return Ok(());
         }
-        let path = self
+        let first = self.first_step.unwrap_or(0);
+        let mut path = self
             .dir
-            .join(format!("part-{:04}-{:06}.parquet", self.worker, self.seq));
+            .join(format!("part-{:04}-{first:010}.parquet", self.worker));
+        // Two files may start at one step (a schema change mid-step): never overwrite.
+        let mut n = 1;
+        while path.exists() {
+            path = self
+                .dir
+                .join(format!("part-{:04}-{first:010}-{n}.parquet", self.worker));
+            n += 1;
+        }
         write_parquet_atomically(&path, &self.buffered)?;
-        self.seq += 1;
+        self.first_step = None;
         self.buffered.clear();
         self.buffered_rows = 0;
         self.schema = None;
@@ -77,10 +87,11 @@ impl ParquetLog {
 }
 
 impl Sink for ParquetLog {
-    fn write(&mut self, _step: Step, batch: &RecordBatch) -> Result<(), StageError> {
+    fn write(&mut self, step: Step, batch: &RecordBatch) -> Result<(), StageError> {
         if self.schema.as_ref().is_some_and(|s| *s != batch.schema()) {
             self.flush_file()?;
         }
+        self.first_step.get_or_insert(step);
         self.schema = Some(batch.schema());
         self.buffered_rows += batch.num_rows();
         self.buffered.push(batch.clone());

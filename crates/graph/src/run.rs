@@ -173,7 +173,12 @@ fn drive_worker(
         process,
     };
     let metrics_worker = 0;
-    let collected: Rc<RefCell<Vec<MetricRow>>> = Rc::new(RefCell::new(Vec::new()));
+    let prior = if index == metrics_worker {
+        settings.prior_metrics.clone()
+    } else {
+        Vec::new()
+    };
+    let collected: Rc<RefCell<Vec<MetricRow>>> = Rc::new(RefCell::new(prior));
 
     let mut input =
         InputHandle::<Step, timely::container::CapacityContainerBuilder<Vec<Batch>>>::new();
@@ -468,11 +473,36 @@ fn build_dataflow<'scope>(
 
     // Every metric row goes to the metrics worker, which keeps them for the report.
     let collected = collected.clone();
+    let observer = settings.observer.clone();
+    let flush_to = settings.metrics_path.clone();
+    let flush_every = settings.metrics_flush;
+    let mut flushed = Instant::now();
+    let mut flush_error_logged = false;
     scope.concatenate(metric_streams).sink(
         Exchange::new(move |_: &MetricRow| metrics_worker as u64),
         "Metrics",
         move |(input, _)| {
-            input.for_each(|_, rows| collected.borrow_mut().append(rows));
+            let mut arrived = false;
+            input.for_each(|_, rows| {
+                if let Some(observe) = &observer {
+                    observe(rows);
+                }
+                arrived = true;
+                collected.borrow_mut().append(rows);
+            });
+            // The file is rewritten now and then, so a crash keeps all but the last moments.
+            if let (true, Some(path)) = (arrived, &flush_to) {
+                if flushed.elapsed() >= flush_every {
+                    flushed = Instant::now();
+                    let rows = collected.borrow();
+                    let written = crate::metrics::rows_to_batch(&rows)
+                        .and_then(|b| crate::parquet_log::write_parquet_atomically(path, &[b]));
+                    if let (Err(e), false) = (written, flush_error_logged) {
+                        tracing::warn!(path = %path.display(), error = %e, "writing metrics");
+                        flush_error_logged = true;
+                    }
+                }
+            }
         },
     );
     Ok(())

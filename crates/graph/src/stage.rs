@@ -132,6 +132,29 @@ pub trait Stage {
     }
 }
 
+/// A boxed stage is a stage (a role whose stage type the config picks).
+impl Stage for Box<dyn Stage> {
+    fn process(
+        &mut self,
+        ctx: &mut StepContext,
+        batch: RecordBatch,
+    ) -> Result<Vec<RecordBatch>, StageError> {
+        (**self).process(ctx, batch)
+    }
+
+    fn end_step(&mut self, ctx: &mut StepContext) -> Result<Vec<RecordBatch>, StageError> {
+        (**self).end_step(ctx)
+    }
+
+    fn load_weights(
+        &mut self,
+        version: PolicyVersion,
+        weights: &WeightsPayload,
+    ) -> Result<(), StageError> {
+        (**self).load_weights(version, weights)
+    }
+}
+
 /// Context of a source call.
 #[derive(Clone, Copy, Debug)]
 pub struct SourceContext {

@@ -8,6 +8,7 @@
 //! `weir_graph::columns`.
 
 pub mod algorithms;
+pub mod checkpoint;
 pub mod rewards;
 pub mod rollout;
 pub mod stages;

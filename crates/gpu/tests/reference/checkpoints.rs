@@ -96,6 +96,62 @@ fn adamw_training_lowers_the_loss_and_critics_load_from_lm_or_rm() {
     assert!(norms.iter().all(|n| n.is_finite() && *n > 0.0), "{norms:?}");
     assert!(last < first - 0.1, "loss {first} → {last}");
 
+    // The update rule is PyTorch's AdamW (libtorch's own, through tch), and a
+    // restored state continues exactly where the saved one was.
+    use tch::nn::OptimizerConfig;
+    let cfg = AdamWConfig {
+        lr: 1e-2,
+        weight_decay: 0.1,
+        ..Default::default()
+    };
+    let (ours, theirs) = (
+        load("tiny-llama", Kind::Float),
+        load("tiny-llama", Kind::Float),
+    );
+    let mut opt = Optimizer::adamw(&ours, cfg).unwrap();
+    let mut torch_opt = tch::nn::AdamW {
+        beta1: cfg.beta1,
+        beta2: cfg.beta2,
+        wd: cfg.weight_decay,
+        eps: cfg.eps,
+        amsgrad: false,
+    }
+    .build(theirs.var_store(), cfg.lr)
+    .unwrap();
+    for _ in 0..3 {
+        opt.zero_grad();
+        loss_of(&ours).backward();
+        opt.step(None);
+        torch_opt.zero_grad();
+        loss_of(&theirs).backward();
+        torch_opt.step();
+    }
+    for ((n, a), (_, b)) in ours.named_tensors().iter().zip(theirs.named_tensors()) {
+        let d = (a - &b).abs().max().double_value(&[]);
+        assert!(d < 1e-6, "{n}: {d}");
+    }
+    let (state, steps) = opt.state();
+    let mut resumed = load("tiny-llama", Kind::Float);
+    resumed.var_store_mut().copy(ours.var_store()).unwrap();
+    let mut opt2 = Optimizer::adamw(&resumed, cfg).unwrap();
+    opt2.load_state(&state, steps).unwrap();
+    for (o, m) in [(&mut opt, &ours), (&mut opt2, &resumed)] {
+        o.zero_grad();
+        loss_of(m).backward();
+        o.step(Some(1.0));
+    }
+    for ((n, a), (_, b)) in ours.named_tensors().iter().zip(resumed.named_tensors()) {
+        assert_eq!(
+            Vec::<f32>::try_from(a.flatten(0, -1)).unwrap(),
+            Vec::<f32>::try_from(b.flatten(0, -1)).unwrap(),
+            "{n}"
+        );
+    }
+    assert!(
+        opt2.load_state(&state[1..], steps).is_err(),
+        "a missing moment is an error"
+    );
+
     // A critic from a causal LM: fresh one-output head, values on every position.
     let critic = Model::load_critic(
         &fixtures().join("models/tiny-llama"),

@@ -31,9 +31,84 @@ pub fn eval_pairs() -> Vec<(u32, u32)> {
     pairs.into_iter().map(|[a, b]| (a, b)).collect()
 }
 
+/// Greedy exact-match accuracy on `pairs` (as `arith_task.greedy_accuracy`:
+/// chat prompt with a generation prompt, at most 6 new tokens, stop at the
+/// end token), `batch` prompts at a time; also the first five
+/// `("A+B", completion)` pairs to show.
+pub fn greedy_accuracy(
+    model: &weir_gpu::Model,
+    tokenizer: &weir_gpu::Tokenizer,
+    pairs: &[(u32, u32)],
+    batch: usize,
+) -> Result<(f64, Vec<(String, String)>), weir_gpu::ModelError> {
+    let _guard = tch::no_grad_guard();
+    let params = weir_gpu::SamplingParams {
+        max_new_tokens: 6,
+        greedy: true,
+        eos_token_ids: tokenizer.eos_token_ids().to_vec(),
+        ..Default::default()
+    };
+    let (mut correct, mut shown) = (0usize, Vec::new());
+    for chunk in pairs.chunks(batch.max(1)) {
+        let prompts = chunk
+            .iter()
+            .map(|&(a, b)| {
+                tokenizer.encode_chat(
+                    &[weir_gpu::Message {
+                        role: "user".into(),
+                        content: user_message(a, b),
+                    }],
+                    true,
+                )
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        for (g, &(a, b)) in weir_gpu::generate(model, &prompts, &params)?
+            .iter()
+            .zip(chunk)
+        {
+            let text = tokenizer.decode(&g.tokens, false)?;
+            correct += (exact_match(&text, &(a + b).to_string()) == 1.0) as usize;
+            if shown.len() < 5 {
+                shown.push((format!("{a}+{b}"), text));
+            }
+        }
+    }
+    Ok((correct as f64 / pairs.len().max(1) as f64, shown))
+}
+
+/// Training pairs: every (a, b) in 0..100² that is not an evaluation pair,
+/// in a seeded order.
+pub fn train_pairs(seed: u64) -> Vec<(u32, u32)> {
+    let held: std::collections::HashSet<(u32, u32)> = eval_pairs().into_iter().collect();
+    let mut pairs: Vec<(u32, u32)> = (0..100)
+        .flat_map(|a| (0..100).map(move |b| (a, b)))
+        .filter(|p| !held.contains(p))
+        .collect();
+    // Fisher–Yates with splitmix64.
+    let mut state = seed;
+    for i in (1..pairs.len()).rev() {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        pairs.swap(i, (z % (i as u64 + 1)) as usize);
+    }
+    pairs
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn train_pairs_exclude_the_evaluation_pairs() {
+        let train = train_pairs(1);
+        assert_eq!(train.len(), 10_000 - 500);
+        let eval: std::collections::HashSet<_> = eval_pairs().into_iter().collect();
+        assert!(train.iter().all(|p| !eval.contains(p)));
+        assert_ne!(train[..10], train_pairs(2)[..10], "the seed orders them");
+    }
 
     #[test]
     fn exact_match_cuts_at_the_end_token_and_strips() {

@@ -128,6 +128,7 @@ pub struct CriticLearner {
     clip: Option<f64>,
     max_grad_norm: Option<f64>,
     held: StepBuffer,
+    checkpoints: Option<crate::checkpoint::Checkpointer>,
     /// The last step's value loss.
     pub last_loss: f64,
 }
@@ -149,8 +150,20 @@ impl CriticLearner {
             clip,
             max_grad_norm,
             held: StepBuffer::new(),
+            checkpoints: None,
             last_loss: f64::NAN,
         })
+    }
+
+    /// Saves the critic (and its optimizer) as the `critic` component of due checkpoints.
+    pub fn with_checkpoints(mut self, checkpointer: crate::checkpoint::Checkpointer) -> Self {
+        self.checkpoints = Some(checkpointer);
+        self
+    }
+
+    /// The optimizer (to restore its state on resume).
+    pub fn optimizer_mut(&mut self) -> &mut Optimizer {
+        &mut self.optimizer
     }
 }
 
@@ -204,6 +217,9 @@ impl StepStage for CriticLearner {
             return Err(format!("step {}: the value loss is not finite", ctx.step).into());
         }
         ctx.record("value_loss", self.last_loss);
+        if let Some(ck) = self.checkpoints.as_ref().filter(|c| c.due(ctx.step)) {
+            ck.save_component(ctx.step, "critic", &model, &self.optimizer)?;
+        }
         Ok(vec![batch])
     }
 }

@@ -15,8 +15,10 @@ use weir_gpu::Model;
 use weir_graph::{StageError, StepBuffer, StepContext, StepStage, WeightsPayload};
 
 use super::columns::{float_lists, token_lists};
+use super::prompts::CursorLog;
 use super::sequences::pack;
 use crate::algorithms::{aggregate, kl_tensor, policy_loss, KlEstimator, PolicyLossConfig};
+use crate::checkpoint::{CheckpointState, Checkpointer};
 use crate::rollout::col;
 
 /// Learner settings.
@@ -135,6 +137,46 @@ pub struct Learner {
     held: StepBuffer,
     last: UpdateStats,
     updates: u64,
+    checkpoints: Option<CheckpointPlan>,
+}
+
+/// What a trainer saves, when, and the run state it stores beside the weights.
+#[derive(Clone, Debug)]
+pub struct CheckpointPlan {
+    /// Where and when.
+    pub checkpointer: Checkpointer,
+    /// The prompt source's cursors (same process).
+    pub cursors: Option<CursorLog>,
+    /// The run's seed.
+    pub seed: u64,
+    /// Every component a complete checkpoint has (`actor`, and `critic` for PPO).
+    pub components: Vec<String>,
+}
+
+impl CheckpointPlan {
+    /// Saves `model` and `optimizer` as the actor of `step`, then the state, if `step` is due.
+    pub fn save_actor_if_due(
+        &self,
+        step: u64,
+        version: u64,
+        model: &Model,
+        optimizer: &Optimizer,
+    ) -> Result<(), StageError> {
+        if !self.checkpointer.due(step) {
+            return Ok(());
+        }
+        self.checkpointer
+            .save_component(step, "actor", model, optimizer)?;
+        self.checkpointer.save_state(&CheckpointState {
+            step,
+            version,
+            cursor: self.cursors.as_ref().and_then(|c| c.after(step)),
+            seed: self.seed,
+            components: self.components.clone(),
+        })?;
+        tracing::info!(step, "checkpoint saved");
+        Ok(())
+    }
 }
 
 impl Learner {
@@ -148,7 +190,19 @@ impl Learner {
             held: StepBuffer::new(),
             last: UpdateStats::default(),
             updates: 0,
+            checkpoints: None,
         })
+    }
+
+    /// Saves checkpoints as `plan` says.
+    pub fn with_checkpoints(mut self, plan: CheckpointPlan) -> Self {
+        self.checkpoints = Some(plan);
+        self
+    }
+
+    /// The optimizer (to restore its state on resume).
+    pub fn optimizer_mut(&mut self) -> &mut Optimizer {
+        &mut self.optimizer
     }
 
     /// What the last update measured.
@@ -368,12 +422,25 @@ impl StepStage for Learner {
             ] {
                 ctx.record(name, value);
             }
+            // What the step's rows looked like: the curves users watch first.
+            let rows = batch.num_rows().max(1) as f64;
+            if let Ok(rewards) = super::columns::f32s(&batch, col::REWARD, "learn") {
+                ctx.record("reward", rewards.iter().sum::<f64>() / rows);
+            }
+            let tokens: usize = token_lists(&batch, col::RESPONSE_TOKENS, "learn")?
+                .iter()
+                .map(Vec::len)
+                .sum();
+            ctx.record("response_length", tokens as f64 / rows);
             out.push(batch);
         }
         // Published even when no rows reached this learner, so versions stay in step.
         ctx.publish_weights(WeightsPayload::from(
             self.model.export_snapshot(ctx.version + 1)?,
         ))?;
+        if let Some(plan) = &self.checkpoints {
+            plan.save_actor_if_due(ctx.step, ctx.version + 1, &self.model, &self.optimizer)?;
+        }
         Ok(out)
     }
 }

@@ -9,6 +9,7 @@
 //! - [`reference::RefLogprob`]: the frozen reference model's log-probs.
 //! - [`advantage::GroupAdvantage`]: GRPO / Dr.GRPO / RLOO over whole prompt groups; [`advantage::ReinforceAdvantage`]: REINFORCE++ (-baseline); [`advantage::GaeAdvantage`]: PPO's KL-shaped rewards and GAE.
 //! - [`critic::Critic`] and [`critic::CriticLearner`]: values before the advantage, the value fit after it.
+//! - [`sft::SftTrainer`]: supervised fine-tuning on a target column.
 //! - [`learner::Learner`]: the clipped policy loss, AdamW, publishes the next weights version.
 
 pub mod advantage;
@@ -23,3 +24,4 @@ pub mod reference;
 pub mod remote_reward;
 pub mod reward;
 pub mod sequences;
+pub mod sft;

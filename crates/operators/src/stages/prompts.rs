@@ -46,6 +46,34 @@ pub struct PromptSource {
     rank: usize,
     role_size: usize,
     curriculum: Option<super::prompt_stats::Curriculum>,
+    cursor_log: Option<CursorLog>,
+}
+
+/// The cursor after each step, as the sources of a process drew them: a
+/// checkpoint taken at step `s` stores `log[s]`, so resuming draws step `s + 1` next.
+#[derive(Clone, Debug, Default)]
+pub struct CursorLog(Arc<std::sync::Mutex<std::collections::BTreeMap<u64, Cursor>>>);
+
+impl CursorLog {
+    /// An empty log.
+    pub fn new() -> Self {
+        CursorLog::default()
+    }
+
+    /// The cursor after `step` was drawn (older entries are dropped once read past).
+    pub fn after(&self, step: u64) -> Option<Cursor> {
+        let mut log = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let found = log.get(&step).copied();
+        if found.is_some() {
+            log.retain(|s, _| *s >= step);
+        }
+        found
+    }
+
+    fn record(&self, step: u64, cursor: Cursor) {
+        let mut log = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        log.insert(step, cursor);
+    }
 }
 
 fn shuffled(n: usize, seed: u64, epoch: u64) -> Vec<usize> {
@@ -105,6 +133,7 @@ impl PromptSource {
             rank: 0,
             role_size: 1,
             curriculum: None,
+            cursor_log: None,
         })
     }
 
@@ -151,6 +180,12 @@ impl PromptSource {
     /// searching forever.
     pub fn curriculum(mut self, curriculum: super::prompt_stats::Curriculum) -> Self {
         self.curriculum = Some(curriculum);
+        self
+    }
+
+    /// Records the cursor after every step into `log` (for checkpoints).
+    pub fn cursor_log(mut self, log: CursorLog) -> Self {
+        self.cursor_log = Some(log);
         self
     }
 
@@ -205,6 +240,9 @@ impl Source for PromptSource {
         let Some(prompts) = self.take_prompts(ctx.step) else {
             return Ok(None);
         };
+        if let Some(log) = &self.cursor_log {
+            log.record(ctx.step, self.cursor);
+        }
         let mut step = Vec::new();
         let (mut prompt_id, mut group_id, mut sample_idx, mut text, mut tokens) =
             (vec![], vec![], vec![], vec![], vec![]);

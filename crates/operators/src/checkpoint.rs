@@ -1,0 +1,224 @@
+//! Checkpoints: what a run needs to continue after a crash.
+//!
+//! ```text
+//! checkpoints/step-N/
+//!   actor/            HF layout (config.json, model.safetensors, tokenizer files)
+//!     optimizer.safetensors   AdamW moments, metadata `steps`
+//!   critic/           the same, for pipelines with a critic
+//!   state.json        {"step", "version", "cursor": {"epoch", "position"}, "seed", "components"}
+//! ```
+//!
+//! Each component is written to a hidden temporary folder and renamed into
+//! place, and `state.json` goes through a temporary file too, so a crash
+//! mid-write leaves no half checkpoint that [`latest`] would pick: a
+//! checkpoint counts only when `state.json` exists and names components
+//! that are all present.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{json, Value};
+use weir_gpu::optim::Optimizer;
+use weir_gpu::snapshot::{from_safetensors, to_safetensors};
+use weir_gpu::Model;
+use weir_graph::StageError;
+
+use crate::stages::prompts::Cursor;
+
+/// The run state stored beside the weights.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CheckpointState {
+    /// The last completed step.
+    pub step: u64,
+    /// The policy version after that step's update (the generators resume on it).
+    pub version: u64,
+    /// The prompt source's cursor after that step.
+    pub cursor: Option<Cursor>,
+    /// The run's seed (sampling streams derive from it and the step).
+    pub seed: u64,
+    /// Components saved beside the state (`actor`, `critic`).
+    pub components: Vec<String>,
+}
+
+impl CheckpointState {
+    fn to_json(&self) -> Value {
+        json!({
+            "step": self.step,
+            "version": self.version,
+            "cursor": self.cursor.map(|c| json!({"epoch": c.epoch, "position": c.position})),
+            "seed": self.seed,
+            "components": self.components,
+        })
+    }
+
+    fn from_json(v: &Value, path: &Path) -> Result<Self, StageError> {
+        let field = |k: &str| {
+            v.get(k)
+                .and_then(Value::as_u64)
+                .ok_or_else(|| format!("{}: no integer `{k}`", path.display()))
+        };
+        let cursor = match v.get("cursor") {
+            Some(Value::Object(c)) => Some(Cursor {
+                epoch: c.get("epoch").and_then(Value::as_u64).unwrap_or(0),
+                position: c.get("position").and_then(Value::as_u64).unwrap_or(0) as usize,
+            }),
+            _ => None,
+        };
+        Ok(CheckpointState {
+            step: field("step")?,
+            version: field("version")?,
+            cursor,
+            seed: field("seed")?,
+            components: v
+                .get("components")
+                .and_then(Value::as_array)
+                .map(|a| {
+                    a.iter()
+                        .filter_map(|c| c.as_str().map(String::from))
+                        .collect()
+                })
+                .unwrap_or_default(),
+        })
+    }
+}
+
+/// When and where a trainer stage saves.
+#[derive(Clone, Debug)]
+pub struct Checkpointer {
+    /// `RUN_DIR/checkpoints`.
+    pub root: PathBuf,
+    /// Save after every `every`-th step (0: only the last).
+    pub every: u64,
+    /// The run's last step, always saved.
+    pub last_step: Option<u64>,
+}
+
+impl Checkpointer {
+    /// Whether step `step` ends with a checkpoint.
+    pub fn due(&self, step: u64) -> bool {
+        (self.every > 0 && (step + 1) % self.every == 0) || self.last_step == Some(step)
+    }
+
+    /// The folder of step `step`'s checkpoint.
+    pub fn dir(&self, step: u64) -> PathBuf {
+        self.root.join(format!("step-{step}"))
+    }
+
+    /// Saves `model` (HF layout) and `optimizer` as `component` of step `step`.
+    pub fn save_component(
+        &self,
+        step: u64,
+        component: &str,
+        model: &Model,
+        optimizer: &Optimizer,
+    ) -> Result<PathBuf, StageError> {
+        let dir = self.dir(step);
+        let tmp = dir.join(format!(".{component}.partial"));
+        let _ = std::fs::remove_dir_all(&tmp);
+        model.save(&tmp, None)?;
+        let (tensors, steps) = optimizer.state();
+        let meta = std::collections::HashMap::from([("steps".to_string(), steps.to_string())]);
+        let bytes = to_safetensors(&tensors, None, &meta)?;
+        let opt = tmp.join("optimizer.safetensors");
+        std::fs::write(&opt, bytes).map_err(|e| format!("{}: {e}", opt.display()))?;
+        let target = dir.join(component);
+        let _ = std::fs::remove_dir_all(&target);
+        std::fs::rename(&tmp, &target).map_err(|e| format!("{}: {e}", target.display()))?;
+        Ok(target)
+    }
+
+    /// Writes step `state.step`'s `state.json` (after its components).
+    pub fn save_state(&self, state: &CheckpointState) -> Result<(), StageError> {
+        let dir = self.dir(state.step);
+        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let path = dir.join("state.json");
+        let tmp = dir.join(".state.json.tmp");
+        let text = serde_json::to_string_pretty(&state.to_json()).map_err(|e| e.to_string())?;
+        std::fs::write(&tmp, text).map_err(|e| format!("{}: {e}", tmp.display()))?;
+        std::fs::rename(&tmp, &path).map_err(|e| format!("{}: {e}", path.display()))?;
+        Ok(())
+    }
+}
+
+/// Restores `optimizer` from `component_dir/optimizer.safetensors`.
+pub fn load_optimizer(component_dir: &Path, optimizer: &mut Optimizer) -> Result<(), StageError> {
+    let path = component_dir.join("optimizer.safetensors");
+    let bytes = std::fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let (tensors, meta) =
+        from_safetensors(&bytes).map_err(|e| format!("{}: {e}", path.display()))?;
+    let steps = meta
+        .get("steps")
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| format!("{}: no `steps` in the metadata", path.display()))?;
+    optimizer
+        .load_state(&tensors, steps)
+        .map_err(|e| format!("{}: {e}", path.display()).into())
+}
+
+/// The newest complete checkpoint under `root`: its folder and state.
+pub fn latest(root: &Path) -> Result<Option<(PathBuf, CheckpointState)>, StageError> {
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return Ok(None);
+    };
+    let mut steps: Vec<(u64, PathBuf)> = entries
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().to_string();
+            let step = name.strip_prefix("step-")?.parse().ok()?;
+            Some((step, e.path()))
+        })
+        .collect();
+    steps.sort();
+    for (_, dir) in steps.into_iter().rev() {
+        let path = dir.join("state.json");
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            continue;
+        };
+        let value: Value =
+            serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        let state = CheckpointState::from_json(&value, &path)?;
+        if state.components.iter().all(|c| dir.join(c).is_dir()) {
+            return Ok(Some((dir, state)));
+        }
+    }
+    Ok(None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_complete_checkpoints_count() {
+        let tmp = tempfile::tempdir().unwrap();
+        let ck = Checkpointer {
+            root: tmp.path().to_path_buf(),
+            every: 2,
+            last_step: Some(4),
+        };
+        assert_eq!(
+            (0..6).filter(|s| ck.due(*s)).collect::<Vec<_>>(),
+            vec![1, 3, 4, 5]
+        );
+        assert!(latest(tmp.path()).unwrap().is_none());
+        let state = |step| CheckpointState {
+            step,
+            version: step + 1,
+            cursor: Some(Cursor {
+                epoch: 1,
+                position: 7,
+            }),
+            seed: 9,
+            components: vec!["actor".into()],
+        };
+        for step in [1, 3] {
+            std::fs::create_dir_all(ck.dir(step).join("actor")).unwrap();
+            ck.save_state(&state(step)).unwrap();
+        }
+        // Step 5 crashed before its actor folder was renamed into place.
+        std::fs::create_dir_all(ck.dir(5).join(".actor.partial")).unwrap();
+        ck.save_state(&state(5)).unwrap();
+        let (dir, got) = latest(tmp.path()).unwrap().unwrap();
+        assert_eq!(dir, ck.dir(3));
+        assert_eq!(got, state(3));
+    }
+}

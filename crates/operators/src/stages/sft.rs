@@ -1,0 +1,161 @@
+//! `SftTrainer`: supervised fine-tuning, the token-mean negative
+//! log-likelihood of each row's target text (plus the end-of-turn token)
+//! after its prompt, with AdamW, micro-batches, a warm-up schedule and
+//! checkpoints. Rows pass on unchanged (with `sft_loss` per step recorded).
+
+use arrow::array::RecordBatch;
+use tch::Kind;
+use weir_gpu::optim::{AdamWConfig, Optimizer};
+use weir_gpu::{Model, Tokenizer};
+use weir_graph::{StageError, StepBuffer, StepContext, StepStage};
+
+use super::columns::{strings, token_lists};
+use super::learner::{response_forward, CheckpointPlan, LrSchedule};
+use crate::rollout::col;
+
+/// SFT settings.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SftConfig {
+    /// AdamW (learning rate included).
+    pub adamw: AdamWConfig,
+    /// The learning-rate schedule over steps.
+    pub schedule: LrSchedule,
+    /// Gradient-norm clip.
+    pub max_grad_norm: Option<f64>,
+    /// Rows per forward/backward pass.
+    pub micro_batch: usize,
+}
+
+/// The SFT trainer stage.
+pub struct SftTrainer {
+    model: Model,
+    tokenizer: Tokenizer,
+    optimizer: Optimizer,
+    cfg: SftConfig,
+    target_column: String,
+    held: StepBuffer,
+    checkpoints: Option<CheckpointPlan>,
+    /// The last step's loss.
+    pub last_loss: f64,
+}
+
+impl SftTrainer {
+    /// Trains `model` to produce `row[target_column]` + eos after each prompt.
+    pub fn new(
+        model: Model,
+        tokenizer: Tokenizer,
+        target_column: &str,
+        cfg: SftConfig,
+    ) -> Result<Self, StageError> {
+        if tokenizer.eos_token_ids().is_empty() {
+            return Err(format!(
+                "{}: the tokenizer has no eos token to end SFT targets with",
+                tokenizer.dir().display()
+            )
+            .into());
+        }
+        Ok(SftTrainer {
+            optimizer: Optimizer::adamw(&model, cfg.adamw)?,
+            model,
+            tokenizer,
+            cfg,
+            target_column: target_column.to_string(),
+            held: StepBuffer::new(),
+            checkpoints: None,
+            last_loss: f64::NAN,
+        })
+    }
+
+    /// Saves checkpoints as `plan` says.
+    pub fn with_checkpoints(mut self, plan: CheckpointPlan) -> Self {
+        self.checkpoints = Some(plan);
+        self
+    }
+
+    /// The optimizer (to restore its state on resume).
+    pub fn optimizer_mut(&mut self) -> &mut Optimizer {
+        &mut self.optimizer
+    }
+
+    /// The model being trained.
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    /// One optimizer step on `batch`; returns (loss, grad norm).
+    pub fn train_step(&mut self, batch: &RecordBatch) -> Result<(f64, f64), StageError> {
+        let prompts = token_lists(batch, col::PROMPT_TOKENS, "sft")?;
+        let texts = strings(batch, &self.target_column, "sft")?;
+        let eos = self.tokenizer.eos_token_ids()[0];
+        let targets = texts
+            .iter()
+            .map(|t| {
+                let mut ids = self.tokenizer.encode(t, false)?;
+                ids.push(eos);
+                Ok(ids)
+            })
+            .collect::<Result<Vec<_>, StageError>>()?;
+        let total: f64 = targets.iter().map(Vec::len).sum::<usize>() as f64;
+        let lr = self
+            .cfg
+            .schedule
+            .rate(self.cfg.adamw.lr, self.optimizer.steps());
+        self.optimizer.set_lr(lr);
+        self.optimizer.zero_grad();
+        let mut loss_sum = 0.0;
+        for start in (0..prompts.len()).step_by(self.cfg.micro_batch.max(1)) {
+            let end = (start + self.cfg.micro_batch.max(1)).min(prompts.len());
+            let f = response_forward(
+                &self.model,
+                &prompts[start..end],
+                &targets[start..end],
+                1.0,
+                false,
+            )?;
+            // Token mean over the whole step.
+            let loss = -(f.logprobs * &f.mask).sum(Kind::Float) / total;
+            loss_sum += loss.double_value(&[]);
+            loss.backward();
+        }
+        let grad_norm = self.optimizer.step(self.cfg.max_grad_norm);
+        if !loss_sum.is_finite() || !grad_norm.is_finite() {
+            return Err(format!(
+                "the loss ({loss_sum}) or gradient norm ({grad_norm}) is not finite"
+            )
+            .into());
+        }
+        self.last_loss = loss_sum;
+        Ok((loss_sum, grad_norm))
+    }
+}
+
+impl StepStage for SftTrainer {
+    fn buffer(&mut self) -> &mut StepBuffer {
+        &mut self.held
+    }
+
+    fn run_step(
+        &mut self,
+        ctx: &mut StepContext,
+        rows: Option<RecordBatch>,
+    ) -> Result<Vec<RecordBatch>, StageError> {
+        let Some(batch) = rows else {
+            return Ok(Vec::new());
+        };
+        let (loss, grad_norm) = self
+            .train_step(&batch)
+            .map_err(|e| format!("step {}: {e}", ctx.step))?;
+        ctx.record("loss", loss);
+        ctx.record("grad_norm", grad_norm);
+        ctx.record(
+            "lr",
+            self.cfg
+                .schedule
+                .rate(self.cfg.adamw.lr, self.optimizer.steps() - 1),
+        );
+        if let Some(plan) = &self.checkpoints {
+            plan.save_actor_if_due(ctx.step, ctx.step + 1, &self.model, &self.optimizer)?;
+        }
+        Ok(vec![batch])
+    }
+}

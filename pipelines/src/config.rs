@@ -1,0 +1,811 @@
+//! Typed run configs: TOML with `deny_unknown_fields`, a documented default
+//! for every key (the [`DOCS`] table, which `weir config` prints), and
+//! validation that names the key and the bad value.
+
+use serde::{Deserialize, Serialize};
+
+use crate::PipelineKind;
+
+/// A whole run config.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RunConfig {
+    /// Steps, staleness, seed, threads, checkpoints.
+    pub run: RunSection,
+    /// Which workers run which roles.
+    pub placement: PlacementSection,
+    /// Checkpoints of the roles.
+    pub model: ModelSection,
+    /// The prompt set.
+    pub data: DataSection,
+    /// Sampling.
+    pub generate: GenerateSection,
+    /// Where rewards come from.
+    pub reward: RewardSection,
+    /// Loss, optimizer, estimator settings.
+    pub algorithm: AlgorithmSection,
+    /// DAPO's dynamic sampling.
+    pub dynamic_sampling: DynamicSamplingSection,
+    /// Skipping prompts by their statistics.
+    pub curriculum: CurriculumSection,
+    /// Greedy evaluation on the arith task.
+    pub eval: EvalSection,
+}
+
+/// `[run]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RunSection {
+    /// Steps (policy updates) to run.
+    pub steps: u64,
+    /// Bounded staleness k.
+    pub max_staleness: u64,
+    /// Seed of shuffling and sampling.
+    pub seed: u64,
+    /// libtorch threads per worker.
+    pub threads: usize,
+    /// Checkpoint every N steps (0: only at the end).
+    pub checkpoint_every: u64,
+    /// Rows per rollout Parquet file.
+    pub rows_per_file: usize,
+    /// `cpu` or `cuda`.
+    pub device: String,
+}
+
+impl Default for RunSection {
+    fn default() -> Self {
+        RunSection {
+            steps: 100,
+            max_staleness: 1,
+            seed: 42,
+            threads: 1,
+            checkpoint_every: 0,
+            rows_per_file: 4096,
+            device: "cpu".into(),
+        }
+    }
+}
+
+/// `[placement]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PlacementSection {
+    /// Engine workers (threads; one per GPU on a GPU machine).
+    pub workers: usize,
+    /// Workers that generate and score.
+    pub rollout: Vec<usize>,
+    /// Workers that run the reference, critic, advantage and learner.
+    pub train: Vec<usize>,
+}
+
+impl Default for PlacementSection {
+    fn default() -> Self {
+        PlacementSection {
+            workers: 2,
+            rollout: vec![0],
+            train: vec![1],
+        }
+    }
+}
+
+/// `[model]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelSection {
+    /// The actor's HF checkpoint folder (required).
+    pub path: String,
+    /// Compute dtype: `f32`, `bf16`, `f16`.
+    pub dtype: String,
+    /// The frozen reference (empty: the actor's checkpoint).
+    pub reference: String,
+    /// A reward model checkpoint, for `reward.kind = "model"`.
+    pub reward_model: String,
+    /// The critic's initial checkpoint (ppo; empty: the reward model, else the actor with a fresh head).
+    pub critic: String,
+}
+
+impl Default for ModelSection {
+    fn default() -> Self {
+        ModelSection {
+            path: String::new(),
+            dtype: "f32".into(),
+            reference: String::new(),
+            reward_model: String::new(),
+            critic: String::new(),
+        }
+    }
+}
+
+/// `[data]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataSection {
+    /// `arith` (the built-in task) or a `.jsonl` / `.parquet` prompt file.
+    pub prompts: String,
+    /// The column holding plain-text prompts (file prompt sets).
+    pub prompt_column: String,
+    /// The column holding chat messages instead (empty: use `prompt_column`).
+    pub messages_column: String,
+    /// The column with the reference answer (rule rewards, SFT targets).
+    pub label_column: String,
+    /// Prompts per step.
+    pub prompts_per_step: usize,
+    /// Samples per prompt (the group size).
+    pub samples_per_prompt: usize,
+    /// Passes over the prompts (0: as many as the steps need).
+    pub epochs: u64,
+}
+
+impl Default for DataSection {
+    fn default() -> Self {
+        DataSection {
+            prompts: "arith".into(),
+            prompt_column: "prompt".into(),
+            messages_column: String::new(),
+            label_column: "answer".into(),
+            prompts_per_step: 8,
+            samples_per_prompt: 8,
+            epochs: 0,
+        }
+    }
+}
+
+/// `[generate]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GenerateSection {
+    /// Most new tokens per response.
+    pub max_new_tokens: usize,
+    /// Sampling temperature.
+    pub temperature: f64,
+    /// Nucleus sampling (1.0: off).
+    pub top_p: f64,
+    /// Top-k sampling (0: off).
+    pub top_k: usize,
+}
+
+impl Default for GenerateSection {
+    fn default() -> Self {
+        GenerateSection {
+            max_new_tokens: 8,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+        }
+    }
+}
+
+/// `[reward]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RewardSection {
+    /// `rule`, `model` or `remote`.
+    pub kind: String,
+    /// The rule's name (`reward.kind = "rule"`).
+    pub rule: String,
+    /// The reward server (`reward.kind = "remote"`).
+    pub url: String,
+    /// Seconds per request before a retry.
+    pub timeout_s: f64,
+    /// Attempts per request.
+    pub attempts: u32,
+}
+
+impl Default for RewardSection {
+    fn default() -> Self {
+        RewardSection {
+            kind: "rule".into(),
+            rule: "arith_exact_match".into(),
+            url: String::new(),
+            timeout_s: 60.0,
+            attempts: 3,
+        }
+    }
+}
+
+/// `[algorithm]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AlgorithmSection {
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Linear warm-up steps.
+    pub warmup_steps: u64,
+    /// `constant` or `cosine`.
+    pub schedule: String,
+    /// The cosine floor as a fraction of `lr`.
+    pub min_lr_ratio: f64,
+    /// AdamW weight decay.
+    pub weight_decay: f64,
+    /// Gradient-norm clip (0: off).
+    pub max_grad_norm: f64,
+    /// Rows per forward/backward pass.
+    pub micro_batch: usize,
+    /// Optimizer passes over each step's rows.
+    pub ppo_epochs: usize,
+    /// ε_low of the clipped ratio.
+    pub clip_low: f64,
+    /// ε_high (> clip_low: DAPO's clip-higher).
+    pub clip_high: f64,
+    /// Dual-clip c for negative advantages (0: off).
+    pub dual_clip: f64,
+    /// β of the KL to the reference (in the loss for group estimators, in the reward for ppo / reinforce_pp).
+    pub kl_coef: f64,
+    /// `k1`, `k2` or `k3`.
+    pub kl_estimator: String,
+    /// Entropy bonus coefficient.
+    pub entropy_coef: f64,
+    /// `token-mean`, `seq-mean-token-mean`, `seq-mean-token-sum`, `seq-mean-token-sum-norm`.
+    pub aggregation: String,
+    /// `openrlhf` or `verl` semantics where they differ.
+    pub flavor: String,
+    /// The critic's learning rate (ppo).
+    pub critic_lr: f64,
+    /// Value clipping (ppo; 0: off).
+    pub value_clip: f64,
+}
+
+impl Default for AlgorithmSection {
+    fn default() -> Self {
+        AlgorithmSection {
+            lr: 1e-4,
+            warmup_steps: 0,
+            schedule: "constant".into(),
+            min_lr_ratio: 0.1,
+            weight_decay: 0.0,
+            max_grad_norm: 1.0,
+            micro_batch: 64,
+            ppo_epochs: 1,
+            clip_low: 0.2,
+            clip_high: 0.2,
+            dual_clip: 0.0,
+            kl_coef: 0.04,
+            kl_estimator: "k3".into(),
+            entropy_coef: 0.0,
+            aggregation: "token-mean".into(),
+            flavor: "openrlhf".into(),
+            critic_lr: 5e-5,
+            value_clip: 0.5,
+        }
+    }
+}
+
+/// `[dynamic_sampling]`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DynamicSamplingSection {
+    /// Drop groups whose rewards all agree (DAPO).
+    pub enabled: bool,
+    /// Groups per step for the learner (0: every informative group); set
+    /// `data.prompts_per_step` above it to oversample.
+    pub target_groups: usize,
+}
+
+/// `[curriculum]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CurriculumSection {
+    /// Skip prompts by their solve rate so far.
+    pub enabled: bool,
+    /// Samples a prompt needs before it is judged.
+    pub min_samples: u64,
+    /// Skip prompts solved at this rate or more.
+    pub max_solve_rate: f64,
+    /// Skip prompts solved at this rate or less (negative: keep all).
+    pub min_solve_rate: f64,
+    /// A sample counts as solved at this reward or more.
+    pub solve_threshold: f64,
+}
+
+impl Default for CurriculumSection {
+    fn default() -> Self {
+        CurriculumSection {
+            enabled: false,
+            min_samples: 8,
+            max_solve_rate: 1.0,
+            min_solve_rate: -1.0,
+            solve_threshold: 1.0,
+        }
+    }
+}
+
+/// `[eval]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EvalSection {
+    /// Greedy accuracy on the 500 arith evaluation pairs before and after (arith data only).
+    pub arith: bool,
+    /// Prompts per generation batch.
+    pub batch: usize,
+}
+
+impl Default for EvalSection {
+    fn default() -> Self {
+        EvalSection {
+            arith: true,
+            batch: 128,
+        }
+    }
+}
+
+/// Every key with its meaning, in file order: what `weir config` prints as comments.
+pub const DOCS: &[(&str, &str, &str)] = &[
+    ("run", "steps", "Steps (policy updates) to run."),
+    ("run", "max_staleness", "Bounded staleness k: rollouts may come from policies up to k versions old (0 = synchronous on-policy)."),
+    ("run", "seed", "Seed of prompt shuffling and sampling."),
+    ("run", "threads", "libtorch threads per worker."),
+    ("run", "checkpoint_every", "Save a checkpoint every N steps (0: only after the last step)."),
+    ("run", "rows_per_file", "Rollout rows per Parquet file."),
+    ("run", "device", "\"cpu\" or \"cuda\"."),
+    ("placement", "workers", "Engine workers (threads; one per GPU on a GPU machine)."),
+    ("placement", "rollout", "Workers that generate and score."),
+    ("placement", "train", "Workers that run the reference, critic, advantage and learner (may equal rollout: colocation)."),
+    ("model", "path", "The actor's HuggingFace checkpoint folder (required)."),
+    ("model", "dtype", "Compute dtype: \"f32\", \"bf16\" or \"f16\"."),
+    ("model", "reference", "The frozen reference's checkpoint (empty: the actor's)."),
+    ("model", "reward_model", "A reward model checkpoint, for reward.kind = \"model\"."),
+    ("model", "critic", "The critic's initial checkpoint (ppo; empty: the reward model, else the actor with a fresh value head)."),
+    ("data", "prompts", "\"arith\" (the built-in task, its 9,500 training pairs) or a .jsonl / .parquet prompt file."),
+    ("data", "prompt_column", "The column with plain-text prompts."),
+    ("data", "messages_column", "The column with chat messages (rendered with the chat template); empty: use prompt_column."),
+    ("data", "label_column", "The column with the reference answer (rule rewards; SFT targets)."),
+    ("data", "prompts_per_step", "Prompts per step (the SFT batch size)."),
+    ("data", "samples_per_prompt", "Samples per prompt: the group size."),
+    ("data", "epochs", "Passes over the prompts (0: as many as the steps need)."),
+    ("generate", "max_new_tokens", "Most new tokens per response."),
+    ("generate", "temperature", "Sampling temperature."),
+    ("generate", "top_p", "Nucleus sampling (1.0: off)."),
+    ("generate", "top_k", "Top-k sampling (0: off)."),
+    ("reward", "kind", "\"rule\", \"model\" (model.reward_model) or \"remote\" (an HTTP reward server)."),
+    ("reward", "rule", "The rule reward's name (arith_exact_match)."),
+    ("reward", "url", "The reward server, e.g. http://10.0.0.7:5000/get_reward (OpenRLHF's protocol)."),
+    ("reward", "timeout_s", "Seconds per request before it is retried."),
+    ("reward", "attempts", "Attempts per request."),
+    ("algorithm", "lr", "Peak learning rate."),
+    ("algorithm", "warmup_steps", "Linear warm-up steps."),
+    ("algorithm", "schedule", "\"constant\" or \"cosine\" (decays to min_lr_ratio · lr at the last step)."),
+    ("algorithm", "min_lr_ratio", "The cosine floor as a fraction of lr."),
+    ("algorithm", "weight_decay", "AdamW weight decay."),
+    ("algorithm", "max_grad_norm", "Gradient-norm clip (0: off)."),
+    ("algorithm", "micro_batch", "Rows per forward/backward pass (gradients accumulate over a step)."),
+    ("algorithm", "ppo_epochs", "Optimizer passes over each step's rows."),
+    ("algorithm", "clip_low", "ε_low: the ratio is clipped below at 1 − ε_low."),
+    ("algorithm", "clip_high", "ε_high: clipped above at 1 + ε_high (> clip_low: DAPO's clip-higher)."),
+    ("algorithm", "dual_clip", "Dual-clip c > 1 for negative advantages (0: off)."),
+    ("algorithm", "kl_coef", "β of the KL to the reference: in the loss for grpo / dr_grpo / rloo, in the reward for ppo / reinforce_pp*; 0 drops the reference."),
+    ("algorithm", "kl_estimator", "\"k1\", \"k2\" or \"k3\"."),
+    ("algorithm", "entropy_coef", "Entropy bonus coefficient."),
+    ("algorithm", "aggregation", "\"token-mean\", \"seq-mean-token-mean\", \"seq-mean-token-sum\" or \"seq-mean-token-sum-norm\"."),
+    ("algorithm", "flavor", "\"openrlhf\" or \"verl\": whose semantics where the two differ."),
+    ("algorithm", "critic_lr", "The critic's learning rate (ppo)."),
+    ("algorithm", "value_clip", "Value clipping (ppo; 0: off)."),
+    ("dynamic_sampling", "enabled", "Drop prompt groups whose rewards all agree (DAPO)."),
+    ("dynamic_sampling", "target_groups", "Groups per step for the learner (0: every informative group); oversample with a larger data.prompts_per_step."),
+    ("curriculum", "enabled", "Skip prompts by their solve rate so far (maintained with differential dataflow)."),
+    ("curriculum", "min_samples", "Samples a prompt needs before it is judged."),
+    ("curriculum", "max_solve_rate", "Skip prompts solved at this rate or more."),
+    ("curriculum", "min_solve_rate", "Skip prompts solved at this rate or less (negative: keep all)."),
+    ("curriculum", "solve_threshold", "A sample counts as solved at this reward or more."),
+    ("eval", "arith", "Greedy accuracy on the 500 arith evaluation pairs before and after (arith data only)."),
+    ("eval", "batch", "Prompts per evaluation batch."),
+];
+
+/// A config error: the key and what is wrong with its value.
+#[derive(Debug, thiserror::Error)]
+#[error("{source_name}: {message}")]
+pub struct ConfigError {
+    /// The file (or `--set`).
+    pub source_name: String,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl RunConfig {
+    /// The defaults of `pipeline`.
+    pub fn defaults_for(pipeline: PipelineKind) -> Self {
+        let mut c = RunConfig::default();
+        match pipeline {
+            PipelineKind::Ppo => {
+                c.algorithm.kl_coef = 0.01;
+                c.data.samples_per_prompt = 1;
+                c.data.prompts_per_step = 32;
+                c.algorithm.lr = 1e-5;
+            }
+            PipelineKind::ReinforcePp | PipelineKind::ReinforcePpBaseline => {
+                c.algorithm.kl_coef = 0.01;
+            }
+            PipelineKind::Sft => {
+                c.run.steps = 400;
+                c.run.max_staleness = 0;
+                c.placement = PlacementSection {
+                    workers: 1,
+                    rollout: vec![0],
+                    train: vec![0],
+                };
+                c.data.prompts_per_step = 64;
+                c.data.samples_per_prompt = 1;
+                c.algorithm.lr = 1e-3;
+                c.algorithm.warmup_steps = 100;
+                c.algorithm.kl_coef = 0.0;
+            }
+            _ => {}
+        }
+        c
+    }
+
+    /// `pipeline`'s defaults, overlaid with the file's keys (if any), then with `--set` overrides.
+    pub fn load(
+        pipeline: PipelineKind,
+        file: Option<(&str, &str)>,
+        overrides: &[String],
+    ) -> Result<Self, ConfigError> {
+        let mut config = RunConfig::defaults_for(pipeline);
+        if let Some((text, name)) = file {
+            let err = |message: String| ConfigError {
+                source_name: name.to_string(),
+                message,
+            };
+            let user: toml::Table =
+                toml::from_str(text).map_err(|e| err(e.to_string().trim().replace('\n', " ")))?;
+            let mut doc = toml::Value::try_from(&config).map_err(|e| err(e.to_string()))?;
+            for (section, value) in user {
+                match (value, doc.get_mut(&section)) {
+                    (toml::Value::Table(keys), Some(toml::Value::Table(base))) => {
+                        base.extend(keys);
+                    }
+                    (_, Some(_)) => {
+                        return Err(err(format!("`{section}` must be a table ([{section}])")))
+                    }
+                    (_, None) => return Err(err(format!("unknown section `{section}`"))),
+                }
+            }
+            let merged = toml::to_string(&doc).map_err(|e| err(e.to_string()))?;
+            config = RunConfig::from_toml(&merged, name)?;
+        }
+        config.with_overrides(overrides)
+    }
+
+    /// Parses TOML text (unknown keys and wrong types are errors naming the key).
+    pub fn from_toml(text: &str, source_name: &str) -> Result<Self, ConfigError> {
+        toml::from_str(text).map_err(|e| ConfigError {
+            source_name: source_name.to_string(),
+            message: e.to_string().trim().replace('\n', " "),
+        })
+    }
+
+    /// Applies `key=value` overrides (`section.key=value`, the value in TOML syntax; bare words are strings).
+    pub fn with_overrides(self, overrides: &[String]) -> Result<Self, ConfigError> {
+        let err = |message: String| ConfigError {
+            source_name: "--set".into(),
+            message,
+        };
+        let mut doc = toml::Value::try_from(&self).map_err(|e| err(e.to_string()))?;
+        for item in overrides {
+            let (key, raw) = item
+                .split_once('=')
+                .ok_or_else(|| err(format!("`{item}` is not key=value")))?;
+            let (section, name) = key
+                .trim()
+                .split_once('.')
+                .ok_or_else(|| err(format!("`{key}` is not section.key")))?;
+            if !DOCS.iter().any(|(s, k, _)| *s == section && *k == name) {
+                return Err(err(format!("unknown key `{key}`")));
+            }
+            let raw = raw.trim();
+            let value: toml::Value = toml::from_str::<toml::Table>(&format!("v = {raw}"))
+                .ok()
+                .and_then(|t| t.get("v").cloned())
+                .unwrap_or_else(|| toml::Value::String(raw.to_string()));
+            doc[section][name] = value;
+        }
+        let text = toml::to_string(&doc).map_err(|e| err(e.to_string()))?;
+        RunConfig::from_toml(&text, "--set")
+    }
+
+    /// Checks values that parse but make no sense, naming the key.
+    pub fn validate(&self, pipeline: PipelineKind) -> Result<(), ConfigError> {
+        let bad = |key: &str, value: String, why: &str| {
+            Err(ConfigError {
+                source_name: "config".into(),
+                message: format!("`{key}` = {value}: {why}"),
+            })
+        };
+        let one_of = |key: &str, value: &str, allowed: &[&str]| {
+            if allowed.contains(&value) {
+                Ok(())
+            } else {
+                bad(
+                    key,
+                    format!("{value:?}"),
+                    &format!("must be one of {allowed:?}"),
+                )
+            }
+        };
+        if self.model.path.is_empty() {
+            return bad(
+                "model.path",
+                "\"\"".into(),
+                "the actor's checkpoint folder is required",
+            );
+        }
+        if self.run.steps == 0 {
+            return bad("run.steps", "0".into(), "must be at least 1");
+        }
+        if self.run.threads == 0 {
+            return bad("run.threads", "0".into(), "must be at least 1");
+        }
+        one_of("run.device", &self.run.device, &["cpu", "cuda"])?;
+        one_of("model.dtype", &self.model.dtype, &["f32", "bf16", "f16"])?;
+        let p = &self.placement;
+        if p.workers == 0 {
+            return bad("placement.workers", "0".into(), "must be at least 1");
+        }
+        for (key, set) in [
+            ("placement.rollout", &p.rollout),
+            ("placement.train", &p.train),
+        ] {
+            if set.is_empty() {
+                return bad(key, "[]".into(), "needs at least one worker");
+            }
+            if let Some(w) = set.iter().find(|w| **w >= p.workers) {
+                return bad(
+                    key,
+                    format!("{set:?}"),
+                    &format!("worker {w} ≥ placement.workers = {}", p.workers),
+                );
+            }
+        }
+        if self.data.prompts_per_step == 0 {
+            return bad("data.prompts_per_step", "0".into(), "must be at least 1");
+        }
+        if self.data.samples_per_prompt == 0 {
+            return bad("data.samples_per_prompt", "0".into(), "must be at least 1");
+        }
+        if pipeline.is_group() && self.data.samples_per_prompt < 2 {
+            return bad(
+                "data.samples_per_prompt",
+                self.data.samples_per_prompt.to_string(),
+                "group estimators need at least 2 samples per prompt",
+            );
+        }
+        if self.generate.max_new_tokens == 0 {
+            return bad("generate.max_new_tokens", "0".into(), "must be at least 1");
+        }
+        if !(self.generate.temperature > 0.0) {
+            return bad(
+                "generate.temperature",
+                self.generate.temperature.to_string(),
+                "must be > 0",
+            );
+        }
+        if !(self.generate.top_p > 0.0 && self.generate.top_p <= 1.0) {
+            return bad(
+                "generate.top_p",
+                self.generate.top_p.to_string(),
+                "must be in (0, 1]",
+            );
+        }
+        one_of(
+            "reward.kind",
+            &self.reward.kind,
+            &["rule", "model", "remote"],
+        )?;
+        if self.reward.kind == "rule"
+            && weir_operators::rewards::rule_reward(&self.reward.rule).is_none()
+        {
+            return bad(
+                "reward.rule",
+                format!("{:?}", self.reward.rule),
+                &format!("must be one of {:?}", weir_operators::rewards::RULE_REWARDS),
+            );
+        }
+        if self.reward.kind == "model" && self.model.reward_model.is_empty() {
+            return bad(
+                "model.reward_model",
+                "\"\"".into(),
+                "reward.kind = \"model\" needs a reward model",
+            );
+        }
+        if self.reward.kind == "remote" && self.reward.url.is_empty() {
+            return bad(
+                "reward.url",
+                "\"\"".into(),
+                "reward.kind = \"remote\" needs a server URL",
+            );
+        }
+        let a = &self.algorithm;
+        if !(a.lr > 0.0 && a.lr.is_finite()) {
+            return bad(
+                "algorithm.lr",
+                a.lr.to_string(),
+                "must be a positive number",
+            );
+        }
+        one_of("algorithm.schedule", &a.schedule, &["constant", "cosine"])?;
+        one_of(
+            "algorithm.kl_estimator",
+            &a.kl_estimator,
+            &["k1", "k2", "k3"],
+        )?;
+        one_of(
+            "algorithm.aggregation",
+            &a.aggregation,
+            &[
+                "token-mean",
+                "seq-mean-token-mean",
+                "seq-mean-token-sum",
+                "seq-mean-token-sum-norm",
+            ],
+        )?;
+        one_of("algorithm.flavor", &a.flavor, &["openrlhf", "verl"])?;
+        if a.micro_batch == 0 {
+            return bad("algorithm.micro_batch", "0".into(), "must be at least 1");
+        }
+        if a.ppo_epochs == 0 {
+            return bad("algorithm.ppo_epochs", "0".into(), "must be at least 1");
+        }
+        if a.clip_low < 0.0 || a.clip_low >= 1.0 {
+            return bad(
+                "algorithm.clip_low",
+                a.clip_low.to_string(),
+                "must be in [0, 1)",
+            );
+        }
+        if a.clip_high < 0.0 {
+            return bad(
+                "algorithm.clip_high",
+                a.clip_high.to_string(),
+                "must be ≥ 0",
+            );
+        }
+        if a.dual_clip != 0.0 && a.dual_clip <= 1.0 {
+            return bad(
+                "algorithm.dual_clip",
+                a.dual_clip.to_string(),
+                "must be > 1 (or 0: off)",
+            );
+        }
+        if a.kl_coef < 0.0 {
+            return bad("algorithm.kl_coef", a.kl_coef.to_string(), "must be ≥ 0");
+        }
+        if self.dynamic_sampling.enabled && !pipeline.is_group() {
+            return bad(
+                "dynamic_sampling.enabled",
+                "true".into(),
+                "needs a group estimator (grpo, dr_grpo, rloo)",
+            );
+        }
+        if self.eval.batch == 0 {
+            return bad("eval.batch", "0".into(), "must be at least 1");
+        }
+        Ok(())
+    }
+
+    /// The config as TOML, each key preceded by its documentation.
+    pub fn to_commented_toml(&self, pipeline: PipelineKind) -> String {
+        let doc = toml::Value::try_from(self).expect("a config serialises");
+        let mut out = format!(
+            "# weir run {} --config THIS_FILE\n# Every key is optional; shown are the defaults.\n",
+            pipeline.name()
+        );
+        let mut section = "";
+        for (s, key, help) in DOCS {
+            if *s != section {
+                out.push_str(&format!("\n[{s}]\n"));
+                section = s;
+            }
+            let value = &doc[*s][*key];
+            out.push_str(&format!("# {help}\n{key} = {value}\n"));
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_commented_defaults_parse_back_and_document_every_key() {
+        for kind in PipelineKind::ALL {
+            let defaults = RunConfig::defaults_for(*kind);
+            let text = defaults.to_commented_toml(*kind);
+            assert_eq!(
+                RunConfig::from_toml(&text, "t").unwrap(),
+                defaults,
+                "{}",
+                kind.name()
+            );
+            // Every serialised key has a doc line, and every doc line a key.
+            let doc = toml::Value::try_from(&defaults).unwrap();
+            let mut keys = 0;
+            for (section, table) in doc.as_table().unwrap() {
+                for key in table.as_table().unwrap().keys() {
+                    keys += 1;
+                    assert!(
+                        DOCS.iter().any(|(s, k, _)| s == section && k == key),
+                        "{section}.{key} is undocumented"
+                    );
+                }
+            }
+            assert_eq!(keys, DOCS.len());
+        }
+    }
+
+    #[test]
+    fn bad_keys_and_values_are_named() {
+        let err = RunConfig::from_toml("[run]\nstepz = 3\n", "a.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("a.toml") && err.contains("stepz"), "{err}");
+        let err = RunConfig::from_toml("[run]\nsteps = \"many\"\n", "a.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("steps"), "{err}");
+
+        let mut c = RunConfig::defaults_for(PipelineKind::Grpo);
+        c.model.path = "m".into();
+        c.validate(PipelineKind::Grpo).unwrap();
+        let set = |items: &[&str]| {
+            c.clone()
+                .with_overrides(&items.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+        };
+        let ok = set(&[
+            "run.steps=7",
+            "algorithm.schedule=cosine",
+            "placement.train=[0, 1]",
+        ])
+        .unwrap();
+        assert_eq!(
+            (ok.run.steps, ok.algorithm.schedule.as_str()),
+            (7, "cosine")
+        );
+        assert_eq!(ok.placement.train, vec![0, 1]);
+        assert!(set(&["run.nope=1"])
+            .unwrap_err()
+            .to_string()
+            .contains("unknown key `run.nope`"));
+        for (items, key) in [
+            (&["algorithm.kl_estimator=k9"][..], "algorithm.kl_estimator"),
+            (&["placement.train=[5]"][..], "placement.train"),
+            (
+                &["data.samples_per_prompt=1"][..],
+                "data.samples_per_prompt",
+            ),
+            (&["generate.temperature=0"][..], "generate.temperature"),
+            (&["reward.rule=nope"][..], "reward.rule"),
+        ] {
+            let err = set(items)
+                .unwrap()
+                .validate(PipelineKind::Grpo)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(key), "{items:?}: {err}");
+        }
+        // A file overrides the pipeline's defaults key by key.
+        let sft = RunConfig::load(
+            PipelineKind::Sft,
+            Some(("[run]\nsteps = 3\n", "f.toml")),
+            &[],
+        )
+        .unwrap();
+        assert_eq!((sft.run.steps, sft.algorithm.lr), (3, 1e-3));
+        for (text, needle) in [
+            ("[nope]\nx = 1\n", "unknown section `nope`"),
+            ("[run]\nstepz = 1\n", "stepz"),
+            ("run = 3\n", "must be a table"),
+        ] {
+            let err = RunConfig::load(PipelineKind::Grpo, Some((text, "f.toml")), &[])
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("f.toml") && err.contains(needle), "{err}");
+        }
+        let mut no_model = RunConfig::default();
+        no_model.model.path.clear();
+        assert!(no_model
+            .validate(PipelineKind::Grpo)
+            .unwrap_err()
+            .to_string()
+            .contains("model.path"));
+    }
+}

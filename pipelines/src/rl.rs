@@ -1,0 +1,198 @@
+//! The RL pipelines. Each reads as its dataflow: prompts → generate →
+//! reward → (reference, critic, statistics, filter) → advantage → learner
+//! → rollout log, with the learner's weights flowing back to `generate`.
+
+use weir_graph::{Partition, Pipeline};
+use weir_operators::rollout::col;
+use weir_operators::stages::advantage::{
+    GaeAdvantage, GroupAdvantage, GroupEstimator, ReinforceAdvantage,
+};
+use weir_operators::stages::critic::{Critic, CriticLearner, PerWorker};
+use weir_operators::stages::dynamic_sampling::{DynamicSampling, DynamicSamplingConfig};
+use weir_operators::stages::prompt_stats::PromptStats;
+
+use crate::roles::{self, RunContext, ROLLOUT, TRAIN};
+use crate::{PipelineError, RunConfig};
+
+/// GRPO: group-normalised outcome advantages, β·KL to the reference in the loss.
+pub fn grpo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError> {
+    Ok(group(cfg, ctx, "grpo", GroupEstimator::Grpo))
+}
+
+/// Dr.GRPO: group-centred advantages without the std (use `seq-mean-token-sum-norm`).
+pub fn dr_grpo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError> {
+    Ok(group(cfg, ctx, "dr_grpo", GroupEstimator::DrGrpo))
+}
+
+/// RLOO: each sample's baseline is the mean reward of the others in its group.
+pub fn rloo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError> {
+    Ok(group(cfg, ctx, "rloo", GroupEstimator::Rloo))
+}
+
+/// The group estimators' pipeline.
+fn group(cfg: &RunConfig, ctx: &RunContext, name: &str, estimator: GroupEstimator) -> Pipeline {
+    let flavor = roles::flavor(cfg);
+    let pipeline = rollouts(Pipeline::new(name), cfg, ctx);
+    let (pipeline, regroup) = statistics_and_filter(pipeline, cfg, ctx);
+    pipeline
+        .stage("advantage", TRAIN, regroup, move |_| {
+            Ok(GroupAdvantage::new(estimator, flavor))
+        })
+        .learn(
+            "learn",
+            TRAIN,
+            Partition::Local,
+            roles::learner(cfg, ctx, true),
+        )
+        .sink("log", TRAIN, Partition::Local, roles::rollout_log(cfg, ctx))
+}
+
+/// REINFORCE++: the KL to the reference shaped into token rewards, returns whitened.
+pub fn reinforce_pp(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError> {
+    Ok(reinforce(cfg, ctx, "reinforce_pp", false))
+}
+
+/// REINFORCE++-baseline: the group mean subtracted from the score first.
+pub fn reinforce_pp_baseline(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError> {
+    Ok(reinforce(cfg, ctx, "reinforce_pp_baseline", true))
+}
+
+fn reinforce(cfg: &RunConfig, ctx: &RunContext, name: &str, baseline: bool) -> Pipeline {
+    let kl = cfg.algorithm.kl_coef;
+    rollouts(Pipeline::new(name), cfg, ctx)
+        .stage(
+            "advantage",
+            TRAIN,
+            Partition::ByKey(col::GROUP_ID.into()),
+            move |_| Ok(ReinforceAdvantage::new(baseline, kl)),
+        )
+        .learn(
+            "learn",
+            TRAIN,
+            Partition::Local,
+            roles::learner(cfg, ctx, false),
+        )
+        .sink("log", TRAIN, Partition::Local, roles::rollout_log(cfg, ctx))
+}
+
+/// PPO: a critic scores every token before GAE and is fitted after the policy update.
+pub fn ppo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError> {
+    let critic_dir = ctx
+        .resumed_from
+        .as_ref()
+        .map(|d| d.join("critic"))
+        .unwrap_or_else(|| {
+            let m = &cfg.model;
+            std::path::PathBuf::from(match () {
+                _ if !m.critic.is_empty() => &m.critic,
+                _ if !m.reward_model.is_empty() => &m.reward_model,
+                _ => &m.path,
+            })
+        });
+    let c = cfg.clone();
+    let critic = PerWorker::new(move |w| {
+        Ok(weir_gpu::Model::load_critic(
+            &critic_dir,
+            roles::device(&c, w)?,
+            roles::kind(&c),
+        )?)
+    });
+    let (fit, c, ck) = (critic.clone(), cfg.clone(), ctx.checkpointer(cfg));
+    let resumed = ctx.resumed_from.clone();
+    let kl = cfg.algorithm.kl_coef;
+    Ok(rollouts(Pipeline::new("ppo"), cfg, ctx)
+        .stage("critic", TRAIN, Partition::Local, move |w| {
+            Critic::new(&critic, w)
+        })
+        .stage("advantage", TRAIN, Partition::Local, move |_| {
+            Ok(GaeAdvantage::new(kl))
+        })
+        .learn(
+            "learn",
+            TRAIN,
+            Partition::Local,
+            roles::learner(cfg, ctx, false),
+        )
+        .stage("critic_learn", TRAIN, Partition::Local, move |w| {
+            let a = &c.algorithm;
+            let mut learner = CriticLearner::new(
+                &fit,
+                w,
+                roles::adamw(&c, a.critic_lr),
+                (a.value_clip > 0.0).then_some(a.value_clip),
+                (a.max_grad_norm > 0.0).then_some(a.max_grad_norm),
+            )?
+            .with_checkpoints(ck.clone());
+            if let Some(dir) = &resumed {
+                weir_operators::checkpoint::load_optimizer(
+                    &dir.join("critic"),
+                    learner.optimizer_mut(),
+                )?;
+            }
+            Ok(learner)
+        })
+        .sink("log", TRAIN, Partition::Local, roles::rollout_log(cfg, ctx)))
+}
+
+/// Prompts, generation and reward on the rollout workers, then the
+/// reference log-probs on the train workers when the KL term is on.
+fn rollouts(pipeline: Pipeline, cfg: &RunConfig, ctx: &RunContext) -> Pipeline {
+    let pipeline = pipeline
+        .source(
+            ROLLOUT,
+            roles::prompts(cfg, ctx, cfg.data.samples_per_prompt),
+        )
+        .generate(
+            "generate",
+            ROLLOUT,
+            Partition::Local,
+            roles::actor(cfg, ctx),
+        )
+        .offload(2)
+        .stage("reward", ROLLOUT, Partition::Local, roles::reward(cfg));
+    if cfg.algorithm.kl_coef > 0.0 {
+        pipeline.stage(
+            "reference",
+            TRAIN,
+            Partition::RoundRobin,
+            roles::reference(cfg),
+        )
+    } else {
+        pipeline
+    }
+}
+
+/// Per-prompt statistics (for the curriculum) and DAPO's filter, when on;
+/// returns the partition that brings whole groups to the next stage.
+fn statistics_and_filter(
+    pipeline: Pipeline,
+    cfg: &RunConfig,
+    ctx: &RunContext,
+) -> (Pipeline, Partition) {
+    let by_group = Partition::ByKey(col::GROUP_ID.into());
+    let mut pipeline = pipeline;
+    let mut next = by_group.clone();
+    if cfg.curriculum.enabled {
+        let (view, threshold) = (ctx.stats.clone(), cfg.curriculum.solve_threshold);
+        pipeline = pipeline.stage(
+            "prompt_stats",
+            TRAIN,
+            Partition::ByKey(col::PROMPT_ID.into()),
+            move |_| Ok(PromptStats::new(view.clone(), threshold)),
+        );
+        // Routed by prompt: each group is already on one worker.
+        next = Partition::Local;
+    }
+    if cfg.dynamic_sampling.enabled {
+        let filter = DynamicSamplingConfig {
+            target_groups: (cfg.dynamic_sampling.target_groups > 0)
+                .then_some(cfg.dynamic_sampling.target_groups),
+            max_staleness: cfg.run.max_staleness,
+        };
+        pipeline = pipeline.stage("dynamic_sampling", TRAIN, next, move |_| {
+            Ok(DynamicSampling::new(filter))
+        });
+        next = Partition::Local;
+    }
+    (pipeline, next)
+}

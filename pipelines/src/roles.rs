@@ -1,0 +1,325 @@
+//! The pieces every pipeline shares: where a run stands ([`RunContext`]),
+//! and a stage factory per role, built from the config.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use tch::Kind;
+use weir_gpu::optim::AdamWConfig;
+use weir_gpu::{Device, Model, SamplingParams, Tokenizer};
+use weir_graph::{ParquetLog, StageError, WorkerInfo};
+use weir_operators::algorithms::{Aggregation, Flavor, KlEstimator, PolicyLossConfig};
+use weir_operators::checkpoint::{load_optimizer, Checkpointer};
+use weir_operators::rewards::{arith, rule_reward};
+use weir_operators::stages::generate::Generate;
+use weir_operators::stages::learner::{CheckpointPlan, Learner, LearnerConfig, LrSchedule};
+use weir_operators::stages::prompt_stats::{Curriculum, StatsView};
+use weir_operators::stages::prompts::{Cursor, CursorLog, PromptColumn, PromptSource};
+use weir_operators::stages::reference::RefLogprob;
+use weir_operators::stages::remote_reward::{RemoteReward, RemoteRewardConfig};
+use weir_operators::stages::reward::{RewardModel, RuleReward};
+
+use crate::RunConfig;
+
+/// Worker set of generation and scoring.
+pub const ROLLOUT: &str = "rollout";
+/// Worker set of the reference, critic, advantage and learner.
+pub const TRAIN: &str = "train";
+
+/// Where a run (or a resumed segment of one) starts, and what its stages share.
+#[derive(Clone, Debug)]
+pub struct RunContext {
+    /// The run folder.
+    pub run_dir: PathBuf,
+    /// The actor's starting checkpoint (the config's, or a checkpoint's `actor/`).
+    pub actor: PathBuf,
+    /// The checkpoint folder resumed from (`actor/`, `critic/` with optimizer state), if any.
+    pub resumed_from: Option<PathBuf>,
+    /// The first step of this segment.
+    pub first_step: u64,
+    /// The policy version at `first_step`.
+    pub version: u64,
+    /// The prompt cursor at `first_step`.
+    pub cursor: Option<Cursor>,
+    /// Cursors as the source draws them (for checkpoints).
+    pub cursors: CursorLog,
+    /// Per-prompt statistics (curriculum).
+    pub stats: StatsView,
+    /// The last step of the run.
+    pub last_step: u64,
+    /// Components of a complete checkpoint.
+    pub components: Vec<String>,
+}
+
+impl RunContext {
+    /// The checkpoint writer of this run.
+    pub fn checkpointer(&self, cfg: &RunConfig) -> Checkpointer {
+        Checkpointer {
+            root: self.run_dir.join("checkpoints"),
+            every: cfg.run.checkpoint_every,
+            last_step: Some(self.last_step),
+        }
+    }
+
+    fn checkpoint_plan(&self, cfg: &RunConfig) -> CheckpointPlan {
+        CheckpointPlan {
+            checkpointer: self.checkpointer(cfg),
+            cursors: Some(self.cursors.clone()),
+            seed: cfg.run.seed,
+            components: self.components.clone(),
+        }
+    }
+}
+
+/// The compute dtype named by `model.dtype`.
+pub fn kind(cfg: &RunConfig) -> Kind {
+    match cfg.model.dtype.as_str() {
+        "bf16" => Kind::BFloat16,
+        "f16" => Kind::Half,
+        _ => Kind::Float,
+    }
+}
+
+/// The device of `worker`: the CPU, or CUDA device `index mod count`.
+pub fn device(cfg: &RunConfig, worker: &WorkerInfo) -> Result<Device, StageError> {
+    if cfg.run.device == "cpu" {
+        return Ok(Device::Cpu);
+    }
+    let count = Device::cuda_count();
+    if count == 0 {
+        return Err("run.device = \"cuda\", but libtorch sees no CUDA device".into());
+    }
+    Ok(Device::Cuda(worker.index % count))
+}
+
+/// Loads `dir` on `worker`'s device in the config's dtype.
+pub fn load(cfg: &RunConfig, dir: &Path, worker: &WorkerInfo) -> Result<Model, StageError> {
+    Ok(Model::load(dir, device(cfg, worker)?, kind(cfg))?)
+}
+
+fn or_actor(path: &str, cfg: &RunConfig) -> PathBuf {
+    PathBuf::from(if path.is_empty() {
+        &cfg.model.path
+    } else {
+        path
+    })
+}
+
+/// The prompt source: the arith task's training pairs or a prompt file, with the run's cursor.
+pub fn prompts(
+    cfg: &RunConfig,
+    ctx: &RunContext,
+    samples: usize,
+) -> impl Fn(&WorkerInfo) -> Result<PromptSource, StageError> + Send + Sync + 'static {
+    let (cfg, ctx) = (cfg.clone(), ctx.clone());
+    move |w| {
+        let tok = Tokenizer::load(Path::new(&cfg.model.path))?;
+        let d = &cfg.data;
+        let mut src = if d.prompts == "arith" {
+            PromptSource::arith(
+                &arith::train_pairs(cfg.run.seed),
+                &tok,
+                d.prompts_per_step,
+                samples,
+                cfg.run.seed,
+            )?
+        } else {
+            let column = if d.messages_column.is_empty() {
+                PromptColumn::Text(d.prompt_column.clone())
+            } else {
+                PromptColumn::Messages(d.messages_column.clone())
+            };
+            let extra: Vec<String> = [d.label_column.clone()]
+                .into_iter()
+                .filter(|c| !c.is_empty())
+                .collect();
+            PromptSource::from_file(
+                Path::new(&d.prompts),
+                &column,
+                &extra,
+                &tok,
+                d.prompts_per_step,
+                samples,
+                cfg.run.seed,
+            )?
+        };
+        if d.epochs > 0 {
+            src = src.epochs(d.epochs);
+        }
+        if let Some(cursor) = ctx.cursor {
+            src.restore(cursor);
+        }
+        if cfg.curriculum.enabled {
+            src = src.curriculum(Curriculum {
+                view: ctx.stats.clone(),
+                min_samples: cfg.curriculum.min_samples,
+                max_solve_rate: cfg.curriculum.max_solve_rate,
+                min_solve_rate: cfg.curriculum.min_solve_rate,
+                max_staleness: cfg.run.max_staleness,
+            });
+        }
+        Ok(src
+            .cursor_log(ctx.cursors.clone())
+            .shard(w.rank, w.role_size))
+    }
+}
+
+/// The actor's generator, starting from the run's actor checkpoint.
+pub fn actor(
+    cfg: &RunConfig,
+    ctx: &RunContext,
+) -> impl Fn(&WorkerInfo) -> Result<Generate, StageError> + Send + Sync + 'static {
+    let (cfg, actor) = (cfg.clone(), ctx.actor.clone());
+    move |w| {
+        let model = load(&cfg, &actor, w)?;
+        let tok = Tokenizer::load(Path::new(&cfg.model.path))?;
+        let g = &cfg.generate;
+        let params = SamplingParams {
+            max_new_tokens: g.max_new_tokens,
+            temperature: g.temperature,
+            top_p: (g.top_p < 1.0).then_some(g.top_p),
+            top_k: (g.top_k > 0).then_some(g.top_k),
+            eos_token_ids: tok.eos_token_ids().to_vec(),
+            seed: cfg.run.seed,
+            ..Default::default()
+        };
+        Ok(Generate::new(model, tok, params))
+    }
+}
+
+/// The reward stage the config names (boxed: rule, model or remote).
+pub fn reward(
+    cfg: &RunConfig,
+) -> impl Fn(&WorkerInfo) -> Result<Box<dyn weir_graph::Stage>, StageError> + Send + Sync + 'static
+{
+    let cfg = cfg.clone();
+    move |w| -> Result<Box<dyn weir_graph::Stage>, StageError> {
+        Ok(match cfg.reward.kind.as_str() {
+            "model" => Box::new(RewardModel::new(
+                load(&cfg, Path::new(&cfg.model.reward_model), w)?,
+                cfg.algorithm.micro_batch,
+            )?),
+            "remote" => Box::new(RemoteReward::new(RemoteRewardConfig {
+                url: cfg.reward.url.clone(),
+                label_column: (!cfg.data.label_column.is_empty())
+                    .then(|| cfg.data.label_column.clone()),
+                timeout: Duration::from_secs_f64(cfg.reward.timeout_s.max(0.001)),
+                attempts: cfg.reward.attempts,
+                ..Default::default()
+            })?),
+            _ => {
+                let rule = rule_reward(&cfg.reward.rule)
+                    .ok_or_else(|| format!("unknown rule reward `{}`", cfg.reward.rule))?;
+                Box::new(RuleReward::new(rule, &cfg.data.label_column))
+            }
+        })
+    }
+}
+
+/// The frozen reference.
+pub fn reference(
+    cfg: &RunConfig,
+) -> impl Fn(&WorkerInfo) -> Result<RefLogprob, StageError> + Send + Sync + 'static {
+    let cfg = cfg.clone();
+    move |w| {
+        let dir = or_actor(&cfg.model.reference, &cfg);
+        Ok(RefLogprob::new(
+            load(&cfg, &dir, w)?,
+            cfg.generate.temperature,
+        ))
+    }
+}
+
+/// The learner settings of the config.
+pub fn learner_config(cfg: &RunConfig, kl_in_loss: bool) -> LearnerConfig {
+    let a = &cfg.algorithm;
+    LearnerConfig {
+        adamw: adamw(cfg, a.lr),
+        max_grad_norm: (a.max_grad_norm > 0.0).then_some(a.max_grad_norm),
+        micro_batch: a.micro_batch,
+        policy: PolicyLossConfig {
+            clip_low: a.clip_low,
+            clip_high: a.clip_high,
+            dual_clip: (a.dual_clip > 0.0).then_some(a.dual_clip),
+            aggregation: match a.aggregation.as_str() {
+                "seq-mean-token-mean" => Aggregation::SeqMeanTokenMean,
+                "seq-mean-token-sum" => Aggregation::SeqMeanTokenSum,
+                "seq-mean-token-sum-norm" => Aggregation::SeqMeanTokenSumNorm,
+                _ => Aggregation::TokenMean,
+            },
+            flavor: flavor(cfg),
+            ..PolicyLossConfig::default()
+        },
+        temperature: cfg.generate.temperature,
+        kl_coef: if kl_in_loss { a.kl_coef } else { 0.0 },
+        kl_estimator: match a.kl_estimator.as_str() {
+            "k1" => KlEstimator::K1,
+            "k2" => KlEstimator::K2,
+            _ => KlEstimator::K3,
+        },
+        ppo_epochs: a.ppo_epochs,
+        schedule: schedule(cfg),
+        entropy_coef: a.entropy_coef,
+    }
+}
+
+/// OpenRLHF's or verl's semantics.
+pub fn flavor(cfg: &RunConfig) -> Flavor {
+    if cfg.algorithm.flavor == "verl" {
+        Flavor::Verl
+    } else {
+        Flavor::OpenRlhf
+    }
+}
+
+/// AdamW at `lr` with the config's weight decay.
+pub fn adamw(cfg: &RunConfig, lr: f64) -> AdamWConfig {
+    AdamWConfig {
+        lr,
+        weight_decay: cfg.algorithm.weight_decay,
+        ..Default::default()
+    }
+}
+
+/// The learning-rate schedule over the run's steps (in optimizer steps).
+pub fn schedule(cfg: &RunConfig) -> LrSchedule {
+    let a = &cfg.algorithm;
+    if a.schedule == "cosine" {
+        LrSchedule::Cosine {
+            warmup: a.warmup_steps,
+            total: cfg.run.steps * a.ppo_epochs as u64,
+            min_ratio: a.min_lr_ratio,
+        }
+    } else {
+        LrSchedule::Constant {
+            warmup: a.warmup_steps,
+        }
+    }
+}
+
+/// The actor's learner, restoring its optimizer on resume and saving checkpoints.
+pub fn learner(
+    cfg: &RunConfig,
+    ctx: &RunContext,
+    kl_in_loss: bool,
+) -> impl Fn(&WorkerInfo) -> Result<Learner, StageError> + Send + Sync + 'static {
+    let (cfg, ctx) = (cfg.clone(), ctx.clone());
+    move |w| {
+        let model = load(&cfg, &ctx.actor, w)?;
+        let mut learner = Learner::new(model, learner_config(&cfg, kl_in_loss))?
+            .with_checkpoints(ctx.checkpoint_plan(&cfg));
+        if let Some(dir) = &ctx.resumed_from {
+            load_optimizer(&dir.join("actor"), learner.optimizer_mut())?;
+        }
+        Ok(learner)
+    }
+}
+
+/// The rollout log: every row, in rolling Parquet files under `rollouts/`.
+pub fn rollout_log(
+    cfg: &RunConfig,
+    ctx: &RunContext,
+) -> impl Fn(&WorkerInfo) -> Result<ParquetLog, StageError> + Send + Sync + 'static {
+    let (dir, rows) = (ctx.run_dir.join("rollouts"), cfg.run.rows_per_file);
+    move |w| Ok(ParquetLog::new(&dir, w.index, rows)?)
+}

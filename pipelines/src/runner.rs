@@ -1,0 +1,412 @@
+//! From a config to a run folder, and back from a crash.
+//!
+//! ```text
+//! RUN_DIR/
+//!   config.resolved.toml     the pipeline and every key, defaults filled in
+//!   rollouts/*.parquet       every rollout row (superseded/ keeps rows a resume replaced)
+//!   metrics.parquet          the engine's and the stages' metrics, long format
+//!   checkpoints/step-N/      actor/ (critic/) in HF layout + optimizer state, state.json
+//!   eval.json                greedy arith accuracy before training (arith runs)
+//!   summary.json             steps, throughput, staleness, rewards, accuracy before/after
+//! ```
+//!
+//! Resuming reads the newest complete checkpoint: the step counter, the
+//! policy version and the prompt cursor continue from it, the optimizer
+//! state is restored, metric rows up to it are kept, and rollout rows of
+//! later steps (which the resumed run produces again) move to
+//! `rollouts/superseded/`.
+
+use std::path::{Path, PathBuf};
+
+use arrow::array::{AsArray, BooleanArray};
+use arrow::compute::filter_record_batch;
+use arrow::datatypes::UInt64Type;
+use serde_json::{json, Value};
+use weir_graph::metrics::{batch_to_rows, MetricRow};
+use weir_graph::parquet_log::{read_parquet_file, write_parquet_atomically};
+use weir_graph::{Execution, Placement, RunReport, RunSettings};
+use weir_operators::checkpoint::latest;
+use weir_operators::rewards::arith;
+use weir_operators::rollout::col;
+use weir_operators::stages::prompt_stats::StatsView;
+use weir_operators::stages::prompts::CursorLog;
+
+use crate::roles::{RunContext, ROLLOUT, TRAIN};
+use crate::{rl, sft, PipelineError, PipelineKind, RunConfig};
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct RunRequest {
+    /// The pipeline.
+    pub pipeline: PipelineKind,
+    /// Its config.
+    pub config: RunConfig,
+    /// The run folder.
+    pub run_dir: PathBuf,
+    /// Continue the run in `run_dir` from its newest checkpoint.
+    pub resume: bool,
+    /// Draw progress bars on stderr.
+    pub progress: bool,
+}
+
+/// What a run produced.
+#[derive(Debug)]
+pub struct RunOutcome {
+    /// The run folder.
+    pub run_dir: PathBuf,
+    /// The engine's report of this segment (with earlier segments' metrics).
+    pub report: RunReport,
+    /// What `summary.json` holds.
+    pub summary: Value,
+    /// The final actor checkpoint (HF layout).
+    pub final_actor: PathBuf,
+}
+
+/// The file holding a run's resolved config.
+pub const RESOLVED: &str = "config.resolved.toml";
+
+/// Writes the resolved config: `pipeline = "…"` then every section.
+pub fn resolved_config_text(kind: PipelineKind, cfg: &RunConfig) -> String {
+    let body = toml::to_string(cfg).expect("a config serialises");
+    format!("pipeline = \"{}\"\n\n{body}", kind.name())
+}
+
+/// Reads a run folder's resolved config (for `weir run --resume`).
+pub fn read_resolved(run_dir: &Path) -> Result<(PipelineKind, RunConfig), PipelineError> {
+    let path = run_dir.join(RESOLVED);
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| format!("{}: {e} (is this a weir run folder?)", path.display()))?;
+    let mut table: toml::Table =
+        toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let name = table
+        .remove("pipeline")
+        .and_then(|v| v.as_str().map(String::from))
+        .ok_or_else(|| format!("{}: no `pipeline` key", path.display()))?;
+    let kind = PipelineKind::parse(&name).map_err(|e| format!("{}: {e}", path.display()))?;
+    let body = toml::to_string(&table).map_err(|e| e.to_string())?;
+    Ok((
+        kind,
+        RunConfig::from_toml(&body, &path.display().to_string())?,
+    ))
+}
+
+/// Runs (or resumes) a pipeline into its run folder.
+pub fn run(req: &RunRequest) -> Result<RunOutcome, PipelineError> {
+    let (kind, cfg, dir) = (req.pipeline, &req.config, &req.run_dir);
+    cfg.validate(kind)?;
+    for (key, path) in [
+        ("model.path", &cfg.model.path),
+        ("model.reference", &cfg.model.reference),
+        ("model.reward_model", &cfg.model.reward_model),
+        ("model.critic", &cfg.model.critic),
+    ] {
+        if !path.is_empty() && !Path::new(path).join("config.json").is_file() {
+            return Err(format!(
+                "`{key}` = {path:?}: no config.json there (not a HF checkpoint folder)"
+            )
+            .into());
+        }
+    }
+    if kind == PipelineKind::Sft && cfg.placement.train.len() != 1 {
+        return Err("`placement.train`: SFT trains on exactly one worker"
+            .to_string()
+            .into());
+    }
+    if kind.is_rl() && cfg.placement.train.len() != 1 {
+        return Err("`placement.train`: the learner runs on exactly one worker (data-parallel learners are not supported yet)".to_string().into());
+    }
+    let resolved = dir.join(RESOLVED);
+    if !req.resume && resolved.exists() {
+        return Err(format!(
+            "{} already holds a run: resume it with `weir run --resume {}`, or pick another --out",
+            dir.display(),
+            dir.display()
+        )
+        .into());
+    }
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    write_text(&resolved, &resolved_config_text(kind, cfg))?;
+    tch::set_num_threads(cfg.run.threads as i32);
+
+    let checkpoints = dir.join("checkpoints");
+    let found = if req.resume {
+        latest(&checkpoints)?
+    } else {
+        None
+    };
+    let mut ctx = RunContext {
+        run_dir: dir.clone(),
+        actor: PathBuf::from(&cfg.model.path),
+        resumed_from: None,
+        first_step: 0,
+        version: 0,
+        cursor: None,
+        cursors: CursorLog::new(),
+        stats: StatsView::new(),
+        last_step: cfg.run.steps - 1,
+        components: if kind == PipelineKind::Ppo {
+            vec!["actor".into(), "critic".into()]
+        } else {
+            vec!["actor".into()]
+        },
+    };
+    let mut prior = Vec::new();
+    if let Some((ck, state)) = &found {
+        ctx.actor = ck.join("actor");
+        ctx.resumed_from = Some(ck.clone());
+        ctx.first_step = state.step + 1;
+        ctx.version = state.version;
+        ctx.cursor = state.cursor;
+        prior = prior_metrics(&dir.join("metrics.parquet"), state.step)?;
+        trim_rollouts(&dir.join("rollouts"), state.step)?;
+        tracing::info!(step = state.step, "resuming from {}", ck.display());
+    }
+    let arith_eval = cfg.eval.arith && cfg.data.prompts == "arith";
+    let before = if arith_eval {
+        Some(eval_before(cfg, dir)?)
+    } else {
+        None
+    };
+
+    let started = std::time::Instant::now();
+    let report = if ctx.first_step <= ctx.last_step {
+        let pipeline = match kind {
+            PipelineKind::Grpo => rl::grpo(cfg, &ctx)?,
+            PipelineKind::DrGrpo => rl::dr_grpo(cfg, &ctx)?,
+            PipelineKind::Rloo => rl::rloo(cfg, &ctx)?,
+            PipelineKind::ReinforcePp => rl::reinforce_pp(cfg, &ctx)?,
+            PipelineKind::ReinforcePpBaseline => rl::reinforce_pp_baseline(cfg, &ctx)?,
+            PipelineKind::Ppo => rl::ppo(cfg, &ctx)?,
+            PipelineKind::Sft => sft::sft(cfg, &ctx)?,
+        };
+        let p = &cfg.placement;
+        let placement = Placement::new(p.workers)
+            .assign(ROLLOUT, p.rollout.iter().copied())
+            .assign(TRAIN, p.train.iter().copied());
+        let (observer, bar) =
+            crate::progress::observer(kind.name(), ctx.first_step, cfg.run.steps, req.progress);
+        let settings = RunSettings::new(Execution::Threads(p.workers), placement)
+            .max_staleness(cfg.run.max_staleness)
+            .steps(cfg.run.steps - ctx.first_step)
+            .resume_at(ctx.first_step, ctx.version)
+            .metrics_path(dir.join("metrics.parquet"))
+            .prior_metrics(prior)
+            .observe(observer);
+        let report = pipeline.run(&settings);
+        bar.finish();
+        report?
+    } else {
+        RunReport::from_metrics(prior, 0, 0.0, 0)
+    };
+    let wall_s = started.elapsed().as_secs_f64();
+
+    let final_dir = checkpoints.join(format!("step-{}", ctx.last_step));
+    let final_actor = final_dir.join("actor");
+    if !final_actor.is_dir() {
+        return Err(format!(
+            "the run ended without its final checkpoint {}",
+            final_actor.display()
+        )
+        .into());
+    }
+    let after = if arith_eval {
+        Some(eval_accuracy(cfg, &final_actor)?)
+    } else {
+        None
+    };
+    let summary = summarize(
+        kind,
+        cfg,
+        &ctx,
+        &report,
+        wall_s,
+        before,
+        after,
+        &final_actor,
+    );
+    write_text(
+        &dir.join("summary.json"),
+        &serde_json::to_string_pretty(&summary).map_err(|e| e.to_string())?,
+    )?;
+    Ok(RunOutcome {
+        run_dir: dir.clone(),
+        report,
+        summary,
+        final_actor,
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn summarize(
+    kind: PipelineKind,
+    cfg: &RunConfig,
+    ctx: &RunContext,
+    report: &RunReport,
+    wall_s: f64,
+    before: Option<(f64, Vec<(String, String)>)>,
+    after: Option<(f64, Vec<(String, String)>)>,
+    final_actor: &Path,
+) -> Value {
+    let trainer = if kind == PipelineKind::Sft {
+        "sft"
+    } else {
+        "learn"
+    };
+    let series = |metric: &str| -> Vec<f64> {
+        let mut by_step: std::collections::BTreeMap<u64, f64> = Default::default();
+        for r in report
+            .metrics
+            .iter()
+            .filter(|r| r.stage == trainer && r.metric == metric)
+        {
+            by_step.insert(r.step, r.value);
+        }
+        by_step.into_values().collect()
+    };
+    let mean = |v: &[f64]| (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64);
+    let window = |v: &[f64], last: bool| {
+        let n = (v.len() / 10).max(1).min(v.len());
+        mean(if last { &v[v.len() - n..] } else { &v[..n] })
+    };
+    let rows: f64 = report.stages.get(trainer).map_or(0.0, |s| s.rows_in as f64);
+    let segment_wall = report.wall_s.max(1e-9);
+    let reward = series("reward");
+    let loss = series("loss");
+    json!({
+        "pipeline": kind.name(),
+        "steps": cfg.run.steps,
+        "resumed_at_step": (ctx.first_step > 0).then_some(ctx.first_step),
+        "wall_s": wall_s,
+        "samples_per_s": rows_this_segment(report, trainer, ctx.first_step) / segment_wall,
+        "rows_trained": rows,
+        "max_staleness": cfg.run.max_staleness,
+        "max_staleness_observed": report.max_staleness_observed(),
+        "staleness_histogram": report.staleness_histogram,
+        "reward_first": window(&reward, false),
+        "reward_last": window(&reward, true),
+        "loss_first": window(&loss, false),
+        "loss_last": window(&loss, true),
+        "eval_accuracy_before": before.as_ref().map(|b| b.0),
+        "eval_accuracy_after": after.as_ref().map(|a| a.0),
+        "eval_samples_after": after.map(|a| a.1),
+        "final_checkpoint": final_actor.display().to_string(),
+    })
+}
+
+fn rows_this_segment(report: &RunReport, trainer: &str, first_step: u64) -> f64 {
+    report
+        .metrics
+        .iter()
+        .filter(|r| r.stage == trainer && r.metric == "rows_in" && r.step >= first_step)
+        .map(|r| r.value)
+        .sum()
+}
+
+/// Greedy arith accuracy of the checkpoint in `dir`.
+pub fn eval_accuracy(
+    cfg: &RunConfig,
+    dir: &Path,
+) -> Result<(f64, Vec<(String, String)>), PipelineError> {
+    let device = if cfg.run.device == "cuda" && weir_gpu::Device::cuda_count() > 0 {
+        weir_gpu::Device::Cuda(0)
+    } else {
+        weir_gpu::Device::Cpu
+    };
+    let model = weir_gpu::Model::load(dir, device, crate::roles::kind(cfg))?;
+    let tok = weir_gpu::Tokenizer::load(Path::new(&cfg.model.path))?;
+    let threads = tch::get_num_threads();
+    tch::set_num_threads(std::thread::available_parallelism().map_or(1, |n| n.get()) as i32);
+    let result = arith::greedy_accuracy(&model, &tok, &arith::eval_pairs(), cfg.eval.batch);
+    tch::set_num_threads(threads);
+    Ok(result?)
+}
+
+/// The accuracy before training: measured once, kept in `eval.json` across resumes.
+fn eval_before(cfg: &RunConfig, dir: &Path) -> Result<(f64, Vec<(String, String)>), PipelineError> {
+    let path = dir.join("eval.json");
+    if let Ok(text) = std::fs::read_to_string(&path) {
+        if let Some(acc) = serde_json::from_str::<Value>(&text)
+            .ok()
+            .and_then(|v| v["eval_accuracy_before"].as_f64())
+        {
+            return Ok((acc, Vec::new()));
+        }
+    }
+    let (acc, samples) = eval_accuracy(cfg, Path::new(&cfg.model.path))?;
+    write_text(
+        &path,
+        &json!({"eval_accuracy_before": acc, "samples": samples}).to_string(),
+    )?;
+    Ok((acc, samples))
+}
+
+/// Metric rows of steps ≤ `last_step` from an earlier segment.
+fn prior_metrics(path: &Path, last_step: u64) -> Result<Vec<MetricRow>, PipelineError> {
+    if !path.is_file() {
+        return Ok(Vec::new());
+    }
+    let mut rows = Vec::new();
+    for batch in read_parquet_file(path)? {
+        rows.extend(
+            batch_to_rows(&batch)?
+                .into_iter()
+                .filter(|r| r.step <= last_step),
+        );
+    }
+    Ok(rows)
+}
+
+/// Moves rollout files holding steps after `last_step` to `superseded/`,
+/// keeping their rows up to `last_step` in a new file.
+fn trim_rollouts(dir: &Path, last_step: u64) -> Result<(), PipelineError> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Ok(());
+    };
+    let mut files: Vec<PathBuf> = entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "parquet"))
+        .collect();
+    files.sort();
+    for path in files {
+        let batches = read_parquet_file(&path)?;
+        let mut kept = Vec::new();
+        let mut later = false;
+        for b in &batches {
+            let steps = b
+                .column_by_name(col::STEP)
+                .ok_or_else(|| format!("{}: no `step` column", path.display()))?
+                .as_primitive::<UInt64Type>();
+            let keep: BooleanArray = steps.iter().map(|s| s.map(|s| s <= last_step)).collect();
+            later |= keep.true_count() < b.num_rows();
+            let k = filter_record_batch(b, &keep).map_err(|e| e.to_string())?;
+            if k.num_rows() > 0 {
+                kept.push(k);
+            }
+        }
+        if !later {
+            continue;
+        }
+        let name = path
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .to_string();
+        let superseded = dir.join("superseded");
+        std::fs::create_dir_all(&superseded)
+            .map_err(|e| format!("{}: {e}", superseded.display()))?;
+        if !kept.is_empty() {
+            let stem = name.trim_end_matches(".parquet");
+            write_parquet_atomically(&dir.join(format!("{stem}-upto-{last_step}.parquet")), &kept)?;
+        }
+        std::fs::rename(&path, superseded.join(&name))
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    Ok(())
+}
+
+fn write_text(path: &Path, text: &str) -> Result<(), PipelineError> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text).map_err(|e| format!("{}: {e}", tmp.display()))?;
+    std::fs::rename(&tmp, path).map_err(|e| format!("{}: {e}", path.display()).into())
+}

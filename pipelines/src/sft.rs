@@ -1,0 +1,42 @@
+//! Supervised fine-tuning as a pipeline: prompts with their targets flow
+//! from the source into the trainer, one optimizer step per step.
+
+use std::path::Path;
+
+use weir_gpu::Tokenizer;
+use weir_graph::{Partition, Pipeline};
+use weir_operators::checkpoint::load_optimizer;
+use weir_operators::stages::learner::CheckpointPlan;
+use weir_operators::stages::sft::{SftConfig, SftTrainer};
+
+use crate::roles::{self, RunContext, ROLLOUT, TRAIN};
+use crate::{PipelineError, RunConfig};
+
+/// SFT on `data.label_column` (the target text; the end-of-turn token is appended).
+pub fn sft(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError> {
+    let (c, x) = (cfg.clone(), ctx.clone());
+    Ok(Pipeline::new("sft")
+        .source(ROLLOUT, roles::prompts(cfg, ctx, 1))
+        .stage("sft", TRAIN, Partition::RoundRobin, move |w| {
+            let a = &c.algorithm;
+            let model = roles::load(&c, &x.actor, w)?;
+            let tok = Tokenizer::load(Path::new(&c.model.path))?;
+            let config = SftConfig {
+                adamw: roles::adamw(&c, a.lr),
+                schedule: roles::schedule(&c),
+                max_grad_norm: (a.max_grad_norm > 0.0).then_some(a.max_grad_norm),
+                micro_batch: a.micro_batch,
+            };
+            let mut trainer = SftTrainer::new(model, tok, &c.data.label_column, config)?
+                .with_checkpoints(CheckpointPlan {
+                    checkpointer: x.checkpointer(&c),
+                    cursors: Some(x.cursors.clone()),
+                    seed: c.run.seed,
+                    components: x.components.clone(),
+                });
+            if let Some(dir) = &x.resumed_from {
+                load_optimizer(&dir.join("actor"), trainer.optimizer_mut())?;
+            }
+            Ok(trainer)
+        }))
+}
