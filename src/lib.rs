@@ -9,5 +9,8 @@ pub use weir_graph as graph;
 pub use weir_operators as operators;
 pub use weir_pipelines as pipelines;
 
+pub mod demo;
 pub mod model_cli;
+pub mod report;
+pub mod run_cli;
 pub mod sim;

@@ -1,5 +1,7 @@
 //! The `weir` command line.
 
+use std::path::PathBuf;
+
 use clap::{Parser, Subcommand};
 
 /// weir: RLHF as a streaming dataflow graph.
@@ -12,6 +14,12 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// The demo: train a tokenizer and a small Llama, SFT it on arithmetic, then async GRPO (CPU, minutes).
+    Demo(weir::demo::DemoArgs),
+    /// Run a pipeline from a TOML config (or resume a run folder).
+    Run(weir::run_cli::RunArgs),
+    /// Print a pipeline's default config, every key documented.
+    Config(weir::run_cli::ConfigArgs),
     /// Run the engine simulation (synthetic stages, real rows, Parquet output).
     Sim(weir::sim::SimArgs),
     /// Per-token log-probs of token sequences (JSONL `{"input_ids": [...]}` → Parquet).
@@ -22,6 +30,16 @@ enum Command {
     Score(weir::model_cli::ModelArgs),
     /// List the devices weir can place roles on (CPU, and CUDA devices with free/total memory).
     Devices,
+    /// Summarise a run folder in the terminal: steps, reward/KL sparklines, staleness, per-stage busy time.
+    Inspect {
+        /// The run folder (holds metrics.parquet).
+        run_dir: PathBuf,
+    },
+    /// Write PNG charts of a run (reward, KL, entropy, loss, staleness, throughput) to RUN_DIR/plots.
+    Plot {
+        /// The run folder (holds metrics.parquet).
+        run_dir: PathBuf,
+    },
 }
 
 fn main() {
@@ -34,11 +52,20 @@ fn main() {
         .init();
     let cli = Cli::parse();
     let result = match &cli.command {
+        Command::Demo(args) => weir::demo::demo(args),
+        Command::Run(args) => weir::run_cli::run(args),
+        Command::Config(args) => weir::run_cli::config(args),
         Command::Sim(args) => weir::sim::main_with(args),
         Command::Logprobs(args) => weir::model_cli::logprobs(args),
         Command::Generate(args) => weir::model_cli::generate(args),
         Command::Score(args) => weir::model_cli::score(args),
         Command::Devices => weir::model_cli::devices(),
+        Command::Inspect { run_dir } => weir::report::inspect(run_dir).map(|text| print!("{text}")),
+        Command::Plot { run_dir } => weir::report::plot(run_dir).map(|paths| {
+            for path in paths {
+                println!("{}", path.display());
+            }
+        }),
     };
     if let Err(err) = result {
         eprintln!("error: {err:#}");

@@ -231,3 +231,102 @@ impl Tokenizer {
         &self.dir
     }
 }
+
+/// The ChatML template (the arith task's and Qwen's format).
+pub const CHATML_TEMPLATE: &str = "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
+
+/// The special tokens of [`train_chatml_bpe`], ids 0..4 in this order.
+pub const CHATML_SPECIALS: [&str; 4] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"];
+
+/// Trains a byte-level BPE tokenizer (digits split one by one, ChatML
+/// special tokens at ids 0–3, `<|im_end|>` as eos, `<pad>` as padding) on
+/// `corpus` and writes `tokenizer.json`, `tokenizer_config.json` (with the
+/// ChatML template) and `special_tokens_map.json` into `dir`, so that
+/// [`Tokenizer::load`] and transformers load it. Returns the vocabulary size.
+pub fn train_chatml_bpe(
+    corpus: &[String],
+    vocab_size: usize,
+    dir: &Path,
+) -> Result<usize, ModelError> {
+    use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+    use tokenizers::pre_tokenizers::digits::Digits;
+    use tokenizers::pre_tokenizers::sequence::Sequence;
+    use tokenizers::{AddedToken, DecoderWrapper, ModelWrapper, PreTokenizerWrapper};
+
+    let fail = |what: &str, e: tokenizers::Error| ModelError::Input(format!("{what}: {e}"));
+    let specials: Vec<AddedToken> = CHATML_SPECIALS
+        .iter()
+        .map(|t| AddedToken::from(t.to_string(), true))
+        .collect();
+    let mut tokenizer = tokenizers::TokenizerBuilder::<
+        ModelWrapper,
+        tokenizers::NormalizerWrapper,
+        PreTokenizerWrapper,
+        tokenizers::PostProcessorWrapper,
+        DecoderWrapper,
+    >::new()
+    .with_model(BPE::default().into())
+    .with_pre_tokenizer(Some(PreTokenizerWrapper::Sequence(Sequence::new(vec![
+        PreTokenizerWrapper::Digits(Digits::new(true)),
+        PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, true)),
+    ]))))
+    .with_decoder(Some(DecoderWrapper::ByteLevel(ByteLevel::default())))
+    .build()
+    .map_err(|e| fail("building the tokenizer", e))?;
+    let mut trainer: tokenizers::models::TrainerWrapper = BpeTrainerBuilder::new()
+        .vocab_size(vocab_size)
+        .min_frequency(2)
+        .show_progress(false)
+        .special_tokens(specials.clone())
+        .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+        .build()
+        .into();
+    tokenizer
+        .train(&mut trainer, corpus.iter())
+        .map_err(|e| fail("training the tokenizer", e))?;
+    tokenizer.add_special_tokens(&specials);
+    std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
+    let path = dir.join("tokenizer.json");
+    tokenizer
+        .save(&path, false)
+        .map_err(|e| fail(&path.display().to_string(), e))?;
+    let added: serde_json::Map<String, Value> = CHATML_SPECIALS
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            (
+                i.to_string(),
+                serde_json::json!({"content": t, "lstrip": false, "normalized": false, "rstrip": false, "single_word": false, "special": true}),
+            )
+        })
+        .collect();
+    let config = serde_json::json!({
+        "add_bos_token": false,
+        "add_eos_token": false,
+        "added_tokens_decoder": added,
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+        "bos_token": null,
+        "chat_template": CHATML_TEMPLATE,
+        "clean_up_tokenization_spaces": false,
+        "eos_token": "<|im_end|>",
+        "model_max_length": 512,
+        "pad_token": "<pad>",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": null,
+    });
+    let map = serde_json::json!({
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+        "eos_token": "<|im_end|>",
+        "pad_token": "<pad>",
+    });
+    for (name, value) in [("tokenizer_config.json", config), ("special_tokens_map.json", map)] {
+        let path = dir.join(name);
+        let text = serde_json::to_string_pretty(&value).map_err(|e| ModelError::Json {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })?;
+        std::fs::write(&path, text).map_err(|e| ModelError::io(&path, e))?;
+    }
+    Ok(tokenizer.get_vocab_size(true))
+}

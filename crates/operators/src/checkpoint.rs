@@ -95,7 +95,7 @@ pub struct Checkpointer {
 impl Checkpointer {
     /// Whether step `step` ends with a checkpoint.
     pub fn due(&self, step: u64) -> bool {
-        (self.every > 0 && (step + 1) % self.every == 0) || self.last_step == Some(step)
+        (self.every > 0 && (step + 1).is_multiple_of(self.every)) || self.last_step == Some(step)
     }
 
     /// The folder of step `step`'s checkpoint.

@@ -1,0 +1,162 @@
+//! `weir run` and `weir config`.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use weir_pipelines::runner::{read_resolved, RunRequest};
+use weir_pipelines::{PipelineKind, RunConfig};
+
+/// `weir run`.
+#[derive(clap::Args, Debug)]
+pub struct RunArgs {
+    /// The pipeline: ppo, grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline or sft.
+    pub pipeline: Option<String>,
+    /// A TOML config (`weir config PIPELINE` prints every key with its default).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Overrides, `section.key=value` (repeatable), applied after the file.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    /// The run folder (default: runs/PIPELINE-DATE-TIME).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Continue the run in this folder from its newest checkpoint.
+    #[arg(long, value_name = "RUN_DIR", conflicts_with_all = ["pipeline", "config", "out"])]
+    pub resume: Option<PathBuf>,
+    /// No progress bars.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// `weir config`.
+#[derive(clap::Args, Debug)]
+pub struct ConfigArgs {
+    /// The pipeline whose default config to print.
+    pub pipeline: String,
+}
+
+/// Prints the commented default config of a pipeline.
+pub fn config(args: &ConfigArgs) -> anyhow::Result<()> {
+    let kind = PipelineKind::parse(&args.pipeline).map_err(anyhow::Error::msg)?;
+    print!("{}", RunConfig::defaults_for(kind).to_commented_toml(kind));
+    Ok(())
+}
+
+/// Runs or resumes a pipeline and prints where everything went.
+pub fn run(args: &RunArgs) -> anyhow::Result<()> {
+    let request = if let Some(dir) = &args.resume {
+        let (kind, cfg) = read_resolved(dir)?;
+        RunRequest {
+            pipeline: kind,
+            config: cfg.with_overrides(&args.set)?,
+            run_dir: dir.clone(),
+            resume: true,
+            progress: !args.quiet,
+        }
+    } else {
+        let Some(name) = &args.pipeline else {
+            bail!("name a pipeline (weir run grpo --config FILE.toml) or --resume RUN_DIR");
+        };
+        let kind = PipelineKind::parse(name).map_err(anyhow::Error::msg)?;
+        let text = match &args.config {
+            Some(path) => Some(
+                std::fs::read_to_string(path)
+                    .with_context(|| format!("reading the config {}", path.display()))?,
+            ),
+            None => None,
+        };
+        let source = args
+            .config
+            .as_ref()
+            .map(|p| p.display().to_string())
+            .unwrap_or_default();
+        let cfg = RunConfig::load(kind, text.as_deref().map(|t| (t, source.as_str())), &args.set)?;
+        RunRequest {
+            pipeline: kind,
+            config: cfg,
+            run_dir: args
+                .out
+                .clone()
+                .unwrap_or_else(|| default_run_dir(kind.name())),
+            resume: false,
+            progress: !args.quiet,
+        }
+    };
+    let outcome = weir_pipelines::run(&request)?;
+    print_summary(&outcome.summary);
+    let plots = crate::report::plot(&outcome.run_dir)?;
+    println!("plots: {}", plots.len());
+    println!("run folder: {}", outcome.run_dir.display());
+    Ok(())
+}
+
+/// A few lines of a run's summary.
+pub fn print_summary(summary: &serde_json::Value) {
+    for key in [
+        "pipeline",
+        "steps",
+        "wall_s",
+        "samples_per_s",
+        "max_staleness_observed",
+        "reward_first",
+        "reward_last",
+        "loss_first",
+        "loss_last",
+        "eval_accuracy_before",
+        "eval_accuracy_after",
+    ] {
+        match &summary[key] {
+            serde_json::Value::Null => {}
+            serde_json::Value::Number(n) if n.is_f64() => {
+                println!("{key}: {:.4}", n.as_f64().unwrap_or(0.0))
+            }
+            v => println!("{key}: {v}"),
+        }
+    }
+}
+
+/// `runs/NAME-YYYYMMDD-HHMMSS` under the current folder (UTC), made unique.
+pub fn default_run_dir(name: &str) -> PathBuf {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    let (y, m, d) = civil_from_days(days as i64);
+    let stamp = format!(
+        "{y:04}{m:02}{d:02}-{:02}{:02}{:02}",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    );
+    let base = Path::new("runs").join(format!("{name}-{stamp}"));
+    let mut dir = base.clone();
+    let mut n = 1;
+    while dir.exists() {
+        dir = PathBuf::from(format!("{}-{n}", base.display()));
+        n += 1;
+    }
+    dir
+}
+
+/// The proleptic Gregorian date of a day count since 1970-01-01.
+fn civil_from_days(z: i64) -> (i64, u32, u32) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    (yoe + era * 400 + i64::from(m <= 2), m, d)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn dates_from_day_counts() {
+        assert_eq!(super::civil_from_days(0), (1970, 1, 1));
+        assert_eq!(super::civil_from_days(20_786), (2026, 11, 29));
+        assert_eq!(super::civil_from_days(11_016), (2000, 2, 29));
+    }
+}
