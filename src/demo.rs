@@ -18,7 +18,7 @@ use anyhow::Context;
 use serde_json::json;
 use weir_gpu::{Device, Model, ModelConfig};
 use weir_operators::rewards::arith;
-use weir_pipelines::runner::RunRequest;
+use weir_pipelines::runner::{eval_accuracy, RunRequest};
 use weir_pipelines::{PipelineKind, RunConfig};
 
 /// `weir demo`.
@@ -27,12 +27,21 @@ pub struct DemoArgs {
     /// The demo's folder (default: runs/demo-DATE-TIME).
     #[arg(long)]
     pub out: Option<PathBuf>,
-    /// SFT steps (64 prompts each).
-    #[arg(long, default_value_t = 300)]
-    pub sft_steps: u64,
+    /// SFT stops once greedy accuracy on the evaluation pairs reaches this.
+    #[arg(long, default_value_t = 0.3)]
+    pub sft_target: f64,
+    /// SFT steps (64 prompts each) between evaluations.
+    #[arg(long, default_value_t = 50)]
+    pub sft_chunk: u64,
+    /// SFT steps at most.
+    #[arg(long, default_value_t = 800)]
+    pub max_sft_steps: u64,
     /// GRPO steps (8 prompts × 8 samples each).
     #[arg(long, default_value_t = 200)]
     pub grpo_steps: u64,
+    /// GRPO's learning rate.
+    #[arg(long, default_value_t = 2e-5)]
+    pub grpo_lr: f64,
     /// Seed of the tokenizer corpus order, the weights and sampling.
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
@@ -49,36 +58,47 @@ pub fn demo(args: &DemoArgs) -> anyhow::Result<()> {
         .clone()
         .unwrap_or_else(|| crate::run_cli::default_run_dir("demo"));
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
-    println!("weir demo: SFT then async GRPO on the arith task, in {}", out.display());
+    println!(
+        "weir demo: SFT then async GRPO on the arith task, in {}",
+        out.display()
+    );
 
     let init = out.join("init");
     let vocab = make_tokenizer(&init)?;
     let params = make_model(&init, vocab, args.seed as i64)?;
     println!("tokenizer: byte-level BPE, {vocab} tokens; model: Llama, {params} parameters");
 
+    // SFT in chunks until greedy accuracy is meaningful (each chunk resumes the last).
     let mut sft = RunConfig::defaults_for(PipelineKind::Sft);
     sft.model.path = init.display().to_string();
-    sft.run.steps = args.sft_steps;
     sft.run.seed = args.seed;
     sft.run.threads = 2;
-    sft.algorithm.warmup_steps = (args.sft_steps / 4).min(100);
-    sft.algorithm.schedule = "cosine".into();
     sft.eval.arith = false;
+    let sft_dir = out.join("sft");
     let sft_started = Instant::now();
-    let sft_out = weir_pipelines::run(&RunRequest {
-        pipeline: PipelineKind::Sft,
-        config: sft,
-        run_dir: out.join("sft"),
-        resume: false,
-        progress: !args.quiet,
-    })?;
+    let mut sft_steps = 0;
+    let (sft_out, sft_accuracy) = loop {
+        sft_steps = (sft_steps + args.sft_chunk).min(args.max_sft_steps);
+        sft.run.steps = sft_steps;
+        let run = weir_pipelines::run(&RunRequest {
+            pipeline: PipelineKind::Sft,
+            config: sft.clone(),
+            run_dir: sft_dir.clone(),
+            resume: sft_steps > args.sft_chunk,
+            progress: !args.quiet,
+        })?;
+        let (accuracy, _) = eval_accuracy(&sft, &run.final_actor)?;
+        println!(
+            "sft: {sft_steps} steps ({:.0} s), loss {:.3}, greedy accuracy {:.1}%",
+            sft_started.elapsed().as_secs_f64(),
+            run.summary["loss_last"].as_f64().unwrap_or(f64::NAN),
+            100.0 * accuracy
+        );
+        if accuracy >= args.sft_target || sft_steps >= args.max_sft_steps {
+            break (run, accuracy);
+        }
+    };
     let sft_wall = sft_started.elapsed().as_secs_f64();
-    println!(
-        "sft: {} steps in {sft_wall:.0} s, loss {:.3} → {:.3}",
-        args.sft_steps,
-        sft_out.summary["loss_first"].as_f64().unwrap_or(f64::NAN),
-        sft_out.summary["loss_last"].as_f64().unwrap_or(f64::NAN)
-    );
 
     let mut grpo = RunConfig::defaults_for(PipelineKind::Grpo);
     grpo.model.path = sft_out.final_actor.display().to_string();
@@ -92,7 +112,7 @@ pub fn demo(args: &DemoArgs) -> anyhow::Result<()> {
     grpo.data.prompts_per_step = 8;
     grpo.data.samples_per_prompt = 8;
     grpo.generate.max_new_tokens = 8;
-    grpo.algorithm.lr = 2e-4;
+    grpo.algorithm.lr = args.grpo_lr;
     grpo.algorithm.kl_coef = 0.04;
     let grpo_started = Instant::now();
     let rl = weir_pipelines::run(&RunRequest {
@@ -115,7 +135,8 @@ pub fn demo(args: &DemoArgs) -> anyhow::Result<()> {
         "reward_first": s["reward_first"],
         "reward_last": s["reward_last"],
         "eval_samples_after": s["eval_samples_after"],
-        "sft_steps": args.sft_steps,
+        "sft_steps": sft_steps,
+        "sft_accuracy": sft_accuracy,
         "sft_loss_last": sft_out.summary["loss_last"],
         "sft_wall_s": sft_wall,
         "grpo_wall_s": grpo_wall,
@@ -131,7 +152,10 @@ pub fn demo(args: &DemoArgs) -> anyhow::Result<()> {
     for run in [&sft_out.run_dir, &rl.run_dir] {
         crate::report::plot(run)?;
     }
-    let pct = |v: &serde_json::Value| v.as_f64().map_or("?".into(), |x| format!("{:.1}%", 100.0 * x));
+    let pct = |v: &serde_json::Value| {
+        v.as_f64()
+            .map_or("?".into(), |x| format!("{:.1}%", 100.0 * x))
+    };
     println!(
         "grpo: {} steps in {grpo_wall:.0} s ({:.0} samples/s, max staleness {}), greedy accuracy on the 500 evaluation pairs {} → {}",
         args.grpo_steps,
@@ -188,7 +212,10 @@ fn make_model(dir: &Path, vocab: usize, seed: i64) -> anyhow::Result<i64> {
         "torch_dtype": "float32",
     });
     let generation = json!({"bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 3});
-    for (name, value) in [("config.json", config), ("generation_config.json", generation)] {
+    for (name, value) in [
+        ("config.json", config),
+        ("generation_config.json", generation),
+    ] {
         std::fs::write(dir.join(name), serde_json::to_string_pretty(&value)?)?;
     }
     let mut model = Model::new(ModelConfig::load(dir)?, Device::Cpu, dir)?;

@@ -70,7 +70,11 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
             .as_ref()
             .map(|p| p.display().to_string())
             .unwrap_or_default();
-        let cfg = RunConfig::load(kind, text.as_deref().map(|t| (t, source.as_str())), &args.set)?;
+        let cfg = RunConfig::load(
+            kind,
+            text.as_deref().map(|t| (t, source.as_str())),
+            &args.set,
+        )?;
         RunRequest {
             pipeline: kind,
             config: cfg,

@@ -320,7 +320,10 @@ pub fn train_chatml_bpe(
         "eos_token": "<|im_end|>",
         "pad_token": "<pad>",
     });
-    for (name, value) in [("tokenizer_config.json", config), ("special_tokens_map.json", map)] {
+    for (name, value) in [
+        ("tokenizer_config.json", config),
+        ("special_tokens_map.json", map),
+    ] {
         let path = dir.join(name);
         let text = serde_json::to_string_pretty(&value).map_err(|e| ModelError::Json {
             path: path.display().to_string(),

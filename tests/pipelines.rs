@@ -1,0 +1,286 @@
+//! Every pipeline for a few steps on the fixture checkpoints, through the
+//! runner that `weir run` uses: run folders, rollouts, metrics, checkpoints,
+//! and resuming with the same step counter, versions and data cursor.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use arrow::array::{AsArray, RecordBatch};
+use arrow::datatypes::{Float32Type, UInt64Type};
+use weir::graph::parquet_log::{read_parquet_dir, read_parquet_file};
+use weir::operators::rollout::{check, col, Phase};
+use weir::pipelines::runner::{read_resolved, RunRequest};
+use weir::pipelines::{PipelineKind, RunConfig};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../shared/fixtures/models")
+        .join(name)
+}
+
+/// A small config of `kind` on the arith-sft checkpoint.
+fn config(kind: PipelineKind, steps: u64) -> RunConfig {
+    let mut c = RunConfig::defaults_for(kind);
+    c.model.path = fixture("arith-sft").display().to_string();
+    c.run.steps = steps;
+    c.data.prompts_per_step = 3;
+    c.data.samples_per_prompt = if kind == PipelineKind::Sft { 1 } else { 4 };
+    c.generate.max_new_tokens = 6;
+    c.algorithm.micro_batch = 8;
+    c.eval.arith = false;
+    c
+}
+
+fn run(kind: PipelineKind, cfg: RunConfig, dir: &Path, resume: bool) -> serde_json::Value {
+    weir::pipelines::run(&RunRequest {
+        pipeline: kind,
+        config: cfg,
+        run_dir: dir.to_path_buf(),
+        resume,
+        progress: false,
+    })
+    .unwrap_or_else(|e| panic!("{}: {e}", kind.name()))
+    .summary
+}
+
+fn u64s(b: &RecordBatch, name: &str) -> Vec<u64> {
+    b.column_by_name(name)
+        .unwrap_or_else(|| panic!("no {name}"))
+        .as_primitive::<UInt64Type>()
+        .values()
+        .to_vec()
+}
+
+/// Metric values of `stage`/`metric` by step.
+fn metric(dir: &Path, stage: &str, name: &str) -> BTreeMap<u64, f64> {
+    let mut out = BTreeMap::new();
+    for b in read_parquet_file(&dir.join("metrics.parquet")).unwrap() {
+        for r in weir::graph::metrics::batch_to_rows(&b).unwrap() {
+            if r.stage == stage && r.metric == name {
+                out.insert(r.step, r.value);
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn every_rl_pipeline_runs_logs_and_checkpoints() {
+    for kind in [
+        PipelineKind::Grpo,
+        PipelineKind::DrGrpo,
+        PipelineKind::Rloo,
+        PipelineKind::ReinforcePp,
+        PipelineKind::ReinforcePpBaseline,
+        PipelineKind::Ppo,
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("run");
+        let steps = 2;
+        let mut cfg = config(kind, steps);
+        if kind == PipelineKind::Ppo {
+            cfg.data.samples_per_prompt = 2;
+        }
+        let summary = run(kind, cfg.clone(), &dir, false);
+        let name = kind.name();
+        assert_eq!(summary["pipeline"], name);
+        assert!(summary["max_staleness_observed"].as_u64().unwrap() <= cfg.run.max_staleness);
+
+        // Finite losses, one per step.
+        let losses = metric(&dir, "learn", "loss");
+        assert_eq!(losses.len(), steps as usize, "{name}");
+        assert!(losses.values().all(|l| l.is_finite()), "{name}: {losses:?}");
+        // The first update starts on-policy: nothing is clipped.
+        assert_eq!(metric(&dir, "learn", "clip_fraction")[&0], 0.0, "{name}");
+
+        // Every rollout row is logged with the learner's columns, and read back.
+        let batches = read_parquet_dir(&dir.join("rollouts")).unwrap();
+        let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
+        let per_step = cfg.data.prompts_per_step * cfg.data.samples_per_prompt;
+        assert_eq!(rows, steps as usize * per_step, "{name}");
+        for b in &batches {
+            check(b, Phase::Learn, name).unwrap();
+            for (pv, lv) in u64s(b, col::POLICY_VERSION)
+                .iter()
+                .zip(u64s(b, col::LEARNER_VERSION))
+            {
+                assert!(lv - pv <= cfg.run.max_staleness, "{name}");
+            }
+            // At version 0 the reference is the behaviour policy: log-prob ratio 1.
+            if cfg.algorithm.kl_coef > 0.0 {
+                let refs = b
+                    .column_by_name(col::REF_LOGPROBS)
+                    .unwrap()
+                    .as_list::<i32>();
+                let beh = b
+                    .column_by_name(col::BEHAVIOR_LOGPROBS)
+                    .unwrap()
+                    .as_list::<i32>();
+                for (i, pv) in u64s(b, col::POLICY_VERSION).iter().enumerate() {
+                    if *pv == 0 {
+                        let (r, h) = (refs.value(i), beh.value(i));
+                        let (r, h) = (
+                            r.as_primitive::<Float32Type>(),
+                            h.as_primitive::<Float32Type>(),
+                        );
+                        for (x, y) in r.values().iter().zip(h.values()) {
+                            assert!(
+                                (x - y).abs() < 1e-4,
+                                "{name}: reference {x} vs behaviour {y}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+
+        // The final checkpoint: HF layout plus optimizer state, and the run state.
+        let last = dir.join(format!("checkpoints/step-{}", steps - 1));
+        for file in [
+            "actor/config.json",
+            "actor/model.safetensors",
+            "actor/tokenizer.json",
+            "actor/optimizer.safetensors",
+            "state.json",
+        ] {
+            assert!(last.join(file).is_file(), "{name}: {file}");
+        }
+        if kind == PipelineKind::Ppo {
+            assert!(last.join("critic/model.safetensors").is_file());
+            assert!(metric(&dir, "critic_learn", "value_loss")
+                .values()
+                .all(|v| v.is_finite()));
+        }
+        let (back, resolved) = read_resolved(&dir).unwrap();
+        assert_eq!((back, resolved), (kind, cfg));
+    }
+}
+
+/// (step → prompt ids drawn) from a run folder's rollouts.
+fn prompts_by_step(dir: &Path) -> BTreeMap<u64, Vec<u64>> {
+    let mut out: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
+    for b in read_parquet_dir(&dir.join("rollouts")).unwrap() {
+        for (s, p) in u64s(&b, col::STEP)
+            .into_iter()
+            .zip(u64s(&b, col::PROMPT_ID))
+        {
+            out.entry(s).or_default().push(p);
+        }
+    }
+    for ids in out.values_mut() {
+        ids.sort();
+    }
+    out
+}
+
+#[test]
+fn resume_continues_steps_versions_and_cursor_after_a_crash() {
+    let kind = PipelineKind::Grpo;
+    let tmp = tempfile::tempdir().unwrap();
+    // The run as it should be: four steps straight.
+    let straight = tmp.path().join("straight");
+    run(kind, config(kind, 4), &straight, false);
+
+    // A run that "crashed" after step 2: its step-2 checkpoint never landed.
+    let crashed = tmp.path().join("crashed");
+    let mut first = config(kind, 3);
+    first.run.checkpoint_every = 2;
+    run(kind, first, &crashed, false);
+    std::fs::remove_dir_all(crashed.join("checkpoints/step-2")).unwrap();
+    // Resume, asking for four steps in all.
+    let (k, cfg) = read_resolved(&crashed).unwrap();
+    let cfg = cfg.with_overrides(&["run.steps=4".into()]).unwrap();
+    let summary = run(k, cfg, &crashed, true);
+    assert_eq!(summary["resumed_at_step"], 2);
+
+    // No step repeated or skipped, and the same prompts as the straight run.
+    assert_eq!(prompts_by_step(&crashed), prompts_by_step(&straight));
+    // Step 2's first rows were moved aside, not lost.
+    assert!(
+        crashed
+            .join("rollouts/superseded")
+            .read_dir()
+            .unwrap()
+            .count()
+            > 0
+    );
+    // The version counter continues: the learner of step s holds version s.
+    for b in read_parquet_dir(&crashed.join("rollouts")).unwrap() {
+        assert_eq!(u64s(&b, col::LEARNER_VERSION), u64s(&b, col::STEP));
+    }
+    // Metrics hold each step once, the resumed steps from the resumed run.
+    let losses = metric(&crashed, "learn", "loss");
+    assert_eq!(losses.keys().copied().collect::<Vec<_>>(), vec![0, 1, 2, 3]);
+    let state: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(crashed.join("checkpoints/step-3/state.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        (state["step"].as_u64(), state["version"].as_u64()),
+        (Some(3), Some(4))
+    );
+    // The cursor after step 3: 4 steps × 3 prompts drawn.
+    assert_eq!(state["cursor"]["position"].as_u64(), Some(12));
+}
+
+#[test]
+fn sft_lowers_its_loss_and_evaluates() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("sft");
+    let mut cfg = config(PipelineKind::Sft, 6);
+    cfg.model.path = fixture("tiny-llama").display().to_string();
+    cfg.data.prompts_per_step = 16;
+    cfg.algorithm.warmup_steps = 0;
+    cfg.algorithm.lr = 3e-3;
+    run(PipelineKind::Sft, cfg, &dir, false);
+    let loss = metric(&dir, "sft", "loss");
+    assert_eq!(loss.len(), 6);
+    assert!(loss[&5] < loss[&0] - 0.5, "SFT loss {loss:?}");
+
+    // The arith evaluation on the arith-sft fixture reproduces its recorded accuracy.
+    let mut cfg = config(PipelineKind::Grpo, 1);
+    cfg.eval.arith = true;
+    let (acc, samples) =
+        weir::pipelines::runner::eval_accuracy(&cfg, &fixture("arith-sft")).unwrap();
+    assert!((acc - 0.472).abs() < 1e-9, "greedy accuracy {acc}");
+    assert_eq!(samples[0].0, "93+34");
+}
+
+#[test]
+fn bad_configs_fail_before_anything_runs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("run");
+    let mut cfg = config(PipelineKind::Grpo, 1);
+    cfg.model.path = tmp.path().join("missing").display().to_string();
+    let err = weir::pipelines::run(&RunRequest {
+        pipeline: PipelineKind::Grpo,
+        config: cfg,
+        run_dir: dir.clone(),
+        resume: false,
+        progress: false,
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("model.path") && err.contains("missing"),
+        "{err}"
+    );
+    assert!(!dir.exists(), "nothing written for a bad config");
+
+    // An existing run is never overwritten.
+    let ok = config(PipelineKind::Sft, 1);
+    run(PipelineKind::Sft, ok.clone(), &dir, false);
+    let err = weir::pipelines::run(&RunRequest {
+        pipeline: PipelineKind::Sft,
+        config: ok,
+        run_dir: dir.clone(),
+        resume: false,
+        progress: false,
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("already holds a run") && err.contains("--resume"),
+        "{err}"
+    );
+}
