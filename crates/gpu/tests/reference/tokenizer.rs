@@ -108,3 +108,40 @@ fn arith_sft_greedy_completions_match_transformers_on_all_500_pairs() {
         "accuracy {accuracy}"
     );
 }
+
+#[test]
+fn a_trained_chatml_bpe_round_trips_and_renders_chat() {
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus: Vec<String> = (0..400)
+        .map(|i| {
+            format!(
+                "<|im_start|>user\nCompute: {}+{}<|im_end|>\n<|im_start|>assistant\n{}<|im_end|>\n",
+                i % 97,
+                i % 89,
+                i % 97 + i % 89
+            )
+        })
+        .collect();
+    let vocab = weir_gpu::tokenizer::train_chatml_bpe(&corpus, 300, tmp.path()).unwrap();
+    assert!(vocab > 256 && vocab <= 300, "{vocab}");
+    let tok = weir_gpu::Tokenizer::load(tmp.path()).unwrap();
+    assert_eq!(tok.eos_token_ids(), &[2]);
+    assert_eq!(tok.pad_token_id(), Some(3));
+    let text = "Compute: 12+345 and more";
+    let ids = tok.encode(text, false).unwrap();
+    assert_eq!(tok.decode(&ids, false).unwrap(), text);
+    // Digits are single tokens.
+    let digits = tok.tokens("12345").unwrap();
+    assert_eq!(digits.len(), 5, "{digits:?}");
+    let messages = [weir_gpu::Message {
+        role: "user".into(),
+        content: "Compute: 1+2".into(),
+    }];
+    let rendered = tok.apply_chat_template(&messages, true).unwrap();
+    assert_eq!(
+        rendered,
+        "<|im_start|>user\nCompute: 1+2<|im_end|>\n<|im_start|>assistant\n"
+    );
+    let chat = tok.encode_chat(&messages, true).unwrap();
+    assert_eq!(chat[0], 1, "<|im_start|> is one special token");
+}
