@@ -284,3 +284,66 @@ fn bad_configs_fail_before_anything_runs() {
         "{err}"
     );
 }
+
+/// 32 preference pairs as JSONL: `Compute: A+B` with the right and a wrong sum.
+fn write_pairs(path: &Path) {
+    let lines: Vec<String> = (0..32u32)
+        .map(|i| {
+            let (a, b) = (i * 7 % 50, i * 13 % 40);
+            serde_json::json!({
+                "prompt": format!("Compute: {a}+{b}"),
+                "chosen": (a + b).to_string(),
+                "rejected": (a + b + 1 + i % 9).to_string(),
+            })
+            .to_string()
+        })
+        .collect();
+    std::fs::write(path, lines.join("\n")).unwrap();
+}
+
+#[test]
+fn rm_learns_its_pairs_and_dpo_grows_the_margin() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pairs = tmp.path().join("pairs.jsonl");
+    write_pairs(&pairs);
+
+    let mut cfg = config(PipelineKind::Rm, 12);
+    cfg.data.prompts = pairs.display().to_string();
+    cfg.data.prompts_per_step = 16;
+    cfg.algorithm.lr = 1e-3;
+    cfg.algorithm.warmup_steps = 0;
+    let dir = tmp.path().join("rm");
+    run(PipelineKind::Rm, cfg, &dir, false);
+    let acc = metric(&dir, "rm", "accuracy");
+    let loss = metric(&dir, "rm", "loss");
+    assert_eq!(acc.len(), 12);
+    // The last epoch (steps 10, 11) scores pairs it has trained on five times.
+    assert!(
+        (acc[&10] + acc[&11]) / 2.0 > 0.75,
+        "accuracy by step {acc:?}"
+    );
+    assert!(loss[&11] < loss[&0], "loss {loss:?}");
+    // The saved model is a one-label classifier that transformers and weir load as such.
+    let saved = weir::gpu::ModelConfig::load(&dir.join("checkpoints/step-11/actor")).unwrap();
+    assert_eq!(saved.head, weir::gpu::Head::SequenceClassification);
+
+    for loss_kind in ["dpo", "ipo"] {
+        let mut cfg = config(PipelineKind::Dpo, 6);
+        cfg.data.prompts = pairs.display().to_string();
+        cfg.data.prompts_per_step = 16;
+        cfg.algorithm.lr = 1e-4;
+        cfg.algorithm.warmup_steps = 0;
+        cfg.algorithm.preference_loss = loss_kind.into();
+        let dir = tmp.path().join(loss_kind);
+        run(PipelineKind::Dpo, cfg, &dir, false);
+        let margin = metric(&dir, "dpo", "reward_margin");
+        assert!(
+            margin[&0].abs() < 1e-6,
+            "the policy starts as the reference: {margin:?}"
+        );
+        assert!(
+            margin[&5] > 0.05,
+            "{loss_kind}: the implicit reward margin grows: {margin:?}"
+        );
+    }
+}

@@ -134,6 +134,10 @@ pub struct DataSection {
     pub samples_per_prompt: usize,
     /// Passes over the prompts (0: as many as the steps need).
     pub epochs: u64,
+    /// The preferred response's column (rm, dpo).
+    pub chosen_column: String,
+    /// The dispreferred response's column (rm, dpo).
+    pub rejected_column: String,
 }
 
 impl Default for DataSection {
@@ -146,6 +150,8 @@ impl Default for DataSection {
             prompts_per_step: 8,
             samples_per_prompt: 8,
             epochs: 0,
+            chosen_column: "chosen".into(),
+            rejected_column: "rejected".into(),
         }
     }
 }
@@ -243,6 +249,12 @@ pub struct AlgorithmSection {
     pub critic_lr: f64,
     /// Value clipping (ppo; 0: off).
     pub value_clip: f64,
+    /// β of the preference losses (dpo).
+    pub beta: f64,
+    /// `dpo`, `cdpo` or `ipo` (dpo).
+    pub preference_loss: String,
+    /// ε of cDPO: the probability a preference label is flipped.
+    pub label_smoothing: f64,
 }
 
 impl Default for AlgorithmSection {
@@ -266,6 +278,9 @@ impl Default for AlgorithmSection {
             flavor: "openrlhf".into(),
             critic_lr: 5e-5,
             value_clip: 0.5,
+            beta: 0.1,
+            preference_loss: "dpo".into(),
+            label_smoothing: 0.0,
         }
     }
 }
@@ -352,6 +367,8 @@ pub const DOCS: &[(&str, &str, &str)] = &[
     ("data", "prompts_per_step", "Prompts per step (the SFT batch size)."),
     ("data", "samples_per_prompt", "Samples per prompt: the group size."),
     ("data", "epochs", "Passes over the prompts (0: as many as the steps need)."),
+    ("data", "chosen_column", "The preferred response's column (rm, dpo; \"arith\" makes pairs of the right and a wrong sum)."),
+    ("data", "rejected_column", "The dispreferred response's column (rm, dpo)."),
     ("generate", "max_new_tokens", "Most new tokens per response."),
     ("generate", "temperature", "Sampling temperature."),
     ("generate", "top_p", "Nucleus sampling (1.0: off)."),
@@ -379,6 +396,9 @@ pub const DOCS: &[(&str, &str, &str)] = &[
     ("algorithm", "flavor", "\"openrlhf\" or \"verl\": whose semantics where the two differ."),
     ("algorithm", "critic_lr", "The critic's learning rate (ppo)."),
     ("algorithm", "value_clip", "Value clipping (ppo; 0: off)."),
+    ("algorithm", "beta", "β of the preference losses (dpo): the implicit reward is β · (log π − log π_ref)."),
+    ("algorithm", "preference_loss", "\"dpo\", \"cdpo\" (with label_smoothing) or \"ipo\"."),
+    ("algorithm", "label_smoothing", "ε of cDPO: the probability that a preference label is flipped."),
     ("dynamic_sampling", "enabled", "Drop prompt groups whose rewards all agree (DAPO)."),
     ("dynamic_sampling", "target_groups", "Groups per step for the learner (0: every informative group); oversample with a larger data.prompts_per_step."),
     ("curriculum", "enabled", "Skip prompts by their solve rate so far (maintained with differential dataflow)."),
@@ -414,7 +434,7 @@ impl RunConfig {
             PipelineKind::ReinforcePp | PipelineKind::ReinforcePpBaseline => {
                 c.algorithm.kl_coef = 0.01;
             }
-            PipelineKind::Sft => {
+            PipelineKind::Sft | PipelineKind::Rm | PipelineKind::Dpo => {
                 c.run.steps = 400;
                 c.run.max_staleness = 0;
                 c.placement = PlacementSection {
@@ -427,6 +447,16 @@ impl RunConfig {
                 c.algorithm.lr = 1e-3;
                 c.algorithm.warmup_steps = 100;
                 c.algorithm.kl_coef = 0.0;
+                if pipeline != PipelineKind::Sft {
+                    c.run.steps = 200;
+                    c.data.prompts_per_step = 32;
+                    c.algorithm.lr = if pipeline == PipelineKind::Rm {
+                        1e-4
+                    } else {
+                        1e-5
+                    };
+                    c.algorithm.warmup_steps = 10;
+                }
             }
             _ => {}
         }
@@ -673,6 +703,21 @@ impl RunConfig {
                 "dynamic_sampling.enabled",
                 "true".into(),
                 "needs a group estimator (grpo, dr_grpo, rloo)",
+            );
+        }
+        one_of(
+            "algorithm.preference_loss",
+            &a.preference_loss,
+            &["dpo", "cdpo", "ipo"],
+        )?;
+        if !(a.beta > 0.0) {
+            return bad("algorithm.beta", a.beta.to_string(), "must be > 0");
+        }
+        if !(0.0..0.5).contains(&a.label_smoothing) {
+            return bad(
+                "algorithm.label_smoothing",
+                a.label_smoothing.to_string(),
+                "must be in [0, 0.5)",
             );
         }
         if self.eval.batch == 0 {

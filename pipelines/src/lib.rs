@@ -3,13 +3,15 @@
 //! Each pipeline is a short function that wires `weir_operators` stages
 //! into a `weir_graph::Pipeline` from a typed [`RunConfig`]: [`rl::grpo`],
 //! [`rl::dr_grpo`], [`rl::rloo`], [`rl::reinforce_pp`],
-//! [`rl::reinforce_pp_baseline`], [`rl::ppo`] and [`sft::sft`]. The pieces
+//! [`rl::reinforce_pp_baseline`], [`rl::ppo`], [`sft::sft`], [`preference::rm`]
+//! and [`preference::dpo`]. The pieces
 //! they share (the prompt source, the actor, rewards, the learner, the
 //! rollout log) are in [`roles`]; [`runner`] turns a config into a run
 //! folder: resolved config, rollouts, metrics, checkpoints, summary — and
 //! resumes one.
 
 pub mod config;
+pub mod preference;
 pub mod progress;
 pub mod rl;
 pub mod roles;
@@ -37,6 +39,10 @@ pub enum PipelineKind {
     ReinforcePpBaseline,
     /// Supervised fine-tuning on a target column.
     Sft,
+    /// Bradley–Terry reward-model training on preference pairs.
+    Rm,
+    /// DPO / cDPO / IPO on preference pairs against a frozen reference.
+    Dpo,
 }
 
 impl PipelineKind {
@@ -49,6 +55,8 @@ impl PipelineKind {
         PipelineKind::ReinforcePp,
         PipelineKind::ReinforcePpBaseline,
         PipelineKind::Sft,
+        PipelineKind::Rm,
+        PipelineKind::Dpo,
     ];
 
     /// The command-line name.
@@ -61,6 +69,8 @@ impl PipelineKind {
             PipelineKind::ReinforcePp => "reinforce_pp",
             PipelineKind::ReinforcePpBaseline => "reinforce_pp_baseline",
             PipelineKind::Sft => "sft",
+            PipelineKind::Rm => "rm",
+            PipelineKind::Dpo => "dpo",
         }
     }
 
@@ -84,9 +94,22 @@ impl PipelineKind {
         )
     }
 
-    /// Whether the pipeline generates (everything but SFT).
+    /// Whether the pipeline generates (the RL ones).
     pub fn is_rl(self) -> bool {
-        self != PipelineKind::Sft
+        !matches!(
+            self,
+            PipelineKind::Sft | PipelineKind::Rm | PipelineKind::Dpo
+        )
+    }
+
+    /// The name of the stage that trains (whose metrics are the run's curves).
+    pub fn trainer_stage(self) -> &'static str {
+        match self {
+            PipelineKind::Sft => "sft",
+            PipelineKind::Rm => "rm",
+            PipelineKind::Dpo => "dpo",
+            _ => "learn",
+        }
     }
 }
 

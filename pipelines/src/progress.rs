@@ -9,7 +9,7 @@ use weir_graph::metrics::{names, MetricRow};
 use weir_graph::MetricsObserver;
 
 /// The trainer stages whose figures the bar shows.
-const TRAINERS: &[&str] = &["learn", "sft"];
+const TRAINERS: &[&str] = &["learn", "sft", "rm", "dpo"];
 
 #[derive(Default)]
 struct State {
@@ -72,7 +72,13 @@ pub fn observer(
                 None => *s.started.insert(at),
             };
             let mut msg = format!("step {step}");
-            for (key, label) in [("reward", "reward"), ("kl", "kl"), ("loss", "loss")] {
+            for (key, label) in [
+                ("reward", "reward"),
+                ("kl", "kl"),
+                ("loss", "loss"),
+                ("accuracy", "acc"),
+                ("reward_margin", "margin"),
+            ] {
                 if let Some(v) = m.get(key) {
                     msg.push_str(&format!(" {label} {v:.3}"));
                 }

@@ -61,7 +61,8 @@ impl RunContext {
         }
     }
 
-    fn checkpoint_plan(&self, cfg: &RunConfig) -> CheckpointPlan {
+    /// What trainers save, when, with the run state.
+    pub fn checkpoint_plan(&self, cfg: &RunConfig) -> CheckpointPlan {
         CheckpointPlan {
             checkpointer: self.checkpointer(cfg),
             cursors: Some(self.cursors.clone()),
@@ -111,11 +112,35 @@ pub fn prompts(
     ctx: &RunContext,
     samples: usize,
 ) -> impl Fn(&WorkerInfo) -> Result<PromptSource, StageError> + Send + Sync + 'static {
+    source(cfg, ctx, samples, false)
+}
+
+/// The preference-pair source: prompts with their chosen and rejected responses.
+pub fn preference_pairs(
+    cfg: &RunConfig,
+    ctx: &RunContext,
+) -> impl Fn(&WorkerInfo) -> Result<PromptSource, StageError> + Send + Sync + 'static {
+    source(cfg, ctx, 1, true)
+}
+
+fn source(
+    cfg: &RunConfig,
+    ctx: &RunContext,
+    samples: usize,
+    pairs: bool,
+) -> impl Fn(&WorkerInfo) -> Result<PromptSource, StageError> + Send + Sync + 'static {
     let (cfg, ctx) = (cfg.clone(), ctx.clone());
     move |w| {
         let tok = Tokenizer::load(Path::new(&cfg.model.path))?;
         let d = &cfg.data;
-        let mut src = if d.prompts == "arith" {
+        let mut src = if d.prompts == "arith" && pairs {
+            PromptSource::arith_preferences(
+                &arith::train_pairs(cfg.run.seed),
+                &tok,
+                d.prompts_per_step,
+                cfg.run.seed,
+            )?
+        } else if d.prompts == "arith" {
             PromptSource::arith(
                 &arith::train_pairs(cfg.run.seed),
                 &tok,
@@ -129,10 +154,14 @@ pub fn prompts(
             } else {
                 PromptColumn::Messages(d.messages_column.clone())
             };
-            let extra: Vec<String> = [d.label_column.clone()]
-                .into_iter()
-                .filter(|c| !c.is_empty())
-                .collect();
+            let extra: Vec<String> = if pairs {
+                vec![d.chosen_column.clone(), d.rejected_column.clone()]
+            } else {
+                [d.label_column.clone()]
+                    .into_iter()
+                    .filter(|c| !c.is_empty())
+                    .collect()
+            };
             PromptSource::from_file(
                 Path::new(&d.prompts),
                 &column,

@@ -32,7 +32,7 @@ use weir_operators::stages::prompt_stats::StatsView;
 use weir_operators::stages::prompts::CursorLog;
 
 use crate::roles::{RunContext, ROLLOUT, TRAIN};
-use crate::{rl, sft, PipelineError, PipelineKind, RunConfig};
+use crate::{preference, rl, sft, PipelineError, PipelineKind, RunConfig};
 
 /// What to run.
 #[derive(Clone, Debug)]
@@ -161,7 +161,8 @@ pub fn run(req: &RunRequest) -> Result<RunOutcome, PipelineError> {
         trim_rollouts(&dir.join("rollouts"), state.step)?;
         tracing::info!(step = state.step, "resuming from {}", ck.display());
     }
-    let arith_eval = cfg.eval.arith && cfg.data.prompts == "arith";
+    // Greedy accuracy of a policy: not of a reward model.
+    let arith_eval = cfg.eval.arith && cfg.data.prompts == "arith" && kind != PipelineKind::Rm;
     let before = if arith_eval {
         Some(eval_before(cfg, dir)?)
     } else {
@@ -178,6 +179,8 @@ pub fn run(req: &RunRequest) -> Result<RunOutcome, PipelineError> {
             PipelineKind::ReinforcePpBaseline => rl::reinforce_pp_baseline(cfg, &ctx)?,
             PipelineKind::Ppo => rl::ppo(cfg, &ctx)?,
             PipelineKind::Sft => sft::sft(cfg, &ctx)?,
+            PipelineKind::Rm => preference::rm(cfg, &ctx)?,
+            PipelineKind::Dpo => preference::dpo(cfg, &ctx)?,
         };
         let p = &cfg.placement;
         let placement = Placement::new(p.workers)

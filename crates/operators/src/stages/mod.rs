@@ -9,6 +9,7 @@
 //! - [`reference::RefLogprob`]: the frozen reference model's log-probs.
 //! - [`advantage::GroupAdvantage`]: GRPO / Dr.GRPO / RLOO over whole prompt groups; [`advantage::ReinforceAdvantage`]: REINFORCE++ (-baseline); [`advantage::GaeAdvantage`]: PPO's KL-shaped rewards and GAE.
 //! - [`critic::Critic`] and [`critic::CriticLearner`]: values before the advantage, the value fit after it.
+//! - [`preference::RewardTrainer`] (Bradley–Terry) and [`preference::DpoTrainer`] (DPO, cDPO, IPO): training on preference pairs.
 //! - [`sft::SftTrainer`]: supervised fine-tuning on a target column.
 //! - [`learner::Learner`]: the clipped policy loss, AdamW, publishes the next weights version.
 
@@ -18,6 +19,7 @@ pub mod critic;
 pub mod dynamic_sampling;
 pub mod generate;
 pub mod learner;
+pub mod preference;
 pub mod prompt_stats;
 pub mod prompts;
 pub mod reference;

@@ -162,6 +162,38 @@ impl PromptSource {
         PromptSource::new(rows, vec!["answer".into()], prompts_per_step, samples, seed)
     }
 
+    /// The arith task as preference pairs: columns `chosen` (the sum) and
+    /// `rejected` (a wrong sum, off by 1–10, fixed per pair).
+    pub fn arith_preferences(
+        pairs: &[(u32, u32)],
+        tokenizer: &Tokenizer,
+        prompts_per_step: usize,
+        seed: u64,
+    ) -> Result<Self, StageError> {
+        let mut src = PromptSource::arith(pairs, tokenizer, prompts_per_step, 1, seed)?;
+        let rows = src
+            .rows
+            .iter()
+            .zip(pairs)
+            .map(|(r, &(a, b))| {
+                let sum = a + b;
+                let off = 1 + (a * 31 + b * 17) % 10;
+                let wrong = if (a + b) % 2 == 0 || sum < off {
+                    sum + off
+                } else {
+                    sum - off
+                };
+                PromptRow {
+                    extra: vec![sum.to_string(), wrong.to_string()],
+                    ..r.clone()
+                }
+            })
+            .collect();
+        src.rows = Arc::new(rows);
+        src.extra_columns = vec!["chosen".into(), "rejected".into()];
+        Ok(src)
+    }
+
     /// Stops after `epochs` passes over the prompts (default: never).
     pub fn epochs(mut self, epochs: u64) -> Self {
         self.epochs = Some(epochs);

@@ -1,0 +1,351 @@
+//! Training on preference pairs: rows carry a prompt and two responses
+//! (dataset columns, `chosen` and `rejected` by default), tokenised here
+//! with the end-of-turn token appended.
+//!
+//! - [`RewardTrainer`]: a Bradley–Terry reward model, `−log σ(r_c − r_r)`,
+//!   the score read at each sequence's last token.
+//! - [`DpoTrainer`]: DPO and its variants against a frozen reference, with
+//!   `h = (log π(y_c) − log π_ref(y_c)) − (log π(y_r) − log π_ref(y_r))`
+//!   (sequence log-probs summed over response tokens):
+//!   DPO `−log σ(β h)`; cDPO (label smoothing ε) `−(1 − ε) log σ(β h) − ε log σ(−β h)`;
+//!   IPO `(h − 1/(2β))²`. The implicit rewards are `β (log π − log π_ref)`.
+
+use arrow::array::RecordBatch;
+use tch::{Kind, Tensor};
+use weir_gpu::optim::{AdamWConfig, Optimizer};
+use weir_gpu::{Model, Tokenizer};
+use weir_graph::{StageError, StepBuffer, StepContext, StepStage};
+
+use super::columns::{strings, token_lists};
+use super::learner::{response_forward, CheckpointPlan, LrSchedule};
+use super::sequences::pack;
+use crate::rollout::col;
+
+/// Settings shared by the preference trainers.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PairConfig {
+    /// AdamW (learning rate included).
+    pub adamw: AdamWConfig,
+    /// The learning-rate schedule.
+    pub schedule: LrSchedule,
+    /// Gradient-norm clip.
+    pub max_grad_norm: Option<f64>,
+    /// The chosen response's column.
+    pub chosen: String,
+    /// The rejected response's column.
+    pub rejected: String,
+}
+
+/// Prompt tokens and the tokenised chosen and rejected responses of a batch.
+struct Pairs {
+    prompts: Vec<Vec<i64>>,
+    chosen: Vec<Vec<i64>>,
+    rejected: Vec<Vec<i64>>,
+}
+
+fn pairs(batch: &RecordBatch, tok: &Tokenizer, cfg: &PairConfig) -> Result<Pairs, StageError> {
+    let eos = *tok
+        .eos_token_ids()
+        .first()
+        .ok_or("the tokenizer has no eos token to end responses with")?;
+    let tokens = |column: &str| -> Result<Vec<Vec<i64>>, StageError> {
+        strings(batch, column, "preference")?
+            .iter()
+            .map(|t| {
+                let mut ids = tok.encode(t, false)?;
+                ids.push(eos);
+                Ok(ids)
+            })
+            .collect()
+    };
+    Ok(Pairs {
+        prompts: token_lists(batch, col::PROMPT_TOKENS, "preference")?,
+        chosen: tokens(&cfg.chosen)?,
+        rejected: tokens(&cfg.rejected)?,
+    })
+}
+
+/// The state every pair trainer keeps.
+struct Trainer {
+    model: Model,
+    tokenizer: Tokenizer,
+    optimizer: Optimizer,
+    cfg: PairConfig,
+    held: StepBuffer,
+    checkpoints: Option<CheckpointPlan>,
+}
+
+impl Trainer {
+    fn new(model: Model, tokenizer: Tokenizer, cfg: PairConfig) -> Result<Self, StageError> {
+        Ok(Trainer {
+            optimizer: Optimizer::adamw(&model, cfg.adamw)?,
+            model,
+            tokenizer,
+            cfg,
+            held: StepBuffer::new(),
+            checkpoints: None,
+        })
+    }
+
+    /// One optimizer step on `loss`; returns the gradient norm.
+    fn step(&mut self, loss: &Tensor) -> Result<f64, StageError> {
+        let lr = self
+            .cfg
+            .schedule
+            .rate(self.cfg.adamw.lr, self.optimizer.steps());
+        self.optimizer.set_lr(lr);
+        self.optimizer.zero_grad();
+        loss.backward();
+        let norm = self.optimizer.step(self.cfg.max_grad_norm);
+        let value = loss.double_value(&[]);
+        if !value.is_finite() || !norm.is_finite() {
+            return Err(
+                format!("the loss ({value}) or gradient norm ({norm}) is not finite").into(),
+            );
+        }
+        Ok(norm)
+    }
+
+    fn finish(&self, ctx: &mut StepContext, metrics: &[(&str, f64)]) -> Result<(), StageError> {
+        for (name, value) in metrics {
+            ctx.record(name, *value);
+        }
+        if let Some(plan) = &self.checkpoints {
+            plan.save_actor_if_due(ctx.step, ctx.step + 1, &self.model, &self.optimizer)?;
+        }
+        Ok(())
+    }
+}
+
+/// Scores at the last token of each `prompt ++ response` row, `[B]`.
+pub fn last_token_scores(
+    model: &Model,
+    prompts: &[Vec<i64>],
+    responses: &[Vec<i64>],
+) -> Result<Tensor, StageError> {
+    let pad = model.config.pad_token_id.unwrap_or(0).max(0);
+    let packed = pack(prompts, responses, pad, model.device());
+    let scores = model
+        .position_scores(&packed.ids, Some(&packed.mask))?
+        .select(2, 0)
+        .to_kind(Kind::Float);
+    let last: Vec<i64> = prompts
+        .iter()
+        .zip(responses)
+        .map(|(p, r)| (p.len() + r.len()) as i64 - 1)
+        .collect();
+    let last = Tensor::from_slice(&last)
+        .to_device(model.device())
+        .unsqueeze(1);
+    Ok(scores.gather(1, &last, false).squeeze_dim(1))
+}
+
+/// The Bradley–Terry reward-model trainer.
+pub struct RewardTrainer(Trainer);
+
+impl RewardTrainer {
+    /// Trains `model` (a score head: a reward model, or `Model::load_critic` of an LM).
+    pub fn new(model: Model, tokenizer: Tokenizer, cfg: PairConfig) -> Result<Self, StageError> {
+        if model.config.head != weir_gpu::Head::SequenceClassification {
+            return Err(format!(
+                "{}: a reward model needs a score head",
+                model.source.display()
+            )
+            .into());
+        }
+        Ok(RewardTrainer(Trainer::new(model, tokenizer, cfg)?))
+    }
+
+    /// Saves checkpoints as `plan` says.
+    pub fn with_checkpoints(mut self, plan: CheckpointPlan) -> Self {
+        self.0.checkpoints = Some(plan);
+        self
+    }
+
+    /// The optimizer (to restore on resume).
+    pub fn optimizer_mut(&mut self) -> &mut Optimizer {
+        &mut self.0.optimizer
+    }
+}
+
+impl StepStage for RewardTrainer {
+    fn buffer(&mut self) -> &mut StepBuffer {
+        &mut self.0.held
+    }
+
+    fn run_step(
+        &mut self,
+        ctx: &mut StepContext,
+        rows: Option<RecordBatch>,
+    ) -> Result<Vec<RecordBatch>, StageError> {
+        let Some(batch) = rows else {
+            return Ok(Vec::new());
+        };
+        let t = &mut self.0;
+        let p = pairs(&batch, &t.tokenizer, &t.cfg)?;
+        let chosen = last_token_scores(&t.model, &p.prompts, &p.chosen)?;
+        let rejected = last_token_scores(&t.model, &p.prompts, &p.rejected)?;
+        let margin = &chosen - &rejected;
+        let loss = -margin.log_sigmoid().mean(Kind::Float);
+        let accuracy = margin
+            .gt(0.0)
+            .to_kind(Kind::Float)
+            .mean(Kind::Float)
+            .double_value(&[]);
+        let mean_margin = margin.mean(Kind::Float).double_value(&[]);
+        let norm = t
+            .step(&loss)
+            .map_err(|e| format!("step {}: {e}", ctx.step))?;
+        let metrics = [
+            ("loss", loss.double_value(&[])),
+            ("accuracy", accuracy),
+            ("margin", mean_margin),
+            ("grad_norm", norm),
+        ];
+        t.finish(ctx, &metrics)?;
+        Ok(vec![batch])
+    }
+}
+
+/// Which preference objective [`DpoTrainer`] minimises.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum PreferenceLoss {
+    /// DPO: `−log σ(β h)`.
+    Dpo,
+    /// Conservative DPO with label smoothing ε.
+    Cdpo {
+        /// The probability that a label is flipped.
+        label_smoothing: f64,
+    },
+    /// IPO: `(h − 1/(2β))²`.
+    Ipo,
+}
+
+/// `loss(h)` per pair for `beta`.
+pub fn preference_loss(h: &Tensor, beta: f64, loss: PreferenceLoss) -> Tensor {
+    match loss {
+        PreferenceLoss::Dpo => -(h * beta).log_sigmoid(),
+        PreferenceLoss::Cdpo { label_smoothing: e } => {
+            -(h * beta).log_sigmoid() * (1.0 - e) - (h * -beta).log_sigmoid() * e
+        }
+        PreferenceLoss::Ipo => (h - 1.0 / (2.0 * beta)).square(),
+    }
+}
+
+/// The DPO-family trainer.
+pub struct DpoTrainer {
+    trainer: Trainer,
+    reference: Model,
+    beta: f64,
+    loss: PreferenceLoss,
+}
+
+/// Summed log-probs of each row's response tokens, `[B]`.
+fn sequence_logprobs(
+    model: &Model,
+    prompts: &[Vec<i64>],
+    responses: &[Vec<i64>],
+) -> Result<Tensor, StageError> {
+    let f = response_forward(model, prompts, responses, 1.0, false)?;
+    Ok((f.logprobs * f.mask).sum_dim_intlist(-1, false, Kind::Float))
+}
+
+impl DpoTrainer {
+    /// Trains `policy` against the frozen `reference`.
+    pub fn new(
+        policy: Model,
+        reference: Model,
+        tokenizer: Tokenizer,
+        cfg: PairConfig,
+        beta: f64,
+        loss: PreferenceLoss,
+    ) -> Result<Self, StageError> {
+        Ok(DpoTrainer {
+            trainer: Trainer::new(policy, tokenizer, cfg)?,
+            reference,
+            beta,
+            loss,
+        })
+    }
+
+    /// Saves checkpoints as `plan` says.
+    pub fn with_checkpoints(mut self, plan: CheckpointPlan) -> Self {
+        self.trainer.checkpoints = Some(plan);
+        self
+    }
+
+    /// The optimizer (to restore on resume).
+    pub fn optimizer_mut(&mut self) -> &mut Optimizer {
+        &mut self.trainer.optimizer
+    }
+}
+
+impl StepStage for DpoTrainer {
+    fn buffer(&mut self) -> &mut StepBuffer {
+        &mut self.trainer.held
+    }
+
+    fn run_step(
+        &mut self,
+        ctx: &mut StepContext,
+        rows: Option<RecordBatch>,
+    ) -> Result<Vec<RecordBatch>, StageError> {
+        let Some(batch) = rows else {
+            return Ok(Vec::new());
+        };
+        let t = &mut self.trainer;
+        let p = pairs(&batch, &t.tokenizer, &t.cfg)?;
+        let (ref_c, ref_r) = {
+            let _guard = tch::no_grad_guard();
+            (
+                sequence_logprobs(&self.reference, &p.prompts, &p.chosen)?,
+                sequence_logprobs(&self.reference, &p.prompts, &p.rejected)?,
+            )
+        };
+        let chosen = sequence_logprobs(&t.model, &p.prompts, &p.chosen)? - ref_c;
+        let rejected = sequence_logprobs(&t.model, &p.prompts, &p.rejected)? - ref_r;
+        let h = &chosen - &rejected;
+        let loss = preference_loss(&h, self.beta, self.loss).mean(Kind::Float);
+        let mean = |x: &Tensor| x.mean(Kind::Float).double_value(&[]);
+        let metrics_before = [
+            ("reward_margin", self.beta * mean(&h)),
+            ("reward_chosen", self.beta * mean(&chosen)),
+            ("reward_rejected", self.beta * mean(&rejected)),
+            ("accuracy", mean(&h.gt(0.0).to_kind(Kind::Float))),
+        ];
+        let norm = t
+            .step(&loss)
+            .map_err(|e| format!("step {}: {e}", ctx.step))?;
+        let mut metrics = vec![("loss", loss.double_value(&[])), ("grad_norm", norm)];
+        metrics.extend(metrics_before);
+        t.finish(ctx, &metrics)?;
+        Ok(vec![batch])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn preference_losses_by_hand() {
+        let h = Tensor::from_slice(&[0.0f64, 2.0, -1.0]);
+        let at = |t: &Tensor, i: i64| t.double_value(&[i]);
+        let ln2 = std::f64::consts::LN_2;
+        let dpo = preference_loss(&h, 0.5, PreferenceLoss::Dpo);
+        assert!((at(&dpo, 0) - ln2).abs() < 1e-12);
+        assert!((at(&dpo, 1) - (1.0 + (-1.0f64).exp()).ln()).abs() < 1e-12);
+        let cdpo = preference_loss(
+            &h,
+            0.5,
+            PreferenceLoss::Cdpo {
+                label_smoothing: 0.25,
+            },
+        );
+        let sp = |x: f64| (1.0 + (-x).exp()).ln();
+        assert!((at(&cdpo, 2) - (0.75 * sp(-0.5) + 0.25 * sp(0.5))).abs() < 1e-12);
+        let ipo = preference_loss(&h, 0.5, PreferenceLoss::Ipo);
+        assert!((at(&ipo, 1) - 1.0).abs() < 1e-12, "(2 − 1)²");
+        assert!((at(&ipo, 2) - 4.0).abs() < 1e-12, "(−1 − 1)²");
+    }
+}

@@ -1,0 +1,87 @@
+//! Training on preference pairs: `rm` (a Bradley–Terry reward model) and
+//! `dpo` (DPO, cDPO, IPO against a frozen reference). Pairs flow from the
+//! source into the trainer, one optimizer step per step.
+
+use std::path::Path;
+
+use weir_gpu::{Model, Tokenizer};
+use weir_graph::{Partition, Pipeline, StageError, WorkerInfo};
+use weir_operators::checkpoint::load_optimizer;
+use weir_operators::stages::preference::{DpoTrainer, PairConfig, PreferenceLoss, RewardTrainer};
+
+use crate::roles::{self, RunContext, ROLLOUT, TRAIN};
+use crate::{PipelineError, RunConfig};
+
+/// The reward model: the config's `model.reward_model` if set, else the
+/// actor's checkpoint with a fresh one-output score head.
+pub fn rm(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError> {
+    let (c, x) = (cfg.clone(), ctx.clone());
+    Ok(Pipeline::new("rm")
+        .source(ROLLOUT, roles::preference_pairs(cfg, ctx))
+        .stage("rm", TRAIN, Partition::RoundRobin, move |w| {
+            let start = if x.resumed_from.is_some() || c.model.reward_model.is_empty() {
+                x.actor.clone()
+            } else {
+                c.model.reward_model.clone().into()
+            };
+            let model = Model::load_critic(&start, roles::device(&c, w)?, roles::kind(&c))?;
+            let tok = Tokenizer::load(Path::new(&c.model.path))?;
+            let mut trainer = RewardTrainer::new(model, tok, pair_config(&c))?
+                .with_checkpoints(x.checkpoint_plan(&c));
+            restore(&x, w, trainer.optimizer_mut())?;
+            Ok(trainer)
+        }))
+}
+
+/// DPO and its variants (`algorithm.preference_loss`), the reference being
+/// `model.reference` (default: the actor's starting checkpoint).
+pub fn dpo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError> {
+    let (c, x) = (cfg.clone(), ctx.clone());
+    Ok(Pipeline::new("dpo")
+        .source(ROLLOUT, roles::preference_pairs(cfg, ctx))
+        .stage("dpo", TRAIN, Partition::RoundRobin, move |w| {
+            let a = &c.algorithm;
+            let policy = roles::load(&c, &x.actor, w)?;
+            let reference_dir = if c.model.reference.is_empty() {
+                &c.model.path
+            } else {
+                &c.model.reference
+            };
+            let reference = roles::load(&c, Path::new(reference_dir), w)?;
+            let loss = match a.preference_loss.as_str() {
+                "ipo" => PreferenceLoss::Ipo,
+                "cdpo" => PreferenceLoss::Cdpo {
+                    label_smoothing: a.label_smoothing,
+                },
+                _ => PreferenceLoss::Dpo,
+            };
+            let tok = Tokenizer::load(Path::new(&c.model.path))?;
+            let mut trainer =
+                DpoTrainer::new(policy, reference, tok, pair_config(&c), a.beta, loss)?
+                    .with_checkpoints(x.checkpoint_plan(&c));
+            restore(&x, w, trainer.optimizer_mut())?;
+            Ok(trainer)
+        }))
+}
+
+fn pair_config(c: &RunConfig) -> PairConfig {
+    let a = &c.algorithm;
+    PairConfig {
+        adamw: roles::adamw(c, a.lr),
+        schedule: roles::schedule(c),
+        max_grad_norm: (a.max_grad_norm > 0.0).then_some(a.max_grad_norm),
+        chosen: c.data.chosen_column.clone(),
+        rejected: c.data.rejected_column.clone(),
+    }
+}
+
+fn restore(
+    ctx: &RunContext,
+    _worker: &WorkerInfo,
+    optimizer: &mut weir_gpu::optim::Optimizer,
+) -> Result<(), StageError> {
+    match &ctx.resumed_from {
+        Some(dir) => load_optimizer(&dir.join("actor"), optimizer),
+        None => Ok(()),
+    }
+}
