@@ -20,6 +20,7 @@ pub mod dynamic_sampling;
 pub mod generate;
 pub mod learner;
 pub mod preference;
+pub mod prompt_files;
 pub mod prompt_stats;
 pub mod prompts;
 pub mod reference;

@@ -1,0 +1,259 @@
+//! Prompt sets from files: JSONL or Parquet, the prompt as text or chat
+//! messages, extra string columns (a reference answer, preference pairs);
+//! errors name the file, the line or row, and the column.
+
+use super::prompts::{PromptRow, PromptSource};
+use weir_gpu::{Message, Tokenizer};
+use weir_graph::StageError;
+
+/// Which column of a prompt file holds the prompt.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PromptColumn {
+    /// Plain text, tokenised as is (no chat template).
+    Text(String),
+    /// A list of `{role, content}` messages, rendered with the chat template and a generation prompt.
+    Messages(String),
+}
+
+impl PromptSource {
+    /// Reads a prompt set from a `.jsonl` or `.parquet` file: the prompt
+    /// from `prompt`, and each of `extra` (e.g. `answer`) as a string column.
+    /// Errors name the file and the line (JSONL) or row (Parquet) and the column.
+    pub fn from_file(
+        path: &std::path::Path,
+        prompt: &PromptColumn,
+        extra: &[String],
+        tokenizer: &Tokenizer,
+        prompts_per_step: usize,
+        samples: usize,
+        seed: u64,
+    ) -> Result<Self, StageError> {
+        let records = read_records(path)?;
+        let mut rows = Vec::with_capacity(records.len());
+        for (where_, record) in &records {
+            let missing =
+                |c: &str| format!("{}: {where_}: column `{c}` is missing", path.display());
+            let (text, tokens) = match prompt {
+                PromptColumn::Text(c) => {
+                    let text = record
+                        .get(c)
+                        .and_then(serde_json::Value::as_str)
+                        .ok_or_else(|| missing(c))?;
+                    (text.to_string(), tokenizer.encode(text, true)?)
+                }
+                PromptColumn::Messages(c) => {
+                    let value = record.get(c).ok_or_else(|| missing(c))?;
+                    let messages: Vec<Message> = serde_json::from_value(value.clone())
+                        .map_err(|e| format!("{}: {where_}: column `{c}`: {e}", path.display()))?;
+                    (
+                        tokenizer.apply_chat_template(&messages, true)?,
+                        tokenizer.encode_chat(&messages, true)?,
+                    )
+                }
+            };
+            if tokens.is_empty() {
+                return Err(format!(
+                    "{}: {where_}: the prompt encodes to no tokens",
+                    path.display()
+                )
+                .into());
+            }
+            let mut values = Vec::with_capacity(extra.len());
+            for c in extra {
+                let v = record.get(c).ok_or_else(|| missing(c))?;
+                values.push(match v {
+                    serde_json::Value::String(s) => s.clone(),
+                    other => other.to_string(),
+                });
+            }
+            rows.push(PromptRow {
+                prompt: text,
+                tokens,
+                extra: values,
+            });
+        }
+        PromptSource::new(rows, extra.to_vec(), prompts_per_step, samples, seed)
+            .map_err(|e| format!("{}: {e}", path.display()).into())
+    }
+}
+
+/// One record of a prompt file: where it came from (`line 3`, `row 7`) and its fields.
+type Record = (String, serde_json::Map<String, serde_json::Value>);
+
+/// The records of a JSONL or Parquet file as JSON objects, each with where it came from.
+fn read_records(path: &std::path::Path) -> Result<Vec<Record>, StageError> {
+    let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+    match ext {
+        "jsonl" | "json" => {
+            let text =
+                std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+            let mut out = Vec::new();
+            for (i, line) in text.lines().enumerate() {
+                if line.trim().is_empty() {
+                    continue;
+                }
+                let value: serde_json::Value = serde_json::from_str(line)
+                    .map_err(|e| format!("{}: line {}: not JSON: {e}", path.display(), i + 1))?;
+                let serde_json::Value::Object(map) = value else {
+                    return Err(
+                        format!("{}: line {}: not a JSON object", path.display(), i + 1).into(),
+                    );
+                };
+                out.push((format!("line {}", i + 1), map));
+            }
+            Ok(out)
+        }
+        "parquet" => {
+            let batches = weir_graph::parquet_log::read_parquet_file(path)?;
+            let mut out = Vec::new();
+            let mut row = 0;
+            for batch in batches {
+                let mut writer = arrow::json::ArrayWriter::new(Vec::new());
+                writer
+                    .write(&batch)
+                    .map_err(|e| format!("{}: {e}", path.display()))?;
+                writer
+                    .finish()
+                    .map_err(|e| format!("{}: {e}", path.display()))?;
+                let values: Vec<serde_json::Value> =
+                    serde_json::from_slice(&writer.into_inner())
+                        .map_err(|e| format!("{}: {e}", path.display()))?;
+                for v in values {
+                    if let serde_json::Value::Object(map) = v {
+                        out.push((format!("row {row}"), map));
+                    }
+                    row += 1;
+                }
+            }
+            Ok(out)
+        }
+        other => Err(format!(
+            "{}: prompt files must be .jsonl or .parquet, not `.{other}`",
+            path.display()
+        )
+        .into()),
+    }
+}
+
+#[cfg(test)]
+mod file_tests {
+    use super::*;
+    use arrow::array::{ArrayRef, RecordBatch, StringArray};
+    use std::sync::Arc;
+
+    fn tokenizer() -> Tokenizer {
+        Tokenizer::load(
+            &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../../../shared/fixtures/tokenizer"),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn jsonl_and_parquet_prompt_sets_load_with_their_extra_columns() {
+        let dir = tempfile::tempdir().unwrap();
+        let jsonl = dir.path().join("p.jsonl");
+        std::fs::write(&jsonl, "{\"messages\": [{\"role\": \"user\", \"content\": \"Compute: 1+2\"}], \"answer\": \"3\"}\n\n{\"messages\": [{\"role\": \"user\", \"content\": \"Compute: 2+2\"}], \"answer\": 4}\n").unwrap();
+        let tok = tokenizer();
+        let src = PromptSource::from_file(
+            &jsonl,
+            &PromptColumn::Messages("messages".into()),
+            &["answer".into()],
+            &tok,
+            2,
+            1,
+            0,
+        )
+        .unwrap();
+        let mut rows: Vec<_> = src
+            .rows()
+            .iter()
+            .map(|r| (r.prompt.clone(), r.extra[0].clone()))
+            .collect();
+        rows.sort();
+        assert_eq!(rows[0].1, "3");
+        assert_eq!(rows[1].1, "4", "numbers become strings");
+        assert!(rows[0].0.starts_with("<|im_start|>user\nCompute: 1+2"));
+        // The same set as Parquet, text prompts.
+        let parquet = dir.path().join("p.parquet");
+        let batch = RecordBatch::try_from_iter([
+            (
+                "question",
+                Arc::new(StringArray::from(vec!["Compute: 1+2", "Compute: 2+2"])) as ArrayRef,
+            ),
+            (
+                "answer",
+                Arc::new(StringArray::from(vec!["3", "4"])) as ArrayRef,
+            ),
+        ])
+        .unwrap();
+        weir_graph::parquet_log::write_parquet_atomically(&parquet, &[batch]).unwrap();
+        let src = PromptSource::from_file(
+            &parquet,
+            &PromptColumn::Text("question".into()),
+            &["answer".into()],
+            &tok,
+            2,
+            1,
+            0,
+        )
+        .unwrap();
+        assert_eq!(src.rows().len(), 2);
+        assert_eq!(
+            src.rows()[0].tokens,
+            tok.encode("Compute: 1+2", true).unwrap()
+        );
+    }
+
+    #[test]
+    fn bad_prompt_files_name_the_file_line_and_column() {
+        let dir = tempfile::tempdir().unwrap();
+        let tok = tokenizer();
+        let path = dir.path().join("bad.jsonl");
+        std::fs::write(
+            &path,
+            "{\"prompt\": \"a\", \"answer\": \"1\"}\n{\"prompt\": \"b\"}\n",
+        )
+        .unwrap();
+        let err = PromptSource::from_file(
+            &path,
+            &PromptColumn::Text("prompt".into()),
+            &["answer".into()],
+            &tok,
+            1,
+            1,
+            0,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("bad.jsonl") && err.contains("line 2") && err.contains("`answer`"),
+            "{err}"
+        );
+        std::fs::write(&path, "{\"prompt\": \"a\"}\nnot json\n").unwrap();
+        let err = PromptSource::from_file(
+            &path,
+            &PromptColumn::Text("prompt".into()),
+            &[],
+            &tok,
+            1,
+            1,
+            0,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("line 2: not JSON"), "{err}");
+        let err = PromptSource::from_file(
+            &dir.path().join("x.csv"),
+            &PromptColumn::Text("p".into()),
+            &[],
+            &tok,
+            1,
+            1,
+            0,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains(".csv"), "{err}");
+    }
+}
