@@ -1,0 +1,230 @@
+//! `weir plot`: PNG charts of a run folder, drawn with `plotters` on its
+//! bitmap backend, with text set in a font embedded in the binary.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use anyhow::{bail, Context};
+use plotters::prelude::*;
+use plotters::style::FontStyle;
+use weir_graph::Step;
+
+use super::inspect::SPARK_WIDTH;
+use super::RunMetrics;
+
+/// The per-step curves `plot` draws, each when recorded.
+const PLOTTED: [&str; 4] = ["reward", "kl", "entropy", "loss"];
+
+/// Pixels of every chart.
+const CHART_SIZE: (u32, u32) = (960, 540);
+/// The family every chart's text is set in (plotters' default family).
+const FONT_FAMILY: &str = "sans-serif";
+/// DejaVu Sans cut down to the characters charts use; see assets/fonts/LICENSE-DejaVu.txt.
+const FONT: &[u8] = include_bytes!("../../assets/fonts/DejaVuSans-subset.ttf");
+
+/// Writes PNG charts of the run in `run_dir` to `RUN_DIR/plots/`: one per
+/// recorded learner curve (`reward.png`, `kl.png`, `entropy.png`,
+/// `loss.png`), `staleness.png` and `throughput.png` when their figures
+/// exist. Returns the paths written.
+pub fn plot(run_dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    let run = RunMetrics::load(run_dir)?;
+    register_font()?;
+    let dir = run_dir.join("plots");
+    let name = run_dir
+        .canonicalize()
+        .ok()
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| run_dir.display().to_string());
+    let mut charts: Vec<(PathBuf, Chart)> = Vec::new();
+    for metric in PLOTTED {
+        if let Some((stage, series)) = run.series_of(metric) {
+            charts.push((
+                dir.join(format!("{metric}.png")),
+                Chart::Line {
+                    title: format!("{metric} per step ({stage}) — {name}"),
+                    y_desc: format!("{metric} (mean over workers)"),
+                    points: series.into_iter().collect(),
+                    from_zero: false,
+                },
+            ));
+        }
+    }
+    let histogram = run.staleness_histogram();
+    if !histogram.is_empty() {
+        charts.push((
+            dir.join("staleness.png"),
+            Chart::Histogram {
+                title: format!("staleness of the rows learned from — {name}"),
+                counts: histogram,
+            },
+        ));
+    }
+    if let Some(t) = run.throughput() {
+        let points = t.rates();
+        if !points.is_empty() {
+            charts.push((
+                dir.join("throughput.png"),
+                Chart::Line {
+                    title: format!("throughput ({} of {}) — {name}", t.metric, t.stage),
+                    y_desc: "rows/s".into(),
+                    points,
+                    from_zero: true,
+                },
+            ));
+        }
+    }
+    if charts.is_empty() {
+        bail!(
+            "{}: nothing to plot (no reward, kl, entropy, loss, staleness or done_unix_s metrics)",
+            run.path.display()
+        );
+    }
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    for (path, chart) in &charts {
+        chart
+            .draw(path)
+            .with_context(|| format!("drawing {}", path.display()))?;
+    }
+    Ok(charts.into_iter().map(|(path, _)| path).collect())
+}
+
+/// One chart to draw.
+enum Chart {
+    /// A curve over steps.
+    Line {
+        title: String,
+        y_desc: String,
+        points: Vec<(Step, f64)>,
+        /// The y axis starts at zero (rates), rather than at the data.
+        from_zero: bool,
+    },
+    /// Bars of rows by staleness.
+    Histogram {
+        title: String,
+        counts: BTreeMap<u64, u64>,
+    },
+}
+
+impl Chart {
+    fn draw(&self, path: &Path) -> anyhow::Result<()> {
+        let root = BitMapBackend::new(path, CHART_SIZE).into_drawing_area();
+        root.fill(&WHITE).map_err(plot_error)?;
+        match self {
+            Chart::Line {
+                title,
+                y_desc,
+                points,
+                from_zero,
+            } => {
+                let first = points.first().map_or(0, |p| p.0);
+                let last = points.last().map_or(0, |p| p.0);
+                let xs = first..last.max(first + 1);
+                let values = points.iter().map(|p| p.1);
+                let mut ys = padded_range(values.chain(from_zero.then_some(0.0)), 0.05);
+                if *from_zero {
+                    ys.start = 0.0;
+                }
+                let mut chart = ChartBuilder::on(&root)
+                    .caption(title, (FONT_FAMILY, 24))
+                    .margin(16)
+                    .x_label_area_size(48)
+                    .y_label_area_size(80)
+                    .build_cartesian_2d(xs, ys)
+                    .map_err(plot_error)?;
+                chart
+                    .configure_mesh()
+                    .x_desc("step")
+                    .y_desc(y_desc.as_str())
+                    .label_style((FONT_FAMILY, 15))
+                    .axis_desc_style((FONT_FAMILY, 17))
+                    .draw()
+                    .map_err(plot_error)?;
+                let colour = RGBColor(31, 119, 180);
+                chart
+                    .draw_series(LineSeries::new(
+                        points.iter().copied().filter(|p| p.1.is_finite()),
+                        colour.stroke_width(2),
+                    ))
+                    .map_err(plot_error)?;
+                if points.len() <= SPARK_WIDTH {
+                    chart
+                        .draw_series(
+                            points
+                                .iter()
+                                .filter(|p| p.1.is_finite())
+                                .map(|p| Circle::new(*p, 3, colour.filled())),
+                        )
+                        .map_err(plot_error)?;
+                }
+            }
+            Chart::Histogram { title, counts } => {
+                let last = counts.keys().next_back().copied().unwrap_or(0);
+                let most = counts.values().copied().max().unwrap_or(0);
+                let mut chart = ChartBuilder::on(&root)
+                    .caption(title, (FONT_FAMILY, 24))
+                    .margin(16)
+                    .x_label_area_size(48)
+                    .y_label_area_size(80)
+                    .build_cartesian_2d((0..last).into_segmented(), 0..most + most / 10 + 1)
+                    .map_err(plot_error)?;
+                chart
+                    .configure_mesh()
+                    .disable_x_mesh()
+                    .x_desc("staleness (policy versions behind the learner)")
+                    .y_desc("rows")
+                    .label_style((FONT_FAMILY, 15))
+                    .axis_desc_style((FONT_FAMILY, 17))
+                    .draw()
+                    .map_err(plot_error)?;
+                chart
+                    .draw_series(
+                        Histogram::vertical(&chart)
+                            .style(RGBColor(31, 119, 180).filled())
+                            .margin(12)
+                            .data(counts.iter().map(|(s, n)| (*s, *n))),
+                    )
+                    .map_err(plot_error)?;
+            }
+        }
+        root.present().map_err(plot_error)?;
+        Ok(())
+    }
+}
+
+/// plotters' errors borrow nothing but are not all `Send + Sync`; keep their text.
+fn plot_error(err: impl std::fmt::Display) -> anyhow::Error {
+    anyhow::anyhow!("{err}")
+}
+
+/// Registers the embedded font under plotters' default family, once.
+fn register_font() -> anyhow::Result<()> {
+    static REGISTERED: OnceLock<bool> = OnceLock::new();
+    let ok = *REGISTERED.get_or_init(|| {
+        plotters::style::register_font(FONT_FAMILY, FontStyle::Normal, FONT).is_ok()
+    });
+    anyhow::ensure!(
+        ok,
+        "the embedded chart font (assets/fonts/DejaVuSans-subset.ttf) could not be parsed"
+    );
+    Ok(())
+}
+
+/// The span of the finite `values`, widened by `pad` of itself on each side
+/// (or by one either side when it is a single value).
+fn padded_range(values: impl Iterator<Item = f64>, pad: f64) -> std::ops::Range<f64> {
+    let (lo, hi) = values
+        .filter(|v| v.is_finite())
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
+            (lo.min(v), hi.max(v))
+        });
+    if lo > hi {
+        return 0.0..1.0;
+    }
+    if hi - lo <= f64::EPSILON * hi.abs().max(1.0) {
+        let half = (hi.abs() * 0.1).max(1.0);
+        return lo - half..hi + half;
+    }
+    let margin = (hi - lo) * pad;
+    lo - margin..hi + margin
+}
