@@ -78,8 +78,17 @@ fn every_rl_pipeline_runs_logs_and_checkpoints() {
         let dir = tmp.path().join("run");
         let steps = 2;
         let mut cfg = config(kind, steps);
-        if kind == PipelineKind::Ppo {
-            cfg.data.samples_per_prompt = 2;
+        match kind {
+            PipelineKind::Ppo => cfg.data.samples_per_prompt = 2,
+            // Off-policy rows weighted by truncated importance ratios.
+            PipelineKind::Grpo => cfg.algorithm.correction = "tis".into(),
+            // Every role colocated on one worker.
+            PipelineKind::ReinforcePp => {
+                cfg.placement.workers = 1;
+                cfg.placement.rollout = vec![0];
+                cfg.placement.train = vec![0];
+            }
+            _ => {}
         }
         let summary = run(kind, cfg.clone(), &dir, false);
         let name = kind.name();
@@ -90,6 +99,11 @@ fn every_rl_pipeline_runs_logs_and_checkpoints() {
         let losses = metric(&dir, "learn", "loss");
         assert_eq!(losses.len(), steps as usize, "{name}");
         assert!(losses.values().all(|l| l.is_finite()), "{name}: {losses:?}");
+        if kind == PipelineKind::Grpo {
+            let w = metric(&dir, "learn", "is_weight_mean");
+            assert_eq!(w.len(), steps as usize);
+            assert!(w.values().all(|x| *x > 0.0 && *x <= 2.0), "{w:?}");
+        }
         // The first update starts on-policy: nothing is clipped.
         assert_eq!(metric(&dir, "learn", "clip_fraction")[&0], 0.0, "{name}");
 

@@ -8,7 +8,9 @@ use tch::Kind;
 use weir_gpu::optim::AdamWConfig;
 use weir_gpu::{Device, Model, SamplingParams, Tokenizer};
 use weir_graph::{ParquetLog, StageError, WorkerInfo};
-use weir_operators::algorithms::{Aggregation, Flavor, KlEstimator, PolicyLossConfig};
+use weir_operators::algorithms::{
+    Aggregation, Flavor, ImportanceCorrection, KlEstimator, PolicyLossConfig,
+};
 use weir_operators::checkpoint::{load_optimizer, Checkpointer};
 use weir_operators::rewards::{arith, rule_reward};
 use weir_operators::stages::generate::Generate;
@@ -277,6 +279,15 @@ pub fn learner_config(cfg: &RunConfig, kl_in_loss: bool) -> LearnerConfig {
                 _ => Aggregation::TokenMean,
             },
             flavor: flavor(cfg),
+            correction: {
+                let (low, high) = (a.correction_low, a.correction_high);
+                match a.correction.as_str() {
+                    "tis" => Some(ImportanceCorrection::Tis { low, high }),
+                    "icepop" => Some(ImportanceCorrection::IcePop { low, high }),
+                    "seq-mask" => Some(ImportanceCorrection::SequenceMask { low, high }),
+                    _ => None,
+                }
+            },
             ..PolicyLossConfig::default()
         },
         temperature: cfg.generate.temperature,

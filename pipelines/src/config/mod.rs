@@ -258,6 +258,12 @@ pub struct AlgorithmSection {
     pub preference_loss: String,
     /// ε of cDPO: the probability a preference label is flipped.
     pub label_smoothing: f64,
+    /// Off-policy correction of stale rows: `none`, `tis`, `icepop`, `seq-mask`.
+    pub correction: String,
+    /// The correction's lower bound on the importance ratio.
+    pub correction_low: f64,
+    /// The correction's upper bound.
+    pub correction_high: f64,
 }
 
 impl Default for AlgorithmSection {
@@ -284,6 +290,9 @@ impl Default for AlgorithmSection {
             beta: 0.1,
             preference_loss: "dpo".into(),
             label_smoothing: 0.0,
+            correction: "none".into(),
+            correction_low: 0.0,
+            correction_high: 2.0,
         }
     }
 }

@@ -127,6 +127,8 @@ pub struct UpdateStats {
     pub kl: f64,
     /// Mean per-token entropy of the policy over the response tokens.
     pub entropy: f64,
+    /// Importance weights of the off-policy correction (mean, min, max), if one is configured.
+    pub importance_weights: Option<(f64, f64, f64)>,
 }
 
 /// The actor's learner.
@@ -315,11 +317,13 @@ impl Learner {
         };
         let (mut loss_sum, mut clip_sum, mut kl_sum, mut grad_norm) = (0.0, 0.0, 0.0, 0.0);
         let mut entropy_sum = 0.0;
+        let mut weights: Option<(f64, f64, f64)> = None;
         for _epoch in 0..self.cfg.ppo_epochs.max(1) {
             self.optimizer
                 .set_lr(self.cfg.schedule.rate(self.cfg.adamw.lr, self.updates));
             self.optimizer.zero_grad();
             (loss_sum, clip_sum, kl_sum, entropy_sum) = (0.0, 0.0, 0.0, 0.0);
+            weights = None;
             for (&start, old) in starts.iter().zip(&proximal) {
                 let end = (start + micro).min(batch.num_rows());
                 let fwd = response_forward(
@@ -369,6 +373,13 @@ impl Learner {
                 loss_sum += loss.double_value(&[]) * share;
                 (&loss * share).backward();
                 clip_sum += out.clip_fraction * share;
+                if self.cfg.policy.correction.is_some() {
+                    let (mean, lo, hi) = out.weight_stats;
+                    weights = Some(match weights {
+                        None => (mean * share, lo, hi),
+                        Some((m, l, h)) => (m + mean * share, l.min(lo), h.max(hi)),
+                    });
+                }
             }
             grad_norm = self.optimizer.step(self.cfg.max_grad_norm);
             self.updates += 1;
@@ -385,6 +396,7 @@ impl Learner {
             clip_fraction: clip_sum,
             kl: kl_sum,
             entropy: entropy_sum,
+            importance_weights: weights,
         };
         Ok(self.last)
     }
@@ -421,6 +433,11 @@ impl StepStage for Learner {
                 ("entropy", u.entropy),
             ] {
                 ctx.record(name, value);
+            }
+            if let Some((mean, min, max)) = u.importance_weights {
+                ctx.record("is_weight_mean", mean);
+                ctx.record("is_weight_min", min);
+                ctx.record("is_weight_max", max);
             }
             // What the step's rows looked like: the curves users watch first.
             let rows = batch.num_rows().max(1) as f64;
