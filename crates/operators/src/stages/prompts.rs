@@ -12,6 +12,8 @@ use super::columns::token_list_array;
 use crate::rewards::arith;
 use crate::rollout::{schema_after, Phase};
 
+pub use super::prompt_files::PromptColumn;
+
 /// One prompt of a dataset.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PromptRow {
@@ -456,5 +458,3 @@ mod tests {
         assert!(PromptSource::new(vec![], vec![], 1, 1, 0).is_err());
     }
 }
-
-pub use super::prompt_files::PromptColumn;
