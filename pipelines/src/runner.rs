@@ -409,7 +409,5 @@ fn trim_rollouts(dir: &Path, last_step: u64) -> Result<(), PipelineError> {
 }
 
 fn write_text(path: &Path, text: &str) -> Result<(), PipelineError> {
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, text).map_err(|e| format!("{}: {e}", tmp.display()))?;
-    std::fs::rename(&tmp, path).map_err(|e| format!("{}: {e}", path.display()).into())
+    Ok(weir_gpu::snapshot::write_atomically(path, text.as_bytes())?)
 }

@@ -200,7 +200,9 @@ impl Model {
     }
 }
 
-fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), ModelError> {
+/// Writes `bytes` to `path` through a temporary file and a rename, so
+/// readers never see a half-written file.
+pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), ModelError> {
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, bytes).map_err(|e| ModelError::io(&tmp, e))?;
     std::fs::rename(&tmp, path).map_err(|e| ModelError::io(path, e))

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
 use weir_gpu::optim::Optimizer;
-use weir_gpu::snapshot::{from_safetensors, to_safetensors};
+use weir_gpu::snapshot::{from_safetensors, to_safetensors, write_atomically};
 use weir_gpu::Model;
 use weir_graph::StageError;
 
@@ -130,11 +130,8 @@ impl Checkpointer {
     pub fn save_state(&self, state: &CheckpointState) -> Result<(), StageError> {
         let dir = self.dir(state.step);
         std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-        let path = dir.join("state.json");
-        let tmp = dir.join(".state.json.tmp");
         let text = serde_json::to_string_pretty(&state.to_json()).map_err(|e| e.to_string())?;
-        std::fs::write(&tmp, text).map_err(|e| format!("{}: {e}", tmp.display()))?;
-        std::fs::rename(&tmp, &path).map_err(|e| format!("{}: {e}", path.display()))?;
+        write_atomically(&dir.join("state.json"), text.as_bytes())?;
         Ok(())
     }
 }

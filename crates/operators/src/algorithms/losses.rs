@@ -13,10 +13,12 @@ pub enum Aggregation {
     #[default]
     TokenMean,
     /// Mean over responses of each response's token mean `Σ_t m·ℓ / Σ_t m`.
-    /// OpenRLHF divides by `Σ_t m + 1e-8` and averages over non-empty
-    /// responses only; verl divides by `Σ_t m` and averages over all.
+    /// Both OpenRLHF (`aggregate_loss`) and verl (`agg_loss`) divide by
+    /// `Σ_t m + 1e-8` and average over non-empty responses only.
     SeqMeanTokenMean,
-    /// Mean over responses of each response's token sum.
+    /// Mean over responses of each response's token sum. verl averages over
+    /// non-empty responses only; the OpenRLHF flavor (which has no such
+    /// mode) over all.
     SeqMeanTokenSum,
     /// `Σ_responses Σ_t m·ℓ / T` (Dr.GRPO's constant normaliser, T = the padded length).
     SeqMeanTokenSumNorm,
@@ -30,18 +32,21 @@ pub fn aggregate(loss: &Tensor, mask: &Tensor, mode: Aggregation, flavor: Flavor
         Aggregation::SeqMeanTokenMean => {
             let count = mask.sum_dim_intlist(-1, false, Kind::Double);
             let sums = masked.sum_dim_intlist(-1, false, Kind::Double);
+            let seq = sums / (&count + 1e-8);
+            let nonempty = count.gt(0.0).to_kind(Kind::Double);
+            (seq * &nonempty).sum(Kind::Double) / nonempty.sum(Kind::Double)
+        }
+        Aggregation::SeqMeanTokenSum => {
+            let sums = masked.sum_dim_intlist(-1, false, Kind::Double);
             match flavor {
-                Flavor::OpenRlhf => {
-                    let seq = sums / (&count + 1e-8);
+                Flavor::OpenRlhf => sums.mean(Kind::Double),
+                Flavor::Verl => {
+                    let count = mask.sum_dim_intlist(-1, false, Kind::Double);
                     let nonempty = count.gt(0.0).to_kind(Kind::Double);
-                    (seq * &nonempty).sum(Kind::Double) / nonempty.sum(Kind::Double)
+                    (sums * &nonempty).sum(Kind::Double) / nonempty.sum(Kind::Double)
                 }
-                Flavor::Verl => (sums / count).mean(Kind::Double),
             }
         }
-        Aggregation::SeqMeanTokenSum => masked
-            .sum_dim_intlist(-1, false, Kind::Double)
-            .mean(Kind::Double),
         Aggregation::SeqMeanTokenSumNorm => masked.sum(Kind::Double) / mask.size()[1] as f64,
     }
 }
@@ -50,13 +55,24 @@ fn masked_mean(x: &Tensor, mask: &Tensor) -> Tensor {
     (x * mask).sum(Kind::Double) / mask.sum(Kind::Double)
 }
 
+/// The kind to accumulate per-response sums of `x` in: at least float32,
+/// double for double inputs.
+fn sum_kind(x: &Tensor) -> Kind {
+    match x.kind() {
+        Kind::Double => Kind::Double,
+        _ => Kind::Float,
+    }
+}
+
 /// The ratio's granularity.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum RatioLevel {
     /// PPO: a ratio per token, `exp(clamp(log π − log π_old, −20, 20))`.
     #[default]
     Token,
-    /// GSPO: one ratio per response, `exp(Σ m (log π − log π_old) / max(Σ m, 1))`, unclamped.
+    /// GSPO: one ratio per response, `exp(Σ m (log π − log π_old) / max(Σ m, 1))`:
+    /// unclamped in OpenRLHF, the exponent clamped to at most 10 in verl
+    /// (`compute_policy_loss_gspo`).
     Sequence,
 }
 
@@ -99,7 +115,8 @@ pub struct PolicyLossConfig {
     /// ε_high: clipped above at 1 + ε_high (> ε_low is DAPO's clip-higher).
     pub clip_high: f64,
     /// Dual clip c > 1: for negative advantages the loss is at most −c·A.
-    /// OpenRLHF: off unless asked; verl: always on with c = 3.
+    /// OpenRLHF: off unless asked; verl: always on with c = 3 for token
+    /// ratios, never applied to sequence (GSPO) ratios.
     pub dual_clip: Option<f64>,
     /// Token (PPO) or sequence (GSPO) ratios.
     pub ratio_level: RatioLevel,
@@ -146,7 +163,8 @@ pub struct PolicyLoss {
     pub clip_fraction: f64,
     /// `masked_mean(log π_old − log π)`: the approximate KL to the proximal policy.
     pub approx_kl: f64,
-    /// Mean, min and max of the importance weights over masked tokens (1 without correction).
+    /// Mean, min and max of the importance weights over masked tokens (1
+    /// without correction, and with OpenRLHF's GSPO, which weights none).
     pub weight_stats: (f64, f64, f64),
 }
 
@@ -161,10 +179,17 @@ impl PolicyLoss {
 ///
 /// `ratio = exp(log π − log π_old)` (per [`RatioLevel`]), `s1 = ratio·A`,
 /// `s2 = clamp(ratio, 1 − ε_low, 1 + ε_high)·A`, `ℓ = −min(s1, s2)`; with a
-/// dual clip c, for `A < 0`: `ℓ = −max(min(s1, s2), c·A)`. Then ℓ is
+/// dual clip c, for `A < 0`: `ℓ = −max(min(s1, s2), c·A)` (not with
+/// sequence ratios in verl, whose GSPO loss has no dual clip). Then ℓ is
 /// multiplied by the importance weight (if a correction is set) and
 /// aggregated under `mask`. All inputs `[B, T]`; `behaviour_logprobs` is
 /// needed only with a correction.
+///
+/// OpenRLHF's GSPO with a correction instead takes the sequence ratio
+/// against the behaviour policy, `exp(mean_t (log π − log π_behaviour))`,
+/// and applies no importance weight (the correction's kind and bounds are
+/// unused). `approx_kl` is the masked mean of `log π_old − log π`, with the
+/// log-ratio clamped to [−20, 20] for verl's token ratios.
 pub fn policy_loss(
     logprobs: &Tensor,
     old_logprobs: &Tensor,
@@ -174,17 +199,37 @@ pub fn policy_loss(
     cfg: &PolicyLossConfig,
 ) -> PolicyLoss {
     let log_ratio = logprobs - old_logprobs;
+    let sequence = cfg.ratio_level == RatioLevel::Sequence;
+    // OpenRLHF's GSPO folds the correction into the ratio (against the behaviour policy).
+    let gspo_behaviour = match (cfg.flavor, sequence, cfg.correction) {
+        (Flavor::OpenRlhf, true, Some(_)) => behaviour_logprobs,
+        _ => None,
+    };
     let ratio = match cfg.ratio_level {
         RatioLevel::Token => log_ratio.clamp(-20.0, 20.0).exp(),
         RatioLevel::Sequence => {
-            let count = mask.sum_dim_intlist(-1, true, Kind::Float).clamp_min(1.0);
-            ((&log_ratio * mask).sum_dim_intlist(-1, true, Kind::Float) / count).exp() * mask
+            let seq_log_ratio = match gspo_behaviour {
+                Some(behaviour) => logprobs - behaviour,
+                None => log_ratio.shallow_clone(),
+            };
+            let kind = sum_kind(&seq_log_ratio);
+            let count = mask.sum_dim_intlist(-1, true, kind).clamp_min(1.0);
+            let mean = (&seq_log_ratio * mask).sum_dim_intlist(-1, true, kind) / count;
+            let mean = match cfg.flavor {
+                Flavor::OpenRlhf => mean,
+                Flavor::Verl => mean.clamp_max(10.0),
+            };
+            mean.exp() * mask
         }
     };
     let surr1 = &ratio * advantages;
     let surr2 = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high) * advantages;
     let clipped = surr1.minimum(&surr2);
-    let mut loss = match cfg.dual_clip {
+    let dual_clip = match (cfg.flavor, sequence) {
+        (Flavor::Verl, true) => None,
+        _ => cfg.dual_clip,
+    };
+    let mut loss = match dual_clip {
         None => -&clipped,
         Some(c) => {
             let lower = clipped.maximum(&(advantages * c));
@@ -192,7 +237,9 @@ pub fn policy_loss(
         }
     };
     let mut weight_stats = (1.0, 1.0, 1.0);
-    if let (Some(correction), Some(behaviour)) = (cfg.correction, behaviour_logprobs) {
+    if let (Some(correction), Some(behaviour), None) =
+        (cfg.correction, behaviour_logprobs, gspo_behaviour)
+    {
         let _guard = tch::no_grad_guard();
         let log_rho = old_logprobs - behaviour;
         let rho = log_rho.exp();
@@ -202,8 +249,9 @@ pub fn policy_loss(
                 &rho * rho.ge(low).logical_and(&rho.le(high)).to_kind(rho.kind())
             }
             ImportanceCorrection::SequenceMask { low, high } => {
-                let count = mask.sum_dim_intlist(-1, true, Kind::Float);
-                let seq = ((&log_rho * mask).sum_dim_intlist(-1, true, Kind::Float) / count).exp();
+                let kind = sum_kind(&log_rho);
+                let count = mask.sum_dim_intlist(-1, true, kind);
+                let seq = ((&log_rho * mask).sum_dim_intlist(-1, true, kind) / count).exp();
                 &rho * seq.ge(low).logical_and(&seq.le(high)).to_kind(rho.kind())
             }
         };
@@ -220,7 +268,11 @@ pub fn policy_loss(
     }
     let clip_fraction =
         masked_mean(&surr2.lt_tensor(&surr1).to_kind(Kind::Float), mask).double_value(&[]);
-    let approx_kl = masked_mean(&(-&log_ratio).detach(), mask).double_value(&[]);
+    let kl_log_ratio = match (cfg.flavor, cfg.ratio_level) {
+        (Flavor::Verl, RatioLevel::Token) => log_ratio.clamp(-20.0, 20.0),
+        _ => log_ratio,
+    };
+    let approx_kl = masked_mean(&(-kl_log_ratio).detach(), mask).double_value(&[]);
     PolicyLoss {
         loss: aggregate(&loss, mask, cfg.aggregation, cfg.flavor),
         clip_fraction,
@@ -232,7 +284,10 @@ pub fn policy_loss(
 /// The clipped value loss: `v_c = V_old + clamp(V − V_old, −ε, ε)`,
 /// `ℓ = max((V − R)², (v_c − R)²)` (or `(V − R)²` without clipping), and
 /// `0.5 ·` its aggregate — identical in OpenRLHF and verl. Returns the loss
-/// and the fraction of tokens where the clipped branch was larger.
+/// and the fraction of tokens where the clipped branch was larger. verl
+/// computes `v_c` as `clamp(V, V_old − ε, V_old + ε)` (exactly `V` inside
+/// the range, so rounding in `V_old + (V − V_old)` cannot count an unclipped
+/// token as clipped); OpenRLHF computes it as written above.
 pub fn value_loss(
     values: &Tensor,
     old_values: &Tensor,
@@ -245,7 +300,13 @@ pub fn value_loss(
     let plain = (values - returns).square();
     let (loss, clip_fraction) = match clip {
         Some(eps) => {
-            let clipped_values = old_values + (values - old_values).clamp(-eps, eps);
+            let clipped_values = match flavor {
+                Flavor::OpenRlhf => old_values + (values - old_values).clamp(-eps, eps),
+                // verl's clip_by_value: exactly V inside the range.
+                Flavor::Verl => values
+                    .minimum(&(old_values + eps))
+                    .maximum(&(old_values - eps)),
+            };
             let clipped = (clipped_values - returns).square();
             let fraction = masked_mean(&clipped.gt_tensor(&plain).to_kind(Kind::Float), mask)
                 .double_value(&[]);
@@ -325,13 +386,14 @@ mod tests {
         let mask = t(&[&[1.0, 1.0, 1.0], &[1.0, 0.0, 0.0]]);
         let v = |m, f| aggregate(&loss, &mask, m, f).double_value(&[]);
         assert!((v(Aggregation::TokenMean, Flavor::OpenRlhf) - 10.0 / 4.0).abs() < 1e-9);
-        assert!((v(Aggregation::SeqMeanTokenMean, Flavor::Verl) - (2.0 + 4.0) / 2.0).abs() < 1e-9);
-        assert!(
-            (v(Aggregation::SeqMeanTokenMean, Flavor::OpenRlhf)
-                - (6.0 / (3.0 + 1e-8) + 4.0 / (1.0 + 1e-8)) / 2.0)
-                .abs()
-                < 1e-9
-        );
+        for flavor in [Flavor::OpenRlhf, Flavor::Verl] {
+            assert!(
+                (v(Aggregation::SeqMeanTokenMean, flavor)
+                    - (6.0 / (3.0 + 1e-8) + 4.0 / (1.0 + 1e-8)) / 2.0)
+                    .abs()
+                    < 1e-9
+            );
+        }
         assert!((v(Aggregation::SeqMeanTokenSum, Flavor::Verl) - (6.0 + 4.0) / 2.0).abs() < 1e-9);
         assert!((v(Aggregation::SeqMeanTokenSumNorm, Flavor::Verl) - 10.0 / 3.0).abs() < 1e-9);
         // OpenRLHF's sequence mean skips empty responses.

@@ -16,9 +16,9 @@ use weir_gpu::optim::{AdamWConfig, Optimizer};
 use weir_gpu::{Model, Tokenizer};
 use weir_graph::{StageError, StepBuffer, StepContext, StepStage};
 
-use super::columns::{strings, token_lists};
+use super::columns::token_lists;
 use super::learner::{response_forward, CheckpointPlan, LrSchedule};
-use super::sequences::pack;
+use super::sequences::{pack, response_targets};
 use crate::rollout::col;
 
 /// Settings shared by the preference trainers.
@@ -44,24 +44,10 @@ struct Pairs {
 }
 
 fn pairs(batch: &RecordBatch, tok: &Tokenizer, cfg: &PairConfig) -> Result<Pairs, StageError> {
-    let eos = *tok
-        .eos_token_ids()
-        .first()
-        .ok_or("the tokenizer has no eos token to end responses with")?;
-    let tokens = |column: &str| -> Result<Vec<Vec<i64>>, StageError> {
-        strings(batch, column, "preference")?
-            .iter()
-            .map(|t| {
-                let mut ids = tok.encode(t, false)?;
-                ids.push(eos);
-                Ok(ids)
-            })
-            .collect()
-    };
     Ok(Pairs {
         prompts: token_lists(batch, col::PROMPT_TOKENS, "preference")?,
-        chosen: tokens(&cfg.chosen)?,
-        rejected: tokens(&cfg.rejected)?,
+        chosen: response_targets(batch, &cfg.chosen, tok, "preference")?,
+        rejected: response_targets(batch, &cfg.rejected, tok, "preference")?,
     })
 }
 

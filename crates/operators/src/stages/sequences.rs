@@ -51,6 +51,30 @@ pub fn pack(prompts: &[Vec<i64>], responses: &[Vec<i64>], pad: i64, device: tch:
     }
 }
 
+/// Each row's `column` text tokenised (no special tokens) with the
+/// tokenizer's first eos id appended: the targets of SFT and preference pairs.
+pub fn response_targets(
+    batch: &arrow::array::RecordBatch,
+    column: &str,
+    tokenizer: &weir_gpu::Tokenizer,
+    stage: &str,
+) -> Result<Vec<Vec<i64>>, weir_graph::StageError> {
+    let eos = *tokenizer.eos_token_ids().first().ok_or_else(|| {
+        format!(
+            "{}: the tokenizer has no eos token to end responses with",
+            tokenizer.dir().display()
+        )
+    })?;
+    super::columns::strings(batch, column, stage)?
+        .iter()
+        .map(|t| {
+            let mut ids = tokenizer.encode(t, false)?;
+            ids.push(eos);
+            Ok(ids)
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

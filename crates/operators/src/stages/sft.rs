@@ -9,8 +9,9 @@ use weir_gpu::optim::{AdamWConfig, Optimizer};
 use weir_gpu::{Model, Tokenizer};
 use weir_graph::{StageError, StepBuffer, StepContext, StepStage};
 
-use super::columns::{strings, token_lists};
+use super::columns::token_lists;
 use super::learner::{response_forward, CheckpointPlan, LrSchedule};
+use super::sequences::response_targets;
 use crate::rollout::col;
 
 /// SFT settings.
@@ -47,13 +48,6 @@ impl SftTrainer {
         target_column: &str,
         cfg: SftConfig,
     ) -> Result<Self, StageError> {
-        if tokenizer.eos_token_ids().is_empty() {
-            return Err(format!(
-                "{}: the tokenizer has no eos token to end SFT targets with",
-                tokenizer.dir().display()
-            )
-            .into());
-        }
         Ok(SftTrainer {
             optimizer: Optimizer::adamw(&model, cfg.adamw)?,
             model,
@@ -85,16 +79,7 @@ impl SftTrainer {
     /// One optimizer step on `batch`; returns (loss, grad norm).
     pub fn train_step(&mut self, batch: &RecordBatch) -> Result<(f64, f64), StageError> {
         let prompts = token_lists(batch, col::PROMPT_TOKENS, "sft")?;
-        let texts = strings(batch, &self.target_column, "sft")?;
-        let eos = self.tokenizer.eos_token_ids()[0];
-        let targets = texts
-            .iter()
-            .map(|t| {
-                let mut ids = self.tokenizer.encode(t, false)?;
-                ids.push(eos);
-                Ok(ids)
-            })
-            .collect::<Result<Vec<_>, StageError>>()?;
+        let targets = response_targets(batch, &self.target_column, &self.tokenizer, "sft")?;
         let total: f64 = targets.iter().map(Vec::len).sum::<usize>() as f64;
         let lr = self
             .cfg
