@@ -62,7 +62,7 @@ impl Default for RunSection {
             max_staleness: 1,
             seed: 42,
             threads: 1,
-            checkpoint_every: 0,
+            checkpoint_every: 50,
             rows_per_file: 4096,
             device: "cpu".into(),
         }

@@ -1,0 +1,347 @@
+//! End-to-end GRPO, weir against TRL in the same run: the `grpo` pipeline
+//! from `../shared/fixtures/models/arith-sft` with the settings of
+//! `../shared/bench/trl/grpo.py` (8 prompts × 8 samples, completions ≤ 8
+//! tokens, temperature 1, lr 1e-4, β 0.04 k3 KL to the SFT model, clip 0.2,
+//! per-sequence length-normalised loss, 1 libtorch thread per worker), in two
+//! placements:
+//!
+//! - (a) synchronous and colocated: one worker, `max_staleness = 0` — the
+//!   like-for-like comparison with TRL's single thread;
+//! - (b) `max_staleness = 1`, generation on worker 0 and the reference and
+//!   learner on worker 1 (two threads).
+//!
+//! `cargo bench --bench grpo`; `WEIR_BENCH_STEPS` sets the steps (default
+//! 60). With `$WEIR_BENCH_PYTHON` (a python with torch 2.11, transformers,
+//! trl, datasets, accelerate; see `../shared/bench/trl/README.md`) TRL's
+//! `grpo.py` runs beside it for as many steps, and the ratios are printed.
+//! Step times leave out the first 3 steps (warm-up, model loading), as
+//! TRL's summary does: weir's come from the learner's `done_unix_s`, TRL's
+//! from its per-step log. Under `cargo test` a 2-step run checks that the
+//! benchmark works, without TRL.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use weir::graph::metrics::MetricRow;
+use weir::pipelines::{run, PipelineKind, RunConfig, RunRequest};
+
+/// Steps left out of the step-time figures, as in TRL's summary.
+const WARMUP_STEPS: u64 = 3;
+/// Completions per step: 8 prompts × 8 samples.
+const SAMPLES_PER_STEP: f64 = 64.0;
+
+fn shared() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared")
+}
+
+/// What one run measured.
+struct Figures {
+    steps: u64,
+    /// The whole run (weir: `summary.json`'s `wall_s`, model loading and the
+    /// final checkpoint included; TRL: `trainer.train()`).
+    wall_s: f64,
+    /// Median seconds per step after the warm-up.
+    median_step_s: f64,
+    /// Mean seconds per step after the warm-up (completion of the last
+    /// warm-up step to completion of the last step).
+    mean_step_s: f64,
+    /// Which steps the step times cover.
+    measured: String,
+    /// Mean completion tokens per sample.
+    response_length: Option<f64>,
+}
+
+impl Figures {
+    fn samples_per_s(&self) -> f64 {
+        SAMPLES_PER_STEP / self.median_step_s
+    }
+
+    fn samples_per_s_mean(&self) -> f64 {
+        SAMPLES_PER_STEP / self.mean_step_s
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// TRL's settings on weir's `grpo` pipeline.
+fn config(steps: u64, synchronous: bool) -> RunConfig {
+    let mut c = RunConfig::defaults_for(PipelineKind::Grpo);
+    c.model.path = shared()
+        .join("fixtures/models/arith-sft")
+        .display()
+        .to_string();
+    c.data.prompts = "arith".into();
+    c.data.prompts_per_step = 8;
+    c.data.samples_per_prompt = 8;
+    c.generate.max_new_tokens = 8;
+    c.generate.temperature = 1.0;
+    c.generate.top_p = 1.0;
+    c.generate.top_k = 0;
+    c.algorithm.lr = 1e-4;
+    c.algorithm.schedule = "constant".into();
+    c.algorithm.warmup_steps = 0;
+    c.algorithm.weight_decay = 0.0;
+    c.algorithm.kl_coef = 0.04;
+    c.algorithm.kl_estimator = "k3".into();
+    c.algorithm.clip_low = 0.2;
+    c.algorithm.clip_high = 0.2;
+    // TRL's loss_type = "grpo": token mean per sequence, then mean over sequences.
+    c.algorithm.aggregation = "seq-mean-token-mean".into();
+    c.eval.arith = false;
+    c.run.steps = steps;
+    c.run.threads = 1;
+    c.run.checkpoint_every = 0;
+    if synchronous {
+        c.run.max_staleness = 0;
+        c.placement.workers = 1;
+        c.placement.rollout = vec![0];
+        c.placement.train = vec![0];
+    } else {
+        c.run.max_staleness = 1;
+        c.placement.workers = 2;
+        c.placement.rollout = vec![0];
+        c.placement.train = vec![1];
+    }
+    c
+}
+
+/// Per step, the value of `metric` of `stage` (summed over workers).
+fn per_step(rows: &[MetricRow], stage: &str, metric: &str) -> BTreeMap<u64, f64> {
+    let mut out = BTreeMap::new();
+    for r in rows
+        .iter()
+        .filter(|r| r.stage == stage && r.metric == metric)
+    {
+        *out.entry(r.step).or_insert(0.0) += r.value;
+    }
+    out
+}
+
+/// Runs weir's `grpo` pipeline; returns its figures and the mean busy
+/// seconds per step of each stage after the warm-up.
+fn weir_grpo(steps: u64, synchronous: bool) -> (Figures, Vec<(String, f64)>) {
+    let dir = tempfile::tempdir().unwrap();
+    let outcome = run(&RunRequest {
+        pipeline: PipelineKind::Grpo,
+        config: config(steps, synchronous),
+        run_dir: dir.path().join("run"),
+        resume: false,
+        progress: false,
+    })
+    .unwrap();
+    let rows = &outcome.report.metrics;
+    let done = per_step(rows, "learn", "done_unix_s");
+    assert_eq!(done.len() as u64, steps, "one learner step per step");
+    let wall_s = outcome.summary["wall_s"].as_f64().unwrap();
+    let skip = if steps > WARMUP_STEPS + 1 {
+        WARMUP_STEPS
+    } else {
+        0
+    };
+    let times: Vec<f64> = done.values().copied().collect();
+    let (median_step_s, mean_step_s, measured) = if skip > 0 {
+        let s = skip as usize;
+        let intervals: Vec<f64> = times[s - 1..].windows(2).map(|w| w[1] - w[0]).collect();
+        let mean = (times[times.len() - 1] - times[s - 1]) / (times.len() - s) as f64;
+        (
+            median(intervals),
+            mean,
+            format!("steps {skip}..{} (learner done_unix_s)", steps - 1),
+        )
+    } else {
+        let per = wall_s / steps as f64;
+        (
+            per,
+            per,
+            "all steps, run wall time (too few steps to leave out warm-up)".into(),
+        )
+    };
+    let lengths = per_step(rows, "learn", "response_length");
+    let post: Vec<f64> = lengths.range(skip..).map(|(_, v)| *v).collect();
+    let response_length = (!post.is_empty()).then(|| post.iter().sum::<f64>() / post.len() as f64);
+    let counted = (steps - skip).max(1) as f64;
+    let mut busy: BTreeMap<String, f64> = BTreeMap::new();
+    for r in rows
+        .iter()
+        .filter(|r| r.metric == "busy_s" && r.step >= skip)
+    {
+        *busy.entry(r.stage.clone()).or_insert(0.0) += r.value / counted;
+    }
+    let mut busy: Vec<(String, f64)> = busy.into_iter().collect();
+    busy.sort_by(|a, b| b.1.total_cmp(&a.1));
+    (
+        Figures {
+            steps,
+            wall_s,
+            median_step_s,
+            mean_step_s,
+            measured,
+            response_length,
+        },
+        busy,
+    )
+}
+
+/// Runs TRL's `grpo.py` for `steps` steps with `$WEIR_BENCH_PYTHON`.
+fn trl_grpo(steps: u64) -> Result<Figures, String> {
+    let python = std::env::var("WEIR_BENCH_PYTHON").map_err(|_| "WEIR_BENCH_PYTHON is not set")?;
+    let out = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let script = shared().join("bench/trl/grpo.py");
+    let result = Command::new(&python)
+        .arg(&script)
+        .current_dir(out.path())
+        .env("HF_HUB_OFFLINE", "1")
+        .env("OMP_NUM_THREADS", "1")
+        .env("BENCH_THREADS", "1")
+        .env("BENCH_STEPS", steps.to_string())
+        .env("BENCH_OUT", out.path())
+        .output()
+        .map_err(|e| format!("{python}: {e}"))?;
+    if !result.status.success() {
+        let err = String::from_utf8_lossy(&result.stderr);
+        let tail: Vec<&str> = err.lines().rev().take(20).collect();
+        return Err(format!(
+            "{} failed ({}):\n{}",
+            script.display(),
+            result.status,
+            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+        ));
+    }
+    let text = std::fs::read_to_string(out.path().join("grpo_summary.json"))
+        .map_err(|e| format!("grpo_summary.json: {e}"))?;
+    let s: serde_json::Value = serde_json::from_str(&text).map_err(|e| e.to_string())?;
+    let get = |k: &str| s[k].as_f64().ok_or(format!("grpo_summary.json: no `{k}`"));
+    let median_step_s = get("median_step_wall_s")?;
+    let run_steps = get("steps_run")? as u64;
+    let elapsed = csv_column(&out.path().join("grpo_steps.csv"), "elapsed_s")?;
+    let skip = get("warmup_steps_excluded")? as usize;
+    let mean_step_s = if elapsed.len() > skip + 1 && skip > 0 {
+        (elapsed[elapsed.len() - 1] - elapsed[skip - 1]) / (elapsed.len() - skip) as f64
+    } else {
+        median_step_s
+    };
+    Ok(Figures {
+        steps: run_steps,
+        wall_s: get("train_wall_s")?,
+        median_step_s,
+        mean_step_s,
+        measured: format!(
+            "steps {skip}..{} (TRL's per-step log)",
+            run_steps.saturating_sub(1)
+        ),
+        response_length: get("median_completion_tokens_per_step")
+            .ok()
+            .map(|t| t / SAMPLES_PER_STEP),
+    })
+}
+
+/// One numeric column of a CSV file with a header row (no quoted fields).
+fn csv_column(path: &Path, name: &str) -> Result<Vec<f64>, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut lines = text.lines();
+    let header = lines.next().ok_or("empty CSV")?;
+    let i = header
+        .split(',')
+        .position(|h| h == name)
+        .ok_or(format!("{}: no column `{name}`", path.display()))?;
+    lines
+        .map(|l| {
+            l.split(',')
+                .nth(i)
+                .and_then(|v| v.parse::<f64>().ok())
+                .ok_or(format!("{}: bad `{name}` in {l:?}", path.display()))
+        })
+        .collect()
+}
+
+fn row(name: &str, f: &Figures) {
+    println!(
+        "| {name:<38} | {:>5} | {:>7.1} | {:>9.4} | {:>9.4} | {:>9.1} | {:>9.1} | {:>6} |",
+        f.steps,
+        f.wall_s,
+        f.median_step_s,
+        f.mean_step_s,
+        f.samples_per_s(),
+        f.samples_per_s_mean(),
+        f.response_length
+            .map_or("-".to_string(), |l| format!("{l:.2}")),
+    );
+}
+
+fn main() {
+    let full = std::env::args().any(|a| a == "--bench");
+    let steps: u64 = if full {
+        std::env::var("WEIR_BENCH_STEPS")
+            .ok()
+            .map(|s| s.parse().expect("WEIR_BENCH_STEPS: a number of steps"))
+            .unwrap_or(60)
+    } else {
+        2
+    };
+    assert!(steps > 0, "WEIR_BENCH_STEPS must be at least 1");
+    println!(
+        "== GRPO end to end: arith-sft, 8 prompts × 8 samples, ≤ 8 new tokens, temperature 1, lr 1e-4, β 0.04 (k3), clip 0.2, {steps} steps =="
+    );
+    let (sync, sync_busy) = weir_grpo(steps, true);
+    let (stale, stale_busy) = weir_grpo(steps, false);
+    let trl = if full {
+        trl_grpo(steps)
+    } else {
+        Err("not run under `cargo test`".into())
+    };
+
+    println!(
+        "| {:<38} | {:>5} | {:>7} | {:>9} | {:>9} | {:>9} | {:>9} | {:>6} |",
+        "run", "steps", "wall s", "s/step md", "s/step mn", "samples/s", "smp/s mn", "tokens"
+    );
+    println!(
+        "|{}|{}|{}|{}|{}|{}|{}|{}|",
+        "-".repeat(40),
+        "-".repeat(7),
+        "-".repeat(9),
+        "-".repeat(11),
+        "-".repeat(11),
+        "-".repeat(11),
+        "-".repeat(11),
+        "-".repeat(8)
+    );
+    row("weir (a) k=0, 1 worker, 1 thread", &sync);
+    row("weir (b) k=1, gen w0 / learn w1, 2 thr", &stale);
+    match &trl {
+        Ok(t) => row("TRL grpo.py, 1 thread", t),
+        Err(why) => println!("TRL skipped: {why}"),
+    }
+    println!(
+        "(s/step md: median step time, as TRL's summary; mn: mean; samples/s = 64 / step time; tokens: mean completion tokens per sample)"
+    );
+    println!("weir measured: {}", sync.measured);
+    if let Ok(t) = &trl {
+        println!("TRL measured: {}", t.measured);
+        for (name, w) in [("(a)", &sync), ("(b)", &stale)] {
+            println!(
+                "weir {name} / TRL samples/s: {:.2} (median-based), {:.2} (mean-based)",
+                w.samples_per_s() / t.samples_per_s(),
+                w.samples_per_s_mean() / t.samples_per_s_mean()
+            );
+        }
+    }
+    for (name, busy) in [("(a)", &sync_busy), ("(b)", &stale_busy)] {
+        let text: Vec<String> = busy
+            .iter()
+            .map(|(stage, s)| format!("{stage} {:.1} ms", s * 1e3))
+            .collect();
+        println!(
+            "weir {name} mean busy s per step, over the measured steps: {}",
+            text.join(", ")
+        );
+    }
+}
