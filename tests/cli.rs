@@ -671,3 +671,49 @@ fn demo_writes_a_self_contained_run_folder() {
     }
     assert!(dir.join("grpo/rollouts").read_dir().unwrap().count() > 0);
 }
+
+#[test]
+fn run_then_resume_through_the_command_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixtures().join("arith-sft");
+    let base = [
+        "--quiet".to_string(),
+        "--set".into(),
+        format!("model.path={}", model.display()),
+        "--set".into(),
+        "data.prompts_per_step=4".into(),
+    ];
+    let mut args: Vec<String> = ["run", "sft", "--out", "r", "--set", "run.steps=2"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    args.extend(base.iter().cloned());
+    let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+    let text = success(&weir(&argv, tmp.path()));
+    assert!(
+        text.contains("pipeline: \"sft\"") && text.contains("run folder: r"),
+        "{text}"
+    );
+    let dir = tmp.path().join("r");
+    assert!(dir.join("plots/loss.png").is_file());
+    assert!(dir
+        .join("checkpoints/step-1/actor/model.safetensors")
+        .is_file());
+
+    // Two more steps on the same run folder.
+    let text = success(&weir(
+        &["run", "--resume", "r", "--quiet", "--set", "run.steps=4"],
+        tmp.path(),
+    ));
+    assert!(text.contains("steps: 4"), "{text}");
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["resumed_at_step"], 2);
+    assert!(dir.join("checkpoints/step-3/state.json").is_file());
+    let resolved = std::fs::read_to_string(dir.join("config.resolved.toml")).unwrap();
+    assert!(resolved.starts_with("pipeline = \"sft\"") && resolved.contains("steps = 4"));
+    // Starting a new run into the same folder is refused.
+    let out = weir(&argv, tmp.path());
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("already holds a run"));
+}
