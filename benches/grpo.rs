@@ -8,7 +8,9 @@
 //! - (a) synchronous and colocated: one worker, `max_staleness = 0` — the
 //!   like-for-like comparison with TRL's single thread;
 //! - (b) `max_staleness = 1`, generation on worker 0 and the reference and
-//!   learner on worker 1 (two threads).
+//!   learner on worker 1 (two threads);
+//! - (c) as (b) with the reference beside the generator on worker 0
+//!   (`placement.reference = "rollout"`), balancing the learner-bound step.
 //!
 //! `cargo bench --bench grpo`; `WEIR_BENCH_STEPS` sets the steps (default
 //! 60). With `$WEIR_BENCH_PYTHON` (a python with torch 2.11, transformers,
@@ -73,7 +75,18 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// TRL's settings on weir's `grpo` pipeline.
-fn config(steps: u64, synchronous: bool) -> RunConfig {
+/// The placements compared.
+#[derive(Clone, Copy, PartialEq)]
+enum Placing {
+    /// (a) one worker, k = 0.
+    Synchronous,
+    /// (b) k = 1, generation on worker 0, reference + learner on worker 1.
+    Async,
+    /// (c) k = 1, generation + reference on worker 0, learner on worker 1.
+    AsyncReferenceWithGenerator,
+}
+
+fn config(steps: u64, placing: Placing) -> RunConfig {
     let mut c = RunConfig::defaults_for(PipelineKind::Grpo);
     c.model.path = shared()
         .join("fixtures/models/arith-sft")
@@ -100,7 +113,7 @@ fn config(steps: u64, synchronous: bool) -> RunConfig {
     c.run.steps = steps;
     c.run.threads = 1;
     c.run.checkpoint_every = 0;
-    if synchronous {
+    if placing == Placing::Synchronous {
         c.run.max_staleness = 0;
         c.placement.workers = 1;
         c.placement.rollout = vec![0];
@@ -110,6 +123,9 @@ fn config(steps: u64, synchronous: bool) -> RunConfig {
         c.placement.workers = 2;
         c.placement.rollout = vec![0];
         c.placement.train = vec![1];
+        if placing == Placing::AsyncReferenceWithGenerator {
+            c.placement.reference = "rollout".into();
+        }
     }
     c
 }
@@ -128,11 +144,11 @@ fn per_step(rows: &[MetricRow], stage: &str, metric: &str) -> BTreeMap<u64, f64>
 
 /// Runs weir's `grpo` pipeline; returns its figures and the mean busy
 /// seconds per step of each stage after the warm-up.
-fn weir_grpo(steps: u64, synchronous: bool) -> (Figures, Vec<(String, f64)>) {
+fn weir_grpo(steps: u64, placing: Placing) -> (Figures, Vec<(String, f64)>) {
     let dir = tempfile::tempdir().unwrap();
     let outcome = run(&RunRequest {
         pipeline: PipelineKind::Grpo,
-        config: config(steps, synchronous),
+        config: config(steps, placing),
         run_dir: dir.path().join("run"),
         resume: false,
         progress: false,
@@ -291,8 +307,9 @@ fn main() {
     println!(
         "== GRPO end to end: arith-sft, 8 prompts × 8 samples, ≤ 8 new tokens, temperature 1, lr 1e-4, β 0.04 (k3), clip 0.2, {steps} steps =="
     );
-    let (sync, sync_busy) = weir_grpo(steps, true);
-    let (stale, stale_busy) = weir_grpo(steps, false);
+    let (sync, sync_busy) = weir_grpo(steps, Placing::Synchronous);
+    let (stale, stale_busy) = weir_grpo(steps, Placing::Async);
+    let (balanced, balanced_busy) = weir_grpo(steps, Placing::AsyncReferenceWithGenerator);
     let trl = if full {
         trl_grpo(steps)
     } else {
@@ -316,6 +333,7 @@ fn main() {
     );
     row("weir (a) k=0, 1 worker, 1 thread", &sync);
     row("weir (b) k=1, gen w0 / learn w1, 2 thr", &stale);
+    row("weir (c) k=1, gen+ref w0 / learn w1", &balanced);
     match &trl {
         Ok(t) => row("TRL grpo.py, 1 thread", t),
         Err(why) => println!("TRL skipped: {why}"),
@@ -326,7 +344,7 @@ fn main() {
     println!("weir measured: {}", sync.measured);
     if let Ok(t) = &trl {
         println!("TRL measured: {}", t.measured);
-        for (name, w) in [("(a)", &sync), ("(b)", &stale)] {
+        for (name, w) in [("(a)", &sync), ("(b)", &stale), ("(c)", &balanced)] {
             println!(
                 "weir {name} / TRL samples/s: {:.2} (median-based), {:.2} (mean-based)",
                 w.samples_per_s() / t.samples_per_s(),
@@ -334,7 +352,11 @@ fn main() {
             );
         }
     }
-    for (name, busy) in [("(a)", &sync_busy), ("(b)", &stale_busy)] {
+    for (name, busy) in [
+        ("(a)", &sync_busy),
+        ("(b)", &stale_busy),
+        ("(c)", &balanced_busy),
+    ] {
         let text: Vec<String> = busy
             .iter()
             .map(|(stage, s)| format!("{stage} {:.1} ms", s * 1e3))

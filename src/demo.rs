@@ -4,7 +4,8 @@
 //! 2. creates a small Llama (hidden 128, 4 layers, 4/2 heads) with fresh weights;
 //! 3. runs the `sft` pipeline on the 9,500 training pairs;
 //! 4. runs the `grpo` pipeline from the SFT checkpoint with `max_staleness = 1`,
-//!    generation on worker 0 and learning on worker 1, the exact-match reward;
+//!    generation and the reference on worker 0, learning on worker 1, the
+//!    exact-match reward;
 //! 5. measures greedy accuracy on the 500 evaluation pairs before and after
 //!    GRPO and writes `summary.json` and plots.
 //!
@@ -109,6 +110,8 @@ pub fn demo(args: &DemoArgs) -> anyhow::Result<()> {
     grpo.placement.workers = 2;
     grpo.placement.rollout = vec![0];
     grpo.placement.train = vec![1];
+    // The learner bounds the step: the reference keeps the generator company.
+    grpo.placement.reference = "rollout".into();
     grpo.data.prompts_per_step = 8;
     grpo.data.samples_per_prompt = 8;
     grpo.generate.max_new_tokens = 8;

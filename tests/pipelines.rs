@@ -79,7 +79,11 @@ fn every_rl_pipeline_runs_logs_and_checkpoints() {
         let steps = 2;
         let mut cfg = config(kind, steps);
         match kind {
-            PipelineKind::Ppo => cfg.data.samples_per_prompt = 2,
+            PipelineKind::Ppo => {
+                cfg.data.samples_per_prompt = 2;
+                // The reference beside the generator; the critic on the train worker.
+                cfg.placement.reference = "rollout".into();
+            }
             // Off-policy rows weighted by truncated importance ratios.
             PipelineKind::Grpo => cfg.algorithm.correction = "tis".into(),
             // Every role colocated on one worker.

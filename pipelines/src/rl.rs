@@ -101,7 +101,7 @@ pub fn ppo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
     let resumed = ctx.resumed_from.clone();
     let kl = cfg.algorithm.kl_coef;
     Ok(rollouts(Pipeline::new("ppo"), cfg, ctx)
-        .stage("critic", TRAIN, Partition::Local, move |w| {
+        .stage("critic", TRAIN, Partition::RoundRobin, move |w| {
             Critic::new(&critic, w)
         })
         .stage("advantage", TRAIN, Partition::Local, move |_| {
@@ -151,12 +151,12 @@ fn rollouts(pipeline: Pipeline, cfg: &RunConfig, ctx: &RunContext) -> Pipeline {
         .offload(2)
         .stage("reward", ROLLOUT, Partition::Local, roles::reward(cfg));
     if cfg.algorithm.kl_coef > 0.0 {
-        pipeline.stage(
-            "reference",
-            TRAIN,
-            Partition::RoundRobin,
-            roles::reference(cfg),
-        )
+        // Beside the generator (balancing a learner-bound step) or on the train workers.
+        let (role, partition) = match cfg.placement.reference.as_str() {
+            "rollout" => (ROLLOUT, Partition::Local),
+            _ => (TRAIN, Partition::RoundRobin),
+        };
+        pipeline.stage("reference", role, partition, roles::reference(cfg))
     } else {
         pipeline
     }

@@ -12,6 +12,7 @@ pub const DOCS: &[(&str, &str, &str)] = &[
     ("placement", "workers", "Engine workers (threads; one per GPU on a GPU machine)."),
     ("placement", "rollout", "Workers that generate and score."),
     ("placement", "train", "Workers that run the reference, critic, advantage and learner (may equal rollout: colocation)."),
+    ("placement", "reference", "Where the reference model runs: \"train\" (with the learner) or \"rollout\" (beside the generator, to balance a learner-bound step)."),
     ("model", "path", "The actor's HuggingFace checkpoint folder (required)."),
     ("model", "dtype", "Compute dtype: \"f32\", \"bf16\" or \"f16\"."),
     ("model", "reference", "The frozen reference's checkpoint (empty: the actor's)."),

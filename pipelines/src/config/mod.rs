@@ -77,8 +77,10 @@ pub struct PlacementSection {
     pub workers: usize,
     /// Workers that generate and score.
     pub rollout: Vec<usize>,
-    /// Workers that run the reference, critic, advantage and learner.
+    /// Workers that run the critic, advantage and learner.
     pub train: Vec<usize>,
+    /// Where the reference runs: `train` or `rollout` (beside the generator).
+    pub reference: String,
 }
 
 impl Default for PlacementSection {
@@ -87,6 +89,7 @@ impl Default for PlacementSection {
             workers: 2,
             rollout: vec![0],
             train: vec![1],
+            reference: "train".into(),
         }
     }
 }
@@ -388,6 +391,7 @@ impl RunConfig {
                     workers: 1,
                     rollout: vec![0],
                     train: vec![0],
+                    reference: "train".into(),
                 };
                 c.data.prompts_per_step = 64;
                 c.data.samples_per_prompt = 1;

@@ -37,6 +37,11 @@ impl RunConfig {
             return bad("run.threads", "0".into(), "must be at least 1");
         }
         one_of("run.device", &self.run.device, &["cpu", "cuda"])?;
+        one_of(
+            "placement.reference",
+            &self.placement.reference,
+            &["train", "rollout"],
+        )?;
         one_of("model.dtype", &self.model.dtype, &["f32", "bf16", "f16"])?;
         let p = &self.placement;
         if p.workers == 0 {
