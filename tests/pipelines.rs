@@ -86,6 +86,18 @@ fn every_rl_pipeline_runs_logs_and_checkpoints() {
             }
             // Off-policy rows weighted by truncated importance ratios.
             PipelineKind::Grpo => cfg.algorithm.correction = "tis".into(),
+            // DAPO's filter and the solve-rate curriculum.
+            PipelineKind::DrGrpo => {
+                cfg.dynamic_sampling.enabled = true;
+                cfg.curriculum.enabled = true;
+                cfg.curriculum.min_samples = 1;
+                cfg.generate.temperature = 1.5;
+            }
+            // Rewards from a reward model (same tokenizer as the actor).
+            PipelineKind::Rloo => {
+                cfg.reward.kind = "model".into();
+                cfg.model.reward_model = fixture("tiny-llama-rm").display().to_string();
+            }
             // Every role colocated on one worker.
             PipelineKind::ReinforcePp => {
                 cfg.placement.workers = 1;
@@ -115,7 +127,29 @@ fn every_rl_pipeline_runs_logs_and_checkpoints() {
         let batches = read_parquet_dir(&dir.join("rollouts")).unwrap();
         let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
         let per_step = cfg.data.prompts_per_step * cfg.data.samples_per_prompt;
-        assert_eq!(rows, steps as usize * per_step, "{name}");
+        if cfg.dynamic_sampling.enabled {
+            // Only groups whose rewards differ reach the learner.
+            let kept = metric(&dir, "dynamic_sampling", "groups_emitted");
+            let sent: f64 = kept.values().sum();
+            assert_eq!(
+                rows as f64,
+                sent * cfg.data.samples_per_prompt as f64,
+                "{name}"
+            );
+            assert!(
+                !metric(&dir, "prompt_stats", "solve_rate").is_empty(),
+                "{name}"
+            );
+        } else {
+            assert_eq!(rows, steps as usize * per_step, "{name}");
+        }
+        if cfg.reward.kind == "model" {
+            let rewards = metric(&dir, "learn", "reward");
+            assert!(
+                rewards.values().all(|r| r.is_finite() && *r != 0.0),
+                "{name}: {rewards:?}"
+            );
+        }
         for b in &batches {
             check(b, Phase::Learn, name).unwrap();
             for (pv, lv) in u64s(b, col::POLICY_VERSION)
