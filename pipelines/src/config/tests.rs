@@ -1,0 +1,107 @@
+//! The config's documentation, parsing and validation.
+
+use super::*;
+
+#[test]
+fn the_commented_defaults_parse_back_and_document_every_key() {
+    for kind in PipelineKind::ALL {
+        let defaults = RunConfig::defaults_for(*kind);
+        let text = defaults.to_commented_toml(*kind);
+        assert_eq!(
+            RunConfig::from_toml(&text, "t").unwrap(),
+            defaults,
+            "{}",
+            kind.name()
+        );
+        // Every serialised key has a doc line, and every doc line a key.
+        let doc = toml::Value::try_from(&defaults).unwrap();
+        let mut keys = 0;
+        for (section, table) in doc.as_table().unwrap() {
+            for key in table.as_table().unwrap().keys() {
+                keys += 1;
+                assert!(
+                    DOCS.iter().any(|(s, k, _)| s == section && k == key),
+                    "{section}.{key} is undocumented"
+                );
+            }
+        }
+        assert_eq!(keys, DOCS.len());
+    }
+}
+
+#[test]
+fn bad_keys_and_values_are_named() {
+    let err = RunConfig::from_toml("[run]\nstepz = 3\n", "a.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("a.toml") && err.contains("stepz"), "{err}");
+    let err = RunConfig::from_toml("[run]\nsteps = \"many\"\n", "a.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("steps"), "{err}");
+
+    let mut c = RunConfig::defaults_for(PipelineKind::Grpo);
+    c.model.path = "m".into();
+    c.validate(PipelineKind::Grpo).unwrap();
+    let set = |items: &[&str]| {
+        c.clone()
+            .with_overrides(&items.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+    };
+    let ok = set(&[
+        "run.steps=7",
+        "algorithm.schedule=cosine",
+        "placement.train=[0, 1]",
+    ])
+    .unwrap();
+    assert_eq!(
+        (ok.run.steps, ok.algorithm.schedule.as_str()),
+        (7, "cosine")
+    );
+    assert_eq!(ok.placement.train, vec![0, 1]);
+    assert!(set(&["run.nope=1"])
+        .unwrap_err()
+        .to_string()
+        .contains("unknown key `run.nope`"));
+    for (items, key) in [
+        (&["algorithm.kl_estimator=k9"][..], "algorithm.kl_estimator"),
+        (&["placement.train=[5]"][..], "placement.train"),
+        (
+            &["data.samples_per_prompt=1"][..],
+            "data.samples_per_prompt",
+        ),
+        (&["generate.temperature=0"][..], "generate.temperature"),
+        (&["reward.rule=nope"][..], "reward.rule"),
+    ] {
+        let err = set(items)
+            .unwrap()
+            .validate(PipelineKind::Grpo)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(key), "{items:?}: {err}");
+    }
+    // A file overrides the pipeline's defaults key by key.
+    let sft = RunConfig::load(
+        PipelineKind::Sft,
+        Some(("[run]\nsteps = 3\n", "f.toml")),
+        &[],
+    )
+    .unwrap();
+    assert_eq!((sft.run.steps, sft.algorithm.lr), (3, 1e-3));
+    for (text, needle) in [
+        ("[nope]\nx = 1\n", "unknown section `nope`"),
+        ("[run]\nstepz = 1\n", "stepz"),
+        ("run = 3\n", "must be a table"),
+    ] {
+        let err = RunConfig::load(PipelineKind::Grpo, Some((text, "f.toml")), &[])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("f.toml") && err.contains(needle), "{err}");
+    }
+    let mut no_model = RunConfig::default();
+    no_model.model.path.clear();
+    assert!(no_model
+        .validate(PipelineKind::Grpo)
+        .unwrap_err()
+        .to_string()
+        .contains("model.path"));
+}

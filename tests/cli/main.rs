@@ -1,0 +1,60 @@
+//! The commands as a user runs them: `weir logprobs`, `weir generate`,
+//! `weir score` on the fixture checkpoints, checked against the float64
+//! transformers references; bad input lines are named and nothing is written.
+//! `weir inspect` and `weir plot` on a run folder of known metrics and on a
+//! `weir sim` run.
+//! The binary's modules: `models` (the model commands), `report`
+//! (`inspect`, `plot`), `runs` (`config`, `run`, `demo`).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use arrow::array::RecordBatch;
+use serde_json::Value;
+use weir::graph::parquet_log::read_parquet_file;
+
+mod models;
+mod report;
+mod runs;
+
+pub(crate) fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures/models")
+}
+
+pub(crate) fn reference(model: &str) -> Value {
+    serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join(model).join("reference.json")).unwrap(),
+    )
+    .unwrap()
+}
+
+pub(crate) fn weir(args: &[&str], dir: &Path) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_weir"))
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .unwrap()
+}
+
+/// Writes `in.jsonl` with one `{"input_ids": …}` line per reference case.
+pub(crate) fn write_input_ids(dir: &Path, cases: &[Value]) {
+    let lines: Vec<String> = cases
+        .iter()
+        .map(|c| serde_json::json!({"input_ids": c["input_ids"]}).to_string())
+        .collect();
+    std::fs::write(dir.join("in.jsonl"), lines.join("\n")).unwrap();
+}
+
+pub(crate) fn read(path: &Path) -> RecordBatch {
+    let batches = read_parquet_file(path).unwrap();
+    arrow::compute::concat_batches(&batches[0].schema(), &batches).unwrap()
+}
+
+pub(crate) fn success(out: &std::process::Output) -> String {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout.clone()).unwrap()
+}

@@ -1,0 +1,285 @@
+//! `weir logprobs`, `weir generate`, `weir score` against the float64 transformers references; bad lines.
+
+use arrow::array::{Array, AsArray};
+use arrow::datatypes::{Float32Type, Int64Type};
+
+use super::*;
+
+#[test]
+fn logprobs_command_matches_transformers() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = reference("tiny-llama");
+    let cases = r["single"].as_array().unwrap();
+    write_input_ids(dir.path(), cases);
+    let model = fixtures().join("tiny-llama");
+    let out = weir(
+        &[
+            "logprobs",
+            "--model",
+            model.to_str().unwrap(),
+            "--input",
+            "in.jsonl",
+            "--output",
+            "out.parquet",
+            "--batch-size",
+            "2",
+        ],
+        dir.path(),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let batch = read(&dir.path().join("out.parquet"));
+    let lps = batch
+        .column_by_name("token_logprobs")
+        .unwrap()
+        .as_list::<i32>();
+    let ids = batch.column_by_name("input_ids").unwrap().as_list::<i32>();
+    for (i, case) in cases.iter().enumerate() {
+        let want: Vec<f64> = case["token_logprobs"].as_array().unwrap()[1..]
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect();
+        let got = lps.value(i);
+        let got = got.as_primitive::<Float32Type>();
+        assert_eq!(got.len(), want.len(), "length is len(input_ids) − 1");
+        assert_eq!(
+            ids.value(i).as_primitive::<Int64Type>().len(),
+            want.len() + 1
+        );
+        for (g, w) in got.values().iter().zip(&want) {
+            assert!((f64::from(*g) - w).abs() < 1e-4, "row {i}: {g} vs {w}");
+        }
+    }
+}
+
+#[test]
+fn generate_command_answers_arith_prompts_like_transformers() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = reference("arith-sft");
+    let pairs = &r["eval_pairs"].as_array().unwrap()[..20];
+    let lines: Vec<String> = pairs
+        .iter()
+        .map(|p| serde_json::json!({"messages": [{"role": "user", "content": format!("Compute: {}+{}", p[0], p[1])}]}).to_string())
+        .collect();
+    std::fs::write(dir.path().join("in.jsonl"), lines.join("\n")).unwrap();
+    let model = fixtures().join("arith-sft");
+    let out = weir(
+        &[
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--input",
+            "in.jsonl",
+            "--output",
+            "out.parquet",
+            "--max-new-tokens",
+            "6",
+            "--greedy",
+            "--batch-size",
+            "7",
+        ],
+        dir.path(),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let batch = read(&dir.path().join("out.parquet"));
+    let texts = batch.column_by_name("response").unwrap().as_string::<i32>();
+    let tokens = batch
+        .column_by_name("response_tokens")
+        .unwrap()
+        .as_list::<i32>();
+    let reasons = batch
+        .column_by_name("finish_reason")
+        .unwrap()
+        .as_string::<i32>();
+    let lps = batch
+        .column_by_name("response_logprobs")
+        .unwrap()
+        .as_list::<i32>();
+    for i in 0..pairs.len() {
+        assert_eq!(texts.value(i), r["greedy_texts_fp64"][i].as_str().unwrap());
+        let want: Vec<i64> = r["greedy_completion_ids_fp32"][i]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_i64().unwrap())
+            .collect();
+        assert_eq!(
+            tokens
+                .value(i)
+                .as_primitive::<Int64Type>()
+                .values()
+                .to_vec(),
+            want
+        );
+        assert_eq!(
+            reasons.value(i),
+            if want.last() == Some(&2) {
+                "stop"
+            } else {
+                "length"
+            }
+        );
+        assert_eq!(lps.value(i).len(), want.len());
+    }
+    // Sampling with --ignore-eos gives exactly N tokens per sample, n samples per prompt.
+    let out = weir(
+        &[
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--input",
+            "in.jsonl",
+            "--output",
+            "s.parquet",
+            "--max-new-tokens",
+            "5",
+            "--temperature",
+            "0.8",
+            "--top-p",
+            "0.9",
+            "--n",
+            "3",
+            "--seed",
+            "4",
+            "--ignore-eos",
+        ],
+        dir.path(),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let batch = read(&dir.path().join("s.parquet"));
+    assert_eq!(batch.num_rows(), 60);
+    let tokens = batch
+        .column_by_name("response_tokens")
+        .unwrap()
+        .as_list::<i32>();
+    assert!((0..60).all(|i| tokens.value(i).len() == 5));
+}
+
+#[test]
+fn score_command_matches_the_reward_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = reference("tiny-llama-rm");
+    let cases = r["single"].as_array().unwrap();
+    write_input_ids(dir.path(), cases);
+    let model = fixtures().join("tiny-llama-rm");
+    let out = weir(
+        &[
+            "score",
+            "--model",
+            model.to_str().unwrap(),
+            "--input",
+            "in.jsonl",
+            "--output",
+            "out.parquet",
+        ],
+        dir.path(),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let batch = read(&dir.path().join("out.parquet"));
+    let scores = batch
+        .column_by_name("score")
+        .unwrap()
+        .as_primitive::<Float32Type>();
+    for (i, case) in cases.iter().enumerate() {
+        assert!((f64::from(scores.value(i)) - case["score"].as_f64().unwrap()).abs() < 1e-4);
+    }
+}
+
+#[test]
+fn bad_lines_are_named_and_nothing_is_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = fixtures().join("tiny-llama");
+    let m = model.to_str().unwrap();
+    std::fs::write(
+        dir.path().join("bad.jsonl"),
+        "{\"input_ids\": [1, 2, 3]}\n{\"input_ids\": [1, 5000]}\n",
+    )
+    .unwrap();
+    let out = weir(
+        &[
+            "logprobs",
+            "--model",
+            m,
+            "--input",
+            "bad.jsonl",
+            "--output",
+            "out.parquet",
+        ],
+        dir.path(),
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("bad.jsonl: line 2") && stderr.contains("5000"),
+        "{stderr}"
+    );
+    assert!(!dir.path().join("out.parquet").exists());
+    std::fs::write(
+        dir.path().join("bad.jsonl"),
+        "{\"input_ids\": [1, 2, 3]}\nnot json\n",
+    )
+    .unwrap();
+    let out = weir(
+        &[
+            "generate",
+            "--model",
+            m,
+            "--input",
+            "bad.jsonl",
+            "--output",
+            "out.parquet",
+            "--max-new-tokens",
+            "2",
+        ],
+        dir.path(),
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("line 2: not JSON"),
+        "{stderr}"
+    );
+    let out = weir(
+        &[
+            "score",
+            "--model",
+            m,
+            "--input",
+            "bad.jsonl",
+            "--output",
+            "out.parquet",
+        ],
+        dir.path(),
+    );
+    assert!(!out.status.success());
+    let out = weir(
+        &[
+            "logprobs",
+            "--model",
+            "/nonexistent",
+            "--input",
+            "bad.jsonl",
+            "--output",
+            "o.parquet",
+        ],
+        dir.path(),
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && !stderr.contains("panicked"),
+        "{stderr}"
+    );
+}
