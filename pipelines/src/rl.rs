@@ -19,7 +19,8 @@ pub fn grpo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError
     Ok(group(cfg, ctx, "grpo", GroupEstimator::Grpo))
 }
 
-/// Dr.GRPO: group-centred advantages without the std (use `seq-mean-token-sum-norm`).
+/// Dr.GRPO: group-centred advantages without the std; its default loss
+/// aggregation is `seq-mean-token-sum-norm`.
 pub fn dr_grpo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError> {
     Ok(group(cfg, ctx, "dr_grpo", GroupEstimator::DrGrpo))
 }

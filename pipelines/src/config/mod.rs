@@ -381,6 +381,10 @@ impl RunConfig {
                 c.data.prompts_per_step = 32;
                 c.algorithm.lr = 1e-5;
             }
+            // Dr.GRPO's length-unbiased loss: a constant normaliser, not each response's length.
+            PipelineKind::DrGrpo => {
+                c.algorithm.aggregation = "seq-mean-token-sum-norm".into();
+            }
             PipelineKind::ReinforcePp | PipelineKind::ReinforcePpBaseline => {
                 c.algorithm.kl_coef = 0.01;
             }
