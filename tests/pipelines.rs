@@ -273,6 +273,31 @@ fn resume_continues_steps_versions_and_cursor_after_a_crash() {
     );
     // The cursor after step 3: 4 steps × 3 prompts drawn.
     assert_eq!(state["cursor"]["position"].as_u64(), Some(12));
+    // The earlier metrics file was kept aside, not overwritten.
+    assert_eq!(crashed.join("superseded").read_dir().unwrap().count(), 1);
+
+    // A crash before the first checkpoint: the resumed run starts over,
+    // and what the first attempt wrote is kept aside.
+    let early = tmp.path().join("early");
+    run(kind, config(kind, 2), &early, false);
+    std::fs::remove_dir_all(early.join("checkpoints")).unwrap();
+    let (k, cfg) = read_resolved(&early).unwrap();
+    let summary = run(k, cfg, &early, true);
+    assert!(summary["resumed_at_step"].is_null());
+    let steps = prompts_by_step(&early);
+    assert_eq!(steps.keys().copied().collect::<Vec<_>>(), vec![0, 1]);
+    assert!(
+        steps.values().all(|ids| ids.len() == 3 * 4),
+        "each step once"
+    );
+    assert_eq!(
+        early
+            .join("rollouts/superseded")
+            .read_dir()
+            .unwrap()
+            .count(),
+        1
+    );
 }
 
 #[test]

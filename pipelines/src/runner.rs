@@ -4,6 +4,7 @@
 //! RUN_DIR/
 //!   config.resolved.toml     the pipeline and every key, defaults filled in
 //!   rollouts/*.parquet       every rollout row (superseded/ keeps rows a resume replaced)
+//!   superseded/              metrics files as they were before each resume
 //!   metrics.parquet          the engine's and the stages' metrics, long format
 //!   checkpoints/step-N/      actor/ (critic/) in HF layout + optimizer state, state.json
 //!   eval.json                greedy arith accuracy before training (arith runs)
@@ -12,9 +13,10 @@
 //!
 //! Resuming reads the newest complete checkpoint: the step counter, the
 //! policy version and the prompt cursor continue from it, the optimizer
-//! state is restored, metric rows up to it are kept, and rollout rows of
-//! later steps (which the resumed run produces again) move to
-//! `rollouts/superseded/`.
+//! state is restored, metric rows up to it are kept (the old file is copied
+//! to `superseded/`), and rollout rows of later steps (which the resumed run
+//! produces again) move to `rollouts/superseded/`. Without a checkpoint the
+//! run starts again from step 0, with everything it wrote kept aside.
 
 use std::path::{Path, PathBuf};
 
@@ -158,8 +160,13 @@ pub fn run(req: &RunRequest) -> Result<RunOutcome, PipelineError> {
         ctx.version = state.version;
         ctx.cursor = state.cursor;
         prior = prior_metrics(&dir.join("metrics.parquet"), state.step)?;
-        trim_rollouts(&dir.join("rollouts"), state.step)?;
         tracing::info!(step = state.step, "resuming from {}", ck.display());
+    }
+    if req.resume {
+        // What the interrupted segment wrote after its checkpoint (or all of
+        // it, without one) is produced again: keep the old copies aside.
+        keep_aside(&dir.join("metrics.parquet"))?;
+        trim_rollouts(&dir.join("rollouts"), found.as_ref().map(|(_, s)| s.step))?;
     }
     // Greedy accuracy of a policy: not of a reward model.
     let arith_eval = cfg.eval.arith && cfg.data.prompts == "arith" && kind != PipelineKind::Rm;
@@ -359,9 +366,26 @@ fn prior_metrics(path: &Path, last_step: u64) -> Result<Vec<MetricRow>, Pipeline
     Ok(rows)
 }
 
-/// Moves rollout files holding steps after `last_step` to `superseded/`,
-/// keeping their rows up to `last_step` in a new file.
-fn trim_rollouts(dir: &Path, last_step: u64) -> Result<(), PipelineError> {
+/// Copies `path` (if present) to `superseded/NAME-<unix seconds>` beside it.
+fn keep_aside(path: &Path) -> Result<(), PipelineError> {
+    if !path.is_file() {
+        return Ok(());
+    }
+    let dir = path.parent().unwrap_or(Path::new(".")).join("superseded");
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    let target = dir.join(format!("{stamp}-{name}"));
+    std::fs::copy(path, &target).map_err(|e| format!("{}: {e}", target.display()))?;
+    Ok(())
+}
+
+/// Moves rollout files holding steps after `last_step` (every file when
+/// there is no checkpoint) to `superseded/`, keeping their rows up to
+/// `last_step` in a new file.
+fn trim_rollouts(dir: &Path, last_step: Option<u64>) -> Result<(), PipelineError> {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return Ok(());
     };
@@ -380,7 +404,10 @@ fn trim_rollouts(dir: &Path, last_step: u64) -> Result<(), PipelineError> {
                 .column_by_name(col::STEP)
                 .ok_or_else(|| format!("{}: no `step` column", path.display()))?
                 .as_primitive::<UInt64Type>();
-            let keep: BooleanArray = steps.iter().map(|s| s.map(|s| s <= last_step)).collect();
+            let keep: BooleanArray = steps
+                .iter()
+                .map(|s| s.map(|s| last_step.is_some_and(|last| s <= last)))
+                .collect();
             later |= keep.true_count() < b.num_rows();
             let k = filter_record_batch(b, &keep).map_err(|e| e.to_string())?;
             if k.num_rows() > 0 {
@@ -398,9 +425,9 @@ fn trim_rollouts(dir: &Path, last_step: u64) -> Result<(), PipelineError> {
         let superseded = dir.join("superseded");
         std::fs::create_dir_all(&superseded)
             .map_err(|e| format!("{}: {e}", superseded.display()))?;
-        if !kept.is_empty() {
+        if let (false, Some(last)) = (kept.is_empty(), last_step) {
             let stem = name.trim_end_matches(".parquet");
-            write_parquet_atomically(&dir.join(format!("{stem}-upto-{last_step}.parquet")), &kept)?;
+            write_parquet_atomically(&dir.join(format!("{stem}-upto-{last}.parquet")), &kept)?;
         }
         std::fs::rename(&path, superseded.join(&name))
             .map_err(|e| format!("{}: {e}", path.display()))?;
