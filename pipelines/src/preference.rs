@@ -5,8 +5,7 @@
 use std::path::Path;
 
 use weir_gpu::{Model, Tokenizer};
-use weir_graph::{Partition, Pipeline, StageError, WorkerInfo};
-use weir_operators::checkpoint::load_optimizer;
+use weir_graph::{Partition, Pipeline};
 use weir_operators::stages::preference::{DpoTrainer, PairConfig, PreferenceLoss, RewardTrainer};
 
 use crate::roles::{self, RunContext, ROLLOUT, TRAIN};
@@ -28,7 +27,7 @@ pub fn rm(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError> 
             let tok = Tokenizer::load(Path::new(&c.model.path))?;
             let mut trainer = RewardTrainer::new(model, tok, pair_config(&c))?
                 .with_checkpoints(x.checkpoint_plan(&c));
-            restore(&x, w, trainer.optimizer_mut())?;
+            x.restore_optimizer("actor", trainer.optimizer_mut())?;
             Ok(trainer)
         }))
 }
@@ -59,7 +58,7 @@ pub fn dpo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
             let mut trainer =
                 DpoTrainer::new(policy, reference, tok, pair_config(&c), a.beta, loss)?
                     .with_checkpoints(x.checkpoint_plan(&c));
-            restore(&x, w, trainer.optimizer_mut())?;
+            x.restore_optimizer("actor", trainer.optimizer_mut())?;
             Ok(trainer)
         }))
 }
@@ -72,16 +71,5 @@ fn pair_config(c: &RunConfig) -> PairConfig {
         max_grad_norm: (a.max_grad_norm > 0.0).then_some(a.max_grad_norm),
         chosen: c.data.chosen_column.clone(),
         rejected: c.data.rejected_column.clone(),
-    }
-}
-
-fn restore(
-    ctx: &RunContext,
-    _worker: &WorkerInfo,
-    optimizer: &mut weir_gpu::optim::Optimizer,
-) -> Result<(), StageError> {
-    match &ctx.resumed_from {
-        Some(dir) => load_optimizer(&dir.join("actor"), optimizer),
-        None => Ok(()),
     }
 }

@@ -99,7 +99,7 @@ pub fn ppo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
         )?)
     });
     let (fit, c, ck) = (critic.clone(), cfg.clone(), ctx.checkpointer(cfg));
-    let resumed = ctx.resumed_from.clone();
+    let x = ctx.clone();
     let kl = cfg.algorithm.kl_coef;
     Ok(rollouts(Pipeline::new("ppo"), cfg, ctx)
         .stage("critic", TRAIN, Partition::RoundRobin, move |w| {
@@ -124,12 +124,7 @@ pub fn ppo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
                 (a.max_grad_norm > 0.0).then_some(a.max_grad_norm),
             )?
             .with_checkpoints(ck.clone());
-            if let Some(dir) = &resumed {
-                weir_operators::checkpoint::load_optimizer(
-                    &dir.join("critic"),
-                    learner.optimizer_mut(),
-                )?;
-            }
+            x.restore_optimizer("critic", learner.optimizer_mut())?;
             Ok(learner)
         })
         .sink("log", TRAIN, Partition::Local, roles::rollout_log(cfg, ctx)))

@@ -11,10 +11,10 @@ use weir_graph::{ParquetLog, StageError, WorkerInfo};
 use weir_operators::algorithms::{
     Aggregation, Flavor, ImportanceCorrection, KlEstimator, PolicyLossConfig,
 };
-use weir_operators::checkpoint::{load_optimizer, Checkpointer};
+use weir_operators::checkpoint::{load_optimizer, CheckpointPlan, Checkpointer};
 use weir_operators::rewards::{arith, rule_reward};
 use weir_operators::stages::generate::Generate;
-use weir_operators::stages::learner::{CheckpointPlan, Learner, LearnerConfig, LrSchedule};
+use weir_operators::stages::learner::{Learner, LearnerConfig, LrSchedule};
 use weir_operators::stages::prompt_stats::{Curriculum, StatsView};
 use weir_operators::stages::prompts::{Cursor, CursorLog, PromptColumn, PromptSource};
 use weir_operators::stages::reference::RefLogprob;
@@ -60,6 +60,19 @@ impl RunContext {
             root: self.run_dir.join("checkpoints"),
             every: cfg.run.checkpoint_every,
             last_step: Some(self.last_step),
+        }
+    }
+
+    /// Restores `optimizer` from the `component` (`actor`, `critic`) of the
+    /// checkpoint this segment resumed from; nothing on a fresh run.
+    pub fn restore_optimizer(
+        &self,
+        component: &str,
+        optimizer: &mut weir_gpu::optim::Optimizer,
+    ) -> Result<(), StageError> {
+        match &self.resumed_from {
+            Some(dir) => load_optimizer(&dir.join(component), optimizer),
+            None => Ok(()),
         }
     }
 
@@ -348,9 +361,7 @@ pub fn learner(
         let model = load(&cfg, &ctx.actor, w)?;
         let mut learner = Learner::new(model, learner_config(&cfg, kl_in_loss))?
             .with_checkpoints(ctx.checkpoint_plan(&cfg));
-        if let Some(dir) = &ctx.resumed_from {
-            load_optimizer(&dir.join("actor"), learner.optimizer_mut())?;
-        }
+        ctx.restore_optimizer("actor", learner.optimizer_mut())?;
         Ok(learner)
     }
 }

@@ -5,8 +5,6 @@ use std::path::Path;
 
 use weir_gpu::Tokenizer;
 use weir_graph::{Partition, Pipeline};
-use weir_operators::checkpoint::load_optimizer;
-use weir_operators::stages::learner::CheckpointPlan;
 use weir_operators::stages::sft::{SftConfig, SftTrainer};
 
 use crate::roles::{self, RunContext, ROLLOUT, TRAIN};
@@ -28,15 +26,8 @@ pub fn sft(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
                 micro_batch: a.micro_batch,
             };
             let mut trainer = SftTrainer::new(model, tok, &c.data.label_column, config)?
-                .with_checkpoints(CheckpointPlan {
-                    checkpointer: x.checkpointer(&c),
-                    cursors: Some(x.cursors.clone()),
-                    seed: c.run.seed,
-                    components: x.components.clone(),
-                });
-            if let Some(dir) = &x.resumed_from {
-                load_optimizer(&dir.join("actor"), trainer.optimizer_mut())?;
-            }
+                .with_checkpoints(x.checkpoint_plan(&c));
+            x.restore_optimizer("actor", trainer.optimizer_mut())?;
             Ok(trainer)
         }))
 }

@@ -22,7 +22,7 @@ use weir_gpu::snapshot::{from_safetensors, to_safetensors, write_atomically};
 use weir_gpu::Model;
 use weir_graph::StageError;
 
-use crate::stages::prompts::Cursor;
+use crate::stages::prompts::{Cursor, CursorLog};
 
 /// The run state stored beside the weights.
 #[derive(Clone, Debug, PartialEq)]
@@ -132,6 +132,45 @@ impl Checkpointer {
         std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
         let text = serde_json::to_string_pretty(&state.to_json()).map_err(|e| e.to_string())?;
         write_atomically(&dir.join("state.json"), text.as_bytes())?;
+        Ok(())
+    }
+}
+
+/// What a trainer saves, when, and the run state it stores beside the weights.
+#[derive(Clone, Debug)]
+pub struct CheckpointPlan {
+    /// Where and when.
+    pub checkpointer: Checkpointer,
+    /// The prompt source's cursors (same process).
+    pub cursors: Option<CursorLog>,
+    /// The run's seed.
+    pub seed: u64,
+    /// Every component a complete checkpoint has (`actor`, and `critic` for PPO).
+    pub components: Vec<String>,
+}
+
+impl CheckpointPlan {
+    /// Saves `model` and `optimizer` as the actor of `step`, then the state, if `step` is due.
+    pub fn save_actor_if_due(
+        &self,
+        step: u64,
+        version: u64,
+        model: &Model,
+        optimizer: &Optimizer,
+    ) -> Result<(), StageError> {
+        if !self.checkpointer.due(step) {
+            return Ok(());
+        }
+        self.checkpointer
+            .save_component(step, "actor", model, optimizer)?;
+        self.checkpointer.save_state(&CheckpointState {
+            step,
+            version,
+            cursor: self.cursors.as_ref().and_then(|c| c.after(step)),
+            seed: self.seed,
+            components: self.components.clone(),
+        })?;
+        tracing::info!(step, "checkpoint saved");
         Ok(())
     }
 }

@@ -15,10 +15,9 @@ use weir_gpu::Model;
 use weir_graph::{StageError, StepBuffer, StepContext, StepStage, WeightsPayload};
 
 use super::columns::{float_lists, token_lists};
-use super::prompts::CursorLog;
 use super::sequences::pack;
 use crate::algorithms::{aggregate, kl_tensor, policy_loss, KlEstimator, PolicyLossConfig};
-use crate::checkpoint::{CheckpointState, Checkpointer};
+use crate::checkpoint::CheckpointPlan;
 use crate::rollout::col;
 
 /// Learner settings.
@@ -127,6 +126,8 @@ pub struct UpdateStats {
     pub kl: f64,
     /// Mean per-token entropy of the policy over the response tokens.
     pub entropy: f64,
+    /// Mean response length in tokens.
+    pub response_length: f64,
     /// Importance weights of the off-policy correction (mean, min, max), if one is configured.
     pub importance_weights: Option<(f64, f64, f64)>,
 }
@@ -140,45 +141,6 @@ pub struct Learner {
     last: UpdateStats,
     updates: u64,
     checkpoints: Option<CheckpointPlan>,
-}
-
-/// What a trainer saves, when, and the run state it stores beside the weights.
-#[derive(Clone, Debug)]
-pub struct CheckpointPlan {
-    /// Where and when.
-    pub checkpointer: Checkpointer,
-    /// The prompt source's cursors (same process).
-    pub cursors: Option<CursorLog>,
-    /// The run's seed.
-    pub seed: u64,
-    /// Every component a complete checkpoint has (`actor`, and `critic` for PPO).
-    pub components: Vec<String>,
-}
-
-impl CheckpointPlan {
-    /// Saves `model` and `optimizer` as the actor of `step`, then the state, if `step` is due.
-    pub fn save_actor_if_due(
-        &self,
-        step: u64,
-        version: u64,
-        model: &Model,
-        optimizer: &Optimizer,
-    ) -> Result<(), StageError> {
-        if !self.checkpointer.due(step) {
-            return Ok(());
-        }
-        self.checkpointer
-            .save_component(step, "actor", model, optimizer)?;
-        self.checkpointer.save_state(&CheckpointState {
-            step,
-            version,
-            cursor: self.cursors.as_ref().and_then(|c| c.after(step)),
-            seed: self.seed,
-            components: self.components.clone(),
-        })?;
-        tracing::info!(step, "checkpoint saved");
-        Ok(())
-    }
 }
 
 impl Learner {
@@ -396,6 +358,8 @@ impl Learner {
             clip_fraction: clip_sum,
             kl: kl_sum,
             entropy: entropy_sum,
+            response_length: responses.iter().map(Vec::len).sum::<usize>() as f64
+                / responses.len().max(1) as f64,
             importance_weights: weights,
         };
         Ok(self.last)
@@ -444,11 +408,7 @@ impl StepStage for Learner {
             if let Ok(rewards) = super::columns::f32s(&batch, col::REWARD, "learn") {
                 ctx.record("reward", rewards.iter().sum::<f64>() / rows);
             }
-            let tokens: usize = token_lists(&batch, col::RESPONSE_TOKENS, "learn")?
-                .iter()
-                .map(Vec::len)
-                .sum();
-            ctx.record("response_length", tokens as f64 / rows);
+            ctx.record("response_length", u.response_length);
             out.push(batch);
         }
         // Published even when no rows reached this learner, so versions stay in step.

@@ -89,12 +89,7 @@ impl StatsView {
     /// `prompt`'s stats counting the samples of steps `≤ step`.
     pub fn get(&self, prompt: u64, step: u64) -> Option<PromptStat> {
         let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        inner
-            .history
-            .get(&prompt)?
-            .range(..=step)
-            .next_back()
-            .map(|(_, s)| *s)
+        inner.history.get(&prompt).and_then(|h| as_of(h, step))
     }
 
     /// Every prompt's stats as of `step`.
@@ -103,7 +98,7 @@ impl StatsView {
         inner
             .history
             .iter()
-            .filter_map(|(p, h)| h.range(..=step).next_back().map(|(_, s)| (*p, *s)))
+            .filter_map(|(p, h)| as_of(h, step).map(|s| (*p, s)))
             .collect()
     }
 
@@ -111,6 +106,11 @@ impl StatsView {
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         inner.history.entry(prompt).or_default().insert(step, stat);
     }
+}
+
+/// The newest entry of a prompt's history at or before `step`.
+fn as_of(history: &BTreeMap<u64, PromptStat>, step: u64) -> Option<PromptStat> {
+    history.range(..=step).next_back().map(|(_, s)| *s)
 }
 
 /// Skip rules for the prompt source, from the stats view.

@@ -10,8 +10,9 @@ use weir_gpu::{Model, Tokenizer};
 use weir_graph::{StageError, StepBuffer, StepContext, StepStage};
 
 use super::columns::token_lists;
-use super::learner::{response_forward, CheckpointPlan, LrSchedule};
+use super::learner::{response_forward, LrSchedule};
 use super::sequences::response_targets;
+use crate::checkpoint::CheckpointPlan;
 use crate::rollout::col;
 
 /// SFT settings.
