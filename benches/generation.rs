@@ -16,7 +16,9 @@ use std::time::Instant;
 
 use tch::{Kind, Tensor};
 use weir::gpu::optim::{AdamWConfig, Optimizer};
-use weir::gpu::{generate, Device, Message, Model, ModelConfig, SamplingParams, Tokenizer};
+use weir::gpu::{
+    generate_on, Backend, Device, Message, Model, ModelConfig, SamplingParams, Tokenizer,
+};
 
 fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures")
@@ -70,7 +72,13 @@ fn prompts(count: usize) -> Vec<Vec<i64>> {
         .collect()
 }
 
-fn weir_generate(model: &Model, prompts: &[Vec<i64>], n: usize, new: usize) -> f64 {
+fn weir_generate(
+    model: &Model,
+    prompts: &[Vec<i64>],
+    n: usize,
+    new: usize,
+    backend: Backend,
+) -> f64 {
     let params = SamplingParams {
         max_new_tokens: new,
         n,
@@ -78,11 +86,13 @@ fn weir_generate(model: &Model, prompts: &[Vec<i64>], n: usize, new: usize) -> f
         seed: 1,
         ..Default::default()
     };
-    generate(model, prompts, &params).unwrap(); // warm-up
+    let ids: Vec<u64> = (0..prompts.len() as u64).collect();
+    let generate = || generate_on(model, prompts, &ids, &params, backend).unwrap();
+    generate(); // warm-up
     let mut times: Vec<(f64, usize)> = (0..3)
         .map(|_| {
             let t = Instant::now();
-            let out = generate(model, prompts, &params).unwrap();
+            let out = generate();
             (
                 t.elapsed().as_secs_f64(),
                 out.iter().map(|g| g.tokens.len()).sum(),
@@ -140,6 +150,57 @@ fn hf_generate(model_dir: &Path, prompts: &[Vec<i64>], n: usize, new: usize) -> 
     v["tokens_per_s"].as_f64()
 }
 
+/// Multiply-adds per token through the decoder and LM head.
+fn macs_per_token(c: &ModelConfig) -> f64 {
+    let (h, q, kv, i) = (
+        c.hidden_size,
+        c.num_attention_heads * c.head_dim,
+        c.num_key_value_heads * c.head_dim,
+        c.intermediate_size,
+    );
+    (c.num_hidden_layers * (h * (q + 2 * kv) + q * h + 3 * h * i) + h * c.vocab_size) as f64
+}
+
+/// GFLOP/s of weir's packed kernel on one decode step's products (64 rows).
+fn kernel_gflops(c: &ModelConfig) -> f64 {
+    use weir::gpu::cpu::gemm::{matmul, supported, Packed};
+    if !supported() {
+        return f64::NAN;
+    }
+    let (h, q, kv, i) = (
+        c.hidden_size as usize,
+        (c.num_attention_heads * c.head_dim) as usize,
+        (c.num_key_value_heads * c.head_dim) as usize,
+        c.intermediate_size as usize,
+    );
+    let shapes = [
+        (h, q + 2 * kv),
+        (q, h),
+        (h, 2 * i),
+        (i, h),
+        (h, c.vocab_size as usize),
+    ];
+    let m = 64;
+    let (mut flops, mut seconds) = (0.0, 0.0);
+    for (k, n) in shapes {
+        let a: Vec<f32> = (0..m * k).map(|x| (x % 7) as f32 * 0.1).collect();
+        let w: Vec<f32> = (0..n * k).map(|x| (x % 5) as f32 * 0.01).collect();
+        let packed = Packed::new(&w, n, k, None);
+        let mut c = vec![0.0f32; m * n];
+        // SAFETY: `supported()` checked above.
+        let run = |c: &mut [f32]| unsafe { matmul(&a, k, m, &packed, c, n, false) };
+        run(&mut c);
+        let reps = 20;
+        let t = Instant::now();
+        for _ in 0..reps {
+            run(&mut c);
+        }
+        seconds += t.elapsed().as_secs_f64();
+        flops += (2 * m * k * n * reps) as f64;
+    }
+    flops / seconds / 1e9
+}
+
 fn main() {
     let full = std::env::args().any(|a| a == "--bench");
     weir::gpu::device::set_threads(1);
@@ -153,14 +214,29 @@ fn main() {
         ("random llama (24.6M)", random.clone()),
     ] {
         let model = Model::load(&path, Device::Cpu, Kind::Float).unwrap();
-        let ours = weir_generate(&model, &prompts, n, new);
+        let width = prompts.iter().map(Vec::len).max().unwrap();
+        // Rows through the model in transformers' run: every sample's padded
+        // prompt, then one row per sample for each further token.
+        let hf_rows = (prompts.len() * n * (width + new - 1)) as f64;
+        let ours = weir_generate(&model, &prompts, n, new, Backend::Auto);
+        let torch = weir_generate(&model, &prompts, n, new, Backend::Torch);
         let train = weir_train(&model, if full { 16 } else { 2 }, if full { 80 } else { 8 });
         match hf_generate(&path, &prompts, n, new) {
-            Some(theirs) => println!(
-                "{name}: weir generate {ours:.0} tok/s, transformers generate {theirs:.0} tok/s, ratio {:.2} (target ≥ 3); weir forward+backward+AdamW {train:.0} tok/s",
-                ours / theirs
-            ),
-            None => println!("{name}: weir generate {ours:.0} tok/s (set WEIR_BENCH_PYTHON for transformers' figure); weir forward+backward+AdamW {train:.0} tok/s"),
+            Some(theirs) => {
+                println!(
+                    "{name}: weir generate {ours:.0} tok/s (on libtorch ops {torch:.0}), transformers generate {theirs:.0} tok/s, ratio {:.2} (target ≥ 3; libtorch ops {:.2}); weir forward+backward+AdamW {train:.0} tok/s",
+                    ours / theirs,
+                    torch / theirs
+                );
+                let hf_gflops = 2.0 * macs_per_token(&model.config) * hf_rows
+                    / ((prompts.len() * n * new) as f64 / theirs)
+                    / 1e9;
+                println!(
+                    "  arithmetic: transformers' run does {hf_gflops:.1} GFLOP/s of model products; weir's packed kernel runs a decode step's products at {:.1} GFLOP/s",
+                    kernel_gflops(&model.config)
+                );
+            }
+            None => println!("{name}: weir generate {ours:.0} tok/s (on libtorch ops {torch:.0}; set WEIR_BENCH_PYTHON for transformers' figure); weir forward+backward+AdamW {train:.0} tok/s"),
         }
     }
 }

@@ -294,6 +294,11 @@ impl Decoder {
         }
     }
 
+    /// The rotary position tables.
+    pub(crate) fn rope(&self) -> &Rope {
+        &self.rope
+    }
+
     /// Number of layers.
     pub fn num_layers(&self) -> usize {
         self.layers.len()

@@ -114,6 +114,30 @@ pub struct Generation {
     pub finish_reason: FinishReason,
 }
 
+impl Generation {
+    pub(crate) fn empty(prompt: usize, sample: usize) -> Self {
+        Generation {
+            prompt,
+            sample,
+            tokens: Vec::new(),
+            logprobs: Vec::new(),
+            finish_reason: FinishReason::Length,
+        }
+    }
+
+    /// Appends a token; false when the sequence has ended (an eos id, or
+    /// `max_new_tokens` reached).
+    pub(crate) fn record(&mut self, token: i64, logprob: f32, params: &SamplingParams) -> bool {
+        self.tokens.push(token);
+        self.logprobs.push(logprob);
+        if !params.ignore_eos && params.eos_token_ids.contains(&token) {
+            self.finish_reason = FinishReason::Stop;
+            return false;
+        }
+        self.tokens.len() < params.max_new_tokens
+    }
+}
+
 /// Generates `params.n` continuations of each prompt; results are ordered by
 /// (prompt, sample). Sample `s` of prompt `p` draws from the stream
 /// (`params.seed`, `p`, `s`), whatever else is in the batch.
@@ -126,6 +150,17 @@ pub fn generate(
     generate_with_ids(model, prompts, &ids, params)
 }
 
+/// Which implementation runs a generation.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Backend {
+    /// weir's CPU kernels (`cpu::engine`) for a float32 causal LM on a CPU
+    /// with AVX2 and FMA; libtorch otherwise.
+    #[default]
+    Auto,
+    /// libtorch ops, on any device and dtype.
+    Torch,
+}
+
 /// Like [`generate`], but prompt `i` draws from the streams of `stream_ids[i]`
 /// (e.g. its index in a whole dataset), so results do not depend on how the
 /// prompts were batched. `Generation::prompt` is still the index in `prompts`.
@@ -134,6 +169,17 @@ pub fn generate_with_ids(
     prompts: &[Vec<i64>],
     stream_ids: &[u64],
     params: &SamplingParams,
+) -> Result<Vec<Generation>, ModelError> {
+    generate_on(model, prompts, stream_ids, params, Backend::Auto)
+}
+
+/// [`generate_with_ids`] on a chosen [`Backend`].
+pub fn generate_on(
+    model: &Model,
+    prompts: &[Vec<i64>],
+    stream_ids: &[u64],
+    params: &SamplingParams,
+    backend: Backend,
 ) -> Result<Vec<Generation>, ModelError> {
     params.validate()?;
     if stream_ids.len() != prompts.len() {
@@ -149,6 +195,46 @@ pub fn generate_with_ids(
     if let Some(i) = prompts.iter().position(Vec::is_empty) {
         return Err(ModelError::Input(format!("prompt {i} is empty")));
     }
+    let vocab = model.config.vocab_size;
+    if let Some(&id) = prompts.iter().flatten().find(|&&id| id < 0 || id >= vocab) {
+        return Err(ModelError::Input(format!(
+            "a prompt holds the token id {id}, outside the vocabulary 0..{vocab}"
+        )));
+    }
+    if params.max_new_tokens == 0 {
+        return Ok((0..prompts.len())
+            .flat_map(|p| (0..params.n).map(move |s| Generation::empty(p, s)))
+            .collect());
+    }
+    if backend == Backend::Auto && cpu_kernels_apply(model) {
+        #[cfg(target_arch = "x86_64")]
+        return crate::cpu::engine::generate(model, prompts, stream_ids, params);
+    }
+    generate_torch(model, prompts, stream_ids, params)
+}
+
+/// True when `Backend::Auto` runs `model` on weir's CPU kernels.
+pub fn cpu_kernels_apply(model: &Model) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        model.device() == tch::Device::Cpu
+            && model.kind() == Kind::Float
+            && model.config.head == crate::Head::CausalLm
+            && crate::cpu::gemm::supported()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = model;
+        false
+    }
+}
+
+fn generate_torch(
+    model: &Model,
+    prompts: &[Vec<i64>],
+    stream_ids: &[u64],
+    params: &SamplingParams,
+) -> Result<Vec<Generation>, ModelError> {
     let device = model.device();
     let rows: Vec<(usize, usize)> = (0..prompts.len())
         .flat_map(|p| (0..params.n).map(move |s| (p, s)))
@@ -168,12 +254,6 @@ pub fn generate_with_ids(
     }
     let ids = Tensor::from_slice(&ids).view([b, width]).to_device(device);
     let mut key_mask = Tensor::from_slice(&mask).view([b, width]).to_device(device);
-    if ids.max().int64_value(&[]) >= model.config.vocab_size {
-        return Err(ModelError::Input(format!(
-            "a prompt holds a token id ≥ the vocabulary size {}",
-            model.config.vocab_size
-        )));
-    }
     let positions = crate::model::default_positions(&key_mask);
     let mut next_position = positions.narrow(1, width - 1, 1);
 
@@ -188,17 +268,11 @@ pub fn generate_with_ids(
         .collect();
     let mut out: Vec<Generation> = rows
         .iter()
-        .map(|&(prompt, sample)| Generation {
-            prompt,
-            sample,
-            tokens: Vec::new(),
-            logprobs: Vec::new(),
-            finish_reason: FinishReason::Length,
-        })
+        .map(|&(prompt, sample)| Generation::empty(prompt, sample))
         .collect();
     // `active[i]` is the output row of batch row i.
     let mut active: Vec<usize> = (0..rows.len()).collect();
-    for step in 0..params.max_new_tokens {
+    loop {
         let uniforms: Vec<f32> = active.iter().map(|&r| streams[r].next_f32()).collect();
         let (tokens, logprobs) = pick(&logits, params, &uniforms);
         let tokens_v: Vec<i64> =
@@ -207,16 +281,11 @@ pub fn generate_with_ids(
             .map_err(|e| ModelError::Torch(e.to_string()))?;
         let mut keep = Vec::with_capacity(active.len());
         for (i, &r) in active.iter().enumerate() {
-            out[r].tokens.push(tokens_v[i]);
-            out[r].logprobs.push(logprobs_v[i]);
-            let stopped = !params.ignore_eos && params.eos_token_ids.contains(&tokens_v[i]);
-            if stopped {
-                out[r].finish_reason = FinishReason::Stop;
-            } else {
+            if out[r].record(tokens_v[i], logprobs_v[i], params) {
                 keep.push(i as i64);
             }
         }
-        if keep.is_empty() || step + 1 == params.max_new_tokens {
+        if keep.is_empty() {
             break;
         }
         let mut input = tokens.view([-1, 1]);
@@ -289,10 +358,10 @@ fn pick(logits: &Tensor, params: &SamplingParams, uniforms: &[f32]) -> (Tensor, 
 }
 
 /// A small, seedable random stream (splitmix64 → xorshift64*).
-struct Stream(u64);
+pub(crate) struct Stream(u64);
 
 impl Stream {
-    fn new(seed: u64, prompt: u64, sample: u64) -> Self {
+    pub(crate) fn new(seed: u64, prompt: u64, sample: u64) -> Self {
         let mut s = Stream(seed ^ 0x9e37_79b9_7f4a_7c15);
         s.0 = s.mix(
             prompt.wrapping_mul(0xbf58_476d_1ce4_e5b9) ^ sample.wrapping_mul(0x94d0_49bb_1331_11eb),
@@ -311,7 +380,7 @@ impl Stream {
     }
 
     /// Uniform in [0, 1).
-    fn next_f32(&mut self) -> f32 {
+    pub(crate) fn next_f32(&mut self) -> f32 {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
         self.0 ^= self.0 >> 27;

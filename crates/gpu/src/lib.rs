@@ -8,6 +8,8 @@
 
 pub mod checkpoint;
 pub mod config;
+#[cfg(target_arch = "x86_64")]
+pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod decoder;
@@ -26,6 +28,8 @@ pub mod tokenizer;
 pub use config::{Family, Head, ModelConfig};
 pub use device::{Device, DeviceError};
 pub use error::ModelError;
-pub use generate::{generate, generate_with_ids, FinishReason, Generation, SamplingParams};
+pub use generate::{
+    generate, generate_on, generate_with_ids, Backend, FinishReason, Generation, SamplingParams,
+};
 pub use model::Model;
 pub use tokenizer::{Message, Tokenizer};

@@ -30,6 +30,9 @@ pub struct Model {
     decoder: Decoder,
     lm_head: Option<nn::Linear>,
     score: Option<nn::Linear>,
+    /// Packed weights for the CPU generation kernels, made on first use.
+    #[cfg(target_arch = "x86_64")]
+    prepared: crate::cpu::engine::Prepared,
 }
 
 impl Model {
@@ -107,6 +110,8 @@ impl Model {
             decoder,
             lm_head,
             score,
+            #[cfg(target_arch = "x86_64")]
+            prepared: Default::default(),
         })
     }
 
@@ -298,6 +303,17 @@ impl Model {
     ) -> Tensor {
         self.decoder
             .forward(input_ids, key_mask, position_ids, Some(cache))
+    }
+
+    /// The CPU kernels' packed weights of this model.
+    #[cfg(target_arch = "x86_64")]
+    pub(crate) fn prepared_for_cpu(&self) -> &crate::cpu::engine::Prepared {
+        &self.prepared
+    }
+
+    /// The model's rotary position tables.
+    pub(crate) fn rope(&self) -> &crate::rope::Rope {
+        self.decoder.rope()
     }
 
     /// An empty KV cache for this model.

@@ -1,0 +1,579 @@
+//! The decoder of every family (Llama, Mistral, Qwen2, Qwen3) for generation
+//! on the CPU in float32, without libtorch in the loop.
+//!
+//! A decode step for `m` live sequences is 4 packed matrix products per
+//! layer (fused q/k/v, o with the residual added in place, fused gate/up,
+//! down with the residual) plus the LM head; RMSNorm, RoPE, the q/k norms,
+//! attention over the cache and the gated SiLU are AVX2 loops over the
+//! rows. Each sequence has its own cache slot of `prompt + max_new` positions
+//! and no padding: a prompt is prefilled once and its keys and values are
+//! copied to the slots of its other samples.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use tch::{Kind, Tensor};
+
+use super::gemm::{self, Packed};
+use super::math;
+use super::sample::Picker;
+use crate::generate::{Generation, SamplingParams, Stream};
+use crate::{Model, ModelError};
+
+/// Prompt tokens run through the model at once during prefill.
+const PREFILL_ROWS: usize = 256;
+
+/// The packed weights of one [`Model`], kept between calls while its
+/// parameters are unchanged, and a KV-cache buffer to reuse.
+///
+/// "Unchanged" is judged by each parameter's storage address and libtorch's
+/// version counter, which every in-place write bumps (loading, applying a
+/// snapshot, an optimizer step), so a stale packing is never used.
+#[derive(Debug, Default)]
+pub struct Prepared {
+    packed: Mutex<Option<(Stamp, Arc<CpuModel>)>>,
+    cache: Mutex<Vec<f32>>,
+}
+
+impl Prepared {
+    fn model(&self, model: &Model) -> Result<Arc<CpuModel>, ModelError> {
+        let stamp: Stamp = model
+            .named_tensors()
+            .iter()
+            .map(|(_, t)| (t.data_ptr() as usize, t.internal_version()))
+            .collect();
+        let mut slot = self.packed.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((seen, packed)) = slot.as_ref() {
+            if *seen == stamp {
+                return Ok(packed.clone());
+            }
+        }
+        *slot = None; // free the stale packing before building the new one
+        let packed = Arc::new(CpuModel::from_model(model)?);
+        *slot = Some((stamp, packed.clone()));
+        Ok(packed)
+    }
+
+    /// The KV-cache buffer of an earlier call (empty when another call holds it).
+    fn take_cache(&self) -> Vec<f32> {
+        std::mem::take(&mut *self.cache.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    fn give_back_cache(&self, buffer: Vec<f32>) {
+        *self.cache.lock().unwrap_or_else(|e| e.into_inner()) = buffer;
+    }
+}
+
+/// Storage address and version of every parameter.
+type Stamp = Vec<(usize, i64)>;
+
+/// A model's weights, packed for the CPU kernels.
+#[derive(Debug)]
+pub struct CpuModel {
+    hidden: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    intermediate: usize,
+    vocab: usize,
+    eps: f32,
+    embed: Vec<f32>,
+    layers: Vec<Layer>,
+    norm: Vec<f32>,
+    lm_head: Packed,
+}
+
+#[derive(Debug)]
+struct Layer {
+    input_norm: Vec<f32>,
+    qkv: Packed,
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
+    o: Packed,
+    post_norm: Vec<f32>,
+    gate_up: Packed,
+    down: Packed,
+}
+
+impl CpuModel {
+    /// Copies and packs the weights of a causal LM.
+    pub fn from_model(model: &Model) -> Result<Self, ModelError> {
+        let c = &model.config;
+        let tensors: HashMap<String, Tensor> = model.named_tensors().into_iter().collect();
+        let get = |name: &str| -> Result<Vec<f32>, ModelError> {
+            let t = tensors
+                .get(name)
+                .ok_or_else(|| ModelError::Input(format!("the model has no tensor `{name}`")))?;
+            Vec::<f32>::try_from(&t.detach().to_kind(Kind::Float).contiguous().view(-1))
+                .map_err(|e| ModelError::Torch(e.to_string()))
+        };
+        let optional = |name: &str, present: bool| present.then(|| get(name)).transpose();
+        let (hidden, heads, kv_heads, head_dim) = (
+            c.hidden_size as usize,
+            c.num_attention_heads as usize,
+            c.num_key_value_heads as usize,
+            c.head_dim as usize,
+        );
+        let intermediate = c.intermediate_size as usize;
+        let vocab = c.vocab_size as usize;
+        let mut layers = Vec::with_capacity(c.num_hidden_layers as usize);
+        for i in 0..c.num_hidden_layers {
+            let p = format!("model.layers.{i}.");
+            let attn = |w: &str| format!("{p}self_attn.{w}");
+            let mut qkv = get(&attn("q_proj.weight"))?;
+            qkv.extend(get(&attn("k_proj.weight"))?);
+            qkv.extend(get(&attn("v_proj.weight"))?);
+            let qkv_bias = if c.attention_bias {
+                let mut b = get(&attn("q_proj.bias"))?;
+                b.extend(get(&attn("k_proj.bias"))?);
+                b.extend(get(&attn("v_proj.bias"))?);
+                Some(b)
+            } else {
+                None
+            };
+            let mut gate_up = get(&format!("{p}mlp.gate_proj.weight"))?;
+            gate_up.extend(get(&format!("{p}mlp.up_proj.weight"))?);
+            let gate_up_bias = if c.mlp_bias {
+                let mut b = get(&format!("{p}mlp.gate_proj.bias"))?;
+                b.extend(get(&format!("{p}mlp.up_proj.bias"))?);
+                Some(b)
+            } else {
+                None
+            };
+            let qkv_rows = (heads + 2 * kv_heads) * head_dim;
+            layers.push(Layer {
+                input_norm: get(&format!("{p}input_layernorm.weight"))?,
+                qkv: Packed::new(&qkv, qkv_rows, hidden, qkv_bias),
+                q_norm: optional(&attn("q_norm.weight"), c.qk_norm)?,
+                k_norm: optional(&attn("k_norm.weight"), c.qk_norm)?,
+                o: Packed::new(
+                    &get(&attn("o_proj.weight"))?,
+                    hidden,
+                    heads * head_dim,
+                    optional(&attn("o_proj.bias"), c.o_bias)?,
+                ),
+                post_norm: get(&format!("{p}post_attention_layernorm.weight"))?,
+                gate_up: Packed::new(&gate_up, 2 * intermediate, hidden, gate_up_bias),
+                down: Packed::new(
+                    &get(&format!("{p}mlp.down_proj.weight"))?,
+                    hidden,
+                    intermediate,
+                    optional(&format!("{p}mlp.down_proj.bias"), c.mlp_bias)?,
+                ),
+            });
+        }
+        let embed = get("model.embed_tokens.weight")?;
+        let head = if c.tie_word_embeddings {
+            embed.clone()
+        } else {
+            get("lm_head.weight")?
+        };
+        Ok(CpuModel {
+            hidden,
+            heads,
+            kv_heads,
+            head_dim,
+            intermediate,
+            vocab,
+            eps: c.rms_norm_eps as f32,
+            lm_head: Packed::new(&head, vocab, hidden, None),
+            embed,
+            layers,
+            norm: get("model.norm.weight")?,
+        })
+    }
+
+    /// Runs the tokens `ids` at `rows` (cache slot and position) through the
+    /// decoder, appending their keys and values to the cache, and returns the
+    /// logits `[logit_rows.len(), vocab]` of the rows listed in `logit_rows`.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    unsafe fn forward<'s>(
+        &self,
+        ids: &[i64],
+        rows: &[Row],
+        cache: &mut Cache,
+        rope: &RopeTables,
+        scratch: &'s mut Scratch,
+        logit_rows: &[usize],
+    ) -> &'s [f32] {
+        let m = rows.len();
+        let (hd, d) = (self.hidden, self.head_dim);
+        let (q_width, kv_width) = (self.heads * d, self.kv_heads * d);
+        let qkv_width = q_width + 2 * kv_width;
+        let group = self.heads / self.kv_heads;
+        let scale = 1.0 / (d as f32).sqrt();
+        let s = scratch;
+        s.reserve(m, self, logit_rows.len());
+        for (i, &id) in ids.iter().enumerate() {
+            let id = id as usize;
+            s.x[i * hd..(i + 1) * hd].copy_from_slice(&self.embed[id * hd..(id + 1) * hd]);
+        }
+        for (l, layer) in self.layers.iter().enumerate() {
+            for i in 0..m {
+                let span = i * hd..(i + 1) * hd;
+                math::rms_norm(
+                    &s.x[span.clone()],
+                    &layer.input_norm,
+                    self.eps,
+                    &mut s.xn[span],
+                );
+            }
+            gemm::matmul(&s.xn, hd, m, &layer.qkv, &mut s.qkv, qkv_width, false);
+            for (i, row) in rows.iter().enumerate() {
+                let qkv = &mut s.qkv[i * qkv_width..(i + 1) * qkv_width];
+                let (q, kv) = qkv.split_at_mut(q_width);
+                let (k, v) = kv.split_at_mut(kv_width);
+                let (cos, sin) = rope.at(row.pos);
+                for head in q.chunks_exact_mut(d) {
+                    if let Some(w) = &layer.q_norm {
+                        s.head.copy_from_slice(head);
+                        math::rms_norm(&s.head, w, self.eps, head);
+                    }
+                    rotate(head, cos, sin);
+                }
+                for (h, head) in k.chunks_exact_mut(d).enumerate() {
+                    if let Some(w) = &layer.k_norm {
+                        s.head.copy_from_slice(head);
+                        math::rms_norm(&s.head, w, self.eps, head);
+                    }
+                    rotate(head, cos, sin);
+                    cache.at(row.slot, l, 0, h, row.pos).copy_from_slice(head);
+                    cache
+                        .at(row.slot, l, 1, h, row.pos)
+                        .copy_from_slice(&v[h * d..(h + 1) * d]);
+                }
+            }
+            for (i, row) in rows.iter().enumerate() {
+                let len = row.pos + 1;
+                let scores = &mut s.scores[..len];
+                let out = &mut s.att[i * q_width..(i + 1) * q_width];
+                out.fill(0.0);
+                for h in 0..self.heads {
+                    let q = &s.qkv[i * qkv_width + h * d..i * qkv_width + (h + 1) * d];
+                    let keys = cache.span(row.slot, l, 0, h / group, len);
+                    for (score, key) in scores.iter_mut().zip(keys.chunks_exact(d)) {
+                        *score = math::dot(q, key) * scale;
+                    }
+                    let top = math::max(scores);
+                    for score in scores.iter_mut() {
+                        *score -= top;
+                    }
+                    math::exp_in_place(scores);
+                    let total: f32 = scores.iter().sum();
+                    let values = cache.span(row.slot, l, 1, h / group, len);
+                    let out = &mut out[h * d..(h + 1) * d];
+                    for (&e, value) in scores.iter().zip(values.chunks_exact(d)) {
+                        math::axpy(out, e / total, value);
+                    }
+                }
+            }
+            gemm::matmul(&s.att, q_width, m, &layer.o, &mut s.x, hd, true);
+            for i in 0..m {
+                let span = i * hd..(i + 1) * hd;
+                math::rms_norm(
+                    &s.x[span.clone()],
+                    &layer.post_norm,
+                    self.eps,
+                    &mut s.xn[span],
+                );
+            }
+            let (inter, gu_width) = (self.intermediate, 2 * self.intermediate);
+            gemm::matmul(
+                &s.xn,
+                hd,
+                m,
+                &layer.gate_up,
+                &mut s.gate_up,
+                gu_width,
+                false,
+            );
+            for i in 0..m {
+                math::silu_mul(
+                    &s.gate_up[i * gu_width..(i + 1) * gu_width],
+                    &mut s.act[i * inter..(i + 1) * inter],
+                );
+            }
+            gemm::matmul(&s.act, inter, m, &layer.down, &mut s.x, hd, true);
+        }
+        for (j, &i) in logit_rows.iter().enumerate() {
+            math::rms_norm(
+                &s.x[i * hd..(i + 1) * hd],
+                &self.norm,
+                self.eps,
+                &mut s.xn[j * hd..(j + 1) * hd],
+            );
+        }
+        let count = logit_rows.len();
+        gemm::matmul(
+            &s.xn,
+            hd,
+            count,
+            &self.lm_head,
+            &mut s.logits,
+            self.vocab,
+            false,
+        );
+        &s.logits[..count * self.vocab]
+    }
+}
+
+/// Rotates one head by its position's angles (transformers' `rotate_half`
+/// layout: `x·cos + [−x₂, x₁]·sin`).
+fn rotate(x: &mut [f32], cos: &[f32], sin: &[f32]) {
+    let half = x.len() / 2;
+    for i in 0..half {
+        let (a, b) = (x[i], x[i + half]);
+        x[i] = a * cos[i] - b * sin[i];
+        x[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+/// A token's cache slot (its sequence) and position.
+#[derive(Clone, Copy, Debug)]
+struct Row {
+    slot: usize,
+    pos: usize,
+}
+
+/// cos and sin of every position up to the longest sequence, `[len, head_dim]`.
+struct RopeTables {
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    dim: usize,
+}
+
+impl RopeTables {
+    fn new(model: &Model, len: usize) -> Result<Self, ModelError> {
+        let positions = Tensor::arange(len as i64, (Kind::Int64, tch::Device::Cpu)).view([1, -1]);
+        let (cos, sin) = model.rope().tables(&positions, Kind::Float);
+        let flat = |t: Tensor| {
+            Vec::<f32>::try_from(&t.contiguous().view(-1))
+                .map_err(|e| ModelError::Torch(e.to_string()))
+        };
+        Ok(RopeTables {
+            cos: flat(cos)?,
+            sin: flat(sin)?,
+            dim: model.config.head_dim as usize,
+        })
+    }
+
+    fn at(&self, pos: usize) -> (&[f32], &[f32]) {
+        let span = pos * self.dim..(pos + 1) * self.dim;
+        (&self.cos[span.clone()], &self.sin[span])
+    }
+}
+
+/// Keys and values of every sequence: slot-major `[slot, layer, k|v, kv head, position, head_dim]`.
+struct Cache {
+    data: Vec<f32>,
+    layers: usize,
+    kv_heads: usize,
+    capacity: usize,
+    dim: usize,
+}
+
+impl Cache {
+    /// A cache in `data` (resized; every position is written before it is read).
+    fn new(mut data: Vec<f32>, slots: usize, model: &CpuModel, capacity: usize) -> Self {
+        let layers = model.layers.len();
+        data.resize(
+            slots * layers * 2 * model.kv_heads * capacity * model.head_dim,
+            0.0,
+        );
+        Cache {
+            data,
+            layers,
+            kv_heads: model.kv_heads,
+            capacity,
+            dim: model.head_dim,
+        }
+    }
+
+    fn offset(&self, slot: usize, layer: usize, which: usize, head: usize, pos: usize) -> usize {
+        ((((slot * self.layers + layer) * 2 + which) * self.kv_heads + head) * self.capacity + pos)
+            * self.dim
+    }
+
+    fn at(
+        &mut self,
+        slot: usize,
+        layer: usize,
+        which: usize,
+        head: usize,
+        pos: usize,
+    ) -> &mut [f32] {
+        let start = self.offset(slot, layer, which, head, pos);
+        &mut self.data[start..start + self.dim]
+    }
+
+    fn span(&self, slot: usize, layer: usize, which: usize, head: usize, len: usize) -> &[f32] {
+        let start = self.offset(slot, layer, which, head, 0);
+        &self.data[start..start + len * self.dim]
+    }
+
+    /// Copies the first `len` positions of slot `from` into slot `to`.
+    fn copy_prefix(&mut self, from: usize, to: usize, len: usize) {
+        for layer in 0..self.layers {
+            for which in 0..2 {
+                for head in 0..self.kv_heads {
+                    let src = self.offset(from, layer, which, head, 0);
+                    let dst = self.offset(to, layer, which, head, 0);
+                    self.data.copy_within(src..src + len * self.dim, dst);
+                }
+            }
+        }
+    }
+}
+
+/// Activations of one forward call, reused across calls.
+#[derive(Default)]
+struct Scratch {
+    x: Vec<f32>,
+    xn: Vec<f32>,
+    qkv: Vec<f32>,
+    att: Vec<f32>,
+    gate_up: Vec<f32>,
+    act: Vec<f32>,
+    logits: Vec<f32>,
+    scores: Vec<f32>,
+    head: Vec<f32>,
+}
+
+impl Scratch {
+    fn reserve(&mut self, m: usize, model: &CpuModel, logit_rows: usize) {
+        let d = model.head_dim;
+        let grow = |v: &mut Vec<f32>, len: usize| {
+            if v.len() < len {
+                v.resize(len, 0.0);
+            }
+        };
+        grow(&mut self.x, m * model.hidden);
+        grow(&mut self.xn, m * model.hidden);
+        grow(&mut self.qkv, m * (model.heads + 2 * model.kv_heads) * d);
+        grow(&mut self.att, m * model.heads * d);
+        grow(&mut self.gate_up, m * 2 * model.intermediate);
+        grow(&mut self.act, m * model.intermediate);
+        grow(&mut self.logits, logit_rows * model.vocab);
+        self.head.resize(d, 0.0);
+    }
+}
+
+/// [`crate::generate_with_ids`] on the CPU kernels. The caller has checked
+/// the parameters (`max_new_tokens` ≥ 1), the prompts (non-empty, ids in
+/// the vocabulary) and that the CPU runs the kernels.
+pub fn generate(
+    model: &Model,
+    prompts: &[Vec<i64>],
+    stream_ids: &[u64],
+    params: &SamplingParams,
+) -> Result<Vec<Generation>, ModelError> {
+    let n = params.n;
+    let mut out: Vec<Generation> = (0..prompts.len())
+        .flat_map(|p| (0..n).map(move |s| Generation::empty(p, s)))
+        .collect();
+    let prepared = model.prepared_for_cpu();
+    let cpu = prepared.model(model)?;
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let capacity = longest + params.max_new_tokens;
+    let rope = RopeTables::new(model, capacity)?;
+    let mut cache = Cache::new(prepared.take_cache(), prompts.len() * n, &cpu, capacity);
+    let mut scratch = Scratch {
+        scores: vec![0.0; capacity],
+        ..Default::default()
+    };
+    // SAFETY (all calls below): the caller checked that the CPU has AVX2 and FMA.
+    let first = unsafe { prefill(&cpu, prompts, n, &mut cache, &rope, &mut scratch) };
+    for (p, prompt) in prompts.iter().enumerate() {
+        for s in 1..n {
+            cache.copy_prefix(p * n, p * n + s, prompt.len());
+        }
+    }
+    let mut streams: Vec<Stream> = (0..out.len())
+        .map(|r| Stream::new(params.seed, stream_ids[r / n], (r % n) as u64))
+        .collect();
+    let mut picker = Picker::default();
+    let mut row_logits = Vec::with_capacity(cpu.vocab);
+    // Live sequences: (output row = cache slot, last token, its position).
+    let mut live: Vec<(usize, i64, usize)> = Vec::with_capacity(out.len());
+    for (r, generation) in out.iter_mut().enumerate() {
+        let p = r / n;
+        row_logits.clear();
+        row_logits.extend_from_slice(&first[p * cpu.vocab..(p + 1) * cpu.vocab]);
+        let (token, logprob) =
+            unsafe { picker.pick(&mut row_logits, params, streams[r].next_f32()) };
+        if generation.record(token, logprob, params) {
+            live.push((r, token, prompts[p].len()));
+        }
+    }
+    let mut ids = Vec::with_capacity(out.len());
+    let mut rows = Vec::with_capacity(out.len());
+    let mut all: Vec<usize> = Vec::with_capacity(out.len());
+    while !live.is_empty() {
+        ids.clear();
+        rows.clear();
+        for &(slot, token, pos) in &live {
+            ids.push(token);
+            rows.push(Row { slot, pos });
+        }
+        all.clear();
+        all.extend(0..live.len());
+        let logits = unsafe { cpu.forward(&ids, &rows, &mut cache, &rope, &mut scratch, &all) };
+        let mut kept = 0;
+        for i in 0..live.len() {
+            let (r, _, pos) = live[i];
+            row_logits.clear();
+            row_logits.extend_from_slice(&logits[i * cpu.vocab..(i + 1) * cpu.vocab]);
+            let (token, logprob) =
+                unsafe { picker.pick(&mut row_logits, params, streams[r].next_f32()) };
+            if out[r].record(token, logprob, params) {
+                live[kept] = (r, token, pos + 1);
+                kept += 1;
+            }
+        }
+        live.truncate(kept);
+    }
+    prepared.give_back_cache(cache.data);
+    Ok(out)
+}
+
+/// Runs every prompt once (into the slot of its first sample) and returns
+/// the logits after each prompt's last token, `[prompts, vocab]`.
+unsafe fn prefill(
+    cpu: &CpuModel,
+    prompts: &[Vec<i64>],
+    n: usize,
+    cache: &mut Cache,
+    rope: &RopeTables,
+    scratch: &mut Scratch,
+) -> Vec<f32> {
+    let mut first = vec![0.0f32; prompts.len() * cpu.vocab];
+    let tokens: Vec<(usize, usize, i64)> = prompts
+        .iter()
+        .enumerate()
+        .flat_map(|(p, prompt)| {
+            prompt
+                .iter()
+                .enumerate()
+                .map(move |(pos, &id)| (p, pos, id))
+        })
+        .collect();
+    for chunk in tokens.chunks(PREFILL_ROWS) {
+        let ids: Vec<i64> = chunk.iter().map(|t| t.2).collect();
+        let rows: Vec<Row> = chunk
+            .iter()
+            .map(|&(p, pos, _)| Row { slot: p * n, pos })
+            .collect();
+        let last: Vec<usize> = (0..chunk.len())
+            .filter(|&i| chunk[i].1 + 1 == prompts[chunk[i].0].len())
+            .collect();
+        let logits = cpu.forward(&ids, &rows, cache, rope, scratch, &last);
+        for (j, &i) in last.iter().enumerate() {
+            let p = chunk[i].0;
+            first[p * cpu.vocab..(p + 1) * cpu.vocab]
+                .copy_from_slice(&logits[j * cpu.vocab..(j + 1) * cpu.vocab]);
+        }
+    }
+    first
+}
