@@ -188,7 +188,7 @@ fn kernel_gflops(c: &ModelConfig) -> f64 {
         let packed = Packed::new(&w, n, k, None);
         let mut c = vec![0.0f32; m * n];
         // SAFETY: `supported()` checked above.
-        let run = |c: &mut [f32]| unsafe { matmul(&a, k, m, &packed, c, n, false) };
+        let run = |c: &mut [f32]| unsafe { matmul(&a, k, m, &packed, c, n, false, None) };
         run(&mut c);
         let reps = 20;
         let t = Instant::now();

@@ -14,11 +14,18 @@ use std::sync::{Arc, Mutex};
 
 use tch::{Kind, Tensor};
 
+use rayon::prelude::*;
+
 use super::gemm::{self, Packed};
 use super::math;
 use super::sample::Picker;
 use crate::generate::{Generation, SamplingParams, Stream};
 use crate::{Model, ModelError};
+
+thread_local! {
+    /// Attention scores of one head, per kernel thread.
+    static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
 
 /// Prompt tokens run through the model at once during prefill.
 const PREFILL_ROWS: usize = 256;
@@ -33,6 +40,7 @@ const PREFILL_ROWS: usize = 256;
 pub struct Prepared {
     packed: Mutex<Option<(Stamp, Arc<CpuModel>)>>,
     cache: Mutex<Vec<f32>>,
+    pool: Mutex<Option<Arc<rayon::ThreadPool>>>,
 }
 
 impl Prepared {
@@ -52,6 +60,29 @@ impl Prepared {
         let packed = Arc::new(CpuModel::from_model(model)?);
         *slot = Some((stamp, packed.clone()));
         Ok(packed)
+    }
+
+    /// A pool of libtorch's intra-op thread count (`None` for one thread),
+    /// so `set_threads` governs the kernels too.
+    fn pool(&self) -> Result<Option<Arc<rayon::ThreadPool>>, ModelError> {
+        let threads = tch::get_num_threads().max(1) as usize;
+        if threads == 1 {
+            return Ok(None);
+        }
+        let mut slot = self.pool.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(pool) = slot.as_ref().filter(|p| p.current_num_threads() == threads) {
+            return Ok(Some(pool.clone()));
+        }
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("weir-cpu-{i}"))
+            .build()
+            .map_err(|e| {
+                ModelError::Input(format!("cannot start {threads} kernel threads: {e}"))
+            })?;
+        let pool = Arc::new(pool);
+        *slot = Some(pool.clone());
+        Ok(Some(pool))
     }
 
     /// The KV-cache buffer of an earlier call (empty when another call holds it).
@@ -183,12 +214,43 @@ impl CpuModel {
         })
     }
 
+    /// Attention of one row's query heads `q` over its sequence's cached
+    /// keys and values of layer `l`, up to and including its own position.
+    unsafe fn attend(&self, q: &[f32], cache: &Cache, l: usize, row: Row, out: &mut [f32]) {
+        let d = self.head_dim;
+        let group = self.heads / self.kv_heads;
+        let scale = 1.0 / (d as f32).sqrt();
+        let len = row.pos + 1;
+        SCORES.with(|scores| {
+            let mut scores = scores.borrow_mut();
+            scores.resize(len, 0.0);
+            out.fill(0.0);
+            for (h, (q, out)) in q.chunks_exact(d).zip(out.chunks_exact_mut(d)).enumerate() {
+                let keys = cache.span(row.slot, l, 0, h / group, len);
+                for (score, key) in scores.iter_mut().zip(keys.chunks_exact(d)) {
+                    *score = math::dot(q, key) * scale;
+                }
+                let top = math::max(&scores);
+                for score in scores.iter_mut() {
+                    *score -= top;
+                }
+                math::exp_in_place(&mut scores);
+                let total: f32 = scores.iter().sum();
+                let values = cache.span(row.slot, l, 1, h / group, len);
+                for (&e, value) in scores.iter().zip(values.chunks_exact(d)) {
+                    math::axpy(out, e / total, value);
+                }
+            }
+        });
+    }
+
     /// Runs the tokens `ids` at `rows` (cache slot and position) through the
     /// decoder, appending their keys and values to the cache, and returns the
     /// logits `[logit_rows.len(), vocab]` of the rows listed in `logit_rows`.
     ///
     /// # Safety
     /// The CPU must support AVX2 and FMA.
+    #[allow(clippy::too_many_arguments)]
     unsafe fn forward<'s>(
         &self,
         ids: &[i64],
@@ -197,13 +259,12 @@ impl CpuModel {
         rope: &RopeTables,
         scratch: &'s mut Scratch,
         logit_rows: &[usize],
+        pool: Option<&rayon::ThreadPool>,
     ) -> &'s [f32] {
         let m = rows.len();
         let (hd, d) = (self.hidden, self.head_dim);
         let (q_width, kv_width) = (self.heads * d, self.kv_heads * d);
         let qkv_width = q_width + 2 * kv_width;
-        let group = self.heads / self.kv_heads;
-        let scale = 1.0 / (d as f32).sqrt();
         let s = scratch;
         s.reserve(m, self, logit_rows.len());
         for (i, &id) in ids.iter().enumerate() {
@@ -220,7 +281,7 @@ impl CpuModel {
                     &mut s.xn[span],
                 );
             }
-            gemm::matmul(&s.xn, hd, m, &layer.qkv, &mut s.qkv, qkv_width, false);
+            gemm::matmul(&s.xn, hd, m, &layer.qkv, &mut s.qkv, qkv_width, false, pool);
             for (i, row) in rows.iter().enumerate() {
                 let qkv = &mut s.qkv[i * qkv_width..(i + 1) * qkv_width];
                 let (q, kv) = qkv.split_at_mut(q_width);
@@ -245,31 +306,32 @@ impl CpuModel {
                         .copy_from_slice(&v[h * d..(h + 1) * d]);
                 }
             }
-            for (i, row) in rows.iter().enumerate() {
-                let len = row.pos + 1;
-                let scores = &mut s.scores[..len];
-                let out = &mut s.att[i * q_width..(i + 1) * q_width];
-                out.fill(0.0);
-                for h in 0..self.heads {
-                    let q = &s.qkv[i * qkv_width + h * d..i * qkv_width + (h + 1) * d];
-                    let keys = cache.span(row.slot, l, 0, h / group, len);
-                    for (score, key) in scores.iter_mut().zip(keys.chunks_exact(d)) {
-                        *score = math::dot(q, key) * scale;
-                    }
-                    let top = math::max(scores);
-                    for score in scores.iter_mut() {
-                        *score -= top;
-                    }
-                    math::exp_in_place(scores);
-                    let total: f32 = scores.iter().sum();
-                    let values = cache.span(row.slot, l, 1, h / group, len);
-                    let out = &mut out[h * d..(h + 1) * d];
-                    for (&e, value) in scores.iter().zip(values.chunks_exact(d)) {
-                        math::axpy(out, e / total, value);
-                    }
-                }
+            let att = &mut s.att[..m * q_width];
+            let qkv = &s.qkv[..m * qkv_width];
+            let cache = &*cache;
+            let attend = |(i, (out, row)): (usize, (&mut [f32], &Row))| {
+                self.attend(
+                    &qkv[i * qkv_width..i * qkv_width + q_width],
+                    cache,
+                    l,
+                    *row,
+                    out,
+                )
+            };
+            match pool {
+                Some(pool) if m > 1 => pool.install(|| {
+                    att.par_chunks_mut(q_width)
+                        .zip(rows.par_iter())
+                        .enumerate()
+                        .for_each(attend)
+                }),
+                _ => att
+                    .chunks_mut(q_width)
+                    .zip(rows)
+                    .enumerate()
+                    .for_each(attend),
             }
-            gemm::matmul(&s.att, q_width, m, &layer.o, &mut s.x, hd, true);
+            gemm::matmul(&s.att, q_width, m, &layer.o, &mut s.x, hd, true, pool);
             for i in 0..m {
                 let span = i * hd..(i + 1) * hd;
                 math::rms_norm(
@@ -288,6 +350,7 @@ impl CpuModel {
                 &mut s.gate_up,
                 gu_width,
                 false,
+                pool,
             );
             for i in 0..m {
                 math::silu_mul(
@@ -295,7 +358,7 @@ impl CpuModel {
                     &mut s.act[i * inter..(i + 1) * inter],
                 );
             }
-            gemm::matmul(&s.act, inter, m, &layer.down, &mut s.x, hd, true);
+            gemm::matmul(&s.act, inter, m, &layer.down, &mut s.x, hd, true, pool);
         }
         for (j, &i) in logit_rows.iter().enumerate() {
             math::rms_norm(
@@ -314,6 +377,7 @@ impl CpuModel {
             &mut s.logits,
             self.vocab,
             false,
+            pool,
         );
         &s.logits[..count * self.vocab]
     }
@@ -437,7 +501,6 @@ struct Scratch {
     gate_up: Vec<f32>,
     act: Vec<f32>,
     logits: Vec<f32>,
-    scores: Vec<f32>,
     head: Vec<f32>,
 }
 
@@ -479,12 +542,11 @@ pub fn generate(
     let capacity = longest + params.max_new_tokens;
     let rope = RopeTables::new(model, capacity)?;
     let mut cache = Cache::new(prepared.take_cache(), prompts.len() * n, &cpu, capacity);
-    let mut scratch = Scratch {
-        scores: vec![0.0; capacity],
-        ..Default::default()
-    };
+    let mut scratch = Scratch::default();
+    let pool = prepared.pool()?;
+    let pool = pool.as_deref();
     // SAFETY (all calls below): the caller checked that the CPU has AVX2 and FMA.
-    let first = unsafe { prefill(&cpu, prompts, n, &mut cache, &rope, &mut scratch) };
+    let first = unsafe { prefill(&cpu, prompts, n, &mut cache, &rope, &mut scratch, pool) };
     for (p, prompt) in prompts.iter().enumerate() {
         for s in 1..n {
             cache.copy_prefix(p * n, p * n + s, prompt.len());
@@ -519,7 +581,8 @@ pub fn generate(
         }
         all.clear();
         all.extend(0..live.len());
-        let logits = unsafe { cpu.forward(&ids, &rows, &mut cache, &rope, &mut scratch, &all) };
+        let logits =
+            unsafe { cpu.forward(&ids, &rows, &mut cache, &rope, &mut scratch, &all, pool) };
         let mut kept = 0;
         for i in 0..live.len() {
             let (r, _, pos) = live[i];
@@ -547,6 +610,7 @@ unsafe fn prefill(
     cache: &mut Cache,
     rope: &RopeTables,
     scratch: &mut Scratch,
+    pool: Option<&rayon::ThreadPool>,
 ) -> Vec<f32> {
     let mut first = vec![0.0f32; prompts.len() * cpu.vocab];
     let tokens: Vec<(usize, usize, i64)> = prompts
@@ -568,7 +632,7 @@ unsafe fn prefill(
         let last: Vec<usize> = (0..chunk.len())
             .filter(|&i| chunk[i].1 + 1 == prompts[chunk[i].0].len())
             .collect();
-        let logits = cpu.forward(&ids, &rows, cache, rope, scratch, &last);
+        let logits = cpu.forward(&ids, &rows, cache, rope, scratch, &last, pool);
         for (j, &i) in last.iter().enumerate() {
             let p = chunk[i].0;
             first[p * cpu.vocab..(p + 1) * cpu.vocab]

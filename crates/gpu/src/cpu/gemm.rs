@@ -64,15 +64,28 @@ thread_local! {
     static PACKED_A: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
+/// Products smaller than this (multiply-adds) stay on the calling thread.
+const PARALLEL_MACS: usize = 1 << 21;
+
+/// `c` shared by the threads of one product; each writes its own columns.
+#[derive(Clone, Copy)]
+struct Out(*mut f32);
+// SAFETY: the threads of one `matmul` write disjoint column ranges of `c`.
+unsafe impl Send for Out {}
+unsafe impl Sync for Out {}
+
 /// `c[i, j] (+)= Σ_k a[i, k] · W[j, k] + bias[j]` for `m` rows; `a` has row
 /// stride `lda` (≥ k), `c` row stride `ldc` (≥ n). With `accumulate` the
 /// product (and bias) is added to `c` (a residual connection), else written.
 ///
-/// The depth is cut into blocks of [`KC`]; for each, the rows of `a` are
-/// packed six at a time (`[block][k][6]`) so the kernel reads them in order.
+/// The depth is cut into blocks of [`KC`] and the rows of `a` are packed six
+/// at a time (`[depth block][row block][k][6]`) so the kernel reads them in
+/// order. With a `pool`, large products split their weight panels among its
+/// threads; each output element is computed the same way either way.
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA ([`supported`]).
+#[allow(clippy::too_many_arguments)]
 pub unsafe fn matmul(
     a: &[f32],
     lda: usize,
@@ -81,6 +94,7 @@ pub unsafe fn matmul(
     c: &mut [f32],
     ldc: usize,
     accumulate: bool,
+    pool: Option<&rayon::ThreadPool>,
 ) {
     if m == 0 {
         return;
@@ -89,57 +103,97 @@ pub unsafe fn matmul(
     assert!(a.len() >= (m - 1) * lda + w.k, "a is too short");
     assert!(c.len() >= (m - 1) * ldc + w.n, "c is too short");
     let blocks = m.div_ceil(MR);
+    let depth_blocks = w.k.div_ceil(KC);
     PACKED_A.with(|packed| {
         let mut packed = packed.borrow_mut();
-        packed.resize(blocks * KC * MR, 0.0);
-        let panel_len = w.k * NR;
-        let mut k0 = 0;
-        while k0 < w.k {
-            let kc = KC.min(w.k - k0);
+        packed.resize(depth_blocks * blocks * KC * MR, 0.0);
+        for d in 0..depth_blocks {
+            let (k0, kc) = (d * KC, KC.min(w.k - d * KC));
             for block in 0..blocks {
-                let dst = &mut packed[block * KC * MR..(block + 1) * KC * MR];
-                for r in 0..MR {
-                    let row = block * MR + r;
-                    if row < m {
-                        let src = &a[row * lda + k0..row * lda + k0 + kc];
-                        for (kk, &v) in src.iter().enumerate() {
-                            dst[kk * MR + r] = v;
-                        }
+                let start = (d * blocks + block) * KC * MR;
+                let dst = &mut packed[start..start + KC * MR];
+                for r in 0..MR.min(m - block * MR) {
+                    let row = (block * MR + r) * lda + k0;
+                    for (kk, &v) in a[row..row + kc].iter().enumerate() {
+                        dst[kk * MR + r] = v;
                     }
                 }
             }
+        }
+        let panels = w.n.div_ceil(NR);
+        let out = Out(c.as_mut_ptr());
+        let job = Job {
+            a: &packed,
+            m,
+            blocks,
+            w,
+            ldc,
+            accumulate,
+        };
+        let threads = pool.map_or(1, |p| p.current_num_threads()).min(panels);
+        if threads > 1 && m * w.k * w.n >= PARALLEL_MACS {
+            let per = panels.div_ceil(threads);
+            pool.expect("threads > 1 comes from a pool").scope(|scope| {
+                for t in 1..threads {
+                    let job = &job;
+                    scope.spawn(move |_| job.run(t * per..((t + 1) * per).min(panels), out));
+                }
+                job.run(0..per, out);
+            });
+        } else {
+            job.run(0..panels, out);
+        }
+    });
+}
+
+/// One product: packed rows against a range of weight panels.
+struct Job<'a> {
+    a: &'a [f32],
+    m: usize,
+    blocks: usize,
+    w: &'a Packed,
+    ldc: usize,
+    accumulate: bool,
+}
+
+impl Job<'_> {
+    /// Computes the columns of `panels` into `c`.
+    unsafe fn run(&self, panels: std::ops::Range<usize>, c: Out) {
+        let w = self.w;
+        let panel_len = w.k * NR;
+        for d in 0..w.k.div_ceil(KC) {
+            let (k0, kc) = (d * KC, KC.min(w.k - d * KC));
             let last = k0 + kc == w.k;
-            for p in 0..w.n.div_ceil(NR) {
-                let panel = &w.panels[p * panel_len + k0 * NR..p * panel_len + (k0 + kc) * NR];
+            for p in panels.clone() {
                 let cols = NR.min(w.n - p * NR);
+                let start = p * panel_len + k0 * NR;
                 let tile = Tile {
                     kc,
-                    panel,
+                    panel: &w.panels[start..start + kc * NR],
                     cols,
-                    load: accumulate || k0 > 0,
+                    load: self.accumulate || k0 > 0,
                     bias: if last {
                         w.bias.as_ref().map(|b| &b[p * NR..p * NR + cols])
                     } else {
                         None
                     },
                 };
-                for block in 0..blocks {
-                    let rows = MR.min(m - block * MR);
-                    let a = &packed[block * KC * MR..];
-                    let out = &mut c[block * MR * ldc + p * NR..];
+                for block in 0..self.blocks {
+                    let rows = MR.min(self.m - block * MR);
+                    let a = &self.a[(d * self.blocks + block) * KC * MR..];
+                    let out = c.0.add(block * MR * self.ldc + p * NR);
                     match rows {
-                        6 => kernel::<6>(&tile, a, out, ldc),
-                        5 => kernel::<5>(&tile, a, out, ldc),
-                        4 => kernel::<4>(&tile, a, out, ldc),
-                        3 => kernel::<3>(&tile, a, out, ldc),
-                        2 => kernel::<2>(&tile, a, out, ldc),
-                        _ => kernel::<1>(&tile, a, out, ldc),
+                        6 => kernel::<6>(&tile, a, out, self.ldc),
+                        5 => kernel::<5>(&tile, a, out, self.ldc),
+                        4 => kernel::<4>(&tile, a, out, self.ldc),
+                        3 => kernel::<3>(&tile, a, out, self.ldc),
+                        2 => kernel::<2>(&tile, a, out, self.ldc),
+                        _ => kernel::<1>(&tile, a, out, self.ldc),
                     }
                 }
             }
-            k0 += kc;
         }
-    });
+    }
 }
 
 /// One block of the depth against one weight panel.
@@ -153,21 +207,21 @@ struct Tile<'a> {
     bias: Option<&'a [f32]>,
 }
 
-/// `R` rows × 16 columns: `a` is packed `[k][6]`, `c` has row stride `ldc`.
+/// `R` rows × `t.cols` (≤ 16) columns: `a` is packed `[k][6]`; `c` points
+/// at the tile's first element, rows `ldc` apart (the caller checked bounds).
 #[target_feature(enable = "avx2,fma")]
-unsafe fn kernel<const R: usize>(t: &Tile, a: &[f32], c: &mut [f32], ldc: usize) {
+unsafe fn kernel<const R: usize>(t: &Tile, a: &[f32], c: *mut f32, ldc: usize) {
     debug_assert!(a.len() >= t.kc * MR && t.panel.len() >= t.kc * NR);
-    debug_assert!(c.len() >= (R - 1) * ldc + t.cols);
     let mut tile = [0.0f32; NR];
     let mut acc = [[_mm256_setzero_ps(); 2]; R];
     if t.load {
         for (r, acc) in acc.iter_mut().enumerate() {
-            let row = c.as_ptr().add(r * ldc);
+            let row = c.add(r * ldc);
             if t.cols == NR {
                 acc[0] = _mm256_loadu_ps(row);
                 acc[1] = _mm256_loadu_ps(row.add(8));
             } else {
-                tile[..t.cols].copy_from_slice(&c[r * ldc..r * ldc + t.cols]);
+                std::ptr::copy_nonoverlapping(row, tile.as_mut_ptr(), t.cols);
                 acc[0] = _mm256_loadu_ps(tile.as_ptr());
                 acc[1] = _mm256_loadu_ps(tile.as_ptr().add(8));
             }
@@ -209,14 +263,14 @@ unsafe fn kernel<const R: usize>(t: &Tile, a: &[f32], c: &mut [f32], ldc: usize)
         }
     }
     for (r, acc) in acc.iter().enumerate() {
-        let row = c.as_mut_ptr().add(r * ldc);
+        let row = c.add(r * ldc);
         if t.cols == NR {
             _mm256_storeu_ps(row, acc[0]);
             _mm256_storeu_ps(row.add(8), acc[1]);
         } else {
             _mm256_storeu_ps(tile.as_mut_ptr(), acc[0]);
             _mm256_storeu_ps(tile.as_mut_ptr().add(8), acc[1]);
-            c[r * ldc..r * ldc + t.cols].copy_from_slice(&tile[..t.cols]);
+            std::ptr::copy_nonoverlapping(tile.as_ptr(), row, t.cols);
         }
     }
 }
@@ -254,22 +308,37 @@ mod tests {
             let bias: Vec<f32> = (0..n).map(|_| next()).collect();
             let packed = Packed::new(&w, n, k, Some(bias.clone()));
             let mut c = vec![0.0f32; m * n];
-            unsafe { matmul(&a, k, m, &packed, &mut c, n, false) };
+            unsafe { matmul(&a, k, m, &packed, &mut c, n, false, None) };
             let want = reference(&a, m, &w, n, k, &bias);
             for (x, y) in c.iter().zip(&want) {
                 assert!((*x as f64 - y).abs() < 1e-4, "{m}x{n}x{k}: {x} vs {y}");
             }
             // Accumulating adds the same product again.
-            unsafe { matmul(&a, k, m, &packed, &mut c, n, true) };
+            unsafe { matmul(&a, k, m, &packed, &mut c, n, true, None) };
             for (x, y) in c.iter().zip(&want) {
                 assert!((*x as f64 - 2.0 * y).abs() < 2e-4);
             }
             // The last row alone gives bit-identical results.
             let mut last = vec![0.0f32; n];
-            unsafe { matmul(&a[(m - 1) * k..], k, 1, &packed, &mut last, n, false) };
+            unsafe { matmul(&a[(m - 1) * k..], k, 1, &packed, &mut last, n, false, None) };
             let mut again = vec![0.0f32; m * n];
-            unsafe { matmul(&a, k, m, &packed, &mut again, n, false) };
+            unsafe { matmul(&a, k, m, &packed, &mut again, n, false, None) };
             assert_eq!(last, again[(m - 1) * n..]);
         }
+        // Split among threads, the same bits.
+        let (m, n, k) = (64, 200, 300);
+        let a: Vec<f32> = (0..m * k).map(|_| next()).collect();
+        let w: Vec<f32> = (0..n * k).map(|_| next()).collect();
+        let packed = Packed::new(&w, n, k, None);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .unwrap();
+        let (mut one, mut three) = (vec![1.0f32; m * n], vec![1.0f32; m * n]);
+        unsafe {
+            matmul(&a, k, m, &packed, &mut one, n, true, None);
+            matmul(&a, k, m, &packed, &mut three, n, true, Some(&pool));
+        }
+        assert_eq!(one, three);
     }
 }

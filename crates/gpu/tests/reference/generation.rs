@@ -271,6 +271,17 @@ fn cpu_kernels_agree_with_libtorch_ops() {
             "stale packed weights after an in-place change"
         );
     }
+    // The kernels split products and attention among libtorch's intra-op
+    // threads; every element is computed the same way: identical bits.
+    let threads = tch::get_num_threads();
+    let model = load("tiny-llama", Kind::Float);
+    let mut runs = Vec::new();
+    for t in [1, 3] {
+        weir_gpu::device::set_threads(t);
+        runs.push(generate_on(&model, &prompts, &ids, &sampled, Backend::Auto).unwrap());
+    }
+    tch::set_num_threads(threads);
+    assert_eq!(runs[0], runs[1], "1 thread and 3 threads differ");
     // Other dtypes stay on libtorch.
     assert!(!weir_gpu::generate::cpu_kernels_apply(&load(
         "tiny-llama",
