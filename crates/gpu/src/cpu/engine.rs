@@ -546,10 +546,30 @@ pub fn generate(
     let pool = prepared.pool()?;
     let pool = pool.as_deref();
     // SAFETY (all calls below): the caller checked that the CPU has AVX2 and FMA.
-    let first = unsafe { prefill(&cpu, prompts, n, &mut cache, &rope, &mut scratch, pool) };
-    for (p, prompt) in prompts.iter().enumerate() {
-        for s in 1..n {
-            cache.copy_prefix(p * n, p * n + s, prompt.len());
+    // Equal prompts (the samples of one prompt, or a batch that repeats
+    // prompts itself) are prefilled once, by the first of them.
+    let mut seen: HashMap<&[i64], usize> = HashMap::new();
+    let owner: Vec<usize> = prompts
+        .iter()
+        .enumerate()
+        .map(|(p, prompt)| *seen.entry(prompt.as_slice()).or_insert(p))
+        .collect();
+    let first = unsafe {
+        prefill(
+            &cpu,
+            prompts,
+            &owner,
+            n,
+            &mut cache,
+            &rope,
+            &mut scratch,
+            pool,
+        )
+    };
+    for r in 0..out.len() {
+        let (p, source) = (r / n, owner[r / n] * n);
+        if r != source {
+            cache.copy_prefix(source, r, prompts[p].len());
         }
     }
     let mut streams: Vec<Stream> = (0..out.len())
@@ -560,9 +580,9 @@ pub fn generate(
     // Live sequences: (output row = cache slot, last token, its position).
     let mut live: Vec<(usize, i64, usize)> = Vec::with_capacity(out.len());
     for (r, generation) in out.iter_mut().enumerate() {
-        let p = r / n;
+        let (p, source) = (r / n, owner[r / n]);
         row_logits.clear();
-        row_logits.extend_from_slice(&first[p * cpu.vocab..(p + 1) * cpu.vocab]);
+        row_logits.extend_from_slice(&first[source * cpu.vocab..(source + 1) * cpu.vocab]);
         let (token, logprob) =
             unsafe { picker.pick(&mut row_logits, params, streams[r].next_f32()) };
         if generation.record(token, logprob, params) {
@@ -601,11 +621,14 @@ pub fn generate(
     Ok(out)
 }
 
-/// Runs every prompt once (into the slot of its first sample) and returns
-/// the logits after each prompt's last token, `[prompts, vocab]`.
+/// Runs each prompt `p` with `owner[p] == p` (the first of equal prompts)
+/// into the slot of its first sample; returns the logits after each such
+/// prompt's last token, `[prompts, vocab]` (other rows are left at 0).
+#[allow(clippy::too_many_arguments)]
 unsafe fn prefill(
     cpu: &CpuModel,
     prompts: &[Vec<i64>],
+    owner: &[usize],
     n: usize,
     cache: &mut Cache,
     rope: &RopeTables,
@@ -616,6 +639,7 @@ unsafe fn prefill(
     let tokens: Vec<(usize, usize, i64)> = prompts
         .iter()
         .enumerate()
+        .filter(|&(p, _)| owner[p] == p)
         .flat_map(|(p, prompt)| {
             prompt
                 .iter()

@@ -187,7 +187,7 @@ fn generation_stops_at_any_eos_id_and_keeps_it() {
 /// weir's CPU kernels (the default for float32 on an AVX2 CPU) against the
 /// libtorch ops path, for every family: greedy and sampled tokens agree,
 /// behaviour log-probs within 1e-4, prompts of different lengths, several
-/// samples per prompt (prefilled once), and a prompt longer than one
+/// samples per prompt and repeated prompts (prefilled once), and a prompt longer than one
 /// prefill chunk.
 #[test]
 fn cpu_kernels_agree_with_libtorch_ops() {
@@ -195,11 +195,14 @@ fn cpu_kernels_agree_with_libtorch_ops() {
     let avx2 =
         std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma");
     let long: Vec<i64> = (0..300).map(|i| 5 + (i * 7) % 900).collect();
+    // The last prompt repeats the first (as a source that expands prompts × n
+    // sends them): prefilled once, sampled from its own streams.
     let prompts = vec![
         vec![1i64, 286, 202, 305],
         vec![302, 592],
         vec![5, 6, 7, 8, 9, 10, 11, 12, 13],
         long,
+        vec![1i64, 286, 202, 305],
     ];
     let ids: Vec<u64> = (0..prompts.len() as u64).collect();
     let sampled = SamplingParams {
