@@ -84,8 +84,12 @@ fn every_rl_pipeline_runs_logs_and_checkpoints() {
                 // The reference beside the generator; the critic on the train worker.
                 cfg.placement.reference = "rollout".into();
             }
-            // Off-policy rows weighted by truncated importance ratios.
-            PipelineKind::Grpo => cfg.algorithm.correction = "tis".into(),
+            // Off-policy rows weighted by truncated importance ratios;
+            // activations recomputed in the backward pass.
+            PipelineKind::Grpo => {
+                cfg.algorithm.correction = "tis".into();
+                cfg.algorithm.gradient_checkpointing = true;
+            }
             // DAPO's filter and the solve-rate curriculum.
             PipelineKind::DrGrpo => {
                 cfg.dynamic_sampling.enabled = true;
@@ -309,6 +313,7 @@ fn sft_lowers_its_loss_and_evaluates() {
     cfg.data.prompts_per_step = 16;
     cfg.algorithm.warmup_steps = 0;
     cfg.algorithm.lr = 3e-3;
+    cfg.algorithm.gradient_checkpointing = true;
     run(PipelineKind::Sft, cfg, &dir, false);
     let loss = metric(&dir, "sft", "loss");
     assert_eq!(loss.len(), 6);

@@ -313,6 +313,7 @@ pub fn learner_config(cfg: &RunConfig, kl_in_loss: bool) -> LearnerConfig {
         ppo_epochs: a.ppo_epochs,
         schedule: schedule(cfg),
         entropy_coef: a.entropy_coef,
+        gradient_checkpointing: a.gradient_checkpointing,
     }
 }
 

@@ -24,6 +24,7 @@ pub fn sft(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
                 schedule: roles::schedule(&c),
                 max_grad_norm: (a.max_grad_norm > 0.0).then_some(a.max_grad_norm),
                 micro_batch: a.micro_batch,
+                gradient_checkpointing: a.gradient_checkpointing,
             };
             let mut trainer = SftTrainer::new(model, tok, &c.data.label_column, config)?
                 .with_checkpoints(x.checkpoint_plan(&c));

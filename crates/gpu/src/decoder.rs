@@ -323,13 +323,70 @@ impl Decoder {
         let mask = attention_bias(key_mask, input_ids.size()[1], past, kind);
         for (i, layer) in self.layers.iter().enumerate() {
             let slot = cache.as_mut().map(|c| &mut c.layers[i]);
-            h = &h
-                + layer
-                    .attention
-                    .forward(&layer.input_norm.forward(&h), &cos, &sin, &mask, slot);
-            h = &h + layer.mlp.forward(&layer.post_norm.forward(&h));
+            h = layer.forward(&h, &cos, &sin, &mask, slot);
         }
         self.norm.forward(&h)
+    }
+
+    /// Gradient checkpointing: computes `loss_of(final hidden states)` for
+    /// `input_ids` (no cache) and backpropagates it into the parameters'
+    /// gradients, keeping only each layer's input instead of every
+    /// activation. The layers first run without autograd; the loss is
+    /// differentiated down to the last layer's output; then each layer, from
+    /// the last, is run again from its saved input and differentiated with the
+    /// gradient that reached its output. Returns the loss, detached.
+    ///
+    /// Gradients match a plain `forward` + `backward` up to rounding; the
+    /// cost is one more forward pass of the layers.
+    pub fn backward_checkpointed<E>(
+        &self,
+        input_ids: &Tensor,
+        key_mask: &Tensor,
+        position_ids: &Tensor,
+        loss_of: impl FnOnce(&Tensor) -> Result<Tensor, E>,
+    ) -> Result<Tensor, E> {
+        let kind = self.embed.kind();
+        let (cos, sin) = self.rope.tables(position_ids, kind);
+        let mask = attention_bias(key_mask, input_ids.size()[1], 0, kind);
+        let mut inputs = Vec::with_capacity(self.layers.len());
+        let last = {
+            let _guard = tch::no_grad_guard();
+            let mut h = Tensor::embedding(&self.embed, input_ids, -1, false, false);
+            for layer in &self.layers {
+                inputs.push(h.shallow_clone());
+                h = layer.forward(&h, &cos, &sin, &mask, None);
+            }
+            h
+        };
+        let last = last.detach().set_requires_grad(true);
+        let loss = loss_of(&self.norm.forward(&last))?;
+        loss.backward();
+        let mut grad = last.grad();
+        for (layer, input) in self.layers.iter().zip(inputs).rev() {
+            let x = input.detach().set_requires_grad(true);
+            let y = layer.forward(&x, &cos, &sin, &mask, None);
+            (y * &grad).sum(kind).backward();
+            grad = x.grad();
+        }
+        let embedded = Tensor::embedding(&self.embed, input_ids, -1, false, false);
+        (embedded * grad).sum(kind).backward();
+        Ok(loss.detach())
+    }
+}
+
+impl Layer {
+    fn forward(
+        &self,
+        h: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: &Tensor,
+        cache: Option<&mut LayerCache>,
+    ) -> Tensor {
+        let h = h + self
+            .attention
+            .forward(&self.input_norm.forward(h), cos, sin, mask, cache);
+        &h + self.mlp.forward(&self.post_norm.forward(&h))
     }
 }
 

@@ -194,6 +194,17 @@ impl Model {
         attention_mask: Option<&Tensor>,
         position_ids: Option<&Tensor>,
     ) -> Result<Tensor, ModelError> {
+        let (ids, mask, positions) = self.inputs(input_ids, attention_mask, position_ids)?;
+        Ok(self.decoder.forward(&ids, &mask, &positions, None))
+    }
+
+    /// Checked ids, mask and positions on the model's device.
+    fn inputs(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        position_ids: Option<&Tensor>,
+    ) -> Result<(Tensor, Tensor, Tensor), ModelError> {
         let ids = self.check_ids(input_ids)?;
         let mask = match attention_mask {
             Some(m) if m.size() == ids.size() => m.to_device(self.device()).to_kind(Kind::Int64),
@@ -210,7 +221,26 @@ impl Model {
             Some(p) => p.to_device(self.device()).to_kind(Kind::Int64),
             None => default_positions(&mask),
         };
-        Ok(self.decoder.forward(&ids, &mask, &positions, None))
+        Ok((ids, mask, positions))
+    }
+
+    /// Gradient checkpointing for a causal LM: computes `loss_of(logits)`
+    /// (logits `[B, T, vocab]` as [`Model::logits`] gives them) and
+    /// backpropagates it into the parameters' gradients, keeping one hidden
+    /// state per layer instead of every activation (see
+    /// [`Decoder::backward_checkpointed`](crate::decoder::Decoder::backward_checkpointed)).
+    /// Returns the loss, detached; gradients accumulate as with `backward`.
+    pub fn backward_checkpointed<E: From<ModelError>>(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        loss_of: impl FnOnce(&Tensor) -> Result<Tensor, E>,
+    ) -> Result<Tensor, E> {
+        let (ids, mask, positions) = self.inputs(input_ids, attention_mask, None)?;
+        self.decoder
+            .backward_checkpointed(&ids, &mask, &positions, |hidden| {
+                loss_of(&self.lm_logits(hidden)?)
+            })
     }
 
     /// Logits `[B, T, vocab]` of a causal LM.

@@ -43,6 +43,7 @@ pub const DOCS: &[(&str, &str, &str)] = &[
     ("algorithm", "weight_decay", "AdamW weight decay."),
     ("algorithm", "max_grad_norm", "Gradient-norm clip (0: off)."),
     ("algorithm", "micro_batch", "Rows per forward/backward pass (gradients accumulate over a step)."),
+    ("algorithm", "gradient_checkpointing", "Keep one hidden state per layer and recompute the rest in the backward pass (actor learner and SFT): less memory, one more forward pass, the same gradients."),
     ("algorithm", "ppo_epochs", "Optimizer passes over each step's rows."),
     ("algorithm", "clip_low", "ε_low: the ratio is clipped below at 1 − ε_low."),
     ("algorithm", "clip_high", "ε_high: clipped above at 1 + ε_high (> clip_low: DAPO's clip-higher)."),

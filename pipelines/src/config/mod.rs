@@ -233,6 +233,8 @@ pub struct AlgorithmSection {
     pub max_grad_norm: f64,
     /// Rows per forward/backward pass.
     pub micro_batch: usize,
+    /// Recompute layer activations in the backward pass (actor learner, SFT).
+    pub gradient_checkpointing: bool,
     /// Optimizer passes over each step's rows.
     pub ppo_epochs: usize,
     /// ε_low of the clipped ratio.
@@ -279,6 +281,7 @@ impl Default for AlgorithmSection {
             weight_decay: 0.0,
             max_grad_norm: 1.0,
             micro_batch: 64,
+            gradient_checkpointing: false,
             ppo_epochs: 1,
             clip_low: 0.2,
             clip_high: 0.2,

@@ -7,6 +7,7 @@ mod checkpoints;
 mod generation;
 mod logits;
 mod tokenizer;
+mod training;
 
 use std::path::PathBuf;
 

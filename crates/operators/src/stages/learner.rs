@@ -15,7 +15,7 @@ use weir_gpu::Model;
 use weir_graph::{StageError, StepBuffer, StepContext, StepStage, WeightsPayload};
 
 use super::columns::{float_lists, token_lists};
-use super::sequences::pack;
+use super::sequences::{pack, Packed};
 use crate::algorithms::{aggregate, kl_tensor, policy_loss, KlEstimator, PolicyLossConfig};
 use crate::checkpoint::CheckpointPlan;
 use crate::rollout::col;
@@ -46,6 +46,9 @@ pub struct LearnerConfig {
     /// the policy loss (OpenRLHF's `entropy_loss_coef`, verl's `entropy_coeff`;
     /// 0 = off, the entropy is still logged).
     pub entropy_coef: f64,
+    /// Recompute layer activations in the backward pass instead of keeping
+    /// them: less memory for one more forward pass, the same gradients.
+    pub gradient_checkpointing: bool,
 }
 
 /// Learning rate over optimizer steps: linear warm-up from 0, then constant or cosine decay.
@@ -109,6 +112,7 @@ impl Default for LearnerConfig {
             ppo_epochs: 1,
             schedule: LrSchedule::Constant { warmup: 0 },
             entropy_coef: 0.0,
+            gradient_checkpointing: false,
         }
     }
 }
@@ -215,6 +219,16 @@ pub fn response_forward(
     let pad = model.config.pad_token_id.unwrap_or(0).max(0);
     let packed = pack(prompts, responses, pad, model.device());
     let logits = model.logits(&packed.ids, Some(&packed.mask), None)?;
+    Ok(read_responses(&logits, packed, temperature, with_entropy))
+}
+
+/// The response positions of `logits` `[B, T, vocab]` over `packed` rows.
+fn read_responses(
+    logits: &Tensor,
+    packed: Packed,
+    temperature: f64,
+    with_entropy: bool,
+) -> ResponseForward {
     let vocab = logits.size()[2];
     let at = logits.gather(
         1,
@@ -222,11 +236,43 @@ pub fn response_forward(
         false,
     );
     let targets = packed.ids.gather(1, &(&packed.index + 1), false);
-    Ok(ResponseForward {
+    ResponseForward {
         logprobs: weir_gpu::logprobs::gather_logprobs(&at, &targets, temperature),
         mask: packed.response_mask,
         entropy: with_entropy.then(|| weir_gpu::logprobs::entropy(&at, temperature)),
-    })
+    }
+}
+
+/// A training forward and backward pass over `prompt ++ response` rows:
+/// `loss_of` turns the [`ResponseForward`] into the loss to backpropagate
+/// (and anything else it measured, returned). With `checkpointed`, layer
+/// activations are recomputed in the backward pass instead of kept
+/// ([`Model::backward_checkpointed`]); the gradients are the same.
+pub fn response_backward<T>(
+    model: &Model,
+    prompts: &[Vec<i64>],
+    responses: &[Vec<i64>],
+    temperature: f64,
+    with_entropy: bool,
+    checkpointed: bool,
+    loss_of: impl FnOnce(ResponseForward) -> Result<(Tensor, T), StageError>,
+) -> Result<T, StageError> {
+    let pad = model.config.pad_token_id.unwrap_or(0).max(0);
+    let packed = pack(prompts, responses, pad, model.device());
+    if !checkpointed {
+        let logits = model.logits(&packed.ids, Some(&packed.mask), None)?;
+        let (loss, measured) = loss_of(read_responses(&logits, packed, temperature, with_entropy))?;
+        loss.backward();
+        return Ok(measured);
+    }
+    let (ids, mask) = (packed.ids.shallow_clone(), packed.mask.shallow_clone());
+    let mut measured = None;
+    let _loss = model.backward_checkpointed(&ids, Some(&mask), |logits| {
+        let (loss, m) = loss_of(read_responses(logits, packed, temperature, with_entropy))?;
+        measured = Some(m);
+        Ok::<_, StageError>(loss)
+    })?;
+    Ok(measured.expect("loss_of ran"))
 }
 
 fn padded(rows: &[Vec<f64>], width: usize, device: tch::Device) -> Tensor {
@@ -288,60 +334,65 @@ impl Learner {
             weights = None;
             for (&start, old) in starts.iter().zip(&proximal) {
                 let end = (start + micro).min(batch.num_rows());
-                let fwd = response_forward(
+                let cfg = &self.cfg;
+                let micro_loss = |fwd: ResponseForward| {
+                    let (lp, mask) = (fwd.logprobs, fwd.mask);
+                    let width = lp.size()[1] as usize;
+                    let adv = padded(&advantages[start..end], width, device);
+                    let behaviour_t = padded(&behaviour[start..end], width, device);
+                    let out = policy_loss(&lp, old, &adv, &mask, Some(&behaviour_t), &cfg.policy);
+                    let mut loss = out.loss.shallow_clone();
+                    if let Some(refs) = &references {
+                        // KL to the reference as a loss term (GRPO's β · KL), aggregated like the policy loss.
+                        let ref_t = padded(&refs[start..end], width, device);
+                        let kl = aggregate(
+                            &kl_tensor(&lp, &ref_t, cfg.kl_estimator, cfg.policy.flavor),
+                            &mask,
+                            cfg.policy.aggregation,
+                            cfg.policy.flavor,
+                        );
+                        kl_sum += kl.double_value(&[]) * mask.sum(Kind::Double).double_value(&[])
+                            / total_tokens as f64;
+                        loss += kl * cfg.kl_coef;
+                    }
+                    let tokens = mask.sum(Kind::Double).double_value(&[]);
+                    if let Some(entropy) = &fwd.entropy {
+                        if cfg.entropy_coef != 0.0 {
+                            let bonus = aggregate(
+                                entropy,
+                                &mask,
+                                cfg.policy.aggregation,
+                                cfg.policy.flavor,
+                            );
+                            loss -= bonus * cfg.entropy_coef;
+                        }
+                        entropy_sum += (entropy.detach() * &mask)
+                            .sum(Kind::Double)
+                            .double_value(&[])
+                            / total_tokens as f64;
+                    }
+                    // Token mean over the whole step: weight each micro-batch by its share of tokens.
+                    let share = tokens / total_tokens as f64;
+                    loss_sum += loss.double_value(&[]) * share;
+                    clip_sum += out.clip_fraction * share;
+                    if cfg.policy.correction.is_some() {
+                        let (mean, lo, hi) = out.weight_stats;
+                        weights = Some(match weights {
+                            None => (mean * share, lo, hi),
+                            Some((m, l, h)) => (m + mean * share, l.min(lo), h.max(hi)),
+                        });
+                    }
+                    Ok((loss * share, ()))
+                };
+                response_backward(
                     &self.model,
                     &prompts[start..end],
                     &responses[start..end],
-                    self.cfg.temperature,
+                    cfg.temperature,
                     true,
+                    cfg.gradient_checkpointing,
+                    micro_loss,
                 )?;
-                let (lp, mask) = (fwd.logprobs, fwd.mask);
-                let width = lp.size()[1] as usize;
-                let adv = padded(&advantages[start..end], width, device);
-                let behaviour_t = padded(&behaviour[start..end], width, device);
-                let out = policy_loss(&lp, old, &adv, &mask, Some(&behaviour_t), &self.cfg.policy);
-                let mut loss = out.loss.shallow_clone();
-                if let Some(refs) = &references {
-                    // KL to the reference as a loss term (GRPO's β · KL), aggregated like the policy loss.
-                    let ref_t = padded(&refs[start..end], width, device);
-                    let kl = aggregate(
-                        &kl_tensor(&lp, &ref_t, self.cfg.kl_estimator, self.cfg.policy.flavor),
-                        &mask,
-                        self.cfg.policy.aggregation,
-                        self.cfg.policy.flavor,
-                    );
-                    kl_sum += kl.double_value(&[]) * mask.sum(Kind::Double).double_value(&[])
-                        / total_tokens as f64;
-                    loss += kl * self.cfg.kl_coef;
-                }
-                let tokens = mask.sum(Kind::Double).double_value(&[]);
-                if let Some(entropy) = &fwd.entropy {
-                    if self.cfg.entropy_coef != 0.0 {
-                        let bonus = aggregate(
-                            entropy,
-                            &mask,
-                            self.cfg.policy.aggregation,
-                            self.cfg.policy.flavor,
-                        );
-                        loss -= bonus * self.cfg.entropy_coef;
-                    }
-                    entropy_sum += (entropy.detach() * &mask)
-                        .sum(Kind::Double)
-                        .double_value(&[])
-                        / total_tokens as f64;
-                }
-                // Token mean over the whole step: weight each micro-batch by its share of tokens.
-                let share = tokens / total_tokens as f64;
-                loss_sum += loss.double_value(&[]) * share;
-                (&loss * share).backward();
-                clip_sum += out.clip_fraction * share;
-                if self.cfg.policy.correction.is_some() {
-                    let (mean, lo, hi) = out.weight_stats;
-                    weights = Some(match weights {
-                        None => (mean * share, lo, hi),
-                        Some((m, l, h)) => (m + mean * share, l.min(lo), h.max(hi)),
-                    });
-                }
             }
             grad_norm = self.optimizer.step(self.cfg.max_grad_norm);
             self.updates += 1;
@@ -467,6 +518,57 @@ mod tests {
         );
         assert!(up > before + 1e-4, "{before} → {up}");
         assert!(down < before - 1e-4, "{before} → {down}");
+    }
+
+    #[test]
+    fn gradient_checkpointing_gives_the_same_updates() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../../shared/fixtures/models/tiny-qwen2");
+        let responses = vec![vec![5i64, 6, 7], vec![8, 9], vec![10]];
+        let advantages = vec![vec![1.0; 3], vec![-0.5; 2], vec![0.25]];
+        let behaviour: Vec<Vec<f64>> = responses.iter().map(|r| vec![-2.0; r.len()]).collect();
+        let batch = RecordBatch::try_from_iter([
+            (
+                col::PROMPT_TOKENS,
+                token_list_array(&[vec![1, 2], vec![1, 3, 4], vec![7, 7, 7, 7]]),
+            ),
+            (col::RESPONSE_TOKENS, token_list_array(&responses)),
+            (col::ADVANTAGES, float_list_array(&advantages)),
+            (col::BEHAVIOR_LOGPROBS, float_list_array(&behaviour)),
+        ])
+        .unwrap();
+        let run = |checkpointed: bool| {
+            let model = Model::load(&dir, weir_gpu::Device::Cpu, Kind::Float).unwrap();
+            let mut cfg = LearnerConfig {
+                entropy_coef: 0.1,
+                micro_batch: 2,
+                ppo_epochs: 2,
+                gradient_checkpointing: checkpointed,
+                ..LearnerConfig::default()
+            };
+            cfg.adamw.lr = 1e-2;
+            let mut learner = Learner::new(model, cfg).unwrap();
+            let stats = learner.update(&batch).unwrap();
+            (stats, learner.model().named_tensors())
+        };
+        let (plain, plain_weights) = run(false);
+        let (checkpointed, weights) = run(true);
+        assert!(plain.grad_norm > 0.0);
+        for (a, b) in [
+            (plain.loss, checkpointed.loss),
+            (plain.grad_norm, checkpointed.grad_norm),
+            (plain.entropy, checkpointed.entropy),
+        ] {
+            assert!((a - b).abs() < 1e-5 * a.abs().max(1.0), "{a} vs {b}");
+        }
+        // Adam scales every step to ~lr whatever the gradient's size, so
+        // rounding-level gradients (a key bias's is 0 up to rounding: softmax
+        // ignores a shift shared by all keys) move by rounding-level amounts
+        // of lr; a wrong gradient would move weights by ~lr = 1e-2.
+        for ((name, a), (_, b)) in plain_weights.iter().zip(&weights) {
+            let d = (a - b).abs().max().double_value(&[]);
+            assert!(d < 1e-4, "{name} differs by {d:e} after the update");
+        }
     }
 
     #[test]

@@ -10,7 +10,7 @@ use weir_gpu::{Model, Tokenizer};
 use weir_graph::{StageError, StepBuffer, StepContext, StepStage};
 
 use super::columns::token_lists;
-use super::learner::{response_forward, LrSchedule};
+use super::learner::{response_backward, LrSchedule};
 use super::sequences::response_targets;
 use crate::checkpoint::CheckpointPlan;
 use crate::rollout::col;
@@ -26,6 +26,8 @@ pub struct SftConfig {
     pub max_grad_norm: Option<f64>,
     /// Rows per forward/backward pass.
     pub micro_batch: usize,
+    /// Recompute layer activations in the backward pass (less memory).
+    pub gradient_checkpointing: bool,
 }
 
 /// The SFT trainer stage.
@@ -91,17 +93,20 @@ impl SftTrainer {
         let mut loss_sum = 0.0;
         for start in (0..prompts.len()).step_by(self.cfg.micro_batch.max(1)) {
             let end = (start + self.cfg.micro_batch.max(1)).min(prompts.len());
-            let f = response_forward(
+            // Token mean over the whole step.
+            loss_sum += response_backward(
                 &self.model,
                 &prompts[start..end],
                 &targets[start..end],
                 1.0,
                 false,
+                self.cfg.gradient_checkpointing,
+                |f| {
+                    let loss = -(f.logprobs * &f.mask).sum(Kind::Float) / total;
+                    let value = loss.double_value(&[]);
+                    Ok((loss, value))
+                },
             )?;
-            // Token mean over the whole step.
-            let loss = -(f.logprobs * &f.mask).sum(Kind::Float) / total;
-            loss_sum += loss.double_value(&[]);
-            loss.backward();
         }
         let grad_norm = self.optimizer.step(self.cfg.max_grad_norm);
         if !loss_sum.is_finite() || !grad_norm.is_finite() {
