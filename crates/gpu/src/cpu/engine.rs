@@ -18,7 +18,7 @@ use rayon::prelude::*;
 
 use super::gemm::{self, Packed};
 use super::math;
-use super::sample::Picker;
+use super::sample::{self, Picker};
 use crate::generate::{Generation, SamplingParams, Stream};
 use crate::{Model, ModelError};
 
@@ -546,14 +546,7 @@ pub fn generate(
     let pool = prepared.pool()?;
     let pool = pool.as_deref();
     // SAFETY (all calls below): the caller checked that the CPU has AVX2 and FMA.
-    // Equal prompts (the samples of one prompt, or a batch that repeats
-    // prompts itself) are prefilled once, by the first of them.
-    let mut seen: HashMap<&[i64], usize> = HashMap::new();
-    let owner: Vec<usize> = prompts
-        .iter()
-        .enumerate()
-        .map(|(p, prompt)| *seen.entry(prompt.as_slice()).or_insert(p))
-        .collect();
+    let owner = owners(prompts);
     let first = unsafe {
         prefill(
             &cpu,
@@ -566,12 +559,6 @@ pub fn generate(
             pool,
         )
     };
-    for r in 0..out.len() {
-        let (p, source) = (r / n, owner[r / n] * n);
-        if r != source {
-            cache.copy_prefix(source, r, prompts[p].len());
-        }
-    }
     let mut streams: Vec<Stream> = (0..out.len())
         .map(|r| Stream::new(params.seed, stream_ids[r / n], (r % n) as u64))
         .collect();
@@ -621,9 +608,23 @@ pub fn generate(
     Ok(out)
 }
 
+/// For each prompt, the index of the first prompt equal to it: equal prompts
+/// (the samples of one prompt, or a batch that repeats prompts itself) are
+/// prefilled once.
+fn owners(prompts: &[Vec<i64>]) -> Vec<usize> {
+    let mut seen: HashMap<&[i64], usize> = HashMap::new();
+    prompts
+        .iter()
+        .enumerate()
+        .map(|(p, prompt)| *seen.entry(prompt.as_slice()).or_insert(p))
+        .collect()
+}
+
 /// Runs each prompt `p` with `owner[p] == p` (the first of equal prompts)
-/// into the slot of its first sample; returns the logits after each such
-/// prompt's last token, `[prompts, vocab]` (other rows are left at 0).
+/// into the slot of its first sample, then copies its keys and values to the
+/// slots of every sample of every prompt equal to it; returns the logits
+/// after each such prompt's last token, `[prompts, vocab]` (other rows are
+/// left at 0).
 #[allow(clippy::too_many_arguments)]
 unsafe fn prefill(
     cpu: &CpuModel,
@@ -663,5 +664,118 @@ unsafe fn prefill(
                 .copy_from_slice(&logits[j * cpu.vocab..(j + 1) * cpu.vocab]);
         }
     }
+    for r in 0..prompts.len() * n {
+        let (p, source) = (r / n, owner[r / n] * n);
+        if r != source {
+            cache.copy_prefix(source, r, prompts[p].len());
+        }
+    }
     first
+}
+
+/// Rows per forward call when every row needs its logits: at most 16M
+/// logits (64 MiB) at once, between 16 and [`PREFILL_ROWS`] rows.
+fn logit_chunk(vocab: usize) -> usize {
+    ((16 << 20) / vocab.max(1)).clamp(16, PREFILL_ROWS)
+}
+
+/// `log p(responses[r][j] | prompts[r] ++ responses[r][..j])` at
+/// `temperature`, for every row and response token, without gradients.
+/// Equal prompts are run once. The caller has checked that the kernels apply.
+pub fn response_logprobs(
+    model: &Model,
+    prompts: &[Vec<i64>],
+    responses: &[Vec<i64>],
+    temperature: f64,
+) -> Result<Vec<Vec<f32>>, ModelError> {
+    if let Some(i) = prompts.iter().position(Vec::is_empty) {
+        return Err(ModelError::Input(format!("prompt {i} is empty")));
+    }
+    let vocab = model.config.vocab_size;
+    if let Some(&id) = prompts
+        .iter()
+        .chain(responses)
+        .flatten()
+        .find(|&&id| id < 0 || id >= vocab)
+    {
+        return Err(ModelError::Input(format!(
+            "the token id {id} lies outside the vocabulary 0..{vocab}"
+        )));
+    }
+    let prepared = model.prepared_for_cpu();
+    let cpu = prepared.model(model)?;
+    let capacity = prompts
+        .iter()
+        .zip(responses)
+        .map(|(p, r)| p.len() + r.len())
+        .max()
+        .unwrap_or(1);
+    let rope = RopeTables::new(model, capacity)?;
+    let mut cache = Cache::new(prepared.take_cache(), prompts.len(), &cpu, capacity);
+    let mut scratch = Scratch::default();
+    let pool = prepared.pool()?;
+    let pool = pool.as_deref();
+    let owner = owners(prompts);
+    let temperature = temperature as f32;
+    let mut row = Vec::with_capacity(cpu.vocab);
+    let mut logprob = |logits: &[f32], target: i64| {
+        row.clear();
+        row.extend(logits.iter().map(|&x| x / temperature));
+        // SAFETY: the caller checked that the CPU has AVX2 and FMA.
+        unsafe { sample::log_prob(&mut row, target as usize) }
+    };
+    // SAFETY (both calls): as above.
+    let first = unsafe {
+        prefill(
+            &cpu,
+            prompts,
+            &owner,
+            1,
+            &mut cache,
+            &rope,
+            &mut scratch,
+            pool,
+        )
+    };
+    let mut out: Vec<Vec<f32>> = responses
+        .iter()
+        .enumerate()
+        .map(|(r, response)| {
+            let mut lp = Vec::with_capacity(response.len());
+            if let Some(&target) = response.first() {
+                let o = owner[r];
+                lp.push(logprob(&first[o * cpu.vocab..(o + 1) * cpu.vocab], target));
+            }
+            lp
+        })
+        .collect();
+    // Every response token but the last, in (row, position) order, so each
+    // sees the keys of the ones before it.
+    let tokens: Vec<(usize, usize)> = responses
+        .iter()
+        .enumerate()
+        .flat_map(|(r, response)| (0..response.len().saturating_sub(1)).map(move |j| (r, j)))
+        .collect();
+    for chunk in tokens.chunks(logit_chunk(cpu.vocab)) {
+        let ids: Vec<i64> = chunk.iter().map(|&(r, j)| responses[r][j]).collect();
+        let rows: Vec<Row> = chunk
+            .iter()
+            .map(|&(r, j)| Row {
+                slot: r,
+                pos: prompts[r].len() + j,
+            })
+            .collect();
+        let all: Vec<usize> = (0..chunk.len()).collect();
+        let logits =
+            unsafe { cpu.forward(&ids, &rows, &mut cache, &rope, &mut scratch, &all, pool) };
+        for (i, &(r, j)) in chunk.iter().enumerate() {
+            let lp = logprob(
+                &logits[i * cpu.vocab..(i + 1) * cpu.vocab],
+                responses[r][j + 1],
+            );
+            out[r].push(lp);
+        }
+    }
+    prepared.give_back_cache(cache.data);
+    Ok(out)
 }

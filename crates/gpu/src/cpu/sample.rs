@@ -118,3 +118,18 @@ impl Picker {
         top + sum.ln() as f32
     }
 }
+
+/// `log softmax(logits)[target]` (`logits` is overwritten).
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+pub unsafe fn log_prob(logits: &mut [f32], target: usize) -> f32 {
+    let top = math::max(logits);
+    let value = logits[target];
+    for v in logits.iter_mut() {
+        *v -= top;
+    }
+    math::exp_in_place(logits);
+    let sum: f64 = logits.iter().map(|&e| e as f64).sum();
+    value - (top + sum.ln() as f32)
+}

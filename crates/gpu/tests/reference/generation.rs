@@ -291,3 +291,59 @@ fn cpu_kernels_agree_with_libtorch_ops() {
         Kind::BFloat16
     )));
 }
+
+/// Response log-probs on the CPU kernels (the reference's and the learner's
+/// no-grad passes) against libtorch's `token_logprobs` on each whole
+/// sequence: repeated prompts (run once), an empty response, a temperature.
+#[test]
+fn cpu_kernels_score_responses_like_libtorch() {
+    use weir_gpu::generate::{cpu_kernels_apply, response_logprobs_on_cpu_kernels};
+    let prompts = vec![
+        vec![1i64, 286, 202, 305],
+        vec![302, 592],
+        vec![1i64, 286, 202, 305],
+        vec![9, 8, 7],
+    ];
+    let long: Vec<i64> = (0..40).map(|i| 3 + (i * 13) % 500).collect();
+    let responses = vec![vec![5i64, 6, 7], vec![8], long, vec![]];
+    for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3"] {
+        let model = load(name, Kind::Float);
+        if !cpu_kernels_apply(&model) {
+            assert!(response_logprobs_on_cpu_kernels(&model, &prompts, &responses, 1.0).is_err());
+            continue;
+        }
+        for temperature in [1.0, 0.7] {
+            let ours = response_logprobs_on_cpu_kernels(&model, &prompts, &responses, temperature)
+                .unwrap();
+            for (r, (p, resp)) in prompts.iter().zip(&responses).enumerate() {
+                assert_eq!(ours[r].len(), resp.len());
+                if resp.is_empty() {
+                    continue;
+                }
+                let seq: Vec<i64> = p.iter().chain(resp).copied().collect();
+                let ids = Tensor::from_slice(&seq).view([1, -1]);
+                let all = model.token_logprobs(&ids, None, temperature).unwrap();
+                let theirs = all.get(0).narrow(0, p.len() as i64 - 1, resp.len() as i64);
+                let reference: Vec<Option<f64>> =
+                    Vec::<f64>::try_from(theirs.to_kind(Kind::Double))
+                        .unwrap()
+                        .into_iter()
+                        .map(Some)
+                        .collect();
+                let d = max_diff(&Tensor::from_slice(&ours[r]), &reference);
+                assert!(
+                    d < 1e-4,
+                    "{name} row {r} at temperature {temperature}: {d:e}"
+                );
+            }
+        }
+        let err = response_logprobs_on_cpu_kernels(&model, &prompts, &[vec![1]], 1.0).unwrap_err();
+        assert!(
+            err.to_string().contains("4 prompts for 1 responses"),
+            "{err}"
+        );
+        let bad = vec![vec![model.config.vocab_size]];
+        let err = response_logprobs_on_cpu_kernels(&model, &prompts[..1], &bad, 1.0).unwrap_err();
+        assert!(err.to_string().contains("outside the vocabulary"), "{err}");
+    }
+}

@@ -185,15 +185,50 @@ impl Learner {
 }
 
 /// Log-probs `[B, R]` of each row's response tokens given its prompt (at
-/// `temperature`), with the response mask `[B, R]` (R = the longest response).
+/// `temperature`), with the response mask `[B, R]` (R = the longest
+/// response), without gradients. A float32 model on an AVX2 CPU runs on
+/// weir's CPU kernels (equal prompts, e.g. a group's samples, run once);
+/// anything else through [`response_forward`].
 pub fn response_logprobs(
     model: &Model,
     prompts: &[Vec<i64>],
     responses: &[Vec<i64>],
     temperature: f64,
 ) -> Result<(Tensor, Tensor), StageError> {
-    let f = response_forward(model, prompts, responses, temperature, false)?;
-    Ok((f.logprobs, f.mask))
+    if !weir_gpu::generate::cpu_kernels_apply(model) {
+        let _guard = tch::no_grad_guard();
+        let f = response_forward(model, prompts, responses, temperature, false)?;
+        return Ok((f.logprobs, f.mask));
+    }
+    let rows = weir_gpu::generate::response_logprobs_on_cpu_kernels(
+        model,
+        prompts,
+        responses,
+        temperature,
+    )?;
+    let width = responses.iter().map(Vec::len).max().unwrap_or(1).max(1);
+    let mut logprobs = Vec::with_capacity(rows.len() * width);
+    let mut mask = Vec::with_capacity(rows.len() * width);
+    for row in &rows {
+        logprobs.extend(
+            row.iter()
+                .copied()
+                .chain(std::iter::repeat_n(0.0, width - row.len())),
+        );
+        mask.extend(
+            std::iter::repeat_n(1.0f32, row.len())
+                .chain(std::iter::repeat_n(0.0, width - row.len())),
+        );
+    }
+    let shape = [rows.len() as i64, width as i64];
+    Ok((
+        Tensor::from_slice(&logprobs)
+            .view(shape)
+            .to_device(model.device()),
+        Tensor::from_slice(&mask)
+            .view(shape)
+            .to_device(model.device()),
+    ))
 }
 
 /// One forward pass over `prompt ++ response` rows, read at the response positions.
