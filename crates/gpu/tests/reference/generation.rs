@@ -347,3 +347,78 @@ fn cpu_kernels_score_responses_like_libtorch() {
         assert!(err.to_string().contains("outside the vocabulary"), "{err}");
     }
 }
+
+/// The kernels on shapes no fixture has: sizes that are not multiples of
+/// 8 or 16 (hidden 40, head 12, intermediate 70, vocab 37), 5 query heads
+/// on 1 key/value head, q/k/v biases with q/k norms, untied head, llama3
+/// RoPE scaling — against the libtorch path, greedy and sampled.
+#[test]
+fn cpu_kernels_handle_shapes_no_fixture_has() {
+    use weir_gpu::{generate_on, Backend, ModelConfig, SamplingParams};
+    let config = serde_json::json!({
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 37,
+        "hidden_size": 40, "intermediate_size": 70, "num_hidden_layers": 3,
+        "num_attention_heads": 5, "num_key_value_heads": 1, "head_dim": 12,
+        "attention_bias": true, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
+        "rope_theta": 5000.0, "tie_word_embeddings": false,
+        "rope_scaling": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 2.0, "original_max_position_embeddings": 32},
+        "bos_token_id": 0, "eos_token_id": 1
+    });
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+    let parsed = ModelConfig::load(dir.path()).unwrap();
+    assert!(parsed.qk_norm && parsed.attention_bias);
+    let mut model = Model::new(parsed, Device::Cpu, dir.path()).unwrap();
+    model.init_weights(0.3, 9);
+    {
+        // Non-trivial norms and biases.
+        let _guard = tch::no_grad_guard();
+        for (name, mut t) in model.named_tensors() {
+            if name.ends_with("norm.weight") || name.ends_with(".bias") {
+                let _ = t.copy_(
+                    &(Tensor::randn_like(&t) * 0.2
+                        + if name.ends_with("bias") { 0.0 } else { 1.0 }),
+                );
+            }
+        }
+    }
+    assert!(
+        weir_gpu::generate::cpu_kernels_apply(&model)
+            || !std::arch::is_x86_feature_detected!("avx2")
+    );
+    let prompts: Vec<Vec<i64>> = vec![(2..30).collect(), vec![5, 9], vec![33, 34, 35, 36, 2]];
+    let ids: Vec<u64> = (0..3).collect();
+    for params in [
+        SamplingParams {
+            max_new_tokens: 40,
+            greedy: true,
+            ..Default::default()
+        },
+        SamplingParams {
+            max_new_tokens: 40,
+            temperature: 0.9,
+            top_k: Some(7),
+            n: 3,
+            seed: 4,
+            ..Default::default()
+        },
+    ] {
+        let ours = generate_on(&model, &prompts, &ids, &params, Backend::Auto).unwrap();
+        let torch = generate_on(&model, &prompts, &ids, &params, Backend::Torch).unwrap();
+        for (a, b) in ours.iter().zip(&torch) {
+            assert_eq!(
+                a.tokens, b.tokens,
+                "prompt {} sample {}",
+                a.prompt, a.sample
+            );
+            let d = a
+                .logprobs
+                .iter()
+                .zip(&b.logprobs)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0, f32::max);
+            assert!(d < 1e-4, "log-probs differ by {d}");
+        }
+    }
+}
