@@ -21,6 +21,7 @@ pub mod model;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 pub mod optim;
+pub mod responses;
 pub mod rope;
 pub mod snapshot;
 pub mod tokenizer;

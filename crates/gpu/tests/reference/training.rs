@@ -67,3 +67,96 @@ fn checkpointed_backward_gives_the_plain_gradients() {
         }
     }
 }
+
+#[test]
+fn response_logits_run_each_prompt_once_with_the_same_values_and_gradients() {
+    let prompts = vec![
+        vec![1i64, 286, 202, 305],
+        vec![302, 592],
+        vec![1i64, 286, 202, 305],
+        vec![302, 592],
+        vec![1i64, 286, 202, 305],
+    ];
+    let responses = vec![
+        vec![5i64, 6, 7],
+        vec![8],
+        vec![9, 10, 11, 12, 13],
+        vec![],
+        vec![14, 15],
+    ];
+    for name in ["tiny-qwen3", "tiny-llama"] {
+        let model = load(name, Kind::Float);
+        let weight = |r: usize, j: usize| 0.3 + (r * 7 + j * 3) as f64 * 0.11;
+
+        // Each full row on its own.
+        zero_gradients(&model);
+        let mut plain_rows = Vec::new();
+        let mut plain_loss = Tensor::zeros([], (Kind::Float, tch::Device::Cpu));
+        for (r, (p, resp)) in prompts.iter().zip(&responses).enumerate() {
+            if resp.is_empty() {
+                plain_rows.push(None);
+                continue;
+            }
+            let seq: Vec<i64> = p.iter().chain(resp).copied().collect();
+            let logits = model
+                .logits(&Tensor::from_slice(&seq).view([1, -1]), None, None)
+                .unwrap();
+            let at = logits
+                .get(0)
+                .narrow(0, p.len() as i64 - 1, resp.len() as i64);
+            let logp = at.log_softmax(-1, Kind::Float).gather(
+                -1,
+                &Tensor::from_slice(resp).unsqueeze(-1),
+                false,
+            );
+            for j in 0..resp.len() {
+                plain_loss += logp.get(j as i64).get(0) * weight(r, j);
+            }
+            plain_rows.push(Some(at.detach()));
+        }
+        plain_loss.backward();
+        let plain = gradients(&model);
+
+        zero_gradients(&model);
+        let shared = model.response_logits(&prompts, &responses).unwrap();
+        assert_eq!(shared.logits.size()[..2], [5, 5]);
+        let logp = shared
+            .logits
+            .log_softmax(-1, Kind::Float)
+            .gather(-1, &shared.targets.unsqueeze(-1), false)
+            .squeeze_dim(-1);
+        let mut loss = Tensor::zeros([], (Kind::Float, tch::Device::Cpu));
+        for (r, resp) in responses.iter().enumerate() {
+            let expected_mask: Vec<f32> = (0..5)
+                .map(|j| if j < resp.len() { 1.0 } else { 0.0 })
+                .collect();
+            assert_eq!(
+                Vec::<f32>::try_from(shared.mask.get(r as i64)).unwrap(),
+                expected_mask
+            );
+            for j in 0..resp.len() {
+                loss += logp.get(r as i64).get(j as i64) * weight(r, j);
+            }
+            if let Some(at) = &plain_rows[r] {
+                let ours = shared.logits.get(r as i64).narrow(0, 0, resp.len() as i64);
+                let d = (ours - at).abs().max().double_value(&[]);
+                assert!(d < 1e-4, "{name}: logits of row {r} differ by {d:e}");
+            }
+        }
+        loss.backward();
+        let ours = gradients(&model);
+        let (a, b) = (plain_loss.double_value(&[]), loss.double_value(&[]));
+        assert!(
+            (a - b).abs() < 1e-4 * a.abs().max(1.0),
+            "{name}: loss {a} vs {b}"
+        );
+        for ((n, g), (_, h)) in plain.iter().zip(&ours) {
+            let largest = g.abs().max().double_value(&[]);
+            let d = (g - h).abs().max().double_value(&[]);
+            assert!(
+                d < 1e-4 * largest.max(1e-3),
+                "{name}: gradient of {n} differs by {d:e} (largest {largest:e})"
+            );
+        }
+    }
+}

@@ -243,7 +243,9 @@ pub struct ResponseForward {
 
 /// Log-probs (and optionally entropy) of each row's response tokens: the
 /// logits are gathered at the predicting positions first, so the softmax
-/// runs over `R` positions per row, not the whole sequence.
+/// runs over `R` positions per row, not the whole sequence. When rows share
+/// prompts (a group's samples), each distinct prompt runs once
+/// ([`Model::response_logits`]).
 pub fn response_forward(
     model: &Model,
     prompts: &[Vec<i64>],
@@ -251,19 +253,42 @@ pub fn response_forward(
     temperature: f64,
     with_entropy: bool,
 ) -> Result<ResponseForward, StageError> {
+    let (at, targets, mask) = response_logits(model, prompts, responses)?;
+    Ok(read_responses(
+        &at,
+        &targets,
+        mask,
+        temperature,
+        with_entropy,
+    ))
+}
+
+/// True when some rows share a prompt.
+fn prompts_repeat(prompts: &[Vec<i64>]) -> bool {
+    let distinct: std::collections::HashSet<&[i64]> = prompts.iter().map(Vec::as_slice).collect();
+    distinct.len() < prompts.len()
+}
+
+/// Logits at the positions predicting each response token `[B, R, vocab]`,
+/// the tokens `[B, R]` and the response mask `[B, R]`.
+fn response_logits(
+    model: &Model,
+    prompts: &[Vec<i64>],
+    responses: &[Vec<i64>],
+) -> Result<(Tensor, Tensor, Tensor), StageError> {
+    if prompts_repeat(prompts) {
+        let r = model.response_logits(prompts, responses)?;
+        return Ok((r.logits, r.targets, r.mask));
+    }
     let pad = model.config.pad_token_id.unwrap_or(0).max(0);
     let packed = pack(prompts, responses, pad, model.device());
     let logits = model.logits(&packed.ids, Some(&packed.mask), None)?;
-    Ok(read_responses(&logits, packed, temperature, with_entropy))
+    Ok(gather_responses(&logits, packed))
 }
 
-/// The response positions of `logits` `[B, T, vocab]` over `packed` rows.
-fn read_responses(
-    logits: &Tensor,
-    packed: Packed,
-    temperature: f64,
-    with_entropy: bool,
-) -> ResponseForward {
+/// The response positions of `logits` `[B, T, vocab]` over `packed` rows:
+/// (logits `[B, R, vocab]`, targets `[B, R]`, mask `[B, R]`).
+fn gather_responses(logits: &Tensor, packed: Packed) -> (Tensor, Tensor, Tensor) {
     let vocab = logits.size()[2];
     let at = logits.gather(
         1,
@@ -271,10 +296,21 @@ fn read_responses(
         false,
     );
     let targets = packed.ids.gather(1, &(&packed.index + 1), false);
+    (at, targets, packed.response_mask)
+}
+
+/// Log-probs (and entropy) from the logits at the response positions.
+fn read_responses(
+    at: &Tensor,
+    targets: &Tensor,
+    mask: Tensor,
+    temperature: f64,
+    with_entropy: bool,
+) -> ResponseForward {
     ResponseForward {
-        logprobs: weir_gpu::logprobs::gather_logprobs(&at, &targets, temperature),
-        mask: packed.response_mask,
-        entropy: with_entropy.then(|| weir_gpu::logprobs::entropy(&at, temperature)),
+        logprobs: weir_gpu::logprobs::gather_logprobs(at, targets, temperature),
+        mask,
+        entropy: with_entropy.then(|| weir_gpu::logprobs::entropy(at, temperature)),
     }
 }
 
@@ -292,18 +328,25 @@ pub fn response_backward<T>(
     checkpointed: bool,
     loss_of: impl FnOnce(ResponseForward) -> Result<(Tensor, T), StageError>,
 ) -> Result<T, StageError> {
-    let pad = model.config.pad_token_id.unwrap_or(0).max(0);
-    let packed = pack(prompts, responses, pad, model.device());
     if !checkpointed {
-        let logits = model.logits(&packed.ids, Some(&packed.mask), None)?;
-        let (loss, measured) = loss_of(read_responses(&logits, packed, temperature, with_entropy))?;
+        let fwd = response_forward(model, prompts, responses, temperature, with_entropy)?;
+        let (loss, measured) = loss_of(fwd)?;
         loss.backward();
         return Ok(measured);
     }
+    let pad = model.config.pad_token_id.unwrap_or(0).max(0);
+    let packed = pack(prompts, responses, pad, model.device());
     let (ids, mask) = (packed.ids.shallow_clone(), packed.mask.shallow_clone());
     let mut measured = None;
     let _loss = model.backward_checkpointed(&ids, Some(&mask), |logits| {
-        let (loss, m) = loss_of(read_responses(logits, packed, temperature, with_entropy))?;
+        let (at, targets, mask) = gather_responses(logits, packed);
+        let (loss, m) = loss_of(read_responses(
+            &at,
+            &targets,
+            mask,
+            temperature,
+            with_entropy,
+        ))?;
         measured = Some(m);
         Ok::<_, StageError>(loss)
     })?;
@@ -556,7 +599,7 @@ mod tests {
     }
 
     #[test]
-    fn gradient_checkpointing_gives_the_same_updates() {
+    fn shared_prompts_and_gradient_checkpointing_give_the_same_updates() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../../../shared/fixtures/models/tiny-qwen2");
         let responses = vec![vec![5i64, 6, 7], vec![8, 9], vec![10]];
@@ -565,7 +608,9 @@ mod tests {
         let batch = RecordBatch::try_from_iter([
             (
                 col::PROMPT_TOKENS,
-                token_list_array(&[vec![1, 2], vec![1, 3, 4], vec![7, 7, 7, 7]]),
+                // A repeated prompt: the plain pass runs it once
+                // (`Model::response_logits`), the checkpointed one per row.
+                token_list_array(&[vec![1, 2], vec![1, 3, 4], vec![1, 2]]),
             ),
             (col::RESPONSE_TOKENS, token_list_array(&responses)),
             (col::ADVANTAGES, float_list_array(&advantages)),
