@@ -213,39 +213,6 @@ pub fn generate_on(
     generate_torch(model, prompts, stream_ids, params)
 }
 
-/// `log p(responses[r][j] | prompts[r] ++ responses[r][..j])` at
-/// `temperature` for every response token, without gradients, on weir's CPU
-/// kernels (equal prompts run once). An error where they do not apply
-/// ([`cpu_kernels_apply`]): use `Model::logits` there.
-pub fn response_logprobs_on_cpu_kernels(
-    model: &Model,
-    prompts: &[Vec<i64>],
-    responses: &[Vec<i64>],
-    temperature: f64,
-) -> Result<Vec<Vec<f32>>, ModelError> {
-    if prompts.len() != responses.len() {
-        return Err(ModelError::Input(format!(
-            "{} prompts for {} responses",
-            prompts.len(),
-            responses.len()
-        )));
-    }
-    if !(temperature > 0.0 && temperature.is_finite()) {
-        return Err(ModelError::Input(format!(
-            "temperature must be positive, got {temperature}"
-        )));
-    }
-    if !cpu_kernels_apply(model) {
-        return Err(ModelError::Input(
-            "the CPU kernels need a float32 causal LM on an x86-64 CPU with AVX2 and FMA".into(),
-        ));
-    }
-    #[cfg(target_arch = "x86_64")]
-    return crate::cpu::engine::response_logprobs(model, prompts, responses, temperature);
-    #[cfg(not(target_arch = "x86_64"))]
-    unreachable!("cpu_kernels_apply is false off x86-64")
-}
-
 /// True when `Backend::Auto` runs `model` on weir's CPU kernels.
 pub fn cpu_kernels_apply(model: &Model) -> bool {
     #[cfg(target_arch = "x86_64")]

@@ -1,6 +1,9 @@
-//! Log-probabilities and entropy from logits.
+//! Log-probabilities and entropy from logits, and response log-probs on
+//! weir's CPU kernels.
 
 use tch::{Kind, Tensor};
+
+use crate::{Model, ModelError};
 
 /// `log_softmax(logits / temperature)` at `targets`: `[.., V]` and `[..]` → `[..]`, in float32 or better.
 pub fn gather_logprobs(logits: &Tensor, targets: &Tensor, temperature: f64) -> Tensor {
@@ -29,6 +32,39 @@ pub fn entropy(logits: &Tensor, temperature: f64) -> Tensor {
     };
     let logp = (logits.to_kind(kind) / temperature).log_softmax(-1, kind);
     -(logp.exp() * &logp).sum_dim_intlist(-1, false, kind)
+}
+
+/// `log p(responses[r][j] | prompts[r] ++ responses[r][..j])` at
+/// `temperature` for every response token, without gradients, on weir's CPU
+/// kernels (equal prompts run once). An error where they do not apply
+/// ([`cpu_kernels_apply`](crate::generate::cpu_kernels_apply)): use `Model::logits` there.
+pub fn response_logprobs_on_cpu_kernels(
+    model: &Model,
+    prompts: &[Vec<i64>],
+    responses: &[Vec<i64>],
+    temperature: f64,
+) -> Result<Vec<Vec<f32>>, ModelError> {
+    if prompts.len() != responses.len() {
+        return Err(ModelError::Input(format!(
+            "{} prompts for {} responses",
+            prompts.len(),
+            responses.len()
+        )));
+    }
+    if !(temperature > 0.0 && temperature.is_finite()) {
+        return Err(ModelError::Input(format!(
+            "temperature must be positive, got {temperature}"
+        )));
+    }
+    if !crate::generate::cpu_kernels_apply(model) {
+        return Err(ModelError::Input(
+            "the CPU kernels need a float32 causal LM on an x86-64 CPU with AVX2 and FMA".into(),
+        ));
+    }
+    #[cfg(target_arch = "x86_64")]
+    return crate::cpu::engine::response_logprobs(model, prompts, responses, temperature);
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("cpu_kernels_apply is false off x86-64")
 }
 
 #[cfg(test)]

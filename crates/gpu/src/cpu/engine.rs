@@ -1,13 +1,14 @@
 //! The decoder of every family (Llama, Mistral, Qwen2, Qwen3) for generation
-//! on the CPU in float32, without libtorch in the loop.
+//! and no-grad response log-probs on the CPU in float32, without libtorch in
+//! the loop.
 //!
 //! A decode step for `m` live sequences is 4 packed matrix products per
 //! layer (fused q/k/v, o with the residual added in place, fused gate/up,
 //! down with the residual) plus the LM head; RMSNorm, RoPE, the q/k norms,
 //! attention over the cache and the gated SiLU are AVX2 loops over the
 //! rows. Each sequence has its own cache slot of `prompt + max_new` positions
-//! and no padding: a prompt is prefilled once and its keys and values are
-//! copied to the slots of its other samples.
+//! and no padding: each distinct prompt is prefilled once and its keys and
+//! values are copied to the slots of the other rows that share it.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

@@ -297,7 +297,8 @@ fn cpu_kernels_agree_with_libtorch_ops() {
 /// sequence: repeated prompts (run once), an empty response, a temperature.
 #[test]
 fn cpu_kernels_score_responses_like_libtorch() {
-    use weir_gpu::generate::{cpu_kernels_apply, response_logprobs_on_cpu_kernels};
+    use weir_gpu::generate::cpu_kernels_apply;
+    use weir_gpu::logprobs::response_logprobs_on_cpu_kernels;
     let prompts = vec![
         vec![1i64, 286, 202, 305],
         vec![302, 592],

@@ -200,7 +200,7 @@ pub fn response_logprobs(
         let f = response_forward(model, prompts, responses, temperature, false)?;
         return Ok((f.logprobs, f.mask));
     }
-    let rows = weir_gpu::generate::response_logprobs_on_cpu_kernels(
+    let rows = weir_gpu::logprobs::response_logprobs_on_cpu_kernels(
         model,
         prompts,
         responses,
