@@ -257,22 +257,19 @@ impl CpuModel {
         SCORES.with(|scores| {
             let mut scores = scores.borrow_mut();
             scores.resize(len, 0.0);
-            out.fill(0.0);
             for (h, (q, out)) in q.chunks_exact(d).zip(out.chunks_exact_mut(d)).enumerate() {
-                let keys = cache.span(row.slot, l, 0, h / group, len);
-                for (score, key) in scores.iter_mut().zip(keys.chunks_exact(d)) {
-                    *score = math::dot(q, key) * scale;
-                }
+                let keys = cache.keys(row.slot, l, h / group);
+                math::scores_transposed(q, keys, cache.capacity, scale, &mut scores);
                 let top = math::max(&scores);
                 for score in scores.iter_mut() {
                     *score -= top;
                 }
                 math::exp_in_place(&mut scores);
                 let total: f32 = scores.iter().sum();
-                let values = cache.span(row.slot, l, 1, h / group, len);
-                for (&e, value) in scores.iter().zip(values.chunks_exact(d)) {
-                    math::axpy(out, e / total, value);
+                for score in scores.iter_mut() {
+                    *score /= total;
                 }
+                math::weighted_sum(&scores, cache.values(row.slot, l, h / group, len), out);
             }
         });
     }
@@ -333,10 +330,7 @@ impl CpuModel {
                         math::rms_norm(&s.head, w, self.eps, head);
                     }
                     rotate(head, cos, sin);
-                    cache.at(row.slot, l, 0, h, row.pos).copy_from_slice(head);
-                    cache
-                        .at(row.slot, l, 1, h, row.pos)
-                        .copy_from_slice(&v[h * d..(h + 1) * d]);
+                    cache.put(row.slot, l, h, row.pos, head, &v[h * d..(h + 1) * d]);
                 }
             }
             let att = &mut s.att[..m * q_width];
@@ -462,7 +456,11 @@ impl RopeTables {
     }
 }
 
-/// Keys and values of every sequence: slot-major `[slot, layer, k|v, kv head, position, head_dim]`.
+/// Keys and values of every sequence, slot-major: per (slot, layer, k|v, kv
+/// head) a block of `capacity × head_dim` floats. Keys are stored
+/// transposed (`[head_dim][position]`), so the scores of consecutive
+/// positions are one vector product; values by position
+/// (`[position][head_dim]`).
 struct Cache {
     data: Vec<f32>,
     layers: usize,
@@ -488,37 +486,61 @@ impl Cache {
         }
     }
 
-    fn offset(&self, slot: usize, layer: usize, which: usize, head: usize, pos: usize) -> usize {
-        ((((slot * self.layers + layer) * 2 + which) * self.kv_heads + head) * self.capacity + pos)
+    /// Start of the block of (slot, layer, keys (0) or values (1), head).
+    fn block(&self, slot: usize, layer: usize, which: usize, head: usize) -> usize {
+        (((slot * self.layers + layer) * 2 + which) * self.kv_heads + head)
+            * self.capacity
             * self.dim
     }
 
-    fn at(
+    /// Stores the key and value of `head` at `pos`.
+    fn put(
         &mut self,
         slot: usize,
         layer: usize,
-        which: usize,
         head: usize,
         pos: usize,
-    ) -> &mut [f32] {
-        let start = self.offset(slot, layer, which, head, pos);
-        &mut self.data[start..start + self.dim]
+        key: &[f32],
+        value: &[f32],
+    ) {
+        let (keys, cap) = (self.block(slot, layer, 0, head), self.capacity);
+        for (c, &k) in key.iter().enumerate() {
+            self.data[keys + c * cap + pos] = k;
+        }
+        let values = self.block(slot, layer, 1, head) + pos * self.dim;
+        self.data[values..values + self.dim].copy_from_slice(value);
     }
 
-    fn span(&self, slot: usize, layer: usize, which: usize, head: usize, len: usize) -> &[f32] {
-        let start = self.offset(slot, layer, which, head, 0);
+    /// The transposed key block of `head` (`[head_dim][capacity]`).
+    fn keys(&self, slot: usize, layer: usize, head: usize) -> &[f32] {
+        let start = self.block(slot, layer, 0, head);
+        &self.data[start..start + self.capacity * self.dim]
+    }
+
+    /// The values of `head` at positions `0..len` (`[len][head_dim]`).
+    fn values(&self, slot: usize, layer: usize, head: usize, len: usize) -> &[f32] {
+        let start = self.block(slot, layer, 1, head);
         &self.data[start..start + len * self.dim]
     }
 
     /// Copies the first `len` positions of slot `from` into slot `to`.
     fn copy_prefix(&mut self, from: usize, to: usize, len: usize) {
+        let (cap, d) = (self.capacity, self.dim);
         for layer in 0..self.layers {
-            for which in 0..2 {
-                for head in 0..self.kv_heads {
-                    let src = self.offset(from, layer, which, head, 0);
-                    let dst = self.offset(to, layer, which, head, 0);
-                    self.data.copy_within(src..src + len * self.dim, dst);
+            for head in 0..self.kv_heads {
+                let (src, dst) = (
+                    self.block(from, layer, 0, head),
+                    self.block(to, layer, 0, head),
+                );
+                for c in 0..d {
+                    self.data
+                        .copy_within(src + c * cap..src + c * cap + len, dst + c * cap);
                 }
+                let (src, dst) = (
+                    self.block(from, layer, 1, head),
+                    self.block(to, layer, 1, head),
+                );
+                self.data.copy_within(src..src + len * d, dst);
             }
         }
     }

@@ -1,5 +1,5 @@
 //! The element-wise and reduction kernels of a decode step, in AVX2: RMSNorm,
-//! gated SiLU, dot products, `y += a·x`, and `exp` (a Cephes-style
+//! gated SiLU, dot products, attention scores and weighted value sums, and `exp` (a Cephes-style
 //! polynomial, within 2 ulp of the true value over the float range; inputs
 //! below −87.3 give the smallest normal float rather than 0).
 //!
@@ -42,23 +42,92 @@ pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
     sum
 }
 
-/// `y[i] += a · x[i]`.
+/// Attention scores against transposed keys: `out[j] = scale · Σ_c q[c] ·
+/// keys[c · stride + j]` for `j < out.len()`, sixteen positions per pass
+/// (the sum over `c` in order, one fused multiply-add per step).
 #[target_feature(enable = "avx2,fma")]
-pub unsafe fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
-    let n = y.len().min(x.len());
-    let av = _mm256_set1_ps(a);
-    let mut i = 0;
-    while i + 8 <= n {
-        let p = y.as_mut_ptr().add(i);
-        _mm256_storeu_ps(
-            p,
-            _mm256_fmadd_ps(av, _mm256_loadu_ps(x.as_ptr().add(i)), _mm256_loadu_ps(p)),
-        );
-        i += 8;
+pub unsafe fn scores_transposed(
+    q: &[f32],
+    keys: &[f32],
+    stride: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    let len = out.len();
+    assert!(q.is_empty() || keys.len() >= (q.len() - 1) * stride + len);
+    let k = keys.as_ptr();
+    let s = _mm256_set1_ps(scale);
+    let mut j = 0;
+    while j + 16 <= len {
+        let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        for (c, &qc) in q.iter().enumerate() {
+            let x = _mm256_set1_ps(qc);
+            a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k.add(c * stride + j)), a0);
+            a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k.add(c * stride + j + 8)), a1);
+        }
+        _mm256_storeu_ps(out.as_mut_ptr().add(j), _mm256_mul_ps(a0, s));
+        _mm256_storeu_ps(out.as_mut_ptr().add(j + 8), _mm256_mul_ps(a1, s));
+        j += 16;
     }
-    while i < n {
-        y[i] += a * x[i];
-        i += 1;
+    while j + 8 <= len {
+        let mut a0 = _mm256_setzero_ps();
+        for (c, &qc) in q.iter().enumerate() {
+            a0 = _mm256_fmadd_ps(
+                _mm256_set1_ps(qc),
+                _mm256_loadu_ps(k.add(c * stride + j)),
+                a0,
+            );
+        }
+        _mm256_storeu_ps(out.as_mut_ptr().add(j), _mm256_mul_ps(a0, s));
+        j += 8;
+    }
+    while j < len {
+        let mut acc = 0.0f32;
+        for (c, &qc) in q.iter().enumerate() {
+            acc = qc.mul_add(keys[c * stride + j], acc);
+        }
+        out[j] = acc * scale;
+        j += 1;
+    }
+}
+
+/// `out[c] = Σ_j p[j] · values[j · d + c]` with `d = out.len()`: the
+/// attention-weighted sum of value rows, 32 columns held in registers
+/// across all rows.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn weighted_sum(p: &[f32], values: &[f32], out: &mut [f32]) {
+    let d = out.len();
+    assert!(values.len() >= p.len() * d);
+    let v = values.as_ptr();
+    let mut c = 0;
+    while c + 32 <= d {
+        let mut acc = [_mm256_setzero_ps(); 4];
+        for (j, &pj) in p.iter().enumerate() {
+            let x = _mm256_set1_ps(pj);
+            for (i, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(x, _mm256_loadu_ps(v.add(j * d + c + 8 * i)), *a);
+            }
+        }
+        for (i, a) in acc.iter().enumerate() {
+            _mm256_storeu_ps(out.as_mut_ptr().add(c + 8 * i), *a);
+        }
+        c += 32;
+    }
+    while c + 8 <= d {
+        let mut acc = _mm256_setzero_ps();
+        for (j, &pj) in p.iter().enumerate() {
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(pj), _mm256_loadu_ps(v.add(j * d + c)), acc);
+        }
+        _mm256_storeu_ps(out.as_mut_ptr().add(c), acc);
+        c += 8;
+    }
+    while c < d {
+        let mut acc = 0.0f32;
+        for (j, &pj) in p.iter().enumerate() {
+            acc = pj.mul_add(values[j * d + c], acc);
+        }
+        out[c] = acc;
+        c += 1;
     }
 }
 
@@ -183,6 +252,37 @@ mod tests {
             let (g, u) = (gate_up[i] as f64, gate_up[19 + i] as f64);
             let want = g / (1.0 + (-g).exp()) * u;
             assert!((out[i] as f64 - want).abs() < 1e-5 * want.abs().max(1.0));
+        }
+        // Attention: scores against transposed keys and weighted value sums,
+        // with lengths and head sizes that leave tails.
+        for (len, d) in [(37usize, 12usize), (16, 64), (5, 40)] {
+            let stride = len + 3;
+            let q: Vec<f32> = (0..d).map(|c| (c as f32 * 0.37).sin()).collect();
+            let keys: Vec<f32> = (0..d * stride).map(|i| (i as f32 * 0.11).cos()).collect();
+            let mut scores = vec![0.0f32; len];
+            unsafe { scores_transposed(&q, &keys, stride, 0.5, &mut scores) };
+            for (j, &got) in scores.iter().enumerate() {
+                let want: f64 = 0.5
+                    * (0..d)
+                        .map(|c| q[c] as f64 * keys[c * stride + j] as f64)
+                        .sum::<f64>();
+                assert!(
+                    (got as f64 - want).abs() < 1e-5,
+                    "score {j} of {len}×{d}: {got} vs {want}"
+                );
+            }
+            let values: Vec<f32> = (0..len * d).map(|i| (i as f32 * 0.07).sin()).collect();
+            let mut out = vec![0.0f32; d];
+            unsafe { weighted_sum(&scores, &values, &mut out) };
+            for (c, &got) in out.iter().enumerate() {
+                let want: f64 = (0..len)
+                    .map(|j| scores[j] as f64 * values[j * d + c] as f64)
+                    .sum();
+                assert!(
+                    (got as f64 - want).abs() < 1e-4,
+                    "column {c} of {len}×{d}: {got} vs {want}"
+                );
+            }
         }
         let a: Vec<f32> = (0..19).map(|i| i as f32).collect();
         assert_eq!(
