@@ -249,6 +249,8 @@ impl CpuModel {
 
     /// Attention of one row's query heads `q` over its sequence's cached
     /// keys and values of layer `l`, up to and including its own position.
+    /// The query heads of a GQA group run together (up to four at a time),
+    /// so each key and value is read once per group.
     unsafe fn attend(&self, q: &[f32], cache: &Cache, l: usize, row: Row, out: &mut [f32]) {
         let d = self.head_dim;
         let group = self.heads / self.kv_heads;
@@ -256,20 +258,41 @@ impl CpuModel {
         let len = row.pos + 1;
         SCORES.with(|scores| {
             let mut scores = scores.borrow_mut();
-            scores.resize(len, 0.0);
-            for (h, (q, out)) in q.chunks_exact(d).zip(out.chunks_exact_mut(d)).enumerate() {
-                let keys = cache.keys(row.slot, l, h / group);
-                math::scores_transposed(q, keys, cache.capacity, scale, &mut scores);
-                let top = math::max(&scores);
-                for score in scores.iter_mut() {
-                    *score -= top;
+            scores.resize(4 * len, 0.0);
+            for g in 0..self.kv_heads {
+                let keys = cache.keys(row.slot, l, g);
+                let values = cache.values(row.slot, l, g, len);
+                let mut h = g * group;
+                while h < (g + 1) * group {
+                    let n = ((g + 1) * group - h).min(4);
+                    let (q, out) = (&q[h * d..(h + n) * d], &mut out[h * d..(h + n) * d]);
+                    let scores = &mut scores[..n * len];
+                    let cap = cache.capacity;
+                    match n {
+                        4 => math::scores_transposed::<4>(q, keys, cap, scale, len, scores),
+                        3 => math::scores_transposed::<3>(q, keys, cap, scale, len, scores),
+                        2 => math::scores_transposed::<2>(q, keys, cap, scale, len, scores),
+                        _ => math::scores_transposed::<1>(q, keys, cap, scale, len, scores),
+                    }
+                    for head in scores.chunks_exact_mut(len) {
+                        let top = math::max(head);
+                        for score in head.iter_mut() {
+                            *score -= top;
+                        }
+                        math::exp_in_place(head);
+                        let total: f32 = head.iter().sum();
+                        for score in head.iter_mut() {
+                            *score /= total;
+                        }
+                    }
+                    match n {
+                        4 => math::weighted_sum::<4>(scores, values, len, out),
+                        3 => math::weighted_sum::<3>(scores, values, len, out),
+                        2 => math::weighted_sum::<2>(scores, values, len, out),
+                        _ => math::weighted_sum::<1>(scores, values, len, out),
+                    }
+                    h += n;
                 }
-                math::exp_in_place(&mut scores);
-                let total: f32 = scores.iter().sum();
-                for score in scores.iter_mut() {
-                    *score /= total;
-                }
-                math::weighted_sum(&scores, cache.values(row.slot, l, h / group, len), out);
             }
         });
     }

@@ -42,92 +42,117 @@ pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
     sum
 }
 
-/// Attention scores against transposed keys: `out[j] = scale · Σ_c q[c] ·
-/// keys[c · stride + j]` for `j < out.len()`, sixteen positions per pass
-/// (the sum over `c` in order, one fused multiply-add per step).
+/// Attention scores of `H` query heads against one head's transposed keys:
+/// `out[h][j] = scale · Σ_c q[h][c] · keys[c · stride + j]` for `j < len`,
+/// with `q` holding the heads one after another (`[H][d]`) and `out` as
+/// `[H][len]`. Sixteen positions per pass; each key line is loaded once for
+/// all `H` heads (the heads of a GQA group share their keys). The sum over
+/// `c` runs in order, one fused multiply-add per step.
 #[target_feature(enable = "avx2,fma")]
-pub unsafe fn scores_transposed(
+pub unsafe fn scores_transposed<const H: usize>(
     q: &[f32],
     keys: &[f32],
     stride: usize,
     scale: f32,
+    len: usize,
     out: &mut [f32],
 ) {
-    let len = out.len();
-    assert!(q.is_empty() || keys.len() >= (q.len() - 1) * stride + len);
-    let k = keys.as_ptr();
+    let d = q.len() / H;
+    assert!(q.len() == H * d && out.len() >= H * len);
+    assert!(d == 0 || keys.len() >= (d - 1) * stride + len);
+    let (k, o) = (keys.as_ptr(), out.as_mut_ptr());
     let s = _mm256_set1_ps(scale);
     let mut j = 0;
     while j + 16 <= len {
-        let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-        for (c, &qc) in q.iter().enumerate() {
-            let x = _mm256_set1_ps(qc);
-            a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k.add(c * stride + j)), a0);
-            a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k.add(c * stride + j + 8)), a1);
+        let mut acc = [[_mm256_setzero_ps(); 2]; H];
+        for c in 0..d {
+            let k0 = _mm256_loadu_ps(k.add(c * stride + j));
+            let k1 = _mm256_loadu_ps(k.add(c * stride + j + 8));
+            for (h, acc) in acc.iter_mut().enumerate() {
+                let x = _mm256_set1_ps(q[h * d + c]);
+                acc[0] = _mm256_fmadd_ps(x, k0, acc[0]);
+                acc[1] = _mm256_fmadd_ps(x, k1, acc[1]);
+            }
         }
-        _mm256_storeu_ps(out.as_mut_ptr().add(j), _mm256_mul_ps(a0, s));
-        _mm256_storeu_ps(out.as_mut_ptr().add(j + 8), _mm256_mul_ps(a1, s));
+        for (h, acc) in acc.iter().enumerate() {
+            _mm256_storeu_ps(o.add(h * len + j), _mm256_mul_ps(acc[0], s));
+            _mm256_storeu_ps(o.add(h * len + j + 8), _mm256_mul_ps(acc[1], s));
+        }
         j += 16;
     }
     while j + 8 <= len {
-        let mut a0 = _mm256_setzero_ps();
-        for (c, &qc) in q.iter().enumerate() {
-            a0 = _mm256_fmadd_ps(
-                _mm256_set1_ps(qc),
-                _mm256_loadu_ps(k.add(c * stride + j)),
-                a0,
-            );
+        let mut acc = [_mm256_setzero_ps(); H];
+        for c in 0..d {
+            let k0 = _mm256_loadu_ps(k.add(c * stride + j));
+            for (h, acc) in acc.iter_mut().enumerate() {
+                *acc = _mm256_fmadd_ps(_mm256_set1_ps(q[h * d + c]), k0, *acc);
+            }
         }
-        _mm256_storeu_ps(out.as_mut_ptr().add(j), _mm256_mul_ps(a0, s));
+        for (h, acc) in acc.iter().enumerate() {
+            _mm256_storeu_ps(o.add(h * len + j), _mm256_mul_ps(*acc, s));
+        }
         j += 8;
     }
-    while j < len {
-        let mut acc = 0.0f32;
-        for (c, &qc) in q.iter().enumerate() {
-            acc = qc.mul_add(keys[c * stride + j], acc);
+    for j in j..len {
+        for h in 0..H {
+            let mut acc = 0.0f32;
+            for c in 0..d {
+                acc = q[h * d + c].mul_add(keys[c * stride + j], acc);
+            }
+            out[h * len + j] = acc * scale;
         }
-        out[j] = acc * scale;
-        j += 1;
     }
 }
 
-/// `out[c] = Σ_j p[j] · values[j · d + c]` with `d = out.len()`: the
-/// attention-weighted sum of value rows, 32 columns held in registers
-/// across all rows.
+/// The attention-weighted value sums of `H` query heads sharing one value
+/// head: `out[h][c] = Σ_j p[h][j] · values[j · d + c]`, with `p` as
+/// `[H][len]`, `values` as `[len][d]` and `out` as `[H][d]`. Sixteen
+/// columns of every head stay in registers across all positions; each value
+/// line is loaded once for all `H` heads.
 #[target_feature(enable = "avx2,fma")]
-pub unsafe fn weighted_sum(p: &[f32], values: &[f32], out: &mut [f32]) {
-    let d = out.len();
-    assert!(values.len() >= p.len() * d);
-    let v = values.as_ptr();
+pub unsafe fn weighted_sum<const H: usize>(p: &[f32], values: &[f32], len: usize, out: &mut [f32]) {
+    let d = out.len() / H;
+    assert!(p.len() >= H * len && out.len() == H * d && values.len() >= len * d);
+    let (v, o) = (values.as_ptr(), out.as_mut_ptr());
     let mut c = 0;
-    while c + 32 <= d {
-        let mut acc = [_mm256_setzero_ps(); 4];
-        for (j, &pj) in p.iter().enumerate() {
-            let x = _mm256_set1_ps(pj);
-            for (i, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_fmadd_ps(x, _mm256_loadu_ps(v.add(j * d + c + 8 * i)), *a);
+    while c + 16 <= d {
+        let mut acc = [[_mm256_setzero_ps(); 2]; H];
+        for j in 0..len {
+            let v0 = _mm256_loadu_ps(v.add(j * d + c));
+            let v1 = _mm256_loadu_ps(v.add(j * d + c + 8));
+            for (h, acc) in acc.iter_mut().enumerate() {
+                let x = _mm256_set1_ps(p[h * len + j]);
+                acc[0] = _mm256_fmadd_ps(x, v0, acc[0]);
+                acc[1] = _mm256_fmadd_ps(x, v1, acc[1]);
             }
         }
-        for (i, a) in acc.iter().enumerate() {
-            _mm256_storeu_ps(out.as_mut_ptr().add(c + 8 * i), *a);
+        for (h, acc) in acc.iter().enumerate() {
+            _mm256_storeu_ps(o.add(h * d + c), acc[0]);
+            _mm256_storeu_ps(o.add(h * d + c + 8), acc[1]);
         }
-        c += 32;
+        c += 16;
     }
     while c + 8 <= d {
-        let mut acc = _mm256_setzero_ps();
-        for (j, &pj) in p.iter().enumerate() {
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(pj), _mm256_loadu_ps(v.add(j * d + c)), acc);
+        let mut acc = [_mm256_setzero_ps(); H];
+        for j in 0..len {
+            let v0 = _mm256_loadu_ps(v.add(j * d + c));
+            for (h, acc) in acc.iter_mut().enumerate() {
+                *acc = _mm256_fmadd_ps(_mm256_set1_ps(p[h * len + j]), v0, *acc);
+            }
         }
-        _mm256_storeu_ps(out.as_mut_ptr().add(c), acc);
+        for (h, acc) in acc.iter().enumerate() {
+            _mm256_storeu_ps(o.add(h * d + c), *acc);
+        }
         c += 8;
     }
-    while c < d {
-        let mut acc = 0.0f32;
-        for (j, &pj) in p.iter().enumerate() {
-            acc = pj.mul_add(values[j * d + c], acc);
+    for c in c..d {
+        for h in 0..H {
+            let mut acc = 0.0f32;
+            for j in 0..len {
+                acc = p[h * len + j].mul_add(values[j * d + c], acc);
+            }
+            out[h * d + c] = acc;
         }
-        out[c] = acc;
-        c += 1;
     }
 }
 
@@ -257,31 +282,42 @@ mod tests {
         // with lengths and head sizes that leave tails.
         for (len, d) in [(37usize, 12usize), (16, 64), (5, 40)] {
             let stride = len + 3;
-            let q: Vec<f32> = (0..d).map(|c| (c as f32 * 0.37).sin()).collect();
+            // Three query heads sharing the keys and values.
+            let q: Vec<f32> = (0..3 * d).map(|c| (c as f32 * 0.37).sin()).collect();
             let keys: Vec<f32> = (0..d * stride).map(|i| (i as f32 * 0.11).cos()).collect();
-            let mut scores = vec![0.0f32; len];
-            unsafe { scores_transposed(&q, &keys, stride, 0.5, &mut scores) };
-            for (j, &got) in scores.iter().enumerate() {
-                let want: f64 = 0.5
-                    * (0..d)
-                        .map(|c| q[c] as f64 * keys[c * stride + j] as f64)
-                        .sum::<f64>();
-                assert!(
-                    (got as f64 - want).abs() < 1e-5,
-                    "score {j} of {len}×{d}: {got} vs {want}"
-                );
+            let mut scores = vec![0.0f32; 3 * len];
+            unsafe { scores_transposed::<3>(&q, &keys, stride, 0.5, len, &mut scores) };
+            for h in 0..3 {
+                for j in 0..len {
+                    let want: f64 = 0.5
+                        * (0..d)
+                            .map(|c| q[h * d + c] as f64 * keys[c * stride + j] as f64)
+                            .sum::<f64>();
+                    let got = scores[h * len + j] as f64;
+                    assert!(
+                        (got - want).abs() < 1e-5,
+                        "score {h},{j} of {len}×{d}: {got} vs {want}"
+                    );
+                }
             }
+            // One head alone gives the same bits as within the group.
+            let mut one = vec![0.0f32; len];
+            unsafe { scores_transposed::<1>(&q[d..2 * d], &keys, stride, 0.5, len, &mut one) };
+            assert_eq!(one, scores[len..2 * len]);
             let values: Vec<f32> = (0..len * d).map(|i| (i as f32 * 0.07).sin()).collect();
-            let mut out = vec![0.0f32; d];
-            unsafe { weighted_sum(&scores, &values, &mut out) };
-            for (c, &got) in out.iter().enumerate() {
-                let want: f64 = (0..len)
-                    .map(|j| scores[j] as f64 * values[j * d + c] as f64)
-                    .sum();
-                assert!(
-                    (got as f64 - want).abs() < 1e-4,
-                    "column {c} of {len}×{d}: {got} vs {want}"
-                );
+            let mut out = vec![0.0f32; 3 * d];
+            unsafe { weighted_sum::<3>(&scores, &values, len, &mut out) };
+            for h in 0..3 {
+                for c in 0..d {
+                    let want: f64 = (0..len)
+                        .map(|j| scores[h * len + j] as f64 * values[j * d + c] as f64)
+                        .sum();
+                    let got = out[h * d + c] as f64;
+                    assert!(
+                        (got - want).abs() < 1e-4,
+                        "column {h},{c} of {len}×{d}: {got} vs {want}"
+                    );
+                }
             }
         }
         let a: Vec<f32> = (0..19).map(|i| i as f32).collect();
