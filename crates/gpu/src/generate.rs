@@ -208,7 +208,7 @@ pub fn generate_on(
     }
     if backend == Backend::Auto && cpu_kernels_apply(model) {
         #[cfg(target_arch = "x86_64")]
-        return crate::cpu::engine::generate(model, prompts, stream_ids, params);
+        return crate::cpu::run::generate(model, prompts, stream_ids, params);
     }
     generate_torch(model, prompts, stream_ids, params)
 }

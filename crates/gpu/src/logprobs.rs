@@ -62,7 +62,7 @@ pub fn response_logprobs_on_cpu_kernels(
         ));
     }
     #[cfg(target_arch = "x86_64")]
-    return crate::cpu::engine::response_logprobs(model, prompts, responses, temperature);
+    return crate::cpu::run::response_logprobs(model, prompts, responses, temperature);
     #[cfg(not(target_arch = "x86_64"))]
     unreachable!("cpu_kernels_apply is false off x86-64")
 }

@@ -32,7 +32,7 @@ pub struct Model {
     score: Option<nn::Linear>,
     /// Packed weights for the CPU generation kernels, made on first use.
     #[cfg(target_arch = "x86_64")]
-    prepared: crate::cpu::engine::Prepared,
+    prepared: crate::cpu::prepared::Prepared,
 }
 
 impl Model {
@@ -337,7 +337,7 @@ impl Model {
 
     /// The CPU kernels' packed weights of this model.
     #[cfg(target_arch = "x86_64")]
-    pub(crate) fn prepared_for_cpu(&self) -> &crate::cpu::engine::Prepared {
+    pub(crate) fn prepared_for_cpu(&self) -> &crate::cpu::prepared::Prepared {
         &self.prepared
     }
 

@@ -1,0 +1,165 @@
+//! What a [`Model`] keeps for the CPU kernels between calls: its packed
+//! weights (while they hold still), a KV-cache buffer and a thread pool.
+
+use std::sync::{Arc, Mutex};
+
+use super::engine::CpuModel;
+use crate::{Model, ModelError};
+
+/// The packed weights of one [`Model`], kept between calls while its
+/// parameters are unchanged, and a KV-cache buffer to reuse.
+///
+/// "Unchanged" is judged by each parameter's storage address and libtorch's
+/// version counter, which every in-place write bumps (loading, applying a
+/// snapshot, an optimizer step), so a stale packing is never used. A model
+/// whose weights change between every two calls (a generator fed a new
+/// version each step, a learner) would never reuse its packing, so after the
+/// first such change the packing is dropped when its call ends instead of
+/// being held as a second copy of the weights; once two calls in a row see
+/// the same weights, it is kept again.
+#[derive(Debug, Default)]
+pub struct Prepared {
+    packed: Mutex<Option<Packing>>,
+    cache: Mutex<Vec<f32>>,
+    pool: Mutex<Option<Arc<rayon::ThreadPool>>>,
+}
+
+/// The weights a packing was made from, the packing if it is kept, and
+/// whether a second call used it.
+#[derive(Debug)]
+struct Packing {
+    stamp: Stamp,
+    packed: Option<Arc<CpuModel>>,
+    reused: bool,
+}
+
+/// KV-cache buffers up to this many floats (256 MiB) are kept for the next call.
+const KEPT_CACHE_FLOATS: usize = 64 << 20;
+
+impl Prepared {
+    pub(super) fn model(&self, model: &Model) -> Result<Arc<CpuModel>, ModelError> {
+        let stamp: Stamp = model
+            .named_tensors()
+            .iter()
+            .map(|(_, t)| (t.data_ptr() as usize, t.internal_version()))
+            .collect();
+        let mut slot = self.packed.lock().unwrap_or_else(|e| e.into_inner());
+        let (keep, reused) = match slot.as_mut() {
+            Some(entry) if entry.stamp == stamp => {
+                if let Some(packed) = &entry.packed {
+                    entry.reused = true;
+                    return Ok(packed.clone());
+                }
+                // The same weights as last call, which dropped its packing: keep it now.
+                (true, true)
+            }
+            // New weights: keep their packing only if the last one was used twice.
+            Some(entry) => (entry.reused, false),
+            None => (true, false),
+        };
+        *slot = None; // free a stale packing before building the new one
+        let packed = Arc::new(CpuModel::from_model(model)?);
+        *slot = Some(Packing {
+            stamp,
+            packed: keep.then(|| packed.clone()),
+            reused,
+        });
+        Ok(packed)
+    }
+
+    /// A pool of libtorch's intra-op thread count (`None` for one thread),
+    /// so `set_threads` governs the kernels too.
+    pub(super) fn pool(&self) -> Result<Option<Arc<rayon::ThreadPool>>, ModelError> {
+        let threads = tch::get_num_threads().max(1) as usize;
+        if threads == 1 {
+            return Ok(None);
+        }
+        let mut slot = self.pool.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(pool) = slot.as_ref().filter(|p| p.current_num_threads() == threads) {
+            return Ok(Some(pool.clone()));
+        }
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("weir-cpu-{i}"))
+            .build()
+            .map_err(|e| {
+                ModelError::Input(format!("cannot start {threads} kernel threads: {e}"))
+            })?;
+        let pool = Arc::new(pool);
+        *slot = Some(pool.clone());
+        Ok(Some(pool))
+    }
+
+    /// The KV-cache buffer of an earlier call (empty when another call holds it).
+    pub(super) fn take_cache(&self) -> Vec<f32> {
+        std::mem::take(&mut *self.cache.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Keeps `buffer` for the next call if it is small enough.
+    pub(super) fn give_back_cache(&self, buffer: Vec<f32>) {
+        if buffer.len() <= KEPT_CACHE_FLOATS {
+            *self.cache.lock().unwrap_or_else(|e| e.into_inner()) = buffer;
+        }
+    }
+}
+
+/// Storage address and version of every parameter.
+type Stamp = Vec<(usize, i64)>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::gemm;
+    use tch::Kind;
+
+    impl Prepared {
+        fn holds_packing(&self) -> bool {
+            self.packed
+                .lock()
+                .unwrap()
+                .as_ref()
+                .is_some_and(|p| p.packed.is_some())
+        }
+    }
+
+    #[test]
+    fn a_packing_is_kept_only_while_the_weights_hold_still() {
+        if !gemm::supported() {
+            return;
+        }
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../../shared/fixtures/models/tiny-llama");
+        let model = Model::load(&dir, crate::Device::Cpu, Kind::Float).unwrap();
+        let prepared = model.prepared_for_cpu();
+        let step = || {
+            let _guard = tch::no_grad_guard();
+            for (_, mut t) in model.named_tensors() {
+                let _ = t.g_mul_scalar_(1.0001);
+            }
+        };
+        prepared.model(&model).unwrap();
+        assert!(prepared.holds_packing(), "the first packing is kept");
+        prepared.model(&model).unwrap();
+        step();
+        prepared.model(&model).unwrap();
+        assert!(
+            prepared.holds_packing(),
+            "the last packing was reused: keep the new one"
+        );
+        step();
+        prepared.model(&model).unwrap();
+        assert!(
+            !prepared.holds_packing(),
+            "changed before any reuse: dropped after use"
+        );
+        step();
+        prepared.model(&model).unwrap();
+        assert!(!prepared.holds_packing(), "still changing every call");
+        let packed = prepared.model(&model).unwrap();
+        assert!(
+            prepared.holds_packing(),
+            "the same weights twice: kept again"
+        );
+        assert!(Arc::ptr_eq(&packed, &prepared.model(&model).unwrap()));
+    }
+}

@@ -1,0 +1,164 @@
+//! The state of one call on the CPU kernels: per-sequence KV-cache slots,
+//! RoPE tables, and the activations of a forward pass.
+
+use tch::{Kind, Tensor};
+
+use super::engine::CpuModel;
+use crate::{Model, ModelError};
+
+/// A token's cache slot (its sequence) and position.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Row {
+    pub(super) slot: usize,
+    pub(super) pos: usize,
+}
+
+/// cos and sin of every position up to the longest sequence, `[len, head_dim]`.
+pub(super) struct RopeTables {
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    dim: usize,
+}
+
+impl RopeTables {
+    pub(super) fn new(model: &Model, len: usize) -> Result<Self, ModelError> {
+        let positions = Tensor::arange(len as i64, (Kind::Int64, tch::Device::Cpu)).view([1, -1]);
+        let (cos, sin) = model.rope().tables(&positions, Kind::Float);
+        let flat = |t: Tensor| {
+            Vec::<f32>::try_from(&t.contiguous().view(-1))
+                .map_err(|e| ModelError::Torch(e.to_string()))
+        };
+        Ok(RopeTables {
+            cos: flat(cos)?,
+            sin: flat(sin)?,
+            dim: model.config.head_dim as usize,
+        })
+    }
+
+    pub(super) fn at(&self, pos: usize) -> (&[f32], &[f32]) {
+        let span = pos * self.dim..(pos + 1) * self.dim;
+        (&self.cos[span.clone()], &self.sin[span])
+    }
+}
+
+/// Keys and values of every sequence, slot-major: per (slot, layer, k|v, kv
+/// head) a block of `capacity × head_dim` floats. Keys are stored
+/// transposed (`[head_dim][position]`), so the scores of consecutive
+/// positions are one vector product; values by position
+/// (`[position][head_dim]`).
+pub(super) struct Cache {
+    pub(super) data: Vec<f32>,
+    layers: usize,
+    kv_heads: usize,
+    pub(super) capacity: usize,
+    dim: usize,
+}
+
+impl Cache {
+    /// A cache in `data` (resized; every position is written before it is read).
+    pub(super) fn new(mut data: Vec<f32>, slots: usize, model: &CpuModel, capacity: usize) -> Self {
+        let layers = model.num_layers();
+        data.resize(
+            slots * layers * 2 * model.kv_heads * capacity * model.head_dim,
+            0.0,
+        );
+        Cache {
+            data,
+            layers,
+            kv_heads: model.kv_heads,
+            capacity,
+            dim: model.head_dim,
+        }
+    }
+
+    /// Start of the block of (slot, layer, keys (0) or values (1), head).
+    pub(super) fn block(&self, slot: usize, layer: usize, which: usize, head: usize) -> usize {
+        (((slot * self.layers + layer) * 2 + which) * self.kv_heads + head)
+            * self.capacity
+            * self.dim
+    }
+
+    /// Stores the key and value of `head` at `pos`.
+    pub(super) fn put(
+        &mut self,
+        slot: usize,
+        layer: usize,
+        head: usize,
+        pos: usize,
+        key: &[f32],
+        value: &[f32],
+    ) {
+        let (keys, cap) = (self.block(slot, layer, 0, head), self.capacity);
+        for (c, &k) in key.iter().enumerate() {
+            self.data[keys + c * cap + pos] = k;
+        }
+        let values = self.block(slot, layer, 1, head) + pos * self.dim;
+        self.data[values..values + self.dim].copy_from_slice(value);
+    }
+
+    /// The transposed key block of `head` (`[head_dim][capacity]`).
+    pub(super) fn keys(&self, slot: usize, layer: usize, head: usize) -> &[f32] {
+        let start = self.block(slot, layer, 0, head);
+        &self.data[start..start + self.capacity * self.dim]
+    }
+
+    /// The values of `head` at positions `0..len` (`[len][head_dim]`).
+    pub(super) fn values(&self, slot: usize, layer: usize, head: usize, len: usize) -> &[f32] {
+        let start = self.block(slot, layer, 1, head);
+        &self.data[start..start + len * self.dim]
+    }
+
+    /// Copies the first `len` positions of slot `from` into slot `to`.
+    pub(super) fn copy_prefix(&mut self, from: usize, to: usize, len: usize) {
+        let (cap, d) = (self.capacity, self.dim);
+        for layer in 0..self.layers {
+            for head in 0..self.kv_heads {
+                let (src, dst) = (
+                    self.block(from, layer, 0, head),
+                    self.block(to, layer, 0, head),
+                );
+                for c in 0..d {
+                    self.data
+                        .copy_within(src + c * cap..src + c * cap + len, dst + c * cap);
+                }
+                let (src, dst) = (
+                    self.block(from, layer, 1, head),
+                    self.block(to, layer, 1, head),
+                );
+                self.data.copy_within(src..src + len * d, dst);
+            }
+        }
+    }
+}
+
+/// Activations of one forward call, reused across calls.
+#[derive(Default)]
+pub(super) struct Scratch {
+    pub(super) x: Vec<f32>,
+    pub(super) xn: Vec<f32>,
+    pub(super) qkv: Vec<f32>,
+    pub(super) att: Vec<f32>,
+    pub(super) gate_up: Vec<f32>,
+    pub(super) act: Vec<f32>,
+    pub(super) logits: Vec<f32>,
+    pub(super) head: Vec<f32>,
+}
+
+impl Scratch {
+    pub(super) fn reserve(&mut self, m: usize, model: &CpuModel, logit_rows: usize) {
+        let d = model.head_dim;
+        let grow = |v: &mut Vec<f32>, len: usize| {
+            if v.len() < len {
+                v.resize(len, 0.0);
+            }
+        };
+        grow(&mut self.x, m * model.hidden);
+        grow(&mut self.xn, m * model.hidden);
+        grow(&mut self.qkv, m * (model.heads + 2 * model.kv_heads) * d);
+        grow(&mut self.att, m * model.heads * d);
+        grow(&mut self.gate_up, m * 2 * model.intermediate);
+        grow(&mut self.act, m * model.intermediate);
+        grow(&mut self.logits, logit_rows * model.vocab);
+        self.head.resize(d, 0.0);
+    }
+}
