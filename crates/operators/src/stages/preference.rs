@@ -17,7 +17,8 @@ use weir_gpu::{Model, Tokenizer};
 use weir_graph::{StageError, StepBuffer, StepContext, StepStage};
 
 use super::columns::token_lists;
-use super::learner::{response_forward, LrSchedule};
+use super::learner::LrSchedule;
+use super::sequences::response_forward;
 use super::sequences::{pack, response_targets};
 use crate::checkpoint::CheckpointPlan;
 use crate::rollout::col;

@@ -7,7 +7,7 @@ use weir_graph::batch::with_column;
 use weir_graph::{Stage, StageError, StepContext};
 
 use super::columns::{float_list_array, token_lists};
-use super::learner::response_logprobs;
+use super::sequences::response_logprobs;
 use crate::rollout::col;
 
 /// Writes `ref_logprobs` with a frozen model.

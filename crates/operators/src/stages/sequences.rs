@@ -1,6 +1,11 @@
-//! Prompt + response rows packed for one forward pass.
+//! Prompt + response rows: packed for one forward pass, and the forward
+//! (and backward) passes over them that read the response positions —
+//! log-probs, entropy, and the training step's loss — for the learner, the
+//! reference, SFT and the preference trainers.
 
 use tch::Tensor;
+use weir_gpu::Model;
+use weir_graph::StageError;
 
 /// Right-padded `prompt ++ response` rows, and for each response token `j`
 /// of row `i` the position `len(prompt_i) − 1 + j` that predicts it — the
@@ -49,6 +54,175 @@ pub fn pack(prompts: &[Vec<i64>], responses: &[Vec<i64>], pad: i64, device: tch:
         index: Tensor::from_slice(&index).view([b, r]).to_device(device),
         response_mask: Tensor::from_slice(&rmask).view([b, r]).to_device(device),
     }
+}
+
+/// Log-probs `[B, R]` of each row's response tokens given its prompt (at
+/// `temperature`), with the response mask `[B, R]` (R = the longest
+/// response), without gradients. A float32 model on an AVX2 CPU runs on
+/// weir's CPU kernels (equal prompts, e.g. a group's samples, run once);
+/// anything else through [`response_forward`].
+pub fn response_logprobs(
+    model: &Model,
+    prompts: &[Vec<i64>],
+    responses: &[Vec<i64>],
+    temperature: f64,
+) -> Result<(Tensor, Tensor), StageError> {
+    if !weir_gpu::generate::cpu_kernels_apply(model) {
+        let _guard = tch::no_grad_guard();
+        let f = response_forward(model, prompts, responses, temperature, false)?;
+        return Ok((f.logprobs, f.mask));
+    }
+    let rows = weir_gpu::logprobs::response_logprobs_on_cpu_kernels(
+        model,
+        prompts,
+        responses,
+        temperature,
+    )?;
+    let width = responses.iter().map(Vec::len).max().unwrap_or(1).max(1);
+    let mut logprobs = Vec::with_capacity(rows.len() * width);
+    let mut mask = Vec::with_capacity(rows.len() * width);
+    for row in &rows {
+        logprobs.extend(
+            row.iter()
+                .copied()
+                .chain(std::iter::repeat_n(0.0, width - row.len())),
+        );
+        mask.extend(
+            std::iter::repeat_n(1.0f32, row.len())
+                .chain(std::iter::repeat_n(0.0, width - row.len())),
+        );
+    }
+    let shape = [rows.len() as i64, width as i64];
+    Ok((
+        Tensor::from_slice(&logprobs)
+            .view(shape)
+            .to_device(model.device()),
+        Tensor::from_slice(&mask)
+            .view(shape)
+            .to_device(model.device()),
+    ))
+}
+
+/// One forward pass over `prompt ++ response` rows, read at the response positions.
+pub struct ResponseForward {
+    /// `log p(response token | prefix)` `[B, R]`.
+    pub logprobs: Tensor,
+    /// 1.0 on real response tokens `[B, R]`.
+    pub mask: Tensor,
+    /// The policy's entropy at each response position `[B, R]`, if asked for.
+    pub entropy: Option<Tensor>,
+}
+
+/// Log-probs (and optionally entropy) of each row's response tokens: the
+/// logits are gathered at the predicting positions first, so the softmax
+/// runs over `R` positions per row, not the whole sequence. When rows share
+/// prompts (a group's samples), each distinct prompt runs once
+/// ([`Model::response_logits`]).
+pub fn response_forward(
+    model: &Model,
+    prompts: &[Vec<i64>],
+    responses: &[Vec<i64>],
+    temperature: f64,
+    with_entropy: bool,
+) -> Result<ResponseForward, StageError> {
+    let (at, targets, mask) = response_logits(model, prompts, responses)?;
+    Ok(read_responses(
+        &at,
+        &targets,
+        mask,
+        temperature,
+        with_entropy,
+    ))
+}
+
+/// True when some rows share a prompt.
+fn prompts_repeat(prompts: &[Vec<i64>]) -> bool {
+    let distinct: std::collections::HashSet<&[i64]> = prompts.iter().map(Vec::as_slice).collect();
+    distinct.len() < prompts.len()
+}
+
+/// Logits at the positions predicting each response token `[B, R, vocab]`,
+/// the tokens `[B, R]` and the response mask `[B, R]`.
+fn response_logits(
+    model: &Model,
+    prompts: &[Vec<i64>],
+    responses: &[Vec<i64>],
+) -> Result<(Tensor, Tensor, Tensor), StageError> {
+    if prompts_repeat(prompts) {
+        let r = model.response_logits(prompts, responses)?;
+        return Ok((r.logits, r.targets, r.mask));
+    }
+    let pad = model.config.pad_token_id.unwrap_or(0).max(0);
+    let packed = pack(prompts, responses, pad, model.device());
+    let logits = model.logits(&packed.ids, Some(&packed.mask), None)?;
+    Ok(gather_responses(&logits, packed))
+}
+
+/// The response positions of `logits` `[B, T, vocab]` over `packed` rows:
+/// (logits `[B, R, vocab]`, targets `[B, R]`, mask `[B, R]`).
+fn gather_responses(logits: &Tensor, packed: Packed) -> (Tensor, Tensor, Tensor) {
+    let vocab = logits.size()[2];
+    let at = logits.gather(
+        1,
+        &packed.index.unsqueeze(-1).expand([-1, -1, vocab], false),
+        false,
+    );
+    let targets = packed.ids.gather(1, &(&packed.index + 1), false);
+    (at, targets, packed.response_mask)
+}
+
+/// Log-probs (and entropy) from the logits at the response positions.
+fn read_responses(
+    at: &Tensor,
+    targets: &Tensor,
+    mask: Tensor,
+    temperature: f64,
+    with_entropy: bool,
+) -> ResponseForward {
+    ResponseForward {
+        logprobs: weir_gpu::logprobs::gather_logprobs(at, targets, temperature),
+        mask,
+        entropy: with_entropy.then(|| weir_gpu::logprobs::entropy(at, temperature)),
+    }
+}
+
+/// A training forward and backward pass over `prompt ++ response` rows:
+/// `loss_of` turns the [`ResponseForward`] into the loss to backpropagate
+/// (and anything else it measured, returned). With `checkpointed`, layer
+/// activations are recomputed in the backward pass instead of kept
+/// ([`Model::backward_checkpointed`]); the gradients are the same.
+pub fn response_backward<T>(
+    model: &Model,
+    prompts: &[Vec<i64>],
+    responses: &[Vec<i64>],
+    temperature: f64,
+    with_entropy: bool,
+    checkpointed: bool,
+    loss_of: impl FnOnce(ResponseForward) -> Result<(Tensor, T), StageError>,
+) -> Result<T, StageError> {
+    if !checkpointed {
+        let fwd = response_forward(model, prompts, responses, temperature, with_entropy)?;
+        let (loss, measured) = loss_of(fwd)?;
+        loss.backward();
+        return Ok(measured);
+    }
+    let pad = model.config.pad_token_id.unwrap_or(0).max(0);
+    let packed = pack(prompts, responses, pad, model.device());
+    let (ids, mask) = (packed.ids.shallow_clone(), packed.mask.shallow_clone());
+    let mut measured = None;
+    let _loss = model.backward_checkpointed(&ids, Some(&mask), |logits| {
+        let (at, targets, mask) = gather_responses(logits, packed);
+        let (loss, m) = loss_of(read_responses(
+            &at,
+            &targets,
+            mask,
+            temperature,
+            with_entropy,
+        ))?;
+        measured = Some(m);
+        Ok::<_, StageError>(loss)
+    })?;
+    Ok(measured.expect("loss_of ran"))
 }
 
 /// Each row's `column` text tokenised (no special tokens) with the

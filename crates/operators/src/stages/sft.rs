@@ -10,7 +10,8 @@ use weir_gpu::{Model, Tokenizer};
 use weir_graph::{StageError, StepBuffer, StepContext, StepStage};
 
 use super::columns::token_lists;
-use super::learner::{response_backward, LrSchedule};
+use super::learner::LrSchedule;
+use super::sequences::response_backward;
 use super::sequences::response_targets;
 use crate::checkpoint::CheckpointPlan;
 use crate::rollout::col;
