@@ -264,7 +264,21 @@ pub fn logprobs(args: &ModelArgs) -> anyhow::Result<()> {
     let bar = progress(inputs.len(), "logprobs");
     let mut out: Vec<Vec<f32>> = Vec::with_capacity(inputs.len());
     let _guard = tch::no_grad_guard();
+    // A float32 model on an AVX2 CPU runs on weir's CPU kernels (each
+    // sequence as a one-token prompt and the rest as its response).
+    let kernels = weir_gpu::generate::cpu_kernels_apply(&model);
     for chunk in inputs.chunks(args.batch_size.max(1)) {
+        if kernels {
+            let (firsts, rests): (Vec<Vec<i64>>, Vec<Vec<i64>>) = chunk
+                .iter()
+                .map(|ids| (ids[..1].to_vec(), ids[1..].to_vec()))
+                .unzip();
+            out.extend(weir_gpu::logprobs::response_logprobs_on_cpu_kernels(
+                &model, &firsts, &rests, 1.0,
+            )?);
+            bar.inc(chunk.len() as u64);
+            continue;
+        }
         let rows: Vec<&Vec<i64>> = chunk.iter().collect();
         let (ids, mask) = pad_right(&rows, model.config.pad_token_id.unwrap_or(0).max(0));
         let lp = model
