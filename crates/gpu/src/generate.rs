@@ -115,6 +115,13 @@ pub struct Generation {
 }
 
 impl Generation {
+    /// No tokens yet for `n` samples of each of `prompts` prompts, ordered by (prompt, sample).
+    pub(crate) fn empty_rows(prompts: usize, n: usize) -> Vec<Self> {
+        (0..prompts)
+            .flat_map(|p| (0..n).map(move |s| Generation::empty(p, s)))
+            .collect()
+    }
+
     pub(crate) fn empty(prompt: usize, sample: usize) -> Self {
         Generation {
             prompt,
@@ -192,25 +199,38 @@ pub fn generate_on(
     if prompts.is_empty() {
         return Ok(Vec::new());
     }
-    if let Some(i) = prompts.iter().position(Vec::is_empty) {
-        return Err(ModelError::Input(format!("prompt {i} is empty")));
-    }
-    let vocab = model.config.vocab_size;
-    if let Some(&id) = prompts.iter().flatten().find(|&&id| id < 0 || id >= vocab) {
-        return Err(ModelError::Input(format!(
-            "a prompt holds the token id {id}, outside the vocabulary 0..{vocab}"
-        )));
-    }
+    check_prompts(model, prompts, &[])?;
     if params.max_new_tokens == 0 {
-        return Ok((0..prompts.len())
-            .flat_map(|p| (0..params.n).map(move |s| Generation::empty(p, s)))
-            .collect());
+        return Ok(Generation::empty_rows(prompts.len(), params.n));
     }
     if backend == Backend::Auto && cpu_kernels_apply(model) {
         #[cfg(target_arch = "x86_64")]
         return crate::cpu::run::generate(model, prompts, stream_ids, params);
     }
     generate_torch(model, prompts, stream_ids, params)
+}
+
+/// Every prompt non-empty, and every id of `prompts` and `more` in the vocabulary.
+pub(crate) fn check_prompts(
+    model: &Model,
+    prompts: &[Vec<i64>],
+    more: &[Vec<i64>],
+) -> Result<(), ModelError> {
+    if let Some(i) = prompts.iter().position(Vec::is_empty) {
+        return Err(ModelError::Input(format!("prompt {i} is empty")));
+    }
+    let vocab = model.config.vocab_size;
+    match prompts
+        .iter()
+        .chain(more)
+        .flatten()
+        .find(|&&id| id < 0 || id >= vocab)
+    {
+        Some(id) => Err(ModelError::Input(format!(
+            "the token id {id} lies outside the vocabulary 0..{vocab}"
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// True when `Backend::Auto` runs `model` on weir's CPU kernels.

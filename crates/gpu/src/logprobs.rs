@@ -56,6 +56,7 @@ pub fn response_logprobs_on_cpu_kernels(
             "temperature must be positive, got {temperature}"
         )));
     }
+    crate::generate::check_prompts(model, prompts, responses)?;
     if !crate::generate::cpu_kernels_apply(model) {
         return Err(ModelError::Input(
             "the CPU kernels need a float32 causal LM on an x86-64 CPU with AVX2 and FMA".into(),

@@ -351,7 +351,7 @@ impl Model {
         KvCache::new(self.decoder.num_layers())
     }
 
-    pub(crate) fn check_ids(&self, input_ids: &Tensor) -> Result<Tensor, ModelError> {
+    fn check_ids(&self, input_ids: &Tensor) -> Result<Tensor, ModelError> {
         if input_ids.dim() != 2 || input_ids.size()[1] == 0 {
             return Err(ModelError::Input(format!(
                 "input ids must be [batch, length>0], got {:?}",

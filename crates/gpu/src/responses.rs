@@ -41,9 +41,7 @@ impl Model {
                 responses.len()
             )));
         }
-        if let Some(i) = prompts.iter().position(Vec::is_empty) {
-            return Err(ModelError::Input(format!("prompt {i} is empty")));
-        }
+        crate::generate::check_prompts(self, prompts, responses)?;
         let device = self.device();
         let pad = self.config.pad_token_id.unwrap_or(0).max(0);
         let mut seen: HashMap<&[i64], i64> = HashMap::new();
@@ -68,7 +66,6 @@ impl Model {
         let shape = [distinct.len() as i64, width as i64];
         let ids = Tensor::from_slice(&ids).view(shape).to_device(device);
         let prompt_mask = Tensor::from_slice(&mask).view(shape).to_device(device);
-        let ids = self.check_ids(&ids)?;
         let mut cache = self.new_cache();
         let hidden = self.forward_cached(
             &ids,
@@ -97,7 +94,6 @@ impl Model {
         let targets = Tensor::from_slice(&targets)
             .view([b, r as i64])
             .to_device(device);
-        let targets = self.check_ids(&targets)?;
         let target_mask = Tensor::from_slice(&target_mask)
             .view([b, r as i64])
             .to_device(device);

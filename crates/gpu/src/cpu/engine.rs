@@ -193,6 +193,14 @@ impl CpuModel {
         });
     }
 
+    /// RMSNorm of the first `m` rows of `x` into `out`.
+    unsafe fn norm_rows(&self, x: &[f32], weight: &[f32], m: usize, out: &mut [f32]) {
+        let hd = self.hidden;
+        for (x, out) in x[..m * hd].chunks_exact(hd).zip(out.chunks_exact_mut(hd)) {
+            math::rms_norm(x, weight, self.eps, out);
+        }
+    }
+
     /// Runs the tokens `ids` at `rows` (cache slot and position) through the
     /// decoder, appending their keys and values to the cache, and returns the
     /// logits `[logit_rows.len(), vocab]` of the rows listed in `logit_rows`.
@@ -221,15 +229,7 @@ impl CpuModel {
             s.x[i * hd..(i + 1) * hd].copy_from_slice(&self.embed[id * hd..(id + 1) * hd]);
         }
         for (l, layer) in self.layers.iter().enumerate() {
-            for i in 0..m {
-                let span = i * hd..(i + 1) * hd;
-                math::rms_norm(
-                    &s.x[span.clone()],
-                    &layer.input_norm,
-                    self.eps,
-                    &mut s.xn[span],
-                );
-            }
+            self.norm_rows(&s.x, &layer.input_norm, m, &mut s.xn);
             gemm::matmul(&s.xn, hd, m, &layer.qkv, &mut s.qkv, qkv_width, false, pool);
             for (i, row) in rows.iter().enumerate() {
                 let qkv = &mut s.qkv[i * qkv_width..(i + 1) * qkv_width];
@@ -278,15 +278,7 @@ impl CpuModel {
                     .for_each(attend),
             }
             gemm::matmul(&s.att, q_width, m, &layer.o, &mut s.x, hd, true, pool);
-            for i in 0..m {
-                let span = i * hd..(i + 1) * hd;
-                math::rms_norm(
-                    &s.x[span.clone()],
-                    &layer.post_norm,
-                    self.eps,
-                    &mut s.xn[span],
-                );
-            }
+            self.norm_rows(&s.x, &layer.post_norm, m, &mut s.xn);
             let (inter, gu_width) = (self.intermediate, 2 * self.intermediate);
             gemm::matmul(
                 &s.xn,

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use super::engine::CpuModel;
 use super::prepared::Prepared;
-use super::sample::{self, Picker};
+use super::sample::Picker;
 use super::state::{Cache, RopeTables, Row, Scratch};
 use crate::generate::{Generation, SamplingParams, Stream};
 use crate::{Model, ModelError};
@@ -134,9 +134,7 @@ pub fn generate(
     params: &SamplingParams,
 ) -> Result<Vec<Generation>, ModelError> {
     let n = params.n;
-    let mut out: Vec<Generation> = (0..prompts.len())
-        .flat_map(|p| (0..n).map(move |s| Generation::empty(p, s)))
-        .collect();
+    let mut out = Generation::empty_rows(prompts.len(), n);
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let mut run = Run::start(model, out.len(), longest + params.max_new_tokens)?;
     let vocab = run.cpu.vocab;
@@ -197,27 +195,15 @@ fn logit_chunk(vocab: usize) -> usize {
 
 /// `log p(responses[r][j] | prompts[r] ++ responses[r][..j])` at
 /// `temperature`, for every row and response token, without gradients.
-/// Equal prompts are run once. The caller has checked that the kernels apply.
+/// Equal prompts are run once. The caller has checked the rows (as many
+/// responses as prompts, prompts non-empty, ids in the vocabulary) and that
+/// the kernels apply.
 pub fn response_logprobs(
     model: &Model,
     prompts: &[Vec<i64>],
     responses: &[Vec<i64>],
     temperature: f64,
 ) -> Result<Vec<Vec<f32>>, ModelError> {
-    if let Some(i) = prompts.iter().position(Vec::is_empty) {
-        return Err(ModelError::Input(format!("prompt {i} is empty")));
-    }
-    let vocab = model.config.vocab_size;
-    if let Some(&id) = prompts
-        .iter()
-        .chain(responses)
-        .flatten()
-        .find(|&&id| id < 0 || id >= vocab)
-    {
-        return Err(ModelError::Input(format!(
-            "the token id {id} lies outside the vocabulary 0..{vocab}"
-        )));
-    }
     let capacity = prompts
         .iter()
         .zip(responses)
@@ -228,12 +214,12 @@ pub fn response_logprobs(
     let vocab = run.cpu.vocab;
     let owner = owners(prompts);
     let temperature = temperature as f32;
-    let mut row = Vec::with_capacity(vocab);
+    let (mut picker, mut row) = (Picker::default(), Vec::with_capacity(vocab));
     let mut logprob = |logits: &[f32], target: i64| {
         row.clear();
         row.extend(logits.iter().map(|&x| x / temperature));
         // SAFETY: the caller checked that the CPU has AVX2 and FMA.
-        unsafe { sample::log_prob(&mut row, target as usize) }
+        unsafe { picker.log_prob(&row, target as usize) }
     };
     // SAFETY (both calls): as above.
     let first = unsafe { run.prefill(prompts, &owner, 1) };

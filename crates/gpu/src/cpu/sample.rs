@@ -107,6 +107,14 @@ impl Picker {
         &self.probs
     }
 
+    /// `log softmax(logits)[target]`.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    pub unsafe fn log_prob(&mut self, logits: &[f32], target: usize) -> f32 {
+        logits[target] - self.log_sum_exp(logits)
+    }
+
     /// `log Σ exp(logits)`; leaves the shifted exponentials in `self.probs`.
     unsafe fn log_sum_exp(&mut self, logits: &[f32]) -> f32 {
         let top = math::max(logits);
@@ -117,19 +125,4 @@ impl Picker {
             .sum();
         top + sum.ln() as f32
     }
-}
-
-/// `log softmax(logits)[target]` (`logits` is overwritten).
-///
-/// # Safety
-/// The CPU must support AVX2 and FMA.
-pub unsafe fn log_prob(logits: &mut [f32], target: usize) -> f32 {
-    let top = math::max(logits);
-    let value = logits[target];
-    for v in logits.iter_mut() {
-        *v -= top;
-    }
-    math::exp_in_place(logits);
-    let sum: f64 = logits.iter().map(|&e| e as f64).sum();
-    value - (top + sum.ln() as f32)
 }

@@ -2,6 +2,15 @@
 
 use super::*;
 
+/// Largest difference between two generations' behaviour log-probs.
+fn max_logprob_diff(a: &weir_gpu::Generation, b: &weir_gpu::Generation) -> f32 {
+    a.logprobs
+        .iter()
+        .zip(&b.logprobs)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
 fn check_greedy(name: &str) {
     let r = &reference(name)["greedy"];
     let model = load(name, Kind::Float);
@@ -71,12 +80,7 @@ fn sampling_is_seeded_per_sequence_and_respects_its_settings() {
     let fewer = generate(&model, &prompts[..2], &params).unwrap();
     for (a, b) in fewer.iter().zip(all.iter().filter(|g| g.prompt < 2)) {
         assert_eq!(a.tokens, b.tokens);
-        let d = a
-            .logprobs
-            .iter()
-            .zip(&b.logprobs)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0.0, f32::max);
+        let d = max_logprob_diff(a, b);
         assert!(d < 1e-4, "log-probs differ by {d}");
     }
     assert_ne!(
@@ -240,12 +244,7 @@ fn cpu_kernels_agree_with_libtorch_ops() {
                     a.prompt, a.sample
                 );
                 assert_eq!(a.finish_reason, b.finish_reason);
-                let d = a
-                    .logprobs
-                    .iter()
-                    .zip(&b.logprobs)
-                    .map(|(x, y)| (x - y).abs())
-                    .fold(0.0, f32::max);
+                let d = max_logprob_diff(a, b);
                 assert!(d < 1e-4, "{name}: log-probs differ by {d}");
             }
         }
@@ -413,12 +412,7 @@ fn cpu_kernels_handle_shapes_no_fixture_has() {
                 "prompt {} sample {}",
                 a.prompt, a.sample
             );
-            let d = a
-                .logprobs
-                .iter()
-                .zip(&b.logprobs)
-                .map(|(x, y)| (x - y).abs())
-                .fold(0.0, f32::max);
+            let d = max_logprob_diff(a, b);
             assert!(d < 1e-4, "log-probs differ by {d}");
         }
     }
