@@ -140,9 +140,10 @@ fn sim_steps_per_s(k: u64, queue: usize, steps: u64) -> f64 {
         batch_rows: 64,
         max_staleness: k,
         workers: 2,
-        processes: 1,
-        process_id: 0,
-        hostfile: None,
+        cluster: weir::cluster::ClusterArgs {
+            peer_timeout_s: 30.0,
+            ..Default::default()
+        },
         gen_ms: 40,
         train_ms: 20,
         score_ms: 0,
@@ -152,7 +153,6 @@ fn sim_steps_per_s(k: u64, queue: usize, steps: u64) -> f64 {
         weights_bytes: 4096,
         placement: None,
         generate_queue: queue,
-        peer_timeout_s: 30.0,
         fail_at_step: None,
         out: out.path().to_path_buf(),
     };

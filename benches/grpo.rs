@@ -152,6 +152,7 @@ fn weir_grpo(steps: u64, placing: Placing) -> (Figures, Vec<(String, f64)>) {
         run_dir: dir.path().join("run"),
         resume: false,
         progress: false,
+        cluster: Default::default(),
     })
     .unwrap();
     let rows = &outcome.report.metrics;

@@ -87,6 +87,7 @@ pub fn demo(args: &DemoArgs) -> anyhow::Result<()> {
             run_dir: sft_dir.clone(),
             resume: sft_steps > args.sft_chunk,
             progress: !args.quiet,
+            cluster: Default::default(),
         })?;
         let (accuracy, _) = eval_accuracy(&sft, &run.final_actor)?;
         println!(
@@ -124,6 +125,7 @@ pub fn demo(args: &DemoArgs) -> anyhow::Result<()> {
         run_dir: out.join("grpo"),
         resume: false,
         progress: !args.quiet,
+        cluster: Default::default(),
     })?;
     let grpo_wall = grpo_started.elapsed().as_secs_f64();
 

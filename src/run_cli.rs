@@ -26,6 +26,10 @@ pub struct RunArgs {
     /// No progress bars.
     #[arg(long)]
     pub quiet: bool,
+    /// The processes of the run: `placement.workers` is split evenly over
+    /// them, and the run folder must be one that every process sees.
+    #[command(flatten)]
+    pub cluster: crate::cluster::ClusterArgs,
 }
 
 /// `weir config`.
@@ -44,6 +48,7 @@ pub fn config(args: &ConfigArgs) -> anyhow::Result<()> {
 
 /// Runs or resumes a pipeline and prints where everything went.
 pub fn run(args: &RunArgs) -> anyhow::Result<()> {
+    let cluster = args.cluster.cluster()?;
     let request = if let Some(dir) = &args.resume {
         let (kind, cfg) = read_resolved(dir)?;
         RunRequest {
@@ -52,12 +57,16 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
             run_dir: dir.clone(),
             resume: true,
             progress: !args.quiet,
+            cluster: cluster.clone(),
         }
     } else {
         let Some(name) = &args.pipeline else {
             bail!("name a pipeline (weir run grpo --config FILE.toml) or --resume RUN_DIR");
         };
         let kind = PipelineKind::parse(name).map_err(anyhow::Error::msg)?;
+        if cluster.processes > 1 && args.out.is_none() {
+            bail!("with --processes {}, name the run folder with --out: every process writes to the same one", cluster.processes);
+        }
         let text = match &args.config {
             Some(path) => Some(
                 std::fs::read_to_string(path)
@@ -84,9 +93,18 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
                 .unwrap_or_else(|| default_run_dir(kind.name())),
             resume: false,
             progress: !args.quiet,
+            cluster: cluster.clone(),
         }
     };
     let outcome = weir_pipelines::run(&request)?;
+    if !cluster.is_leader() {
+        println!(
+            "process {} of {}: done; process 0 writes the summary and plots",
+            cluster.process, cluster.processes
+        );
+        println!("run folder: {}", outcome.run_dir.display());
+        return Ok(());
+    }
     print_summary(&outcome.summary);
     let plots = crate::report::plot(&outcome.run_dir)?;
     println!("plots: {}", plots.len());

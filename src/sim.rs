@@ -32,15 +32,9 @@ pub struct SimArgs {
     /// Worker threads per process.
     #[arg(long, default_value_t = 2)]
     pub workers: usize,
-    /// Processes in the cluster.
-    #[arg(long, default_value_t = 1)]
-    pub processes: usize,
-    /// This process's id, 0..processes.
-    #[arg(long = "process-id", default_value_t = 0)]
-    pub process_id: usize,
-    /// A file of host:port lines, one per process (default: localhost:2101, 2102, …).
-    #[arg(long)]
-    pub hostfile: Option<PathBuf>,
+    /// The processes of the simulation.
+    #[command(flatten)]
+    pub cluster: crate::cluster::ClusterArgs,
     /// Generation cost per batch, milliseconds.
     #[arg(long = "gen-ms", default_value_t = 40)]
     pub gen_ms: u64,
@@ -70,9 +64,6 @@ pub struct SimArgs {
     /// behind a long generate call; 0 runs it inline on the worker.
     #[arg(long = "generate-queue", default_value_t = 2)]
     pub generate_queue: usize,
-    /// Seconds a silent peer process is tolerated.
-    #[arg(long = "peer-timeout-s", default_value_t = 30.0)]
-    pub peer_timeout_s: f64,
     /// Make scoring fail at this step (to exercise failure handling).
     #[arg(long = "fail-at-step")]
     pub fail_at_step: Option<u64>,
@@ -157,17 +148,18 @@ pub fn run_sim(args: &SimArgs) -> anyhow::Result<RunReport> {
             args.group_size
         );
     }
+    let cluster = args.cluster.cluster()?;
     let execution = Execution::cluster(
         args.workers,
-        args.processes,
-        args.process_id,
-        args.hostfile.as_deref(),
+        cluster.processes,
+        cluster.process,
+        cluster.hostfile.as_deref(),
     )?;
     let placement = args.placement(execution.total_workers())?;
     let settings = RunSettings::new(execution, placement)
         .max_staleness(args.max_staleness)
         .steps(args.steps)
-        .peer_timeout(Duration::from_secs_f64(args.peer_timeout_s))
+        .peer_timeout(cluster.peer_timeout)
         .metrics_path(args.out.join("metrics.parquet"));
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
@@ -177,7 +169,7 @@ pub fn run_sim(args: &SimArgs) -> anyhow::Result<RunReport> {
 /// Runs the simulation and prints its summary; the last line is `steps_per_s=<float>`.
 pub fn main_with(args: &SimArgs) -> anyhow::Result<()> {
     let report = run_sim(args)?;
-    if args.process_id == 0 {
+    if args.cluster.process_id == 0 {
         for (stage, t) in &report.stages {
             println!(
                 "stage {stage:<10} workers={} busy_s={:.3} idle_s={:.3} batches_in={} rows_in={} rows_out={} queue_peak={}",

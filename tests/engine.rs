@@ -5,13 +5,16 @@
 //! error instead of a hang. In one process, 4 threads, and 2 processes.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use arrow::array::AsArray;
 use arrow::datatypes::{Float32Type, UInt32Type, UInt64Type};
 use proptest::prelude::*;
+
+mod common;
+use common::{hostfile, wait_with_deadline};
 use weir::graph::parquet_log::read_parquet_dir;
 use weir::sim::{run_sim, SimArgs};
 
@@ -21,9 +24,10 @@ fn sim_args(out: &Path) -> SimArgs {
         batch_rows: 16,
         max_staleness: 1,
         workers: 1,
-        processes: 1,
-        process_id: 0,
-        hostfile: None,
+        cluster: weir::cluster::ClusterArgs {
+            peer_timeout_s: 20.0,
+            ..Default::default()
+        },
         gen_ms: 1,
         train_ms: 1,
         score_ms: 0,
@@ -33,7 +37,6 @@ fn sim_args(out: &Path) -> SimArgs {
         weights_bytes: 256,
         placement: None,
         generate_queue: 2,
-        peer_timeout_s: 20.0,
         fail_at_step: None,
         out: out.to_path_buf(),
     }
@@ -268,8 +271,11 @@ fn bad_settings_are_reported_not_panicked() {
     .unwrap_err();
     assert!(format!("{err:#}").contains("worker 5"), "{err:#}");
     let err = run_sim(&SimArgs {
-        processes: 2,
-        process_id: 2,
+        cluster: weir::cluster::ClusterArgs {
+            processes: 2,
+            process_id: 2,
+            ..Default::default()
+        },
         ..sim_args(dir.path())
     })
     .unwrap_err()
@@ -278,26 +284,6 @@ fn bad_settings_are_reported_not_panicked() {
 }
 
 // ---- Two processes on localhost ----
-
-fn free_ports(n: usize) -> Vec<u16> {
-    let listeners: Vec<_> = (0..n)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
-        .collect();
-    listeners
-        .iter()
-        .map(|l| l.local_addr().unwrap().port())
-        .collect()
-}
-
-fn hostfile(dir: &Path) -> PathBuf {
-    let path = dir.join("hosts.txt");
-    let lines: Vec<String> = free_ports(2)
-        .iter()
-        .map(|p| format!("127.0.0.1:{p}"))
-        .collect();
-    std::fs::write(&path, lines.join("\n")).unwrap();
-    path
-}
 
 fn spawn_peer(args: &[String], process: usize, hosts: &Path, out: &Path) -> Child {
     Command::new(env!("CARGO_BIN_EXE_weir"))
@@ -319,24 +305,6 @@ fn spawn_peer(args: &[String], process: usize, hosts: &Path, out: &Path) -> Chil
         .stderr(Stdio::piped())
         .spawn()
         .expect("weir binary starts")
-}
-
-fn wait_with_deadline(mut child: Child, deadline: Duration) -> Output {
-    let started = Instant::now();
-    loop {
-        if child.try_wait().unwrap().is_some() {
-            return child.wait_with_output().unwrap();
-        }
-        if started.elapsed() > deadline {
-            let _ = child.kill();
-            let out = child.wait_with_output().unwrap();
-            panic!(
-                "process hung for {deadline:?}; stderr: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 fn run_two_processes(args: &[String], out: &Path) -> (Output, Output) {

@@ -38,6 +38,7 @@ fn run(kind: PipelineKind, cfg: RunConfig, dir: &Path, resume: bool) -> serde_js
         run_dir: dir.to_path_buf(),
         resume,
         progress: false,
+        cluster: Default::default(),
     })
     .unwrap_or_else(|e| panic!("{}: {e}", kind.name()))
     .summary
@@ -340,6 +341,7 @@ fn bad_configs_fail_before_anything_runs() {
         run_dir: dir.clone(),
         resume: false,
         progress: false,
+        cluster: Default::default(),
     })
     .unwrap_err()
     .to_string();
@@ -358,6 +360,7 @@ fn bad_configs_fail_before_anything_runs() {
         run_dir: dir.clone(),
         resume: false,
         progress: false,
+        cluster: Default::default(),
     })
     .unwrap_err()
     .to_string();

@@ -17,8 +17,18 @@
 //! to `superseded/`), and rollout rows of later steps (which the resumed run
 //! produces again) move to `rollouts/superseded/`. Without a checkpoint the
 //! run starts again from step 0, with everything it wrote kept aside.
+//!
+//! A run may span several processes ([`Cluster`], timely's cluster mode):
+//! each is started with the same config and its own id, and the run folder
+//! must be one that every process sees (a shared filesystem, as checkpoints
+//! need on any multi-node trainer). `placement.workers` counts the workers of
+//! all processes; process `p` runs workers `p·t .. (p+1)·t` with `t =
+//! workers / processes`. Process 0 writes the resolved config, the metrics,
+//! the evaluation and the summary, and sets a resumed folder in order; every
+//! process writes the rollouts and checkpoints of its own workers.
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use arrow::array::{AsArray, BooleanArray};
 use arrow::compute::filter_record_batch;
@@ -26,7 +36,7 @@ use arrow::datatypes::UInt64Type;
 use serde_json::{json, Value};
 use weir_graph::metrics::{batch_to_rows, MetricRow};
 use weir_graph::parquet_log::{read_parquet_file, write_parquet_atomically};
-use weir_graph::{Execution, Placement, RunReport, RunSettings};
+use weir_graph::{Execution, Placement, RunReport, RunSettings, WorkerInfo};
 use weir_operators::checkpoint::latest;
 use weir_operators::rewards::arith;
 use weir_operators::rollout::col;
@@ -49,6 +59,48 @@ pub struct RunRequest {
     pub resume: bool,
     /// Draw progress bars on stderr.
     pub progress: bool,
+    /// The processes of the run (one by default).
+    pub cluster: Cluster,
+}
+
+/// The processes of a run: one (the default), or several in timely's
+/// cluster mode, each started with the same config and its own id.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Cluster {
+    /// Processes in the run.
+    pub processes: usize,
+    /// This process's id, `0..processes`.
+    pub process: usize,
+    /// `host:port` of every process, one per line in process-id order
+    /// (default: `localhost:2101`, `2102`, …).
+    pub hostfile: Option<PathBuf>,
+    /// How long start-up waits for the peers to connect, and how long a
+    /// silent peer is tolerated during the run.
+    pub peer_timeout: Duration,
+}
+
+impl Default for Cluster {
+    fn default() -> Self {
+        Cluster {
+            processes: 1,
+            process: 0,
+            hostfile: None,
+            peer_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+impl Cluster {
+    /// Process 0 writes what concerns the whole run (config, metrics, summary).
+    pub fn is_leader(&self) -> bool {
+        self.process == 0
+    }
+
+    /// This process's workers when the run has `workers` in all.
+    fn local_workers(&self, workers: usize) -> std::ops::Range<usize> {
+        let threads = workers / self.processes.max(1);
+        self.process * threads..(self.process + 1) * threads
+    }
 }
 
 /// What a run produced.
@@ -117,8 +169,11 @@ pub fn run(req: &RunRequest) -> Result<RunOutcome, PipelineError> {
     if kind.is_rl() && cfg.placement.train.len() != 1 {
         return Err("`placement.train`: the learner runs on exactly one worker (data-parallel learners are not supported yet)".to_string().into());
     }
+    let cluster = &req.cluster;
+    let execution = execution(cfg, cluster)?;
+    let leader = cluster.is_leader();
     let resolved = dir.join(RESOLVED);
-    if !req.resume && resolved.exists() {
+    if leader && !req.resume && resolved.exists() {
         return Err(format!(
             "{} already holds a run: resume it with `weir run --resume {}`, or pick another --out",
             dir.display(),
@@ -127,7 +182,9 @@ pub fn run(req: &RunRequest) -> Result<RunOutcome, PipelineError> {
         .into());
     }
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    write_text(&resolved, &resolved_config_text(kind, cfg))?;
+    if leader {
+        write_text(&resolved, &resolved_config_text(kind, cfg))?;
+    }
     tch::set_num_threads(cfg.run.threads as i32);
 
     let checkpoints = dir.join("checkpoints");
@@ -159,22 +216,23 @@ pub fn run(req: &RunRequest) -> Result<RunOutcome, PipelineError> {
         ctx.first_step = state.step + 1;
         ctx.version = state.version;
         ctx.cursor = state.cursor;
-        prior = prior_metrics(&dir.join("metrics.parquet"), state.step)?;
+        if leader {
+            prior = prior_metrics(&dir.join("metrics.parquet"), state.step)?;
+        }
         tracing::info!(step = state.step, "resuming from {}", ck.display());
     }
-    if req.resume {
+    if leader && req.resume {
         // What the interrupted segment wrote after its checkpoint (or all of
         // it, without one) is produced again: keep the old copies aside.
         keep_aside(&dir.join("metrics.parquet"))?;
         trim_rollouts(&dir.join("rollouts"), found.as_ref().map(|(_, s)| s.step))?;
     }
-    // Greedy accuracy of a policy: not of a reward model.
-    let arith_eval = cfg.eval.arith && cfg.data.prompts == "arith" && kind != PipelineKind::Rm;
-    let before = if arith_eval {
-        Some(eval_before(cfg, dir)?)
-    } else {
-        None
-    };
+    let local = cluster.local_workers(cfg.placement.workers);
+    let hosts = |set: &[usize]| set.iter().any(|w| local.contains(w));
+    if hosts(&cfg.placement.train) && !hosts(&cfg.placement.rollout) {
+        // Checkpoints are written here, but the prompts are drawn elsewhere.
+        ctx.cursors = derived_cursors(kind, cfg, &ctx, cluster)?;
+    }
 
     let started = std::time::Instant::now();
     let report = if ctx.first_step <= ctx.last_step {
@@ -193,9 +251,14 @@ pub fn run(req: &RunRequest) -> Result<RunOutcome, PipelineError> {
         let placement = Placement::new(p.workers)
             .assign(ROLLOUT, p.rollout.iter().copied())
             .assign(TRAIN, p.train.iter().copied());
-        let (observer, bar) =
-            crate::progress::observer(kind.name(), ctx.first_step, cfg.run.steps, req.progress);
-        let settings = RunSettings::new(Execution::Threads(p.workers), placement)
+        let (observer, bar) = crate::progress::observer(
+            kind.name(),
+            ctx.first_step,
+            cfg.run.steps,
+            req.progress && leader,
+        );
+        let settings = RunSettings::new(execution, placement)
+            .peer_timeout(cluster.peer_timeout)
             .max_staleness(cfg.run.max_staleness)
             .steps(cfg.run.steps - ctx.first_step)
             .resume_at(ctx.first_step, ctx.version)
@@ -212,13 +275,38 @@ pub fn run(req: &RunRequest) -> Result<RunOutcome, PipelineError> {
 
     let final_dir = checkpoints.join(format!("step-{}", ctx.last_step));
     let final_actor = final_dir.join("actor");
+    if !leader {
+        return Ok(RunOutcome {
+            run_dir: dir.clone(),
+            report,
+            summary: json!({
+                "pipeline": kind.name(),
+                "process": cluster.process,
+                "processes": cluster.processes,
+            }),
+            final_actor,
+        });
+    }
     if !final_actor.is_dir() {
+        let shared = if cluster.processes > 1 {
+            " (with several processes, the run folder must be one that every process sees)"
+        } else {
+            ""
+        };
         return Err(format!(
-            "the run ended without its final checkpoint {}",
+            "the run ended without its final checkpoint {}{shared}",
             final_actor.display()
         )
         .into());
     }
+    // Greedy accuracy of a policy (not of a reward model), of the starting
+    // checkpoint and of the final one.
+    let arith_eval = cfg.eval.arith && cfg.data.prompts == "arith" && kind != PipelineKind::Rm;
+    let before = if arith_eval {
+        Some(eval_before(cfg, dir)?)
+    } else {
+        None
+    };
     let after = if arith_eval {
         Some(eval_accuracy(cfg, &final_actor)?)
     } else {
@@ -301,6 +389,61 @@ fn summarize(
         "eval_samples_after": after.map(|a| a.1),
         "final_checkpoint": final_actor.display().to_string(),
     })
+}
+
+/// The engine's execution for `cluster`: `placement.workers` split evenly over the processes.
+fn execution(cfg: &RunConfig, cluster: &Cluster) -> Result<Execution, PipelineError> {
+    let workers = cfg.placement.workers;
+    if cluster.processes == 0 || !workers.is_multiple_of(cluster.processes) {
+        return Err(format!(
+            "`placement.workers` = {workers} does not split evenly over {} processes \
+             (each process runs placement.workers / processes workers)",
+            cluster.processes
+        )
+        .into());
+    }
+    Ok(Execution::cluster(
+        workers / cluster.processes,
+        cluster.processes,
+        cluster.process,
+        cluster.hostfile.as_deref(),
+    )?)
+}
+
+/// The prompt cursors of a process that trains but draws no prompts: derived
+/// from where the segment starts, which holds when nothing is skipped.
+fn derived_cursors(
+    kind: PipelineKind,
+    cfg: &RunConfig,
+    ctx: &RunContext,
+    cluster: &Cluster,
+) -> Result<CursorLog, PipelineError> {
+    if cfg.curriculum.enabled {
+        return Err(format!(
+            "`curriculum.enabled`: process {} trains but hosts no `placement.rollout` worker, \
+             so it cannot know which prompts the curriculum skipped; place a rollout worker \
+             beside the learner, or turn the curriculum off",
+            cluster.process
+        )
+        .into());
+    }
+    let probe = WorkerInfo {
+        index: 0,
+        peers: 1,
+        process: cluster.process,
+        rank: 0,
+        role_size: 1,
+    };
+    let source = match kind {
+        PipelineKind::Rm | PipelineKind::Dpo => crate::roles::preference_pairs(cfg, ctx)(&probe)?,
+        _ => crate::roles::prompts(cfg, ctx, 1)(&probe)?,
+    };
+    Ok(CursorLog::derived(
+        ctx.first_step,
+        ctx.cursor.unwrap_or_default(),
+        cfg.data.prompts_per_step,
+        source.rows().len(),
+    ))
 }
 
 fn rows_this_segment(report: &RunReport, trainer: &str, first_step: u64) -> f64 {

@@ -4,7 +4,8 @@
 //! `weir inspect` and `weir plot` on a run folder of known metrics and on a
 //! `weir sim` run.
 //! The binary's modules: `models` (the model commands), `report`
-//! (`inspect`, `plot`), `runs` (`config`, `run`, `demo`).
+//! (`inspect`, `plot`), `runs` (`config`, `run` in one and two processes,
+//! `demo`).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -13,6 +14,8 @@ use arrow::array::RecordBatch;
 use serde_json::Value;
 use weir::graph::parquet_log::read_parquet_file;
 
+#[path = "../common/mod.rs"]
+mod common;
 mod models;
 mod report;
 mod runs;

@@ -1,4 +1,7 @@
-//! `weir config`, `weir run` (bad input, run then resume) and `weir demo`.
+//! `weir config`, `weir run` (bad input, run then resume, two processes)
+//! and `weir demo`.
+
+use std::path::Path;
 
 use serde_json::Value;
 
@@ -160,4 +163,178 @@ fn run_then_resume_through_the_command_line() {
     let out = weir(&argv, tmp.path());
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("already holds a run"));
+}
+
+/// `weir run ARGS` as process `process` of two, in `dir`.
+fn spawn_run(args: &[String], process: usize, hosts: &Path, dir: &Path) -> std::process::Child {
+    std::process::Command::new(env!("CARGO_BIN_EXE_weir"))
+        .args(args)
+        .args(["--processes", "2", "--process-id", &process.to_string()])
+        .arg("--hostfile")
+        .arg(hosts)
+        .current_dir(dir)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("weir binary starts")
+}
+
+/// Runs `args` as two processes; returns process 0's and 1's output.
+fn run_two(args: &[String], dir: &Path) -> (String, String) {
+    let hosts = super::common::hostfile(dir);
+    let p0 = spawn_run(args, 0, &hosts, dir);
+    let p1 = spawn_run(args, 1, &hosts, dir);
+    let deadline = std::time::Duration::from_secs(240);
+    let o1 = super::common::wait_with_deadline(p1, deadline);
+    let o0 = super::common::wait_with_deadline(p0, deadline);
+    (success(&o0), success(&o1))
+}
+
+fn strs(args: &[String]) -> Vec<&str> {
+    args.iter().map(String::as_str).collect()
+}
+
+fn file_bytes(path: &Path) -> Vec<u8> {
+    std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// Every metric row except timings, as (stage, metric, step, value) text.
+fn metric_values(dir: &Path) -> Vec<String> {
+    let timing = |m: &str| {
+        m.ends_with("_s") || m.contains("per_s") || m.contains("queue") || m.contains("busy")
+    };
+    let mut rows: Vec<String> =
+        weir::graph::parquet_log::read_parquet_file(&dir.join("metrics.parquet"))
+            .unwrap()
+            .iter()
+            .flat_map(|b| weir::graph::metrics::batch_to_rows(b).unwrap())
+            .filter(|r| !timing(&r.metric) && r.stage != "engine")
+            .map(|r| format!("{} {} {} {}", r.stage, r.metric, r.step, r.value))
+            .collect();
+    rows.sort();
+    rows
+}
+
+#[test]
+fn a_run_over_two_processes_matches_one_process_and_resumes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixtures().join("arith-sft");
+    // Strictly on-policy (k = 0), so both runs are deterministic. The
+    // generator sits on process 0, the learner on process 1, which has no
+    // prompt source: its checkpoints must still hold the right cursor.
+    let sets = [
+        format!("model.path={}", model.display()),
+        "run.steps=4".into(),
+        "run.max_staleness=0".into(),
+        "run.checkpoint_every=2".into(),
+        "data.prompts_per_step=3".into(),
+        "data.samples_per_prompt=4".into(),
+        "generate.max_new_tokens=6".into(),
+    ];
+    let args = |out: &str, extra: &[&str]| -> Vec<String> {
+        let mut a: Vec<String> = ["run", "grpo", "--quiet", "--out", out]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        for s in sets.iter().map(String::as_str).chain(extra.iter().copied()) {
+            a.extend(["--set".to_string(), s.to_string()]);
+        }
+        a
+    };
+
+    let one = args("one", &[]);
+    let text = success(&weir(&strs(&one), tmp.path()));
+    assert!(text.contains("steps: 4"), "{text}");
+    let (text0, text1) = run_two(&args("two", &[]), tmp.path());
+    assert!(
+        text0.contains("steps: 4") && text0.contains("plots:"),
+        "{text0}"
+    );
+    assert!(text1.contains("process 1 of 2: done"), "{text1}");
+    let (one, two) = (tmp.path().join("one"), tmp.path().join("two"));
+    for file in [
+        "checkpoints/step-1/state.json",
+        "checkpoints/step-3/state.json",
+        "checkpoints/step-3/actor/model.safetensors",
+        "config.resolved.toml",
+    ] {
+        assert!(
+            file_bytes(&one.join(file)) == file_bytes(&two.join(file)),
+            "{file} differs between one and two processes"
+        );
+    }
+    let state: Value = serde_json::from_str(
+        &std::fs::read_to_string(two.join("checkpoints/step-3/state.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(state["cursor"]["position"], 12, "{state}");
+    assert_eq!(metric_values(&one), metric_values(&two));
+    let summary = |dir: &Path| -> Value {
+        serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap()
+    };
+    assert_eq!(
+        summary(&one)["eval_accuracy_after"],
+        summary(&two)["eval_accuracy_after"]
+    );
+    assert!(two.join("plots/reward.png").is_file());
+
+    // Two more steps, resumed from step 3's checkpoint, in both layouts.
+    let resume = |dir: &str| -> Vec<String> {
+        ["run", "--resume", dir, "--quiet", "--set", "run.steps=6"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect()
+    };
+    success(&weir(&strs(&resume("one")), tmp.path()));
+    let (text0, _) = run_two(&resume("two"), tmp.path());
+    assert!(text0.contains("steps: 6"), "{text0}");
+    assert_eq!(summary(&two)["resumed_at_step"], 4);
+    for file in [
+        "checkpoints/step-5/state.json",
+        "checkpoints/step-5/actor/model.safetensors",
+    ] {
+        assert!(
+            file_bytes(&one.join(file)) == file_bytes(&two.join(file)),
+            "{file} differs after resuming"
+        );
+    }
+    assert_eq!(metric_values(&one), metric_values(&two));
+
+    // Bad cluster input: one line each, nothing started.
+    for (extra, needle) in [
+        (vec!["--processes", "2", "--process-id", "0"], "--out"),
+        (
+            vec![
+                "--out",
+                "x",
+                "--processes",
+                "2",
+                "--set",
+                "placement.workers=3",
+            ],
+            "placement.workers",
+        ),
+        (
+            vec!["--out", "x", "--processes", "2", "--process-id", "2"],
+            "process id 2",
+        ),
+        (
+            vec!["--out", "x", "--peer-timeout-s", "0"],
+            "--peer-timeout-s",
+        ),
+    ] {
+        let mut a = vec!["run", "grpo", "--set"];
+        let model_set = format!("model.path={}", model.display());
+        a.push(&model_set);
+        a.extend(extra.iter().copied());
+        let out = weir(&a, tmp.path());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{a:?} succeeded");
+        assert!(err.contains(needle), "{a:?}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{a:?}: one line: {err}");
+    }
+    assert!(
+        !tmp.path().join("x").exists(),
+        "nothing written for bad input"
+    );
 }

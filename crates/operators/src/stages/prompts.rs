@@ -51,10 +51,51 @@ pub struct PromptSource {
     cursor_log: Option<CursorLog>,
 }
 
+impl Cursor {
+    /// Where a source stands after drawing `prompts` more prompts from a
+    /// dataset of `len`, when nothing is skipped (no curriculum): what
+    /// [`PromptSource`] reaches, including its lazy turn of the epoch (a
+    /// cursor at the end of an epoch stays there until the next draw).
+    pub fn after_drawing(self, prompts: u64, len: usize) -> Cursor {
+        if prompts == 0 {
+            return self;
+        }
+        let len = len.max(1) as u64;
+        let drawn = self.epoch * len + self.position as u64 + prompts;
+        match (drawn / len, drawn % len) {
+            (epoch, 0) => Cursor {
+                epoch: epoch - 1,
+                position: len as usize,
+            },
+            (epoch, position) => Cursor {
+                epoch,
+                position: position as usize,
+            },
+        }
+    }
+}
+
 /// The cursor after each step, as the sources of a process drew them: a
 /// checkpoint taken at step `s` stores `log[s]`, so resuming draws step `s + 1` next.
+///
+/// A process that hosts a learner but no source (a multi-process run with
+/// generation elsewhere) has nothing recorded: a log made by
+/// [`CursorLog::derived`] then computes the cursor from where the segment
+/// started, which is exact when no curriculum skips prompts.
 #[derive(Clone, Debug, Default)]
-pub struct CursorLog(Arc<std::sync::Mutex<std::collections::BTreeMap<u64, Cursor>>>);
+pub struct CursorLog {
+    recorded: Arc<std::sync::Mutex<std::collections::BTreeMap<u64, Cursor>>>,
+    derived: Option<DerivedCursor>,
+}
+
+/// What [`CursorLog::derived`] computes cursors from.
+#[derive(Clone, Copy, Debug)]
+struct DerivedCursor {
+    first_step: u64,
+    start: Cursor,
+    prompts_per_step: usize,
+    len: usize,
+}
 
 impl CursorLog {
     /// An empty log.
@@ -62,18 +103,39 @@ impl CursorLog {
         CursorLog::default()
     }
 
+    /// A log that, for steps no source of this process recorded, derives
+    /// the cursor: `start` at `first_step`, then `prompts_per_step` drawn
+    /// per step from a dataset of `len` prompts, nothing skipped.
+    pub fn derived(first_step: u64, start: Cursor, prompts_per_step: usize, len: usize) -> Self {
+        CursorLog {
+            recorded: Default::default(),
+            derived: Some(DerivedCursor {
+                first_step,
+                start,
+                prompts_per_step,
+                len,
+            }),
+        }
+    }
+
     /// The cursor after `step` was drawn (older entries are dropped once read past).
     pub fn after(&self, step: u64) -> Option<Cursor> {
-        let mut log = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut log = self.recorded.lock().unwrap_or_else(|e| e.into_inner());
         let found = log.get(&step).copied();
         if found.is_some() {
             log.retain(|s, _| *s >= step);
+            return found;
         }
-        found
+        let d = self.derived?;
+        let steps = (step + 1).checked_sub(d.first_step)?;
+        Some(
+            d.start
+                .after_drawing(steps * d.prompts_per_step as u64, d.len),
+        )
     }
 
     fn record(&self, step: u64, cursor: Cursor) {
-        let mut log = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut log = self.recorded.lock().unwrap_or_else(|e| e.into_inner());
         log.insert(step, cursor);
     }
 }
@@ -439,6 +501,31 @@ mod tests {
         }
         assert!(!drawn.contains(&0) && !drawn.contains(&1), "{drawn:?}");
         assert_eq!(drawn.len(), 8, "mastered prompts do not shrink the step");
+    }
+
+    #[test]
+    fn derived_cursors_match_the_drawn_ones() {
+        // 7 prompts, 3 per step: epochs turn mid-step and (at 21) exactly at a step's end.
+        for (start_step, per_step) in [(0u64, 3usize), (2, 3), (0, 7), (1, 1)] {
+            let mut src =
+                PromptSource::new(rows(7), vec!["answer".into()], per_step, 1, 5).unwrap();
+            for step in 0..start_step {
+                src.next_step(&ctx(step)).unwrap();
+            }
+            let derived = CursorLog::derived(start_step, src.cursor(), per_step, 7);
+            for step in start_step..start_step + 12 {
+                src.next_step(&ctx(step)).unwrap();
+                assert_eq!(
+                    derived.after(step),
+                    Some(src.cursor()),
+                    "step {step}, {per_step} per step"
+                );
+            }
+            if start_step >= 2 {
+                assert_eq!(derived.after(start_step - 2), None, "before the segment");
+            }
+        }
+        assert_eq!(CursorLog::new().after(3), None);
     }
 
     #[test]

@@ -1,0 +1,53 @@
+//! The flags that make a command one process of a multi-process run
+//! (timely's cluster mode): `weir run` and `weir sim` share them.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use weir_pipelines::runner::Cluster;
+
+/// `--processes`, `--process-id`, `--hostfile`, `--peer-timeout-s`.
+#[derive(Clone, Debug, PartialEq, clap::Args)]
+pub struct ClusterArgs {
+    /// Processes in the run; start each with the same flags and its own --process-id.
+    #[arg(long, default_value_t = 1)]
+    pub processes: usize,
+    /// This process's id, 0..processes.
+    #[arg(long = "process-id", default_value_t = 0)]
+    pub process_id: usize,
+    /// A file of host:port lines, one per process in id order (default: localhost:2101, 2102, …).
+    #[arg(long)]
+    pub hostfile: Option<PathBuf>,
+    /// Seconds start-up waits for the peers to connect, and a silent peer is tolerated.
+    #[arg(long = "peer-timeout-s", default_value_t = 60.0)]
+    pub peer_timeout_s: f64,
+}
+
+impl Default for ClusterArgs {
+    fn default() -> Self {
+        ClusterArgs {
+            processes: 1,
+            process_id: 0,
+            hostfile: None,
+            peer_timeout_s: 60.0,
+        }
+    }
+}
+
+impl ClusterArgs {
+    /// The cluster these flags describe (the process id is checked by the engine).
+    pub fn cluster(&self) -> anyhow::Result<Cluster> {
+        if !(self.peer_timeout_s.is_finite() && self.peer_timeout_s > 0.0) {
+            anyhow::bail!(
+                "--peer-timeout-s {}: must be a positive number of seconds",
+                self.peer_timeout_s
+            );
+        }
+        Ok(Cluster {
+            processes: self.processes,
+            process: self.process_id,
+            hostfile: self.hostfile.clone(),
+            peer_timeout: Duration::from_secs_f64(self.peer_timeout_s),
+        })
+    }
+}
