@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use weir_pipelines::runner::Cluster;
 
-/// `--processes`, `--process-id`, `--hostfile`, `--peer-timeout-s`.
+/// `--processes`, `--process-id`, `--hostfile`, `--peer-timeout-s`, `--connect-timeout-s`.
 #[derive(Clone, Debug, PartialEq, clap::Args)]
 pub struct ClusterArgs {
     /// Processes in the run; start each with the same flags and its own --process-id.
@@ -18,9 +18,12 @@ pub struct ClusterArgs {
     /// A file of host:port lines, one per process in id order (default: localhost:2101, 2102, …).
     #[arg(long)]
     pub hostfile: Option<PathBuf>,
-    /// Seconds start-up waits for the peers to connect, and a silent peer is tolerated.
+    /// Seconds a silent peer process is tolerated during the run.
     #[arg(long = "peer-timeout-s", default_value_t = 60.0)]
     pub peer_timeout_s: f64,
+    /// Seconds start-up waits for every peer process to connect.
+    #[arg(long = "connect-timeout-s", default_value_t = 120.0)]
+    pub connect_timeout_s: f64,
 }
 
 impl Default for ClusterArgs {
@@ -30,6 +33,7 @@ impl Default for ClusterArgs {
             process_id: 0,
             hostfile: None,
             peer_timeout_s: 60.0,
+            connect_timeout_s: 120.0,
         }
     }
 }
@@ -37,17 +41,21 @@ impl Default for ClusterArgs {
 impl ClusterArgs {
     /// The cluster these flags describe (the process id is checked by the engine).
     pub fn cluster(&self) -> anyhow::Result<Cluster> {
-        if !(self.peer_timeout_s.is_finite() && self.peer_timeout_s > 0.0) {
-            anyhow::bail!(
-                "--peer-timeout-s {}: must be a positive number of seconds",
-                self.peer_timeout_s
-            );
-        }
+        let seconds = |flag: &str, value: f64| {
+            if value.is_finite() && value > 0.0 {
+                Ok(Duration::from_secs_f64(value))
+            } else {
+                Err(anyhow::anyhow!(
+                    "{flag} {value}: must be a positive number of seconds"
+                ))
+            }
+        };
         Ok(Cluster {
             processes: self.processes,
             process: self.process_id,
             hostfile: self.hostfile.clone(),
-            peer_timeout: Duration::from_secs_f64(self.peer_timeout_s),
+            peer_timeout: seconds("--peer-timeout-s", self.peer_timeout_s)?,
+            connect_timeout: seconds("--connect-timeout-s", self.connect_timeout_s)?,
         })
     }
 }

@@ -160,6 +160,7 @@ pub fn run_sim(args: &SimArgs) -> anyhow::Result<RunReport> {
         .max_staleness(args.max_staleness)
         .steps(args.steps)
         .peer_timeout(cluster.peer_timeout)
+        .connect_timeout(cluster.connect_timeout)
         .metrics_path(args.out.join("metrics.parquet"));
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;

@@ -362,6 +362,47 @@ fn two_processes_keep_every_guarantee() {
 }
 
 #[test]
+fn a_learner_call_longer_than_the_peer_timeout_is_not_a_lost_peer() {
+    // The learner (process 1's only worker) spends 3 s per step, three
+    // times the peer timeout: its worker must keep sending heartbeats.
+    let dir = tempfile::tempdir().unwrap();
+    let args = strings(&[
+        "--steps",
+        "2",
+        "--batch-rows",
+        "8",
+        "--gen-ms",
+        "1",
+        "--train-ms",
+        "3000",
+        "--peer-timeout-s",
+        "1",
+    ]);
+    let (o0, o1) = run_two_processes(&args, dir.path());
+    for (i, o) in [o0, o1].iter().enumerate() {
+        assert!(
+            o.status.success(),
+            "process {i}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    check_guarantees(&read_rows(dir.path()), 1, 2, 8);
+
+    // A process whose peer never starts gives up after the connect timeout.
+    let mut alone = args.clone();
+    alone.extend(strings(&["--connect-timeout-s", "1"]));
+    let started = Instant::now();
+    let o = wait_with_deadline(
+        spawn_peer(&alone, 0, &hostfile(dir.path()), dir.path()),
+        Duration::from_secs(30),
+    );
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(stderr.contains("did not connect within 1.0 s"), "{stderr}");
+    assert!(started.elapsed() < Duration::from_secs(10));
+}
+
+#[test]
 fn one_thread_and_two_processes_produce_identical_rows() {
     let single = tempfile::tempdir().unwrap();
     run_sim(&SimArgs {

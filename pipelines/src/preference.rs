@@ -29,7 +29,8 @@ pub fn rm(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError> 
                 .with_checkpoints(x.checkpoint_plan(&c));
             x.restore_optimizer("actor", trainer.optimizer_mut())?;
             Ok(trainer)
-        }))
+        })
+        .offload(roles::MODEL_QUEUE))
 }
 
 /// DPO and its variants (`algorithm.preference_loss`), the reference being
@@ -60,7 +61,8 @@ pub fn dpo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
                     .with_checkpoints(x.checkpoint_plan(&c));
             x.restore_optimizer("actor", trainer.optimizer_mut())?;
             Ok(trainer)
-        }))
+        })
+        .offload(roles::MODEL_QUEUE))
 }
 
 fn pair_config(c: &RunConfig) -> PairConfig {

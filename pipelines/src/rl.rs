@@ -105,6 +105,7 @@ pub fn ppo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
         .stage("critic", TRAIN, Partition::RoundRobin, move |w| {
             Critic::new(&critic, w)
         })
+        .offload(roles::MODEL_QUEUE)
         .stage("advantage", TRAIN, Partition::Local, move |_| {
             Ok(GaeAdvantage::new(kl))
         })
@@ -127,6 +128,7 @@ pub fn ppo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
             x.restore_optimizer("critic", learner.optimizer_mut())?;
             Ok(learner)
         })
+        .offload(roles::MODEL_QUEUE)
         .sink("log", TRAIN, Partition::Local, roles::rollout_log(cfg, ctx)))
 }
 
@@ -145,14 +147,17 @@ fn rollouts(pipeline: Pipeline, cfg: &RunConfig, ctx: &RunContext) -> Pipeline {
             roles::actor(cfg, ctx),
         )
         .offload(2)
-        .stage("reward", ROLLOUT, Partition::Local, roles::reward(cfg));
+        .stage("reward", ROLLOUT, Partition::Local, roles::reward(cfg))
+        .offload(roles::MODEL_QUEUE);
     if cfg.algorithm.kl_coef > 0.0 {
         // Beside the generator (balancing a learner-bound step) or on the train workers.
         let (role, partition) = match cfg.placement.reference.as_str() {
             "rollout" => (ROLLOUT, Partition::Local),
             _ => (TRAIN, Partition::RoundRobin),
         };
-        pipeline.stage("reference", role, partition, roles::reference(cfg))
+        pipeline
+            .stage("reference", role, partition, roles::reference(cfg))
+            .offload(roles::MODEL_QUEUE)
     } else {
         pipeline
     }

@@ -28,6 +28,12 @@ pub const ROLLOUT: &str = "rollout";
 /// Worker set of the reference, critic, advantage and learner.
 pub const TRAIN: &str = "train";
 
+/// Queue length of the engine thread of every stage that holds a model
+/// (`Pipeline::offload`): the calls are long, and the worker must stay free
+/// to drive its other operators and to send the heartbeats that tell peer
+/// processes it is alive. (Learners are always offloaded by the engine.)
+pub const MODEL_QUEUE: usize = 1;
+
 /// Where a run (or a resumed segment of one) starts, and what its stages share.
 #[derive(Clone, Debug)]
 pub struct RunContext {

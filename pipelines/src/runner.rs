@@ -74,9 +74,10 @@ pub struct Cluster {
     /// `host:port` of every process, one per line in process-id order
     /// (default: `localhost:2101`, `2102`, …).
     pub hostfile: Option<PathBuf>,
-    /// How long start-up waits for the peers to connect, and how long a
-    /// silent peer is tolerated during the run.
+    /// How long a silent peer is tolerated during the run.
     pub peer_timeout: Duration,
+    /// How long start-up waits for every peer to connect.
+    pub connect_timeout: Duration,
 }
 
 impl Default for Cluster {
@@ -86,6 +87,7 @@ impl Default for Cluster {
             process: 0,
             hostfile: None,
             peer_timeout: Duration::from_secs(60),
+            connect_timeout: Duration::from_secs(120),
         }
     }
 }
@@ -259,6 +261,7 @@ pub fn run(req: &RunRequest) -> Result<RunOutcome, PipelineError> {
         );
         let settings = RunSettings::new(execution, placement)
             .peer_timeout(cluster.peer_timeout)
+            .connect_timeout(cluster.connect_timeout)
             .max_staleness(cfg.run.max_staleness)
             .steps(cfg.run.steps - ctx.first_step)
             .resume_at(ctx.first_step, ctx.version)

@@ -30,5 +30,6 @@ pub fn sft(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
                 .with_checkpoints(x.checkpoint_plan(&c));
             x.restore_optimizer("actor", trainer.optimizer_mut())?;
             Ok(trainer)
-        }))
+        })
+        .offload(roles::MODEL_QUEUE))
 }

@@ -148,9 +148,11 @@ pub struct RunSettings {
     pub first_step: Step,
     /// The policy version the generators and the learner start from.
     pub initial_version: PolicyVersion,
-    /// How long a silent peer process is tolerated, and how long start-up
-    /// may wait for peers to connect.
+    /// How long a silent peer process is tolerated during the run.
     pub peer_timeout: Duration,
+    /// How long start-up waits for every peer process to connect (processes
+    /// started by a scheduler may come up minutes apart).
+    pub connect_timeout: Duration,
     /// Where to write every metric row as Parquet (process of worker 0), if anywhere.
     pub metrics_path: Option<PathBuf>,
     /// How weights cross the weights edge.
@@ -170,8 +172,8 @@ pub struct RunSettings {
 pub type MetricsObserver = Arc<dyn Fn(&[crate::metrics::MetricRow]) + Send + Sync>;
 
 impl RunSettings {
-    /// Settings with k = 0, an unbounded number of steps, a 60 s peer timeout
-    /// and the inline weights transport.
+    /// Settings with k = 0, an unbounded number of steps, a 60 s peer
+    /// timeout, 120 s to connect, and the inline weights transport.
     pub fn new(execution: Execution, placement: Placement) -> Self {
         RunSettings {
             execution,
@@ -181,6 +183,7 @@ impl RunSettings {
             first_step: 0,
             initial_version: 0,
             peer_timeout: Duration::from_secs(60),
+            connect_timeout: Duration::from_secs(120),
             metrics_path: None,
             transport: Arc::new(InlineTransport),
             observer: None,
@@ -226,6 +229,12 @@ impl RunSettings {
         self
     }
 
+    /// Sets how long start-up waits for the peers to connect.
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
     /// Sets where metrics are written.
     pub fn metrics_path(mut self, path: impl Into<PathBuf>) -> Self {
         self.metrics_path = Some(path.into());
@@ -255,7 +264,7 @@ pub(crate) fn connect(execution: &Execution, timeout: Duration) -> Result<Alloca
         Ok(result) => result.map_err(GraphError::Runtime),
         Err(_) => Err(GraphError::PeerLost {
             peer: "some peer process".into(),
-            reason: format!("did not connect within {:.0} s (is every process started, with the same hostfile?)", timeout.as_secs_f64()),
+            reason: format!("did not connect within {:.1} s (is every process started, with the same hostfile?)", timeout.as_secs_f64()),
         }),
     }
 }

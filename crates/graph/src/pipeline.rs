@@ -123,7 +123,10 @@ impl Pipeline {
     }
 
     /// Appends the learner: the stage that consumes steps in order and
-    /// publishes new weights on the weights edge.
+    /// publishes new weights on the weights edge. It always runs on an
+    /// engine thread (queue of one batch): its calls are long, and its
+    /// worker must stay free to drive other operators and to send the
+    /// heartbeats that tell peer processes it is alive.
     pub fn learn<S, F>(self, name: &str, role: &str, partition: Partition, factory: F) -> Self
     where
         S: Stage + 'static,
@@ -184,7 +187,7 @@ impl Pipeline {
             partition,
             kind,
             factory,
-            offload: None,
+            offload: (kind == StageKind::Learn).then_some(1),
         }));
         self
     }

@@ -67,7 +67,7 @@ pub fn run(pipeline: &Pipeline, settings: &RunSettings) -> Result<RunReport, Gra
     pipeline.validate(&settings.placement)?;
     quiet_network_panics();
 
-    let (builders, others) = connect(&settings.execution, settings.peer_timeout)?;
+    let (builders, others) = connect(&settings.execution, settings.connect_timeout)?;
     let shared = Arc::new(RunShared::new(settings.execution.processes()));
     let started = Instant::now();
     let local_workers = settings.execution.local_workers();
