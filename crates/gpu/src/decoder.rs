@@ -12,6 +12,22 @@ use crate::rope::{self, Rope};
 
 /// RMSNorm as transformers computes it: normalised in float32 whatever the
 /// model dtype (also for a float64 model), then cast back and scaled.
+/// A linear layer whose parameters start at zero: loading or
+/// `Model::init_weights` sets them, so a random fill here would be wasted
+/// work (about half of loading a 200M model).
+pub(crate) fn zero_linear(vs: nn::Path, inputs: i64, outputs: i64, bias: bool) -> nn::Linear {
+    nn::linear(
+        vs,
+        inputs,
+        outputs,
+        nn::LinearConfig {
+            ws_init: nn::Init::Const(0.0),
+            bs_init: bias.then_some(nn::Init::Const(0.0)),
+            bias,
+        },
+    )
+}
+
 #[derive(Debug)]
 pub struct RmsNorm {
     weight: Tensor,
@@ -127,17 +143,7 @@ struct Attention {
 
 impl Attention {
     fn new(vs: nn::Path, c: &ModelConfig) -> Self {
-        let lin = |name: &str, i: i64, o: i64, bias: bool| {
-            nn::linear(
-                &vs / name,
-                i,
-                o,
-                nn::LinearConfig {
-                    bias,
-                    ..Default::default()
-                },
-            )
-        };
+        let lin = |name: &str, i: i64, o: i64, bias: bool| zero_linear(&vs / name, i, o, bias);
         let (h, kv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         Attention {
             q: lin("q_proj", c.hidden_size, h * d, c.attention_bias),
@@ -232,14 +238,11 @@ struct Mlp {
 
 impl Mlp {
     fn new(vs: nn::Path, c: &ModelConfig) -> Self {
-        let cfg = nn::LinearConfig {
-            bias: c.mlp_bias,
-            ..Default::default()
-        };
+        let (h, i, bias) = (c.hidden_size, c.intermediate_size, c.mlp_bias);
         Mlp {
-            gate: nn::linear(&vs / "gate_proj", c.hidden_size, c.intermediate_size, cfg),
-            up: nn::linear(&vs / "up_proj", c.hidden_size, c.intermediate_size, cfg),
-            down: nn::linear(&vs / "down_proj", c.intermediate_size, c.hidden_size, cfg),
+            gate: zero_linear(&vs / "gate_proj", h, i, bias),
+            up: zero_linear(&vs / "up_proj", h, i, bias),
+            down: zero_linear(&vs / "down_proj", i, h, bias),
         }
     }
 

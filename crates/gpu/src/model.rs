@@ -16,7 +16,7 @@ use tch::{Kind, Tensor};
 
 use crate::checkpoint::read_tensors;
 use crate::config::{Head, ModelConfig};
-use crate::decoder::{Decoder, KvCache};
+use crate::decoder::{zero_linear, Decoder, KvCache};
 use crate::{Device, ModelError};
 
 /// A decoder-only model with its head.
@@ -76,31 +76,26 @@ impl Model {
         Ok(model)
     }
 
-    /// A model with zero weights for `config` (to be loaded or initialised).
+    /// A model for `config` with zero weights (norms at one), to be loaded
+    /// or initialised.
     pub fn new(config: ModelConfig, device: Device, source: &Path) -> Result<Self, ModelError> {
         let vs = nn::VarStore::new(device.to_tch()?);
         let root = vs.root();
         let decoder = Decoder::new(&root / "model", &config);
         let lm_head = (config.head == Head::CausalLm && !config.tie_word_embeddings).then(|| {
-            nn::linear(
+            zero_linear(
                 &root / "lm_head",
                 config.hidden_size,
                 config.vocab_size,
-                nn::LinearConfig {
-                    bias: false,
-                    ..Default::default()
-                },
+                false,
             )
         });
         let score = (config.head == Head::SequenceClassification).then(|| {
-            nn::linear(
+            zero_linear(
                 &root / "score",
                 config.hidden_size,
                 config.num_labels,
-                nn::LinearConfig {
-                    bias: false,
-                    ..Default::default()
-                },
+                false,
             )
         });
         Ok(Model {
