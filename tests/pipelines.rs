@@ -330,6 +330,84 @@ fn sft_lowers_its_loss_and_evaluates() {
 }
 
 #[test]
+fn data_parallel_learners_train_like_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base = || {
+        let mut cfg = config(PipelineKind::Grpo, 3);
+        cfg.run.max_staleness = 0;
+        cfg.data.prompts_per_step = 4;
+        cfg.algorithm.aggregation = "token-mean".into();
+        cfg
+    };
+    let one = tmp.path().join("one");
+    run(PipelineKind::Grpo, base(), &one, false);
+    // Generation on worker 0; two learner ranks on workers 1 and 2, each
+    // with the groups the advantage edge routes to it.
+    let mut cfg = base();
+    cfg.placement.workers = 3;
+    cfg.placement.train = vec![1, 2];
+    let two = tmp.path().join("two");
+    let summary = run(PipelineKind::Grpo, cfg.clone(), &two, false);
+    assert_eq!(summary["max_staleness_observed"], 0);
+    assert!(two
+        .join("checkpoints/step-2/actor/model.safetensors")
+        .is_file());
+    // Every rank trained on rows of its own, and the step's curves count each step once.
+    let mut rows_by_worker = BTreeMap::new();
+    for b in read_parquet_file(&two.join("metrics.parquet")).unwrap() {
+        for r in weir::graph::metrics::batch_to_rows(&b).unwrap() {
+            if r.stage == "learn" && r.metric == "rows_in" {
+                *rows_by_worker.entry(r.worker).or_insert(0.0) += r.value;
+            }
+        }
+    }
+    assert_eq!(rows_by_worker.len(), 2, "{rows_by_worker:?}");
+    assert!(
+        rows_by_worker.values().all(|&n| n > 0.0),
+        "{rows_by_worker:?}"
+    );
+    for name in ["loss", "grad_norm", "kl", "reward"] {
+        let (a, b) = (metric(&one, "learn", name), metric(&two, "learn", name));
+        assert_eq!(a.len(), 3, "{name}");
+        assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+        for (step, x) in &a {
+            let y = b[step];
+            assert!(
+                (x - y).abs() <= 1e-4 * x.abs().max(1e-2),
+                "{name} at step {step}: one learner {x}, two ranks {y}"
+            );
+        }
+    }
+
+    // Placements the ranks cannot serve are refused up front.
+    for (kind, change, needle) in [
+        (PipelineKind::ReinforcePp, None, "whitening"),
+        (PipelineKind::Ppo, None, "critic"),
+        (PipelineKind::Grpo, Some("dynamic"), "dynamic sampling"),
+    ] {
+        let mut bad = cfg.clone();
+        if change.is_some() {
+            bad.dynamic_sampling.enabled = true;
+        }
+        let err = weir::pipelines::run(&RunRequest {
+            pipeline: kind,
+            config: bad,
+            run_dir: tmp.path().join("refused"),
+            resume: false,
+            progress: false,
+            cluster: Default::default(),
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("placement.train") && err.contains(needle),
+            "{err}"
+        );
+    }
+    assert!(!tmp.path().join("refused").exists());
+}
+
+#[test]
 fn bad_configs_fail_before_anything_runs() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("run");

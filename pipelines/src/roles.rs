@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use tch::Kind;
+use weir_gpu::collective::HostGroup;
 use weir_gpu::optim::AdamWConfig;
 use weir_gpu::{Device, Model, SamplingParams, Tokenizer};
 use weir_graph::{ParquetLog, StageError, WorkerInfo};
@@ -364,10 +365,15 @@ pub fn learner(
     kl_in_loss: bool,
 ) -> impl Fn(&WorkerInfo) -> Result<Learner, StageError> + Send + Sync + 'static {
     let (cfg, ctx) = (cfg.clone(), ctx.clone());
+    // Several train workers: data-parallel ranks of one learner.
+    let group = (cfg.placement.train.len() > 1).then(|| HostGroup::new(cfg.placement.train.len()));
     move |w| {
         let model = load(&cfg, &ctx.actor, w)?;
         let mut learner = Learner::new(model, learner_config(&cfg, kl_in_loss))?
             .with_checkpoints(ctx.checkpoint_plan(&cfg));
+        if let Some(group) = &group {
+            learner = learner.with_data_parallel(group.member(w.rank));
+        }
         ctx.restore_optimizer("actor", learner.optimizer_mut())?;
         Ok(learner)
     }

@@ -168,8 +168,36 @@ pub fn run(req: &RunRequest) -> Result<RunOutcome, PipelineError> {
             .to_string()
             .into());
     }
-    if kind.is_rl() && cfg.placement.train.len() != 1 {
-        return Err("`placement.train`: the learner runs on exactly one worker (data-parallel learners are not supported yet)".to_string().into());
+    let train = &cfg.placement.train;
+    if kind.is_rl() && train.len() > 1 {
+        // Data-parallel learners: each trains on its share of every step.
+        if !kind.is_group() {
+            return Err(format!(
+                "`placement.train` = {train:?}: {} normalises over the whole step (whitening{}), so it trains on exactly one worker; data-parallel learners are for grpo, dr_grpo and rloo",
+                kind.name(),
+                if kind == PipelineKind::Ppo { ", and its critic" } else { "" }
+            )
+            .into());
+        }
+        if cfg.dynamic_sampling.enabled {
+            return Err(format!(
+                "`placement.train` = {train:?}: dynamic sampling fills a step's quota on one worker; use one train worker with `dynamic_sampling.enabled`"
+            )
+            .into());
+        }
+        let threads = cfg.placement.workers / req.cluster.processes.max(1);
+        if train
+            .iter()
+            .any(|w| w / threads.max(1) != train[0] / threads.max(1))
+        {
+            return Err(format!(
+                "`placement.train` = {train:?}: data-parallel learners sum their gradients in memory, so they must share one process (workers {}..{} on process {})",
+                train[0] / threads.max(1) * threads,
+                (train[0] / threads.max(1) + 1) * threads,
+                train[0] / threads.max(1)
+            )
+            .into());
+        }
     }
     let cluster = &req.cluster;
     let execution = execution(cfg, cluster)?;

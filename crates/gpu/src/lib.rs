@@ -7,6 +7,7 @@
 //! nothing of timely or pipelines.
 
 pub mod checkpoint;
+pub mod collective;
 pub mod config;
 #[cfg(target_arch = "x86_64")]
 pub mod cpu;

@@ -2,6 +2,7 @@
 
 use tch::{Kind, Tensor};
 
+use crate::collective::GroupMember;
 use crate::model::Model;
 use crate::ModelError;
 
@@ -85,6 +86,54 @@ impl Optimizer {
                 let _ = g.zero_();
             }
         }
+    }
+
+    /// Sums the accumulated gradients, and `scalars`, over the ranks of a
+    /// data-parallel group, in place: every rank ends with the same
+    /// gradients, so the same [`Optimizer::step`] keeps the ranks' weights
+    /// equal. A rank that ran no backward pass contributes zeros. The sums
+    /// travel through host memory in float32.
+    pub fn all_reduce_gradients(
+        &mut self,
+        member: &GroupMember,
+        scalars: &mut [f64],
+    ) -> Result<(), ModelError> {
+        let missing: Vec<Tensor> = self
+            .slots
+            .iter()
+            .filter(|(_, p, _, _)| !p.grad().defined())
+            .map(|(_, p, _, _)| p.sum(Kind::Float) * 0.0)
+            .collect();
+        if !missing.is_empty() {
+            // Defines the missing gradients as zeros.
+            Tensor::stack(&missing, 0).sum(Kind::Float).backward();
+        }
+        let _guard = tch::no_grad_guard();
+        let flat: Vec<Tensor> = self
+            .slots
+            .iter()
+            .map(|(_, p, _, _)| {
+                p.grad()
+                    .to_device(tch::Device::Cpu)
+                    .to_kind(Kind::Float)
+                    .reshape([-1])
+            })
+            .collect();
+        let values = Vec::<f32>::try_from(&Tensor::cat(&flat, 0))?;
+        let (sums, scalar_sums) = member
+            .all_reduce(values, scalars.to_vec())
+            .map_err(ModelError::Input)?;
+        scalars.copy_from_slice(&scalar_sums);
+        let sums = Tensor::from_slice(&sums);
+        let mut offset = 0;
+        for (_, p, _, _) in &self.slots {
+            let mut g = p.grad();
+            let n = g.numel() as i64;
+            let summed = sums.narrow(0, offset, n).view(g.size().as_slice());
+            g.copy_(&summed.to_kind(g.kind()).to_device(g.device()));
+            offset += n;
+        }
+        Ok(())
     }
 
     /// The global L2 norm of the accumulated gradients.

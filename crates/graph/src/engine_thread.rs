@@ -152,9 +152,13 @@ impl StageRunner {
                 });
                 let busy = started.elapsed().as_secs_f64();
                 let batches = self.finish_output(step, out?)?;
+                // A learner's step makes the next version whether or not this
+                // worker publishes it (of data-parallel learners, one does).
+                if self.kind == StageKind::Learn {
+                    self.version += 1;
+                }
                 let published = match ctx.published.take() {
                     Some(weights) => {
-                        self.version += 1;
                         Some((self.version, self.transport.pack(self.version, &weights)?))
                     }
                     None => None,

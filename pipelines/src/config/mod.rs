@@ -77,7 +77,7 @@ pub struct PlacementSection {
     pub workers: usize,
     /// Workers that generate and score.
     pub rollout: Vec<usize>,
-    /// Workers that run the critic, advantage and learner.
+    /// Workers that run the critic, advantage and learner (several: data-parallel learner ranks).
     pub train: Vec<usize>,
     /// Where the reference runs: `train` or `rollout` (beside the generator).
     pub reference: String,

@@ -10,6 +10,7 @@
 use arrow::array::RecordBatch;
 
 use tch::{Kind, Tensor};
+use weir_gpu::collective::GroupMember;
 use weir_gpu::optim::{AdamWConfig, Optimizer};
 use weir_gpu::Model;
 use weir_graph::{StageError, StepBuffer, StepContext, StepStage, WeightsPayload};
@@ -134,6 +135,8 @@ pub struct UpdateStats {
     pub response_length: f64,
     /// Importance weights of the off-policy correction (mean, min, max), if one is configured.
     pub importance_weights: Option<(f64, f64, f64)>,
+    /// Mean reward of the step's rows, when they carry one.
+    pub reward: Option<f64>,
 }
 
 /// The actor's learner.
@@ -145,6 +148,8 @@ pub struct Learner {
     last: UpdateStats,
     updates: u64,
     checkpoints: Option<CheckpointPlan>,
+    /// This learner's rank among data-parallel learners, if there are several.
+    data_parallel: Option<GroupMember>,
 }
 
 impl Learner {
@@ -159,7 +164,32 @@ impl Learner {
             last: UpdateStats::default(),
             updates: 0,
             checkpoints: None,
+            data_parallel: None,
         })
+    }
+
+    /// Trains as one rank of data-parallel learners: each rank takes its
+    /// share of a step's rows, the ranks sum their gradients (weighted by
+    /// the step's token count over all ranks) before every optimizer step,
+    /// so their weights stay equal; rank 0 publishes the weights, saves the
+    /// checkpoints and records the metrics, which cover every rank's rows.
+    pub fn with_data_parallel(mut self, member: GroupMember) -> Self {
+        self.data_parallel = Some(member);
+        self
+    }
+
+    /// Rank 0 of data-parallel learners, or the only learner.
+    fn leads(&self) -> bool {
+        self.data_parallel.as_ref().is_none_or(|m| m.rank() == 0)
+    }
+
+    /// Sums `scalars` over the data-parallel ranks (nothing to do alone).
+    fn sum_over_ranks(&self, scalars: &mut [f64]) -> Result<(), StageError> {
+        if let Some(member) = &self.data_parallel {
+            let (_, sums) = member.all_reduce(Vec::new(), scalars.to_vec())?;
+            scalars.copy_from_slice(&sums);
+        }
+        Ok(())
     }
 
     /// Saves checkpoints as `plan` says.
@@ -202,26 +232,45 @@ impl Learner {
     /// One policy update (`ppo_epochs` optimizer steps) on `batch`'s rows;
     /// what it measured is also kept for [`Learner::last_update`].
     pub fn update(&mut self, batch: &RecordBatch) -> Result<UpdateStats, StageError> {
-        let prompts = token_lists(batch, col::PROMPT_TOKENS, "learn")?;
-        let responses = token_lists(batch, col::RESPONSE_TOKENS, "learn")?;
-        let advantages = float_lists(batch, col::ADVANTAGES, "learn")?;
-        let behaviour = float_lists(batch, col::BEHAVIOR_LOGPROBS, "learn")?;
+        self.update_rows(Some(batch))
+    }
+
+    /// [`Learner::update`]; a data-parallel rank that got no rows this step
+    /// passes `None` and still takes part in the ranks' sums.
+    fn update_rows(&mut self, batch: Option<&RecordBatch>) -> Result<UpdateStats, StageError> {
+        let rows = batch.map_or(0, RecordBatch::num_rows);
+        let tokens = |name| batch.map_or(Ok(Vec::new()), |b| token_lists(b, name, "learn"));
+        let floats = |name| batch.map_or(Ok(Vec::new()), |b| float_lists(b, name, "learn"));
+        let prompts = tokens(col::PROMPT_TOKENS)?;
+        let responses = tokens(col::RESPONSE_TOKENS)?;
+        let advantages = floats(col::ADVANTAGES)?;
+        let behaviour = floats(col::BEHAVIOR_LOGPROBS)?;
         let references = if self.cfg.kl_coef > 0.0 {
-            Some(float_lists(batch, col::REF_LOGPROBS, "learn")?)
+            Some(floats(col::REF_LOGPROBS)?)
         } else {
             None
         };
-        let total_tokens: usize = responses.iter().map(Vec::len).sum::<usize>().max(1);
+        let response_tokens: usize = responses.iter().map(Vec::len).sum();
+        let rewards = batch.and_then(|b| super::columns::f32s(b, col::REWARD, "learn").ok());
+        // Over every rank: response tokens, rows, the rewards' sum and how many there were.
+        let mut step_totals = [
+            response_tokens as f64,
+            rows as f64,
+            rewards.as_ref().map_or(0.0, |r| r.iter().sum()),
+            rewards.as_ref().map_or(0, Vec::len) as f64,
+        ];
+        self.sum_over_ranks(&mut step_totals)?;
+        let total_tokens = (step_totals[0] as usize).max(1);
         let device = self.model.device();
         let micro = self.cfg.micro_batch.max(1);
-        let starts: Vec<usize> = (0..batch.num_rows()).step_by(micro).collect();
+        let starts: Vec<usize> = (0..rows).step_by(micro).collect();
         // The proximal policy: log-probs before this step's first update.
         let proximal: Vec<Tensor> = {
             let _guard = tch::no_grad_guard();
             starts
                 .iter()
                 .map(|&start| {
-                    let end = (start + micro).min(batch.num_rows());
+                    let end = (start + micro).min(rows);
                     response_logprobs(
                         &self.model,
                         &prompts[start..end],
@@ -242,7 +291,7 @@ impl Learner {
             (loss_sum, clip_sum, kl_sum, entropy_sum) = (0.0, 0.0, 0.0, 0.0);
             weights = None;
             for (&start, old) in starts.iter().zip(&proximal) {
-                let end = (start + micro).min(batch.num_rows());
+                let end = (start + micro).min(rows);
                 let cfg = &self.cfg;
                 let micro_loss = |fwd: ResponseForward| {
                     let (lp, mask) = (fwd.logprobs, fwd.mask);
@@ -303,6 +352,20 @@ impl Learner {
                     micro_loss,
                 )?;
             }
+            if let Some(member) = &self.data_parallel {
+                let mut stats = [
+                    loss_sum,
+                    clip_sum,
+                    kl_sum,
+                    entropy_sum,
+                    weights.map_or(0.0, |w| w.0),
+                ];
+                self.optimizer.all_reduce_gradients(member, &mut stats)?;
+                [loss_sum, clip_sum, kl_sum, entropy_sum] =
+                    [stats[0], stats[1], stats[2], stats[3]];
+                // The weights' mean is over every rank; min and max stay this rank's.
+                weights = weights.map(|(_, lo, hi)| (stats[4], lo, hi));
+            }
             grad_norm = self.optimizer.step(self.cfg.max_grad_norm);
             self.updates += 1;
         }
@@ -318,8 +381,8 @@ impl Learner {
             clip_fraction: clip_sum,
             kl: kl_sum,
             entropy: entropy_sum,
-            response_length: responses.iter().map(Vec::len).sum::<usize>() as f64
-                / responses.len().max(1) as f64,
+            response_length: step_totals[0] / step_totals[1].max(1.0),
+            reward: (step_totals[3] > 0.0).then(|| step_totals[2] / step_totals[3]),
             importance_weights: weights,
         };
         Ok(self.last)
@@ -337,10 +400,16 @@ impl StepStage for Learner {
         rows: Option<RecordBatch>,
     ) -> Result<Vec<RecordBatch>, StageError> {
         let mut out = Vec::new();
-        if let Some(batch) = rows {
-            let u = self
-                .update(&batch)
+        // A data-parallel rank without rows still joins the ranks' sums.
+        if rows.is_some() || self.data_parallel.is_some() {
+            self.update_rows(rows.as_ref())
                 .map_err(|e| format!("step {}: {e}", ctx.step))?;
+            if let Some(batch) = rows {
+                out.push(batch);
+            }
+        }
+        if self.leads() && (!out.is_empty() || self.data_parallel.is_some()) {
+            let u = self.last;
             tracing::info!(
                 step = ctx.step,
                 loss = u.loss,
@@ -364,19 +433,20 @@ impl StepStage for Learner {
                 ctx.record("is_weight_max", max);
             }
             // What the step's rows looked like: the curves users watch first.
-            let rows = batch.num_rows().max(1) as f64;
-            if let Ok(rewards) = super::columns::f32s(&batch, col::REWARD, "learn") {
-                ctx.record("reward", rewards.iter().sum::<f64>() / rows);
+            if let Some(reward) = u.reward {
+                ctx.record("reward", reward);
             }
             ctx.record("response_length", u.response_length);
-            out.push(batch);
         }
-        // Published even when no rows reached this learner, so versions stay in step.
-        ctx.publish_weights(WeightsPayload::from(
-            self.model.export_snapshot(ctx.version + 1)?,
-        ))?;
-        if let Some(plan) = &self.checkpoints {
-            plan.save_actor_if_due(ctx.step, ctx.version + 1, &self.model, &self.optimizer)?;
+        if self.leads() {
+            // Published even when no rows reached this learner: the generators
+            // wait for each version.
+            ctx.publish_weights(WeightsPayload::from(
+                self.model.export_snapshot(ctx.version + 1)?,
+            ))?;
+            if let Some(plan) = &self.checkpoints {
+                plan.save_actor_if_due(ctx.step, ctx.version + 1, &self.model, &self.optimizer)?;
+            }
         }
         Ok(out)
     }
@@ -479,6 +549,102 @@ mod tests {
         for ((name, a), (_, b)) in plain_weights.iter().zip(&weights) {
             let d = (a - b).abs().max().double_value(&[]);
             assert!(d < 1e-4, "{name} differs by {d:e} after the update");
+        }
+    }
+
+    #[test]
+    fn data_parallel_ranks_train_like_one_learner_on_all_rows() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../../shared/fixtures/models/tiny-llama");
+        let responses = vec![vec![5i64, 6, 7], vec![8, 9], vec![10], vec![11, 12, 13, 14]];
+        let advantages = vec![vec![1.0; 3], vec![-0.5; 2], vec![0.25], vec![-1.0; 4]];
+        let behaviour: Vec<Vec<f64>> = responses.iter().map(|r| vec![-2.0; r.len()]).collect();
+        let reference: Vec<Vec<f64>> = responses.iter().map(|r| vec![-1.5; r.len()]).collect();
+        let batch = RecordBatch::try_from_iter([
+            (
+                col::PROMPT_TOKENS,
+                token_list_array(&[vec![1, 2], vec![1, 3, 4], vec![1, 2], vec![7]]),
+            ),
+            (col::RESPONSE_TOKENS, token_list_array(&responses)),
+            (col::ADVANTAGES, float_list_array(&advantages)),
+            (col::BEHAVIOR_LOGPROBS, float_list_array(&behaviour)),
+            (col::REF_LOGPROBS, float_list_array(&reference)),
+            (
+                col::REWARD,
+                std::sync::Arc::new(arrow::array::Float32Array::from(vec![1.0, 0.0, 0.5, 0.25]))
+                    as arrow::array::ArrayRef,
+            ),
+        ])
+        .unwrap();
+        let learner = || {
+            let model = Model::load(&dir, weir_gpu::Device::Cpu, Kind::Float).unwrap();
+            let mut cfg = LearnerConfig {
+                entropy_coef: 0.1,
+                kl_coef: 0.05,
+                micro_batch: 2,
+                ppo_epochs: 2,
+                ..LearnerConfig::default()
+            };
+            cfg.policy.aggregation = crate::algorithms::Aggregation::TokenMean;
+            cfg.adamw.lr = 1e-2;
+            Learner::new(model, cfg).unwrap()
+        };
+        let mut one = learner();
+        let alone = one.update(&batch).unwrap();
+        // Rows 0–1 on rank 0, 2–3 on rank 1, none on rank 2.
+        let group = weir_gpu::collective::HostGroup::new(3);
+        let shares = [Some(batch.slice(0, 2)), Some(batch.slice(2, 2)), None];
+        let ranks: Vec<_> = shares
+            .into_iter()
+            .enumerate()
+            .map(|(rank, rows)| {
+                let mut l = learner().with_data_parallel(group.member(rank));
+                std::thread::spawn(move || {
+                    let stats = l.update_rows(rows.as_ref()).unwrap();
+                    let weights: Vec<Vec<f32>> = l
+                        .model()
+                        .named_tensors()
+                        .iter()
+                        .map(|(_, t)| Vec::<f32>::try_from(&t.reshape([-1])).unwrap())
+                        .collect();
+                    (stats, weights)
+                })
+            })
+            .collect();
+        let ranks: Vec<_> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+        let (stats, weights) = &ranks[0];
+        assert!(
+            ranks.iter().all(|(s, w)| s == stats && w == weights),
+            "the ranks agree bit for bit"
+        );
+        assert!(alone.grad_norm > 0.0 && alone.kl != 0.0);
+        for (name, a, b) in [
+            ("loss", alone.loss, stats.loss),
+            ("grad_norm", alone.grad_norm, stats.grad_norm),
+            ("kl", alone.kl, stats.kl),
+            ("entropy", alone.entropy, stats.entropy),
+            ("clip_fraction", alone.clip_fraction, stats.clip_fraction),
+            (
+                "response_length",
+                alone.response_length,
+                stats.response_length,
+            ),
+        ] {
+            assert!(
+                (a - b).abs() < 1e-5 * a.abs().max(1.0),
+                "{name}: {a} vs {b}"
+            );
+        }
+        assert_eq!(alone.reward, Some(0.4375));
+        assert_eq!(stats.reward, alone.reward);
+        for ((name, a), b) in one.model().named_tensors().iter().zip(weights) {
+            let a = Vec::<f32>::try_from(&a.reshape([-1])).unwrap();
+            let d = a
+                .iter()
+                .zip(b)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0f32, f32::max);
+            assert!(d < 1e-4, "{name} differs by {d:e}");
         }
     }
 

@@ -1,0 +1,242 @@
+//! Data-parallel training inside one process: the ranks of a [`HostGroup`]
+//! sum their gradients (and a few statistics) through host memory.
+//!
+//! A round is an all-reduce: every rank hands in its values and waits; the
+//! last to arrive adds them up, in rank order, so every rank receives the
+//! same bits and the ranks' optimizers stay identical. A rank that leaves
+//! (its [`GroupMember`] is dropped, as when its stage fails or the run
+//! stops) closes the group, and whoever waits gets an error instead of
+//! hanging.
+//!
+//! # Examples
+//! ```
+//! use weir_gpu::collective::HostGroup;
+//!
+//! let group = HostGroup::new(2);
+//! let (a, b) = (group.member(0), group.member(1));
+//! let other = std::thread::spawn(move || b.all_reduce(vec![1.0, 2.0], vec![10.0]).unwrap());
+//! let (values, scalars) = a.all_reduce(vec![0.5, 0.5], vec![1.0]).unwrap();
+//! assert_eq!(values.as_slice(), &[1.5, 2.5]);
+//! assert_eq!(scalars.as_slice(), &[11.0]);
+//! assert_eq!(other.join().unwrap().0, values);
+//! ```
+
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+/// What a round sums: values (gradients) and scalars (statistics, in f64).
+type Sums = (Arc<Vec<f32>>, Arc<Vec<f64>>);
+
+/// The ranks of one data-parallel trainer in this process.
+#[derive(Debug)]
+pub struct HostGroup {
+    size: usize,
+    state: Mutex<Round>,
+    changed: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct Round {
+    /// Rounds completed.
+    generation: u64,
+    /// Each rank's values for the round being collected.
+    deposits: Vec<Option<(Vec<f32>, Vec<f64>)>>,
+    /// The sums of round `generation`, while ranks are still taking them.
+    result: Option<Sums>,
+    /// Ranks that took `result`.
+    taken: usize,
+    /// Why the group closed, once a rank left.
+    closed: Option<String>,
+}
+
+impl HostGroup {
+    /// A group of `size` ranks.
+    pub fn new(size: usize) -> Arc<Self> {
+        Arc::new(HostGroup {
+            size: size.max(1),
+            state: Mutex::new(Round {
+                deposits: vec![None; size.max(1)],
+                ..Round::default()
+            }),
+            changed: Condvar::new(),
+        })
+    }
+
+    /// The number of ranks.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Rank `rank`'s handle (`rank < size`).
+    pub fn member(self: &Arc<Self>, rank: usize) -> GroupMember {
+        assert!(rank < self.size, "rank {rank} of a group of {}", self.size);
+        GroupMember {
+            group: self.clone(),
+            rank,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Round> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn close(&self, why: String) {
+        let mut round = self.lock();
+        round.closed.get_or_insert(why);
+        self.changed.notify_all();
+    }
+
+    fn all_reduce(&self, rank: usize, values: Vec<f32>, scalars: Vec<f64>) -> Result<Sums, String> {
+        let mut round = self.lock();
+        // Wait until the previous round's sums are taken and this rank's slot is free.
+        while round.result.is_some() || round.deposits[rank].is_some() {
+            if let Some(why) = &round.closed {
+                return Err(why.clone());
+            }
+            round = self.changed.wait(round).unwrap_or_else(|e| e.into_inner());
+        }
+        if let Some(why) = &round.closed {
+            return Err(why.clone());
+        }
+        let generation = round.generation;
+        round.deposits[rank] = Some((values, scalars));
+        if round.deposits.iter().all(Option::is_some) {
+            match sum_in_rank_order(&mut round.deposits) {
+                Ok(sums) => round.result = Some(sums),
+                Err(why) => {
+                    // The others are waiting for this round: they fail with the same reason.
+                    round.closed.get_or_insert(why.clone());
+                    self.changed.notify_all();
+                    return Err(why);
+                }
+            }
+            round.taken = 0;
+            self.changed.notify_all();
+        }
+        loop {
+            if round.generation == generation {
+                if let Some(sums) = round.result.clone() {
+                    round.taken += 1;
+                    if round.taken == self.size {
+                        round.result = None;
+                        round.generation += 1;
+                        self.changed.notify_all();
+                    }
+                    return Ok(sums);
+                }
+            }
+            if let Some(why) = &round.closed {
+                return Err(why.clone());
+            }
+            round = self.changed.wait(round).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
+/// Adds the deposits up in rank order and empties them.
+fn sum_in_rank_order(deposits: &mut [Option<(Vec<f32>, Vec<f64>)>]) -> Result<Sums, String> {
+    let mut taken = deposits
+        .iter_mut()
+        .map(|d| d.take().expect("all deposited"));
+    let (mut values, mut scalars) = taken.next().expect("a group has a rank");
+    for (rank, (v, s)) in taken.enumerate() {
+        if v.len() != values.len() || s.len() != scalars.len() {
+            return Err(format!(
+                "rank {} handed in {} values and {} scalars, rank 0 {} and {}",
+                rank + 1,
+                v.len(),
+                s.len(),
+                values.len(),
+                scalars.len()
+            ));
+        }
+        values.iter_mut().zip(&v).for_each(|(a, b)| *a += b);
+        scalars.iter_mut().zip(&s).for_each(|(a, b)| *a += b);
+    }
+    Ok((Arc::new(values), Arc::new(scalars)))
+}
+
+/// One rank of a [`HostGroup`]; dropping it closes the group.
+#[derive(Debug)]
+pub struct GroupMember {
+    group: Arc<HostGroup>,
+    rank: usize,
+}
+
+impl GroupMember {
+    /// This member's rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The number of ranks.
+    pub fn size(&self) -> usize {
+        self.group.size
+    }
+
+    /// Waits for every rank and returns the element-wise sums of their
+    /// `values` and `scalars`, the same on every rank. Fails when a rank
+    /// has left the group or the ranks' lengths differ.
+    pub fn all_reduce(&self, values: Vec<f32>, scalars: Vec<f64>) -> Result<Sums, String> {
+        self.group
+            .all_reduce(self.rank, values, scalars)
+            .map_err(|why| format!("data-parallel group: {why}"))
+    }
+}
+
+impl Drop for GroupMember {
+    fn drop(&mut self) {
+        self.group.close(format!("rank {} left", self.rank));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounds_sum_in_rank_order_and_repeat() {
+        let group = HostGroup::new(3);
+        let handles: Vec<_> = (0..3)
+            .map(|rank| {
+                let member = group.member(rank);
+                std::thread::spawn(move || {
+                    (0..50)
+                        .map(|round| {
+                            let v = vec![rank as f32 + round as f32, 1.0];
+                            member.all_reduce(v, vec![rank as f64]).unwrap()
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        for round in 0..50 {
+            let (values, scalars) = &results[0][round];
+            assert_eq!(values.as_slice(), &[3.0 + 3.0 * round as f32, 3.0]);
+            assert_eq!(scalars.as_slice(), &[3.0]);
+            assert!(results.iter().all(|r| r[round] == results[0][round]));
+        }
+    }
+
+    #[test]
+    fn a_rank_that_leaves_fails_the_waiters_instead_of_hanging() {
+        let group = HostGroup::new(2);
+        let (a, b) = (group.member(0), group.member(1));
+        let waiter = std::thread::spawn(move || a.all_reduce(vec![1.0], vec![]));
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        drop(b);
+        let err = waiter.join().unwrap().unwrap_err();
+        assert!(err.contains("rank 1 left"), "{err}");
+    }
+
+    #[test]
+    fn mismatched_lengths_are_an_error() {
+        let group = HostGroup::new(2);
+        let (a, b) = (group.member(0), group.member(1));
+        let other = std::thread::spawn(move || b.all_reduce(vec![1.0, 2.0], vec![]));
+        let err = a.all_reduce(vec![1.0], vec![]).unwrap_err();
+        assert!(err.contains("rank 1 handed in 2 values"), "{err}");
+        drop(a);
+        assert!(other.join().unwrap().is_err());
+    }
+}
