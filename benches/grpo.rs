@@ -2,15 +2,17 @@
 //! from `../shared/fixtures/models/arith-sft` with the settings of
 //! `../shared/bench/trl/grpo.py` (8 prompts × 8 samples, completions ≤ 8
 //! tokens, temperature 1, lr 1e-4, β 0.04 k3 KL to the SFT model, clip 0.2,
-//! per-sequence length-normalised loss, 1 libtorch thread per worker), in two
-//! placements:
+//! per-sequence length-normalised loss, 1 libtorch thread per worker), in
+//! four placements:
 //!
 //! - (a) synchronous and colocated: one worker, `max_staleness = 0` — the
 //!   like-for-like comparison with TRL's single thread;
 //! - (b) `max_staleness = 1`, generation on worker 0 and the reference and
 //!   learner on worker 1 (two threads);
 //! - (c) as (b) with the reference beside the generator on worker 0
-//!   (`placement.reference = "rollout"`), balancing the learner-bound step.
+//!   (`placement.reference = "rollout"`), balancing the learner-bound step;
+//! - (d) as (b) with two data-parallel learner ranks on workers 0 and 1
+//!   (`placement.train = [0, 1]`), the reference split over them.
 //!
 //! `cargo bench --bench grpo`; `WEIR_BENCH_STEPS` sets the steps (default
 //! 60). With `$WEIR_BENCH_PYTHON` (a python with torch 2.11, transformers,
@@ -84,6 +86,9 @@ enum Placing {
     Async,
     /// (c) k = 1, generation + reference on worker 0, learner on worker 1.
     AsyncReferenceWithGenerator,
+    /// (d) k = 1, generation on worker 0, two data-parallel learner ranks
+    /// on workers 0 and 1, the reference split over them.
+    DataParallel,
 }
 
 fn config(steps: u64, placing: Placing) -> RunConfig {
@@ -126,6 +131,9 @@ fn config(steps: u64, placing: Placing) -> RunConfig {
         if placing == Placing::AsyncReferenceWithGenerator {
             c.placement.reference = "rollout".into();
         }
+        if placing == Placing::DataParallel {
+            c.placement.train = vec![0, 1];
+        }
     }
     c
 }
@@ -156,7 +164,15 @@ fn weir_grpo(steps: u64, placing: Placing) -> (Figures, Vec<(String, f64)>) {
     })
     .unwrap();
     let rows = &outcome.report.metrics;
-    let done = per_step(rows, "learn", "done_unix_s");
+    // A step is done when its last learner rank is.
+    let mut done = BTreeMap::new();
+    for r in rows
+        .iter()
+        .filter(|r| r.stage == "learn" && r.metric == "done_unix_s")
+    {
+        let t = done.entry(r.step).or_insert(r.value);
+        *t = f64::max(*t, r.value);
+    }
     assert_eq!(done.len() as u64, steps, "one learner step per step");
     let wall_s = outcome.summary["wall_s"].as_f64().unwrap();
     let skip = if steps > WARMUP_STEPS + 1 {
@@ -311,6 +327,7 @@ fn main() {
     let (sync, sync_busy) = weir_grpo(steps, Placing::Synchronous);
     let (stale, stale_busy) = weir_grpo(steps, Placing::Async);
     let (balanced, balanced_busy) = weir_grpo(steps, Placing::AsyncReferenceWithGenerator);
+    let (parallel, parallel_busy) = weir_grpo(steps, Placing::DataParallel);
     let trl = if full {
         trl_grpo(steps)
     } else {
@@ -335,6 +352,7 @@ fn main() {
     row("weir (a) k=0, 1 worker, 1 thread", &sync);
     row("weir (b) k=1, gen w0 / learn w1, 2 thr", &stale);
     row("weir (c) k=1, gen+ref w0 / learn w1", &balanced);
+    row("weir (d) k=1, gen w0, 2 learner ranks", &parallel);
     match &trl {
         Ok(t) => row("TRL grpo.py, 1 thread", t),
         Err(why) => println!("TRL skipped: {why}"),
@@ -345,7 +363,12 @@ fn main() {
     println!("weir measured: {}", sync.measured);
     if let Ok(t) = &trl {
         println!("TRL measured: {}", t.measured);
-        for (name, w) in [("(a)", &sync), ("(b)", &stale), ("(c)", &balanced)] {
+        for (name, w) in [
+            ("(a)", &sync),
+            ("(b)", &stale),
+            ("(c)", &balanced),
+            ("(d)", &parallel),
+        ] {
             println!(
                 "weir {name} / TRL samples/s: {:.2} (median-based), {:.2} (mean-based)",
                 w.samples_per_s() / t.samples_per_s(),
@@ -357,6 +380,7 @@ fn main() {
         ("(a)", &sync_busy),
         ("(b)", &stale_busy),
         ("(c)", &balanced_busy),
+        ("(d)", &parallel_busy),
     ] {
         let text: Vec<String> = busy
             .iter()
