@@ -363,8 +363,8 @@ fn two_processes_keep_every_guarantee() {
 
 #[test]
 fn a_learner_call_longer_than_the_peer_timeout_is_not_a_lost_peer() {
-    // The learner (process 1's only worker) spends 3 s per step, three
-    // times the peer timeout: its worker must keep sending heartbeats.
+    // The learner (process 1's only worker) spends 5 s per step, 2.5 times
+    // the peer timeout: its worker must keep sending heartbeats.
     let dir = tempfile::tempdir().unwrap();
     let args = strings(&[
         "--steps",
@@ -374,9 +374,9 @@ fn a_learner_call_longer_than_the_peer_timeout_is_not_a_lost_peer() {
         "--gen-ms",
         "1",
         "--train-ms",
-        "3000",
+        "5000",
         "--peer-timeout-s",
-        "1",
+        "2",
     ]);
     let (o0, o1) = run_two_processes(&args, dir.path());
     for (i, o) in [o0, o1].iter().enumerate() {

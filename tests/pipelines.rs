@@ -379,11 +379,43 @@ fn data_parallel_learners_train_like_one() {
         }
     }
 
+    // One group per step: a rank with no rows still ends every step with the other.
+    let mut single = cfg.clone();
+    single.data.prompts_per_step = 1;
+    single.run.steps = 2;
+    let lonely = tmp.path().join("lonely");
+    run(PipelineKind::Grpo, single, &lonely, false);
+    assert_eq!(metric(&lonely, "learn", "loss").len(), 2);
+
+    // SFT too: two ranks, the same losses as one trainer.
+    let sft = |train: Vec<usize>, dir: &Path| {
+        let mut cfg = config(PipelineKind::Sft, 3);
+        cfg.data.prompts_per_step = 6;
+        cfg.placement.workers = 3;
+        cfg.placement.train = train;
+        run(PipelineKind::Sft, cfg, dir, false);
+        metric(dir, "sft", "loss")
+    };
+    let (a, b) = (
+        sft(vec![1], &tmp.path().join("sft-one")),
+        sft(vec![1, 2], &tmp.path().join("sft-two")),
+    );
+    assert_eq!(a.len(), 3);
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    for (step, x) in &a {
+        assert!(
+            (x - b[step]).abs() <= 1e-4 * x.abs(),
+            "sft loss at step {step}: {x} vs {}",
+            b[step]
+        );
+    }
+
     // Placements the ranks cannot serve are refused up front.
     for (kind, change, needle) in [
         (PipelineKind::ReinforcePp, None, "whitening"),
         (PipelineKind::Ppo, None, "critic"),
         (PipelineKind::Grpo, Some("dynamic"), "dynamic sampling"),
+        (PipelineKind::Dpo, None, "exactly one worker"),
     ] {
         let mut bad = cfg.clone();
         if change.is_some() {

@@ -163,19 +163,23 @@ pub fn run(req: &RunRequest) -> Result<RunOutcome, PipelineError> {
             .into());
         }
     }
-    if kind == PipelineKind::Sft && cfg.placement.train.len() != 1 {
-        return Err("`placement.train`: SFT trains on exactly one worker"
-            .to_string()
-            .into());
-    }
     let train = &cfg.placement.train;
-    if kind.is_rl() && train.len() > 1 {
-        // Data-parallel learners: each trains on its share of every step.
-        if !kind.is_group() {
+    if train.len() > 1 {
+        // Data-parallel trainers: each trains on its share of every step.
+        let why = match kind {
+            PipelineKind::Grpo | PipelineKind::DrGrpo | PipelineKind::Rloo | PipelineKind::Sft => {
+                None
+            }
+            PipelineKind::Rm | PipelineKind::Dpo => Some("it trains on exactly one worker"),
+            PipelineKind::Ppo => Some(
+                "it normalises over the whole step (whitening), and its critic trains on one worker",
+            ),
+            _ => Some("it normalises over the whole step (whitening), so it trains on exactly one worker"),
+        };
+        if let Some(why) = why {
             return Err(format!(
-                "`placement.train` = {train:?}: {} normalises over the whole step (whitening{}), so it trains on exactly one worker; data-parallel learners are for grpo, dr_grpo and rloo",
-                kind.name(),
-                if kind == PipelineKind::Ppo { ", and its critic" } else { "" }
+                "`placement.train` = {train:?}: {} {why}; data-parallel trainers are for grpo, dr_grpo, rloo and sft",
+                kind.name()
             )
             .into());
         }
@@ -185,16 +189,13 @@ pub fn run(req: &RunRequest) -> Result<RunOutcome, PipelineError> {
             )
             .into());
         }
-        let threads = cfg.placement.workers / req.cluster.processes.max(1);
-        if train
-            .iter()
-            .any(|w| w / threads.max(1) != train[0] / threads.max(1))
-        {
+        let threads = (cfg.placement.workers / req.cluster.processes.max(1)).max(1);
+        let process = train[0] / threads;
+        if train.iter().any(|w| w / threads != process) {
             return Err(format!(
-                "`placement.train` = {train:?}: data-parallel learners sum their gradients in memory, so they must share one process (workers {}..{} on process {})",
-                train[0] / threads.max(1) * threads,
-                (train[0] / threads.max(1) + 1) * threads,
-                train[0] / threads.max(1)
+                "`placement.train` = {train:?}: data-parallel trainers sum their gradients in host memory, so they must share one process (process {process} runs workers {}..{})",
+                process * threads,
+                (process + 1) * threads
             )
             .into());
         }
@@ -287,7 +288,15 @@ pub fn run(req: &RunRequest) -> Result<RunOutcome, PipelineError> {
             cfg.run.steps,
             req.progress && leader,
         );
+        // Every process must run this same config from the same checkpoint.
+        let fingerprint = {
+            use std::hash::{Hash, Hasher};
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            (resolved_config_text(kind, cfg), ctx.first_step, ctx.version).hash(&mut h);
+            h.finish()
+        };
         let settings = RunSettings::new(execution, placement)
+            .fingerprint(fingerprint)
             .peer_timeout(cluster.peer_timeout)
             .connect_timeout(cluster.connect_timeout)
             .max_staleness(cfg.run.max_staleness)

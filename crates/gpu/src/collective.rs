@@ -183,6 +183,21 @@ impl GroupMember {
     }
 }
 
+/// Whether a trainer with `member` (or alone, `None`) is the one that
+/// publishes, checkpoints and records: rank 0, or the only one.
+pub fn leads(member: Option<&GroupMember>) -> bool {
+    member.is_none_or(|m| m.rank == 0)
+}
+
+/// Sums `scalars` over `member`'s group in place; alone (`None`), leaves them.
+pub fn sum_scalars(member: Option<&GroupMember>, scalars: &mut [f64]) -> Result<(), String> {
+    if let Some(member) = member {
+        let (_, sums) = member.all_reduce(Vec::new(), scalars.to_vec())?;
+        scalars.copy_from_slice(&sums);
+    }
+    Ok(())
+}
+
 impl Drop for GroupMember {
     fn drop(&mut self) {
         self.group.close(format!("rank {} left", self.rank));

@@ -16,8 +16,15 @@ use crate::GraphError;
 /// Messages of the control side-dataflow.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub(crate) enum Control {
-    Heartbeat { process: usize },
-    Failed { process: usize, error: GraphError },
+    /// A process is alive; `fingerprint` is its [`crate::RunSettings::fingerprint`].
+    Heartbeat {
+        process: usize,
+        fingerprint: u64,
+    },
+    Failed {
+        process: usize,
+        error: GraphError,
+    },
 }
 
 /// State shared by the workers of one process.

@@ -166,6 +166,10 @@ pub struct RunSettings {
     /// How often the metrics file is rewritten during the run (a crash loses
     /// at most this much).
     pub metrics_flush: Duration,
+    /// What every process of a cluster must agree on, hashed (the caller's
+    /// config, say): a peer whose fingerprint differs fails the run at its
+    /// first heartbeat instead of running a different pipeline.
+    pub fingerprint: u64,
 }
 
 /// A callback over live metric rows.
@@ -189,6 +193,7 @@ impl RunSettings {
             observer: None,
             prior_metrics: Vec::new(),
             metrics_flush: Duration::from_secs(10),
+            fingerprint: 0,
         }
     }
 
@@ -232,6 +237,12 @@ impl RunSettings {
     /// Sets how long start-up waits for the peers to connect.
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
         self.connect_timeout = timeout;
+        self
+    }
+
+    /// Sets the fingerprint every process must share (see [`RunSettings::fingerprint`]).
+    pub fn fingerprint(mut self, fingerprint: u64) -> Self {
+        self.fingerprint = fingerprint;
         self
     }
 

@@ -198,6 +198,7 @@ fn drive_worker(
             &collected,
         )?;
         let shared = shared.clone();
+        let own_fingerprint = settings.fingerprint;
         scope
             .input_from(&mut control)
             .broadcast()
@@ -205,7 +206,19 @@ fn drive_worker(
                 input.for_each(|_, data| {
                     for message in data.drain(..) {
                         match message {
-                            Control::Heartbeat { process } => shared.heard_from(process),
+                            Control::Heartbeat {
+                                process: peer,
+                                fingerprint,
+                            } => {
+                                shared.heard_from(peer);
+                                if fingerprint != own_fingerprint {
+                                    shared.record(GraphError::Execution(format!(
+                                        "process {peer} runs different settings than process {process} \
+                                         (fingerprint {fingerprint:016x}, here {own_fingerprint:016x}): \
+                                         start every process with the same config, flags and weir build"
+                                    )));
+                                }
+                            }
                             Control::Failed { process, error } => {
                                 shared.heard_from(process);
                                 shared.record(error);
@@ -255,6 +268,8 @@ fn drive_worker(
         (settings.peer_timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
     let mut last_heartbeat: Option<Instant> = None;
     let mut failure: Option<(GraphError, Instant)> = None;
+    // The source has no more steps (its input closes once they are complete).
+    let mut source_done = false;
 
     loop {
         // Failures raised here go to every worker of every process.
@@ -286,7 +301,10 @@ fn drive_worker(
                 continue;
             }
             if last_heartbeat.is_none_or(|t| t.elapsed() >= heartbeat_every) {
-                control.send(Control::Heartbeat { process });
+                control.send(Control::Heartbeat {
+                    process,
+                    fingerprint: settings.fingerprint,
+                });
                 control.flush();
                 last_heartbeat = Some(Instant::now());
             }
@@ -294,8 +312,15 @@ fn drive_worker(
 
         let first_incomplete = probe.with_frontier(|f| f.first().copied());
         if let (Some(handle), Some((src, info))) = (input.as_mut(), source.as_mut()) {
-            if admission.exhausted() {
-                input = None;
+            if source_done || admission.exhausted() {
+                // The input stays at the step after the last until every step
+                // is complete, so each operator's frontier passes each step
+                // before the input closes: a worker that saw no data of the
+                // last steps still ends them (data-parallel ranks end every
+                // step together).
+                if first_incomplete.is_none_or(|f| f >= admission.next_step()) {
+                    input = None;
+                }
             } else if admission.may_admit(first_incomplete) {
                 let step = admission.next_step();
                 let ctx = SourceContext {
@@ -313,7 +338,7 @@ fn drive_worker(
                         }
                         handle.advance_to(step + 1);
                     }
-                    Ok(None) => input = None,
+                    Ok(None) => source_done = true,
                     Err(message) => env.fail(GraphError::Stage {
                         stage: "source".into(),
                         step: Some(step),

@@ -10,7 +10,7 @@
 use arrow::array::RecordBatch;
 
 use tch::{Kind, Tensor};
-use weir_gpu::collective::GroupMember;
+use weir_gpu::collective::{leads, sum_scalars, GroupMember};
 use weir_gpu::optim::{AdamWConfig, Optimizer};
 use weir_gpu::Model;
 use weir_graph::{StageError, StepBuffer, StepContext, StepStage, WeightsPayload};
@@ -178,20 +178,6 @@ impl Learner {
         self
     }
 
-    /// Rank 0 of data-parallel learners, or the only learner.
-    fn leads(&self) -> bool {
-        self.data_parallel.as_ref().is_none_or(|m| m.rank() == 0)
-    }
-
-    /// Sums `scalars` over the data-parallel ranks (nothing to do alone).
-    fn sum_over_ranks(&self, scalars: &mut [f64]) -> Result<(), StageError> {
-        if let Some(member) = &self.data_parallel {
-            let (_, sums) = member.all_reduce(Vec::new(), scalars.to_vec())?;
-            scalars.copy_from_slice(&sums);
-        }
-        Ok(())
-    }
-
     /// Saves checkpoints as `plan` says.
     pub fn with_checkpoints(mut self, plan: CheckpointPlan) -> Self {
         self.checkpoints = Some(plan);
@@ -259,7 +245,7 @@ impl Learner {
             rewards.as_ref().map_or(0.0, |r| r.iter().sum()),
             rewards.as_ref().map_or(0, Vec::len) as f64,
         ];
-        self.sum_over_ranks(&mut step_totals)?;
+        sum_scalars(self.data_parallel.as_ref(), &mut step_totals)?;
         let total_tokens = (step_totals[0] as usize).max(1);
         let device = self.model.device();
         let micro = self.cfg.micro_batch.max(1);
@@ -408,7 +394,8 @@ impl StepStage for Learner {
                 out.push(batch);
             }
         }
-        if self.leads() && (!out.is_empty() || self.data_parallel.is_some()) {
+        let leads = leads(self.data_parallel.as_ref());
+        if leads && (!out.is_empty() || self.data_parallel.is_some()) {
             let u = self.last;
             tracing::info!(
                 step = ctx.step,
@@ -438,7 +425,7 @@ impl StepStage for Learner {
             }
             ctx.record("response_length", u.response_length);
         }
-        if self.leads() {
+        if leads {
             // Published even when no rows reached this learner: the generators
             // wait for each version.
             ctx.publish_weights(WeightsPayload::from(

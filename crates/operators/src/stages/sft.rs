@@ -5,6 +5,7 @@
 
 use arrow::array::RecordBatch;
 use tch::Kind;
+use weir_gpu::collective::{leads, sum_scalars, GroupMember};
 use weir_gpu::optim::{AdamWConfig, Optimizer};
 use weir_gpu::{Model, Tokenizer};
 use weir_graph::{StageError, StepBuffer, StepContext, StepStage};
@@ -40,6 +41,8 @@ pub struct SftTrainer {
     target_column: String,
     held: StepBuffer,
     checkpoints: Option<CheckpointPlan>,
+    /// This trainer's rank among data-parallel trainers, if there are several.
+    data_parallel: Option<GroupMember>,
     /// The last step's loss.
     pub last_loss: f64,
 }
@@ -60,8 +63,19 @@ impl SftTrainer {
             target_column: target_column.to_string(),
             held: StepBuffer::new(),
             checkpoints: None,
+            data_parallel: None,
             last_loss: f64::NAN,
         })
+    }
+
+    /// Trains as one rank of data-parallel trainers: each rank takes its
+    /// share of a step's rows, the ranks sum their gradients (weighted by
+    /// the step's target tokens over all ranks) before the optimizer step,
+    /// so their weights stay equal; rank 0 saves the checkpoints and
+    /// records the metrics.
+    pub fn with_data_parallel(mut self, member: GroupMember) -> Self {
+        self.data_parallel = Some(member);
+        self
     }
 
     /// Saves checkpoints as `plan` says.
@@ -82,9 +96,22 @@ impl SftTrainer {
 
     /// One optimizer step on `batch`; returns (loss, grad norm).
     pub fn train_step(&mut self, batch: &RecordBatch) -> Result<(f64, f64), StageError> {
-        let prompts = token_lists(batch, col::PROMPT_TOKENS, "sft")?;
-        let targets = response_targets(batch, &self.target_column, &self.tokenizer, "sft")?;
-        let total: f64 = targets.iter().map(Vec::len).sum::<usize>() as f64;
+        self.train_rows(Some(batch))
+    }
+
+    /// [`SftTrainer::train_step`]; a data-parallel rank that got no rows
+    /// this step passes `None` and still takes part in the ranks' sums.
+    fn train_rows(&mut self, batch: Option<&RecordBatch>) -> Result<(f64, f64), StageError> {
+        let (prompts, targets) = match batch {
+            Some(b) => (
+                token_lists(b, col::PROMPT_TOKENS, "sft")?,
+                response_targets(b, &self.target_column, &self.tokenizer, "sft")?,
+            ),
+            None => (Vec::new(), Vec::new()),
+        };
+        let mut total = [targets.iter().map(Vec::len).sum::<usize>() as f64];
+        sum_scalars(self.data_parallel.as_ref(), &mut total)?;
+        let total = total[0].max(1.0);
         let lr = self
             .cfg
             .schedule
@@ -109,6 +136,11 @@ impl SftTrainer {
                 },
             )?;
         }
+        if let Some(member) = &self.data_parallel {
+            let mut loss = [loss_sum];
+            self.optimizer.all_reduce_gradients(member, &mut loss)?;
+            loss_sum = loss[0];
+        }
         let grad_norm = self.optimizer.step(self.cfg.max_grad_norm);
         if !loss_sum.is_finite() || !grad_norm.is_finite() {
             return Err(format!(
@@ -131,12 +163,16 @@ impl StepStage for SftTrainer {
         ctx: &mut StepContext,
         rows: Option<RecordBatch>,
     ) -> Result<Vec<RecordBatch>, StageError> {
-        let Some(batch) = rows else {
+        // A data-parallel rank without rows still joins the ranks' sums.
+        if rows.is_none() && self.data_parallel.is_none() {
             return Ok(Vec::new());
-        };
+        }
         let (loss, grad_norm) = self
-            .train_step(&batch)
+            .train_rows(rows.as_ref())
             .map_err(|e| format!("step {}: {e}", ctx.step))?;
+        if !leads(self.data_parallel.as_ref()) {
+            return Ok(rows.into_iter().collect());
+        }
         ctx.record("loss", loss);
         ctx.record("grad_norm", grad_norm);
         ctx.record(
@@ -148,6 +184,6 @@ impl StepStage for SftTrainer {
         if let Some(plan) = &self.checkpoints {
             plan.save_actor_if_due(ctx.step, ctx.step + 1, &self.model, &self.optimizer)?;
         }
-        Ok(vec![batch])
+        Ok(rows.into_iter().collect())
     }
 }
