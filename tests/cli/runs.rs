@@ -343,6 +343,19 @@ fn a_run_over_two_processes_matches_one_process_and_resumes() {
             vec!["--out", "x", "--peer-timeout-s", "0"],
             "--peer-timeout-s",
         ),
+        (
+            vec![
+                "--out",
+                "x",
+                "--processes",
+                "2",
+                "--set",
+                "placement.workers=4",
+                "--set",
+                "placement.train=[1, 2]",
+            ],
+            "must share one process",
+        ),
     ] {
         let mut a = vec!["run", "grpo", "--set"];
         let model_set = format!("model.path={}", model.display());
