@@ -161,10 +161,21 @@ pub fn run_sim(args: &SimArgs) -> anyhow::Result<RunReport> {
         .steps(args.steps)
         .peer_timeout(cluster.peer_timeout)
         .connect_timeout(cluster.connect_timeout)
+        .fingerprint(fingerprint(args))
         .metrics_path(args.out.join("metrics.parquet"));
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
     Ok(sim_pipeline(args).run(&settings)?)
+}
+
+/// What every process of a simulation must share: its flags but the process id.
+fn fingerprint(args: &SimArgs) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut shared = args.clone();
+    shared.cluster.process_id = 0;
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    format!("{shared:?}").hash(&mut h);
+    h.finish()
 }
 
 /// Runs the simulation and prints its summary; the last line is `steps_per_s=<float>`.

@@ -362,7 +362,7 @@ fn two_processes_keep_every_guarantee() {
 }
 
 #[test]
-fn a_learner_call_longer_than_the_peer_timeout_is_not_a_lost_peer() {
+fn heartbeats_survive_long_calls_and_catch_mismatched_or_absent_peers() {
     // The learner (process 1's only worker) spends 5 s per step, 2.5 times
     // the peer timeout: its worker must keep sending heartbeats.
     let dir = tempfile::tempdir().unwrap();
@@ -387,6 +387,27 @@ fn a_learner_call_longer_than_the_peer_timeout_is_not_a_lost_peer() {
         );
     }
     check_guarantees(&read_rows(dir.path()), 1, 2, 8);
+
+    // Processes started with different flags stop with one clear error.
+    let hosts = hostfile(dir.path());
+    let p0 = spawn_peer(&args, 0, &hosts, dir.path());
+    let mut other = args.clone();
+    other.extend(strings(&["--seed", "9"]));
+    let p1 = spawn_peer(&other, 1, &hosts, dir.path());
+    for (i, o) in [
+        wait_with_deadline(p0, Duration::from_secs(30)),
+        wait_with_deadline(p1, Duration::from_secs(30)),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "process {i} succeeded");
+        assert!(
+            stderr.contains("runs different settings"),
+            "process {i}: {stderr}"
+        );
+    }
 
     // A process whose peer never starts gives up after the connect timeout.
     let mut alone = args.clone();
