@@ -415,7 +415,6 @@ fn data_parallel_learners_train_like_one() {
         (PipelineKind::ReinforcePp, None, "whitening"),
         (PipelineKind::Ppo, None, "critic"),
         (PipelineKind::Grpo, Some("dynamic"), "dynamic sampling"),
-        (PipelineKind::Dpo, None, "exactly one worker"),
     ] {
         let mut bad = cfg.clone();
         if change.is_some() {
@@ -521,6 +520,42 @@ fn rm_learns_its_pairs_and_dpo_grows_the_margin() {
     // The saved model is a one-label classifier that transformers and weir load as such.
     let saved = weir::gpu::ModelConfig::load(&dir.join("checkpoints/step-11/actor")).unwrap();
     assert_eq!(saved.head, weir::gpu::Head::SequenceClassification);
+
+    // Two data-parallel ranks train like one (the source's batches alternate
+    // between them, so each step one rank has no pairs and still joins in).
+    for (kind, stage, names) in [
+        (PipelineKind::Rm, "rm", ["loss", "accuracy", "margin"]),
+        (
+            PipelineKind::Dpo,
+            "dpo",
+            ["loss", "reward_margin", "accuracy"],
+        ),
+    ] {
+        let curves = |train: Vec<usize>| {
+            let mut cfg = config(kind, 3);
+            cfg.data.prompts = pairs.display().to_string();
+            cfg.data.prompts_per_step = 8;
+            cfg.algorithm.lr = 1e-3;
+            cfg.algorithm.warmup_steps = 0;
+            cfg.placement.workers = 3;
+            cfg.placement.train = train.clone();
+            let dir = tmp.path().join(format!("{}-{}", stage, train.len()));
+            run(kind, cfg, &dir, false);
+            names.map(|name| metric(&dir, stage, name))
+        };
+        let (one, two) = (curves(vec![1]), curves(vec![1, 2]));
+        for (name, (a, b)) in names.iter().zip(one.iter().zip(&two)) {
+            assert_eq!(a.len(), 3, "{stage} {name}");
+            assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+            for (step, x) in a {
+                assert!(
+                    (x - b[step]).abs() <= 1e-4 * x.abs().max(1e-2),
+                    "{stage} {name} at step {step}: {x} vs {}",
+                    b[step]
+                );
+            }
+        }
+    }
 
     for loss_kind in ["dpo", "ipo"] {
         let mut cfg = config(PipelineKind::Dpo, 6);

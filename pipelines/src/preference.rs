@@ -15,6 +15,7 @@ use crate::{PipelineError, RunConfig};
 /// actor's checkpoint with a fresh one-output score head.
 pub fn rm(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError> {
     let (c, x) = (cfg.clone(), ctx.clone());
+    let group = roles::data_parallel_group(cfg);
     Ok(Pipeline::new("rm")
         .source(ROLLOUT, roles::preference_pairs(cfg, ctx))
         .stage("rm", TRAIN, Partition::RoundRobin, move |w| {
@@ -27,6 +28,9 @@ pub fn rm(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError> 
             let tok = Tokenizer::load(Path::new(&c.model.path))?;
             let mut trainer = RewardTrainer::new(model, tok, pair_config(&c))?
                 .with_checkpoints(x.checkpoint_plan(&c));
+            if let Some(group) = &group {
+                trainer = trainer.with_data_parallel(group.member(w.rank))?;
+            }
             x.restore_optimizer("actor", trainer.optimizer_mut())?;
             Ok(trainer)
         })
@@ -37,6 +41,7 @@ pub fn rm(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError> 
 /// `model.reference` (default: the actor's starting checkpoint).
 pub fn dpo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError> {
     let (c, x) = (cfg.clone(), ctx.clone());
+    let group = roles::data_parallel_group(cfg);
     Ok(Pipeline::new("dpo")
         .source(ROLLOUT, roles::preference_pairs(cfg, ctx))
         .stage("dpo", TRAIN, Partition::RoundRobin, move |w| {
@@ -59,6 +64,9 @@ pub fn dpo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
             let mut trainer =
                 DpoTrainer::new(policy, reference, tok, pair_config(&c), a.beta, loss)?
                     .with_checkpoints(x.checkpoint_plan(&c));
+            if let Some(group) = &group {
+                trainer = trainer.with_data_parallel(group.member(w.rank))?;
+            }
             x.restore_optimizer("actor", trainer.optimizer_mut())?;
             Ok(trainer)
         })

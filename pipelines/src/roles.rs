@@ -2,6 +2,7 @@
 //! and a stage factory per role, built from the config.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tch::Kind;
@@ -358,6 +359,12 @@ pub fn schedule(cfg: &RunConfig) -> LrSchedule {
     }
 }
 
+/// With several train workers, the group their trainers join as data-parallel ranks.
+pub fn data_parallel_group(cfg: &RunConfig) -> Option<Arc<HostGroup>> {
+    let ranks = cfg.placement.train.len();
+    (ranks > 1).then(|| HostGroup::new(ranks))
+}
+
 /// The actor's learner, restoring its optimizer on resume and saving checkpoints.
 pub fn learner(
     cfg: &RunConfig,
@@ -365,14 +372,13 @@ pub fn learner(
     kl_in_loss: bool,
 ) -> impl Fn(&WorkerInfo) -> Result<Learner, StageError> + Send + Sync + 'static {
     let (cfg, ctx) = (cfg.clone(), ctx.clone());
-    // Several train workers: data-parallel ranks of one learner.
-    let group = (cfg.placement.train.len() > 1).then(|| HostGroup::new(cfg.placement.train.len()));
+    let group = data_parallel_group(&cfg);
     move |w| {
         let model = load(&cfg, &ctx.actor, w)?;
         let mut learner = Learner::new(model, learner_config(&cfg, kl_in_loss))?
             .with_checkpoints(ctx.checkpoint_plan(&cfg));
         if let Some(group) = &group {
-            learner = learner.with_data_parallel(group.member(w.rank));
+            learner = learner.with_data_parallel(group.member(w.rank))?;
         }
         ctx.restore_optimizer("actor", learner.optimizer_mut())?;
         Ok(learner)

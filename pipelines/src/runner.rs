@@ -167,18 +167,17 @@ pub fn run(req: &RunRequest) -> Result<RunOutcome, PipelineError> {
     if train.len() > 1 {
         // Data-parallel trainers: each trains on its share of every step.
         let why = match kind {
-            PipelineKind::Grpo | PipelineKind::DrGrpo | PipelineKind::Rloo | PipelineKind::Sft => {
-                None
-            }
-            PipelineKind::Rm | PipelineKind::Dpo => Some("it trains on exactly one worker"),
             PipelineKind::Ppo => Some(
                 "it normalises over the whole step (whitening), and its critic trains on one worker",
             ),
-            _ => Some("it normalises over the whole step (whitening), so it trains on exactly one worker"),
+            PipelineKind::ReinforcePp | PipelineKind::ReinforcePpBaseline => Some(
+                "it normalises over the whole step (whitening), so it trains on exactly one worker",
+            ),
+            _ => None,
         };
         if let Some(why) = why {
             return Err(format!(
-                "`placement.train` = {train:?}: {} {why}; data-parallel trainers are for grpo, dr_grpo, rloo and sft",
+                "`placement.train` = {train:?}: {} {why}; data-parallel trainers are for grpo, dr_grpo, rloo, sft, rm and dpo",
                 kind.name()
             )
             .into());

@@ -3,7 +3,6 @@
 
 use std::path::Path;
 
-use weir_gpu::collective::HostGroup;
 use weir_gpu::Tokenizer;
 use weir_graph::{Partition, Pipeline};
 use weir_operators::stages::sft::{SftConfig, SftTrainer};
@@ -14,8 +13,7 @@ use crate::{PipelineError, RunConfig};
 /// SFT on `data.label_column` (the target text; the end-of-turn token is appended).
 pub fn sft(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError> {
     let (c, x) = (cfg.clone(), ctx.clone());
-    // Several train workers: data-parallel ranks of one trainer.
-    let group = (cfg.placement.train.len() > 1).then(|| HostGroup::new(cfg.placement.train.len()));
+    let group = roles::data_parallel_group(cfg);
     Ok(Pipeline::new("sft")
         .source(ROLLOUT, roles::prompts(cfg, ctx, 1))
         .stage("sft", TRAIN, Partition::RoundRobin, move |w| {
@@ -32,7 +30,7 @@ pub fn sft(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
             let mut trainer = SftTrainer::new(model, tok, &c.data.label_column, config)?
                 .with_checkpoints(x.checkpoint_plan(&c));
             if let Some(group) = &group {
-                trainer = trainer.with_data_parallel(group.member(w.rank));
+                trainer = trainer.with_data_parallel(group.member(w.rank))?;
             }
             x.restore_optimizer("actor", trainer.optimizer_mut())?;
             Ok(trainer)

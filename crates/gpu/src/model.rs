@@ -48,7 +48,8 @@ impl Model {
     /// A critic: a value on every position. A sequence-classification
     /// checkpoint (a reward model) is loaded as it is; a causal LM gets a
     /// fresh one-output `score` head, initialised N(0, 1/(hidden + 1)) as
-    /// OpenRLHF initialises its value head.
+    /// OpenRLHF initialises its value head, from a fixed seed: the same
+    /// head in every run, process and data-parallel rank.
     pub fn load_critic(dir: &Path, device: Device, kind: Kind) -> Result<Self, ModelError> {
         let mut config = ModelConfig::load(dir)?;
         if config.head == Head::SequenceClassification {
@@ -65,11 +66,12 @@ impl Model {
         config.num_labels = 1;
         let mut model = Model::new(config, device, dir)?;
         let std = 1.0 / (model.config.hidden_size as f64 + 1.0);
-        {
+        if let Some(score) = &mut model.score {
+            let values = seeded_normal(score.ws.numel(), std, 0x5eed);
             let _guard = tch::no_grad_guard();
-            if let Some(score) = &mut model.score {
-                let _ = score.ws.normal_(0.0, std);
-            }
+            score
+                .ws
+                .copy_(&Tensor::from_slice(&values).view(score.ws.size().as_slice()));
         }
         model.load_weights_except(dir, &["score.weight"])?;
         model.vs.set_kind(kind);
@@ -370,4 +372,40 @@ impl Model {
 pub fn default_positions(mask: &Tensor) -> Tensor {
     let positions = mask.cumsum(1, Kind::Int64) - 1;
     positions.masked_fill(&mask.eq(0), 1)
+}
+
+/// `n` draws from N(0, std²), the same for the same `seed` (splitmix64 and
+/// Box–Muller; libtorch's generator is global and shared between threads).
+fn seeded_normal(n: usize, std: f64, seed: u64) -> Vec<f32> {
+    let mut state = seed;
+    let mut uniform = move || {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        // In (0, 1]: the logarithm below stays finite.
+        ((z >> 11) as f64 + 1.0) / (1u64 << 53) as f64
+    };
+    (0..n)
+        .map(|_| {
+            let (u, v) = (uniform(), uniform());
+            ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos() * std) as f32
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn seeded_normal_draws_repeat_and_have_the_asked_spread() {
+        let a = super::seeded_normal(20_000, 0.5, 7);
+        assert_eq!(a, super::seeded_normal(20_000, 0.5, 7));
+        assert_ne!(a, super::seeded_normal(20_000, 0.5, 8));
+        let n = a.len() as f64;
+        let mean = a.iter().map(|&x| x as f64).sum::<f64>() / n;
+        let var = a.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n;
+        assert!(mean.abs() < 0.02, "mean {mean}");
+        assert!((var.sqrt() - 0.5).abs() < 0.02, "std {}", var.sqrt());
+    }
 }

@@ -108,32 +108,20 @@ impl Optimizer {
             // Defines the missing gradients as zeros.
             Tensor::stack(&missing, 0).sum(Kind::Float).backward();
         }
-        let _guard = tch::no_grad_guard();
-        let flat: Vec<Tensor> = self
+        let grads: Vec<Tensor> = self.slots.iter().map(|(_, p, _, _)| p.grad()).collect();
+        all_reduce(member, &grads, true, scalars)
+    }
+
+    /// Gives every rank of a data-parallel group rank 0's parameters, so
+    /// ranks start equal even where a checkpoint leaves a head to a random
+    /// initialisation (a reward model's score head).
+    pub fn share_rank0_parameters(&mut self, member: &GroupMember) -> Result<(), ModelError> {
+        let params: Vec<Tensor> = self
             .slots
             .iter()
-            .map(|(_, p, _, _)| {
-                p.grad()
-                    .to_device(tch::Device::Cpu)
-                    .to_kind(Kind::Float)
-                    .reshape([-1])
-            })
+            .map(|(_, p, _, _)| p.shallow_clone())
             .collect();
-        let values = Vec::<f32>::try_from(&Tensor::cat(&flat, 0))?;
-        let (sums, scalar_sums) = member
-            .all_reduce(values, scalars.to_vec())
-            .map_err(ModelError::Input)?;
-        scalars.copy_from_slice(&scalar_sums);
-        let sums = Tensor::from_slice(&sums);
-        let mut offset = 0;
-        for (_, p, _, _) in &self.slots {
-            let mut g = p.grad();
-            let n = g.numel() as i64;
-            let summed = sums.narrow(0, offset, n).view(g.size().as_slice());
-            g.copy_(&summed.to_kind(g.kind()).to_device(g.device()));
-            offset += n;
-        }
-        Ok(())
+        all_reduce(member, &params, member.rank() == 0, &mut [])
     }
 
     /// The global L2 norm of the accumulated gradients.
@@ -232,4 +220,45 @@ impl Optimizer {
         self.steps = steps;
         Ok(())
     }
+}
+
+/// Replaces each of `tensors` by its sum over `member`'s group (a rank that
+/// does not `contribute` adds zeros), and `scalars` likewise; float32
+/// through host memory.
+fn all_reduce(
+    member: &GroupMember,
+    tensors: &[Tensor],
+    contribute: bool,
+    scalars: &mut [f64],
+) -> Result<(), ModelError> {
+    let _guard = tch::no_grad_guard();
+    let flat: Vec<Tensor> = tensors
+        .iter()
+        .map(|t| {
+            let t = t
+                .to_device(tch::Device::Cpu)
+                .to_kind(Kind::Float)
+                .reshape([-1]);
+            if contribute {
+                t
+            } else {
+                t.zeros_like()
+            }
+        })
+        .collect();
+    let values = Vec::<f32>::try_from(&Tensor::cat(&flat, 0))?;
+    let (sums, scalar_sums) = member
+        .all_reduce(values, scalars.to_vec())
+        .map_err(ModelError::Input)?;
+    scalars.copy_from_slice(&scalar_sums);
+    let sums = Tensor::from_slice(&sums);
+    let mut offset = 0;
+    for t in tensors {
+        let n = t.numel() as i64;
+        let summed = sums.narrow(0, offset, n).view(t.size().as_slice());
+        t.shallow_clone()
+            .copy_(&summed.to_kind(t.kind()).to_device(t.device()));
+        offset += n;
+    }
+    Ok(())
 }

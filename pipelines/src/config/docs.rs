@@ -11,7 +11,7 @@ pub const DOCS: &[(&str, &str, &str)] = &[
     ("run", "device", "\"cpu\" or \"cuda\"."),
     ("placement", "workers", "Engine workers (threads; one per GPU on a GPU machine)."),
     ("placement", "rollout", "Workers that generate and score."),
-    ("placement", "train", "Workers that run the reference, critic, advantage and learner (may equal rollout: colocation). Several workers (in one process) train as data-parallel ranks of one learner, each on its share of every step's groups, their gradients summed before each optimizer step: grpo, dr_grpo and rloo."),
+    ("placement", "train", "Workers that run the reference, critic, advantage and learner (may equal rollout: colocation). Several workers (in one process) train as data-parallel ranks of one learner, each on its share of every step's groups, their gradients summed before each optimizer step: grpo, dr_grpo, rloo, sft, rm and dpo."),
     ("placement", "reference", "Where the reference model runs: \"train\" (with the learner) or \"rollout\" (beside the generator, to balance a learner-bound step)."),
     ("model", "path", "The actor's HuggingFace checkpoint folder (required)."),
     ("model", "dtype", "Compute dtype: \"f32\", \"bf16\" or \"f16\"."),

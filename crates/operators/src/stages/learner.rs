@@ -173,9 +173,11 @@ impl Learner {
     /// the step's token count over all ranks) before every optimizer step,
     /// so their weights stay equal; rank 0 publishes the weights, saves the
     /// checkpoints and records the metrics, which cover every rank's rows.
-    pub fn with_data_parallel(mut self, member: GroupMember) -> Self {
+    /// Every rank calls this together: they start from rank 0's weights.
+    pub fn with_data_parallel(mut self, member: GroupMember) -> Result<Self, StageError> {
+        self.optimizer.share_rank0_parameters(&member)?;
         self.data_parallel = Some(member);
-        self
+        Ok(self)
     }
 
     /// Saves checkpoints as `plan` says.
@@ -585,8 +587,9 @@ mod tests {
             .into_iter()
             .enumerate()
             .map(|(rank, rows)| {
-                let mut l = learner().with_data_parallel(group.member(rank));
+                let (l, member) = (learner(), group.member(rank));
                 std::thread::spawn(move || {
+                    let mut l = l.with_data_parallel(member).unwrap();
                     let stats = l.update_rows(rows.as_ref()).unwrap();
                     let weights: Vec<Vec<f32>> = l
                         .model()

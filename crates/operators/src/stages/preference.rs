@@ -12,6 +12,7 @@
 
 use arrow::array::RecordBatch;
 use tch::{Kind, Tensor};
+use weir_gpu::collective::{leads, sum_scalars, GroupMember};
 use weir_gpu::optim::{AdamWConfig, Optimizer};
 use weir_gpu::{Model, Tokenizer};
 use weir_graph::{StageError, StepBuffer, StepContext, StepStage};
@@ -61,6 +62,8 @@ struct Trainer {
     cfg: PairConfig,
     held: StepBuffer,
     checkpoints: Option<CheckpointPlan>,
+    /// This trainer's rank among data-parallel trainers, if there are several.
+    data_parallel: Option<GroupMember>,
 }
 
 impl Trainer {
@@ -72,20 +75,45 @@ impl Trainer {
             cfg,
             held: StepBuffer::new(),
             checkpoints: None,
+            data_parallel: None,
         })
     }
 
-    /// One optimizer step on `loss`; returns the gradient norm.
-    fn step(&mut self, loss: &Tensor) -> Result<f64, StageError> {
+    /// Whether this step runs: with rows, or as a data-parallel rank (which
+    /// joins the ranks' sums without rows too).
+    fn runs(&self, rows: &Option<RecordBatch>) -> bool {
+        rows.is_some() || self.data_parallel.is_some()
+    }
+
+    /// This step's pairs, and their count over every rank.
+    fn pairs(&self, rows: Option<&RecordBatch>) -> Result<(Option<Pairs>, f64), StageError> {
+        let pairs = rows
+            .map(|b| pairs(b, &self.tokenizer, &self.cfg))
+            .transpose()?;
+        let mut total = [pairs.as_ref().map_or(0, |p| p.prompts.len()) as f64];
+        sum_scalars(self.data_parallel.as_ref(), &mut total)?;
+        Ok((pairs, total[0].max(1.0)))
+    }
+
+    /// One optimizer step on `loss` (this rank's pairs' summed losses over
+    /// the pairs of every rank; none without rows); `sums` (the summed loss
+    /// first, then the statistics) come back summed over the ranks. Returns
+    /// the gradient norm.
+    fn step(&mut self, loss: Option<&Tensor>, sums: &mut [f64]) -> Result<f64, StageError> {
         let lr = self
             .cfg
             .schedule
             .rate(self.cfg.adamw.lr, self.optimizer.steps());
         self.optimizer.set_lr(lr);
         self.optimizer.zero_grad();
-        loss.backward();
+        if let Some(loss) = loss {
+            loss.backward();
+        }
+        if let Some(member) = &self.data_parallel {
+            self.optimizer.all_reduce_gradients(member, sums)?;
+        }
         let norm = self.optimizer.step(self.cfg.max_grad_norm);
-        let value = loss.double_value(&[]);
+        let value = sums[0];
         if !value.is_finite() || !norm.is_finite() {
             return Err(
                 format!("the loss ({value}) or gradient norm ({norm}) is not finite").into(),
@@ -94,7 +122,11 @@ impl Trainer {
         Ok(norm)
     }
 
+    /// Records the step's metrics and saves a due checkpoint (rank 0 of data-parallel ranks).
     fn finish(&self, ctx: &mut StepContext, metrics: &[(&str, f64)]) -> Result<(), StageError> {
+        if !leads(self.data_parallel.as_ref()) {
+            return Ok(());
+        }
         for (name, value) in metrics {
             ctx.record(name, *value);
         }
@@ -103,6 +135,11 @@ impl Trainer {
         }
         Ok(())
     }
+}
+
+/// The summed value of a scalar tensor, or 0 without one.
+fn value(t: Option<&Tensor>) -> f64 {
+    t.map_or(0.0, |t| t.double_value(&[]))
 }
 
 /// Scores at the last token of each `prompt ++ response` row, `[B]`.
@@ -154,6 +191,13 @@ impl RewardTrainer {
     pub fn optimizer_mut(&mut self) -> &mut Optimizer {
         &mut self.0.optimizer
     }
+
+    /// Trains as one rank of data-parallel trainers (see `Learner::with_data_parallel`).
+    pub fn with_data_parallel(mut self, member: GroupMember) -> Result<Self, StageError> {
+        self.0.optimizer.share_rank0_parameters(&member)?;
+        self.0.data_parallel = Some(member);
+        Ok(self)
+    }
 }
 
 impl StepStage for RewardTrainer {
@@ -166,32 +210,37 @@ impl StepStage for RewardTrainer {
         ctx: &mut StepContext,
         rows: Option<RecordBatch>,
     ) -> Result<Vec<RecordBatch>, StageError> {
-        let Some(batch) = rows else {
-            return Ok(Vec::new());
-        };
         let t = &mut self.0;
-        let p = pairs(&batch, &t.tokenizer, &t.cfg)?;
-        let chosen = last_token_scores(&t.model, &p.prompts, &p.chosen)?;
-        let rejected = last_token_scores(&t.model, &p.prompts, &p.rejected)?;
-        let margin = &chosen - &rejected;
-        let loss = -margin.log_sigmoid().mean(Kind::Float);
-        let accuracy = margin
-            .gt(0.0)
-            .to_kind(Kind::Float)
-            .mean(Kind::Float)
-            .double_value(&[]);
-        let mean_margin = margin.mean(Kind::Float).double_value(&[]);
+        if !t.runs(&rows) {
+            return Ok(Vec::new());
+        }
+        let (p, total) = t.pairs(rows.as_ref())?;
+        // Sums over this rank's pairs, each divided by every rank's pair count.
+        let (mut loss, mut correct, mut margins) = (None, None, None);
+        if let Some(p) = &p {
+            let chosen = last_token_scores(&t.model, &p.prompts, &p.chosen)?;
+            let rejected = last_token_scores(&t.model, &p.prompts, &p.rejected)?;
+            let margin = &chosen - &rejected;
+            loss = Some(-margin.log_sigmoid().sum(Kind::Float) / total);
+            correct = Some(margin.gt(0.0).to_kind(Kind::Float).sum(Kind::Float) / total);
+            margins = Some(margin.detach().sum(Kind::Float) / total);
+        }
+        let mut sums = [
+            value(loss.as_ref()),
+            value(correct.as_ref()),
+            value(margins.as_ref()),
+        ];
         let norm = t
-            .step(&loss)
+            .step(loss.as_ref(), &mut sums)
             .map_err(|e| format!("step {}: {e}", ctx.step))?;
         let metrics = [
-            ("loss", loss.double_value(&[])),
-            ("accuracy", accuracy),
-            ("margin", mean_margin),
+            ("loss", sums[0]),
+            ("accuracy", sums[1]),
+            ("margin", sums[2]),
             ("grad_norm", norm),
         ];
         t.finish(ctx, &metrics)?;
-        Ok(vec![batch])
+        Ok(rows.into_iter().collect())
     }
 }
 
@@ -266,6 +315,13 @@ impl DpoTrainer {
     pub fn optimizer_mut(&mut self) -> &mut Optimizer {
         &mut self.trainer.optimizer
     }
+
+    /// Trains as one rank of data-parallel trainers (see `Learner::with_data_parallel`).
+    pub fn with_data_parallel(mut self, member: GroupMember) -> Result<Self, StageError> {
+        self.trainer.optimizer.share_rank0_parameters(&member)?;
+        self.trainer.data_parallel = Some(member);
+        Ok(self)
+    }
 }
 
 impl StepStage for DpoTrainer {
@@ -278,36 +334,48 @@ impl StepStage for DpoTrainer {
         ctx: &mut StepContext,
         rows: Option<RecordBatch>,
     ) -> Result<Vec<RecordBatch>, StageError> {
-        let Some(batch) = rows else {
-            return Ok(Vec::new());
-        };
         let t = &mut self.trainer;
-        let p = pairs(&batch, &t.tokenizer, &t.cfg)?;
-        let (ref_c, ref_r) = {
-            let _guard = tch::no_grad_guard();
-            (
-                sequence_logprobs(&self.reference, &p.prompts, &p.chosen)?,
-                sequence_logprobs(&self.reference, &p.prompts, &p.rejected)?,
-            )
-        };
-        let chosen = sequence_logprobs(&t.model, &p.prompts, &p.chosen)? - ref_c;
-        let rejected = sequence_logprobs(&t.model, &p.prompts, &p.rejected)? - ref_r;
-        let h = &chosen - &rejected;
-        let loss = preference_loss(&h, self.beta, self.loss).mean(Kind::Float);
-        let mean = |x: &Tensor| x.mean(Kind::Float).double_value(&[]);
-        let metrics_before = [
-            ("reward_margin", self.beta * mean(&h)),
-            ("reward_chosen", self.beta * mean(&chosen)),
-            ("reward_rejected", self.beta * mean(&rejected)),
-            ("accuracy", mean(&h.gt(0.0).to_kind(Kind::Float))),
-        ];
+        if !t.runs(&rows) {
+            return Ok(Vec::new());
+        }
+        let (p, total) = t.pairs(rows.as_ref())?;
+        // Sums over this rank's pairs, each divided by every rank's pair count.
+        let mut loss = None;
+        let mut stats = [0.0; 4];
+        if let Some(p) = &p {
+            let (ref_c, ref_r) = {
+                let _guard = tch::no_grad_guard();
+                (
+                    sequence_logprobs(&self.reference, &p.prompts, &p.chosen)?,
+                    sequence_logprobs(&self.reference, &p.prompts, &p.rejected)?,
+                )
+            };
+            let chosen = sequence_logprobs(&t.model, &p.prompts, &p.chosen)? - ref_c;
+            let rejected = sequence_logprobs(&t.model, &p.prompts, &p.rejected)? - ref_r;
+            let h = &chosen - &rejected;
+            let share = |x: &Tensor| x.sum(Kind::Float).double_value(&[]) / total;
+            stats = [
+                self.beta * share(&h),
+                self.beta * share(&chosen),
+                self.beta * share(&rejected),
+                share(&h.gt(0.0).to_kind(Kind::Float)),
+            ];
+            loss = Some(preference_loss(&h, self.beta, self.loss).sum(Kind::Float) / total);
+        }
+        let mut sums = [value(loss.as_ref()), stats[0], stats[1], stats[2], stats[3]];
         let norm = t
-            .step(&loss)
+            .step(loss.as_ref(), &mut sums)
             .map_err(|e| format!("step {}: {e}", ctx.step))?;
-        let mut metrics = vec![("loss", loss.double_value(&[])), ("grad_norm", norm)];
-        metrics.extend(metrics_before);
+        let metrics = [
+            ("loss", sums[0]),
+            ("grad_norm", norm),
+            ("reward_margin", sums[1]),
+            ("reward_chosen", sums[2]),
+            ("reward_rejected", sums[3]),
+            ("accuracy", sums[4]),
+        ];
         t.finish(ctx, &metrics)?;
-        Ok(vec![batch])
+        Ok(rows.into_iter().collect())
     }
 }
 

@@ -72,10 +72,12 @@ impl SftTrainer {
     /// share of a step's rows, the ranks sum their gradients (weighted by
     /// the step's target tokens over all ranks) before the optimizer step,
     /// so their weights stay equal; rank 0 saves the checkpoints and
-    /// records the metrics.
-    pub fn with_data_parallel(mut self, member: GroupMember) -> Self {
+    /// records the metrics. Every rank calls this together: they start from
+    /// rank 0's weights.
+    pub fn with_data_parallel(mut self, member: GroupMember) -> Result<Self, StageError> {
+        self.optimizer.share_rank0_parameters(&member)?;
         self.data_parallel = Some(member);
-        self
+        Ok(self)
     }
 
     /// Saves checkpoints as `plan` says.
