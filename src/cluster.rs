@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use weir_pipelines::runner::Cluster;
+use weir_pipelines::placement::Cluster;
 
 /// `--processes`, `--process-id`, `--hostfile`, `--peer-timeout-s`, `--connect-timeout-s`.
 #[derive(Clone, Debug, PartialEq, clap::Args)]

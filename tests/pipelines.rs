@@ -31,17 +31,46 @@ fn config(kind: PipelineKind, steps: u64) -> RunConfig {
     c
 }
 
-fn run(kind: PipelineKind, cfg: RunConfig, dir: &Path, resume: bool) -> serde_json::Value {
-    weir::pipelines::run(&RunRequest {
+fn request(kind: PipelineKind, cfg: RunConfig, dir: &Path, resume: bool) -> RunRequest {
+    RunRequest {
         pipeline: kind,
         config: cfg,
         run_dir: dir.to_path_buf(),
         resume,
         progress: false,
         cluster: Default::default(),
-    })
-    .unwrap_or_else(|e| panic!("{}: {e}", kind.name()))
-    .summary
+    }
+}
+
+fn run(kind: PipelineKind, cfg: RunConfig, dir: &Path, resume: bool) -> serde_json::Value {
+    weir::pipelines::run(&request(kind, cfg, dir, resume))
+        .unwrap_or_else(|e| panic!("{}: {e}", kind.name()))
+        .summary
+}
+
+/// The error of a run that must fail.
+fn run_err(kind: PipelineKind, cfg: RunConfig, dir: &Path) -> String {
+    weir::pipelines::run(&request(kind, cfg, dir, false))
+        .unwrap_err()
+        .to_string()
+}
+
+/// Asserts that two per-step curves cover `steps` steps and agree within
+/// 1e-4 relative (1e-6 absolute near zero).
+fn assert_curves_match(a: &BTreeMap<u64, f64>, b: &BTreeMap<u64, f64>, steps: usize, what: &str) {
+    assert_eq!(a.len(), steps, "{what}: {a:?}");
+    assert_eq!(
+        a.keys().collect::<Vec<_>>(),
+        b.keys().collect::<Vec<_>>(),
+        "{what}"
+    );
+    for (step, x) in a {
+        let y = b[step];
+        assert!(
+            (x - y).abs() <= 1e-4 * x.abs().max(1e-2),
+            "{what} at step {step}: {x} vs {y}"
+        );
+    }
 }
 
 fn u64s(b: &RecordBatch, name: &str) -> Vec<u64> {
@@ -368,15 +397,12 @@ fn data_parallel_learners_train_like_one() {
     );
     for name in ["loss", "grad_norm", "kl", "reward"] {
         let (a, b) = (metric(&one, "learn", name), metric(&two, "learn", name));
-        assert_eq!(a.len(), 3, "{name}");
-        assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
-        for (step, x) in &a {
-            let y = b[step];
-            assert!(
-                (x - y).abs() <= 1e-4 * x.abs().max(1e-2),
-                "{name} at step {step}: one learner {x}, two ranks {y}"
-            );
-        }
+        assert_curves_match(
+            &a,
+            &b,
+            3,
+            &format!("learn {name}, one learner vs two ranks"),
+        );
     }
 
     // One group per step: a rank with no rows still ends every step with the other.
@@ -400,15 +426,7 @@ fn data_parallel_learners_train_like_one() {
         sft(vec![1], &tmp.path().join("sft-one")),
         sft(vec![1, 2], &tmp.path().join("sft-two")),
     );
-    assert_eq!(a.len(), 3);
-    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
-    for (step, x) in &a {
-        assert!(
-            (x - b[step]).abs() <= 1e-4 * x.abs(),
-            "sft loss at step {step}: {x} vs {}",
-            b[step]
-        );
-    }
+    assert_curves_match(&a, &b, 3, "sft loss, one trainer vs two ranks");
 
     // Placements the ranks cannot serve are refused up front.
     for (kind, change, needle) in [
@@ -420,16 +438,7 @@ fn data_parallel_learners_train_like_one() {
         if change.is_some() {
             bad.dynamic_sampling.enabled = true;
         }
-        let err = weir::pipelines::run(&RunRequest {
-            pipeline: kind,
-            config: bad,
-            run_dir: tmp.path().join("refused"),
-            resume: false,
-            progress: false,
-            cluster: Default::default(),
-        })
-        .unwrap_err()
-        .to_string();
+        let err = run_err(kind, bad, &tmp.path().join("refused"));
         assert!(
             err.contains("placement.train") && err.contains(needle),
             "{err}"
@@ -444,16 +453,7 @@ fn bad_configs_fail_before_anything_runs() {
     let dir = tmp.path().join("run");
     let mut cfg = config(PipelineKind::Grpo, 1);
     cfg.model.path = tmp.path().join("missing").display().to_string();
-    let err = weir::pipelines::run(&RunRequest {
-        pipeline: PipelineKind::Grpo,
-        config: cfg,
-        run_dir: dir.clone(),
-        resume: false,
-        progress: false,
-        cluster: Default::default(),
-    })
-    .unwrap_err()
-    .to_string();
+    let err = run_err(PipelineKind::Grpo, cfg, &dir);
     assert!(
         err.contains("model.path") && err.contains("missing"),
         "{err}"
@@ -463,16 +463,7 @@ fn bad_configs_fail_before_anything_runs() {
     // An existing run is never overwritten.
     let ok = config(PipelineKind::Sft, 1);
     run(PipelineKind::Sft, ok.clone(), &dir, false);
-    let err = weir::pipelines::run(&RunRequest {
-        pipeline: PipelineKind::Sft,
-        config: ok,
-        run_dir: dir.clone(),
-        resume: false,
-        progress: false,
-        cluster: Default::default(),
-    })
-    .unwrap_err()
-    .to_string();
+    let err = run_err(PipelineKind::Sft, ok, &dir);
     assert!(
         err.contains("already holds a run") && err.contains("--resume"),
         "{err}"
@@ -545,15 +536,12 @@ fn rm_learns_its_pairs_and_dpo_grows_the_margin() {
         };
         let (one, two) = (curves(vec![1]), curves(vec![1, 2]));
         for (name, (a, b)) in names.iter().zip(one.iter().zip(&two)) {
-            assert_eq!(a.len(), 3, "{stage} {name}");
-            assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
-            for (step, x) in a {
-                assert!(
-                    (x - b[step]).abs() <= 1e-4 * x.abs().max(1e-2),
-                    "{stage} {name} at step {step}: {x} vs {}",
-                    b[step]
-                );
-            }
+            assert_curves_match(
+                a,
+                b,
+                3,
+                &format!("{stage} {name}, one trainer vs two ranks"),
+            );
         }
     }
 

@@ -11,6 +11,7 @@
 //! resumes one.
 
 pub mod config;
+pub mod placement;
 pub mod preference;
 pub mod progress;
 pub mod rl;

@@ -18,17 +18,12 @@
 //! produces again) move to `rollouts/superseded/`. Without a checkpoint the
 //! run starts again from step 0, with everything it wrote kept aside.
 //!
-//! A run may span several processes ([`Cluster`], timely's cluster mode):
-//! each is started with the same config and its own id, and the run folder
-//! must be one that every process sees (a shared filesystem, as checkpoints
-//! need on any multi-node trainer). `placement.workers` counts the workers of
-//! all processes; process `p` runs workers `p·t .. (p+1)·t` with `t =
-//! workers / processes`. Process 0 writes the resolved config, the metrics,
-//! the evaluation and the summary, and sets a resumed folder in order; every
-//! process writes the rollouts and checkpoints of its own workers.
+//! A run may span several processes ([`Cluster`], see `placement.rs`).
+//! Process 0 writes the resolved config, the metrics, the evaluation and the
+//! summary, and sets a resumed folder in order; every process writes the
+//! rollouts and checkpoints of its own workers.
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use arrow::array::{AsArray, BooleanArray};
 use arrow::compute::filter_record_batch;
@@ -36,13 +31,14 @@ use arrow::datatypes::UInt64Type;
 use serde_json::{json, Value};
 use weir_graph::metrics::{batch_to_rows, MetricRow};
 use weir_graph::parquet_log::{read_parquet_file, write_parquet_atomically};
-use weir_graph::{Execution, Placement, RunReport, RunSettings, WorkerInfo};
+use weir_graph::{Placement, RunReport, RunSettings};
 use weir_operators::checkpoint::latest;
 use weir_operators::rewards::arith;
 use weir_operators::rollout::col;
 use weir_operators::stages::prompt_stats::StatsView;
 use weir_operators::stages::prompts::CursorLog;
 
+use crate::placement::Cluster;
 use crate::roles::{RunContext, ROLLOUT, TRAIN};
 use crate::{preference, rl, sft, PipelineError, PipelineKind, RunConfig};
 
@@ -61,48 +57,6 @@ pub struct RunRequest {
     pub progress: bool,
     /// The processes of the run (one by default).
     pub cluster: Cluster,
-}
-
-/// The processes of a run: one (the default), or several in timely's
-/// cluster mode, each started with the same config and its own id.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Cluster {
-    /// Processes in the run.
-    pub processes: usize,
-    /// This process's id, `0..processes`.
-    pub process: usize,
-    /// `host:port` of every process, one per line in process-id order
-    /// (default: `localhost:2101`, `2102`, …).
-    pub hostfile: Option<PathBuf>,
-    /// How long a silent peer is tolerated during the run.
-    pub peer_timeout: Duration,
-    /// How long start-up waits for every peer to connect.
-    pub connect_timeout: Duration,
-}
-
-impl Default for Cluster {
-    fn default() -> Self {
-        Cluster {
-            processes: 1,
-            process: 0,
-            hostfile: None,
-            peer_timeout: Duration::from_secs(60),
-            connect_timeout: Duration::from_secs(120),
-        }
-    }
-}
-
-impl Cluster {
-    /// Process 0 writes what concerns the whole run (config, metrics, summary).
-    pub fn is_leader(&self) -> bool {
-        self.process == 0
-    }
-
-    /// This process's workers when the run has `workers` in all.
-    fn local_workers(&self, workers: usize) -> std::ops::Range<usize> {
-        let threads = workers / self.processes.max(1);
-        self.process * threads..(self.process + 1) * threads
-    }
 }
 
 /// What a run produced.
@@ -163,44 +117,9 @@ pub fn run(req: &RunRequest) -> Result<RunOutcome, PipelineError> {
             .into());
         }
     }
-    let train = &cfg.placement.train;
-    if train.len() > 1 {
-        // Data-parallel trainers: each trains on its share of every step.
-        let why = match kind {
-            PipelineKind::Ppo => Some(
-                "it normalises over the whole step (whitening), and its critic trains on one worker",
-            ),
-            PipelineKind::ReinforcePp | PipelineKind::ReinforcePpBaseline => Some(
-                "it normalises over the whole step (whitening), so it trains on exactly one worker",
-            ),
-            _ => None,
-        };
-        if let Some(why) = why {
-            return Err(format!(
-                "`placement.train` = {train:?}: {} {why}; data-parallel trainers are for grpo, dr_grpo, rloo, sft, rm and dpo",
-                kind.name()
-            )
-            .into());
-        }
-        if cfg.dynamic_sampling.enabled {
-            return Err(format!(
-                "`placement.train` = {train:?}: dynamic sampling fills a step's quota on one worker; use one train worker with `dynamic_sampling.enabled`"
-            )
-            .into());
-        }
-        let threads = (cfg.placement.workers / req.cluster.processes.max(1)).max(1);
-        let process = train[0] / threads;
-        if train.iter().any(|w| w / threads != process) {
-            return Err(format!(
-                "`placement.train` = {train:?}: data-parallel trainers sum their gradients in host memory, so they must share one process (process {process} runs workers {}..{})",
-                process * threads,
-                (process + 1) * threads
-            )
-            .into());
-        }
-    }
+    crate::placement::check_data_parallel(kind, cfg, &req.cluster)?;
     let cluster = &req.cluster;
-    let execution = execution(cfg, cluster)?;
+    let execution = crate::placement::execution(cfg, cluster)?;
     let leader = cluster.is_leader();
     let resolved = dir.join(RESOLVED);
     if leader && !req.resume && resolved.exists() {
@@ -261,7 +180,7 @@ pub fn run(req: &RunRequest) -> Result<RunOutcome, PipelineError> {
     let hosts = |set: &[usize]| set.iter().any(|w| local.contains(w));
     if hosts(&cfg.placement.train) && !hosts(&cfg.placement.rollout) {
         // Checkpoints are written here, but the prompts are drawn elsewhere.
-        ctx.cursors = derived_cursors(kind, cfg, &ctx, cluster)?;
+        ctx.cursors = crate::placement::derived_cursors(kind, cfg, &ctx, cluster)?;
     }
 
     let started = std::time::Instant::now();
@@ -428,61 +347,6 @@ fn summarize(
         "eval_samples_after": after.map(|a| a.1),
         "final_checkpoint": final_actor.display().to_string(),
     })
-}
-
-/// The engine's execution for `cluster`: `placement.workers` split evenly over the processes.
-fn execution(cfg: &RunConfig, cluster: &Cluster) -> Result<Execution, PipelineError> {
-    let workers = cfg.placement.workers;
-    if cluster.processes == 0 || !workers.is_multiple_of(cluster.processes) {
-        return Err(format!(
-            "`placement.workers` = {workers} does not split evenly over {} processes \
-             (each process runs placement.workers / processes workers)",
-            cluster.processes
-        )
-        .into());
-    }
-    Ok(Execution::cluster(
-        workers / cluster.processes,
-        cluster.processes,
-        cluster.process,
-        cluster.hostfile.as_deref(),
-    )?)
-}
-
-/// The prompt cursors of a process that trains but draws no prompts: derived
-/// from where the segment starts, which holds when nothing is skipped.
-fn derived_cursors(
-    kind: PipelineKind,
-    cfg: &RunConfig,
-    ctx: &RunContext,
-    cluster: &Cluster,
-) -> Result<CursorLog, PipelineError> {
-    if cfg.curriculum.enabled {
-        return Err(format!(
-            "`curriculum.enabled`: process {} trains but hosts no `placement.rollout` worker, \
-             so it cannot know which prompts the curriculum skipped; place a rollout worker \
-             beside the learner, or turn the curriculum off",
-            cluster.process
-        )
-        .into());
-    }
-    let probe = WorkerInfo {
-        index: 0,
-        peers: 1,
-        process: cluster.process,
-        rank: 0,
-        role_size: 1,
-    };
-    let source = match kind {
-        PipelineKind::Rm | PipelineKind::Dpo => crate::roles::preference_pairs(cfg, ctx)(&probe)?,
-        _ => crate::roles::prompts(cfg, ctx, 1)(&probe)?,
-    };
-    Ok(CursorLog::derived(
-        ctx.first_step,
-        ctx.cursor.unwrap_or_default(),
-        cfg.data.prompts_per_step,
-        source.rows().len(),
-    ))
 }
 
 fn rows_this_segment(report: &RunReport, trainer: &str, first_step: u64) -> f64 {

@@ -1,0 +1,220 @@
+//! The learner's tests: entropy bonus, shared prompts and gradient
+//! checkpointing, data-parallel ranks, schedules.
+
+use super::*;
+use crate::stages::columns::{float_list_array, token_list_array};
+
+fn entropy_after_two_updates(coef: f64) -> (f64, f64) {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../../shared/fixtures/models/tiny-llama");
+    let model = Model::load(&dir, weir_gpu::Device::Cpu, Kind::Float).unwrap();
+    let mut cfg = LearnerConfig {
+        entropy_coef: coef,
+        ..LearnerConfig::default()
+    };
+    cfg.adamw.lr = 1e-2;
+    cfg.adamw.weight_decay = 0.0;
+    let mut learner = Learner::new(model, cfg).unwrap();
+    let responses = vec![vec![5i64, 6, 7], vec![8, 9]];
+    let zeros: Vec<Vec<f64>> = responses.iter().map(|r| vec![0.0; r.len()]).collect();
+    let batch = RecordBatch::try_from_iter([
+        (
+            col::PROMPT_TOKENS,
+            token_list_array(&[vec![1, 2], vec![1, 3, 4]]),
+        ),
+        (col::RESPONSE_TOKENS, token_list_array(&responses)),
+        (col::ADVANTAGES, float_list_array(&zeros)),
+        (col::BEHAVIOR_LOGPROBS, float_list_array(&zeros)),
+    ])
+    .unwrap();
+    let first = learner.update(&batch).unwrap();
+    let second = learner.update(&batch).unwrap();
+    assert!(first.loss.is_finite() && first.entropy > 0.0);
+    (first.entropy, second.entropy)
+}
+
+#[test]
+fn the_entropy_bonus_moves_entropy_its_way() {
+    // Zero advantages: the policy term has no gradient; only the bonus moves the weights.
+    let (before, up) = entropy_after_two_updates(0.5);
+    let (same, down) = entropy_after_two_updates(-0.5);
+    assert_eq!(
+        before, same,
+        "the entropy before any update does not depend on the coefficient"
+    );
+    assert!(up > before + 1e-4, "{before} → {up}");
+    assert!(down < before - 1e-4, "{before} → {down}");
+}
+
+#[test]
+fn shared_prompts_and_gradient_checkpointing_give_the_same_updates() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../../shared/fixtures/models/tiny-qwen2");
+    let responses = vec![vec![5i64, 6, 7], vec![8, 9], vec![10]];
+    let advantages = vec![vec![1.0; 3], vec![-0.5; 2], vec![0.25]];
+    let behaviour: Vec<Vec<f64>> = responses.iter().map(|r| vec![-2.0; r.len()]).collect();
+    let batch = RecordBatch::try_from_iter([
+        (
+            col::PROMPT_TOKENS,
+            // A repeated prompt: the plain pass runs it once
+            // (`Model::response_logits`), the checkpointed one per row.
+            token_list_array(&[vec![1, 2], vec![1, 3, 4], vec![1, 2]]),
+        ),
+        (col::RESPONSE_TOKENS, token_list_array(&responses)),
+        (col::ADVANTAGES, float_list_array(&advantages)),
+        (col::BEHAVIOR_LOGPROBS, float_list_array(&behaviour)),
+    ])
+    .unwrap();
+    let run = |checkpointed: bool| {
+        let model = Model::load(&dir, weir_gpu::Device::Cpu, Kind::Float).unwrap();
+        let mut cfg = LearnerConfig {
+            entropy_coef: 0.1,
+            micro_batch: 2,
+            ppo_epochs: 2,
+            gradient_checkpointing: checkpointed,
+            ..LearnerConfig::default()
+        };
+        cfg.adamw.lr = 1e-2;
+        let mut learner = Learner::new(model, cfg).unwrap();
+        let stats = learner.update(&batch).unwrap();
+        (stats, learner.model().named_tensors())
+    };
+    let (plain, plain_weights) = run(false);
+    let (checkpointed, weights) = run(true);
+    assert!(plain.grad_norm > 0.0);
+    for (a, b) in [
+        (plain.loss, checkpointed.loss),
+        (plain.grad_norm, checkpointed.grad_norm),
+        (plain.entropy, checkpointed.entropy),
+    ] {
+        assert!((a - b).abs() < 1e-5 * a.abs().max(1.0), "{a} vs {b}");
+    }
+    // Adam scales every step to ~lr whatever the gradient's size, so
+    // rounding-level gradients (a key bias's is 0 up to rounding: softmax
+    // ignores a shift shared by all keys) move by rounding-level amounts
+    // of lr; a wrong gradient would move weights by ~lr = 1e-2.
+    for ((name, a), (_, b)) in plain_weights.iter().zip(&weights) {
+        let d = (a - b).abs().max().double_value(&[]);
+        assert!(d < 1e-4, "{name} differs by {d:e} after the update");
+    }
+}
+
+#[test]
+fn data_parallel_ranks_train_like_one_learner_on_all_rows() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../../shared/fixtures/models/tiny-llama");
+    let responses = vec![vec![5i64, 6, 7], vec![8, 9], vec![10], vec![11, 12, 13, 14]];
+    let advantages = vec![vec![1.0; 3], vec![-0.5; 2], vec![0.25], vec![-1.0; 4]];
+    let behaviour: Vec<Vec<f64>> = responses.iter().map(|r| vec![-2.0; r.len()]).collect();
+    let reference: Vec<Vec<f64>> = responses.iter().map(|r| vec![-1.5; r.len()]).collect();
+    let batch = RecordBatch::try_from_iter([
+        (
+            col::PROMPT_TOKENS,
+            token_list_array(&[vec![1, 2], vec![1, 3, 4], vec![1, 2], vec![7]]),
+        ),
+        (col::RESPONSE_TOKENS, token_list_array(&responses)),
+        (col::ADVANTAGES, float_list_array(&advantages)),
+        (col::BEHAVIOR_LOGPROBS, float_list_array(&behaviour)),
+        (col::REF_LOGPROBS, float_list_array(&reference)),
+        (
+            col::REWARD,
+            std::sync::Arc::new(arrow::array::Float32Array::from(vec![1.0, 0.0, 0.5, 0.25]))
+                as arrow::array::ArrayRef,
+        ),
+    ])
+    .unwrap();
+    let learner = || {
+        let model = Model::load(&dir, weir_gpu::Device::Cpu, Kind::Float).unwrap();
+        let mut cfg = LearnerConfig {
+            entropy_coef: 0.1,
+            kl_coef: 0.05,
+            micro_batch: 2,
+            ppo_epochs: 2,
+            ..LearnerConfig::default()
+        };
+        cfg.policy.aggregation = crate::algorithms::Aggregation::TokenMean;
+        cfg.adamw.lr = 1e-2;
+        Learner::new(model, cfg).unwrap()
+    };
+    let mut one = learner();
+    let alone = one.update(&batch).unwrap();
+    // Rows 0–1 on rank 0, 2–3 on rank 1, none on rank 2.
+    let group = weir_gpu::collective::HostGroup::new(3);
+    let shares = [Some(batch.slice(0, 2)), Some(batch.slice(2, 2)), None];
+    let ranks: Vec<_> = shares
+        .into_iter()
+        .enumerate()
+        .map(|(rank, rows)| {
+            let (l, member) = (learner(), group.member(rank));
+            std::thread::spawn(move || {
+                let mut l = l.with_data_parallel(member).unwrap();
+                let stats = l.update_rows(rows.as_ref()).unwrap();
+                let weights: Vec<Vec<f32>> = l
+                    .model()
+                    .named_tensors()
+                    .iter()
+                    .map(|(_, t)| Vec::<f32>::try_from(&t.reshape([-1])).unwrap())
+                    .collect();
+                (stats, weights)
+            })
+        })
+        .collect();
+    let ranks: Vec<_> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+    let (stats, weights) = &ranks[0];
+    assert!(
+        ranks.iter().all(|(s, w)| s == stats && w == weights),
+        "the ranks agree bit for bit"
+    );
+    assert!(alone.grad_norm > 0.0 && alone.kl != 0.0);
+    for (name, a, b) in [
+        ("loss", alone.loss, stats.loss),
+        ("grad_norm", alone.grad_norm, stats.grad_norm),
+        ("kl", alone.kl, stats.kl),
+        ("entropy", alone.entropy, stats.entropy),
+        ("clip_fraction", alone.clip_fraction, stats.clip_fraction),
+        (
+            "response_length",
+            alone.response_length,
+            stats.response_length,
+        ),
+    ] {
+        assert!(
+            (a - b).abs() < 1e-5 * a.abs().max(1.0),
+            "{name}: {a} vs {b}"
+        );
+    }
+    assert_eq!(alone.reward, Some(0.4375));
+    assert_eq!(stats.reward, alone.reward);
+    for ((name, a), b) in one.model().named_tensors().iter().zip(weights) {
+        let a = Vec::<f32>::try_from(&a.reshape([-1])).unwrap();
+        let d = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max);
+        assert!(d < 1e-4, "{name} differs by {d:e}");
+    }
+}
+
+#[test]
+fn schedules_warm_up_then_hold_or_decay() {
+    let c = LrSchedule::Constant { warmup: 4 };
+    assert_eq!(c.rate(1.0, 0), 0.25);
+    assert_eq!(c.rate(1.0, 3), 1.0);
+    assert_eq!(c.rate(1.0, 100), 1.0);
+    let cos = LrSchedule::Cosine {
+        warmup: 2,
+        total: 12,
+        min_ratio: 0.1,
+    };
+    assert_eq!(cos.rate(2.0, 0), 1.0);
+    assert!(
+        (cos.rate(2.0, 2) - 2.0).abs() < 1e-12,
+        "decay starts at the base rate"
+    );
+    assert!(
+        (cos.rate(2.0, 7) - (0.2 + 1.8 * 0.5)).abs() < 1e-12,
+        "halfway"
+    );
+    assert!((cos.rate(2.0, 12) - 0.2).abs() < 1e-12 && (cos.rate(2.0, 50) - 0.2).abs() < 1e-12);
+}
