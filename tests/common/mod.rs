@@ -44,3 +44,13 @@ pub fn wait_with_deadline(mut child: Child, deadline: Duration) -> Output {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// Asserts that every process failed with an error containing `needle`, and none panicked.
+pub fn assert_all_failed_with(outputs: &[Output], needle: &str) {
+    for (i, out) in outputs.iter().enumerate() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "process {i} succeeded");
+        assert!(err.contains(needle), "process {i}: {err}");
+        assert!(!err.contains("panicked"), "process {i}: {err}");
+    }
+}

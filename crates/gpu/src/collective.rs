@@ -61,11 +61,6 @@ impl HostGroup {
         })
     }
 
-    /// The number of ranks.
-    pub fn size(&self) -> usize {
-        self.size
-    }
-
     /// Rank `rank`'s handle (`rank < size`).
     pub fn member(self: &Arc<Self>, rank: usize) -> GroupMember {
         assert!(rank < self.size, "rank {rank} of a group of {}", self.size);
@@ -166,11 +161,6 @@ impl GroupMember {
     /// This member's rank.
     pub fn rank(&self) -> usize {
         self.rank
-    }
-
-    /// The number of ranks.
-    pub fn size(&self) -> usize {
-        self.group.size
     }
 
     /// Waits for every rank and returns the element-wise sums of their
