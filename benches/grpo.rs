@@ -28,6 +28,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use weir::graph::metrics::MetricRow;
+use weir::pipelines::config::{AggregationChoice, KlChoice, ReferencePlacement, ScheduleChoice};
 use weir::pipelines::{run, PipelineKind, RunConfig, RunRequest};
 
 /// Steps left out of the step-time figures, as in TRL's summary.
@@ -105,15 +106,15 @@ fn config(steps: u64, placing: Placing) -> RunConfig {
     c.generate.top_p = 1.0;
     c.generate.top_k = 0;
     c.algorithm.lr = 1e-4;
-    c.algorithm.schedule = "constant".into();
+    c.algorithm.schedule = ScheduleChoice::Constant;
     c.algorithm.warmup_steps = 0;
     c.algorithm.weight_decay = 0.0;
     c.algorithm.kl_coef = 0.04;
-    c.algorithm.kl_estimator = "k3".into();
+    c.algorithm.kl_estimator = KlChoice::K3;
     c.algorithm.clip_low = 0.2;
     c.algorithm.clip_high = 0.2;
     // TRL's loss_type = "grpo": token mean per sequence, then mean over sequences.
-    c.algorithm.aggregation = "seq-mean-token-mean".into();
+    c.algorithm.aggregation = AggregationChoice::SeqMeanTokenMean;
     c.eval.arith = false;
     c.run.steps = steps;
     c.run.threads = 1;
@@ -129,7 +130,7 @@ fn config(steps: u64, placing: Placing) -> RunConfig {
         c.placement.rollout = vec![0];
         c.placement.train = vec![1];
         if placing == Placing::AsyncReferenceWithGenerator {
-            c.placement.reference = "rollout".into();
+            c.placement.reference = ReferencePlacement::Rollout;
         }
         if placing == Placing::DataParallel {
             c.placement.train = vec![0, 1];

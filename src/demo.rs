@@ -112,7 +112,7 @@ pub fn demo(args: &DemoArgs) -> anyhow::Result<()> {
     grpo.placement.rollout = vec![0];
     grpo.placement.train = vec![1];
     // The learner bounds the step: the reference keeps the generator company.
-    grpo.placement.reference = "rollout".into();
+    grpo.placement.reference = weir_pipelines::config::ReferencePlacement::Rollout;
     grpo.data.prompts_per_step = 8;
     grpo.data.samples_per_prompt = 8;
     grpo.generate.max_new_tokens = 8;

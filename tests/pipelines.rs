@@ -9,6 +9,9 @@ use arrow::array::{AsArray, RecordBatch};
 use arrow::datatypes::{Float32Type, UInt64Type};
 use weir::graph::parquet_log::{read_parquet_dir, read_parquet_file};
 use weir::operators::rollout::{check, col, Phase};
+use weir::pipelines::config::{
+    AggregationChoice, CorrectionChoice, PreferenceChoice, ReferencePlacement, RewardKind,
+};
 use weir::pipelines::runner::{read_resolved, RunRequest};
 use weir::pipelines::{PipelineKind, RunConfig};
 
@@ -24,10 +27,16 @@ fn config(kind: PipelineKind, steps: u64) -> RunConfig {
     c.model.path = fixture("arith-sft").display().to_string();
     c.run.steps = steps;
     c.data.prompts_per_step = 3;
-    c.data.samples_per_prompt = if kind == PipelineKind::Sft { 1 } else { 4 };
-    c.generate.max_new_tokens = 6;
-    c.algorithm.micro_batch = 8;
-    c.eval.arith = false;
+    if kind.is_rl() {
+        c.data.samples_per_prompt = 4;
+        c.generate.max_new_tokens = 6;
+    }
+    if kind.is_rl() || kind == PipelineKind::Sft {
+        c.algorithm.micro_batch = 8;
+    }
+    if kind != PipelineKind::Rm {
+        c.eval.arith = false;
+    }
     c
 }
 
@@ -112,12 +121,12 @@ fn every_rl_pipeline_runs_logs_and_checkpoints() {
             PipelineKind::Ppo => {
                 cfg.data.samples_per_prompt = 2;
                 // The reference beside the generator; the critic on the train worker.
-                cfg.placement.reference = "rollout".into();
+                cfg.placement.reference = ReferencePlacement::Rollout;
             }
             // Off-policy rows weighted by truncated importance ratios;
             // activations recomputed in the backward pass.
             PipelineKind::Grpo => {
-                cfg.algorithm.correction = "tis".into();
+                cfg.algorithm.correction = CorrectionChoice::Tis;
                 cfg.algorithm.gradient_checkpointing = true;
             }
             // DAPO's filter and the solve-rate curriculum.
@@ -129,7 +138,7 @@ fn every_rl_pipeline_runs_logs_and_checkpoints() {
             }
             // Rewards from a reward model (same tokenizer as the actor).
             PipelineKind::Rloo => {
-                cfg.reward.kind = "model".into();
+                cfg.reward.kind = RewardKind::Model;
                 cfg.model.reward_model = fixture("tiny-llama-rm").display().to_string();
             }
             // Every role colocated on one worker.
@@ -177,7 +186,7 @@ fn every_rl_pipeline_runs_logs_and_checkpoints() {
         } else {
             assert_eq!(rows, steps as usize * per_step, "{name}");
         }
-        if cfg.reward.kind == "model" {
+        if cfg.reward.kind == RewardKind::Model {
             let rewards = metric(&dir, "learn", "reward");
             assert!(
                 rewards.values().all(|r| r.is_finite() && *r != 0.0),
@@ -365,7 +374,7 @@ fn data_parallel_learners_train_like_one() {
         let mut cfg = config(PipelineKind::Grpo, 3);
         cfg.run.max_staleness = 0;
         cfg.data.prompts_per_step = 4;
-        cfg.algorithm.aggregation = "token-mean".into();
+        cfg.algorithm.aggregation = AggregationChoice::TokenMean;
         cfg
     };
     let one = tmp.path().join("one");
@@ -498,7 +507,14 @@ fn rm_learns_its_pairs_and_dpo_grows_the_margin() {
     cfg.algorithm.lr = 1e-3;
     cfg.algorithm.warmup_steps = 0;
     let dir = tmp.path().join("rm");
-    run(PipelineKind::Rm, cfg, &dir, false);
+    let summary = run(PipelineKind::Rm, cfg, &dir, false);
+    // The summary reads the reward-model trainer's figures.
+    assert_eq!(summary["rows_trained"], 12.0 * 16.0, "{summary}");
+    assert!(
+        summary["samples_per_s"].as_f64().unwrap() > 0.0,
+        "{summary}"
+    );
+    assert!(summary["loss_last"].as_f64().unwrap() < summary["loss_first"].as_f64().unwrap());
     let acc = metric(&dir, "rm", "accuracy");
     let loss = metric(&dir, "rm", "loss");
     assert_eq!(acc.len(), 12);
@@ -545,15 +561,17 @@ fn rm_learns_its_pairs_and_dpo_grows_the_margin() {
         }
     }
 
-    for loss_kind in ["dpo", "ipo"] {
+    for loss_kind in [PreferenceChoice::Dpo, PreferenceChoice::Ipo] {
         let mut cfg = config(PipelineKind::Dpo, 6);
         cfg.data.prompts = pairs.display().to_string();
         cfg.data.prompts_per_step = 16;
         cfg.algorithm.lr = 1e-4;
         cfg.algorithm.warmup_steps = 0;
-        cfg.algorithm.preference_loss = loss_kind.into();
-        let dir = tmp.path().join(loss_kind);
-        run(PipelineKind::Dpo, cfg, &dir, false);
+        cfg.algorithm.preference_loss = loss_kind;
+        let dir = tmp.path().join(format!("{loss_kind:?}"));
+        let summary = run(PipelineKind::Dpo, cfg, &dir, false);
+        assert_eq!(summary["rows_trained"], 6.0 * 16.0, "{summary}");
+        assert!(summary["loss_first"].is_number(), "{summary}");
         let margin = metric(&dir, "dpo", "reward_margin");
         assert!(
             margin[&0].abs() < 1e-6,
@@ -561,7 +579,7 @@ fn rm_learns_its_pairs_and_dpo_grows_the_margin() {
         );
         assert!(
             margin[&5] > 0.05,
-            "{loss_kind}: the implicit reward margin grows: {margin:?}"
+            "{loss_kind:?}: the implicit reward margin grows: {margin:?}"
         );
     }
 }

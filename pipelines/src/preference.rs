@@ -8,6 +8,7 @@ use weir_gpu::{Model, Tokenizer};
 use weir_graph::{Partition, Pipeline};
 use weir_operators::stages::preference::{DpoTrainer, PairConfig, PreferenceLoss, RewardTrainer};
 
+use crate::config::PreferenceChoice;
 use crate::roles::{self, RunContext, ROLLOUT, TRAIN};
 use crate::{PipelineError, RunConfig};
 
@@ -53,12 +54,12 @@ pub fn dpo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
                 &c.model.reference
             };
             let reference = roles::load(&c, Path::new(reference_dir), w)?;
-            let loss = match a.preference_loss.as_str() {
-                "ipo" => PreferenceLoss::Ipo,
-                "cdpo" => PreferenceLoss::Cdpo {
+            let loss = match a.preference_loss {
+                PreferenceChoice::Ipo => PreferenceLoss::Ipo,
+                PreferenceChoice::Cdpo => PreferenceLoss::Cdpo {
                     label_smoothing: a.label_smoothing,
                 },
-                _ => PreferenceLoss::Dpo,
+                PreferenceChoice::Dpo => PreferenceLoss::Dpo,
             };
             let tok = Tokenizer::load(Path::new(&c.model.path))?;
             let mut trainer =

@@ -47,7 +47,11 @@ pub fn observer(
     let handle = bar.clone();
     let observe = move |rows: &[MetricRow]| {
         let mut s = state.lock().unwrap_or_else(|e| e.into_inner());
-        for r in rows.iter().filter(|r| TRAINERS.contains(&r.stage.as_str())) {
+        // The KL of pipelines that put it in the reward comes from their advantage stage.
+        let shown = |r: &&MetricRow| {
+            TRAINERS.contains(&r.stage.as_str()) || (r.stage == "advantage" && r.metric == "kl")
+        };
+        for r in rows.iter().filter(shown) {
             s.steps
                 .entry(r.step)
                 .or_default()

@@ -11,6 +11,7 @@ use weir_operators::stages::critic::{Critic, CriticLearner, PerWorker};
 use weir_operators::stages::dynamic_sampling::{DynamicSampling, DynamicSamplingConfig};
 use weir_operators::stages::prompt_stats::PromptStats;
 
+use crate::config::ReferencePlacement;
 use crate::roles::{self, RunContext, ROLLOUT, TRAIN};
 use crate::{PipelineError, RunConfig};
 
@@ -59,13 +60,20 @@ pub fn reinforce_pp_baseline(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeli
 }
 
 fn reinforce(cfg: &RunConfig, ctx: &RunContext, name: &str, baseline: bool) -> Pipeline {
-    let kl = cfg.algorithm.kl_coef;
+    let a = cfg.algorithm.clone();
+    let flavor = roles::flavor(cfg);
     rollouts(Pipeline::new(name), cfg, ctx)
         .stage(
             "advantage",
             TRAIN,
             Partition::ByKey(col::GROUP_ID.into()),
-            move |_| Ok(ReinforceAdvantage::new(baseline, kl)),
+            move |_| {
+                let mut advantage = ReinforceAdvantage::new(baseline, a.kl_coef);
+                advantage.gamma = a.gamma;
+                advantage.kl_estimator = a.kl_estimator.into();
+                advantage.flavor = flavor;
+                Ok(advantage)
+            },
         )
         .learn(
             "learn",
@@ -100,14 +108,18 @@ pub fn ppo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
     });
     let (fit, c, ck) = (critic.clone(), cfg.clone(), ctx.checkpointer(cfg));
     let x = ctx.clone();
-    let kl = cfg.algorithm.kl_coef;
+    let (a, flavor) = (cfg.algorithm.clone(), roles::flavor(cfg));
     Ok(rollouts(Pipeline::new("ppo"), cfg, ctx)
         .stage("critic", TRAIN, Partition::RoundRobin, move |w| {
             Critic::new(&critic, w)
         })
         .offload(roles::MODEL_QUEUE)
         .stage("advantage", TRAIN, Partition::Local, move |_| {
-            Ok(GaeAdvantage::new(kl))
+            let mut advantage = GaeAdvantage::new(a.kl_coef);
+            (advantage.gamma, advantage.lambda) = (a.gamma, a.lambda);
+            advantage.kl_estimator = a.kl_estimator.into();
+            advantage.flavor = flavor;
+            Ok(advantage)
         })
         .learn(
             "learn",
@@ -124,6 +136,7 @@ pub fn ppo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
                 (a.value_clip > 0.0).then_some(a.value_clip),
                 (a.max_grad_norm > 0.0).then_some(a.max_grad_norm),
             )?
+            .with_loss(a.aggregation.into(), roles::flavor(&c))
             .with_checkpoints(ck.clone());
             x.restore_optimizer("critic", learner.optimizer_mut())?;
             Ok(learner)
@@ -151,9 +164,9 @@ fn rollouts(pipeline: Pipeline, cfg: &RunConfig, ctx: &RunContext) -> Pipeline {
         .offload(roles::MODEL_QUEUE);
     if cfg.algorithm.kl_coef > 0.0 {
         // Beside the generator (balancing a learner-bound step) or on the train workers.
-        let (role, partition) = match cfg.placement.reference.as_str() {
-            "rollout" => (ROLLOUT, Partition::Local),
-            _ => (TRAIN, Partition::RoundRobin),
+        let (role, partition) = match cfg.placement.reference {
+            ReferencePlacement::Rollout => (ROLLOUT, Partition::Local),
+            ReferencePlacement::Train => (TRAIN, Partition::RoundRobin),
         };
         pipeline
             .stage("reference", role, partition, roles::reference(cfg))

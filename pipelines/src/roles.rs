@@ -10,9 +10,7 @@ use weir_gpu::collective::HostGroup;
 use weir_gpu::optim::AdamWConfig;
 use weir_gpu::{Device, Model, SamplingParams, Tokenizer};
 use weir_graph::{ParquetLog, StageError, WorkerInfo};
-use weir_operators::algorithms::{
-    Aggregation, Flavor, ImportanceCorrection, KlEstimator, PolicyLossConfig,
-};
+use weir_operators::algorithms::{Flavor, ImportanceCorrection, PolicyLossConfig, RatioLevel};
 use weir_operators::checkpoint::{load_optimizer, CheckpointPlan, Checkpointer};
 use weir_operators::rewards::{arith, rule_reward};
 use weir_operators::stages::generate::Generate;
@@ -23,6 +21,7 @@ use weir_operators::stages::reference::RefLogprob;
 use weir_operators::stages::remote_reward::{RemoteReward, RemoteRewardConfig};
 use weir_operators::stages::reward::{RewardModel, RuleReward};
 
+use crate::config::{CorrectionChoice, DeviceChoice, PolicyLossChoice, RewardKind, ScheduleChoice};
 use crate::RunConfig;
 
 /// Worker set of generation and scoring.
@@ -97,16 +96,12 @@ impl RunContext {
 
 /// The compute dtype named by `model.dtype`.
 pub fn kind(cfg: &RunConfig) -> Kind {
-    match cfg.model.dtype.as_str() {
-        "bf16" => Kind::BFloat16,
-        "f16" => Kind::Half,
-        _ => Kind::Float,
-    }
+    cfg.model.dtype.kind()
 }
 
 /// The device of `worker`: the CPU, or CUDA device `index mod count`.
 pub fn device(cfg: &RunConfig, worker: &WorkerInfo) -> Result<Device, StageError> {
-    if cfg.run.device == "cpu" {
+    if cfg.run.device == DeviceChoice::Cpu {
         return Ok(Device::Cpu);
     }
     let count = Device::cuda_count();
@@ -246,12 +241,12 @@ pub fn reward(
 {
     let cfg = cfg.clone();
     move |w| -> Result<Box<dyn weir_graph::Stage>, StageError> {
-        Ok(match cfg.reward.kind.as_str() {
-            "model" => Box::new(RewardModel::new(
+        Ok(match cfg.reward.kind {
+            RewardKind::Model => Box::new(RewardModel::new(
                 load(&cfg, Path::new(&cfg.model.reward_model), w)?,
                 cfg.algorithm.micro_batch,
             )?),
-            "remote" => Box::new(RemoteReward::new(RemoteRewardConfig {
+            RewardKind::Remote => Box::new(RemoteReward::new(RemoteRewardConfig {
                 url: cfg.reward.url.clone(),
                 label_column: (!cfg.data.label_column.is_empty())
                     .then(|| cfg.data.label_column.clone()),
@@ -259,7 +254,7 @@ pub fn reward(
                 attempts: cfg.reward.attempts,
                 ..Default::default()
             })?),
-            _ => {
+            RewardKind::Rule => {
                 let rule = rule_reward(&cfg.reward.rule)
                     .ok_or_else(|| format!("unknown rule reward `{}`", cfg.reward.rule))?;
                 Box::new(RuleReward::new(rule, &cfg.data.label_column))
@@ -293,31 +288,28 @@ pub fn learner_config(cfg: &RunConfig, kl_in_loss: bool) -> LearnerConfig {
             clip_low: a.clip_low,
             clip_high: a.clip_high,
             dual_clip: (a.dual_clip > 0.0).then_some(a.dual_clip),
-            aggregation: match a.aggregation.as_str() {
-                "seq-mean-token-mean" => Aggregation::SeqMeanTokenMean,
-                "seq-mean-token-sum" => Aggregation::SeqMeanTokenSum,
-                "seq-mean-token-sum-norm" => Aggregation::SeqMeanTokenSumNorm,
-                _ => Aggregation::TokenMean,
+            ratio_level: match a.policy_loss {
+                PolicyLossChoice::Ppo => RatioLevel::Token,
+                PolicyLossChoice::Gspo => RatioLevel::Sequence,
             },
+            aggregation: a.aggregation.into(),
             flavor: flavor(cfg),
             correction: {
                 let (low, high) = (a.correction_low, a.correction_high);
-                match a.correction.as_str() {
-                    "tis" => Some(ImportanceCorrection::Tis { low, high }),
-                    "icepop" => Some(ImportanceCorrection::IcePop { low, high }),
-                    "seq-mask" => Some(ImportanceCorrection::SequenceMask { low, high }),
-                    _ => None,
+                match a.correction {
+                    CorrectionChoice::Tis => Some(ImportanceCorrection::Tis { low, high }),
+                    CorrectionChoice::Icepop => Some(ImportanceCorrection::IcePop { low, high }),
+                    CorrectionChoice::SeqMask => {
+                        Some(ImportanceCorrection::SequenceMask { low, high })
+                    }
+                    CorrectionChoice::None => None,
                 }
             },
-            ..PolicyLossConfig::default()
+            loss_scale_factor: Some(loss_scale_factor(cfg)),
         },
         temperature: cfg.generate.temperature,
         kl_coef: if kl_in_loss { a.kl_coef } else { 0.0 },
-        kl_estimator: match a.kl_estimator.as_str() {
-            "k1" => KlEstimator::K1,
-            "k2" => KlEstimator::K2,
-            _ => KlEstimator::K3,
-        },
+        kl_estimator: a.kl_estimator.into(),
         ppo_epochs: a.ppo_epochs,
         schedule: schedule(cfg),
         entropy_coef: a.entropy_coef,
@@ -327,10 +319,16 @@ pub fn learner_config(cfg: &RunConfig, kl_in_loss: bool) -> LearnerConfig {
 
 /// OpenRLHF's or verl's semantics.
 pub fn flavor(cfg: &RunConfig) -> Flavor {
-    if cfg.algorithm.flavor == "verl" {
-        Flavor::Verl
-    } else {
-        Flavor::OpenRlhf
+    cfg.algorithm.flavor.into()
+}
+
+/// T of Dr.GRPO's `seq-mean-token-sum-norm`: the config's, or the padded
+/// response length (`generate.max_new_tokens`, constant over the run, as
+/// verl pads every response to its maximum length).
+pub fn loss_scale_factor(cfg: &RunConfig) -> f64 {
+    match cfg.algorithm.loss_scale_factor {
+        t if t > 0.0 => t,
+        _ => cfg.generate.max_new_tokens as f64,
     }
 }
 
@@ -346,16 +344,15 @@ pub fn adamw(cfg: &RunConfig, lr: f64) -> AdamWConfig {
 /// The learning-rate schedule over the run's steps (in optimizer steps).
 pub fn schedule(cfg: &RunConfig) -> LrSchedule {
     let a = &cfg.algorithm;
-    if a.schedule == "cosine" {
-        LrSchedule::Cosine {
+    match a.schedule {
+        ScheduleChoice::Cosine => LrSchedule::Cosine {
             warmup: a.warmup_steps,
             total: cfg.run.steps * a.ppo_epochs as u64,
             min_ratio: a.min_lr_ratio,
-        }
-    } else {
-        LrSchedule::Constant {
+        },
+        ScheduleChoice::Constant => LrSchedule::Constant {
             warmup: a.warmup_steps,
-        }
+        },
     }
 }
 

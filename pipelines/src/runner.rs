@@ -303,11 +303,7 @@ fn summarize(
     after: Option<(f64, Vec<(String, String)>)>,
     final_actor: &Path,
 ) -> Value {
-    let trainer = if kind == PipelineKind::Sft {
-        "sft"
-    } else {
-        "learn"
-    };
+    let trainer = kind.trainer_stage();
     let series = |metric: &str| -> Vec<f64> {
         let mut by_step: std::collections::BTreeMap<u64, f64> = Default::default();
         for r in report
@@ -363,7 +359,9 @@ pub fn eval_accuracy(
     cfg: &RunConfig,
     dir: &Path,
 ) -> Result<(f64, Vec<(String, String)>), PipelineError> {
-    let device = if cfg.run.device == "cuda" && weir_gpu::Device::cuda_count() > 0 {
+    let device = if cfg.run.device == crate::config::DeviceChoice::Cuda
+        && weir_gpu::Device::cuda_count() > 0
+    {
         weir_gpu::Device::Cuda(0)
     } else {
         weir_gpu::Device::Cpu

@@ -163,6 +163,11 @@ impl GroupMember {
         self.rank
     }
 
+    /// The number of ranks in the group.
+    pub fn size(&self) -> usize {
+        self.group.size
+    }
+
     /// Waits for every rank and returns the element-wise sums of their
     /// `values` and `scalars`, the same on every rank. Fails when a rank
     /// has left the group or the ranks' lengths differ.
@@ -184,6 +189,24 @@ pub fn sum_scalars(member: Option<&GroupMember>, scalars: &mut [f64]) -> Result<
     if let Some(member) = member {
         let (_, sums) = member.all_reduce(Vec::new(), scalars.to_vec())?;
         scalars.copy_from_slice(&sums);
+    }
+    Ok(())
+}
+
+/// Takes the element-wise maximum of `scalars` over `member`'s group in
+/// place; alone (`None`), leaves them.
+pub fn max_scalars(member: Option<&GroupMember>, scalars: &mut [f64]) -> Result<(), String> {
+    if let Some(member) = member {
+        // Each rank fills its own slot of a group-wide vector; the sum holds them all.
+        let n = scalars.len();
+        let mut slots = vec![0.0; n * member.size()];
+        slots[member.rank * n..(member.rank + 1) * n].copy_from_slice(scalars);
+        let (_, sums) = member.all_reduce(Vec::new(), slots)?;
+        for (i, x) in scalars.iter_mut().enumerate() {
+            *x = (0..member.size())
+                .map(|r| sums[r * n + i])
+                .fold(f64::NEG_INFINITY, f64::max);
+        }
     }
     Ok(())
 }
@@ -220,6 +243,28 @@ mod tests {
             assert_eq!(values.as_slice(), &[3.0 + 3.0 * round as f32, 3.0]);
             assert_eq!(scalars.as_slice(), &[3.0]);
             assert!(results.iter().all(|r| r[round] == results[0][round]));
+        }
+    }
+
+    #[test]
+    fn max_scalars_takes_each_entry_from_the_rank_that_holds_its_maximum() {
+        let group = HostGroup::new(3);
+        let handles: Vec<_> = (0..3)
+            .map(|rank| {
+                let member = group.member(rank);
+                std::thread::spawn(move || {
+                    let mut x = [
+                        rank as f64,
+                        -(rank as f64),
+                        if rank == 1 { 7.0 } else { 2.0 },
+                    ];
+                    max_scalars(Some(&member), &mut x).unwrap();
+                    x
+                })
+            })
+            .collect();
+        for h in handles {
+            assert_eq!(h.join().unwrap(), [2.0, 0.0, 7.0]);
         }
     }
 

@@ -6,8 +6,15 @@ use serde::{Deserialize, Serialize};
 
 use crate::PipelineKind;
 
+mod choices;
 mod docs;
+mod scope;
 mod validate;
+
+pub use choices::{
+    AggregationChoice, CorrectionChoice, DeviceChoice, Dtype, FlavorChoice, KlChoice,
+    PolicyLossChoice, PreferenceChoice, ReferencePlacement, RewardKind, ScheduleChoice,
+};
 
 /// A whole run config.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -52,7 +59,7 @@ pub struct RunSection {
     /// Rows per rollout Parquet file.
     pub rows_per_file: usize,
     /// `cpu` or `cuda`.
-    pub device: String,
+    pub device: DeviceChoice,
 }
 
 impl Default for RunSection {
@@ -64,7 +71,7 @@ impl Default for RunSection {
             threads: 1,
             checkpoint_every: 50,
             rows_per_file: 4096,
-            device: "cpu".into(),
+            device: DeviceChoice::Cpu,
         }
     }
 }
@@ -80,7 +87,7 @@ pub struct PlacementSection {
     /// Workers that run the critic, advantage and learner (several: data-parallel learner ranks).
     pub train: Vec<usize>,
     /// Where the reference runs: `train` or `rollout` (beside the generator).
-    pub reference: String,
+    pub reference: ReferencePlacement,
 }
 
 impl Default for PlacementSection {
@@ -89,7 +96,7 @@ impl Default for PlacementSection {
             workers: 2,
             rollout: vec![0],
             train: vec![1],
-            reference: "train".into(),
+            reference: ReferencePlacement::Train,
         }
     }
 }
@@ -101,7 +108,7 @@ pub struct ModelSection {
     /// The actor's HF checkpoint folder (required).
     pub path: String,
     /// Compute dtype: `f32`, `bf16`, `f16`.
-    pub dtype: String,
+    pub dtype: Dtype,
     /// The frozen reference (empty: the actor's checkpoint).
     pub reference: String,
     /// A reward model checkpoint, for `reward.kind = "model"`.
@@ -114,7 +121,7 @@ impl Default for ModelSection {
     fn default() -> Self {
         ModelSection {
             path: String::new(),
-            dtype: "f32".into(),
+            dtype: Dtype::F32,
             reference: String::new(),
             reward_model: String::new(),
             critic: String::new(),
@@ -192,7 +199,7 @@ impl Default for GenerateSection {
 #[serde(deny_unknown_fields, default)]
 pub struct RewardSection {
     /// `rule`, `model` or `remote`.
-    pub kind: String,
+    pub kind: RewardKind,
     /// The rule's name (`reward.kind = "rule"`).
     pub rule: String,
     /// The reward server (`reward.kind = "remote"`).
@@ -206,7 +213,7 @@ pub struct RewardSection {
 impl Default for RewardSection {
     fn default() -> Self {
         RewardSection {
-            kind: "rule".into(),
+            kind: RewardKind::Rule,
             rule: "arith_exact_match".into(),
             url: String::new(),
             timeout_s: 60.0,
@@ -224,7 +231,7 @@ pub struct AlgorithmSection {
     /// Linear warm-up steps.
     pub warmup_steps: u64,
     /// `constant` or `cosine`.
-    pub schedule: String,
+    pub schedule: ScheduleChoice,
     /// The cosine floor as a fraction of `lr`.
     pub min_lr_ratio: f64,
     /// AdamW weight decay.
@@ -246,13 +253,21 @@ pub struct AlgorithmSection {
     /// β of the KL to the reference (in the loss for group estimators, in the reward for ppo / reinforce_pp).
     pub kl_coef: f64,
     /// `k1`, `k2` or `k3`.
-    pub kl_estimator: String,
+    pub kl_estimator: KlChoice,
     /// Entropy bonus coefficient.
     pub entropy_coef: f64,
-    /// `token-mean`, `seq-mean-token-mean`, `seq-mean-token-sum`, `seq-mean-token-sum-norm`.
-    pub aggregation: String,
+    /// `token-mean`, `seq-mean-token-mean`, `seq-mean-token-sum`, `seq-mean-token-sum-norm`, `token-sum`.
+    pub aggregation: AggregationChoice,
+    /// T of `seq-mean-token-sum-norm` (0: `generate.max_new_tokens`, the padded response length).
+    pub loss_scale_factor: f64,
+    /// `ppo` (a ratio per token) or `gspo` (a ratio per response).
+    pub policy_loss: PolicyLossChoice,
     /// `openrlhf` or `verl` semantics where they differ.
-    pub flavor: String,
+    pub flavor: FlavorChoice,
+    /// Discount γ (ppo's GAE, reinforce_pp's returns).
+    pub gamma: f64,
+    /// GAE's λ (ppo).
+    pub lambda: f64,
     /// The critic's learning rate (ppo).
     pub critic_lr: f64,
     /// Value clipping (ppo; 0: off).
@@ -260,11 +275,11 @@ pub struct AlgorithmSection {
     /// β of the preference losses (dpo).
     pub beta: f64,
     /// `dpo`, `cdpo` or `ipo` (dpo).
-    pub preference_loss: String,
+    pub preference_loss: PreferenceChoice,
     /// ε of cDPO: the probability a preference label is flipped.
     pub label_smoothing: f64,
     /// Off-policy correction of stale rows: `none`, `tis`, `icepop`, `seq-mask`.
-    pub correction: String,
+    pub correction: CorrectionChoice,
     /// The correction's lower bound on the importance ratio.
     pub correction_low: f64,
     /// The correction's upper bound.
@@ -276,7 +291,7 @@ impl Default for AlgorithmSection {
         AlgorithmSection {
             lr: 1e-4,
             warmup_steps: 0,
-            schedule: "constant".into(),
+            schedule: ScheduleChoice::Constant,
             min_lr_ratio: 0.1,
             weight_decay: 0.0,
             max_grad_norm: 1.0,
@@ -287,16 +302,20 @@ impl Default for AlgorithmSection {
             clip_high: 0.2,
             dual_clip: 0.0,
             kl_coef: 0.04,
-            kl_estimator: "k3".into(),
+            kl_estimator: KlChoice::K3,
             entropy_coef: 0.0,
-            aggregation: "token-mean".into(),
-            flavor: "openrlhf".into(),
+            aggregation: AggregationChoice::TokenMean,
+            loss_scale_factor: 0.0,
+            policy_loss: PolicyLossChoice::Ppo,
+            flavor: FlavorChoice::Openrlhf,
+            gamma: 1.0,
+            lambda: 1.0,
             critic_lr: 5e-5,
             value_clip: 0.5,
             beta: 0.1,
-            preference_loss: "dpo".into(),
+            preference_loss: PreferenceChoice::Dpo,
             label_smoothing: 0.0,
-            correction: "none".into(),
+            correction: CorrectionChoice::None,
             correction_low: 0.0,
             correction_high: 2.0,
         }
@@ -362,6 +381,7 @@ impl Default for EvalSection {
 }
 
 pub use docs::DOCS;
+pub use scope::applies;
 
 /// A config error: the key and what is wrong with its value.
 #[derive(Debug, thiserror::Error)]
@@ -386,7 +406,7 @@ impl RunConfig {
             }
             // Dr.GRPO's length-unbiased loss: a constant normaliser, not each response's length.
             PipelineKind::DrGrpo => {
-                c.algorithm.aggregation = "seq-mean-token-sum-norm".into();
+                c.algorithm.aggregation = AggregationChoice::SeqMeanTokenSumNorm;
             }
             PipelineKind::ReinforcePp | PipelineKind::ReinforcePpBaseline => {
                 c.algorithm.kl_coef = 0.01;
@@ -398,7 +418,7 @@ impl RunConfig {
                     workers: 1,
                     rollout: vec![0],
                     train: vec![0],
-                    reference: "train".into(),
+                    reference: ReferencePlacement::Train,
                 };
                 c.data.prompts_per_step = 64;
                 c.data.samples_per_prompt = 1;
@@ -453,11 +473,18 @@ impl RunConfig {
         config.with_overrides(overrides)
     }
 
-    /// Parses TOML text (unknown keys and wrong types are errors naming the key).
+    /// Parses TOML text (unknown keys, wrong types and values outside a
+    /// key's choices are errors naming the key).
     pub fn from_toml(text: &str, source_name: &str) -> Result<Self, ConfigError> {
-        toml::from_str(text).map_err(|e| ConfigError {
-            source_name: source_name.to_string(),
-            message: e.to_string().trim().replace('\n', " "),
+        toml::from_str(text).map_err(|e| {
+            let key = e.span().and_then(|span| key_at(text, span.start));
+            ConfigError {
+                source_name: source_name.to_string(),
+                message: match key {
+                    Some(key) => format!("`{key}`: {}", e.message().trim()),
+                    None => e.to_string().trim().replace('\n', " "),
+                },
+            }
         })
     }
 
@@ -490,7 +517,8 @@ impl RunConfig {
         RunConfig::from_toml(&text, "--set")
     }
 
-    /// The config as TOML, each key preceded by its documentation.
+    /// The config as TOML: the keys `pipeline` reads ([`applies`]), each
+    /// preceded by its documentation.
     pub fn to_commented_toml(&self, pipeline: PipelineKind) -> String {
         let doc = toml::Value::try_from(self).expect("a config serialises");
         let mut out = format!(
@@ -498,7 +526,7 @@ impl RunConfig {
             pipeline.name()
         );
         let mut section = "";
-        for (s, key, help) in DOCS {
+        for (s, key, help) in DOCS.iter().filter(|(s, k, _)| applies(pipeline, s, k)) {
             if *s != section {
                 out.push_str(&format!("\n[{s}]\n"));
                 section = s;
@@ -508,6 +536,21 @@ impl RunConfig {
         }
         out
     }
+}
+
+/// The `section.key` whose line holds byte `offset` of `text`, if that
+/// line is a `key = value` line under a `[section]` header.
+fn key_at(text: &str, offset: usize) -> Option<String> {
+    let start = text[..offset.min(text.len())]
+        .rfind('\n')
+        .map_or(0, |i| i + 1);
+    let line = text[start..].lines().next()?;
+    let (key, _) = line.split_once('=')?;
+    let section = text[..start]
+        .lines()
+        .rev()
+        .find_map(|l| l.trim().strip_prefix('[')?.strip_suffix(']'))?;
+    Some(format!("{}.{}", section.trim(), key.trim()))
 }
 
 #[cfg(test)]

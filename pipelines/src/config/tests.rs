@@ -8,11 +8,31 @@ fn the_commented_defaults_parse_back_and_document_every_key() {
         let defaults = RunConfig::defaults_for(*kind);
         let text = defaults.to_commented_toml(*kind);
         assert_eq!(
-            RunConfig::from_toml(&text, "t").unwrap(),
+            RunConfig::load(*kind, Some((&text, "t")), &[]).unwrap(),
             defaults,
             "{}",
             kind.name()
         );
+        // Only the keys the pipeline reads are printed.
+        for (section, key, _) in DOCS {
+            let printed = text.contains(&format!("\n[{section}]\n"))
+                && text
+                    .split(&format!("\n[{section}]\n"))
+                    .nth(1)
+                    .is_some_and(|rest| {
+                        rest.split("\n[")
+                            .next()
+                            .unwrap()
+                            .lines()
+                            .any(|l| l.starts_with(&format!("{key} = ")))
+                    });
+            assert_eq!(
+                printed,
+                applies(*kind, section, key),
+                "{}: {section}.{key}",
+                kind.name()
+            );
+        }
         // Every serialised key has a doc line, and every doc line a key.
         let doc = toml::Value::try_from(&defaults).unwrap();
         let mut keys = 0;
@@ -26,6 +46,97 @@ fn the_commented_defaults_parse_back_and_document_every_key() {
             }
         }
         assert_eq!(keys, DOCS.len());
+    }
+}
+
+#[test]
+fn keys_that_would_change_nothing_are_refused() {
+    let base = |kind| {
+        let mut c = RunConfig::defaults_for(kind);
+        c.model.path = "m".into();
+        c
+    };
+    for (kind, item, needle) in [
+        (
+            PipelineKind::Sft,
+            "algorithm.clip_low=0.3",
+            "does not use this key",
+        ),
+        (
+            PipelineKind::Rm,
+            "generate.temperature=0.5",
+            "does not use this key",
+        ),
+        (
+            PipelineKind::Grpo,
+            "algorithm.lambda=0.9",
+            "does not use this key",
+        ),
+        (
+            PipelineKind::Dpo,
+            "algorithm.micro_batch=4",
+            "does not use this key",
+        ),
+        (
+            PipelineKind::Grpo,
+            "reward.url=\"http://x\"",
+            "reward.kind = \"remote\"",
+        ),
+        (
+            PipelineKind::Grpo,
+            "algorithm.correction_high=3.0",
+            "algorithm.correction",
+        ),
+        (
+            PipelineKind::Grpo,
+            "algorithm.loss_scale_factor=512",
+            "seq-mean-token-sum-norm",
+        ),
+        (PipelineKind::Dpo, "algorithm.label_smoothing=0.1", "cdpo"),
+        (
+            PipelineKind::Grpo,
+            "curriculum.min_samples=4",
+            "curriculum.enabled",
+        ),
+    ] {
+        let err = base(kind)
+            .with_overrides(&[item.to_string()])
+            .unwrap()
+            .validate(kind)
+            .unwrap_err()
+            .to_string();
+        let key = item.split('=').next().unwrap();
+        assert!(err.contains(key) && err.contains(needle), "{item}: {err}");
+    }
+    // The same keys act once their condition holds.
+    for (kind, items) in [
+        (
+            PipelineKind::Grpo,
+            &["reward.kind=remote", "reward.url=\"http://x\""][..],
+        ),
+        (
+            PipelineKind::Grpo,
+            &["algorithm.correction=tis", "algorithm.correction_high=3.0"],
+        ),
+        (PipelineKind::DrGrpo, &["algorithm.loss_scale_factor=512"]),
+        (
+            PipelineKind::Dpo,
+            &[
+                "algorithm.preference_loss=cdpo",
+                "algorithm.label_smoothing=0.1",
+            ],
+        ),
+        (
+            PipelineKind::Ppo,
+            &["algorithm.lambda=0.95", "algorithm.gamma=0.99"],
+        ),
+    ] {
+        let items: Vec<String> = items.iter().map(|s| s.to_string()).collect();
+        base(kind)
+            .with_overrides(&items)
+            .unwrap()
+            .validate(kind)
+            .unwrap_or_else(|e| panic!("{items:?}: {e}"));
     }
 }
 
@@ -54,8 +165,8 @@ fn bad_keys_and_values_are_named() {
     ])
     .unwrap();
     assert_eq!(
-        (ok.run.steps, ok.algorithm.schedule.as_str()),
-        (7, "cosine")
+        (ok.run.steps, ok.algorithm.schedule),
+        (7, super::ScheduleChoice::Cosine)
     );
     assert_eq!(ok.placement.train, vec![0, 1]);
     assert!(set(&["run.nope=1"])
@@ -72,9 +183,9 @@ fn bad_keys_and_values_are_named() {
         (&["generate.temperature=0"][..], "generate.temperature"),
         (&["reward.rule=nope"][..], "reward.rule"),
     ] {
+        // A value outside a key's choices fails at parsing, others at validation.
         let err = set(items)
-            .unwrap()
-            .validate(PipelineKind::Grpo)
+            .and_then(|c| c.validate(PipelineKind::Grpo))
             .unwrap_err()
             .to_string();
         assert!(err.contains(key), "{items:?}: {err}");
@@ -91,6 +202,10 @@ fn bad_keys_and_values_are_named() {
         ("[nope]\nx = 1\n", "unknown section `nope`"),
         ("[run]\nstepz = 1\n", "stepz"),
         ("run = 3\n", "must be a table"),
+        (
+            "[algorithm]\naggregation = \"token-avg\"\n",
+            "`algorithm.aggregation`: unknown variant `token-avg`, expected one of",
+        ),
     ] {
         let err = RunConfig::load(PipelineKind::Grpo, Some((text, "f.toml")), &[])
             .unwrap_err()

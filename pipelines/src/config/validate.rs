@@ -1,6 +1,8 @@
 //! Checks of values that parse but make no sense, each naming its key.
 
-use super::{ConfigError, RunConfig};
+use super::{
+    AggregationChoice, ConfigError, CorrectionChoice, PolicyLossChoice, RewardKind, RunConfig,
+};
 use crate::PipelineKind;
 
 impl RunConfig {
@@ -11,17 +13,6 @@ impl RunConfig {
                 source_name: "config".into(),
                 message: format!("`{key}` = {value}: {why}"),
             })
-        };
-        let one_of = |key: &str, value: &str, allowed: &[&str]| {
-            if allowed.contains(&value) {
-                Ok(())
-            } else {
-                bad(
-                    key,
-                    format!("{value:?}"),
-                    &format!("must be one of {allowed:?}"),
-                )
-            }
         };
         if self.model.path.is_empty() {
             return bad(
@@ -36,13 +27,6 @@ impl RunConfig {
         if self.run.threads == 0 {
             return bad("run.threads", "0".into(), "must be at least 1");
         }
-        one_of("run.device", &self.run.device, &["cpu", "cuda"])?;
-        one_of(
-            "placement.reference",
-            &self.placement.reference,
-            &["train", "rollout"],
-        )?;
-        one_of("model.dtype", &self.model.dtype, &["f32", "bf16", "f16"])?;
         let p = &self.placement;
         if p.workers == 0 {
             return bad("placement.workers", "0".into(), "must be at least 1");
@@ -92,12 +76,7 @@ impl RunConfig {
                 "must be in (0, 1]",
             );
         }
-        one_of(
-            "reward.kind",
-            &self.reward.kind,
-            &["rule", "model", "remote"],
-        )?;
-        if self.reward.kind == "rule"
+        if self.reward.kind == RewardKind::Rule
             && weir_operators::rewards::rule_reward(&self.reward.rule).is_none()
         {
             return bad(
@@ -106,14 +85,14 @@ impl RunConfig {
                 &format!("must be one of {:?}", weir_operators::rewards::RULE_REWARDS),
             );
         }
-        if self.reward.kind == "model" && self.model.reward_model.is_empty() {
+        if self.reward.kind == RewardKind::Model && self.model.reward_model.is_empty() {
             return bad(
                 "model.reward_model",
                 "\"\"".into(),
                 "reward.kind = \"model\" needs a reward model",
             );
         }
-        if self.reward.kind == "remote" && self.reward.url.is_empty() {
+        if self.reward.kind == RewardKind::Remote && self.reward.url.is_empty() {
             return bad(
                 "reward.url",
                 "\"\"".into(),
@@ -128,23 +107,39 @@ impl RunConfig {
                 "must be a positive number",
             );
         }
-        one_of("algorithm.schedule", &a.schedule, &["constant", "cosine"])?;
-        one_of(
-            "algorithm.kl_estimator",
-            &a.kl_estimator,
-            &["k1", "k2", "k3"],
-        )?;
-        one_of(
-            "algorithm.aggregation",
-            &a.aggregation,
-            &[
-                "token-mean",
-                "seq-mean-token-mean",
-                "seq-mean-token-sum",
-                "seq-mean-token-sum-norm",
-            ],
-        )?;
-        one_of("algorithm.flavor", &a.flavor, &["openrlhf", "verl"])?;
+        if !(a.loss_scale_factor >= 0.0 && a.loss_scale_factor.is_finite()) {
+            return bad(
+                "algorithm.loss_scale_factor",
+                a.loss_scale_factor.to_string(),
+                "must be ≥ 0 (0: generate.max_new_tokens)",
+            );
+        }
+        if a.policy_loss == PolicyLossChoice::Gspo
+            && a.aggregation != AggregationChoice::SeqMeanTokenMean
+        {
+            return bad(
+                "algorithm.aggregation",
+                format!("{:?}", a.aggregation),
+                "GSPO (algorithm.policy_loss = \"gspo\") averages per response, as verl and OpenRLHF do: set \"seq-mean-token-mean\"",
+            );
+        }
+        for (key, value) in [("algorithm.gamma", a.gamma), ("algorithm.lambda", a.lambda)] {
+            if !(0.0..=1.0).contains(&value) {
+                return bad(key, value.to_string(), "must be in [0, 1]");
+            }
+        }
+        if a.correction != CorrectionChoice::None
+            && !(a.correction_low >= 0.0 && a.correction_low <= a.correction_high)
+        {
+            return bad(
+                "algorithm.correction_low",
+                a.correction_low.to_string(),
+                &format!(
+                    "must be in [0, algorithm.correction_high = {}]",
+                    a.correction_high
+                ),
+            );
+        }
         if a.micro_batch == 0 {
             return bad("algorithm.micro_batch", "0".into(), "must be at least 1");
         }
@@ -182,11 +177,6 @@ impl RunConfig {
                 "needs a group estimator (grpo, dr_grpo, rloo)",
             );
         }
-        one_of(
-            "algorithm.preference_loss",
-            &a.preference_loss,
-            &["dpo", "cdpo", "ipo"],
-        )?;
         if a.beta.is_nan() || a.beta <= 0.0 {
             return bad("algorithm.beta", a.beta.to_string(), "must be > 0");
         }
@@ -200,6 +190,6 @@ impl RunConfig {
         if self.eval.batch == 0 {
             return bad("eval.batch", "0".into(), "must be at least 1");
         }
-        Ok(())
+        self.check_scope(pipeline)
     }
 }

@@ -106,9 +106,12 @@ pub fn gae(
 /// Discounted returns `G_t = r_t + γ G_{t+1}` (REINFORCE++; its advantages
 /// are these returns, whitened).
 /// - OpenRLHF: rewards are multiplied by the mask, then `G` runs over every
-///   position.
-/// - verl: `G_t` is written with the token's reward, then the carried return
-///   is reset (multiplied by `m_t`) so nothing flows back across a masked token.
+///   position (a masked token is a step with reward 0 that still discounts).
+/// - verl (`compute_reinforce_plus_plus_outcome_advantage`, 0.9): returns
+///   are updated on unmasked tokens only. At a masked token `G_t = 0` and
+///   the running return passes through unchanged (no reward, no discount),
+///   so the tokens before a masked interior span (a multi-turn observation)
+///   still receive the rewards after it; trailing padding stays 0.
 pub fn discounted_returns(
     rewards: &Tokens,
     mask: &Tokens,
@@ -127,11 +130,11 @@ pub fn discounted_returns(
                         g = r[t] * m[t] + gamma * g;
                         out[t] = g;
                     }
-                    Flavor::Verl => {
+                    Flavor::Verl if m[t] > 0.0 => {
                         g = r[t] + gamma * g;
                         out[t] = g;
-                        g *= m[t];
                     }
+                    Flavor::Verl => {}
                 }
             }
             out
@@ -291,7 +294,16 @@ mod tests {
         let g = discounted_returns(&r, &m, 1.0, Flavor::OpenRlhf);
         close(&g[0], &[1.0, 1.0, 1.0]);
         let g = discounted_returns(&r, &m, 1.0, Flavor::Verl);
-        close(&g[0], &[0.0, 6.0, 1.0]);
+        // verl 0.9: the masked token's return is 0 and its reward unused;
+        // the return after it reaches token 0 unchanged.
+        close(&g[0], &[1.0, 0.0, 1.0]);
+        // Gaps with discounting: γ applies once per unmasked token, none across a gap.
+        let r = vec![vec![0.5, 0.0, 0.0, 2.0, 0.0, 1.0, 0.0]];
+        let m = vec![vec![1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0]];
+        let g = discounted_returns(&r, &m, 0.5, Flavor::Verl);
+        let g5 = 1.0;
+        let g3 = 2.0 + 0.5 * g5;
+        close(&g[0], &[0.5 + 0.5 * g3, 0.0, 0.0, g3, 0.0, g5, 0.0]);
     }
 
     #[test]

@@ -7,47 +7,109 @@ use tch::{Kind, Tensor};
 use super::Flavor;
 
 /// How a `[B, T]` loss matrix becomes a scalar.
+///
+/// Every mode normalises over the whole optimizer step (all micro-batches
+/// and data-parallel ranks: [`StepScale`]), as verl 0.9's `agg_loss` does
+/// with its `batch_num_tokens` / `global_batch_size`, so how a step is split
+/// does not change the update.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Aggregation {
-    /// `Σ m·ℓ / Σ m` over the whole batch.
+    /// `Σ m·ℓ / Σ m` over the whole step.
     #[default]
     TokenMean,
-    /// Mean over responses of each response's token mean `Σ_t m·ℓ / Σ_t m`.
-    /// Both OpenRLHF (`aggregate_loss`) and verl (`agg_loss`) divide by
-    /// `Σ_t m + 1e-8` and average over non-empty responses only.
+    /// Mean over responses of each response's token mean `Σ_t m·ℓ / (Σ_t m + 1e-8)`,
+    /// over non-empty responses only (OpenRLHF's `aggregate_loss` and verl's `agg_loss`).
     SeqMeanTokenMean,
     /// Mean over responses of each response's token sum. verl averages over
     /// non-empty responses only; the OpenRLHF flavor (which has no such
     /// mode) over all.
     SeqMeanTokenSum,
-    /// `Σ_responses Σ_t m·ℓ / T` (Dr.GRPO's constant normaliser, T = the padded length).
+    /// Dr.GRPO: `Σ_i Σ_t m·ℓ / (N · T)` with `N` the non-empty responses of
+    /// the step and `T` the loss scale factor ([`StepScale::loss_scale_factor`]:
+    /// a constant replicates the paper; verl's default is the padded response length).
     SeqMeanTokenSumNorm,
+    /// `Σ m·ℓ`: no normalisation at all.
+    TokenSum,
 }
 
-/// Aggregates `loss` under `mask` (see [`Aggregation`]).
+/// The denominators of one optimizer step's loss, counted over every
+/// micro-batch and data-parallel rank of the step. With them,
+/// [`aggregate_in_step`] of each micro-batch sums to the aggregate of the
+/// whole step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepScale {
+    /// Valid tokens `Σ m`.
+    pub tokens: f64,
+    /// Responses.
+    pub sequences: f64,
+    /// Responses with at least one valid token.
+    pub nonempty: f64,
+    /// `T` of [`Aggregation::SeqMeanTokenSumNorm`].
+    pub loss_scale_factor: f64,
+}
+
+impl StepScale {
+    /// The scale of a step made of `mask` alone; `T` defaults to its padded width.
+    pub fn of(mask: &Tensor, loss_scale_factor: Option<f64>) -> Self {
+        let counts = mask.sum_dim_intlist(-1, false, Kind::Double);
+        StepScale {
+            tokens: counts.sum(Kind::Double).double_value(&[]),
+            sequences: mask.size()[0] as f64,
+            nonempty: counts.gt(0.0).sum(Kind::Double).double_value(&[]),
+            loss_scale_factor: loss_scale_factor.unwrap_or(mask.size()[1] as f64),
+        }
+    }
+
+    /// Adds another part of the step (`T` stays this one's).
+    pub fn add(&mut self, other: &StepScale) {
+        self.tokens += other.tokens;
+        self.sequences += other.sequences;
+        self.nonempty += other.nonempty;
+    }
+
+    /// The counts as numbers to all-reduce (`tokens`, `sequences`, `nonempty`).
+    pub fn counts(&self) -> [f64; 3] {
+        [self.tokens, self.sequences, self.nonempty]
+    }
+}
+
+/// Aggregates `loss` under `mask` as a step of its own (see [`Aggregation`];
+/// `T` = the padded width).
 pub fn aggregate(loss: &Tensor, mask: &Tensor, mode: Aggregation, flavor: Flavor) -> Tensor {
+    aggregate_in_step(loss, mask, mode, flavor, &StepScale::of(mask, None))
+}
+
+/// This micro-batch's share of the step's aggregate: its masked sums over
+/// the step's denominators (a denominator of 0 counts as 1: an empty step
+/// contributes 0).
+pub fn aggregate_in_step(
+    loss: &Tensor,
+    mask: &Tensor,
+    mode: Aggregation,
+    flavor: Flavor,
+    scale: &StepScale,
+) -> Tensor {
     let masked = loss * mask;
+    let per = |d: f64| if d > 0.0 { d } else { 1.0 };
     match mode {
-        Aggregation::TokenMean => masked.sum(Kind::Double) / mask.sum(Kind::Double),
+        Aggregation::TokenMean => masked.sum(Kind::Double) / per(scale.tokens),
+        Aggregation::TokenSum => masked.sum(Kind::Double),
         Aggregation::SeqMeanTokenMean => {
             let count = mask.sum_dim_intlist(-1, false, Kind::Double);
             let sums = masked.sum_dim_intlist(-1, false, Kind::Double);
-            let seq = sums / (&count + 1e-8);
             let nonempty = count.gt(0.0).to_kind(Kind::Double);
-            (seq * &nonempty).sum(Kind::Double) / nonempty.sum(Kind::Double)
+            (sums / (&count + 1e-8) * nonempty).sum(Kind::Double) / per(scale.nonempty)
         }
         Aggregation::SeqMeanTokenSum => {
-            let sums = masked.sum_dim_intlist(-1, false, Kind::Double);
-            match flavor {
-                Flavor::OpenRlhf => sums.mean(Kind::Double),
-                Flavor::Verl => {
-                    let count = mask.sum_dim_intlist(-1, false, Kind::Double);
-                    let nonempty = count.gt(0.0).to_kind(Kind::Double);
-                    (sums * &nonempty).sum(Kind::Double) / nonempty.sum(Kind::Double)
-                }
-            }
+            let responses = match flavor {
+                Flavor::OpenRlhf => scale.sequences,
+                Flavor::Verl => scale.nonempty,
+            };
+            masked.sum(Kind::Double) / per(responses)
         }
-        Aggregation::SeqMeanTokenSumNorm => masked.sum(Kind::Double) / mask.size()[1] as f64,
+        Aggregation::SeqMeanTokenSumNorm => {
+            masked.sum(Kind::Double) / (per(scale.nonempty) * per(scale.loss_scale_factor))
+        }
     }
 }
 
@@ -70,9 +132,18 @@ pub enum RatioLevel {
     /// PPO: a ratio per token, `exp(clamp(log π − log π_old, −20, 20))`.
     #[default]
     Token,
-    /// GSPO: one ratio per response, `exp(Σ m (log π − log π_old) / max(Σ m, 1))`:
-    /// unclamped in OpenRLHF, the exponent clamped to at most 10 in verl
-    /// (`compute_policy_loss_gspo`).
+    /// GSPO (arXiv 2507.18071): one ratio per response,
+    /// `s_i = exp(Σ_t m (log π − log π_old) / max(Σ_t m, 1))`.
+    /// - OpenRLHF (`PolicyLoss`, `policy_loss_type = "gspo"`): `s_i` itself,
+    ///   differentiated through the mean, so each token's gradient spreads
+    ///   over the whole response; unclamped.
+    /// - verl (`compute_policy_loss_gspo`): the straight-through token ratio
+    ///   `s_i,t = sg[s_i] · π(y_t) / sg[π(y_t)]`, the exponent clamped to at
+    ///   most 10: the value is `s_i`, and `∂s_i,t / ∂log π_t = s_i`, so an
+    ///   unclipped token's gradient is its own advantage's.
+    ///
+    /// The two agree when the advantage is constant within a response (GRPO).
+    /// Both anchors aggregate GSPO with `seq-mean-token-mean`.
     Sequence,
 }
 
@@ -126,6 +197,9 @@ pub struct PolicyLossConfig {
     pub correction: Option<ImportanceCorrection>,
     /// Whose definitions to follow where they differ.
     pub flavor: Flavor,
+    /// `T` of [`Aggregation::SeqMeanTokenSumNorm`] (verl's `loss_scale_factor`;
+    /// `None`: the padded response length of the step).
+    pub loss_scale_factor: Option<f64>,
 }
 
 impl Default for PolicyLossConfig {
@@ -139,6 +213,7 @@ impl Default for PolicyLossConfig {
             aggregation: Aggregation::TokenMean,
             correction: None,
             flavor: Flavor::OpenRlhf,
+            loss_scale_factor: None,
         }
     }
 }
@@ -181,9 +256,12 @@ impl PolicyLoss {
 /// `s2 = clamp(ratio, 1 − ε_low, 1 + ε_high)·A`, `ℓ = −min(s1, s2)`; with a
 /// dual clip c, for `A < 0`: `ℓ = −max(min(s1, s2), c·A)` (not with
 /// sequence ratios in verl, whose GSPO loss has no dual clip). Then ℓ is
-/// multiplied by the importance weight (if a correction is set) and
-/// aggregated under `mask`. All inputs `[B, T]`; `behaviour_logprobs` is
-/// needed only with a correction.
+/// multiplied by the importance weight `w` (if a correction is set; `w` is
+/// a constant to autograd, so `∂(w·ℓ) = w·∂ℓ`, as in OpenRLHF's
+/// `vllm_is.detach()` and verl's `rollout_is_weights`) and aggregated under
+/// `mask` as a step of its own ([`policy_loss_in_step`] takes the step's
+/// scale). All inputs `[B, T]`; `behaviour_logprobs` is needed only with a
+/// correction.
 ///
 /// OpenRLHF's GSPO with a correction instead takes the sequence ratio
 /// against the behaviour policy, `exp(mean_t (log π − log π_behaviour))`,
@@ -197,6 +275,30 @@ pub fn policy_loss(
     mask: &Tensor,
     behaviour_logprobs: Option<&Tensor>,
     cfg: &PolicyLossConfig,
+) -> PolicyLoss {
+    let scale = StepScale::of(mask, cfg.loss_scale_factor);
+    policy_loss_in_step(
+        logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        behaviour_logprobs,
+        cfg,
+        &scale,
+    )
+}
+
+/// [`policy_loss`] of one micro-batch of a step whose denominators are
+/// `scale` ([`aggregate_in_step`]): the losses of a step's micro-batches
+/// (and ranks) add up to the loss of the whole step.
+pub fn policy_loss_in_step(
+    logprobs: &Tensor,
+    old_logprobs: &Tensor,
+    advantages: &Tensor,
+    mask: &Tensor,
+    behaviour_logprobs: Option<&Tensor>,
+    cfg: &PolicyLossConfig,
+    scale: &StepScale,
 ) -> PolicyLoss {
     let log_ratio = logprobs - old_logprobs;
     let sequence = cfg.ratio_level == RatioLevel::Sequence;
@@ -215,11 +317,13 @@ pub fn policy_loss(
             let kind = sum_kind(&seq_log_ratio);
             let count = mask.sum_dim_intlist(-1, true, kind).clamp_min(1.0);
             let mean = (&seq_log_ratio * mask).sum_dim_intlist(-1, true, kind) / count;
-            let mean = match cfg.flavor {
-                Flavor::OpenRlhf => mean,
-                Flavor::Verl => mean.clamp_max(10.0),
-            };
-            mean.exp() * mask
+            match cfg.flavor {
+                Flavor::OpenRlhf => mean.exp() * mask,
+                // Straight-through: the value of the sequence ratio, the gradient of each token's own.
+                Flavor::Verl => (logprobs - logprobs.detach() + mean.detach())
+                    .clamp_max(10.0)
+                    .exp(),
+            }
         }
     };
     let surr1 = &ratio * advantages;
@@ -229,7 +333,7 @@ pub fn policy_loss(
         (Flavor::Verl, true) => None,
         _ => cfg.dual_clip,
     };
-    let mut loss = match dual_clip {
+    let loss = match dual_clip {
         None => -&clipped,
         Some(c) => {
             let lower = clipped.maximum(&(advantages * c));
@@ -237,26 +341,11 @@ pub fn policy_loss(
         }
     };
     let mut weight_stats = (1.0, 1.0, 1.0);
-    if let (Some(correction), Some(behaviour), None) =
+    let loss = if let (Some(correction), Some(behaviour), None) =
         (cfg.correction, behaviour_logprobs, gspo_behaviour)
     {
-        let _guard = tch::no_grad_guard();
-        let log_rho = old_logprobs - behaviour;
-        let rho = log_rho.exp();
-        let weight = match correction {
-            ImportanceCorrection::Tis { low, high } => rho.clamp(low, high),
-            ImportanceCorrection::IcePop { low, high } => {
-                &rho * rho.ge(low).logical_and(&rho.le(high)).to_kind(rho.kind())
-            }
-            ImportanceCorrection::SequenceMask { low, high } => {
-                let kind = sum_kind(&log_rho);
-                let count = mask.sum_dim_intlist(-1, true, kind);
-                let seq = ((&log_rho * mask).sum_dim_intlist(-1, true, kind) / count).exp();
-                &rho * seq.ge(low).logical_and(&seq.le(high)).to_kind(rho.kind())
-            }
-        };
-        let valid = mask.gt(0.0);
-        let w = weight.masked_select(&valid);
+        let weight = importance_weights(correction, old_logprobs, behaviour, mask);
+        let w = weight.masked_select(&mask.gt(0.0));
         if w.numel() > 0 {
             weight_stats = (
                 w.mean(Kind::Double).double_value(&[]),
@@ -264,8 +353,11 @@ pub fn policy_loss(
                 w.max().double_value(&[]),
             );
         }
-        loss *= weight.detach();
-    }
+        // Outside any no-grad guard: autograd must see the product.
+        loss * weight
+    } else {
+        loss
+    };
     let clip_fraction =
         masked_mean(&surr2.lt_tensor(&surr1).to_kind(Kind::Float), mask).double_value(&[]);
     let kl_log_ratio = match (cfg.flavor, cfg.ratio_level) {
@@ -274,10 +366,35 @@ pub fn policy_loss(
     };
     let approx_kl = masked_mean(&(-kl_log_ratio).detach(), mask).double_value(&[]);
     PolicyLoss {
-        loss: aggregate(&loss, mask, cfg.aggregation, cfg.flavor),
+        loss: aggregate_in_step(&loss, mask, cfg.aggregation, cfg.flavor, scale),
         clip_fraction,
         approx_kl,
         weight_stats,
+    }
+}
+
+/// The importance weights of `correction` (no gradient): `ρ = exp(log π_old − log π_behaviour)`
+/// per token, then as [`ImportanceCorrection`] says.
+pub fn importance_weights(
+    correction: ImportanceCorrection,
+    old_logprobs: &Tensor,
+    behaviour_logprobs: &Tensor,
+    mask: &Tensor,
+) -> Tensor {
+    let _guard = tch::no_grad_guard();
+    let log_rho = (old_logprobs - behaviour_logprobs).detach();
+    let rho = log_rho.exp();
+    let inside =
+        |x: &Tensor, low: f64, high: f64| x.ge(low).logical_and(&x.le(high)).to_kind(rho.kind());
+    match correction {
+        ImportanceCorrection::Tis { low, high } => rho.clamp(low, high),
+        ImportanceCorrection::IcePop { low, high } => &rho * inside(&rho, low, high),
+        ImportanceCorrection::SequenceMask { low, high } => {
+            let kind = sum_kind(&log_rho);
+            let count = mask.sum_dim_intlist(-1, true, kind);
+            let seq = ((&log_rho * mask).sum_dim_intlist(-1, true, kind) / count).exp();
+            &rho * inside(&seq, low, high)
+        }
     }
 }
 
@@ -395,7 +512,9 @@ mod tests {
             );
         }
         assert!((v(Aggregation::SeqMeanTokenSum, Flavor::Verl) - (6.0 + 4.0) / 2.0).abs() < 1e-9);
-        assert!((v(Aggregation::SeqMeanTokenSumNorm, Flavor::Verl) - 10.0 / 3.0).abs() < 1e-9);
+        // Dr.GRPO: Σ / (N · T), N = 2 non-empty responses, T = 3 (the padded width).
+        assert!((v(Aggregation::SeqMeanTokenSumNorm, Flavor::Verl) - 10.0 / 6.0).abs() < 1e-9);
+        assert!((v(Aggregation::TokenSum, Flavor::Verl) - 10.0).abs() < 1e-9);
         // OpenRLHF's sequence mean skips empty responses.
         let mask2 = t(&[&[1.0, 1.0, 1.0], &[0.0, 0.0, 0.0]]);
         assert!(
@@ -499,5 +618,163 @@ mod tests {
             Flavor::Verl,
         );
         assert!((loss.double_value(&[]) - 0.5).abs() < 1e-9);
+    }
+
+    fn grad_of(lp: &Tensor, f: impl FnOnce(&Tensor) -> Tensor) -> Vec<f64> {
+        let lp = lp.detach().to_kind(Kind::Double).set_requires_grad(true);
+        f(&lp).backward();
+        Vec::<f64>::try_from(lp.grad().flatten(0, -1)).unwrap()
+    }
+
+    #[test]
+    fn a_correction_weights_the_gradient_not_only_the_value() {
+        // Token ratios inside the trust region, so every token has a gradient.
+        let lp = t(&[&[-1.0, -0.9, -1.2], &[-0.5, -2.0, -0.7]]).to_kind(Kind::Double);
+        let old = t(&[&[-1.05, -0.95, -1.1], &[-0.45, -2.05, -0.75]]).to_kind(Kind::Double);
+        let behaviour = t(&[&[-0.4, -1.6, -1.1], &[-0.2, -2.5, -0.75]]).to_kind(Kind::Double);
+        let adv = t(&[&[1.0, -0.5, 2.0], &[-1.0, 0.3, 0.7]]).to_kind(Kind::Double);
+        let mask = t(&[&[1.0, 1.0, 1.0], &[1.0, 1.0, 0.0]]).to_kind(Kind::Double);
+        let corrections = [
+            ImportanceCorrection::Tis {
+                low: 0.0,
+                high: 1.5,
+            },
+            ImportanceCorrection::IcePop {
+                low: 0.6,
+                high: 1.5,
+            },
+            ImportanceCorrection::SequenceMask {
+                low: 0.0,
+                high: 10.0,
+            },
+        ];
+        for flavor in [Flavor::OpenRlhf, Flavor::Verl] {
+            let plain = PolicyLossConfig {
+                flavor,
+                ..Default::default()
+            };
+            let g0 = grad_of(&lp, |lp| {
+                policy_loss(lp, &old, &adv, &mask, Some(&behaviour), &plain).loss
+            });
+            for correction in corrections {
+                let cfg = PolicyLossConfig {
+                    correction: Some(correction),
+                    ..plain
+                };
+                let g = grad_of(&lp, |lp| {
+                    policy_loss(lp, &old, &adv, &mask, Some(&behaviour), &cfg).loss
+                });
+                let w = importance_weights(correction, &old, &behaviour, &mask);
+                let w = Vec::<f64>::try_from(w.flatten(0, -1)).unwrap();
+                assert!(w.iter().any(|w| (w - 1.0).abs() > 0.1), "{w:?}");
+                for i in 0..g.len() {
+                    assert!(
+                        (g[i] - w[i] * g0[i]).abs() < 1e-12,
+                        "{correction:?} {flavor:?} token {i}: {} vs {} × {}",
+                        g[i],
+                        w[i],
+                        g0[i]
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn verl_gspo_gives_each_token_its_own_advantage() {
+        // Per-token advantages (GAE-like); ratios near 1, so nothing is clipped.
+        let lp = t(&[&[-1.0, -0.9, -1.2, -3.0]]).to_kind(Kind::Double);
+        let old = t(&[&[-1.02, -0.88, -1.21, -3.0]]).to_kind(Kind::Double);
+        let adv = t(&[&[1.0, -0.5, 2.0, 7.0]]).to_kind(Kind::Double);
+        let mask = t(&[&[1.0, 1.0, 1.0, 0.0]]).to_kind(Kind::Double);
+        let base = PolicyLossConfig {
+            ratio_level: RatioLevel::Sequence,
+            aggregation: Aggregation::SeqMeanTokenMean,
+            ..Default::default()
+        };
+        let verl = PolicyLossConfig {
+            flavor: Flavor::Verl,
+            ..base
+        };
+        let s = (((&lp - &old) * &mask).sum(Kind::Double).double_value(&[]) / 3.0).exp();
+        let g = grad_of(&lp, |lp| {
+            policy_loss(lp, &old, &adv, &mask, None, &verl).loss
+        });
+        // ℓ = mean_t −A_t · s_i,t, ∂ℓ/∂log π_t = −A_t · s_i / 3.
+        for (i, a) in [1.0, -0.5, 2.0].iter().enumerate() {
+            assert!((g[i] + a * s / 3.0).abs() < 1e-8, "token {i}: {}", g[i]);
+        }
+        assert_eq!(g[3], 0.0, "a masked token has no gradient");
+        // OpenRLHF differentiates through the mean: every token gets the mean advantage.
+        let g = grad_of(&lp, |lp| {
+            policy_loss(lp, &old, &adv, &mask, None, &base).loss
+        });
+        let spread = -(1.0 - 0.5 + 2.0) / 3.0 * s / 3.0;
+        for (i, gi) in g.iter().take(3).enumerate() {
+            assert!((gi - spread).abs() < 1e-8, "token {i}: {gi}");
+        }
+        // Both take the sequence ratio's value.
+        let v = policy_loss(&lp, &old, &adv, &mask, None, &verl).loss_value();
+        assert!((v + (1.0 - 0.5 + 2.0) / 3.0 * s).abs() < 1e-8, "{v}");
+    }
+
+    #[test]
+    fn micro_batches_of_a_step_add_up_to_the_step() {
+        let loss = t(&[
+            &[1.0, 2.0, 3.0],
+            &[4.0, 0.0, 0.0],
+            &[0.5, 0.5, 0.0],
+            &[9.0, 9.0, 9.0],
+        ])
+        .to_kind(Kind::Double);
+        let mask = t(&[
+            &[1.0, 1.0, 1.0],
+            &[1.0, 0.0, 0.0],
+            &[1.0, 1.0, 0.0],
+            &[0.0, 0.0, 0.0],
+        ])
+        .to_kind(Kind::Double);
+        let modes = [
+            Aggregation::TokenMean,
+            Aggregation::SeqMeanTokenMean,
+            Aggregation::SeqMeanTokenSum,
+            Aggregation::SeqMeanTokenSumNorm,
+            Aggregation::TokenSum,
+        ];
+        for flavor in [Flavor::OpenRlhf, Flavor::Verl] {
+            for mode in modes {
+                let scale = StepScale::of(&mask, Some(5.0));
+                let whole = aggregate_in_step(&loss, &mask, mode, flavor, &scale).double_value(&[]);
+                let parts: f64 = [(0, 1), (1, 3), (3, 4)]
+                    .iter()
+                    .map(|&(a, b)| {
+                        aggregate_in_step(
+                            &loss.narrow(0, a, b - a),
+                            &mask.narrow(0, a, b - a),
+                            mode,
+                            flavor,
+                            &scale,
+                        )
+                        .double_value(&[])
+                    })
+                    .sum();
+                assert!((whole - parts).abs() < 1e-12, "{mode:?} {flavor:?}");
+            }
+        }
+        // Dr.GRPO with a user-set T = 5: Σ = 11, 3 non-empty responses.
+        let scale = StepScale::of(&mask, Some(5.0));
+        let v = aggregate_in_step(
+            &loss,
+            &mask,
+            Aggregation::SeqMeanTokenSumNorm,
+            Flavor::Verl,
+            &scale,
+        );
+        assert!((v.double_value(&[]) - 11.0 / 15.0).abs() < 1e-12);
+        // OpenRLHF's token-sum mean counts the empty response, verl's does not.
+        let open = aggregate(&loss, &mask, Aggregation::SeqMeanTokenSum, Flavor::OpenRlhf);
+        let verl = aggregate(&loss, &mask, Aggregation::SeqMeanTokenSum, Flavor::Verl);
+        assert!((open.double_value(&[]) - 11.0 / 4.0).abs() < 1e-12);
+        assert!((verl.double_value(&[]) - 11.0 / 3.0).abs() < 1e-12);
     }
 }

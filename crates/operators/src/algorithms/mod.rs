@@ -17,8 +17,8 @@ pub mod stats;
 pub use advantages::{discounted_returns, gae, grpo, rloo, whiten_advantages, GroupError};
 pub use kl::{kl, kl_tensor, kl_tokens, token_rewards, KlEstimator};
 pub use losses::{
-    aggregate, policy_loss, value_loss, Aggregation, ImportanceCorrection, PolicyLoss,
-    PolicyLossConfig, RatioLevel,
+    aggregate, aggregate_in_step, importance_weights, policy_loss, policy_loss_in_step, value_loss,
+    Aggregation, ImportanceCorrection, PolicyLoss, PolicyLossConfig, RatioLevel, StepScale,
 };
 pub use shaping::{overlong_penalty, KlController};
 pub use stats::Tokens;

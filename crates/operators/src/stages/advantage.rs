@@ -130,7 +130,7 @@ impl StepStage for GaeAdvantage {
 
     fn run_step(
         &mut self,
-        _ctx: &mut StepContext,
+        ctx: &mut StepContext,
         rows: Option<RecordBatch>,
     ) -> Result<Vec<RecordBatch>, StageError> {
         use crate::algorithms::{gae, whiten_advantages};
@@ -140,6 +140,7 @@ impl StepStage for GaeAdvantage {
         let scores = f32s(&batch, col::REWARD, "advantage")?;
         let values = float_lists(&batch, col::VALUES, "advantage")?;
         let (rewards, mask) = kl_shaped_rewards(
+            ctx,
             &batch,
             &scores,
             self.kl_coef,
@@ -184,8 +185,11 @@ type TokenRows = Vec<Vec<f64>>;
 
 /// Per-token rewards of a batch: `scores` on each response's last token
 /// (clipped to `clip`) minus `kl_coef ·` KL(behaviour ‖ reference); and the
-/// all-ones response mask.
+/// all-ones response mask. With the KL term on, its token mean over the
+/// batch is recorded as the step's `kl` (the KL these pipelines put in the
+/// reward, not in the loss).
 fn kl_shaped_rewards(
+    ctx: &mut StepContext,
     batch: &RecordBatch,
     scores: &[f64],
     kl_coef: f64,
@@ -198,7 +202,9 @@ fn kl_shaped_rewards(
     let mask: Vec<Vec<f64>> = behaviour.iter().map(|r| vec![1.0; r.len()]).collect();
     let kl = if kl_coef > 0.0 {
         let reference = float_lists(batch, col::REF_LOGPROBS, "advantage")?;
-        kl_tokens(&behaviour, &reference, estimator, flavor)
+        let kl = kl_tokens(&behaviour, &reference, estimator, flavor);
+        ctx.record("kl", crate::algorithms::stats::masked_mean(&kl, &mask));
+        kl
     } else {
         mask.iter().map(|r| vec![0.0; r.len()]).collect()
     };
@@ -247,7 +253,7 @@ impl StepStage for ReinforceAdvantage {
 
     fn run_step(
         &mut self,
-        _ctx: &mut StepContext,
+        ctx: &mut StepContext,
         rows: Option<RecordBatch>,
     ) -> Result<Vec<RecordBatch>, StageError> {
         use crate::algorithms::{discounted_returns, whiten_advantages};
@@ -260,6 +266,7 @@ impl StepStage for ReinforceAdvantage {
             scores = grpo(&scores, &groups, false, self.flavor)?;
         }
         let (rewards, mask) = kl_shaped_rewards(
+            ctx,
             &batch,
             &scores,
             self.kl_coef,

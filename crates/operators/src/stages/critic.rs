@@ -129,6 +129,8 @@ pub struct CriticLearner {
     max_grad_norm: Option<f64>,
     held: StepBuffer,
     checkpoints: Option<crate::checkpoint::Checkpointer>,
+    aggregation: Aggregation,
+    flavor: Flavor,
     /// The last step's value loss.
     pub last_loss: f64,
 }
@@ -151,8 +153,17 @@ impl CriticLearner {
             max_grad_norm,
             held: StepBuffer::new(),
             checkpoints: None,
+            aggregation: Aggregation::TokenMean,
+            flavor: Flavor::OpenRlhf,
             last_loss: f64::NAN,
         })
+    }
+
+    /// Aggregates the value loss with `aggregation` and `flavor`'s semantics
+    /// ([`value_loss`]; the default: token mean, OpenRLHF).
+    pub fn with_loss(mut self, aggregation: Aggregation, flavor: Flavor) -> Self {
+        (self.aggregation, self.flavor) = (aggregation, flavor);
+        self
     }
 
     /// Saves the critic (and its optimizer) as the `critic` component of due checkpoints.
@@ -201,14 +212,14 @@ impl StepStage for CriticLearner {
                 .view([rows.len() as i64, width as i64])
                 .to_device(model.device())
         };
-        let (loss, _clip_fraction) = value_loss(
+        let (loss, clip_fraction) = value_loss(
             &values,
             &pad(&old),
             &pad(&returns),
             &mask,
             self.clip,
-            Aggregation::TokenMean,
-            Flavor::OpenRlhf,
+            self.aggregation,
+            self.flavor,
         );
         loss.backward();
         self.optimizer.step(self.max_grad_norm);
@@ -217,6 +228,7 @@ impl StepStage for CriticLearner {
             return Err(format!("step {}: the value loss is not finite", ctx.step).into());
         }
         ctx.record("value_loss", self.last_loss);
+        ctx.record("value_clip_fraction", clip_fraction);
         if let Some(ck) = self.checkpoints.as_ref().filter(|c| c.due(ctx.step)) {
             ck.save_component(ctx.step, "critic", &model, &self.optimizer)?;
         }

@@ -17,7 +17,10 @@ use weir_graph::{StageError, StepBuffer, StepContext, StepStage, WeightsPayload}
 
 use super::columns::{float_lists, token_lists};
 use super::sequences::{response_backward, response_logprobs, ResponseForward};
-use crate::algorithms::{aggregate, kl_tensor, policy_loss, KlEstimator, PolicyLossConfig};
+use super::train_step::{optimizer_step, step_scale};
+use crate::algorithms::{
+    aggregate_in_step, kl_tensor, policy_loss_in_step, KlEstimator, PolicyLossConfig,
+};
 use crate::checkpoint::CheckpointPlan;
 use crate::rollout::col;
 
@@ -238,17 +241,31 @@ impl Learner {
         } else {
             None
         };
-        let response_tokens: usize = responses.iter().map(Vec::len).sum();
-        let rewards = batch.and_then(|b| super::columns::f32s(b, col::REWARD, "learn").ok());
-        // Over every rank: response tokens, rows, the rewards' sum and how many there were.
+        let rewards = batch
+            .map(|b| super::columns::f32s(b, col::REWARD, "learn"))
+            .transpose()
+            .or_else(|e| {
+                // Rows without a reward (a pipeline that scores elsewhere) are fine; a mistyped one is not.
+                match batch.and_then(|b| b.column_by_name(col::REWARD)) {
+                    Some(_) => Err(e),
+                    None => Ok(None),
+                }
+            })?;
+        // Over every rank: rows, the rewards' sum and how many there were.
         let mut step_totals = [
-            response_tokens as f64,
             rows as f64,
             rewards.as_ref().map_or(0.0, |r| r.iter().sum()),
             rewards.as_ref().map_or(0, Vec::len) as f64,
         ];
-        sum_scalars(self.data_parallel.as_ref(), &mut step_totals)?;
-        let total_tokens = (step_totals[0] as usize).max(1);
+        let member = self.data_parallel.as_ref();
+        sum_scalars(member, &mut step_totals)?;
+        // The loss's denominators over the whole step: every micro-batch and rank.
+        let scale = step_scale(
+            member,
+            responses.iter().map(Vec::len),
+            self.cfg.policy.loss_scale_factor,
+        )?;
+        let total_tokens = scale.tokens.max(1.0);
         let device = self.model.device();
         let micro = self.cfg.micro_batch.max(1);
         let starts: Vec<usize> = (0..rows).step_by(micro).collect();
@@ -269,108 +286,99 @@ impl Learner {
                 })
                 .collect::<Result<_, _>>()?
         };
-        let (mut loss_sum, mut clip_sum, mut kl_sum, mut grad_norm) = (0.0, 0.0, 0.0, 0.0);
-        let mut entropy_sum = 0.0;
-        let mut weights: Option<(f64, f64, f64)> = None;
+        // loss, clip fraction, KL, entropy, mean importance weight: each a step total.
+        let mut stats = [0.0; 5];
+        let mut grad_norm = 0.0;
+        let mut bounds: Option<(f64, f64)> = None;
         for _epoch in 0..self.cfg.ppo_epochs.max(1) {
-            self.optimizer
-                .set_lr(self.cfg.schedule.rate(self.cfg.adamw.lr, self.updates));
-            self.optimizer.zero_grad();
-            (loss_sum, clip_sum, kl_sum, entropy_sum) = (0.0, 0.0, 0.0, 0.0);
-            weights = None;
-            for (&start, old) in starts.iter().zip(&proximal) {
-                let end = (start + micro).min(rows);
-                let cfg = &self.cfg;
-                let micro_loss = |fwd: ResponseForward| {
-                    let (lp, mask) = (fwd.logprobs, fwd.mask);
-                    let width = lp.size()[1] as usize;
-                    let adv = padded(&advantages[start..end], width, device);
-                    let behaviour_t = padded(&behaviour[start..end], width, device);
-                    let out = policy_loss(&lp, old, &adv, &mask, Some(&behaviour_t), &cfg.policy);
-                    let mut loss = out.loss.shallow_clone();
-                    if let Some(refs) = &references {
-                        // KL to the reference as a loss term (GRPO's β · KL), aggregated like the policy loss.
-                        let ref_t = padded(&refs[start..end], width, device);
-                        let kl = aggregate(
-                            &kl_tensor(&lp, &ref_t, cfg.kl_estimator, cfg.policy.flavor),
-                            &mask,
-                            cfg.policy.aggregation,
-                            cfg.policy.flavor,
-                        );
-                        kl_sum += kl.double_value(&[]) * mask.sum(Kind::Double).double_value(&[])
-                            / total_tokens as f64;
-                        loss += kl * cfg.kl_coef;
-                    }
-                    let tokens = mask.sum(Kind::Double).double_value(&[]);
-                    if let Some(entropy) = &fwd.entropy {
-                        if cfg.entropy_coef != 0.0 {
-                            let bonus = aggregate(
-                                entropy,
+            let lr = self.cfg.schedule.rate(self.cfg.adamw.lr, self.updates);
+            stats = [0.0; 5];
+            bounds = None;
+            let (model, cfg) = (&self.model, &self.cfg);
+            grad_norm = optimizer_step(
+                &mut self.optimizer,
+                member,
+                lr,
+                cfg.max_grad_norm,
+                &mut stats,
+                |stats| {
+                    for (&start, old) in starts.iter().zip(&proximal) {
+                        let end = (start + micro).min(rows);
+                        let micro_loss = |fwd: ResponseForward| {
+                            let (lp, mask) = (fwd.logprobs, fwd.mask);
+                            let width = lp.size()[1] as usize;
+                            let adv = padded(&advantages[start..end], width, device);
+                            let behaviour_t = padded(&behaviour[start..end], width, device);
+                            let (agg, flavor) = (cfg.policy.aggregation, cfg.policy.flavor);
+                            let out = policy_loss_in_step(
+                                &lp,
+                                old,
+                                &adv,
                                 &mask,
-                                cfg.policy.aggregation,
-                                cfg.policy.flavor,
+                                Some(&behaviour_t),
+                                &cfg.policy,
+                                &scale,
                             );
-                            loss -= bonus * cfg.entropy_coef;
-                        }
-                        entropy_sum += (entropy.detach() * &mask)
-                            .sum(Kind::Double)
-                            .double_value(&[])
-                            / total_tokens as f64;
+                            let mut loss = out.loss.shallow_clone();
+                            let share = mask.sum(Kind::Double).double_value(&[]) / total_tokens;
+                            if let Some(refs) = &references {
+                                // KL to the reference as a loss term (GRPO's β · KL), aggregated like the policy loss.
+                                let ref_t = padded(&refs[start..end], width, device);
+                                let kl = kl_tensor(&lp, &ref_t, cfg.kl_estimator, flavor);
+                                stats[2] +=
+                                    (kl.detach() * &mask).sum(Kind::Double).double_value(&[])
+                                        / total_tokens;
+                                loss += aggregate_in_step(&kl, &mask, agg, flavor, &scale)
+                                    * cfg.kl_coef;
+                            }
+                            if let Some(entropy) = &fwd.entropy {
+                                if cfg.entropy_coef != 0.0 {
+                                    let bonus =
+                                        aggregate_in_step(entropy, &mask, agg, flavor, &scale);
+                                    loss -= bonus * cfg.entropy_coef;
+                                }
+                                stats[3] += (entropy.detach() * &mask)
+                                    .sum(Kind::Double)
+                                    .double_value(&[])
+                                    / total_tokens;
+                            }
+                            stats[0] += loss.double_value(&[]);
+                            stats[1] += out.clip_fraction * share;
+                            if cfg.policy.correction.is_some() {
+                                let (mean, lo, hi) = out.weight_stats;
+                                stats[4] += mean * share;
+                                bounds = Some(match bounds {
+                                    None => (lo, hi),
+                                    Some((l, h)) => (l.min(lo), h.max(hi)),
+                                });
+                            }
+                            Ok((loss, ()))
+                        };
+                        response_backward(
+                            model,
+                            &prompts[start..end],
+                            &responses[start..end],
+                            cfg.temperature,
+                            true,
+                            cfg.gradient_checkpointing,
+                            micro_loss,
+                        )?;
                     }
-                    // Token mean over the whole step: weight each micro-batch by its share of tokens.
-                    let share = tokens / total_tokens as f64;
-                    loss_sum += loss.double_value(&[]) * share;
-                    clip_sum += out.clip_fraction * share;
-                    if cfg.policy.correction.is_some() {
-                        let (mean, lo, hi) = out.weight_stats;
-                        weights = Some(match weights {
-                            None => (mean * share, lo, hi),
-                            Some((m, l, h)) => (m + mean * share, l.min(lo), h.max(hi)),
-                        });
-                    }
-                    Ok((loss * share, ()))
-                };
-                response_backward(
-                    &self.model,
-                    &prompts[start..end],
-                    &responses[start..end],
-                    cfg.temperature,
-                    true,
-                    cfg.gradient_checkpointing,
-                    micro_loss,
-                )?;
-            }
-            if let Some(member) = &self.data_parallel {
-                let mut stats = [
-                    loss_sum,
-                    clip_sum,
-                    kl_sum,
-                    entropy_sum,
-                    weights.map_or(0.0, |w| w.0),
-                ];
-                self.optimizer.all_reduce_gradients(member, &mut stats)?;
-                [loss_sum, clip_sum, kl_sum, entropy_sum] =
-                    [stats[0], stats[1], stats[2], stats[3]];
-                // The weights' mean is over every rank; min and max stay this rank's.
-                weights = weights.map(|(_, lo, hi)| (stats[4], lo, hi));
-            }
-            grad_norm = self.optimizer.step(self.cfg.max_grad_norm);
+                    Ok(())
+                },
+            )?;
             self.updates += 1;
         }
-        if !loss_sum.is_finite() || !grad_norm.is_finite() {
-            return Err(format!(
-                "the loss ({loss_sum}) or gradient norm ({grad_norm}) is not finite"
-            )
-            .into());
-        }
+        // The weights' mean is over every rank; min and max stay this rank's.
+        let weights = bounds.map(|(lo, hi)| (stats[4], lo, hi));
         self.last = UpdateStats {
-            loss: loss_sum,
+            loss: stats[0],
             grad_norm,
-            clip_fraction: clip_sum,
-            kl: kl_sum,
-            entropy: entropy_sum,
-            response_length: step_totals[0] / step_totals[1].max(1.0),
-            reward: (step_totals[3] > 0.0).then(|| step_totals[2] / step_totals[3]),
+            clip_fraction: stats[1],
+            kl: stats[2],
+            entropy: stats[3],
+            response_length: scale.tokens / step_totals[0].max(1.0),
+            reward: (step_totals[2] > 0.0).then(|| step_totals[1] / step_totals[2]),
             importance_weights: weights,
         };
         Ok(self.last)
@@ -411,10 +419,13 @@ impl StepStage for Learner {
                 ("loss", u.loss),
                 ("grad_norm", u.grad_norm),
                 ("clip_fraction", u.clip_fraction),
-                ("kl", u.kl),
                 ("entropy", u.entropy),
             ] {
                 ctx.record(name, value);
+            }
+            // Only a KL in the loss is the learner's; a KL in the reward is the advantage stage's.
+            if self.cfg.kl_coef > 0.0 {
+                ctx.record("kl", u.kl);
             }
             if let Some((mean, min, max)) = u.importance_weights {
                 ctx.record("is_weight_mean", mean);

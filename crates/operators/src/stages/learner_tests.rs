@@ -196,6 +196,155 @@ fn data_parallel_ranks_train_like_one_learner_on_all_rows() {
     }
 }
 
+/// Four rows with uneven lengths (one empty response) and per-token advantages.
+fn uneven_batch(copies: usize) -> RecordBatch {
+    let responses = [
+        vec![5i64, 6, 7],
+        vec![8, 9],
+        vec![],
+        vec![11, 12, 13, 14, 15],
+    ];
+    let advantages = [
+        vec![1.0, -0.5, 0.3],
+        vec![-0.5; 2],
+        vec![],
+        vec![-1.0, 0.5, 2.0, -0.25, 0.75],
+    ];
+    let prompts = [vec![1i64, 2], vec![1, 3, 4], vec![1, 2], vec![7]];
+    fn rep<T: Clone>(x: &[T], copies: usize) -> Vec<T> {
+        (0..copies).flat_map(|_| x.iter().cloned()).collect()
+    }
+    let behaviour: Vec<Vec<f64>> = responses.iter().map(|r| vec![-2.0; r.len()]).collect();
+    let reference: Vec<Vec<f64>> = responses.iter().map(|r| vec![-1.5; r.len()]).collect();
+    RecordBatch::try_from_iter([
+        (col::PROMPT_TOKENS, token_list_array(&rep(&prompts, copies))),
+        (
+            col::RESPONSE_TOKENS,
+            token_list_array(&rep(&responses, copies)),
+        ),
+        (col::ADVANTAGES, float_list_array(&rep(&advantages, copies))),
+        (
+            col::BEHAVIOR_LOGPROBS,
+            float_list_array(&rep(&behaviour, copies)),
+        ),
+        (
+            col::REF_LOGPROBS,
+            float_list_array(&rep(&reference, copies)),
+        ),
+    ])
+    .unwrap()
+}
+
+fn aggregation_learner(aggregation: crate::algorithms::Aggregation, micro_batch: usize) -> Learner {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../../shared/fixtures/models/tiny-llama");
+    let model = Model::load(&dir, weir_gpu::Device::Cpu, Kind::Float).unwrap();
+    let mut cfg = LearnerConfig {
+        entropy_coef: 0.1,
+        kl_coef: 0.05,
+        micro_batch,
+        // No clipping: the gradient norm shows the gradient's scale.
+        max_grad_norm: None,
+        ..LearnerConfig::default()
+    };
+    cfg.policy.aggregation = aggregation;
+    cfg.policy.flavor = crate::algorithms::Flavor::Verl;
+    Learner::new(model, cfg).unwrap()
+}
+
+const AGGREGATIONS: [crate::algorithms::Aggregation; 5] = [
+    crate::algorithms::Aggregation::TokenMean,
+    crate::algorithms::Aggregation::SeqMeanTokenMean,
+    crate::algorithms::Aggregation::SeqMeanTokenSum,
+    crate::algorithms::Aggregation::SeqMeanTokenSumNorm,
+    crate::algorithms::Aggregation::TokenSum,
+];
+
+#[test]
+fn every_aggregation_gives_one_step_however_it_is_split() {
+    let batch = uneven_batch(1);
+    for mode in AGGREGATIONS {
+        let whole = aggregation_learner(mode, 4).update(&batch).unwrap();
+        let micro = aggregation_learner(mode, 1).update(&batch).unwrap();
+        // Two ranks: row 0 on rank 0, rows 1–3 on rank 1 (its micro-batches of 2).
+        let group = weir_gpu::collective::HostGroup::new(2);
+        let ranks: Vec<_> = [batch.slice(0, 1), batch.slice(1, 3)]
+            .into_iter()
+            .enumerate()
+            .map(|(rank, rows)| {
+                let (l, member) = (aggregation_learner(mode, 2), group.member(rank));
+                std::thread::spawn(move || {
+                    let mut l = l.with_data_parallel(member).unwrap();
+                    l.update(&rows).unwrap()
+                })
+            })
+            .collect();
+        let ranks: Vec<_> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+        assert!(whole.grad_norm > 0.0);
+        for (how, other) in [("4 micro-batches", micro), ("2 ranks", ranks[0])] {
+            for (name, a, b) in [
+                ("loss", whole.loss, other.loss),
+                ("grad_norm", whole.grad_norm, other.grad_norm),
+                ("kl", whole.kl, other.kl),
+                ("entropy", whole.entropy, other.entropy),
+            ] {
+                assert!(
+                    (a - b).abs() < 1e-5 * a.abs().max(1.0),
+                    "{mode:?}, {how}: {name} {a} vs {b}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_larger_batch_of_the_same_rows_is_the_same_step_except_for_token_sum() {
+    // Dr.GRPO's normaliser included: Σ / (N · T) does not grow with the batch.
+    for mode in AGGREGATIONS {
+        let once = aggregation_learner(mode, 4)
+            .update(&uneven_batch(1))
+            .unwrap();
+        let twice = aggregation_learner(mode, 4)
+            .update(&uneven_batch(2))
+            .unwrap();
+        let factor = match mode {
+            crate::algorithms::Aggregation::TokenSum => 2.0,
+            _ => 1.0,
+        };
+        for (name, a, b) in [
+            ("loss", once.loss, twice.loss),
+            ("grad_norm", once.grad_norm, twice.grad_norm),
+        ] {
+            assert!(
+                (a * factor - b).abs() < 1e-5 * b.abs().max(1.0),
+                "{mode:?}: {name} {a} vs {b}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_mistyped_reward_column_is_an_error() {
+    let batch = uneven_batch(1);
+    let schema = batch.schema();
+    let mut columns: Vec<(&str, arrow::array::ArrayRef)> = schema
+        .fields()
+        .iter()
+        .zip(batch.columns())
+        .map(|(f, c)| (f.name().as_str(), c.clone()))
+        .collect();
+    columns.push((
+        col::REWARD,
+        std::sync::Arc::new(arrow::array::StringArray::from(vec!["1"; 4])),
+    ));
+    let batch = RecordBatch::try_from_iter(columns).unwrap();
+    let err = aggregation_learner(crate::algorithms::Aggregation::TokenMean, 4)
+        .update(&batch)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains(col::REWARD), "{err}");
+}
+
 #[test]
 fn schedules_warm_up_then_hold_or_decay() {
     let c = LrSchedule::Constant { warmup: 4 };

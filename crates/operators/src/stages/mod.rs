@@ -28,3 +28,4 @@ pub mod remote_reward;
 pub mod reward;
 pub mod sequences;
 pub mod sft;
+pub mod train_step;

@@ -13,6 +13,8 @@
 use arrow::array::RecordBatch;
 use tch::{Kind, Tensor};
 use weir_gpu::collective::{leads, sum_scalars, GroupMember};
+
+use super::train_step::optimizer_step;
 use weir_gpu::optim::{AdamWConfig, Optimizer};
 use weir_gpu::{Model, Tokenizer};
 use weir_graph::{StageError, StepBuffer, StepContext, StepStage};
@@ -104,22 +106,19 @@ impl Trainer {
             .cfg
             .schedule
             .rate(self.cfg.adamw.lr, self.optimizer.steps());
-        self.optimizer.set_lr(lr);
-        self.optimizer.zero_grad();
-        if let Some(loss) = loss {
-            loss.backward();
-        }
-        if let Some(member) = &self.data_parallel {
-            self.optimizer.all_reduce_gradients(member, sums)?;
-        }
-        let norm = self.optimizer.step(self.cfg.max_grad_norm);
-        let value = sums[0];
-        if !value.is_finite() || !norm.is_finite() {
-            return Err(
-                format!("the loss ({value}) or gradient norm ({norm}) is not finite").into(),
-            );
-        }
-        Ok(norm)
+        optimizer_step(
+            &mut self.optimizer,
+            self.data_parallel.as_ref(),
+            lr,
+            self.cfg.max_grad_norm,
+            sums,
+            |_| {
+                if let Some(loss) = loss {
+                    loss.backward();
+                }
+                Ok(())
+            },
+        )
     }
 
     /// Records the step's metrics and saves a due checkpoint (rank 0 of data-parallel ranks).

@@ -4,8 +4,7 @@
 //! checkpoints. Rows pass on unchanged (with `sft_loss` per step recorded).
 
 use arrow::array::RecordBatch;
-use tch::Kind;
-use weir_gpu::collective::{leads, sum_scalars, GroupMember};
+use weir_gpu::collective::{leads, GroupMember};
 use weir_gpu::optim::{AdamWConfig, Optimizer};
 use weir_gpu::{Model, Tokenizer};
 use weir_graph::{StageError, StepBuffer, StepContext, StepStage};
@@ -14,6 +13,8 @@ use super::columns::token_lists;
 use super::learner::LrSchedule;
 use super::sequences::response_backward;
 use super::sequences::response_targets;
+use super::train_step::{optimizer_step, step_scale};
+use crate::algorithms::{aggregate_in_step, Aggregation, Flavor};
 use crate::checkpoint::CheckpointPlan;
 use crate::rollout::col;
 
@@ -111,45 +112,49 @@ impl SftTrainer {
             ),
             None => (Vec::new(), Vec::new()),
         };
-        let mut total = [targets.iter().map(Vec::len).sum::<usize>() as f64];
-        sum_scalars(self.data_parallel.as_ref(), &mut total)?;
-        let total = total[0].max(1.0);
+        let member = self.data_parallel.as_ref();
+        // Token mean over the whole step: every micro-batch and rank.
+        let scale = step_scale(member, targets.iter().map(Vec::len), None)?;
         let lr = self
             .cfg
             .schedule
             .rate(self.cfg.adamw.lr, self.optimizer.steps());
-        self.optimizer.set_lr(lr);
-        self.optimizer.zero_grad();
-        let mut loss_sum = 0.0;
-        for start in (0..prompts.len()).step_by(self.cfg.micro_batch.max(1)) {
-            let end = (start + self.cfg.micro_batch.max(1)).min(prompts.len());
-            // Token mean over the whole step.
-            loss_sum += response_backward(
-                &self.model,
-                &prompts[start..end],
-                &targets[start..end],
-                1.0,
-                false,
-                self.cfg.gradient_checkpointing,
-                |f| {
-                    let loss = -(f.logprobs * &f.mask).sum(Kind::Float) / total;
-                    let value = loss.double_value(&[]);
-                    Ok((loss, value))
-                },
-            )?;
-        }
-        if let Some(member) = &self.data_parallel {
-            let mut loss = [loss_sum];
-            self.optimizer.all_reduce_gradients(member, &mut loss)?;
-            loss_sum = loss[0];
-        }
-        let grad_norm = self.optimizer.step(self.cfg.max_grad_norm);
-        if !loss_sum.is_finite() || !grad_norm.is_finite() {
-            return Err(format!(
-                "the loss ({loss_sum}) or gradient norm ({grad_norm}) is not finite"
-            )
-            .into());
-        }
+        let (model, cfg) = (&self.model, &self.cfg);
+        let mut stats = [0.0];
+        let grad_norm = optimizer_step(
+            &mut self.optimizer,
+            member,
+            lr,
+            cfg.max_grad_norm,
+            &mut stats,
+            |stats| {
+                for start in (0..prompts.len()).step_by(cfg.micro_batch.max(1)) {
+                    let end = (start + cfg.micro_batch.max(1)).min(prompts.len());
+                    stats[0] += response_backward(
+                        model,
+                        &prompts[start..end],
+                        &targets[start..end],
+                        1.0,
+                        false,
+                        cfg.gradient_checkpointing,
+                        |f| {
+                            let nll = -f.logprobs;
+                            let loss = aggregate_in_step(
+                                &nll,
+                                &f.mask,
+                                Aggregation::TokenMean,
+                                Flavor::OpenRlhf,
+                                &scale,
+                            );
+                            let value = loss.double_value(&[]);
+                            Ok((loss, value))
+                        },
+                    )?;
+                }
+                Ok(())
+            },
+        )?;
+        let loss_sum = stats[0];
         self.last_loss = loss_sum;
         Ok((loss_sum, grad_norm))
     }

@@ -1,0 +1,177 @@
+//! The config keys that choose a behaviour, as enums: a value is parsed
+//! once, when the config is read (a misspelt one is an error naming the
+//! key and the accepted values), and every use matches all variants, so no
+//! value can pass validation and then fall through to a default.
+
+use serde::{Deserialize, Serialize};
+use weir_operators::algorithms::{Aggregation, Flavor, KlEstimator};
+
+/// `run.device`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceChoice {
+    /// The CPU.
+    Cpu,
+    /// CUDA device `worker mod count`.
+    Cuda,
+}
+
+/// `placement.reference`: where the frozen reference runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReferencePlacement {
+    /// On the train workers, beside the learner.
+    Train,
+    /// On the rollout workers, beside the generator.
+    Rollout,
+}
+
+/// `model.dtype`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dtype {
+    /// float32.
+    F32,
+    /// bfloat16.
+    Bf16,
+    /// float16.
+    F16,
+}
+
+impl Dtype {
+    /// The libtorch kind.
+    pub fn kind(self) -> tch::Kind {
+        match self {
+            Dtype::F32 => tch::Kind::Float,
+            Dtype::Bf16 => tch::Kind::BFloat16,
+            Dtype::F16 => tch::Kind::Half,
+        }
+    }
+}
+
+/// `reward.kind`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RewardKind {
+    /// A rule on a dataset column (`reward.rule`).
+    Rule,
+    /// A reward model (`model.reward_model`).
+    Model,
+    /// An HTTP reward server (`reward.url`).
+    Remote,
+}
+
+/// `algorithm.schedule`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ScheduleChoice {
+    /// Warm-up, then the base rate.
+    Constant,
+    /// Warm-up, then cosine decay to `min_lr_ratio · lr`.
+    Cosine,
+}
+
+/// `algorithm.kl_estimator`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KlChoice {
+    /// `log π − log π_ref`.
+    K1,
+    /// `(log π − log π_ref)² / 2`.
+    K2,
+    /// `exp(log π_ref − log π) − 1 + log π − log π_ref`.
+    K3,
+}
+
+impl From<KlChoice> for KlEstimator {
+    fn from(k: KlChoice) -> Self {
+        match k {
+            KlChoice::K1 => KlEstimator::K1,
+            KlChoice::K2 => KlEstimator::K2,
+            KlChoice::K3 => KlEstimator::K3,
+        }
+    }
+}
+
+/// `algorithm.aggregation`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AggregationChoice {
+    /// [`Aggregation::TokenMean`].
+    TokenMean,
+    /// [`Aggregation::SeqMeanTokenMean`].
+    SeqMeanTokenMean,
+    /// [`Aggregation::SeqMeanTokenSum`].
+    SeqMeanTokenSum,
+    /// [`Aggregation::SeqMeanTokenSumNorm`].
+    SeqMeanTokenSumNorm,
+    /// [`Aggregation::TokenSum`].
+    TokenSum,
+}
+
+impl From<AggregationChoice> for Aggregation {
+    fn from(a: AggregationChoice) -> Self {
+        match a {
+            AggregationChoice::TokenMean => Aggregation::TokenMean,
+            AggregationChoice::SeqMeanTokenMean => Aggregation::SeqMeanTokenMean,
+            AggregationChoice::SeqMeanTokenSum => Aggregation::SeqMeanTokenSum,
+            AggregationChoice::SeqMeanTokenSumNorm => Aggregation::SeqMeanTokenSumNorm,
+            AggregationChoice::TokenSum => Aggregation::TokenSum,
+        }
+    }
+}
+
+/// `algorithm.flavor`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FlavorChoice {
+    /// OpenRLHF's semantics.
+    Openrlhf,
+    /// verl's semantics.
+    Verl,
+}
+
+impl From<FlavorChoice> for Flavor {
+    fn from(f: FlavorChoice) -> Self {
+        match f {
+            FlavorChoice::Openrlhf => Flavor::OpenRlhf,
+            FlavorChoice::Verl => Flavor::Verl,
+        }
+    }
+}
+
+/// `algorithm.correction`: the off-policy correction of stale rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CorrectionChoice {
+    /// No correction.
+    None,
+    /// Truncated importance sampling.
+    Tis,
+    /// IcePop: tokens with ρ outside the bounds are dropped.
+    Icepop,
+    /// Responses with a geometric-mean ρ outside the bounds are dropped.
+    SeqMask,
+}
+
+/// `algorithm.policy_loss`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PolicyLossChoice {
+    /// PPO's clipped loss with a ratio per token.
+    Ppo,
+    /// GSPO: one ratio per response.
+    Gspo,
+}
+
+/// `algorithm.preference_loss`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PreferenceChoice {
+    /// DPO.
+    Dpo,
+    /// Conservative DPO (with `label_smoothing`).
+    Cdpo,
+    /// IPO.
+    Ipo,
+}

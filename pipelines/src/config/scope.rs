@@ -1,0 +1,192 @@
+//! Which keys a pipeline reads, and when a key's value has no effect: a
+//! key that would change nothing is refused with one line instead of
+//! being silently ignored, and `weir config` prints only the keys that
+//! apply to the pipeline.
+
+use super::{
+    AggregationChoice, ConfigError, CorrectionChoice, PreferenceChoice, RewardKind, RunConfig,
+    ScheduleChoice,
+};
+use crate::PipelineKind;
+
+/// Whether `pipeline` reads `section.key` at all.
+pub fn applies(pipeline: PipelineKind, section: &str, key: &str) -> bool {
+    use PipelineKind::*;
+    let rl = pipeline.is_rl();
+    let group = pipeline.is_group();
+    match (section, key) {
+        ("run", "max_staleness" | "rows_per_file") => rl,
+        ("placement", "reference") => rl,
+        ("model", "reference") => rl || pipeline == Dpo,
+        ("model", "reward_model") => rl || pipeline == Rm,
+        ("model", "critic") => pipeline == Ppo,
+        ("data", "label_column") => rl || pipeline == Sft,
+        ("data", "samples_per_prompt") => rl,
+        ("data", "chosen_column" | "rejected_column") => matches!(pipeline, Rm | Dpo),
+        ("generate" | "reward" | "curriculum" | "dynamic_sampling", _) => {
+            rl && (group || !matches!(section, "curriculum" | "dynamic_sampling"))
+        }
+        ("algorithm", "micro_batch" | "gradient_checkpointing") => rl || pipeline == Sft,
+        (
+            "algorithm",
+            "ppo_epochs" | "clip_low" | "clip_high" | "dual_clip" | "kl_coef" | "kl_estimator"
+            | "entropy_coef" | "aggregation" | "loss_scale_factor" | "policy_loss" | "flavor"
+            | "correction" | "correction_low" | "correction_high",
+        ) => rl,
+        ("algorithm", "gamma") => matches!(pipeline, Ppo | ReinforcePp),
+        ("algorithm", "lambda" | "critic_lr" | "value_clip") => pipeline == Ppo,
+        ("algorithm", "beta" | "preference_loss" | "label_smoothing") => pipeline == Dpo,
+        ("eval", _) => pipeline != Rm,
+        _ => true,
+    }
+}
+
+/// The keys that `pipeline` reads but that `cfg`'s other values make
+/// inert, each with the condition under which it would act.
+fn inert(cfg: &RunConfig, pipeline: PipelineKind) -> Vec<(&'static str, &'static str, String)> {
+    let (a, r) = (&cfg.algorithm, &cfg.reward);
+    let mut out = Vec::new();
+    let mut unless = |on: bool, section, key, why: &str| {
+        if !on {
+            out.push((section, key, format!("has no effect unless {why}")));
+        }
+    };
+    let arith = cfg.data.prompts == "arith";
+    unless(
+        r.kind == RewardKind::Rule,
+        "reward",
+        "rule",
+        "reward.kind = \"rule\"",
+    );
+    for key in ["url", "timeout_s", "attempts"] {
+        unless(
+            r.kind == RewardKind::Remote,
+            "reward",
+            key,
+            "reward.kind = \"remote\"",
+        );
+    }
+    if pipeline.is_rl() && pipeline != PipelineKind::Ppo {
+        unless(
+            r.kind == RewardKind::Model,
+            "model",
+            "reward_model",
+            "reward.kind = \"model\" (or in ppo, whose critic starts from it)",
+        );
+    }
+    if pipeline.is_rl() {
+        for (section, key) in [
+            ("placement", "reference"),
+            ("model", "reference"),
+            ("algorithm", "kl_estimator"),
+        ] {
+            unless(a.kl_coef > 0.0, section, key, "algorithm.kl_coef > 0");
+        }
+    }
+    for key in ["correction_low", "correction_high"] {
+        unless(
+            a.correction != CorrectionChoice::None,
+            "algorithm",
+            key,
+            "algorithm.correction is set",
+        );
+    }
+    unless(
+        a.aggregation == AggregationChoice::SeqMeanTokenSumNorm,
+        "algorithm",
+        "loss_scale_factor",
+        "algorithm.aggregation = \"seq-mean-token-sum-norm\"",
+    );
+    unless(
+        a.preference_loss == PreferenceChoice::Cdpo,
+        "algorithm",
+        "label_smoothing",
+        "algorithm.preference_loss = \"cdpo\"",
+    );
+    unless(
+        a.schedule == ScheduleChoice::Cosine,
+        "algorithm",
+        "min_lr_ratio",
+        "algorithm.schedule = \"cosine\"",
+    );
+    for key in [
+        "min_samples",
+        "max_solve_rate",
+        "min_solve_rate",
+        "solve_threshold",
+    ] {
+        unless(
+            cfg.curriculum.enabled,
+            "curriculum",
+            key,
+            "curriculum.enabled",
+        );
+    }
+    unless(
+        cfg.dynamic_sampling.enabled,
+        "dynamic_sampling",
+        "target_groups",
+        "dynamic_sampling.enabled",
+    );
+    for key in ["prompt_column", "messages_column"] {
+        unless(!arith, "data", key, "data.prompts is a prompt file");
+    }
+    for key in ["chosen_column", "rejected_column"] {
+        unless(
+            !arith,
+            "data",
+            key,
+            "data.prompts is a prompt file (arith makes its own pairs)",
+        );
+    }
+    unless(
+        arith && cfg.eval.arith,
+        "eval",
+        "batch",
+        "the arith evaluation runs (eval.arith with data.prompts = \"arith\")",
+    );
+    out
+}
+
+impl RunConfig {
+    /// Refuses a key set away from `pipeline`'s default where it changes
+    /// nothing: a key the pipeline does not read, or one that the config's
+    /// other values make inert.
+    pub(super) fn check_scope(&self, pipeline: PipelineKind) -> Result<(), ConfigError> {
+        let defaults =
+            toml::Value::try_from(RunConfig::defaults_for(pipeline)).expect("a config serialises");
+        let mine = toml::Value::try_from(self).expect("a config serialises");
+        let set = |section: &str, key: &str| {
+            let value = &mine[section][key];
+            (value != &defaults[section][key]).then(|| value.to_string())
+        };
+        let refuse = |section: &str, key: &str, value: String, why: String| {
+            Err(ConfigError {
+                source_name: "config".into(),
+                message: format!("`{section}.{key}` = {value}: {why}"),
+            })
+        };
+        for (section, key, _) in super::DOCS {
+            if applies(pipeline, section, key) {
+                continue;
+            }
+            if let Some(value) = set(section, key) {
+                return refuse(
+                    section,
+                    key,
+                    value,
+                    format!("the {} pipeline does not use this key", pipeline.name()),
+                );
+            }
+        }
+        for (section, key, why) in inert(self, pipeline) {
+            if !applies(pipeline, section, key) {
+                continue;
+            }
+            if let Some(value) = set(section, key) {
+                return refuse(section, key, value, why);
+            }
+        }
+        Ok(())
+    }
+}
