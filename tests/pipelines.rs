@@ -109,6 +109,9 @@ fn every_rl_pipeline_runs_logs_and_checkpoints() {
         PipelineKind::Grpo,
         PipelineKind::DrGrpo,
         PipelineKind::Rloo,
+        PipelineKind::Opo,
+        PipelineKind::GrpoPassk,
+        PipelineKind::Gpg,
         PipelineKind::ReinforcePp,
         PipelineKind::ReinforcePpBaseline,
         PipelineKind::Ppo,
@@ -583,3 +586,74 @@ fn rm_learns_its_pairs_and_dpo_grows_the_margin() {
         );
     }
 }
+
+/// Every policy objective and correction trains through a pipeline: the
+/// runs finish with finite losses, and each objective's losses are its own.
+#[test]
+fn every_policy_loss_and_correction_trains_through_grpo() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut losses: Vec<(String, BTreeMap<u64, f64>)> = Vec::new();
+    for (name, items) in [
+        ("ppo", &["algorithm.policy_loss=ppo"][..]),
+        (
+            "gspo",
+            &[
+                "algorithm.policy_loss=gspo",
+                "algorithm.aggregation=\"seq-mean-token-mean\"",
+            ],
+        ),
+        (
+            "sapo",
+            &[
+                "algorithm.policy_loss=sapo",
+                "algorithm.aggregation=\"seq-mean-token-mean\"",
+            ],
+        ),
+        ("cispo", &["algorithm.policy_loss=cispo"]),
+        ("gmpo", &["algorithm.policy_loss=gmpo"]),
+        ("gpg", &["algorithm.policy_loss=gpg"]),
+        (
+            "clip_cov",
+            &[
+                "algorithm.policy_loss=clip_cov",
+                "algorithm.clip_cov_lb=-100",
+            ],
+        ),
+        ("kl_cov", &["algorithm.policy_loss=kl_cov"]),
+        (
+            "icepop",
+            &["algorithm.correction=icepop", "run.max_staleness=1"],
+        ),
+        (
+            "seq-mask",
+            &["algorithm.correction=\"seq-mask\"", "run.max_staleness=1"],
+        ),
+        ("dual-clip", &["algorithm.dual_clip=2.0"]),
+    ] {
+        let mut items: Vec<String> = items.iter().map(|s| s.to_string()).collect();
+        items.extend(["algorithm.ppo_epochs=2".into(), "algorithm.lr=0.01".into()]);
+        let cfg = config(PipelineKind::Grpo, 2)
+            .with_overrides(&items)
+            .unwrap();
+        let dir = tmp.path().join(name);
+        run(PipelineKind::Grpo, cfg, &dir, false);
+        let loss = metric(&dir, "learn", "loss");
+        assert_eq!(loss.len(), 2, "{name}: {loss:?}");
+        assert!(loss.values().all(|l| l.is_finite()), "{name}: {loss:?}");
+        if name.contains('-') && !name.starts_with("dual") {
+            assert_eq!(metric(&dir, "learn", "is_weight_mean").len(), 2, "{name}");
+        }
+        losses.push((name.to_string(), loss));
+    }
+    // The objectives differ from PPO's in their losses.
+    let ppo = &losses[0].1;
+    for (name, loss) in &losses[1..8] {
+        assert!(
+            loss.iter().any(|(s, l)| (l - ppo[s]).abs() > 1e-6),
+            "{name} gives PPO's losses: {loss:?}"
+        );
+    }
+}
+
+#[path = "pipelines/keys.rs"]
+mod keys;

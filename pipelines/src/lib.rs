@@ -2,7 +2,8 @@
 //!
 //! Each pipeline is a short function that wires `weir_operators` stages
 //! into a `weir_graph::Pipeline` from a typed [`RunConfig`]: [`rl::grpo`],
-//! [`rl::dr_grpo`], [`rl::rloo`], [`rl::reinforce_pp`],
+//! [`rl::dr_grpo`], [`rl::rloo`], [`rl::opo`], [`rl::grpo_passk`],
+//! [`rl::gpg`], [`rl::reinforce_pp`],
 //! [`rl::reinforce_pp_baseline`], [`rl::ppo`], [`sft::sft`], [`preference::rm`]
 //! and [`preference::dpo`]. The pieces
 //! they share (the prompt source, the actor, rewards, the learner, the
@@ -34,6 +35,12 @@ pub enum PipelineKind {
     DrGrpo,
     /// RLOO: leave-one-out baselines.
     Rloo,
+    /// OPO: the length-weighted mean as the baseline.
+    Opo,
+    /// GRPO with pass@k advantages: only a group's best response learns.
+    GrpoPassk,
+    /// GPG: `α (r − mean)` advantages and the plain policy-gradient loss.
+    Gpg,
     /// REINFORCE++: KL-shaped token rewards, whitened returns.
     ReinforcePp,
     /// REINFORCE++-baseline: group-mean baseline first.
@@ -53,6 +60,9 @@ impl PipelineKind {
         PipelineKind::Grpo,
         PipelineKind::DrGrpo,
         PipelineKind::Rloo,
+        PipelineKind::Opo,
+        PipelineKind::GrpoPassk,
+        PipelineKind::Gpg,
         PipelineKind::ReinforcePp,
         PipelineKind::ReinforcePpBaseline,
         PipelineKind::Sft,
@@ -67,6 +77,9 @@ impl PipelineKind {
             PipelineKind::Grpo => "grpo",
             PipelineKind::DrGrpo => "dr_grpo",
             PipelineKind::Rloo => "rloo",
+            PipelineKind::Opo => "opo",
+            PipelineKind::GrpoPassk => "grpo_passk",
+            PipelineKind::Gpg => "gpg",
             PipelineKind::ReinforcePp => "reinforce_pp",
             PipelineKind::ReinforcePpBaseline => "reinforce_pp_baseline",
             PipelineKind::Sft => "sft",
@@ -91,7 +104,12 @@ impl PipelineKind {
     pub fn is_group(self) -> bool {
         matches!(
             self,
-            PipelineKind::Grpo | PipelineKind::DrGrpo | PipelineKind::Rloo
+            PipelineKind::Grpo
+                | PipelineKind::DrGrpo
+                | PipelineKind::Rloo
+                | PipelineKind::Opo
+                | PipelineKind::GrpoPassk
+                | PipelineKind::Gpg
         )
     }
 

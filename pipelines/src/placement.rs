@@ -135,11 +135,14 @@ pub(crate) fn check_data_parallel(
         PipelineKind::ReinforcePp | PipelineKind::ReinforcePpBaseline => Some(
             "it normalises over the whole step (whitening), so it trains on exactly one worker",
         ),
+        PipelineKind::Gpg => Some(
+            "its α counts the non-zero scores of the whole step, so it trains on exactly one worker",
+        ),
         _ => None,
     };
     if let Some(why) = why {
         return Err(format!(
-            "`placement.train` = {train:?}: {} {why}; data-parallel trainers are for grpo, dr_grpo, rloo, sft, rm and dpo",
+            "`placement.train` = {train:?}: {} {why}; data-parallel trainers are for grpo, dr_grpo, rloo, opo, grpo_passk, sft, rm and dpo",
             kind.name()
         )
         .into());

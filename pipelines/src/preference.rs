@@ -82,5 +82,6 @@ fn pair_config(c: &RunConfig) -> PairConfig {
         max_grad_norm: (a.max_grad_norm > 0.0).then_some(a.max_grad_norm),
         chosen: c.data.chosen_column.clone(),
         rejected: c.data.rejected_column.clone(),
+        margin: (!c.data.margin_column.is_empty()).then(|| c.data.margin_column.clone()),
     }
 }

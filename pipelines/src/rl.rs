@@ -31,6 +31,23 @@ pub fn rloo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError
     Ok(group(cfg, ctx, "rloo", GroupEstimator::Rloo))
 }
 
+/// OPO: each response's baseline is its group's length-weighted mean reward.
+pub fn opo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError> {
+    Ok(group(cfg, ctx, "opo", GroupEstimator::Opo))
+}
+
+/// GRPO with pass@k advantages: only each group's best response learns,
+/// by its margin over the second best.
+pub fn grpo_passk(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError> {
+    Ok(group(cfg, ctx, "grpo_passk", GroupEstimator::PassK))
+}
+
+/// GPG: `α (r − mean)` advantages; its default loss is the plain policy
+/// gradient (`algorithm.policy_loss = "gpg"`).
+pub fn gpg(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError> {
+    Ok(group(cfg, ctx, "gpg", GroupEstimator::Gpg))
+}
+
 /// The group estimators' pipeline.
 fn group(cfg: &RunConfig, ctx: &RunContext, name: &str, estimator: GroupEstimator) -> Pipeline {
     let flavor = roles::flavor(cfg);
@@ -137,6 +154,7 @@ pub fn ppo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
                 (a.max_grad_norm > 0.0).then_some(a.max_grad_norm),
             )?
             .with_loss(a.aggregation.into(), roles::flavor(&c))
+            .with_epochs(a.ppo_epochs)
             .with_checkpoints(ck.clone());
             x.restore_optimizer("critic", learner.optimizer_mut())?;
             Ok(learner)

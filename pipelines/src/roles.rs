@@ -10,7 +10,9 @@ use weir_gpu::collective::HostGroup;
 use weir_gpu::optim::AdamWConfig;
 use weir_gpu::{Device, Model, SamplingParams, Tokenizer};
 use weir_graph::{ParquetLog, StageError, WorkerInfo};
-use weir_operators::algorithms::{Flavor, ImportanceCorrection, PolicyLossConfig, RatioLevel};
+use weir_operators::algorithms::{
+    Flavor, ImportanceCorrection, PolicyLossConfig, PolicyObjective, RatioLevel,
+};
 use weir_operators::checkpoint::{load_optimizer, CheckpointPlan, Checkpointer};
 use weir_operators::rewards::{arith, rule_reward};
 use weir_operators::stages::generate::Generate;
@@ -173,7 +175,11 @@ fn source(
                 PromptColumn::Messages(d.messages_column.clone())
             };
             let extra: Vec<String> = if pairs {
-                vec![d.chosen_column.clone(), d.rejected_column.clone()]
+                [&d.chosen_column, &d.rejected_column, &d.margin_column]
+                    .into_iter()
+                    .filter(|c| !c.is_empty())
+                    .cloned()
+                    .collect()
             } else {
                 [d.label_column.clone()]
                     .into_iter()
@@ -289,9 +295,10 @@ pub fn learner_config(cfg: &RunConfig, kl_in_loss: bool) -> LearnerConfig {
             clip_high: a.clip_high,
             dual_clip: (a.dual_clip > 0.0).then_some(a.dual_clip),
             ratio_level: match a.policy_loss {
-                PolicyLossChoice::Ppo => RatioLevel::Token,
                 PolicyLossChoice::Gspo => RatioLevel::Sequence,
+                _ => RatioLevel::Token,
             },
+            objective: objective(cfg),
             aggregation: a.aggregation.into(),
             flavor: flavor(cfg),
             correction: {
@@ -301,6 +308,15 @@ pub fn learner_config(cfg: &RunConfig, kl_in_loss: bool) -> LearnerConfig {
                     CorrectionChoice::Icepop => Some(ImportanceCorrection::IcePop { low, high }),
                     CorrectionChoice::SeqMask => {
                         Some(ImportanceCorrection::SequenceMask { low, high })
+                    }
+                    CorrectionChoice::SeqTis => {
+                        Some(ImportanceCorrection::SequenceTis { low, high })
+                    }
+                    CorrectionChoice::GeoRejection => {
+                        Some(ImportanceCorrection::GeometricRejection { low, high })
+                    }
+                    CorrectionChoice::K3Rejection => {
+                        Some(ImportanceCorrection::K3Rejection { high })
                     }
                     CorrectionChoice::None => None,
                 }
@@ -314,6 +330,30 @@ pub fn learner_config(cfg: &RunConfig, kl_in_loss: bool) -> LearnerConfig {
         schedule: schedule(cfg),
         entropy_coef: a.entropy_coef,
         gradient_checkpointing: a.gradient_checkpointing,
+    }
+}
+
+/// The policy objective `algorithm.policy_loss` names.
+pub fn objective(cfg: &RunConfig) -> PolicyObjective {
+    let a = &cfg.algorithm;
+    match a.policy_loss {
+        PolicyLossChoice::Ppo | PolicyLossChoice::Gspo => PolicyObjective::Clipped,
+        PolicyLossChoice::Cispo => PolicyObjective::Cispo,
+        PolicyLossChoice::Sapo => PolicyObjective::Sapo {
+            tau_pos: a.sapo_tau_pos,
+            tau_neg: a.sapo_tau_neg,
+        },
+        PolicyLossChoice::Gmpo => PolicyObjective::GeoMean,
+        PolicyLossChoice::Gpg | PolicyLossChoice::Reinforce => PolicyObjective::PolicyGradient,
+        PolicyLossChoice::ClipCov => PolicyObjective::ClipCov {
+            ratio: a.clip_cov_ratio,
+            lb: a.clip_cov_lb,
+            ub: a.clip_cov_ub,
+        },
+        PolicyLossChoice::KlCov => PolicyObjective::KlCov {
+            ratio: a.kl_cov_ratio,
+            coef: a.kl_cov_coef,
+        },
     }
 }
 

@@ -422,6 +422,7 @@ fn policy_loss_case(c: &mut Check, name: &str, flavor: Flavor, i: &Value, e: &Va
         correction,
         flavor,
         loss_scale_factor: None,
+        objective: Default::default(),
     };
     let behaviour =
         (!i["behaviour_logprobs"].is_null()).then(|| tensor(&matrix(&i["behaviour_logprobs"])));

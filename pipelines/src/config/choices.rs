@@ -71,16 +71,25 @@ pub enum ScheduleChoice {
     Cosine,
 }
 
-/// `algorithm.kl_estimator`.
+/// `algorithm.kl_estimator` (verl's names).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum KlChoice {
     /// `log π − log π_ref`.
     K1,
-    /// `(log π − log π_ref)² / 2`.
+    /// `(log π − log π_ref)² / 2` (also `mse`).
+    #[serde(alias = "mse")]
     K2,
     /// `exp(log π_ref − log π) − 1 + log π − log π_ref`.
     K3,
+    /// `|log π − log π_ref|`.
+    Abs,
+    /// k1's value with k2's gradient.
+    #[serde(rename = "k1+")]
+    K1Plus,
+    /// k3's value with k2's gradient.
+    #[serde(rename = "k3+")]
+    K3Plus,
 }
 
 impl From<KlChoice> for KlEstimator {
@@ -89,6 +98,9 @@ impl From<KlChoice> for KlEstimator {
             KlChoice::K1 => KlEstimator::K1,
             KlChoice::K2 => KlEstimator::K2,
             KlChoice::K3 => KlEstimator::K3,
+            KlChoice::Abs => KlEstimator::Abs,
+            KlChoice::K1Plus => KlEstimator::K1Plus,
+            KlChoice::K3Plus => KlEstimator::K3Plus,
         }
     }
 }
@@ -152,16 +164,37 @@ pub enum CorrectionChoice {
     Icepop,
     /// Responses with a geometric-mean ρ outside the bounds are dropped.
     SeqMask,
+    /// Sequence TIS: each response weighted by its whole ratio, clamped.
+    SeqTis,
+    /// Geometric-mean rejection: responses outside the bounds dropped, the rest weight 1.
+    GeoRejection,
+    /// K3 rejection: responses whose mean K3 exceeds `correction_high` dropped.
+    K3Rejection,
 }
 
-/// `algorithm.policy_loss`.
+/// `algorithm.policy_loss` (verl's `policy_loss.loss_mode` names where it has them).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "snake_case")]
 pub enum PolicyLossChoice {
     /// PPO's clipped loss with a ratio per token.
     Ppo,
     /// GSPO: one ratio per response.
     Gspo,
+    /// CISPO: the clipped ratio weights every token's gradient.
+    Cispo,
+    /// SAPO: a smooth gate instead of the clip.
+    Sapo,
+    /// GMPO: the geometric mean of the token ratios (verl's `geo_mean`).
+    #[serde(alias = "geo_mean")]
+    Gmpo,
+    /// GPG: `−A · log π`.
+    Gpg,
+    /// Vanilla REINFORCE: `−A · log π`, the correction's weight as the importance ratio.
+    Reinforce,
+    /// Clip-Cov: PPO with the gradient of a few high-covariance tokens cut.
+    ClipCov,
+    /// KL-Cov: `−A · r` with a KL penalty on the highest-covariance tokens.
+    KlCov,
 }
 
 /// `algorithm.preference_loss`.

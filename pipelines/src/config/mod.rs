@@ -151,6 +151,8 @@ pub struct DataSection {
     pub chosen_column: String,
     /// The dispreferred response's column (rm, dpo).
     pub rejected_column: String,
+    /// A column with each pair's reward margin (rm; empty: none).
+    pub margin_column: String,
 }
 
 impl Default for DataSection {
@@ -165,6 +167,7 @@ impl Default for DataSection {
             epochs: 0,
             chosen_column: "chosen".into(),
             rejected_column: "rejected".into(),
+            margin_column: String::new(),
         }
     }
 }
@@ -252,7 +255,7 @@ pub struct AlgorithmSection {
     pub dual_clip: f64,
     /// β of the KL to the reference (in the loss for group estimators, in the reward for ppo / reinforce_pp).
     pub kl_coef: f64,
-    /// `k1`, `k2` or `k3`.
+    /// `k1`, `k2` (`mse`), `k3`, `abs`, `k1+`, `k3+`.
     pub kl_estimator: KlChoice,
     /// Entropy bonus coefficient.
     pub entropy_coef: f64,
@@ -260,8 +263,22 @@ pub struct AlgorithmSection {
     pub aggregation: AggregationChoice,
     /// T of `seq-mean-token-sum-norm` (0: `generate.max_new_tokens`, the padded response length).
     pub loss_scale_factor: f64,
-    /// `ppo` (a ratio per token) or `gspo` (a ratio per response).
+    /// `ppo`, `gspo`, `cispo`, `sapo`, `gmpo`, `gpg`, `reinforce`, `clip_cov`, `kl_cov`.
     pub policy_loss: PolicyLossChoice,
+    /// SAPO's τ for positive advantages.
+    pub sapo_tau_pos: f64,
+    /// SAPO's τ for other advantages.
+    pub sapo_tau_neg: f64,
+    /// Clip-Cov: the fraction of tokens whose gradient is cut.
+    pub clip_cov_ratio: f64,
+    /// Clip-Cov: the covariance's lower bound.
+    pub clip_cov_lb: f64,
+    /// Clip-Cov: the covariance's upper bound.
+    pub clip_cov_ub: f64,
+    /// KL-Cov: the fraction of tokens penalised.
+    pub kl_cov_ratio: f64,
+    /// KL-Cov: the penalty's coefficient.
+    pub kl_cov_coef: f64,
     /// `openrlhf` or `verl` semantics where they differ.
     pub flavor: FlavorChoice,
     /// Discount γ (ppo's GAE, reinforce_pp's returns).
@@ -278,7 +295,7 @@ pub struct AlgorithmSection {
     pub preference_loss: PreferenceChoice,
     /// ε of cDPO: the probability a preference label is flipped.
     pub label_smoothing: f64,
-    /// Off-policy correction of stale rows: `none`, `tis`, `icepop`, `seq-mask`.
+    /// Off-policy correction of stale rows: `none`, `tis`, `icepop`, `seq-mask`, `seq-tis`, `geo-rejection`, `k3-rejection`.
     pub correction: CorrectionChoice,
     /// The correction's lower bound on the importance ratio.
     pub correction_low: f64,
@@ -307,6 +324,13 @@ impl Default for AlgorithmSection {
             aggregation: AggregationChoice::TokenMean,
             loss_scale_factor: 0.0,
             policy_loss: PolicyLossChoice::Ppo,
+            sapo_tau_pos: 1.0,
+            sapo_tau_neg: 1.05,
+            clip_cov_ratio: 0.0002,
+            clip_cov_lb: 1.0,
+            clip_cov_ub: 5.0,
+            kl_cov_ratio: 0.0002,
+            kl_cov_coef: 0.1,
             flavor: FlavorChoice::Openrlhf,
             gamma: 1.0,
             lambda: 1.0,
@@ -407,6 +431,10 @@ impl RunConfig {
             // Dr.GRPO's length-unbiased loss: a constant normaliser, not each response's length.
             PipelineKind::DrGrpo => {
                 c.algorithm.aggregation = AggregationChoice::SeqMeanTokenSumNorm;
+            }
+            // GPG trains with the plain policy gradient, as its paper and verl's recipe do.
+            PipelineKind::Gpg => {
+                c.algorithm.policy_loss = PolicyLossChoice::Gpg;
             }
             PipelineKind::ReinforcePp | PipelineKind::ReinforcePpBaseline => {
                 c.algorithm.kl_coef = 0.01;

@@ -4,8 +4,8 @@
 //! apply to the pipeline.
 
 use super::{
-    AggregationChoice, ConfigError, CorrectionChoice, PreferenceChoice, RewardKind, RunConfig,
-    ScheduleChoice,
+    AggregationChoice, ConfigError, CorrectionChoice, PolicyLossChoice, PreferenceChoice,
+    RewardKind, RunConfig, ScheduleChoice,
 };
 use crate::PipelineKind;
 
@@ -23,6 +23,7 @@ pub fn applies(pipeline: PipelineKind, section: &str, key: &str) -> bool {
         ("data", "label_column") => rl || pipeline == Sft,
         ("data", "samples_per_prompt") => rl,
         ("data", "chosen_column" | "rejected_column") => matches!(pipeline, Rm | Dpo),
+        ("data", "margin_column") => pipeline == Rm,
         ("generate" | "reward" | "curriculum" | "dynamic_sampling", _) => {
             rl && (group || !matches!(section, "curriculum" | "dynamic_sampling"))
         }
@@ -31,7 +32,8 @@ pub fn applies(pipeline: PipelineKind, section: &str, key: &str) -> bool {
             "algorithm",
             "ppo_epochs" | "clip_low" | "clip_high" | "dual_clip" | "kl_coef" | "kl_estimator"
             | "entropy_coef" | "aggregation" | "loss_scale_factor" | "policy_loss" | "flavor"
-            | "correction" | "correction_low" | "correction_high",
+            | "correction" | "correction_low" | "correction_high" | "sapo_tau_pos" | "sapo_tau_neg"
+            | "clip_cov_ratio" | "clip_cov_lb" | "clip_cov_ub" | "kl_cov_ratio" | "kl_cov_coef",
         ) => rl,
         ("algorithm", "gamma") => matches!(pipeline, Ppo | ReinforcePp),
         ("algorithm", "lambda" | "critic_lr" | "value_clip") => pipeline == Ppo,
@@ -83,14 +85,77 @@ fn inert(cfg: &RunConfig, pipeline: PipelineKind) -> Vec<(&'static str, &'static
             unless(a.kl_coef > 0.0, section, key, "algorithm.kl_coef > 0");
         }
     }
-    for key in ["correction_low", "correction_high"] {
+    let loss = a.policy_loss;
+    use PolicyLossChoice as L;
+    let clipping = matches!(loss, L::Ppo | L::Gspo | L::Cispo | L::Gmpo | L::ClipCov);
+    for key in ["clip_low", "clip_high"] {
         unless(
-            a.correction != CorrectionChoice::None,
+            clipping,
             "algorithm",
             key,
-            "algorithm.correction is set",
+            "algorithm.policy_loss clips (ppo, gspo, cispo, gmpo, clip_cov)",
         );
     }
+    unless(
+        matches!(loss, L::Ppo | L::Gspo),
+        "algorithm",
+        "dual_clip",
+        "algorithm.policy_loss = \"ppo\" or \"gspo\"",
+    );
+    unless(
+        loss != L::Gmpo,
+        "algorithm",
+        "aggregation",
+        "algorithm.policy_loss is not \"gmpo\" (which averages per response)",
+    );
+    for key in ["sapo_tau_pos", "sapo_tau_neg"] {
+        unless(
+            loss == L::Sapo,
+            "algorithm",
+            key,
+            "algorithm.policy_loss = \"sapo\"",
+        );
+    }
+    for key in ["clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"] {
+        unless(
+            loss == L::ClipCov,
+            "algorithm",
+            key,
+            "algorithm.policy_loss = \"clip_cov\"",
+        );
+    }
+    for key in ["kl_cov_ratio", "kl_cov_coef"] {
+        unless(
+            loss == L::KlCov,
+            "algorithm",
+            key,
+            "algorithm.policy_loss = \"kl_cov\"",
+        );
+    }
+    // A step's first optimizer step starts at the proximal policy: ratio 1, nothing to clip.
+    for key in ["clip_low", "clip_high", "dual_clip", "value_clip"] {
+        unless(
+            a.ppo_epochs > 1,
+            "algorithm",
+            key,
+            "algorithm.ppo_epochs > 1 (a step's first optimizer step starts where the ratio is 1 and the values are the old ones)",
+        );
+    }
+    unless(
+        a.correction != CorrectionChoice::None,
+        "algorithm",
+        "correction_high",
+        "algorithm.correction is set",
+    );
+    unless(
+        !matches!(
+            a.correction,
+            CorrectionChoice::None | CorrectionChoice::K3Rejection
+        ),
+        "algorithm",
+        "correction_low",
+        "algorithm.correction has a lower bound (all but \"k3-rejection\")",
+    );
     unless(
         a.aggregation == AggregationChoice::SeqMeanTokenSumNorm,
         "algorithm",
@@ -131,7 +196,7 @@ fn inert(cfg: &RunConfig, pipeline: PipelineKind) -> Vec<(&'static str, &'static
     for key in ["prompt_column", "messages_column"] {
         unless(!arith, "data", key, "data.prompts is a prompt file");
     }
-    for key in ["chosen_column", "rejected_column"] {
+    for key in ["chosen_column", "rejected_column", "margin_column"] {
         unless(
             !arith,
             "data",

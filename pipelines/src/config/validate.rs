@@ -1,7 +1,8 @@
 //! Checks of values that parse but make no sense, each naming its key.
 
 use super::{
-    AggregationChoice, ConfigError, CorrectionChoice, PolicyLossChoice, RewardKind, RunConfig,
+    AggregationChoice, ConfigError, CorrectionChoice, KlChoice, PolicyLossChoice, PreferenceChoice,
+    RewardKind, RunConfig,
 };
 use crate::PipelineKind;
 
@@ -114,13 +115,35 @@ impl RunConfig {
                 "must be ≥ 0 (0: generate.max_new_tokens)",
             );
         }
-        if a.policy_loss == PolicyLossChoice::Gspo
-            && a.aggregation != AggregationChoice::SeqMeanTokenMean
+        if matches!(
+            a.policy_loss,
+            PolicyLossChoice::Gspo | PolicyLossChoice::Sapo
+        ) && a.aggregation != AggregationChoice::SeqMeanTokenMean
         {
             return bad(
                 "algorithm.aggregation",
                 format!("{:?}", a.aggregation),
-                "GSPO (algorithm.policy_loss = \"gspo\") averages per response, as verl and OpenRLHF do: set \"seq-mean-token-mean\"",
+                &format!(
+                    "algorithm.policy_loss = {:?} averages per response, as verl has it: set \"seq-mean-token-mean\"",
+                    a.policy_loss
+                ),
+            );
+        }
+        for (key, value) in [
+            ("algorithm.sapo_tau_pos", a.sapo_tau_pos),
+            ("algorithm.sapo_tau_neg", a.sapo_tau_neg),
+            ("algorithm.clip_cov_ratio", a.clip_cov_ratio),
+            ("algorithm.kl_cov_ratio", a.kl_cov_ratio),
+        ] {
+            if !(value > 0.0 && value.is_finite()) {
+                return bad(key, value.to_string(), "must be > 0");
+            }
+        }
+        if a.clip_cov_lb >= a.clip_cov_ub {
+            return bad(
+                "algorithm.clip_cov_lb",
+                a.clip_cov_lb.to_string(),
+                &format!("must be below algorithm.clip_cov_ub = {}", a.clip_cov_ub),
             );
         }
         for (key, value) in [("algorithm.gamma", a.gamma), ("algorithm.lambda", a.lambda)] {
@@ -179,6 +202,20 @@ impl RunConfig {
         }
         if a.beta.is_nan() || a.beta <= 0.0 {
             return bad("algorithm.beta", a.beta.to_string(), "must be > 0");
+        }
+        if matches!(a.kl_estimator, KlChoice::K1Plus | KlChoice::K3Plus) && !pipeline.is_group() {
+            return bad(
+                "algorithm.kl_estimator",
+                format!("{:?}", a.kl_estimator),
+                "a straight-through estimator differs from its plain one only in its gradient: it needs the KL in the loss (grpo, dr_grpo, rloo), not in the reward",
+            );
+        }
+        if a.preference_loss == PreferenceChoice::Cdpo && a.label_smoothing == 0.0 {
+            return bad(
+                "algorithm.preference_loss",
+                "\"cdpo\"".into(),
+                "with algorithm.label_smoothing = 0, cDPO is DPO: set label_smoothing in (0, 0.5)",
+            );
         }
         if !(0.0..0.5).contains(&a.label_smoothing) {
             return bad(

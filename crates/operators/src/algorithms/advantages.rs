@@ -178,6 +178,79 @@ pub fn grpo(
     Ok(out)
 }
 
+/// OPO's optimal baseline (arXiv 2505.23585; verl
+/// `compute_opo_outcome_advantage`): each score minus its group's
+/// length-weighted mean score, `s_i − Σ_g |y_j| s_j / Σ_g |y_j|`, with
+/// `|y|` the response length in tokens. A group of one sample has baseline 0.
+pub fn opo(scores: &[f64], lengths: &[usize], groups: &[u64]) -> Result<Vec<f64>, GroupError> {
+    let mut out = vec![0.0; scores.len()];
+    for (_, idx) in members(scores, groups)? {
+        let baseline = if idx.len() == 1 {
+            0.0
+        } else {
+            let total: f64 = idx.iter().map(|&i| lengths[i] as f64).sum();
+            let weighted: f64 = idx.iter().map(|&i| lengths[i] as f64 * scores[i]).sum();
+            weighted / total
+        };
+        for &i in &idx {
+            out[i] = scores[i] - baseline;
+        }
+    }
+    Ok(out)
+}
+
+/// Pass@k advantages in GRPO's form (arXiv 2503.19595; verl
+/// `compute_grpo_passk_outcome_advantage`): in each group only the best
+/// response gets an advantage, `r_max − r_second`, divided by the group's
+/// (unbiased) std + ε (ε = 1e-6) when `scale_by_std`; every other response
+/// gets 0. Among equal best scores the first gets it (the advantage is then
+/// 0 anyway). Groups need at least two samples.
+pub fn grpo_passk(
+    scores: &[f64],
+    groups: &[u64],
+    scale_by_std: bool,
+) -> Result<Vec<f64>, GroupError> {
+    let mut out = vec![0.0; scores.len()];
+    for (group, idx) in members(scores, groups)? {
+        if idx.len() < 2 {
+            return Err(GroupError::TooSmall {
+                group,
+                size: idx.len(),
+            });
+        }
+        let mut order = idx.clone();
+        order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+        let (best, second) = (order[0], order[1]);
+        let mut advantage = scores[best] - scores[second];
+        if scale_by_std {
+            let xs: Vec<f64> = idx.iter().map(|&i| scores[i]).collect();
+            advantage /= mean_std(&xs, true).1 + 1e-6;
+        }
+        out[best] = advantage;
+    }
+    Ok(out)
+}
+
+/// GPG's advantages (arXiv 2504.02546; verl `compute_gpg_outcome_advantage`):
+/// `α (s − mean_g) / f_norm` with `α = B / max(1, #{s ≠ 0})` over the `B`
+/// scores given (the step), `f_norm = 1`; a group of one sample has mean 0.
+pub fn gpg(scores: &[f64], groups: &[u64]) -> Result<Vec<f64>, GroupError> {
+    let nonzero = scores.iter().filter(|s| **s != 0.0).count().max(1);
+    let alpha = scores.len() as f64 / nonzero as f64;
+    let mut out = vec![0.0; scores.len()];
+    for (_, idx) in members(scores, groups)? {
+        let mean = if idx.len() == 1 {
+            0.0
+        } else {
+            idx.iter().map(|&i| scores[i]).sum::<f64>() / idx.len() as f64
+        };
+        for &i in &idx {
+            out[i] = alpha * (scores[i] - mean);
+        }
+    }
+    Ok(out)
+}
+
 /// RLOO: each score minus the mean of the *other* samples of its group,
 /// `s_i − (Σ_g s − s_i) / (n − 1)` (= `(n s_i − Σ_g s) / (n − 1)`, verl's form).
 /// - OpenRLHF: a group of one sample is an error.
@@ -304,6 +377,39 @@ mod tests {
         let g5 = 1.0;
         let g3 = 2.0 + 0.5 * g5;
         close(&g[0], &[0.5 + 0.5 * g3, 0.0, 0.0, g3, 0.0, g5, 0.0]);
+    }
+
+    #[test]
+    fn opo_passk_and_gpg_by_hand() {
+        let scores = [1.0, 0.0, 0.5, 2.0, 2.0, 7.0];
+        let lengths = [2, 6, 4, 1, 3, 5];
+        let groups = [0, 0, 0, 1, 1, 2];
+        // OPO: group 0's baseline (2·1 + 6·0 + 4·0.5) / 12 = 1/3; group 1's (2 + 6) / 4 = 2.
+        close(
+            &opo(&scores, &lengths, &groups).unwrap(),
+            &[2.0 / 3.0, -1.0 / 3.0, 0.5 - 1.0 / 3.0, 0.0, 0.0, 7.0],
+        );
+        // Pass@k: only the best of a group gets r_max − r_second (÷ std + 1e-6).
+        let g = [0, 0, 0, 1, 1];
+        close(
+            &grpo_passk(&scores[..5], &g, false).unwrap(),
+            &[0.5, 0.0, 0.0, 0.0, 0.0],
+        );
+        let std = mean_std(&[1.0, 0.0, 0.5], true).1;
+        close(
+            &grpo_passk(&scores[..5], &g, true).unwrap(),
+            &[0.5 / (std + 1e-6), 0.0, 0.0, 0.0, 0.0],
+        );
+        assert!(
+            grpo_passk(&scores, &groups, true).is_err(),
+            "a group of one"
+        );
+        // GPG: α = 6 / 5 non-zero scores; the singleton keeps α · s.
+        let a = 6.0 / 5.0;
+        close(
+            &gpg(&scores, &groups).unwrap(),
+            &[a * 0.5, a * -0.5, 0.0, 0.0, 0.0, a * 7.0],
+        );
     }
 
     #[test]

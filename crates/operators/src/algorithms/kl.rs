@@ -4,44 +4,68 @@
 use super::stats::Tokens;
 use super::Flavor;
 
-/// Which estimator of KL(π‖π_ref) per token (J. Schulman, "Approximating KL divergence").
+/// Which estimator of KL(π‖π_ref) per token (J. Schulman, "Approximating
+/// KL divergence"; verl's `kl_penalty` names them).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum KlEstimator {
     /// k1 = log π − log π_ref.
     #[default]
     K1,
-    /// k2 = (log π − log π_ref)² / 2.
+    /// k2 = (log π − log π_ref)² / 2 (verl also calls it `mse`).
     K2,
     /// k3 = exp(log π_ref − log π) − 1 + (log π − log π_ref): unbiased, always ≥ 0.
     K3,
+    /// `abs` = |log π − log π_ref|.
+    Abs,
+    /// `k1+`: the value of k1, the gradient of k2 (verl's straight-through
+    /// `k2 − sg[k2] + sg[k1]`: k1's expected gradient is not KL's, k2's is).
+    K1Plus,
+    /// `k3+`: the value of k3, the gradient of k2.
+    K3Plus,
+}
+
+impl KlEstimator {
+    /// The estimator whose value this one takes (k1+ → k1, k3+ → k3).
+    pub fn value_of(self) -> KlEstimator {
+        match self {
+            KlEstimator::K1Plus => KlEstimator::K1,
+            KlEstimator::K3Plus => KlEstimator::K3,
+            other => other,
+        }
+    }
+
+    /// Whether the gradient is k2's while the value is another's.
+    pub fn straight_through(self) -> bool {
+        matches!(self, KlEstimator::K1Plus | KlEstimator::K3Plus)
+    }
 }
 
 /// One token's KL estimate from the actor's `logprob` and the reference's `ref_logprob`.
 ///
 /// With `r = logprob − ref_logprob`:
 /// - OpenRLHF: k1 = r, k2 = r²/2, k3 = e^(−r) − 1 + r, and **every** estimator
-///   is clamped to [−10, 10].
-/// - verl: k1 = r and k2 = r²/2 unclamped; k3 with `x = clamp(−r, −20, 20)`
+///   is clamped to [−10, 10] (`abs` = |r| likewise; OpenRLHF has no `abs`).
+/// - verl: k1 = r, k2 = r²/2 and abs = |r| unclamped; k3 with `x = clamp(−r, −20, 20)`
 ///   is `e^x − x − 1`, clamped to [−10, 10].
+///
+/// k1+ and k3+ have the values of k1 and k3 ([`kl_tensor`] gives them k2's gradient).
 pub fn kl(logprob: f64, ref_logprob: f64, estimator: KlEstimator, flavor: Flavor) -> f64 {
     let r = logprob - ref_logprob;
-    match flavor {
-        Flavor::OpenRlhf => {
-            let k = match estimator {
-                KlEstimator::K1 => r,
-                KlEstimator::K2 => r * r / 2.0,
-                KlEstimator::K3 => (-r).exp() - 1.0 + r,
-            };
-            k.clamp(-10.0, 10.0)
-        }
-        Flavor::Verl => match estimator {
-            KlEstimator::K1 => r,
-            KlEstimator::K2 => 0.5 * r * r,
-            KlEstimator::K3 => {
+    let k = match estimator.value_of() {
+        KlEstimator::K1 => r,
+        KlEstimator::K2 => 0.5 * r * r,
+        KlEstimator::Abs => r.abs(),
+        _ => match flavor {
+            Flavor::OpenRlhf => (-r).exp() - 1.0 + r,
+            Flavor::Verl => {
                 let x = (-r).clamp(-20.0, 20.0);
-                (x.exp() - x - 1.0).clamp(-10.0, 10.0)
+                x.exp() - x - 1.0
             }
         },
+    };
+    match (flavor, estimator.value_of()) {
+        (Flavor::OpenRlhf, _) | (Flavor::Verl, KlEstimator::K3) => k.clamp(-10.0, 10.0),
+        (Flavor::Verl, _) => k,
     }
 }
 
@@ -149,7 +173,8 @@ mod tests {
     }
 }
 
-/// [`kl`] on tensors (differentiable in `logprobs`), elementwise.
+/// [`kl`] on tensors (differentiable in `logprobs`), elementwise; k1+ and
+/// k3+ are `k2 − sg[k2] + sg[k]`: their value, k2's gradient `r`.
 pub fn kl_tensor(
     logprobs: &tch::Tensor,
     ref_logprobs: &tch::Tensor,
@@ -157,22 +182,67 @@ pub fn kl_tensor(
     flavor: Flavor,
 ) -> tch::Tensor {
     let r = logprobs - ref_logprobs;
-    match (flavor, estimator) {
+    let k = match (flavor, estimator.value_of()) {
         (Flavor::OpenRlhf, KlEstimator::K1) => r.clamp(-10.0, 10.0),
         (Flavor::OpenRlhf, KlEstimator::K2) => (r.square() / 2.0).clamp(-10.0, 10.0),
-        (Flavor::OpenRlhf, KlEstimator::K3) => ((-&r).exp() - 1.0 + &r).clamp(-10.0, 10.0),
-        (Flavor::Verl, KlEstimator::K1) => r,
+        (Flavor::OpenRlhf, KlEstimator::Abs) => r.abs().clamp(-10.0, 10.0),
+        (Flavor::OpenRlhf, _) => ((-&r).exp() - 1.0 + &r).clamp(-10.0, 10.0),
+        (Flavor::Verl, KlEstimator::K1) => r.shallow_clone(),
         (Flavor::Verl, KlEstimator::K2) => r.square() * 0.5,
-        (Flavor::Verl, KlEstimator::K3) => {
-            let x = (-r).clamp(-20.0, 20.0);
+        (Flavor::Verl, KlEstimator::Abs) => r.abs(),
+        (Flavor::Verl, _) => {
+            let x = (-&r).clamp(-20.0, 20.0);
             (x.exp() - &x - 1.0).clamp(-10.0, 10.0)
         }
+    };
+    if estimator.straight_through() {
+        let k2 = r.square() * 0.5;
+        &k2 - k2.detach() + k.detach()
+    } else {
+        k
     }
 }
 
 #[cfg(test)]
 mod tensor_tests {
     use super::*;
+
+    const ALL: [KlEstimator; 6] = [
+        KlEstimator::K1,
+        KlEstimator::K2,
+        KlEstimator::K3,
+        KlEstimator::Abs,
+        KlEstimator::K1Plus,
+        KlEstimator::K3Plus,
+    ];
+
+    #[test]
+    fn straight_through_estimators_take_k2s_gradient() {
+        let lp = [-1.0f64, -3.0, 0.2, -0.7];
+        let rp = [-1.5f64, -1.0, -0.3, -0.7];
+        for flavor in [Flavor::OpenRlhf, Flavor::Verl] {
+            for (plus, plain) in [
+                (KlEstimator::K1Plus, KlEstimator::K1),
+                (KlEstimator::K3Plus, KlEstimator::K3),
+            ] {
+                let lpt = tch::Tensor::from_slice(&lp).set_requires_grad(true);
+                let rpt = tch::Tensor::from_slice(&rp);
+                let k = kl_tensor(&lpt, &rpt, plus, flavor);
+                let value = Vec::<f64>::try_from(k.detach()).unwrap();
+                k.sum(tch::Kind::Double).backward();
+                let grad = Vec::<f64>::try_from(lpt.grad()).unwrap();
+                for i in 0..4 {
+                    // ∂(r²/2)/∂log π = r.
+                    assert!((grad[i] - (lp[i] - rp[i])).abs() < 1e-12, "{plus:?} {i}");
+                    assert!((value[i] - kl(lp[i], rp[i], plain, flavor)).abs() < 1e-12);
+                }
+            }
+        }
+        // abs by hand: |r|, unclamped in verl, clamped in OpenRLHF.
+        assert_eq!(kl(-1.0, 2.0, KlEstimator::Abs, Flavor::Verl), 3.0);
+        assert_eq!(kl(-20.0, 0.0, KlEstimator::Abs, Flavor::Verl), 20.0);
+        assert_eq!(kl(-20.0, 0.0, KlEstimator::Abs, Flavor::OpenRlhf), 10.0);
+    }
 
     #[test]
     fn tensor_estimators_match_the_scalar_ones() {
@@ -181,7 +251,7 @@ mod tensor_tests {
         let lpt = tch::Tensor::from_slice(&lp);
         let rpt = tch::Tensor::from_slice(&rp);
         for flavor in [Flavor::OpenRlhf, Flavor::Verl] {
-            for est in [KlEstimator::K1, KlEstimator::K2, KlEstimator::K3] {
+            for est in ALL {
                 let got = Vec::<f64>::try_from(kl_tensor(&lpt, &rpt, est, flavor)).unwrap();
                 for i in 0..4 {
                     assert!(

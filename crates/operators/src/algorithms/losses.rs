@@ -4,6 +4,8 @@
 
 use tch::{Kind, Tensor};
 
+pub use super::objectives::PolicyObjective;
+use super::objectives::{objective_loss, ObjectiveLoss};
 use super::Flavor;
 
 /// How a `[B, T]` loss matrix becomes a scalar.
@@ -169,13 +171,84 @@ pub enum ImportanceCorrection {
     },
     /// Sequence mask: a response whose geometric-mean ratio
     /// `exp(mean_t log ρ)` falls outside [low, high] is dropped; the others
-    /// are weighted by the per-token `ρ`.
+    /// are weighted by the per-token `ρ` (OpenRLHF's `seq-mask-tis`).
     SequenceMask {
         /// Lower bound.
         low: f64,
         /// Upper bound.
         high: f64,
     },
+    /// Sequence TIS (verl's `rollout_is = "sequence"`): every token of a
+    /// response weighted by `clamp(exp(clamp(Σ_t log ρ, −20, 20)), low, high)`,
+    /// the response's whole ratio (unbiased, high variance).
+    SequenceTis {
+        /// Lower bound.
+        low: f64,
+        /// Upper bound (verl's `rollout_is_threshold`).
+        high: f64,
+    },
+    /// Geometric-mean rejection (verl's `rollout_rs = "seq_mean_k1"`): a
+    /// response is kept, with weight 1, iff `low ≤ exp(mean_t log ρ) ≤ high`,
+    /// else dropped (weight 0).
+    GeometricRejection {
+        /// Lower bound.
+        low: f64,
+        /// Upper bound.
+        high: f64,
+    },
+    /// K3 rejection (verl's `rollout_rs = "seq_mean_k3"`): a response is
+    /// kept, with weight 1, iff its mean K3 estimate `mean_t (ρ − 1 − log ρ)`
+    /// (log ρ clamped to ±20) is at most `high`.
+    K3Rejection {
+        /// The largest mean K3 kept.
+        high: f64,
+    },
+}
+
+/// The importance weights of a micro-batch over its valid tokens: mean,
+/// min, max, and the fraction that is 0 (dropped tokens).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct WeightStats {
+    /// Mean weight.
+    pub mean: f64,
+    /// Smallest weight.
+    pub min: f64,
+    /// Largest weight.
+    pub max: f64,
+    /// Fraction of tokens with weight 0.
+    pub masked: f64,
+}
+
+impl Default for WeightStats {
+    /// No correction: every weight 1.
+    fn default() -> Self {
+        WeightStats {
+            mean: 1.0,
+            min: 1.0,
+            max: 1.0,
+            masked: 0.0,
+        }
+    }
+}
+
+impl WeightStats {
+    /// The statistics of `weight` over the tokens where `mask` is set.
+    pub fn of(weight: &Tensor, mask: &Tensor) -> Self {
+        let w = weight.masked_select(&mask.gt(0.0));
+        if w.numel() == 0 {
+            return WeightStats::default();
+        }
+        WeightStats {
+            mean: w.mean(Kind::Double).double_value(&[]),
+            min: w.min().double_value(&[]),
+            max: w.max().double_value(&[]),
+            masked: w
+                .eq(0.0)
+                .to_kind(Kind::Double)
+                .mean(Kind::Double)
+                .double_value(&[]),
+        }
+    }
 }
 
 /// Settings of the clipped policy loss.
@@ -200,6 +273,8 @@ pub struct PolicyLossConfig {
     /// `T` of [`Aggregation::SeqMeanTokenSumNorm`] (verl's `loss_scale_factor`;
     /// `None`: the padded response length of the step).
     pub loss_scale_factor: Option<f64>,
+    /// The objective: PPO's clipped ratio (default) or another of verl's.
+    pub objective: PolicyObjective,
 }
 
 impl Default for PolicyLossConfig {
@@ -214,6 +289,7 @@ impl Default for PolicyLossConfig {
             correction: None,
             flavor: Flavor::OpenRlhf,
             loss_scale_factor: None,
+            objective: PolicyObjective::Clipped,
         }
     }
 }
@@ -238,9 +314,9 @@ pub struct PolicyLoss {
     pub clip_fraction: f64,
     /// `masked_mean(log π_old − log π)`: the approximate KL to the proximal policy.
     pub approx_kl: f64,
-    /// Mean, min and max of the importance weights over masked tokens (1
-    /// without correction, and with OpenRLHF's GSPO, which weights none).
-    pub weight_stats: (f64, f64, f64),
+    /// The importance weights over the valid tokens (all 1 without
+    /// correction, and with OpenRLHF's GSPO, which weights none).
+    pub weight_stats: WeightStats,
 }
 
 impl PolicyLoss {
@@ -301,6 +377,17 @@ pub fn policy_loss_in_step(
     scale: &StepScale,
 ) -> PolicyLoss {
     let log_ratio = logprobs - old_logprobs;
+    if cfg.objective != PolicyObjective::Clipped {
+        return other_objective(
+            logprobs,
+            &log_ratio,
+            advantages,
+            mask,
+            behaviour_logprobs,
+            cfg,
+            scale,
+        );
+    }
     let sequence = cfg.ratio_level == RatioLevel::Sequence;
     // OpenRLHF's GSPO folds the correction into the ratio (against the behaviour policy).
     let gspo_behaviour = match (cfg.flavor, sequence, cfg.correction) {
@@ -340,19 +427,12 @@ pub fn policy_loss_in_step(
             -clipped.where_self(&advantages.ge(0.0), &lower)
         }
     };
-    let mut weight_stats = (1.0, 1.0, 1.0);
+    let mut weight_stats = WeightStats::default();
     let loss = if let (Some(correction), Some(behaviour), None) =
         (cfg.correction, behaviour_logprobs, gspo_behaviour)
     {
         let weight = importance_weights(correction, old_logprobs, behaviour, mask);
-        let w = weight.masked_select(&mask.gt(0.0));
-        if w.numel() > 0 {
-            weight_stats = (
-                w.mean(Kind::Double).double_value(&[]),
-                w.min().double_value(&[]),
-                w.max().double_value(&[]),
-            );
-        }
+        weight_stats = WeightStats::of(&weight, mask);
         // Outside any no-grad guard: autograd must see the product.
         loss * weight
     } else {
@@ -367,6 +447,71 @@ pub fn policy_loss_in_step(
     let approx_kl = masked_mean(&(-kl_log_ratio).detach(), mask).double_value(&[]);
     PolicyLoss {
         loss: aggregate_in_step(&loss, mask, cfg.aggregation, cfg.flavor, scale),
+        clip_fraction,
+        approx_kl,
+        weight_stats,
+    }
+}
+
+/// [`policy_loss_in_step`] for the objectives of [`PolicyObjective`] other
+/// than the clipped one: the objective's loss, weighted by the correction
+/// (GMPO: by the geometric mean of a response's weights, as verl does) and
+/// aggregated over the step (GMPO: averaged over the step's responses).
+fn other_objective(
+    logprobs: &Tensor,
+    log_ratio: &Tensor,
+    advantages: &Tensor,
+    mask: &Tensor,
+    behaviour_logprobs: Option<&Tensor>,
+    cfg: &PolicyLossConfig,
+    scale: &StepScale,
+) -> PolicyLoss {
+    let (loss, clip_fraction) = objective_loss(
+        cfg.objective,
+        logprobs,
+        log_ratio,
+        advantages,
+        mask,
+        (cfg.clip_low, cfg.clip_high),
+    );
+    let weight = match (cfg.correction, behaviour_logprobs) {
+        (Some(correction), Some(behaviour)) => {
+            let old = logprobs.detach() - log_ratio.detach();
+            Some(importance_weights(correction, &old, behaviour, mask))
+        }
+        _ => None,
+    };
+    let weight_stats = weight
+        .as_ref()
+        .map_or_else(WeightStats::default, |w| WeightStats::of(w, mask));
+    let loss = match loss {
+        ObjectiveLoss::Tokens(loss) => {
+            let loss = match &weight {
+                Some(w) => loss * w,
+                None => loss,
+            };
+            aggregate_in_step(&loss, mask, cfg.aggregation, cfg.flavor, scale)
+        }
+        ObjectiveLoss::Responses(loss) => {
+            let loss = match &weight {
+                Some(w) => {
+                    let count = mask.sum_dim_intlist(-1, false, Kind::Double) + 1e-8;
+                    let log_w = ((w + 1e-10).log() * mask).sum_dim_intlist(-1, false, Kind::Double);
+                    loss * (log_w / count).exp()
+                }
+                None => loss,
+            };
+            let responses = if scale.sequences > 0.0 {
+                scale.sequences
+            } else {
+                1.0
+            };
+            loss.sum(Kind::Double) / responses
+        }
+    };
+    let approx_kl = masked_mean(&(-log_ratio).detach(), mask).double_value(&[]);
+    PolicyLoss {
+        loss,
         clip_fraction,
         approx_kl,
         weight_stats,
@@ -394,6 +539,30 @@ pub fn importance_weights(
             let count = mask.sum_dim_intlist(-1, true, kind);
             let seq = ((&log_rho * mask).sum_dim_intlist(-1, true, kind) / count).exp();
             &rho * inside(&seq, low, high)
+        }
+        ImportanceCorrection::SequenceTis { low, high } => {
+            let kind = sum_kind(&log_rho);
+            let total = (&log_rho * mask).sum_dim_intlist(-1, true, kind);
+            total
+                .clamp(-20.0, 20.0)
+                .exp()
+                .clamp(low, high)
+                .expand_as(&rho)
+                * mask
+        }
+        ImportanceCorrection::GeometricRejection { low, high } => {
+            let kind = sum_kind(&log_rho);
+            let count = mask.sum_dim_intlist(-1, true, kind).clamp_min(1.0);
+            let seq = ((&log_rho * mask).sum_dim_intlist(-1, true, kind) / count).exp();
+            inside(&seq, low, high).expand_as(&rho) * mask
+        }
+        ImportanceCorrection::K3Rejection { high } => {
+            let kind = sum_kind(&log_rho);
+            let safe = log_rho.clamp(-20.0, 20.0);
+            let k3 = safe.exp() - 1.0 - &safe;
+            let count = mask.sum_dim_intlist(-1, true, kind).clamp_min(1.0);
+            let mean = (k3 * mask).sum_dim_intlist(-1, true, kind) / count;
+            mean.le(high).to_kind(rho.kind()).expand_as(&rho) * mask
         }
     }
 }
@@ -563,7 +732,7 @@ mod tests {
         };
         let out = policy_loss(&lp, &old, &adv, &mask, Some(&behaviour), &tis);
         assert!((out.loss.double_value(&[]) + (1.5 + 0.5) / 2.0).abs() < 1e-5);
-        assert!((out.weight_stats.2 - 1.5).abs() < 1e-5);
+        assert!((out.weight_stats.max - 1.5).abs() < 1e-5);
         let icepop = PolicyLossConfig {
             correction: Some(ImportanceCorrection::IcePop {
                 low: 0.6,
@@ -586,6 +755,65 @@ mod tests {
         };
         let out = policy_loss(&lp, &old, &adv, &mask, Some(&behaviour), &seq);
         assert!((out.loss.double_value(&[]) + (2.0 + 0.5) / 2.0).abs() < 1e-5);
+    }
+
+    #[test]
+    fn sequence_corrections_weigh_or_reject_whole_responses() {
+        // Response 0: log ρ = (ln 2, ln 2): product 4, geometric mean 2.
+        // Response 1: log ρ = (0, 0, pad): product 1, geometric mean 1.
+        let ln2 = 2.0f64.ln();
+        let old = Tensor::from_slice(&[ln2, ln2, 0.0, 0.0, 0.0, 0.0]).view([2, 3]);
+        let behaviour = Tensor::zeros([2, 3], (Kind::Double, tch::Device::Cpu));
+        let mask = Tensor::from_slice(&[1.0f64, 1.0, 0.0, 1.0, 1.0, 0.0]).view([2, 3]);
+        let w = |c| {
+            Vec::<f64>::try_from(importance_weights(c, &old, &behaviour, &mask).flatten(0, -1))
+                .unwrap()
+        };
+        let near = |a: &[f64], b: &[f64]| {
+            assert!(
+                a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-9),
+                "{a:?} vs {b:?}"
+            );
+        };
+        near(
+            &w(ImportanceCorrection::SequenceTis {
+                low: 0.0,
+                high: 3.0,
+            }),
+            &[3.0, 3.0, 0.0, 1.0, 1.0, 0.0],
+        );
+        near(
+            &w(ImportanceCorrection::GeometricRejection {
+                low: 0.5,
+                high: 1.5,
+            }),
+            &[0.0, 0.0, 0.0, 1.0, 1.0, 0.0],
+        );
+        // Mean K3 of response 0: 2 − 1 − ln 2 ≈ 0.307; response 1: 0.
+        near(
+            &w(ImportanceCorrection::K3Rejection { high: 0.3 }),
+            &[0.0, 0.0, 0.0, 1.0, 1.0, 0.0],
+        );
+        near(
+            &w(ImportanceCorrection::K3Rejection { high: 0.31 }),
+            &[1.0, 1.0, 0.0, 1.0, 1.0, 0.0],
+        );
+        let stats = WeightStats::of(
+            &importance_weights(
+                ImportanceCorrection::GeometricRejection {
+                    low: 0.5,
+                    high: 1.5,
+                },
+                &old,
+                &behaviour,
+                &mask,
+            ),
+            &mask,
+        );
+        assert_eq!(
+            (stats.masked, stats.mean, stats.min, stats.max),
+            (0.5, 0.5, 0.0, 1.0)
+        );
     }
 
     #[test]

@@ -11,15 +11,20 @@
 pub mod advantages;
 pub mod kl;
 pub mod losses;
+pub mod objectives;
 pub mod shaping;
 pub mod stats;
 
-pub use advantages::{discounted_returns, gae, grpo, rloo, whiten_advantages, GroupError};
+pub use advantages::{
+    discounted_returns, gae, gpg, grpo, grpo_passk, opo, rloo, whiten_advantages, GroupError,
+};
 pub use kl::{kl, kl_tensor, kl_tokens, token_rewards, KlEstimator};
 pub use losses::{
     aggregate, aggregate_in_step, importance_weights, policy_loss, policy_loss_in_step, value_loss,
     Aggregation, ImportanceCorrection, PolicyLoss, PolicyLossConfig, RatioLevel, StepScale,
+    WeightStats,
 };
+pub use objectives::PolicyObjective;
 pub use shaping::{overlong_penalty, KlController};
 pub use stats::Tokens;
 

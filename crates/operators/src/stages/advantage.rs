@@ -9,7 +9,7 @@ use weir_graph::batch::with_column;
 use weir_graph::{StageError, StepBuffer, StepContext, StepStage};
 
 use super::columns::{f32s, float_lists, u64s};
-use crate::algorithms::{grpo, rloo, Flavor};
+use crate::algorithms::{gpg, grpo, grpo_passk, opo, rloo, Flavor};
 use crate::rollout::col;
 
 /// Which group baseline.
@@ -21,6 +21,14 @@ pub enum GroupEstimator {
     DrGrpo,
     /// `r − mean of the others`.
     Rloo,
+    /// `r − the length-weighted mean` ([`crate::algorithms::opo`]).
+    Opo,
+    /// Pass@k: the best response gets `r_max − r_second`, scaled by the
+    /// group's std ([`crate::algorithms::grpo_passk`]).
+    PassK,
+    /// GPG: `α (r − mean)` ([`crate::algorithms::gpg`]; α counts the
+    /// stage's rows, the step's when it trains on one worker).
+    Gpg,
 }
 
 /// Computes `advantages` (the group-relative advantage on every response
@@ -57,15 +65,18 @@ impl StepStage for GroupAdvantage {
         };
         let rewards = f32s(&batch, col::REWARD, "advantage")?;
         let groups = u64s(&batch, col::GROUP_ID, "advantage")?;
-        let per_response = match self.estimator {
-            GroupEstimator::Grpo => grpo(&rewards, &groups, true, self.flavor)?,
-            GroupEstimator::DrGrpo => grpo(&rewards, &groups, false, self.flavor)?,
-            GroupEstimator::Rloo => rloo(&rewards, &groups, self.flavor)?,
-        };
         let lengths: Vec<usize> = float_lists(&batch, col::BEHAVIOR_LOGPROBS, "advantage")?
             .iter()
             .map(Vec::len)
             .collect();
+        let per_response = match self.estimator {
+            GroupEstimator::Grpo => grpo(&rewards, &groups, true, self.flavor)?,
+            GroupEstimator::DrGrpo => grpo(&rewards, &groups, false, self.flavor)?,
+            GroupEstimator::Rloo => rloo(&rewards, &groups, self.flavor)?,
+            GroupEstimator::Opo => opo(&rewards, &lengths, &groups)?,
+            GroupEstimator::PassK => grpo_passk(&rewards, &groups, true)?,
+            GroupEstimator::Gpg => gpg(&rewards, &groups)?,
+        };
         let per_token: Vec<Vec<f64>> = per_response
             .iter()
             .zip(&lengths)

@@ -131,6 +131,7 @@ pub struct CriticLearner {
     checkpoints: Option<crate::checkpoint::Checkpointer>,
     aggregation: Aggregation,
     flavor: Flavor,
+    epochs: usize,
     /// The last step's value loss.
     pub last_loss: f64,
 }
@@ -155,6 +156,7 @@ impl CriticLearner {
             checkpoints: None,
             aggregation: Aggregation::TokenMean,
             flavor: Flavor::OpenRlhf,
+            epochs: 1,
             last_loss: f64::NAN,
         })
     }
@@ -163,6 +165,15 @@ impl CriticLearner {
     /// ([`value_loss`]; the default: token mean, OpenRLHF).
     pub fn with_loss(mut self, aggregation: Aggregation, flavor: Flavor) -> Self {
         (self.aggregation, self.flavor) = (aggregation, flavor);
+        self
+    }
+
+    /// Optimizer steps over each step's rows (as the actor's `ppo_epochs`:
+    /// OpenRLHF's `max_epochs` and verl's critic `ppo_epochs`); the value
+    /// clip acts from the second on, once the values have moved from the
+    /// old ones.
+    pub fn with_epochs(mut self, epochs: usize) -> Self {
+        self.epochs = epochs.max(1);
         self
     }
 
@@ -196,10 +207,8 @@ impl StepStage for CriticLearner {
         let old = float_lists(&batch, col::VALUES, "critic learner")?;
         let returns = float_lists(&batch, col::RETURNS, "critic learner")?;
         let model = lock(&self.model)?;
-        self.optimizer.zero_grad();
-        let (values, mask) = response_values(&model, &prompts, &responses)?;
-        let width = values.size()[1] as usize;
-        let pad = |rows: &[Vec<f64>]| {
+        let device = model.device();
+        let pad = |rows: &[Vec<f64>], width: usize| {
             let flat: Vec<f32> = rows
                 .iter()
                 .flat_map(|r| {
@@ -210,22 +219,29 @@ impl StepStage for CriticLearner {
                 .collect();
             Tensor::from_slice(&flat)
                 .view([rows.len() as i64, width as i64])
-                .to_device(model.device())
+                .to_device(device)
         };
-        let (loss, clip_fraction) = value_loss(
-            &values,
-            &pad(&old),
-            &pad(&returns),
-            &mask,
-            self.clip,
-            self.aggregation,
-            self.flavor,
-        );
-        loss.backward();
-        self.optimizer.step(self.max_grad_norm);
-        self.last_loss = loss.double_value(&[]);
-        if !self.last_loss.is_finite() {
-            return Err(format!("step {}: the value loss is not finite", ctx.step).into());
+        let mut clip_fraction = 0.0;
+        for _epoch in 0..self.epochs {
+            self.optimizer.zero_grad();
+            let (values, mask) = response_values(&model, &prompts, &responses)?;
+            let width = values.size()[1] as usize;
+            let (loss, clipped) = value_loss(
+                &values,
+                &pad(&old, width),
+                &pad(&returns, width),
+                &mask,
+                self.clip,
+                self.aggregation,
+                self.flavor,
+            );
+            loss.backward();
+            self.optimizer.step(self.max_grad_norm);
+            self.last_loss = loss.double_value(&[]);
+            clip_fraction = clipped;
+            if !self.last_loss.is_finite() {
+                return Err(format!("step {}: the value loss is not finite", ctx.step).into());
+            }
         }
         ctx.record("value_loss", self.last_loss);
         ctx.record("value_clip_fraction", clip_fraction);

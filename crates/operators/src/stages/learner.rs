@@ -19,7 +19,7 @@ use super::columns::{float_lists, token_lists};
 use super::sequences::{response_backward, response_logprobs, ResponseForward};
 use super::train_step::{optimizer_step, step_scale};
 use crate::algorithms::{
-    aggregate_in_step, kl_tensor, policy_loss_in_step, KlEstimator, PolicyLossConfig,
+    aggregate_in_step, kl_tensor, policy_loss_in_step, KlEstimator, PolicyLossConfig, WeightStats,
 };
 use crate::checkpoint::CheckpointPlan;
 use crate::rollout::col;
@@ -136,8 +136,9 @@ pub struct UpdateStats {
     pub entropy: f64,
     /// Mean response length in tokens.
     pub response_length: f64,
-    /// Importance weights of the off-policy correction (mean, min, max), if one is configured.
-    pub importance_weights: Option<(f64, f64, f64)>,
+    /// Importance weights of the off-policy correction (the mean and the
+    /// fraction dropped over every rank; min and max this rank's), if one is configured.
+    pub importance_weights: Option<WeightStats>,
     /// Mean reward of the step's rows, when they carry one.
     pub reward: Option<f64>,
 }
@@ -286,13 +287,13 @@ impl Learner {
                 })
                 .collect::<Result<_, _>>()?
         };
-        // loss, clip fraction, KL, entropy, mean importance weight: each a step total.
-        let mut stats = [0.0; 5];
+        // loss, clip fraction, KL, entropy, mean importance weight, dropped fraction: each a step total.
+        let mut stats = [0.0; 6];
         let mut grad_norm = 0.0;
         let mut bounds: Option<(f64, f64)> = None;
         for _epoch in 0..self.cfg.ppo_epochs.max(1) {
             let lr = self.cfg.schedule.rate(self.cfg.adamw.lr, self.updates);
-            stats = [0.0; 5];
+            stats = [0.0; 6];
             bounds = None;
             let (model, cfg) = (&self.model, &self.cfg);
             grad_norm = optimizer_step(
@@ -345,11 +346,12 @@ impl Learner {
                             stats[0] += loss.double_value(&[]);
                             stats[1] += out.clip_fraction * share;
                             if cfg.policy.correction.is_some() {
-                                let (mean, lo, hi) = out.weight_stats;
-                                stats[4] += mean * share;
+                                let w = out.weight_stats;
+                                stats[4] += w.mean * share;
+                                stats[5] += w.masked * share;
                                 bounds = Some(match bounds {
-                                    None => (lo, hi),
-                                    Some((l, h)) => (l.min(lo), h.max(hi)),
+                                    None => (w.min, w.max),
+                                    Some((l, h)) => (l.min(w.min), h.max(w.max)),
                                 });
                             }
                             Ok((loss, ()))
@@ -370,7 +372,12 @@ impl Learner {
             self.updates += 1;
         }
         // The weights' mean is over every rank; min and max stay this rank's.
-        let weights = bounds.map(|(lo, hi)| (stats[4], lo, hi));
+        let weights = bounds.map(|(min, max)| WeightStats {
+            mean: stats[4],
+            min,
+            max,
+            masked: stats[5],
+        });
         self.last = UpdateStats {
             loss: stats[0],
             grad_norm,
@@ -427,10 +434,11 @@ impl StepStage for Learner {
             if self.cfg.kl_coef > 0.0 {
                 ctx.record("kl", u.kl);
             }
-            if let Some((mean, min, max)) = u.importance_weights {
-                ctx.record("is_weight_mean", mean);
-                ctx.record("is_weight_min", min);
-                ctx.record("is_weight_max", max);
+            if let Some(w) = u.importance_weights {
+                ctx.record("is_weight_mean", w.mean);
+                ctx.record("is_weight_min", w.min);
+                ctx.record("is_weight_max", w.max);
+                ctx.record("is_masked_fraction", w.masked);
             }
             // What the step's rows looked like: the curves users watch first.
             if let Some(reward) = u.reward {

@@ -19,7 +19,7 @@ use weir_gpu::optim::{AdamWConfig, Optimizer};
 use weir_gpu::{Model, Tokenizer};
 use weir_graph::{StageError, StepBuffer, StepContext, StepStage};
 
-use super::columns::token_lists;
+use super::columns::{strings, token_lists};
 use super::learner::LrSchedule;
 use super::sequences::response_forward;
 use super::sequences::{pack, response_targets};
@@ -39,6 +39,9 @@ pub struct PairConfig {
     pub chosen: String,
     /// The rejected response's column.
     pub rejected: String,
+    /// A column with each pair's margin `m` (reward model only): the loss
+    /// becomes OpenRLHF's `PairWiseLoss` with margin, `−log σ(r_c − r_r − m)`.
+    pub margin: Option<String>,
 }
 
 /// Prompt tokens and the tokenised chosen and rejected responses of a batch.
@@ -46,13 +49,31 @@ struct Pairs {
     prompts: Vec<Vec<i64>>,
     chosen: Vec<Vec<i64>>,
     rejected: Vec<Vec<i64>>,
+    /// Each pair's margin, if the config names a margin column.
+    margins: Option<Vec<f64>>,
 }
 
 fn pairs(batch: &RecordBatch, tok: &Tokenizer, cfg: &PairConfig) -> Result<Pairs, StageError> {
+    let margins = match &cfg.margin {
+        Some(name) => Some(
+            strings(batch, name, "preference")?
+                .iter()
+                .enumerate()
+                .map(|(row, text)| match text.trim().parse::<f64>() {
+                    Ok(m) if m.is_finite() => Ok(m),
+                    _ => Err(format!(
+                        "column `{name}`, row {row} of the step: margin {text:?} is not a finite number"
+                    )),
+                })
+                .collect::<Result<Vec<_>, _>>()?,
+        ),
+        None => None,
+    };
     Ok(Pairs {
         prompts: token_lists(batch, col::PROMPT_TOKENS, "preference")?,
         chosen: response_targets(batch, &cfg.chosen, tok, "preference")?,
         rejected: response_targets(batch, &cfg.rejected, tok, "preference")?,
+        margins,
     })
 }
 
@@ -220,7 +241,13 @@ impl StepStage for RewardTrainer {
             let chosen = last_token_scores(&t.model, &p.prompts, &p.chosen)?;
             let rejected = last_token_scores(&t.model, &p.prompts, &p.rejected)?;
             let margin = &chosen - &rejected;
-            loss = Some(-margin.log_sigmoid().sum(Kind::Float) / total);
+            let wanted = p.margins.as_ref().map(|m| {
+                Tensor::from_slice(m)
+                    .to_kind(margin.kind())
+                    .to_device(margin.device())
+            });
+            loss =
+                Some(pairwise_loss(&chosen, &rejected, wanted.as_ref()).sum(Kind::Float) / total);
             correct = Some(margin.gt(0.0).to_kind(Kind::Float).sum(Kind::Float) / total);
             margins = Some(margin.detach().sum(Kind::Float) / total);
         }
@@ -241,6 +268,17 @@ impl StepStage for RewardTrainer {
         t.finish(ctx, &metrics)?;
         Ok(rows.into_iter().collect())
     }
+}
+
+/// The Bradley–Terry loss of each pair, `−log σ(r_c − r_r)`, or with a
+/// margin `m` per pair `−log σ(r_c − r_r − m)` (OpenRLHF's `PairWiseLoss`).
+pub fn pairwise_loss(chosen: &Tensor, rejected: &Tensor, margin: Option<&Tensor>) -> Tensor {
+    let diff = chosen - rejected;
+    let diff = match margin {
+        Some(m) => diff - m,
+        None => diff,
+    };
+    -diff.log_sigmoid()
 }
 
 /// Which preference objective [`DpoTrainer`] minimises.
@@ -381,6 +419,21 @@ impl StepStage for DpoTrainer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_pairwise_loss_subtracts_the_margin() {
+        let c = Tensor::from_slice(&[2.0f64, 0.0]);
+        let r = Tensor::from_slice(&[1.0f64, 1.0]);
+        let m = Tensor::from_slice(&[1.0f64, -1.0]);
+        let plain = Vec::<f64>::try_from(pairwise_loss(&c, &r, None)).unwrap();
+        let shifted = Vec::<f64>::try_from(pairwise_loss(&c, &r, Some(&m))).unwrap();
+        let nls = |x: f64| (1.0 + (-x).exp()).ln();
+        assert!((plain[0] - nls(1.0)).abs() < 1e-12 && (plain[1] - nls(-1.0)).abs() < 1e-12);
+        // With the margin the differences become 1 − 1 = 0 and −1 + 1 = 0: log 2 each.
+        for x in shifted {
+            assert!((x - std::f64::consts::LN_2).abs() < 1e-12);
+        }
+    }
 
     #[test]
     fn preference_losses_by_hand() {

@@ -1,0 +1,760 @@
+//! Every key that `weir config PIPELINE` prints changes what a run of that
+//! pipeline does (its rows, metrics, files or weights) or is refused with
+//! an error; none is silently ignored.
+//!
+//! For each pipeline, a small deterministic base run (two steps, k = 0) is
+//! compared with a run that changes one key. Some keys only act under
+//! another setting (a bound of the correction needs a correction): those
+//! are changed on top of that setting, compared with a base that has it.
+//! A few keys are speed and memory knobs by design (threads, idle workers,
+//! micro-batches, gradient checkpointing, the evaluation's batch): their runs must succeed and are
+//! held to the same results elsewhere (the learner's tests); they are
+//! listed in [`PERFORMANCE`].
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use arrow::array::RecordBatch;
+use weir::graph::metrics::names;
+use weir::pipelines::config::{applies, DOCS};
+
+use super::*;
+
+/// Keys that change speed or memory only.
+const PERFORMANCE: &[&str] = &[
+    "run.threads",
+    "placement.workers",
+    "algorithm.micro_batch",
+    "algorithm.gradient_checkpointing",
+    "eval.batch",
+];
+
+/// Metrics that depend on timing, not on what the run computed.
+const TIMING: &[&str] = &[
+    names::BUSY_S,
+    names::WEIGHTS_TRANSFER_S,
+    names::DONE_UNIX_S,
+    names::QUEUE_PEAK,
+    names::BATCHES_IN,
+    names::IN_FLIGHT_STEPS,
+];
+
+/// What a run did, as far as a key can change it (timings aside).
+#[derive(Debug)]
+enum Outcome {
+    Failed(String),
+    Ran {
+        /// Per rollout column: its name and its values (numbers, or text).
+        rows: Vec<(String, Values)>,
+        files: Vec<String>,
+        metrics: BTreeMap<(String, u32, String, Option<String>, u64), f64>,
+        /// The final actor's safetensors header and tensor data.
+        weights: (Vec<u8>, Values),
+        eval: Option<String>,
+    },
+}
+
+/// A column's values: numbers (compared within rounding) or text.
+#[derive(Debug)]
+enum Values {
+    Numbers(Vec<f64>),
+    Text(String),
+}
+
+/// Whether two numbers agree up to the rounding that libtorch's thread
+/// count (a process-wide setting that other tests of this binary change
+/// while a run is in flight) can cause.
+fn close(a: f64, b: f64) -> bool {
+    a == b || (a - b).abs() <= 1e-4 * a.abs().max(b.abs()).max(1e-2)
+}
+
+impl Values {
+    fn differs(&self, other: &Values) -> Option<String> {
+        match (self, other) {
+            (Values::Numbers(a), Values::Numbers(b)) => {
+                if a.len() != b.len() {
+                    return Some(format!("{} vs {} values", a.len(), b.len()));
+                }
+                let i = a.iter().zip(b).position(|(x, y)| !close(*x, *y))?;
+                Some(format!("value {i}: {} vs {}", a[i], b[i]))
+            }
+            (Values::Text(a), Values::Text(b)) if a == b => None,
+            (a, b) => Some(format!("{a:?} vs {b:?}")),
+        }
+    }
+}
+
+fn numbers(array: &dyn arrow::array::Array) -> Option<Vec<f64>> {
+    use arrow::array::{AsArray, ListArray};
+    use arrow::datatypes::{DataType, Float64Type};
+    let values = match array.data_type() {
+        DataType::List(_) => {
+            let list: &ListArray = array.as_list();
+            let mut out: Vec<f64> = list.offsets().iter().map(|o| *o as f64).collect();
+            out.extend(numbers(list.values().as_ref())?);
+            return Some(out);
+        }
+        t if t.is_numeric() => arrow::compute::cast(array, &DataType::Float64).ok()?,
+        _ => return None,
+    };
+    Some(values.as_primitive::<Float64Type>().values().to_vec())
+}
+
+fn rows_of(batches: &[RecordBatch]) -> Vec<(String, Values)> {
+    batches
+        .iter()
+        .flat_map(|b| {
+            b.schema()
+                .fields()
+                .iter()
+                .zip(b.columns())
+                .filter(|(f, _)| f.name() != col::GENERATE_S)
+                .map(|(f, c)| {
+                    let values = match numbers(c.as_ref()) {
+                        Some(n) => Values::Numbers(n),
+                        None => Values::Text(format!("{c:?}")),
+                    };
+                    (f.name().clone(), values)
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// A safetensors file's header, and its data as float32 numbers when every
+/// tensor is float32 (else as bytes).
+fn weights_of(path: &Path) -> (Vec<u8>, Values) {
+    let Ok(bytes) = std::fs::read(path) else {
+        return (Vec::new(), Values::Numbers(Vec::new()));
+    };
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let (header, data) = (bytes[..8 + n].to_vec(), &bytes[8 + n..]);
+    let text = String::from_utf8_lossy(&header[8..]);
+    let values =
+        if text.contains("\"F32\"") && !text.contains("\"BF16\"") && !text.contains("\"F16\"") {
+            Values::Numbers(
+                data.chunks_exact(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
+                    .collect(),
+            )
+        } else {
+            Values::Text(format!("{data:?}"))
+        };
+    (header, values)
+}
+
+fn files_under(dir: &Path, root: &Path, out: &mut Vec<String>) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let path = e.path();
+        if path.is_dir() {
+            files_under(&path, root, out);
+        } else {
+            out.push(path.strip_prefix(root).unwrap().display().to_string());
+        }
+    }
+}
+
+fn outcome(kind: PipelineKind, cfg: RunConfig, dir: &Path) -> Outcome {
+    if let Err(e) = cfg.validate(kind) {
+        return Outcome::Failed(e.to_string());
+    }
+    let done = match weir::pipelines::run(&request(kind, cfg, dir, false)) {
+        Ok(done) => done,
+        Err(e) => return Outcome::Failed(e.to_string()),
+    };
+    let rollouts = dir.join("rollouts");
+    let rows = if rollouts.is_dir() {
+        rows_of(&read_parquet_dir(&rollouts).unwrap())
+    } else {
+        Vec::new()
+    };
+    let mut files = Vec::new();
+    files_under(dir, dir, &mut files);
+    files.retain(|f| !f.starts_with("plots") && !f.ends_with("summary.json"));
+    files.sort();
+    let mut metrics = BTreeMap::new();
+    for b in read_parquet_file(&dir.join("metrics.parquet")).unwrap() {
+        for r in weir::graph::metrics::batch_to_rows(&b).unwrap() {
+            if !TIMING.contains(&r.metric.as_str()) {
+                metrics.insert((r.stage, r.worker, r.metric, r.label, r.step), r.value);
+            }
+        }
+    }
+    let weights = weights_of(&done.final_actor.join("model.safetensors"));
+    let eval = std::fs::read_to_string(dir.join("eval.json")).ok();
+    Outcome::Ran {
+        rows,
+        files,
+        metrics,
+        weights,
+        eval,
+    }
+}
+
+/// The URL of a reward server (OpenRLHF's protocol) for this test process:
+/// it refuses every other copy of a request with 503 (the first, third, …:
+/// so a client needs a retry), answers after 0.5 s (so a short timeout fails),
+/// and scores a query by its length, scaled by 1/1000, or by 2/1000 on a
+/// path ending in `/other`. Each pipeline's walk uses a path of its own, so
+/// walks running side by side do not share request counts.
+fn reward_server() -> String {
+    use std::io::{BufRead, BufReader, Read, Write};
+    static URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    URL.get_or_init(|| {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(std::collections::HashMap::new()));
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { return };
+                let seen = seen.clone();
+                std::thread::spawn(move || {
+                    let mut reader = BufReader::new(stream.try_clone().unwrap());
+                    let (mut length, mut path) = (0, String::new());
+                    loop {
+                        let mut line = String::new();
+                        if reader.read_line(&mut line).unwrap_or(0) == 0 || line.trim().is_empty() {
+                            break;
+                        }
+                        if path.is_empty() {
+                            path = line.split_whitespace().nth(1).unwrap_or("").to_string();
+                        }
+                        if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                            length = v.trim().parse().unwrap();
+                        }
+                    }
+                    let mut body = vec![0; length];
+                    if reader.read_exact(&mut body).is_err() {
+                        return;
+                    }
+                    let copies = {
+                        let mut seen = seen.lock().unwrap();
+                        let n = seen.entry((path.clone(), body.clone())).or_insert(0u32);
+                        *n += 1;
+                        *n
+                    };
+                    let (status, text) = if copies % 2 == 1 {
+                        (503, "{}".to_string())
+                    } else {
+                        std::thread::sleep(std::time::Duration::from_millis(500));
+                        let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+                        let scale = if path.ends_with("/other") { 2e-3 } else { 1e-3 };
+                        let rewards: Vec<f64> = body["query"]
+                            .as_array()
+                            .unwrap()
+                            .iter()
+                            .map(|q| q.as_str().unwrap().len() as f64 * scale)
+                            .collect();
+                        (200, serde_json::json!({ "rewards": rewards }).to_string())
+                    };
+                    let _ = write!(
+                        stream,
+                        "HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{text}",
+                        text.len()
+                    );
+                });
+            }
+        });
+        url
+    })
+    .clone()
+}
+
+/// Where two outcomes differ first (beyond rounding), if they do.
+fn difference(a: &Outcome, b: &Outcome) -> Option<String> {
+    let (
+        Outcome::Ran {
+            rows,
+            files,
+            metrics,
+            weights,
+            eval,
+        },
+        Outcome::Ran {
+            rows: rows2,
+            files: files2,
+            metrics: metrics2,
+            weights: weights2,
+            eval: eval2,
+        },
+    ) = (a, b)
+    else {
+        return match (a, b) {
+            (Outcome::Failed(x), Outcome::Failed(y)) if x == y => None,
+            _ => Some(format!("{a:?} vs {b:?}")),
+        };
+    };
+    if rows.len() != rows2.len() {
+        return Some(format!("{} vs {} row columns", rows.len(), rows2.len()));
+    }
+    for ((name, x), (name2, y)) in rows.iter().zip(rows2) {
+        if name != name2 {
+            return Some(format!("column {name} vs {name2}"));
+        }
+        if let Some(d) = x.differs(y) {
+            return Some(format!("rows, {name}: {d}"));
+        }
+    }
+    if files != files2 {
+        return Some(format!("files: {files:?} vs {files2:?}"));
+    }
+    if metrics.len() != metrics2.len() || metrics.keys().ne(metrics2.keys()) {
+        return Some(format!("{} vs {} metrics", metrics.len(), metrics2.len()));
+    }
+    for (k, v) in metrics {
+        if !close(*v, metrics2[k]) {
+            return Some(format!("metric {k:?}: {v} vs {}", metrics2[k]));
+        }
+    }
+    if weights.0 != weights2.0 {
+        return Some("weights: headers".into());
+    }
+    if let Some(d) = weights.1.differs(&weights2.1) {
+        return Some(format!("weights: {d}"));
+    }
+    (eval != eval2).then(|| format!("eval {eval:?} vs {eval2:?}"))
+}
+
+/// A prompt file with several prompt columns, a label and chat messages.
+fn write_prompts(path: &Path) {
+    let lines: Vec<String> = (0..6u32)
+        .map(|i| {
+            let (a, b) = (i * 7 % 50, i * 13 % 40);
+            serde_json::json!({
+                "prompt": format!("{a}+{b}="),
+                "question": format!("{b}+{a}="),
+                "answer": (a + b).to_string(),
+                "answer2": (a + b + 1).to_string(),
+                "messages": [{"role": "user", "content": format!("{a}+{b}=")}],
+                "chosen": (a + b).to_string(),
+                "rejected": (a + b + 1).to_string(),
+                "chosen2": (a + b + 2).to_string(),
+                "rejected2": (a + b + 3).to_string(),
+                "margin": i as f64 * 0.5,
+            })
+            .to_string()
+        })
+        .collect();
+    std::fs::write(path, lines.join("\n")).unwrap();
+}
+
+/// The other settings under which `key` acts, and its changed value.
+fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String) {
+    let file = format!("data.prompts={:?}", prompts.display().to_string());
+    let rm = format!("{:?}", fixture("tiny-llama-rm").display().to_string());
+    let other_model = format!("{:?}", fixture("tiny-llama").display().to_string());
+    let (setting, value): (&[&str], String) = match key {
+        "run.steps" => (&[], "3".into()),
+        "run.max_staleness" => (&[], "1".into()),
+        "run.seed" => (&[], "7".into()),
+        "run.threads" => (&[], "2".into()),
+        "run.checkpoint_every" => (&[], "1".into()),
+        "run.rows_per_file" => (&[], "2".into()),
+        "run.device" => (&[], "\"cuda\"".into()),
+        "placement.workers" => (&[], "3".into()),
+        "placement.rollout" | "placement.train" if !kind.is_rl() => {
+            (&["placement.workers=2"], "[1]".into())
+        }
+        "placement.rollout" => (&[], "[1]".into()),
+        "placement.train" => (&[], "[0]".into()),
+        "placement.reference" => (&[], "\"rollout\"".into()),
+        "model.path" => (&[], other_model),
+        "model.dtype" => (&[], "\"bf16\"".into()),
+        "model.reference" => (&[], other_model),
+        "model.reward_model" if kind.is_rl() && kind != PipelineKind::Ppo => {
+            let arith = format!("{:?}", fixture("arith-sft").display().to_string());
+            return (
+                vec![
+                    "reward.kind=model".into(),
+                    format!("model.reward_model={rm}"),
+                ],
+                arith,
+            );
+        }
+        "model.reward_model" | "model.critic" => (&[], rm),
+        "data.prompts" => (&[], format!("{:?}", prompts.display().to_string())),
+        "data.prompt_column" => return (vec![file], "\"question\"".into()),
+        "data.messages_column" => return (vec![file], "\"messages\"".into()),
+        "data.label_column" => return (vec![file], "\"answer2\"".into()),
+        "data.chosen_column" => return (vec![file], "\"chosen2\"".into()),
+        "data.rejected_column" => return (vec![file], "\"rejected2\"".into()),
+        "data.margin_column" => return (vec![file], "\"margin\"".into()),
+        "data.epochs" => return (vec![file, "run.steps=5".into()], "1".into()),
+        "data.prompts_per_step" => (&[], "3".into()),
+        "data.samples_per_prompt" => (&[], "3".into()),
+        "generate.max_new_tokens" => (&[], "3".into()),
+        "generate.temperature" => (&[], "0.5".into()),
+        "generate.top_p" => (&[], "0.5".into()),
+        "generate.top_k" => (&[], "3".into()),
+        "reward.kind" => (&[], "\"remote\"".into()),
+        "reward.rule" => (&[], "\"nope\"".into()),
+        "reward.url" | "reward.timeout_s" | "reward.attempts" => {
+            let value = match key {
+                "reward.url" => {
+                    format!("{:?}", format!("{}/{}/other", reward_server(), kind.name()))
+                }
+                "reward.timeout_s" => "0.2".into(),
+                _ => "1".into(),
+            };
+            return (
+                vec![
+                    "reward.kind=remote".into(),
+                    format!(
+                        "reward.url={:?}",
+                        format!("{}/{}", reward_server(), kind.name())
+                    ),
+                ],
+                value,
+            );
+        }
+        "algorithm.lr" => (&[], "0.01".into()),
+        "algorithm.warmup_steps" => (&[], "5".into()),
+        "algorithm.schedule" => (&["algorithm.warmup_steps=0"], "\"cosine\"".into()),
+        "algorithm.min_lr_ratio" => (
+            &["algorithm.schedule=cosine", "algorithm.warmup_steps=0"],
+            "0.5".into(),
+        ),
+        "algorithm.weight_decay" => (&["algorithm.warmup_steps=0"], "0.9".into()),
+        "algorithm.max_grad_norm" => (&[], "0.001".into()),
+        "algorithm.micro_batch" => (&[], "1".into()),
+        "algorithm.gradient_checkpointing" => (&[], "true".into()),
+        "algorithm.ppo_epochs" => (&[], "2".into()),
+        "algorithm.clip_low" => (
+            &["algorithm.ppo_epochs=3", "algorithm.lr=0.01"],
+            "0.01".into(),
+        ),
+        "algorithm.clip_high" => (
+            &["algorithm.ppo_epochs=3", "algorithm.lr=0.01"],
+            "0.0".into(),
+        ),
+        "algorithm.dual_clip" => (
+            &["algorithm.ppo_epochs=3", "algorithm.lr=0.01"],
+            "1.01".into(),
+        ),
+        "algorithm.kl_coef" => (&[], "0.5".into()),
+        // k3+ differs from k3 in its gradient only, by r²/2 per token: a policy
+        // pulled well away from its reference shows it.
+        "algorithm.kl_estimator" if kind.is_group() => (
+            &["algorithm.lr=0.05", "algorithm.kl_coef=0.5", "run.steps=3"],
+            "\"k1\"".into(),
+        ),
+        "algorithm.kl_estimator" => (&[], "\"k1\"".into()),
+        "algorithm.entropy_coef" => (&[], "0.5".into()),
+        "algorithm.aggregation" => (&[], "\"seq-mean-token-sum\"".into()),
+        "algorithm.loss_scale_factor" => (
+            &["algorithm.aggregation=\"seq-mean-token-sum-norm\""],
+            "3".into(),
+        ),
+        "algorithm.policy_loss" => (
+            &[
+                "algorithm.aggregation=\"seq-mean-token-mean\"",
+                "algorithm.ppo_epochs=3",
+                "algorithm.lr=0.01",
+            ],
+            "\"gspo\"".into(),
+        ),
+        // Dr.GRPO and RLOO agree in both anchors but for one-sample groups
+        // and KL estimates beyond the clamps: a policy far from its reference.
+        "algorithm.flavor"
+            if matches!(
+                kind,
+                PipelineKind::DrGrpo
+                    | PipelineKind::Rloo
+                    | PipelineKind::Opo
+                    | PipelineKind::GrpoPassk
+                    | PipelineKind::Gpg
+            ) =>
+        {
+            (
+                &[
+                    "algorithm.lr=0.5",
+                    "algorithm.kl_estimator=\"k2\"",
+                    "run.steps=3",
+                ],
+                "\"verl\"".into(),
+            )
+        }
+        "algorithm.flavor" => (&[], "\"verl\"".into()),
+        "algorithm.sapo_tau_pos" | "algorithm.sapo_tau_neg" => (
+            &[
+                "algorithm.policy_loss=sapo",
+                "algorithm.aggregation=\"seq-mean-token-mean\"",
+                "algorithm.ppo_epochs=3",
+                "algorithm.lr=0.01",
+            ],
+            "5.0".into(),
+        ),
+        "algorithm.clip_cov_ratio" => (
+            &[
+                "algorithm.policy_loss=clip_cov",
+                "algorithm.clip_cov_lb=-100",
+                "algorithm.ppo_epochs=3",
+                "algorithm.lr=0.01",
+            ],
+            "0.5".into(),
+        ),
+        "algorithm.clip_cov_lb" => (
+            &[
+                "algorithm.policy_loss=clip_cov",
+                "algorithm.clip_cov_ratio=0.5",
+                "algorithm.ppo_epochs=3",
+                "algorithm.lr=0.01",
+            ],
+            "-100".into(),
+        ),
+        "algorithm.clip_cov_ub" => (
+            &[
+                "algorithm.policy_loss=clip_cov",
+                "algorithm.clip_cov_ratio=0.5",
+                "algorithm.clip_cov_lb=-100",
+                "algorithm.ppo_epochs=3",
+                "algorithm.lr=0.01",
+            ],
+            "-50".into(),
+        ),
+        "algorithm.kl_cov_ratio" | "algorithm.kl_cov_coef" => (
+            &[
+                "algorithm.policy_loss=kl_cov",
+                "algorithm.ppo_epochs=3",
+                "algorithm.lr=0.01",
+            ],
+            if key.ends_with("ratio") {
+                "0.5".into()
+            } else {
+                "5.0".into()
+            },
+        ),
+        "algorithm.gamma" => (&[], "0.5".into()),
+        "algorithm.lambda" => (&[], "0.5".into()),
+        "algorithm.critic_lr" => (&[], "0.01".into()),
+        "algorithm.value_clip" => (
+            &["algorithm.ppo_epochs=3", "algorithm.critic_lr=0.01"],
+            "0.001".into(),
+        ),
+        "algorithm.beta" => (&[], "0.5".into()),
+        "algorithm.preference_loss" => (&[], "\"ipo\"".into()),
+        "algorithm.label_smoothing" => (
+            &[
+                "algorithm.preference_loss=cdpo",
+                "algorithm.label_smoothing=0.1",
+            ],
+            "0.3".into(),
+        ),
+        "algorithm.correction" => (&[], "\"tis\"".into()),
+        "algorithm.correction_low" | "algorithm.correction_high" => (
+            &["algorithm.correction=tis", "run.max_staleness=1"],
+            if key.ends_with("low") {
+                "1.0".into()
+            } else {
+                "1.0000001".into()
+            },
+        ),
+        "dynamic_sampling.enabled" => (&[], "true".into()),
+        "dynamic_sampling.target_groups" => (
+            &[
+                "dynamic_sampling.enabled=true",
+                "data.prompts_per_step=6",
+                "data.samples_per_prompt=4",
+            ],
+            "1".into(),
+        ),
+        "curriculum.enabled" => (&[], "true".into()),
+        // The curriculum judges prompts seen before: six prompts, six steps of two.
+        "curriculum.min_samples"
+        | "curriculum.max_solve_rate"
+        | "curriculum.min_solve_rate"
+        | "curriculum.solve_threshold" => {
+            let mut setting = vec![
+                file,
+                "run.steps=6".into(),
+                "data.samples_per_prompt=4".into(),
+                "curriculum.enabled=true".into(),
+            ];
+            let value = match key {
+                "curriculum.min_samples" => {
+                    setting.push("curriculum.max_solve_rate=0.0".into());
+                    "1"
+                }
+                "curriculum.max_solve_rate" => {
+                    setting.push("curriculum.min_samples=1".into());
+                    "0.0"
+                }
+                "curriculum.min_solve_rate" => {
+                    setting.push("curriculum.min_samples=1".into());
+                    "1.0"
+                }
+                _ => {
+                    setting.push("curriculum.min_samples=1".into());
+                    setting.push("curriculum.max_solve_rate=0.5".into());
+                    "-1.0"
+                }
+            };
+            return (setting, value.into());
+        }
+        "eval.arith" => (&[], "true".into()),
+        "eval.batch" => (&["eval.arith=true"], "7".into()),
+        other => panic!("{other}: no changed value in this test; add one"),
+    };
+    (setting.iter().map(|s| s.to_string()).collect(), value)
+}
+
+/// Further values of the keys that choose between several behaviours, each
+/// run through the pipeline too.
+fn more_values(key: &str) -> &'static [&'static str] {
+    match key {
+        "algorithm.correction" => &[
+            "\"icepop\"",
+            "\"seq-mask\"",
+            "\"seq-tis\"",
+            "\"geo-rejection\"",
+            "\"k3-rejection\"",
+        ],
+        "algorithm.preference_loss" => &["\"cdpo\""],
+        "algorithm.policy_loss" => &[
+            "\"sapo\"",
+            "\"cispo\"",
+            "\"gmpo\"",
+            "\"gpg\"",
+            "\"reinforce\"",
+            "\"clip_cov\"",
+            "\"kl_cov\"",
+        ],
+        "algorithm.kl_estimator" => &["\"k2\"", "\"abs\"", "\"k1+\"", "\"k3+\""],
+        "algorithm.aggregation" => &[
+            "\"seq-mean-token-mean\"",
+            "\"seq-mean-token-sum-norm\"",
+            "\"token-sum\"",
+        ],
+        "model.dtype" => &["\"f16\""],
+        _ => &[],
+    }
+}
+
+/// The small base run of `kind`: two steps, k = 0, one thread.
+fn base(kind: PipelineKind) -> RunConfig {
+    let mut c = config(kind, 2);
+    c.data.prompts_per_step = 2;
+    c.run.threads = 1;
+    if kind.is_rl() {
+        c.run.max_staleness = 0;
+        c.data.samples_per_prompt = 2;
+        c.generate.max_new_tokens = 4;
+    }
+    if kind != PipelineKind::Rm {
+        c.eval.arith = false;
+        c.eval.batch = 128;
+    }
+    c
+}
+
+fn walk(kind: PipelineKind) {
+    let tmp = tempfile::tempdir().unwrap();
+    let prompts = tmp.path().join("prompts.jsonl");
+    write_prompts(&prompts);
+    let mut baselines: BTreeMap<Vec<String>, Outcome> = BTreeMap::new();
+    let mut runs = 0;
+    // The comparison means something only if the same config gives the same outcome.
+    let again = outcome(kind, base(kind), &tmp.path().join("base-again"));
+    let first = outcome(kind, base(kind), &tmp.path().join("base-first"));
+    assert!(
+        matches!(first, Outcome::Ran { .. }),
+        "{}: {first:?}",
+        kind.name()
+    );
+    if let Some(d) = difference(&first, &again) {
+        panic!("{}: two runs of one config differ: {d}", kind.name());
+    }
+    let mut silent = Vec::new();
+    for (section, key, _) in DOCS {
+        if !applies(kind, section, key) {
+            continue;
+        }
+        let name = format!("{section}.{key}");
+        let (setting, value) = change(&name, &prompts, kind);
+        for value in std::iter::once(value).chain(more_values(&name).iter().map(|v| v.to_string()))
+        {
+            // A value that is already the base's changes nothing by definition.
+            let base_doc =
+                serde_json::to_value(base(kind).with_overrides(&setting).unwrap()).unwrap();
+            let current = serde_json::to_string(&base_doc[*section][*key]).unwrap();
+            if current == value {
+                continue;
+            }
+            if !baselines.contains_key(&setting) {
+                runs += 1;
+                let cfg = base(kind).with_overrides(&setting).unwrap();
+                let o = outcome(kind, cfg, &tmp.path().join(format!("base-{runs}")));
+                assert!(
+                    matches!(o, Outcome::Ran { .. }),
+                    "{}: the base run with {setting:?} fails: {o:?}",
+                    kind.name()
+                );
+                baselines.insert(setting.clone(), o);
+            }
+            let before = &baselines[&setting];
+            let mut items = setting.clone();
+            items.push(format!("{name}={value}"));
+            runs += 1;
+            let dir = tmp.path().join(format!("run-{runs}"));
+            let after = match base(kind).with_overrides(&items) {
+                Ok(cfg) => outcome(kind, cfg, &dir),
+                Err(e) => Outcome::Failed(e.to_string()),
+            };
+            // Which worker reads the prompts of sft, rm and dpo shows nowhere but in speed.
+            let placement_only = !kind.is_rl() && name == "placement.rollout";
+            if PERFORMANCE.contains(&name.as_str()) || placement_only {
+                assert!(
+                    matches!(after, Outcome::Ran { .. }),
+                    "{}: {name} = {value} fails: {after:?}",
+                    kind.name()
+                );
+            } else if difference(&after, before).is_none() {
+                silent.push(format!("{name} = {value}"));
+            }
+        }
+    }
+    assert!(
+        silent.is_empty(),
+        "{}: these keys changed nothing: {silent:?}",
+        kind.name()
+    );
+}
+
+#[test]
+fn every_grpo_key_changes_the_run_or_is_refused() {
+    walk(PipelineKind::Grpo);
+}
+
+#[test]
+fn every_dr_grpo_and_rloo_key_changes_the_run_or_is_refused() {
+    walk(PipelineKind::DrGrpo);
+    walk(PipelineKind::Rloo);
+}
+
+#[test]
+fn every_opo_grpo_passk_and_gpg_key_changes_the_run_or_is_refused() {
+    walk(PipelineKind::Opo);
+    walk(PipelineKind::GrpoPassk);
+    walk(PipelineKind::Gpg);
+}
+
+#[test]
+fn every_ppo_key_changes_the_run_or_is_refused() {
+    walk(PipelineKind::Ppo);
+}
+
+#[test]
+fn every_reinforce_pp_key_changes_the_run_or_is_refused() {
+    walk(PipelineKind::ReinforcePp);
+    walk(PipelineKind::ReinforcePpBaseline);
+}
+
+#[test]
+fn every_sft_rm_and_dpo_key_changes_the_run_or_is_refused() {
+    walk(PipelineKind::Sft);
+    walk(PipelineKind::Rm);
+    walk(PipelineKind::Dpo);
+}
