@@ -144,6 +144,11 @@ fn every_rl_pipeline_runs_logs_and_checkpoints() {
                 cfg.reward.kind = RewardKind::Model;
                 cfg.model.reward_model = fixture("tiny-llama-rm").display().to_string();
             }
+            // DAPO's overlong punishment on the rewards.
+            PipelineKind::Opo => {
+                cfg.reward.overlong_buffer = 4;
+                cfg.reward.overlong_penalty_factor = 2.0;
+            }
             // Every role colocated on one worker.
             PipelineKind::ReinforcePp => {
                 cfg.placement.workers = 1;
@@ -165,6 +170,13 @@ fn every_rl_pipeline_runs_logs_and_checkpoints() {
             let w = metric(&dir, "learn", "is_weight_mean");
             assert_eq!(w.len(), steps as usize);
             assert!(w.values().all(|x| *x > 0.0 && *x <= 2.0), "{w:?}");
+        }
+        if cfg.reward.overlong_buffer > 0 {
+            // 6-token responses past a 2-token allowance lose up to 2 reward.
+            let p = metric(&dir, "overlong", "overlong_penalty");
+            assert_eq!(p.len(), steps as usize, "{name}");
+            assert!(p.values().all(|x| (-2.0..=0.0).contains(x)), "{p:?}");
+            assert!(p.values().any(|x| *x < 0.0), "{p:?}");
         }
         // The first update starts on-policy: nothing is clipped.
         assert_eq!(metric(&dir, "learn", "clip_fraction")[&0], 0.0, "{name}");
@@ -613,6 +625,10 @@ fn every_policy_loss_and_correction_trains_through_grpo() {
         ("gmpo", &["algorithm.policy_loss=gmpo"]),
         ("gpg", &["algorithm.policy_loss=gpg"]),
         (
+            "reinforce",
+            &["algorithm.policy_loss=reinforce", "run.max_staleness=1"],
+        ),
+        (
             "clip_cov",
             &[
                 "algorithm.policy_loss=clip_cov",
@@ -647,7 +663,7 @@ fn every_policy_loss_and_correction_trains_through_grpo() {
     }
     // The objectives differ from PPO's in their losses.
     let ppo = &losses[0].1;
-    for (name, loss) in &losses[1..8] {
+    for (name, loss) in &losses[1..9] {
         assert!(
             loss.iter().any(|(s, l)| (l - ppo[s]).abs() > 1e-6),
             "{name} gives PPO's losses: {loss:?}"

@@ -10,6 +10,7 @@ use weir_operators::stages::advantage::{
 use weir_operators::stages::critic::{Critic, CriticLearner, PerWorker};
 use weir_operators::stages::dynamic_sampling::{DynamicSampling, DynamicSamplingConfig};
 use weir_operators::stages::prompt_stats::PromptStats;
+use weir_operators::stages::reward::OverlongPenalty;
 
 use crate::config::ReferencePlacement;
 use crate::roles::{self, RunContext, ROLLOUT, TRAIN};
@@ -180,6 +181,16 @@ fn rollouts(pipeline: Pipeline, cfg: &RunConfig, ctx: &RunContext) -> Pipeline {
         .offload(2)
         .stage("reward", ROLLOUT, Partition::Local, roles::reward(cfg))
         .offload(roles::MODEL_QUEUE);
+    let pipeline = if cfg.reward.overlong_buffer > 0 {
+        let penalty = OverlongPenalty {
+            max_len: cfg.generate.max_new_tokens,
+            buffer: cfg.reward.overlong_buffer,
+            factor: cfg.reward.overlong_penalty_factor,
+        };
+        pipeline.stage("overlong", ROLLOUT, Partition::Local, move |_| Ok(penalty))
+    } else {
+        pipeline
+    };
     if cfg.algorithm.kl_coef > 0.0 {
         // Beside the generator (balancing a learner-bound step) or on the train workers.
         let (role, partition) = match cfg.placement.reference {

@@ -344,7 +344,10 @@ pub fn objective(cfg: &RunConfig) -> PolicyObjective {
             tau_neg: a.sapo_tau_neg,
         },
         PolicyLossChoice::Gmpo => PolicyObjective::GeoMean,
-        PolicyLossChoice::Gpg | PolicyLossChoice::Reinforce => PolicyObjective::PolicyGradient,
+        PolicyLossChoice::Gpg => PolicyObjective::PolicyGradient,
+        PolicyLossChoice::Reinforce => PolicyObjective::Reinforce {
+            cap: a.reinforce_is_cap,
+        },
         PolicyLossChoice::ClipCov => PolicyObjective::ClipCov {
             ratio: a.clip_cov_ratio,
             lb: a.clip_cov_lb,

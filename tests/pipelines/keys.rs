@@ -390,6 +390,8 @@ fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String
         "generate.top_p" => (&[], "0.5".into()),
         "generate.top_k" => (&[], "3".into()),
         "reward.kind" => (&[], "\"remote\"".into()),
+        "reward.overlong_buffer" => (&[], "3".into()),
+        "reward.overlong_penalty_factor" => (&["reward.overlong_buffer=3"], "5.0".into()),
         "reward.rule" => (&[], "\"nope\"".into()),
         "reward.url" | "reward.timeout_s" | "reward.attempts" => {
             let value = match key {
@@ -514,6 +516,14 @@ fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String
                 "algorithm.lr=0.01",
             ],
             "-50".into(),
+        ),
+        "algorithm.reinforce_is_cap" => (
+            &[
+                "algorithm.policy_loss=reinforce",
+                "algorithm.ppo_epochs=3",
+                "algorithm.lr=0.01",
+            ],
+            "1.0".into(),
         ),
         "algorithm.kl_cov_ratio" | "algorithm.kl_cov_coef" => (
             &[

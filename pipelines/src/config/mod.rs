@@ -211,6 +211,10 @@ pub struct RewardSection {
     pub timeout_s: f64,
     /// Attempts per request.
     pub attempts: u32,
+    /// DAPO's overlong buffer in tokens below `generate.max_new_tokens` (0: off).
+    pub overlong_buffer: usize,
+    /// The overlong penalty at `generate.max_new_tokens`.
+    pub overlong_penalty_factor: f64,
 }
 
 impl Default for RewardSection {
@@ -221,6 +225,8 @@ impl Default for RewardSection {
             url: String::new(),
             timeout_s: 60.0,
             attempts: 3,
+            overlong_buffer: 0,
+            overlong_penalty_factor: 1.0,
         }
     }
 }
@@ -279,6 +285,8 @@ pub struct AlgorithmSection {
     pub kl_cov_ratio: f64,
     /// KL-Cov: the penalty's coefficient.
     pub kl_cov_coef: f64,
+    /// REINFORCE: the cap of its importance ratio to the behaviour policy.
+    pub reinforce_is_cap: f64,
     /// `openrlhf` or `verl` semantics where they differ.
     pub flavor: FlavorChoice,
     /// Discount γ (ppo's GAE, reinforce_pp's returns).
@@ -331,6 +339,7 @@ impl Default for AlgorithmSection {
             clip_cov_ub: 5.0,
             kl_cov_ratio: 0.0002,
             kl_cov_coef: 0.1,
+            reinforce_is_cap: 2.0,
             flavor: FlavorChoice::Openrlhf,
             gamma: 1.0,
             lambda: 1.0,

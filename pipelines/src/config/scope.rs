@@ -48,103 +48,110 @@ pub fn applies(pipeline: PipelineKind, section: &str, key: &str) -> bool {
 fn inert(cfg: &RunConfig, pipeline: PipelineKind) -> Vec<(&'static str, &'static str, String)> {
     let (a, r) = (&cfg.algorithm, &cfg.reward);
     let mut out = Vec::new();
-    let mut unless = |on: bool, section, key, why: &str| {
+    // `keys` of `section` act only when `on`: otherwise they are inert, for `why`.
+    let mut unless = |on: bool, section, keys: &[&'static str], why: &str| {
         if !on {
-            out.push((section, key, format!("has no effect unless {why}")));
+            for key in keys {
+                out.push((section, *key, format!("has no effect unless {why}")));
+            }
         }
     };
     let arith = cfg.data.prompts == "arith";
     unless(
+        r.overlong_buffer > 0,
+        "reward",
+        &["overlong_penalty_factor"],
+        "reward.overlong_buffer > 0",
+    );
+    unless(
         r.kind == RewardKind::Rule,
         "reward",
-        "rule",
+        &["rule"],
         "reward.kind = \"rule\"",
     );
-    for key in ["url", "timeout_s", "attempts"] {
-        unless(
-            r.kind == RewardKind::Remote,
-            "reward",
-            key,
-            "reward.kind = \"remote\"",
-        );
-    }
+    unless(
+        r.kind == RewardKind::Remote,
+        "reward",
+        &["url", "timeout_s", "attempts"],
+        "reward.kind = \"remote\"",
+    );
     if pipeline.is_rl() && pipeline != PipelineKind::Ppo {
         unless(
             r.kind == RewardKind::Model,
             "model",
-            "reward_model",
+            &["reward_model"],
             "reward.kind = \"model\" (or in ppo, whose critic starts from it)",
         );
     }
     if pipeline.is_rl() {
-        for (section, key) in [
-            ("placement", "reference"),
-            ("model", "reference"),
-            ("algorithm", "kl_estimator"),
-        ] {
-            unless(a.kl_coef > 0.0, section, key, "algorithm.kl_coef > 0");
-        }
+        let kl = a.kl_coef > 0.0;
+        unless(kl, "placement", &["reference"], "algorithm.kl_coef > 0");
+        unless(kl, "model", &["reference"], "algorithm.kl_coef > 0");
+        unless(kl, "algorithm", &["kl_estimator"], "algorithm.kl_coef > 0");
     }
+    // These act on negative advantages only.
+    unless(
+        pipeline != PipelineKind::GrpoPassk,
+        "algorithm",
+        &["clip_low", "dual_clip", "sapo_tau_neg"],
+        "advantages can be negative (pass@k's never are)",
+    );
     let loss = a.policy_loss;
     use PolicyLossChoice as L;
     let clipping = matches!(loss, L::Ppo | L::Gspo | L::Cispo | L::Gmpo | L::ClipCov);
-    for key in ["clip_low", "clip_high"] {
-        unless(
-            clipping,
-            "algorithm",
-            key,
-            "algorithm.policy_loss clips (ppo, gspo, cispo, gmpo, clip_cov)",
-        );
-    }
+    unless(
+        clipping,
+        "algorithm",
+        &["clip_low", "clip_high"],
+        "algorithm.policy_loss clips (ppo, gspo, cispo, gmpo, clip_cov)",
+    );
     unless(
         matches!(loss, L::Ppo | L::Gspo),
         "algorithm",
-        "dual_clip",
+        &["dual_clip"],
         "algorithm.policy_loss = \"ppo\" or \"gspo\"",
     );
     unless(
         loss != L::Gmpo,
         "algorithm",
-        "aggregation",
+        &["aggregation"],
         "algorithm.policy_loss is not \"gmpo\" (which averages per response)",
     );
-    for key in ["sapo_tau_pos", "sapo_tau_neg"] {
-        unless(
-            loss == L::Sapo,
-            "algorithm",
-            key,
-            "algorithm.policy_loss = \"sapo\"",
-        );
-    }
-    for key in ["clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"] {
-        unless(
-            loss == L::ClipCov,
-            "algorithm",
-            key,
-            "algorithm.policy_loss = \"clip_cov\"",
-        );
-    }
-    for key in ["kl_cov_ratio", "kl_cov_coef"] {
-        unless(
-            loss == L::KlCov,
-            "algorithm",
-            key,
-            "algorithm.policy_loss = \"kl_cov\"",
-        );
-    }
+    unless(
+        loss == L::Sapo,
+        "algorithm",
+        &["sapo_tau_pos", "sapo_tau_neg"],
+        "algorithm.policy_loss = \"sapo\"",
+    );
+    unless(
+        loss == L::ClipCov,
+        "algorithm",
+        &["clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"],
+        "algorithm.policy_loss = \"clip_cov\"",
+    );
+    unless(
+        loss == L::Reinforce,
+        "algorithm",
+        &["reinforce_is_cap"],
+        "algorithm.policy_loss = \"reinforce\"",
+    );
+    unless(
+        loss == L::KlCov,
+        "algorithm",
+        &["kl_cov_ratio", "kl_cov_coef"],
+        "algorithm.policy_loss = \"kl_cov\"",
+    );
     // A step's first optimizer step starts at the proximal policy: ratio 1, nothing to clip.
-    for key in ["clip_low", "clip_high", "dual_clip", "value_clip"] {
-        unless(
-            a.ppo_epochs > 1,
-            "algorithm",
-            key,
-            "algorithm.ppo_epochs > 1 (a step's first optimizer step starts where the ratio is 1 and the values are the old ones)",
-        );
-    }
+    unless(
+        a.ppo_epochs > 1,
+        "algorithm",
+        &["clip_low", "clip_high", "dual_clip", "value_clip"],
+        "algorithm.ppo_epochs > 1 (a step's first optimizer step starts where the ratio is 1 and the values are the old ones)",
+    );
     unless(
         a.correction != CorrectionChoice::None,
         "algorithm",
-        "correction_high",
+        &["correction_high"],
         "algorithm.correction is set",
     );
     unless(
@@ -153,61 +160,60 @@ fn inert(cfg: &RunConfig, pipeline: PipelineKind) -> Vec<(&'static str, &'static
             CorrectionChoice::None | CorrectionChoice::K3Rejection
         ),
         "algorithm",
-        "correction_low",
+        &["correction_low"],
         "algorithm.correction has a lower bound (all but \"k3-rejection\")",
     );
     unless(
         a.aggregation == AggregationChoice::SeqMeanTokenSumNorm,
         "algorithm",
-        "loss_scale_factor",
+        &["loss_scale_factor"],
         "algorithm.aggregation = \"seq-mean-token-sum-norm\"",
     );
     unless(
         a.preference_loss == PreferenceChoice::Cdpo,
         "algorithm",
-        "label_smoothing",
+        &["label_smoothing"],
         "algorithm.preference_loss = \"cdpo\"",
     );
     unless(
         a.schedule == ScheduleChoice::Cosine,
         "algorithm",
-        "min_lr_ratio",
+        &["min_lr_ratio"],
         "algorithm.schedule = \"cosine\"",
     );
-    for key in [
-        "min_samples",
-        "max_solve_rate",
-        "min_solve_rate",
-        "solve_threshold",
-    ] {
-        unless(
-            cfg.curriculum.enabled,
-            "curriculum",
-            key,
-            "curriculum.enabled",
-        );
-    }
+    unless(
+        cfg.curriculum.enabled,
+        "curriculum",
+        &[
+            "min_samples",
+            "max_solve_rate",
+            "min_solve_rate",
+            "solve_threshold",
+        ],
+        "curriculum.enabled",
+    );
     unless(
         cfg.dynamic_sampling.enabled,
         "dynamic_sampling",
-        "target_groups",
+        &["target_groups"],
         "dynamic_sampling.enabled",
     );
-    for key in ["prompt_column", "messages_column"] {
-        unless(!arith, "data", key, "data.prompts is a prompt file");
-    }
-    for key in ["chosen_column", "rejected_column", "margin_column"] {
-        unless(
-            !arith,
-            "data",
-            key,
-            "data.prompts is a prompt file (arith makes its own pairs)",
-        );
-    }
+    unless(
+        !arith,
+        "data",
+        &["prompt_column", "messages_column"],
+        "data.prompts is a prompt file",
+    );
+    unless(
+        !arith,
+        "data",
+        &["chosen_column", "rejected_column", "margin_column"],
+        "data.prompts is a prompt file (arith makes its own pairs)",
+    );
     unless(
         arith && cfg.eval.arith,
         "eval",
-        "batch",
+        &["batch"],
         "the arith evaluation runs (eval.arith with data.prompts = \"arith\")",
     );
     out

@@ -100,6 +100,16 @@ impl RunConfig {
                 "reward.kind = \"remote\" needs a server URL",
             );
         }
+        if self.reward.overlong_buffer >= self.generate.max_new_tokens && pipeline.is_rl() {
+            return bad(
+                "reward.overlong_buffer",
+                self.reward.overlong_buffer.to_string(),
+                &format!(
+                    "must be below generate.max_new_tokens = {}",
+                    self.generate.max_new_tokens
+                ),
+            );
+        }
         let a = &self.algorithm;
         if !(a.lr > 0.0 && a.lr.is_finite()) {
             return bad(
@@ -134,10 +144,18 @@ impl RunConfig {
             ("algorithm.sapo_tau_neg", a.sapo_tau_neg),
             ("algorithm.clip_cov_ratio", a.clip_cov_ratio),
             ("algorithm.kl_cov_ratio", a.kl_cov_ratio),
+            ("algorithm.reinforce_is_cap", a.reinforce_is_cap),
         ] {
             if !(value > 0.0 && value.is_finite()) {
                 return bad(key, value.to_string(), "must be > 0");
             }
+        }
+        if a.policy_loss == PolicyLossChoice::Reinforce && a.correction != CorrectionChoice::None {
+            return bad(
+                "algorithm.correction",
+                format!("{:?}", a.correction),
+                "algorithm.policy_loss = \"reinforce\" carries its own importance ratio (algorithm.reinforce_is_cap): set correction = \"none\"",
+            );
         }
         if a.clip_cov_lb >= a.clip_cov_ub {
             return bad(

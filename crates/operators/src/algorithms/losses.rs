@@ -472,6 +472,7 @@ fn other_objective(
         log_ratio,
         advantages,
         mask,
+        behaviour_logprobs,
         (cfg.clip_low, cfg.clip_high),
     );
     let weight = match (cfg.correction, behaviour_logprobs) {

@@ -34,11 +34,18 @@ pub enum PolicyObjective {
     /// `Ā_i` the response's mean advantage; averaged over all responses
     /// (verl ignores the aggregation mode).
     GeoMean,
-    /// GPG (arXiv 2504.02546; verl `compute_policy_loss_gpg`) and vanilla
-    /// REINFORCE (verl `compute_policy_loss_reinforce`): `ℓ = −A · log π`,
-    /// no ratio and no clip; the off-policy correction's weight is the
-    /// importance ratio.
+    /// GPG (arXiv 2504.02546; verl `compute_policy_loss_gpg`): `ℓ = −A · log π`,
+    /// no ratio and no clip.
     PolicyGradient,
+    /// Vanilla REINFORCE with an importance ratio (verl
+    /// `compute_policy_loss_reinforce` in its bypass mode, where the old
+    /// policy is the rollout's): `ℓ = −sg[min(π / π_behaviour, cap)] · A · log π`,
+    /// the current policy over the one that sampled the tokens, truncated
+    /// at `cap` (verl's `rollout_is_threshold`, 2 by default).
+    Reinforce {
+        /// The largest importance ratio.
+        cap: f64,
+    },
     /// Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for
     /// Reasoning LMs"; verl `compute_policy_loss_clip_cov`): PPO's loss with
     /// the gradient cut on `max(1, ⌊ratio · Σm⌋)` tokens drawn among those the
@@ -84,6 +91,7 @@ pub(super) fn objective_loss(
     log_ratio: &Tensor,
     advantages: &Tensor,
     mask: &Tensor,
+    behaviour_logprobs: Option<&Tensor>,
     (clip_low, clip_high): (f64, f64),
 ) -> (ObjectiveLoss, f64) {
     match objective {
@@ -123,6 +131,20 @@ pub(super) fn objective_loss(
             )
         }
         PolicyObjective::PolicyGradient => (ObjectiveLoss::Tokens(-(advantages * logprobs)), 0.0),
+        PolicyObjective::Reinforce { cap } => {
+            let weight = match behaviour_logprobs {
+                Some(b) => (logprobs.detach() - b)
+                    .clamp(-20.0, 20.0)
+                    .exp()
+                    .clamp_max(cap),
+                None => Tensor::ones_like(logprobs),
+            };
+            let fraction = masked_mean(&weight.ge(cap).to_kind(Kind::Float), mask);
+            (
+                ObjectiveLoss::Tokens(-(weight * advantages * logprobs)),
+                fraction.double_value(&[]),
+            )
+        }
         PolicyObjective::ClipCov { ratio, lb, ub } => {
             let r = log_ratio.exp();
             let pg1 = -(advantages * &r);
@@ -323,6 +345,31 @@ mod tests {
         close(loss, (0.5 - 2.0) / 2.0);
         close(g[0], -0.25);
         close(g[1], 0.5);
+    }
+
+    #[test]
+    fn reinforce_weights_by_the_truncated_ratio_to_the_behaviour_policy() {
+        // π / π_behaviour = e^0.5 ≈ 1.65 and e^1.5 ≈ 4.5 (truncated to the cap 2).
+        let lp = t(&[&[-1.0, -1.0]]).set_requires_grad(true);
+        let old = t(&[&[-1.0, -1.0]]);
+        let behaviour = t(&[&[-1.5, -2.5]]);
+        let adv = t(&[&[1.0, -1.0]]);
+        let mask = t(&[&[1.0, 1.0]]);
+        let out = policy_loss(
+            &lp,
+            &old,
+            &adv,
+            &mask,
+            Some(&behaviour),
+            &cfg(PolicyObjective::Reinforce { cap: 2.0 }),
+        );
+        let w0 = 0.5f64.exp();
+        close(out.loss_value(), (w0 * 1.0 - 2.0 * 1.0) / 2.0);
+        out.loss.backward();
+        let g = Vec::<f64>::try_from(lp.grad().flatten(0, -1)).unwrap();
+        close(g[0], -w0 / 2.0);
+        close(g[1], 2.0 / 2.0);
+        close(out.clip_fraction, 0.5);
     }
 
     #[test]
