@@ -156,6 +156,7 @@ pub fn ppo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
             )?
             .with_loss(a.aggregation.into(), roles::flavor(&c))
             .with_epochs(a.ppo_epochs)
+            .with_mini_batches(a.mini_batches)
             .with_checkpoints(ck.clone());
             x.restore_optimizer("critic", learner.optimizer_mut())?;
             Ok(learner)

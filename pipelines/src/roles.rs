@@ -327,6 +327,7 @@ pub fn learner_config(cfg: &RunConfig, kl_in_loss: bool) -> LearnerConfig {
         kl_coef: if kl_in_loss { a.kl_coef } else { 0.0 },
         kl_estimator: a.kl_estimator.into(),
         ppo_epochs: a.ppo_epochs,
+        mini_batches: a.mini_batches,
         schedule: schedule(cfg),
         entropy_coef: a.entropy_coef,
         gradient_checkpointing: a.gradient_checkpointing,
@@ -390,7 +391,7 @@ pub fn schedule(cfg: &RunConfig) -> LrSchedule {
     match a.schedule {
         ScheduleChoice::Cosine => LrSchedule::Cosine {
             warmup: a.warmup_steps,
-            total: cfg.run.steps * a.ppo_epochs as u64,
+            total: cfg.run.steps * (a.ppo_epochs * a.mini_batches) as u64,
             min_ratio: a.min_lr_ratio,
         },
         ScheduleChoice::Constant => LrSchedule::Constant {

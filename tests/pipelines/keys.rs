@@ -424,6 +424,7 @@ fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String
         "algorithm.micro_batch" => (&[], "1".into()),
         "algorithm.gradient_checkpointing" => (&[], "true".into()),
         "algorithm.ppo_epochs" => (&[], "2".into()),
+        "algorithm.mini_batches" => (&[], "2".into()),
         "algorithm.clip_low" => (
             &["algorithm.ppo_epochs=3", "algorithm.lr=0.01"],
             "0.01".into(),

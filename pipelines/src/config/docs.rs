@@ -48,6 +48,7 @@ pub const DOCS: &[(&str, &str, &str)] = &[
     ("algorithm", "micro_batch", "Rows per forward/backward pass (gradients accumulate over a step)."),
     ("algorithm", "gradient_checkpointing", "Keep one hidden state per layer and recompute the rest in the backward pass (actor learner and SFT): less memory, one more forward pass, the same gradients."),
     ("algorithm", "ppo_epochs", "Optimizer passes over each step's rows."),
+    ("algorithm", "mini_batches", "Optimizer steps per pass over a step's rows: the rows split into this many mini-batches, each normalised over its own rows (verl's ppo_mini_batch_size = rows / mini_batches); the critic takes the same ones."),
     ("algorithm", "clip_low", "ε_low: the ratio is clipped below at 1 − ε_low."),
     ("algorithm", "clip_high", "ε_high: clipped above at 1 + ε_high (> clip_low: DAPO's clip-higher)."),
     ("algorithm", "dual_clip", "Dual-clip c > 1 for negative advantages (0: off)."),

@@ -253,6 +253,8 @@ pub struct AlgorithmSection {
     pub gradient_checkpointing: bool,
     /// Optimizer passes over each step's rows.
     pub ppo_epochs: usize,
+    /// Optimizer steps per pass (the step's rows in this many mini-batches).
+    pub mini_batches: usize,
     /// ε_low of the clipped ratio.
     pub clip_low: f64,
     /// ε_high (> clip_low: DAPO's clip-higher).
@@ -323,6 +325,7 @@ impl Default for AlgorithmSection {
             micro_batch: 64,
             gradient_checkpointing: false,
             ppo_epochs: 1,
+            mini_batches: 1,
             clip_low: 0.2,
             clip_high: 0.2,
             dual_clip: 0.0,

@@ -30,10 +30,11 @@ pub fn applies(pipeline: PipelineKind, section: &str, key: &str) -> bool {
         ("algorithm", "micro_batch" | "gradient_checkpointing") => rl || pipeline == Sft,
         (
             "algorithm",
-            "ppo_epochs" | "clip_low" | "clip_high" | "dual_clip" | "kl_coef" | "kl_estimator"
-            | "entropy_coef" | "aggregation" | "loss_scale_factor" | "policy_loss" | "flavor"
-            | "correction" | "correction_low" | "correction_high" | "sapo_tau_pos" | "sapo_tau_neg"
-            | "clip_cov_ratio" | "clip_cov_lb" | "clip_cov_ub" | "kl_cov_ratio" | "kl_cov_coef",
+            "ppo_epochs" | "mini_batches" | "clip_low" | "clip_high" | "dual_clip" | "kl_coef"
+            | "kl_estimator" | "entropy_coef" | "aggregation" | "loss_scale_factor" | "policy_loss"
+            | "flavor" | "correction" | "correction_low" | "correction_high" | "sapo_tau_pos"
+            | "sapo_tau_neg" | "clip_cov_ratio" | "clip_cov_lb" | "clip_cov_ub" | "kl_cov_ratio"
+            | "kl_cov_coef" | "reinforce_is_cap",
         ) => rl,
         ("algorithm", "gamma") => matches!(pipeline, Ppo | ReinforcePp),
         ("algorithm", "lambda" | "critic_lr" | "value_clip") => pipeline == Ppo,
@@ -143,10 +144,10 @@ fn inert(cfg: &RunConfig, pipeline: PipelineKind) -> Vec<(&'static str, &'static
     );
     // A step's first optimizer step starts at the proximal policy: ratio 1, nothing to clip.
     unless(
-        a.ppo_epochs > 1,
+        a.ppo_epochs > 1 || a.mini_batches > 1,
         "algorithm",
         &["clip_low", "clip_high", "dual_clip", "value_clip"],
-        "algorithm.ppo_epochs > 1 (a step's first optimizer step starts where the ratio is 1 and the values are the old ones)",
+        "algorithm.ppo_epochs > 1 or algorithm.mini_batches > 1 (a step's first optimizer step starts where the ratio is 1 and the values are the old ones)",
     );
     unless(
         a.correction != CorrectionChoice::None,

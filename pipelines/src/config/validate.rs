@@ -187,6 +187,14 @@ impl RunConfig {
         if a.ppo_epochs == 0 {
             return bad("algorithm.ppo_epochs", "0".into(), "must be at least 1");
         }
+        let rows = self.data.prompts_per_step * self.data.samples_per_prompt;
+        if pipeline.is_rl() && (a.mini_batches == 0 || a.mini_batches > rows) {
+            return bad(
+                "algorithm.mini_batches",
+                a.mini_batches.to_string(),
+                &format!("must be in 1..={rows} (the rows of a step: prompts_per_step × samples_per_prompt)"),
+            );
+        }
         if a.clip_low < 0.0 || a.clip_low >= 1.0 {
             return bad(
                 "algorithm.clip_low",

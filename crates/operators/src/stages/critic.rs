@@ -132,6 +132,7 @@ pub struct CriticLearner {
     aggregation: Aggregation,
     flavor: Flavor,
     epochs: usize,
+    mini_batches: usize,
     /// The last step's value loss.
     pub last_loss: f64,
 }
@@ -157,6 +158,7 @@ impl CriticLearner {
             aggregation: Aggregation::TokenMean,
             flavor: Flavor::OpenRlhf,
             epochs: 1,
+            mini_batches: 1,
             last_loss: f64::NAN,
         })
     }
@@ -174,6 +176,13 @@ impl CriticLearner {
     /// old ones.
     pub fn with_epochs(mut self, epochs: usize) -> Self {
         self.epochs = epochs.max(1);
+        self
+    }
+
+    /// Optimizer steps per pass: the step's rows in this many mini-batches,
+    /// as the actor's learner takes them.
+    pub fn with_mini_batches(mut self, mini_batches: usize) -> Self {
+        self.mini_batches = mini_batches.max(1);
         self
     }
 
@@ -221,28 +230,38 @@ impl StepStage for CriticLearner {
                 .view([rows.len() as i64, width as i64])
                 .to_device(device)
         };
-        let mut clip_fraction = 0.0;
+        let (rows, minis) = (prompts.len(), self.mini_batches);
+        let (mut loss_sum, mut clip_fraction) = (0.0, 0.0);
         for _epoch in 0..self.epochs {
-            self.optimizer.zero_grad();
-            let (values, mask) = response_values(&model, &prompts, &responses)?;
-            let width = values.size()[1] as usize;
-            let (loss, clipped) = value_loss(
-                &values,
-                &pad(&old, width),
-                &pad(&returns, width),
-                &mask,
-                self.clip,
-                self.aggregation,
-                self.flavor,
-            );
-            loss.backward();
-            self.optimizer.step(self.max_grad_norm);
-            self.last_loss = loss.double_value(&[]);
-            clip_fraction = clipped;
-            if !self.last_loss.is_finite() {
-                return Err(format!("step {}: the value loss is not finite", ctx.step).into());
+            (loss_sum, clip_fraction) = (0.0, 0.0);
+            for k in 0..minis {
+                let (lo, hi) = (k * rows / minis, (k + 1) * rows / minis);
+                if lo == hi {
+                    continue;
+                }
+                self.optimizer.zero_grad();
+                let (values, mask) = response_values(&model, &prompts[lo..hi], &responses[lo..hi])?;
+                let width = values.size()[1] as usize;
+                let (loss, clipped) = value_loss(
+                    &values,
+                    &pad(&old[lo..hi], width),
+                    &pad(&returns[lo..hi], width),
+                    &mask,
+                    self.clip,
+                    self.aggregation,
+                    self.flavor,
+                );
+                loss.backward();
+                self.optimizer.step(self.max_grad_norm);
+                let value = loss.double_value(&[]);
+                if !value.is_finite() {
+                    return Err(format!("step {}: the value loss is not finite", ctx.step).into());
+                }
+                loss_sum += value / minis as f64;
+                clip_fraction += clipped / minis as f64;
             }
         }
+        self.last_loss = loss_sum;
         ctx.record("value_loss", self.last_loss);
         ctx.record("value_clip_fraction", clip_fraction);
         if let Some(ck) = self.checkpoints.as_ref().filter(|c| c.due(ctx.step)) {

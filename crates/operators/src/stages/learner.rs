@@ -41,9 +41,13 @@ pub struct LearnerConfig {
     pub kl_coef: f64,
     /// The KL estimator of that term.
     pub kl_estimator: KlEstimator,
-    /// Passes (optimizer steps) over each step's rows; the proximal
-    /// log-probs are those before the first pass.
+    /// Passes over each step's rows; the proximal log-probs are those
+    /// before the first pass.
     pub ppo_epochs: usize,
+    /// Optimizer steps per pass: the step's rows split into this many
+    /// mini-batches (verl's `ppo_mini_batch_size` = rows / mini_batches),
+    /// each normalised over its own rows on every rank.
+    pub mini_batches: usize,
     /// The learning-rate schedule over optimizer steps.
     pub schedule: LrSchedule,
     /// Entropy bonus: `loss − coef · entropy`, the entropy aggregated like
@@ -114,6 +118,7 @@ impl Default for LearnerConfig {
             kl_coef: 0.0,
             kl_estimator: KlEstimator::K3,
             ppo_epochs: 1,
+            mini_batches: 1,
             schedule: LrSchedule::Constant { warmup: 0 },
             entropy_coef: 0.0,
             gradient_checkpointing: false,
@@ -260,131 +265,156 @@ impl Learner {
         ];
         let member = self.data_parallel.as_ref();
         sum_scalars(member, &mut step_totals)?;
-        // The loss's denominators over the whole step: every micro-batch and rank.
-        let scale = step_scale(
-            member,
-            responses.iter().map(Vec::len),
-            self.cfg.policy.loss_scale_factor,
-        )?;
-        let total_tokens = scale.tokens.max(1.0);
         let device = self.model.device();
         let micro = self.cfg.micro_batch.max(1);
-        let starts: Vec<usize> = (0..rows).step_by(micro).collect();
+        // Mini-batch k holds rows [k·rows/M, (k+1)·rows/M) of every rank; micro-batches lie within one.
+        let minis = self.cfg.mini_batches.max(1);
+        let bounds_of = |k: usize| (k * rows / minis, (k + 1) * rows / minis);
+        let ranges: Vec<Vec<(usize, usize)>> = (0..minis)
+            .map(|k| {
+                let (lo, hi) = bounds_of(k);
+                (lo..hi)
+                    .step_by(micro)
+                    .map(|start| (start, (start + micro).min(hi)))
+                    .collect()
+            })
+            .collect();
         // The proximal policy: log-probs before this step's first update.
-        let proximal: Vec<Tensor> = {
+        let proximal: Vec<Vec<Tensor>> = {
             let _guard = tch::no_grad_guard();
-            starts
+            ranges
                 .iter()
-                .map(|&start| {
-                    let end = (start + micro).min(rows);
-                    response_logprobs(
-                        &self.model,
-                        &prompts[start..end],
-                        &responses[start..end],
-                        self.cfg.temperature,
-                    )
-                    .map(|(lp, _)| lp)
+                .map(|mini| {
+                    mini.iter()
+                        .map(|&(start, end)| {
+                            response_logprobs(
+                                &self.model,
+                                &prompts[start..end],
+                                &responses[start..end],
+                                self.cfg.temperature,
+                            )
+                            .map(|(lp, _)| lp)
+                        })
+                        .collect::<Result<Vec<_>, _>>()
                 })
                 .collect::<Result<_, _>>()?
         };
-        // loss, clip fraction, KL, entropy, mean importance weight, dropped fraction: each a step total.
-        let mut stats = [0.0; 6];
-        let mut grad_norm = 0.0;
+        // Each mini-batch's loss is normalised by its own counts over every rank.
+        let scales: Vec<_> = (0..minis)
+            .map(|k| {
+                let (lo, hi) = bounds_of(k);
+                step_scale(
+                    member,
+                    responses[lo..hi].iter().map(Vec::len),
+                    self.cfg.policy.loss_scale_factor,
+                )
+            })
+            .collect::<Result<_, _>>()?;
+        let step_tokens: f64 = scales.iter().map(|s| s.tokens).sum();
+        // The last pass's figures, averaged over its mini-batches: loss, clip
+        // fraction, KL, entropy, mean importance weight, dropped fraction, grad norm.
+        let mut figures = [0.0; 7];
         let mut bounds: Option<(f64, f64)> = None;
         for _epoch in 0..self.cfg.ppo_epochs.max(1) {
-            let lr = self.cfg.schedule.rate(self.cfg.adamw.lr, self.updates);
-            stats = [0.0; 6];
+            figures = [0.0; 7];
             bounds = None;
-            let (model, cfg) = (&self.model, &self.cfg);
-            grad_norm = optimizer_step(
-                &mut self.optimizer,
-                member,
-                lr,
-                cfg.max_grad_norm,
-                &mut stats,
-                |stats| {
-                    for (&start, old) in starts.iter().zip(&proximal) {
-                        let end = (start + micro).min(rows);
-                        let micro_loss = |fwd: ResponseForward| {
-                            let (lp, mask) = (fwd.logprobs, fwd.mask);
-                            let width = lp.size()[1] as usize;
-                            let adv = padded(&advantages[start..end], width, device);
-                            let behaviour_t = padded(&behaviour[start..end], width, device);
-                            let (agg, flavor) = (cfg.policy.aggregation, cfg.policy.flavor);
-                            let out = policy_loss_in_step(
-                                &lp,
-                                old,
-                                &adv,
-                                &mask,
-                                Some(&behaviour_t),
-                                &cfg.policy,
-                                &scale,
-                            );
-                            let mut loss = out.loss.shallow_clone();
-                            let share = mask.sum(Kind::Double).double_value(&[]) / total_tokens;
-                            if let Some(refs) = &references {
-                                // KL to the reference as a loss term (GRPO's β · KL), aggregated like the policy loss.
-                                let ref_t = padded(&refs[start..end], width, device);
-                                let kl = kl_tensor(&lp, &ref_t, cfg.kl_estimator, flavor);
-                                stats[2] +=
-                                    (kl.detach() * &mask).sum(Kind::Double).double_value(&[])
-                                        / total_tokens;
-                                loss += aggregate_in_step(&kl, &mask, agg, flavor, &scale)
-                                    * cfg.kl_coef;
-                            }
-                            if let Some(entropy) = &fwd.entropy {
-                                if cfg.entropy_coef != 0.0 {
-                                    let bonus =
-                                        aggregate_in_step(entropy, &mask, agg, flavor, &scale);
-                                    loss -= bonus * cfg.entropy_coef;
+            for ((mini, olds), scale) in ranges.iter().zip(&proximal).zip(&scales) {
+                let lr = self.cfg.schedule.rate(self.cfg.adamw.lr, self.updates);
+                let total_tokens = scale.tokens.max(1.0);
+                let mut stats = [0.0; 6];
+                let (model, cfg) = (&self.model, &self.cfg);
+                let grad_norm = optimizer_step(
+                    &mut self.optimizer,
+                    member,
+                    lr,
+                    cfg.max_grad_norm,
+                    &mut stats,
+                    |stats| {
+                        for (&(start, end), old) in mini.iter().zip(olds) {
+                            let micro_loss = |fwd: ResponseForward| {
+                                let (lp, mask) = (fwd.logprobs, fwd.mask);
+                                let width = lp.size()[1] as usize;
+                                let adv = padded(&advantages[start..end], width, device);
+                                let behaviour_t = padded(&behaviour[start..end], width, device);
+                                let (agg, flavor) = (cfg.policy.aggregation, cfg.policy.flavor);
+                                let out = policy_loss_in_step(
+                                    &lp,
+                                    old,
+                                    &adv,
+                                    &mask,
+                                    Some(&behaviour_t),
+                                    &cfg.policy,
+                                    scale,
+                                );
+                                let mut loss = out.loss.shallow_clone();
+                                let share = mask.sum(Kind::Double).double_value(&[]) / total_tokens;
+                                if let Some(refs) = &references {
+                                    // KL to the reference as a loss term (GRPO's β · KL), aggregated like the policy loss.
+                                    let ref_t = padded(&refs[start..end], width, device);
+                                    let kl = kl_tensor(&lp, &ref_t, cfg.kl_estimator, flavor);
+                                    stats[2] +=
+                                        (kl.detach() * &mask).sum(Kind::Double).double_value(&[])
+                                            / total_tokens;
+                                    loss += aggregate_in_step(&kl, &mask, agg, flavor, scale)
+                                        * cfg.kl_coef;
                                 }
-                                stats[3] += (entropy.detach() * &mask)
-                                    .sum(Kind::Double)
-                                    .double_value(&[])
-                                    / total_tokens;
-                            }
-                            stats[0] += loss.double_value(&[]);
-                            stats[1] += out.clip_fraction * share;
-                            if cfg.policy.correction.is_some() {
-                                let w = out.weight_stats;
-                                stats[4] += w.mean * share;
-                                stats[5] += w.masked * share;
-                                bounds = Some(match bounds {
-                                    None => (w.min, w.max),
-                                    Some((l, h)) => (l.min(w.min), h.max(w.max)),
-                                });
-                            }
-                            Ok((loss, ()))
-                        };
-                        response_backward(
-                            model,
-                            &prompts[start..end],
-                            &responses[start..end],
-                            cfg.temperature,
-                            true,
-                            cfg.gradient_checkpointing,
-                            micro_loss,
-                        )?;
-                    }
-                    Ok(())
-                },
-            )?;
-            self.updates += 1;
+                                if let Some(entropy) = &fwd.entropy {
+                                    if cfg.entropy_coef != 0.0 {
+                                        let bonus =
+                                            aggregate_in_step(entropy, &mask, agg, flavor, scale);
+                                        loss -= bonus * cfg.entropy_coef;
+                                    }
+                                    stats[3] += (entropy.detach() * &mask)
+                                        .sum(Kind::Double)
+                                        .double_value(&[])
+                                        / total_tokens;
+                                }
+                                stats[0] += loss.double_value(&[]);
+                                stats[1] += out.clip_fraction * share;
+                                if cfg.policy.correction.is_some() {
+                                    let w = out.weight_stats;
+                                    stats[4] += w.mean * share;
+                                    stats[5] += w.masked * share;
+                                    bounds = Some(match bounds {
+                                        None => (w.min, w.max),
+                                        Some((l, h)) => (l.min(w.min), h.max(w.max)),
+                                    });
+                                }
+                                Ok((loss, ()))
+                            };
+                            response_backward(
+                                model,
+                                &prompts[start..end],
+                                &responses[start..end],
+                                cfg.temperature,
+                                true,
+                                cfg.gradient_checkpointing,
+                                micro_loss,
+                            )?;
+                        }
+                        Ok(())
+                    },
+                )?;
+                self.updates += 1;
+                for (f, x) in figures.iter_mut().zip(stats.iter().chain([&grad_norm])) {
+                    *f += x / minis as f64;
+                }
+            }
         }
         // The weights' mean is over every rank; min and max stay this rank's.
         let weights = bounds.map(|(min, max)| WeightStats {
-            mean: stats[4],
+            mean: figures[4],
             min,
             max,
-            masked: stats[5],
+            masked: figures[5],
         });
         self.last = UpdateStats {
-            loss: stats[0],
-            grad_norm,
-            clip_fraction: stats[1],
-            kl: stats[2],
-            entropy: stats[3],
-            response_length: scale.tokens / step_totals[0].max(1.0),
+            loss: figures[0],
+            grad_norm: figures[6],
+            clip_fraction: figures[1],
+            kl: figures[2],
+            entropy: figures[3],
+            response_length: step_tokens / step_totals[0].max(1.0),
             reward: (step_totals[2] > 0.0).then(|| step_totals[1] / step_totals[2]),
             importance_weights: weights,
         };

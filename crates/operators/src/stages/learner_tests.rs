@@ -298,6 +298,54 @@ fn every_aggregation_gives_one_step_however_it_is_split() {
 }
 
 #[test]
+fn mini_batches_are_optimizer_steps_that_ranks_share() {
+    let batch = uneven_batch(1);
+    let learner = || {
+        let mut l = aggregation_learner(crate::algorithms::Aggregation::TokenMean, 4);
+        l.cfg.mini_batches = 2;
+        // The second mini-batch starts after an Adam step, which moves even
+        // rounding-level gradients by ~lr (at lr = 0.05 the two layouts differ
+        // by 2e-4 in the second mini-batch's loss; at 1e-3, by rounding).
+        l.cfg.adamw.lr = 1e-3;
+        l
+    };
+    // Ranks take rows {0, 1} and {2, 3}; their mini-batches are {0, 2} and {1, 3}.
+    let order = arrow::array::UInt32Array::from(vec![0, 2, 1, 3]);
+    let reordered = arrow::compute::take_record_batch(&batch, &order).unwrap();
+    let alone = learner().update(&reordered).unwrap();
+    let group = weir_gpu::collective::HostGroup::new(2);
+    let ranks: Vec<_> = [batch.slice(0, 2), batch.slice(2, 2)]
+        .into_iter()
+        .enumerate()
+        .map(|(rank, rows)| {
+            let (l, member) = (learner(), group.member(rank));
+            std::thread::spawn(move || l.with_data_parallel(member).unwrap().update(&rows).unwrap())
+        })
+        .collect();
+    let ranks: Vec<_> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+    for (name, a, b) in [
+        ("loss", alone.loss, ranks[0].loss),
+        ("grad_norm", alone.grad_norm, ranks[0].grad_norm),
+        ("entropy", alone.entropy, ranks[0].entropy),
+    ] {
+        assert!(
+            (a - b).abs() < 1e-5 * a.abs().max(1.0),
+            "{name}: {a} vs {b}"
+        );
+    }
+    // The second mini-batch starts from the first one's update: one mini-batch differs.
+    let mut whole = learner();
+    whole.cfg.mini_batches = 1;
+    let once = whole.update(&reordered).unwrap();
+    assert!(
+        (once.loss - alone.loss).abs() > 1e-6,
+        "{} vs {}",
+        once.loss,
+        alone.loss
+    );
+}
+
+#[test]
 fn a_larger_batch_of_the_same_rows_is_the_same_step_except_for_token_sum() {
     // Dr.GRPO's normaliser included: Σ / (N · T) does not grow with the batch.
     for mode in AGGREGATIONS {
