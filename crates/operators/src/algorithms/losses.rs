@@ -1,119 +1,15 @@
 //! Policy and value losses on tch tensors `[B, T]` (one row per response,
-//! `mask` 1.0 on the tokens that count), with the aggregation modes of
-//! OpenRLHF and verl and the off-policy corrections for stale samples.
+//! `mask` 1.0 on the tokens that count), aggregated over the step
+//! ([`super::aggregation`]) and weighted by the off-policy corrections for
+//! stale samples ([`super::corrections`]).
 
 use tch::{Kind, Tensor};
 
+pub use super::aggregation::{aggregate, aggregate_in_step, Aggregation, StepScale};
+pub use super::corrections::{importance_weights, ImportanceCorrection, WeightStats};
 pub use super::objectives::PolicyObjective;
 use super::objectives::{objective_loss, ObjectiveLoss};
 use super::Flavor;
-
-/// How a `[B, T]` loss matrix becomes a scalar.
-///
-/// Every mode normalises over the whole optimizer step (all micro-batches
-/// and data-parallel ranks: [`StepScale`]), as verl 0.9's `agg_loss` does
-/// with its `batch_num_tokens` / `global_batch_size`, so how a step is split
-/// does not change the update.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Aggregation {
-    /// `Σ m·ℓ / Σ m` over the whole step.
-    #[default]
-    TokenMean,
-    /// Mean over responses of each response's token mean `Σ_t m·ℓ / (Σ_t m + 1e-8)`,
-    /// over non-empty responses only (OpenRLHF's `aggregate_loss` and verl's `agg_loss`).
-    SeqMeanTokenMean,
-    /// Mean over responses of each response's token sum. verl averages over
-    /// non-empty responses only; the OpenRLHF flavor (which has no such
-    /// mode) over all.
-    SeqMeanTokenSum,
-    /// Dr.GRPO: `Σ_i Σ_t m·ℓ / (N · T)` with `N` the non-empty responses of
-    /// the step and `T` the loss scale factor ([`StepScale::loss_scale_factor`]:
-    /// a constant replicates the paper; verl's default is the padded response length).
-    SeqMeanTokenSumNorm,
-    /// `Σ m·ℓ`: no normalisation at all.
-    TokenSum,
-}
-
-/// The denominators of one optimizer step's loss, counted over every
-/// micro-batch and data-parallel rank of the step. With them,
-/// [`aggregate_in_step`] of each micro-batch sums to the aggregate of the
-/// whole step.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct StepScale {
-    /// Valid tokens `Σ m`.
-    pub tokens: f64,
-    /// Responses.
-    pub sequences: f64,
-    /// Responses with at least one valid token.
-    pub nonempty: f64,
-    /// `T` of [`Aggregation::SeqMeanTokenSumNorm`].
-    pub loss_scale_factor: f64,
-}
-
-impl StepScale {
-    /// The scale of a step made of `mask` alone; `T` defaults to its padded width.
-    pub fn of(mask: &Tensor, loss_scale_factor: Option<f64>) -> Self {
-        let counts = mask.sum_dim_intlist(-1, false, Kind::Double);
-        StepScale {
-            tokens: counts.sum(Kind::Double).double_value(&[]),
-            sequences: mask.size()[0] as f64,
-            nonempty: counts.gt(0.0).sum(Kind::Double).double_value(&[]),
-            loss_scale_factor: loss_scale_factor.unwrap_or(mask.size()[1] as f64),
-        }
-    }
-
-    /// Adds another part of the step (`T` stays this one's).
-    pub fn add(&mut self, other: &StepScale) {
-        self.tokens += other.tokens;
-        self.sequences += other.sequences;
-        self.nonempty += other.nonempty;
-    }
-
-    /// The counts as numbers to all-reduce (`tokens`, `sequences`, `nonempty`).
-    pub fn counts(&self) -> [f64; 3] {
-        [self.tokens, self.sequences, self.nonempty]
-    }
-}
-
-/// Aggregates `loss` under `mask` as a step of its own (see [`Aggregation`];
-/// `T` = the padded width).
-pub fn aggregate(loss: &Tensor, mask: &Tensor, mode: Aggregation, flavor: Flavor) -> Tensor {
-    aggregate_in_step(loss, mask, mode, flavor, &StepScale::of(mask, None))
-}
-
-/// This micro-batch's share of the step's aggregate: its masked sums over
-/// the step's denominators (a denominator of 0 counts as 1: an empty step
-/// contributes 0).
-pub fn aggregate_in_step(
-    loss: &Tensor,
-    mask: &Tensor,
-    mode: Aggregation,
-    flavor: Flavor,
-    scale: &StepScale,
-) -> Tensor {
-    let masked = loss * mask;
-    let per = |d: f64| if d > 0.0 { d } else { 1.0 };
-    match mode {
-        Aggregation::TokenMean => masked.sum(Kind::Double) / per(scale.tokens),
-        Aggregation::TokenSum => masked.sum(Kind::Double),
-        Aggregation::SeqMeanTokenMean => {
-            let count = mask.sum_dim_intlist(-1, false, Kind::Double);
-            let sums = masked.sum_dim_intlist(-1, false, Kind::Double);
-            let nonempty = count.gt(0.0).to_kind(Kind::Double);
-            (sums / (&count + 1e-8) * nonempty).sum(Kind::Double) / per(scale.nonempty)
-        }
-        Aggregation::SeqMeanTokenSum => {
-            let responses = match flavor {
-                Flavor::OpenRlhf => scale.sequences,
-                Flavor::Verl => scale.nonempty,
-            };
-            masked.sum(Kind::Double) / per(responses)
-        }
-        Aggregation::SeqMeanTokenSumNorm => {
-            masked.sum(Kind::Double) / (per(scale.nonempty) * per(scale.loss_scale_factor))
-        }
-    }
-}
 
 fn masked_mean(x: &Tensor, mask: &Tensor) -> Tensor {
     (x * mask).sum(Kind::Double) / mask.sum(Kind::Double)
@@ -121,7 +17,7 @@ fn masked_mean(x: &Tensor, mask: &Tensor) -> Tensor {
 
 /// The kind to accumulate per-response sums of `x` in: at least float32,
 /// double for double inputs.
-fn sum_kind(x: &Tensor) -> Kind {
+pub(super) fn sum_kind(x: &Tensor) -> Kind {
     match x.kind() {
         Kind::Double => Kind::Double,
         _ => Kind::Float,
@@ -147,108 +43,6 @@ pub enum RatioLevel {
     /// The two agree when the advantage is constant within a response (GRPO).
     /// Both anchors aggregate GSPO with `seq-mean-token-mean`.
     Sequence,
-}
-
-/// Truncated importance weights for samples whose behaviour policy (the
-/// generator's, `behaviour_logprobs`) differs from the proximal one
-/// (`old_logprobs`, recomputed by the learner): the decoupled PPO objective
-/// multiplies each token's loss by a weight of `ρ = exp(log π_old − log π_behaviour)`.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum ImportanceCorrection {
-    /// TIS: weight `clamp(ρ, low, high)`.
-    Tis {
-        /// Lower bound.
-        low: f64,
-        /// Upper bound.
-        high: f64,
-    },
-    /// IcePop: weight `ρ` where `low ≤ ρ ≤ high`, 0 elsewhere.
-    IcePop {
-        /// Lower bound.
-        low: f64,
-        /// Upper bound.
-        high: f64,
-    },
-    /// Sequence mask: a response whose geometric-mean ratio
-    /// `exp(mean_t log ρ)` falls outside [low, high] is dropped; the others
-    /// are weighted by the per-token `ρ` (OpenRLHF's `seq-mask-tis`).
-    SequenceMask {
-        /// Lower bound.
-        low: f64,
-        /// Upper bound.
-        high: f64,
-    },
-    /// Sequence TIS (verl's `rollout_is = "sequence"`): every token of a
-    /// response weighted by `clamp(exp(clamp(Σ_t log ρ, −20, 20)), low, high)`,
-    /// the response's whole ratio (unbiased, high variance).
-    SequenceTis {
-        /// Lower bound.
-        low: f64,
-        /// Upper bound (verl's `rollout_is_threshold`).
-        high: f64,
-    },
-    /// Geometric-mean rejection (verl's `rollout_rs = "seq_mean_k1"`): a
-    /// response is kept, with weight 1, iff `low ≤ exp(mean_t log ρ) ≤ high`,
-    /// else dropped (weight 0).
-    GeometricRejection {
-        /// Lower bound.
-        low: f64,
-        /// Upper bound.
-        high: f64,
-    },
-    /// K3 rejection (verl's `rollout_rs = "seq_mean_k3"`): a response is
-    /// kept, with weight 1, iff its mean K3 estimate `mean_t (ρ − 1 − log ρ)`
-    /// (log ρ clamped to ±20) is at most `high`.
-    K3Rejection {
-        /// The largest mean K3 kept.
-        high: f64,
-    },
-}
-
-/// The importance weights of a micro-batch over its valid tokens: mean,
-/// min, max, and the fraction that is 0 (dropped tokens).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct WeightStats {
-    /// Mean weight.
-    pub mean: f64,
-    /// Smallest weight.
-    pub min: f64,
-    /// Largest weight.
-    pub max: f64,
-    /// Fraction of tokens with weight 0.
-    pub masked: f64,
-}
-
-impl Default for WeightStats {
-    /// No correction: every weight 1.
-    fn default() -> Self {
-        WeightStats {
-            mean: 1.0,
-            min: 1.0,
-            max: 1.0,
-            masked: 0.0,
-        }
-    }
-}
-
-impl WeightStats {
-    /// The statistics of `weight` over the tokens where `mask` is set.
-    pub fn of(weight: &Tensor, mask: &Tensor) -> Self {
-        let w = weight.masked_select(&mask.gt(0.0));
-        if w.numel() == 0 {
-            return WeightStats::default();
-        }
-        WeightStats {
-            mean: w.mean(Kind::Double).double_value(&[]),
-            min: w.min().double_value(&[]),
-            max: w.max().double_value(&[]),
-            masked: w
-                .eq(0.0)
-                .to_kind(Kind::Double)
-                .mean(Kind::Double)
-                .double_value(&[]),
-        }
-    }
 }
 
 /// Settings of the clipped policy loss.
@@ -519,55 +313,6 @@ fn other_objective(
     }
 }
 
-/// The importance weights of `correction` (no gradient): `ρ = exp(log π_old − log π_behaviour)`
-/// per token, then as [`ImportanceCorrection`] says.
-pub fn importance_weights(
-    correction: ImportanceCorrection,
-    old_logprobs: &Tensor,
-    behaviour_logprobs: &Tensor,
-    mask: &Tensor,
-) -> Tensor {
-    let _guard = tch::no_grad_guard();
-    let log_rho = (old_logprobs - behaviour_logprobs).detach();
-    let rho = log_rho.exp();
-    let inside =
-        |x: &Tensor, low: f64, high: f64| x.ge(low).logical_and(&x.le(high)).to_kind(rho.kind());
-    match correction {
-        ImportanceCorrection::Tis { low, high } => rho.clamp(low, high),
-        ImportanceCorrection::IcePop { low, high } => &rho * inside(&rho, low, high),
-        ImportanceCorrection::SequenceMask { low, high } => {
-            let kind = sum_kind(&log_rho);
-            let count = mask.sum_dim_intlist(-1, true, kind);
-            let seq = ((&log_rho * mask).sum_dim_intlist(-1, true, kind) / count).exp();
-            &rho * inside(&seq, low, high)
-        }
-        ImportanceCorrection::SequenceTis { low, high } => {
-            let kind = sum_kind(&log_rho);
-            let total = (&log_rho * mask).sum_dim_intlist(-1, true, kind);
-            total
-                .clamp(-20.0, 20.0)
-                .exp()
-                .clamp(low, high)
-                .expand_as(&rho)
-                * mask
-        }
-        ImportanceCorrection::GeometricRejection { low, high } => {
-            let kind = sum_kind(&log_rho);
-            let count = mask.sum_dim_intlist(-1, true, kind).clamp_min(1.0);
-            let seq = ((&log_rho * mask).sum_dim_intlist(-1, true, kind) / count).exp();
-            inside(&seq, low, high).expand_as(&rho) * mask
-        }
-        ImportanceCorrection::K3Rejection { high } => {
-            let kind = sum_kind(&log_rho);
-            let safe = log_rho.clamp(-20.0, 20.0);
-            let k3 = safe.exp() - 1.0 - &safe;
-            let count = mask.sum_dim_intlist(-1, true, kind).clamp_min(1.0);
-            let mean = (k3 * mask).sum_dim_intlist(-1, true, kind) / count;
-            mean.le(high).to_kind(rho.kind()).expand_as(&rho) * mask
-        }
-    }
-}
-
 /// The clipped value loss: `v_c = V_old + clamp(V − V_old, −ε, ε)`,
 /// `ℓ = max((V − R)², (v_c − R)²)` (or `(V − R)²` without clipping), and
 /// `0.5 ·` its aggregate — identical in OpenRLHF and verl. Returns the loss
@@ -668,40 +413,6 @@ mod tests {
     }
 
     #[test]
-    fn aggregation_modes_by_hand() {
-        let loss = t(&[&[1.0, 2.0, 3.0], &[4.0, 0.0, 0.0]]);
-        let mask = t(&[&[1.0, 1.0, 1.0], &[1.0, 0.0, 0.0]]);
-        let v = |m, f| aggregate(&loss, &mask, m, f).double_value(&[]);
-        assert!((v(Aggregation::TokenMean, Flavor::OpenRlhf) - 10.0 / 4.0).abs() < 1e-9);
-        for flavor in [Flavor::OpenRlhf, Flavor::Verl] {
-            assert!(
-                (v(Aggregation::SeqMeanTokenMean, flavor)
-                    - (6.0 / (3.0 + 1e-8) + 4.0 / (1.0 + 1e-8)) / 2.0)
-                    .abs()
-                    < 1e-9
-            );
-        }
-        assert!((v(Aggregation::SeqMeanTokenSum, Flavor::Verl) - (6.0 + 4.0) / 2.0).abs() < 1e-9);
-        // Dr.GRPO: Σ / (N · T), N = 2 non-empty responses, T = 3 (the padded width).
-        assert!((v(Aggregation::SeqMeanTokenSumNorm, Flavor::Verl) - 10.0 / 6.0).abs() < 1e-9);
-        assert!((v(Aggregation::TokenSum, Flavor::Verl) - 10.0).abs() < 1e-9);
-        // OpenRLHF's sequence mean skips empty responses.
-        let mask2 = t(&[&[1.0, 1.0, 1.0], &[0.0, 0.0, 0.0]]);
-        assert!(
-            (aggregate(
-                &loss,
-                &mask2,
-                Aggregation::SeqMeanTokenMean,
-                Flavor::OpenRlhf
-            )
-            .double_value(&[])
-                - 6.0 / (3.0 + 1e-8))
-                .abs()
-                < 1e-9
-        );
-    }
-
-    #[test]
     fn gspo_uses_one_ratio_per_response() {
         let lp = t(&[&[0.3, -0.1, 9.0]]);
         let old = t(&[&[0.0, 0.0, 0.0]]);
@@ -756,65 +467,6 @@ mod tests {
         };
         let out = policy_loss(&lp, &old, &adv, &mask, Some(&behaviour), &seq);
         assert!((out.loss.double_value(&[]) + (2.0 + 0.5) / 2.0).abs() < 1e-5);
-    }
-
-    #[test]
-    fn sequence_corrections_weigh_or_reject_whole_responses() {
-        // Response 0: log ρ = (ln 2, ln 2): product 4, geometric mean 2.
-        // Response 1: log ρ = (0, 0, pad): product 1, geometric mean 1.
-        let ln2 = 2.0f64.ln();
-        let old = Tensor::from_slice(&[ln2, ln2, 0.0, 0.0, 0.0, 0.0]).view([2, 3]);
-        let behaviour = Tensor::zeros([2, 3], (Kind::Double, tch::Device::Cpu));
-        let mask = Tensor::from_slice(&[1.0f64, 1.0, 0.0, 1.0, 1.0, 0.0]).view([2, 3]);
-        let w = |c| {
-            Vec::<f64>::try_from(importance_weights(c, &old, &behaviour, &mask).flatten(0, -1))
-                .unwrap()
-        };
-        let near = |a: &[f64], b: &[f64]| {
-            assert!(
-                a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-9),
-                "{a:?} vs {b:?}"
-            );
-        };
-        near(
-            &w(ImportanceCorrection::SequenceTis {
-                low: 0.0,
-                high: 3.0,
-            }),
-            &[3.0, 3.0, 0.0, 1.0, 1.0, 0.0],
-        );
-        near(
-            &w(ImportanceCorrection::GeometricRejection {
-                low: 0.5,
-                high: 1.5,
-            }),
-            &[0.0, 0.0, 0.0, 1.0, 1.0, 0.0],
-        );
-        // Mean K3 of response 0: 2 − 1 − ln 2 ≈ 0.307; response 1: 0.
-        near(
-            &w(ImportanceCorrection::K3Rejection { high: 0.3 }),
-            &[0.0, 0.0, 0.0, 1.0, 1.0, 0.0],
-        );
-        near(
-            &w(ImportanceCorrection::K3Rejection { high: 0.31 }),
-            &[1.0, 1.0, 0.0, 1.0, 1.0, 0.0],
-        );
-        let stats = WeightStats::of(
-            &importance_weights(
-                ImportanceCorrection::GeometricRejection {
-                    low: 0.5,
-                    high: 1.5,
-                },
-                &old,
-                &behaviour,
-                &mask,
-            ),
-            &mask,
-        );
-        assert_eq!(
-            (stats.masked, stats.mean, stats.min, stats.max),
-            (0.5, 0.5, 0.0, 1.0)
-        );
     }
 
     #[test]
@@ -945,65 +597,5 @@ mod tests {
         // Both take the sequence ratio's value.
         let v = policy_loss(&lp, &old, &adv, &mask, None, &verl).loss_value();
         assert!((v + (1.0 - 0.5 + 2.0) / 3.0 * s).abs() < 1e-8, "{v}");
-    }
-
-    #[test]
-    fn micro_batches_of_a_step_add_up_to_the_step() {
-        let loss = t(&[
-            &[1.0, 2.0, 3.0],
-            &[4.0, 0.0, 0.0],
-            &[0.5, 0.5, 0.0],
-            &[9.0, 9.0, 9.0],
-        ])
-        .to_kind(Kind::Double);
-        let mask = t(&[
-            &[1.0, 1.0, 1.0],
-            &[1.0, 0.0, 0.0],
-            &[1.0, 1.0, 0.0],
-            &[0.0, 0.0, 0.0],
-        ])
-        .to_kind(Kind::Double);
-        let modes = [
-            Aggregation::TokenMean,
-            Aggregation::SeqMeanTokenMean,
-            Aggregation::SeqMeanTokenSum,
-            Aggregation::SeqMeanTokenSumNorm,
-            Aggregation::TokenSum,
-        ];
-        for flavor in [Flavor::OpenRlhf, Flavor::Verl] {
-            for mode in modes {
-                let scale = StepScale::of(&mask, Some(5.0));
-                let whole = aggregate_in_step(&loss, &mask, mode, flavor, &scale).double_value(&[]);
-                let parts: f64 = [(0, 1), (1, 3), (3, 4)]
-                    .iter()
-                    .map(|&(a, b)| {
-                        aggregate_in_step(
-                            &loss.narrow(0, a, b - a),
-                            &mask.narrow(0, a, b - a),
-                            mode,
-                            flavor,
-                            &scale,
-                        )
-                        .double_value(&[])
-                    })
-                    .sum();
-                assert!((whole - parts).abs() < 1e-12, "{mode:?} {flavor:?}");
-            }
-        }
-        // Dr.GRPO with a user-set T = 5: Σ = 11, 3 non-empty responses.
-        let scale = StepScale::of(&mask, Some(5.0));
-        let v = aggregate_in_step(
-            &loss,
-            &mask,
-            Aggregation::SeqMeanTokenSumNorm,
-            Flavor::Verl,
-            &scale,
-        );
-        assert!((v.double_value(&[]) - 11.0 / 15.0).abs() < 1e-12);
-        // OpenRLHF's token-sum mean counts the empty response, verl's does not.
-        let open = aggregate(&loss, &mask, Aggregation::SeqMeanTokenSum, Flavor::OpenRlhf);
-        let verl = aggregate(&loss, &mask, Aggregation::SeqMeanTokenSum, Flavor::Verl);
-        assert!((open.double_value(&[]) - 11.0 / 4.0).abs() < 1e-12);
-        assert!((verl.double_value(&[]) - 11.0 / 3.0).abs() < 1e-12);
     }
 }

@@ -9,6 +9,8 @@
 //! padding (and masked interior tokens of multi-turn responses).
 
 pub mod advantages;
+pub mod aggregation;
+pub mod corrections;
 pub mod kl;
 pub mod losses;
 pub mod objectives;

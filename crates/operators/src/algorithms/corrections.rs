@@ -1,0 +1,222 @@
+//! Off-policy corrections for stale rows: the importance weights that
+//! multiply a token's loss (constants to autograd), as OpenRLHF and verl 0.9
+//! name them, and what is recorded about them.
+
+use tch::{Kind, Tensor};
+
+use super::losses::sum_kind;
+
+/// Truncated importance weights for samples whose behaviour policy (the
+/// generator's, `behaviour_logprobs`) differs from the proximal one
+/// (`old_logprobs`, recomputed by the learner): the decoupled PPO objective
+/// multiplies each token's loss by a weight of `ρ = exp(log π_old − log π_behaviour)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ImportanceCorrection {
+    /// TIS: weight `clamp(ρ, low, high)`.
+    Tis {
+        /// Lower bound.
+        low: f64,
+        /// Upper bound.
+        high: f64,
+    },
+    /// IcePop: weight `ρ` where `low ≤ ρ ≤ high`, 0 elsewhere.
+    IcePop {
+        /// Lower bound.
+        low: f64,
+        /// Upper bound.
+        high: f64,
+    },
+    /// Sequence mask: a response whose geometric-mean ratio
+    /// `exp(mean_t log ρ)` falls outside [low, high] is dropped; the others
+    /// are weighted by the per-token `ρ` (OpenRLHF's `seq-mask-tis`).
+    SequenceMask {
+        /// Lower bound.
+        low: f64,
+        /// Upper bound.
+        high: f64,
+    },
+    /// Sequence TIS (verl's `rollout_is = "sequence"`): every token of a
+    /// response weighted by `clamp(exp(clamp(Σ_t log ρ, −20, 20)), low, high)`,
+    /// the response's whole ratio (unbiased, high variance).
+    SequenceTis {
+        /// Lower bound.
+        low: f64,
+        /// Upper bound (verl's `rollout_is_threshold`).
+        high: f64,
+    },
+    /// Geometric-mean rejection (verl's `rollout_rs = "seq_mean_k1"`): a
+    /// response is kept, with weight 1, iff `low ≤ exp(mean_t log ρ) ≤ high`,
+    /// else dropped (weight 0).
+    GeometricRejection {
+        /// Lower bound.
+        low: f64,
+        /// Upper bound.
+        high: f64,
+    },
+    /// K3 rejection (verl's `rollout_rs = "seq_mean_k3"`): a response is
+    /// kept, with weight 1, iff its mean K3 estimate `mean_t (ρ − 1 − log ρ)`
+    /// (log ρ clamped to ±20) is at most `high`.
+    K3Rejection {
+        /// The largest mean K3 kept.
+        high: f64,
+    },
+}
+
+/// The importance weights of a micro-batch over its valid tokens: mean,
+/// min, max, and the fraction that is 0 (dropped tokens).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct WeightStats {
+    /// Mean weight.
+    pub mean: f64,
+    /// Smallest weight.
+    pub min: f64,
+    /// Largest weight.
+    pub max: f64,
+    /// Fraction of tokens with weight 0.
+    pub masked: f64,
+}
+
+impl Default for WeightStats {
+    /// No correction: every weight 1.
+    fn default() -> Self {
+        WeightStats {
+            mean: 1.0,
+            min: 1.0,
+            max: 1.0,
+            masked: 0.0,
+        }
+    }
+}
+
+impl WeightStats {
+    /// The statistics of `weight` over the tokens where `mask` is set.
+    pub fn of(weight: &Tensor, mask: &Tensor) -> Self {
+        let w = weight.masked_select(&mask.gt(0.0));
+        if w.numel() == 0 {
+            return WeightStats::default();
+        }
+        WeightStats {
+            mean: w.mean(Kind::Double).double_value(&[]),
+            min: w.min().double_value(&[]),
+            max: w.max().double_value(&[]),
+            masked: w
+                .eq(0.0)
+                .to_kind(Kind::Double)
+                .mean(Kind::Double)
+                .double_value(&[]),
+        }
+    }
+}
+
+/// The importance weights of `correction` (no gradient): `ρ = exp(log π_old − log π_behaviour)`
+/// per token, then as [`ImportanceCorrection`] says.
+pub fn importance_weights(
+    correction: ImportanceCorrection,
+    old_logprobs: &Tensor,
+    behaviour_logprobs: &Tensor,
+    mask: &Tensor,
+) -> Tensor {
+    let _guard = tch::no_grad_guard();
+    let log_rho = (old_logprobs - behaviour_logprobs).detach();
+    let rho = log_rho.exp();
+    let inside =
+        |x: &Tensor, low: f64, high: f64| x.ge(low).logical_and(&x.le(high)).to_kind(rho.kind());
+    match correction {
+        ImportanceCorrection::Tis { low, high } => rho.clamp(low, high),
+        ImportanceCorrection::IcePop { low, high } => &rho * inside(&rho, low, high),
+        ImportanceCorrection::SequenceMask { low, high } => {
+            let kind = sum_kind(&log_rho);
+            let count = mask.sum_dim_intlist(-1, true, kind);
+            let seq = ((&log_rho * mask).sum_dim_intlist(-1, true, kind) / count).exp();
+            &rho * inside(&seq, low, high)
+        }
+        ImportanceCorrection::SequenceTis { low, high } => {
+            let kind = sum_kind(&log_rho);
+            let total = (&log_rho * mask).sum_dim_intlist(-1, true, kind);
+            total
+                .clamp(-20.0, 20.0)
+                .exp()
+                .clamp(low, high)
+                .expand_as(&rho)
+                * mask
+        }
+        ImportanceCorrection::GeometricRejection { low, high } => {
+            let kind = sum_kind(&log_rho);
+            let count = mask.sum_dim_intlist(-1, true, kind).clamp_min(1.0);
+            let seq = ((&log_rho * mask).sum_dim_intlist(-1, true, kind) / count).exp();
+            inside(&seq, low, high).expand_as(&rho) * mask
+        }
+        ImportanceCorrection::K3Rejection { high } => {
+            let kind = sum_kind(&log_rho);
+            let safe = log_rho.clamp(-20.0, 20.0);
+            let k3 = safe.exp() - 1.0 - &safe;
+            let count = mask.sum_dim_intlist(-1, true, kind).clamp_min(1.0);
+            let mean = (k3 * mask).sum_dim_intlist(-1, true, kind) / count;
+            mean.le(high).to_kind(rho.kind()).expand_as(&rho) * mask
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sequence_corrections_weigh_or_reject_whole_responses() {
+        // Response 0: log ρ = (ln 2, ln 2): product 4, geometric mean 2.
+        // Response 1: log ρ = (0, 0, pad): product 1, geometric mean 1.
+        let ln2 = 2.0f64.ln();
+        let old = Tensor::from_slice(&[ln2, ln2, 0.0, 0.0, 0.0, 0.0]).view([2, 3]);
+        let behaviour = Tensor::zeros([2, 3], (Kind::Double, tch::Device::Cpu));
+        let mask = Tensor::from_slice(&[1.0f64, 1.0, 0.0, 1.0, 1.0, 0.0]).view([2, 3]);
+        let w = |c| {
+            Vec::<f64>::try_from(importance_weights(c, &old, &behaviour, &mask).flatten(0, -1))
+                .unwrap()
+        };
+        let near = |a: &[f64], b: &[f64]| {
+            assert!(
+                a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-9),
+                "{a:?} vs {b:?}"
+            );
+        };
+        near(
+            &w(ImportanceCorrection::SequenceTis {
+                low: 0.0,
+                high: 3.0,
+            }),
+            &[3.0, 3.0, 0.0, 1.0, 1.0, 0.0],
+        );
+        near(
+            &w(ImportanceCorrection::GeometricRejection {
+                low: 0.5,
+                high: 1.5,
+            }),
+            &[0.0, 0.0, 0.0, 1.0, 1.0, 0.0],
+        );
+        // Mean K3 of response 0: 2 − 1 − ln 2 ≈ 0.307; response 1: 0.
+        near(
+            &w(ImportanceCorrection::K3Rejection { high: 0.3 }),
+            &[0.0, 0.0, 0.0, 1.0, 1.0, 0.0],
+        );
+        near(
+            &w(ImportanceCorrection::K3Rejection { high: 0.31 }),
+            &[1.0, 1.0, 0.0, 1.0, 1.0, 0.0],
+        );
+        let stats = WeightStats::of(
+            &importance_weights(
+                ImportanceCorrection::GeometricRejection {
+                    low: 0.5,
+                    high: 1.5,
+                },
+                &old,
+                &behaviour,
+                &mask,
+            ),
+            &mask,
+        );
+        assert_eq!(
+            (stats.masked, stats.mean, stats.min, stats.max),
+            (0.5, 0.5, 0.0, 1.0)
+        );
+    }
+}
