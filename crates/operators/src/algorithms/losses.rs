@@ -11,8 +11,9 @@ pub use super::objectives::PolicyObjective;
 use super::objectives::{objective_loss, ObjectiveLoss};
 use super::Flavor;
 
-fn masked_mean(x: &Tensor, mask: &Tensor) -> Tensor {
-    (x * mask).sum(Kind::Double) / mask.sum(Kind::Double)
+/// `Σ m·x / Σ m` (0 for an empty mask).
+pub(super) fn masked_mean(x: &Tensor, mask: &Tensor) -> Tensor {
+    (x * mask).sum(Kind::Double) / mask.sum(Kind::Double).clamp_min(1.0)
 }
 
 /// The kind to accumulate per-response sums of `x` in: at least float32,
@@ -174,6 +175,7 @@ pub fn policy_loss_in_step(
     if cfg.objective != PolicyObjective::Clipped {
         return other_objective(
             logprobs,
+            old_logprobs,
             &log_ratio,
             advantages,
             mask,
@@ -251,8 +253,10 @@ pub fn policy_loss_in_step(
 /// than the clipped one: the objective's loss, weighted by the correction
 /// (GMPO: by the geometric mean of a response's weights, as verl does) and
 /// aggregated over the step (GMPO: averaged over the step's responses).
+#[allow(clippy::too_many_arguments)]
 fn other_objective(
     logprobs: &Tensor,
+    old_logprobs: &Tensor,
     log_ratio: &Tensor,
     advantages: &Tensor,
     mask: &Tensor,
@@ -270,10 +274,12 @@ fn other_objective(
         (cfg.clip_low, cfg.clip_high),
     );
     let weight = match (cfg.correction, behaviour_logprobs) {
-        (Some(correction), Some(behaviour)) => {
-            let old = logprobs.detach() - log_ratio.detach();
-            Some(importance_weights(correction, &old, behaviour, mask))
-        }
+        (Some(correction), Some(behaviour)) => Some(importance_weights(
+            correction,
+            old_logprobs,
+            behaviour,
+            mask,
+        )),
         _ => None,
     };
     let weight_stats = weight

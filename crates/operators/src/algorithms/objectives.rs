@@ -7,6 +7,8 @@
 
 use tch::{Kind, Tensor};
 
+use super::losses::masked_mean;
+
 /// Which objective [`super::policy_loss`] optimises.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub enum PolicyObjective {
@@ -77,10 +79,6 @@ pub(super) enum ObjectiveLoss {
     Tokens(Tensor),
     /// A loss per response `[B]` (GMPO), averaged over the step's responses.
     Responses(Tensor),
-}
-
-fn masked_mean(x: &Tensor, mask: &Tensor) -> Tensor {
-    (x * mask).sum(Kind::Double) / mask.sum(Kind::Double).clamp_min(1.0)
 }
 
 /// The loss of `objective` (not [`PolicyObjective::Clipped`]) and its clip
