@@ -97,6 +97,9 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
         }
     };
     let outcome = weir_pipelines::run(&request)?;
+    if let Some(note) = &outcome.note {
+        println!("{note}");
+    }
     if !cluster.is_leader() {
         println!(
             "process {} of {}: done; process 0 writes the summary and plots",
@@ -106,8 +109,12 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     print_summary(&outcome.summary);
-    let plots = crate::report::plot(&outcome.run_dir)?;
-    println!("plots: {}", plots.len());
+    if outcome.run_dir.join("metrics.parquet").is_file() {
+        let plots = crate::report::plot(&outcome.run_dir)?;
+        println!("plots: {}", plots.len());
+    } else {
+        println!("plots: none (the run folder has no metrics.parquet)");
+    }
     println!("run folder: {}", outcome.run_dir.display());
     Ok(())
 }

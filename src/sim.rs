@@ -73,7 +73,8 @@ pub struct SimArgs {
 }
 
 impl SimArgs {
-    fn placement(&self, workers: usize) -> anyhow::Result<Placement> {
+    /// The placement `--placement` names, or the default one over `workers`.
+    pub fn placement(&self, workers: usize) -> anyhow::Result<Placement> {
         if let Some(text) = &self.placement {
             return Placement::parse(workers, text)
                 .with_context(|| format!("--placement `{text}`"));

@@ -576,3 +576,53 @@ fn a_hung_peer_ends_the_run_with_an_error_after_the_peer_timeout() {
         "ended {waited:?} after the stop"
     );
 }
+
+#[test]
+fn a_commit_point_is_announced_only_once_its_rows_and_metrics_are_on_disk() {
+    use std::sync::{Arc, Mutex};
+    use weir::graph::{commit, Execution, RunSettings};
+    let dir = tempfile::tempdir().unwrap();
+    let args = SimArgs {
+        workers: 3,
+        steps: 12,
+        max_staleness: 2,
+        ..sim_args(dir.path())
+    };
+    std::fs::create_dir_all(&args.out).unwrap();
+    let (out, seen) = (args.out.clone(), Arc::new(Mutex::new(BTreeSet::new())));
+    let announced = seen.clone();
+    let on_commit: commit::OnCommit = Arc::new(move |at: u64| {
+        // Rows stay in memory far below 4096 per file: only commits put them on disk.
+        let rows = read_rows(&out);
+        for step in 0..=at {
+            let n = rows.iter().filter(|r| r.step == step).count();
+            if n != 16 {
+                return Err(format!("commit {at}: step {step} has {n} rows on disk"));
+            }
+        }
+        let metrics = weir::graph::parquet_log::read_parquet_file(&out.join("metrics.parquet"))
+            .map_err(|e| e.to_string())?;
+        let learned: BTreeSet<u64> = metrics
+            .iter()
+            .flat_map(|b| weir::graph::metrics::batch_to_rows(b).unwrap())
+            .filter(|r| r.stage == "learn" && r.metric == "busy_s")
+            .map(|r| r.step)
+            .collect();
+        if !(0..=at).all(|s| learned.contains(&s)) {
+            return Err(format!("commit {at}: metrics of steps {learned:?}"));
+        }
+        announced.lock().unwrap().insert(at);
+        Ok(())
+    });
+    let settings = RunSettings::new(Execution::Threads(3), args.placement(3).unwrap())
+        .max_staleness(2)
+        .steps(12)
+        .metrics_path(args.out.join("metrics.parquet"))
+        .commits(commit::every(4, Some(11)), on_commit);
+    weir::sim::sim_pipeline(&args).run(&settings).unwrap();
+    assert_eq!(
+        *seen.lock().unwrap(),
+        BTreeSet::from([3, 7, 11]),
+        "each commit point announced once its files were complete"
+    );
+}

@@ -13,7 +13,7 @@ use weir_graph::{ParquetLog, StageError, WorkerInfo};
 use weir_operators::algorithms::{
     Flavor, ImportanceCorrection, PolicyLossConfig, PolicyObjective, RatioLevel,
 };
-use weir_operators::checkpoint::{load_optimizer, CheckpointPlan, Checkpointer};
+use weir_operators::checkpoint::{load_optimizer, CheckpointCommits, CheckpointPlan, Checkpointer};
 use weir_operators::rewards::{arith, rule_reward};
 use weir_operators::stages::generate::Generate;
 use weir_operators::stages::learner::{Learner, LearnerConfig, LrSchedule};
@@ -60,6 +60,10 @@ pub struct RunContext {
     pub last_step: u64,
     /// Components of a complete checkpoint.
     pub components: Vec<String>,
+    /// Checkpoint states waiting for their commit point.
+    pub commits: CheckpointCommits,
+    /// Config values a resume must keep, stored in every checkpoint.
+    pub invariants: std::collections::BTreeMap<String, String>,
 }
 
 impl RunContext {
@@ -92,6 +96,8 @@ impl RunContext {
             cursors: Some(self.cursors.clone()),
             seed: cfg.run.seed,
             components: self.components.clone(),
+            commits: Some(self.commits.clone()),
+            invariants: self.invariants.clone(),
         }
     }
 }

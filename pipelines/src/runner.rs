@@ -23,7 +23,9 @@
 //! summary, and sets a resumed folder in order; every process writes the
 //! rollouts and checkpoints of its own workers.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use arrow::array::{AsArray, BooleanArray};
 use arrow::compute::filter_record_batch;
@@ -32,7 +34,7 @@ use serde_json::{json, Value};
 use weir_graph::metrics::{batch_to_rows, MetricRow};
 use weir_graph::parquet_log::{read_parquet_file, write_parquet_atomically};
 use weir_graph::{Placement, RunReport, RunSettings};
-use weir_operators::checkpoint::latest;
+use weir_operators::checkpoint::{latest, CheckpointCommits, Checkpointer};
 use weir_operators::rewards::arith;
 use weir_operators::rollout::col;
 use weir_operators::stages::prompt_stats::StatsView;
@@ -70,6 +72,8 @@ pub struct RunOutcome {
     pub summary: Value,
     /// The final actor checkpoint (HF layout).
     pub final_actor: PathBuf,
+    /// On `--resume`, one line on what the resume did.
+    pub note: Option<String>,
 }
 
 /// The file holding a run's resolved config.
@@ -130,18 +134,25 @@ pub fn run(req: &RunRequest) -> Result<RunOutcome, PipelineError> {
         )
         .into());
     }
-    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    if leader {
-        write_text(&resolved, &resolved_config_text(kind, cfg))?;
+    if leader && !req.resume {
+        refuse_foreign_folder(dir)?;
     }
-    tch::set_num_threads(cfg.run.threads as i32);
-
     let checkpoints = dir.join("checkpoints");
     let found = if req.resume {
         latest(&checkpoints)?
     } else {
         None
     };
+    let invariants = resume_invariants(kind, cfg);
+    if let Some((ck, state)) = &found {
+        check_resumable(dir, ck, state, cfg, &invariants)?;
+    }
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    if leader {
+        write_text(&resolved, &resolved_config_text(kind, cfg))?;
+    }
+    tch::set_num_threads(cfg.run.threads as i32);
+
     let mut ctx = RunContext {
         run_dir: dir.clone(),
         actor: PathBuf::from(&cfg.model.path),
@@ -157,6 +168,12 @@ pub fn run(req: &RunRequest) -> Result<RunOutcome, PipelineError> {
         } else {
             vec!["actor".into()]
         },
+        commits: CheckpointCommits::new(Checkpointer {
+            root: checkpoints.clone(),
+            every: cfg.run.checkpoint_every,
+            last_step: Some(cfg.run.steps - 1),
+        }),
+        invariants,
     };
     let mut prior = Vec::new();
     if let Some((ck, state)) = &found {
@@ -170,7 +187,26 @@ pub fn run(req: &RunRequest) -> Result<RunOutcome, PipelineError> {
         }
         tracing::info!(step = state.step, "resuming from {}", ck.display());
     }
-    if leader && req.resume {
+    let complete = ctx.first_step > ctx.last_step;
+    let note = req.resume.then(|| match &found {
+        Some(_) if complete => format!(
+            "{}: the run is already complete (step {}): nothing to train",
+            dir.display(),
+            ctx.last_step
+        ),
+        Some((ck, state)) => format!(
+            "{}: resuming at step {} from {} (policy version {}); rows and metrics of later steps kept in superseded/",
+            dir.display(),
+            ctx.first_step,
+            ck.display(),
+            state.version
+        ),
+        None => format!(
+            "{}: no complete checkpoint yet: starting again from step 0; what the run wrote is kept in superseded/",
+            dir.display()
+        ),
+    });
+    if leader && req.resume && !complete {
         // What the interrupted segment wrote after its checkpoint (or all of
         // it, without one) is produced again: keep the old copies aside.
         keep_aside(&dir.join("metrics.parquet"))?;
@@ -224,6 +260,10 @@ pub fn run(req: &RunRequest) -> Result<RunOutcome, PipelineError> {
             .steps(cfg.run.steps - ctx.first_step)
             .resume_at(ctx.first_step, ctx.version)
             .metrics_path(dir.join("metrics.parquet"))
+            .commits(ctx.checkpointer(cfg).commit_points(), {
+                let commits = ctx.commits.clone();
+                Arc::new(move |at| commits.commit(at))
+            })
             .prior_metrics(prior)
             .observe(observer);
         let report = pipeline.run(&settings);
@@ -246,6 +286,7 @@ pub fn run(req: &RunRequest) -> Result<RunOutcome, PipelineError> {
                 "processes": cluster.processes,
             }),
             final_actor,
+            note,
         });
     }
     if !final_actor.is_dir() {
@@ -259,6 +300,20 @@ pub fn run(req: &RunRequest) -> Result<RunOutcome, PipelineError> {
             final_actor.display()
         )
         .into());
+    }
+    // A finished run resumed again keeps the summary of its last segment.
+    let kept = complete
+        .then(|| std::fs::read_to_string(dir.join("summary.json")).ok())
+        .flatten()
+        .and_then(|text| serde_json::from_str::<Value>(&text).ok());
+    if let Some(summary) = kept {
+        return Ok(RunOutcome {
+            run_dir: dir.clone(),
+            report,
+            summary,
+            final_actor,
+            note,
+        });
     }
     // Greedy accuracy of a policy (not of a reward model), of the starting
     // checkpoint and of the final one.
@@ -292,7 +347,82 @@ pub fn run(req: &RunRequest) -> Result<RunOutcome, PipelineError> {
         report,
         summary,
         final_actor,
+        note,
     })
+}
+
+/// The config values a resumed run must keep: the checkpoint's weights,
+/// prompt cursor and components mean something only under them. Other keys
+/// (the number of steps, learning rate, logging, threads) may change.
+pub fn resume_invariants(kind: PipelineKind, cfg: &RunConfig) -> BTreeMap<String, String> {
+    let (m, d) = (&cfg.model, &cfg.data);
+    [
+        ("pipeline", kind.name().to_string()),
+        ("model.path", m.path.clone()),
+        ("model.reference", m.reference.clone()),
+        ("model.reward_model", m.reward_model.clone()),
+        ("model.critic", m.critic.clone()),
+        ("data.prompts", d.prompts.clone()),
+        ("data.prompt_column", d.prompt_column.clone()),
+        ("data.messages_column", d.messages_column.clone()),
+        ("run.seed", cfg.run.seed.to_string()),
+        ("placement.workers", cfg.placement.workers.to_string()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect()
+}
+
+/// Refuses to resume from checkpoint `ck` under a config that changed what it means.
+fn check_resumable(
+    dir: &Path,
+    ck: &Path,
+    state: &weir_operators::checkpoint::CheckpointState,
+    cfg: &RunConfig,
+    now: &BTreeMap<String, String>,
+) -> Result<(), PipelineError> {
+    let name = ck.file_name().unwrap_or_default().to_string_lossy();
+    for (key, was) in &state.invariants {
+        let is = now.get(key).map(String::as_str).unwrap_or("");
+        if is != was {
+            return Err(format!(
+                "cannot resume {}: `{key}` is {is:?} in {} but checkpoint {name} was made with {was:?}; \
+                 put it back, or start a new run from {}",
+                dir.display(),
+                dir.join(RESOLVED).display(),
+                ck.join("actor").display()
+            )
+            .into());
+        }
+    }
+    if cfg.run.steps <= state.step {
+        return Err(format!(
+            "cannot resume {}: `run.steps` = {} but the run has reached step {} (checkpoint {name}); \
+             a resume may only add steps",
+            dir.display(),
+            cfg.run.steps,
+            state.step
+        )
+        .into());
+    }
+    Ok(())
+}
+
+/// Refuses an existing, non-empty folder that is not a weir run (a new run
+/// would mix its files with someone else's).
+fn refuse_foreign_folder(dir: &Path) -> Result<(), PipelineError> {
+    let Ok(mut entries) = std::fs::read_dir(dir) else {
+        return Ok(());
+    };
+    if entries.next().is_some() {
+        return Err(format!(
+            "--out {}: the folder exists, is not empty and holds no weir run ({RESOLVED}); \
+             pick a new folder",
+            dir.display()
+        )
+        .into());
+    }
+    Ok(())
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -436,9 +566,16 @@ fn trim_rollouts(dir: &Path, last_step: Option<u64>) -> Result<(), PipelineError
     let Ok(entries) = std::fs::read_dir(dir) else {
         return Ok(());
     };
-    let mut files: Vec<PathBuf> = entries
-        .flatten()
-        .map(|e| e.path())
+    let paths: Vec<PathBuf> = entries.flatten().map(|e| e.path()).collect();
+    // Half-written files of the crash (never renamed into place) are no one's rows.
+    for tmp in paths
+        .iter()
+        .filter(|p| p.extension().is_some_and(|x| x == "tmp"))
+    {
+        std::fs::remove_file(tmp).map_err(|e| format!("{}: {e}", tmp.display()))?;
+    }
+    let mut files: Vec<PathBuf> = paths
+        .into_iter()
         .filter(|p| p.extension().is_some_and(|x| x == "parquet"))
         .collect();
     files.sort();

@@ -5,7 +5,7 @@
 //! `weir sim` run.
 //! The binary's modules: `models` (the model commands), `report`
 //! (`inspect`, `plot`), `runs` (`config`, `run` in one and two processes,
-//! `demo`).
+//! `demo`), `crash` (SIGKILL at random moments, then resume).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -16,6 +16,7 @@ use weir::graph::parquet_log::read_parquet_file;
 
 #[path = "../common/mod.rs"]
 mod common;
+mod crash;
 mod models;
 mod report;
 mod runs;

@@ -190,7 +190,7 @@ fn run_two(args: &[String], dir: &Path) -> (String, String) {
     (success(&o0), success(&o1))
 }
 
-fn strs(args: &[String]) -> Vec<&str> {
+pub(crate) fn strs(args: &[String]) -> Vec<&str> {
     args.iter().map(String::as_str).collect()
 }
 

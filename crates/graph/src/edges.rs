@@ -13,6 +13,7 @@ use timely::dataflow::channels::pact::{Exchange, Pipeline};
 use timely::dataflow::operators::Operator;
 use timely::dataflow::Stream;
 
+use crate::commit::{CommitHold, NextCommit};
 use crate::control::OperatorEnv;
 use crate::error::call_user;
 use crate::stage::Sink;
@@ -51,59 +52,79 @@ pub(crate) fn route<'scope>(
 /// Feeds `stream` (already routed) into `sink` on the workers that hold one.
 ///
 /// `sink.end_step(s)` follows the last batch of every step `s` that brought
-/// data to this worker; `finish` follows the end of the stream.
-pub(crate) fn sink_operator(
-    stream: Stream<'_, Step, Vec<Batch>>,
+/// data to this worker; `sink.commit(c)` follows every commit point `c` the
+/// input passes (see [`crate::commit`]); `finish` follows the end of the
+/// stream. The returned stream carries no data: its frontier trails the
+/// sink's commits, for the run's probe.
+pub(crate) fn sink_operator<'scope>(
+    stream: Stream<'scope, Step, Vec<Batch>>,
     name: &str,
     mut sink: Option<Box<dyn Sink>>,
     env: OperatorEnv,
-) {
+    commits: Option<NextCommit>,
+    first_step: Step,
+) -> Stream<'scope, Step, Vec<()>> {
     let name = name.to_string();
     let mut open_steps: BTreeSet<Step> = BTreeSet::new();
-    stream.sink(
+    stream.unary_frontier::<CapacityContainerBuilder<Vec<()>>, _, _, _>(
         Exchange::new(|b: &Batch| u64::from(b.dest)),
         &format!("Sink({name})"),
-        move |(input, frontier)| {
-            let Some(target) = sink.as_mut().filter(|_| !env.aborted()) else {
-                input.for_each(|_, data| data.clear());
-                return;
+        move |cap, _| {
+            let mut hold = match &sink {
+                Some(_) => CommitHold::new(cap, commits, first_step),
+                None => CommitHold::none(),
             };
-            let fail = |step: Option<Step>, message: String| GraphError::Stage {
-                stage: name.clone(),
-                step,
-                worker: env.index,
-                message,
-            };
-            let mut failed = None;
-            input.for_each(|cap, data| {
-                let Some(&step) = cap.least() else { return };
-                open_steps.insert(step);
-                for batch in data.drain(..) {
-                    if failed.is_none() {
-                        if let Err(message) = call_user(|| target.write(step, &batch.data)) {
-                            failed = Some(fail(Some(step), message));
+            move |(input, frontier), _output| {
+                // A failed or aborted sink keeps its hold: no later commit may count.
+                let Some(target) = sink.as_mut().filter(|_| !env.aborted()) else {
+                    input.for_each(|_, data| data.clear());
+                    return;
+                };
+                let fail = |step: Option<Step>, message: String| GraphError::Stage {
+                    stage: name.clone(),
+                    step,
+                    worker: env.index,
+                    message,
+                };
+                let mut failed = None;
+                input.for_each(|cap, data| {
+                    let Some(&step) = cap.least() else { return };
+                    open_steps.insert(step);
+                    for batch in data.drain(..) {
+                        if failed.is_none() {
+                            if let Err(message) = call_user(|| target.write(step, &batch.data)) {
+                                failed = Some(fail(Some(step), message));
+                            }
                         }
                     }
+                });
+                while let Some(&step) = open_steps.first() {
+                    if frontier.less_equal(&step) || failed.is_some() {
+                        break;
+                    }
+                    open_steps.remove(&step);
+                    if let Err(message) = call_user(|| target.end_step(step)) {
+                        failed = Some(fail(Some(step), message));
+                    }
                 }
-            });
-            while let Some(&step) = open_steps.first() {
-                if frontier.less_equal(&step) || failed.is_some() {
-                    break;
+                if failed.is_none() {
+                    if let Err(err) = hold.advance(frontier, |step| {
+                        call_user(|| target.commit(step)).map_err(|m| fail(Some(step), m))
+                    }) {
+                        failed = Some(err);
+                    }
                 }
-                open_steps.remove(&step);
-                if let Err(message) = call_user(|| target.end_step(step)) {
-                    failed = Some(fail(Some(step), message));
+                if failed.is_none() && frontier.is_empty() && open_steps.is_empty() {
+                    if let Err(message) = call_user(|| target.finish()) {
+                        failed = Some(fail(None, message));
+                    }
+                    sink = None;
                 }
-            }
-            if failed.is_none() && frontier.is_empty() && open_steps.is_empty() {
-                if let Err(message) = call_user(|| target.finish()) {
-                    failed = Some(fail(None, message));
+                if let Some(err) = failed {
+                    sink = None;
+                    env.fail(err);
                 }
-                sink = None;
-            }
-            if let Some(err) = failed {
-                env.fail(err);
             }
         },
-    );
+    )
 }

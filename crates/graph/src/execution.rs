@@ -163,9 +163,14 @@ pub struct RunSettings {
     /// Metric rows of earlier segments of a resumed run: kept in the report
     /// and the metrics file ahead of this segment's rows.
     pub prior_metrics: Vec<crate::metrics::MetricRow>,
-    /// How often the metrics file is rewritten during the run (a crash loses
-    /// at most this much).
+    /// How often the metrics file is also rewritten between commit points
+    /// (for live readers; durability comes from the commit points).
     pub metrics_flush: Duration,
+    /// Where the run commits (see [`crate::commit`]): sinks and the metrics
+    /// file are made durable there before [`RunSettings::on_commit`] runs.
+    pub commit_points: Option<crate::commit::NextCommit>,
+    /// Called once the whole run has passed a commit point.
+    pub on_commit: Option<crate::commit::OnCommit>,
     /// What every process of a cluster must agree on, hashed (the caller's
     /// config, say): a peer whose fingerprint differs fails the run at its
     /// first heartbeat instead of running a different pipeline.
@@ -193,6 +198,8 @@ impl RunSettings {
             observer: None,
             prior_metrics: Vec::new(),
             metrics_flush: Duration::from_secs(10),
+            commit_points: None,
+            on_commit: None,
             fingerprint: 0,
         }
     }
@@ -243,6 +250,17 @@ impl RunSettings {
     /// Sets the fingerprint every process must share (see [`RunSettings::fingerprint`]).
     pub fn fingerprint(mut self, fingerprint: u64) -> Self {
         self.fingerprint = fingerprint;
+        self
+    }
+
+    /// Commits at `points`, then calls `on_commit` (see [`crate::commit`]).
+    pub fn commits(
+        mut self,
+        points: crate::commit::NextCommit,
+        on_commit: crate::commit::OnCommit,
+    ) -> Self {
+        self.commit_points = Some(points);
+        self.on_commit = Some(on_commit);
         self
     }
 

@@ -22,6 +22,7 @@
 
 pub mod backpressure;
 pub mod batch;
+pub mod commit;
 mod control;
 mod edges;
 pub mod engine_thread;

@@ -3,7 +3,11 @@
 //! Files are named `part-<worker>-<first step>.parquet` (so a resumed run,
 //! which starts at a later step, never reuses a name) and become visible only when
 //! complete (written to a `.tmp` name, then renamed), so a crash never leaves
-//! a truncated file for pandas, polars or DuckDB to trip over.
+//! a truncated file for pandas, polars or DuckDB to trip over. A file closes
+//! once it holds `rows_per_file` rows; at every commit point (a checkpoint)
+//! the open file is written out as it stands and stays open, to be rewritten
+//! with more rows at the next commit, so a checkpoint never covers rows that
+//! are only in memory and the log still has few, large files.
 //!
 //! # Examples
 //! ```
@@ -39,9 +43,12 @@ pub struct ParquetLog {
     dir: PathBuf,
     worker: usize,
     rows_per_file: usize,
-    first_step: Option<Step>,
+    /// The open file's name (fixed at its first row).
+    path: Option<PathBuf>,
     buffered: Vec<RecordBatch>,
     buffered_rows: usize,
+    /// Rows of the open file already on disk.
+    written_rows: usize,
     schema: Option<SchemaRef>,
 }
 
@@ -54,33 +61,44 @@ impl ParquetLog {
             dir: dir.to_path_buf(),
             worker,
             rows_per_file: rows_per_file.max(1),
-            first_step: None,
+            path: None,
             buffered: Vec::new(),
             buffered_rows: 0,
+            written_rows: 0,
             schema: None,
         })
     }
 
-    fn flush_file(&mut self) -> Result<(), GraphError> {
-        if self.buffered.is_empty() {
-            return Ok(());
-        }
-        let first = self.first_step.unwrap_or(0);
-        let mut path = self
-            .dir
-            .join(format!("part-{:04}-{first:010}.parquet", self.worker));
+    /// A fresh name for a file whose first row is of step `first`.
+    fn new_path(&self, first: Step) -> PathBuf {
+        let stem = format!("part-{:04}-{first:010}", self.worker);
+        let mut path = self.dir.join(format!("{stem}.parquet"));
         // Two files may start at one step (a schema change mid-step): never overwrite.
         let mut n = 1;
         while path.exists() {
-            path = self
-                .dir
-                .join(format!("part-{:04}-{first:010}-{n}.parquet", self.worker));
+            path = self.dir.join(format!("{stem}-{n}.parquet"));
             n += 1;
         }
-        write_parquet_atomically(&path, &self.buffered)?;
-        self.first_step = None;
+        path
+    }
+
+    /// Writes the open file as it stands, if it has rows not yet on disk.
+    fn write_open_file(&mut self) -> Result<(), GraphError> {
+        if let Some(path) = &self.path {
+            if self.buffered_rows > self.written_rows {
+                write_parquet_atomically(path, &self.buffered)?;
+                self.written_rows = self.buffered_rows;
+            }
+        }
+        Ok(())
+    }
+
+    fn close_file(&mut self) -> Result<(), GraphError> {
+        self.write_open_file()?;
+        self.path = None;
         self.buffered.clear();
         self.buffered_rows = 0;
+        self.written_rows = 0;
         self.schema = None;
         Ok(())
     }
@@ -89,9 +107,11 @@ impl ParquetLog {
 impl Sink for ParquetLog {
     fn write(&mut self, step: Step, batch: &RecordBatch) -> Result<(), StageError> {
         if self.schema.as_ref().is_some_and(|s| *s != batch.schema()) {
-            self.flush_file()?;
+            self.close_file()?;
         }
-        self.first_step.get_or_insert(step);
+        if self.path.is_none() {
+            self.path = Some(self.new_path(step));
+        }
         self.schema = Some(batch.schema());
         self.buffered_rows += batch.num_rows();
         self.buffered.push(batch.clone());
@@ -100,13 +120,17 @@ impl Sink for ParquetLog {
 
     fn end_step(&mut self, _step: Step) -> Result<(), StageError> {
         if self.buffered_rows >= self.rows_per_file {
-            self.flush_file()?;
+            self.close_file()?;
         }
         Ok(())
     }
 
+    fn commit(&mut self, _step: Step) -> Result<(), StageError> {
+        Ok(self.write_open_file()?)
+    }
+
     fn finish(&mut self) -> Result<(), StageError> {
-        Ok(self.flush_file()?)
+        Ok(self.close_file()?)
     }
 }
 
@@ -206,6 +230,43 @@ mod tests {
             })
             .collect();
         assert_eq!(ids, (0..15).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_commit_writes_the_open_file_which_then_grows() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = ParquetLog::new(dir.path(), 0, 100).unwrap();
+        let ids = |dir: &Path| -> Vec<u64> {
+            read_parquet_dir(dir)
+                .unwrap()
+                .iter()
+                .flat_map(|b| {
+                    b.column(0)
+                        .as_any()
+                        .downcast_ref::<UInt64Array>()
+                        .unwrap()
+                        .values()
+                        .to_vec()
+                })
+                .collect()
+        };
+        log.write(0, &rows(0..3)).unwrap();
+        log.end_step(0).unwrap();
+        assert!(
+            ids(dir.path()).is_empty(),
+            "below rows_per_file, nothing yet"
+        );
+        log.commit(0).unwrap();
+        assert_eq!(ids(dir.path()), vec![0, 1, 2]);
+        log.write(1, &rows(3..5)).unwrap();
+        log.end_step(1).unwrap();
+        log.commit(1).unwrap();
+        // One file, rewritten with the new rows.
+        assert_eq!(ids(dir.path()), vec![0, 1, 2, 3, 4]);
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+        log.commit(2).unwrap();
+        log.finish().unwrap();
+        assert_eq!(ids(dir.path()), vec![0, 1, 2, 3, 4]);
     }
 
     #[test]

@@ -24,6 +24,7 @@ use timely::dataflow::{InputHandle, ProbeHandle, Scope};
 use timely::worker::Worker;
 use timely::WorkerConfig;
 
+use crate::commit::{CommitHold, CommitTracker};
 use crate::control::{quiet_network_panics, runtime_panic, Control, OperatorEnv, RunShared};
 use crate::edges::{route, sink_operator};
 use crate::engine_thread::StageKind;
@@ -264,6 +265,14 @@ fn drive_worker(
     }
 
     let mut admission = Admission::new(settings.first_step, settings.steps, settings.max_staleness);
+    let mut commits = match (&settings.commit_points, &settings.on_commit) {
+        (Some(points), Some(on_commit)) => Some(CommitTracker::new(
+            points.clone(),
+            on_commit.clone(),
+            settings.first_step,
+        )),
+        _ => None,
+    };
     let heartbeat_every =
         (settings.peer_timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
     let mut last_heartbeat: Option<Instant> = None;
@@ -311,6 +320,17 @@ fn drive_worker(
         }
 
         let first_incomplete = probe.with_frontier(|f| f.first().copied());
+        if let Some(tracker) = commits.as_mut() {
+            if let Err(message) = tracker.reached(first_incomplete) {
+                env.fail(GraphError::Stage {
+                    stage: "commit".into(),
+                    step: None,
+                    worker: index,
+                    message,
+                });
+                continue;
+            }
+        }
         if let (Some(handle), Some((src, info))) = (input.as_mut(), source.as_mut()) {
             if source_done || admission.exhausted() {
                 // The input stays at the step after the last until every step
@@ -415,6 +435,7 @@ fn build_dataflow<'scope>(
     let mut weights_handle = Some(weights_handle);
     let mut weights_stream = Some(weights_stream);
     let mut metric_streams = Vec::new();
+    let mut commit_streams = Vec::new();
     let mut stream = scope.input_from(input);
 
     for node in &pipeline.nodes {
@@ -483,7 +504,14 @@ fn build_dataflow<'scope>(
                     }
                     None => None,
                 };
-                sink_operator(routed, &spec.name, sink, env.clone());
+                commit_streams.push(sink_operator(
+                    routed,
+                    &spec.name,
+                    sink,
+                    env.clone(),
+                    settings.commit_points.clone(),
+                    settings.first_step,
+                ));
             }
         }
     }
@@ -496,39 +524,63 @@ fn build_dataflow<'scope>(
     }
     stream.probe_with(probe);
 
-    // Every metric row goes to the metrics worker, which keeps them for the report.
+    // Every metric row goes to the metrics worker, which keeps them for the
+    // report and writes the file at every commit point (and now and then
+    // between them, for live readers).
     let collected = collected.clone();
     let observer = settings.observer.clone();
     let flush_to = settings.metrics_path.clone();
     let flush_every = settings.metrics_flush;
-    let mut flushed = Instant::now();
-    let mut flush_error_logged = false;
-    scope.concatenate(metric_streams).sink(
-        Exchange::new(move |_: &MetricRow| metrics_worker as u64),
-        "Metrics",
-        move |(input, _)| {
-            let mut arrived = false;
-            input.for_each(|_, rows| {
-                if let Some(observe) = &observer {
-                    observe(rows);
-                }
-                arrived = true;
-                collected.borrow_mut().append(rows);
-            });
-            // The file is rewritten now and then, so a crash keeps all but the last moments.
-            if let (true, Some(path)) = (arrived, &flush_to) {
-                if flushed.elapsed() >= flush_every {
-                    flushed = Instant::now();
-                    let rows = collected.borrow();
-                    let written = crate::metrics::rows_to_batch(&rows)
-                        .and_then(|b| crate::parquet_log::write_parquet_atomically(path, &[b]));
-                    if let (Err(e), false) = (written, flush_error_logged) {
-                        tracing::warn!(path = %path.display(), error = %e, "writing metrics");
-                        flush_error_logged = true;
+    let writes = index == metrics_worker && flush_to.is_some();
+    let (commits, first_step) = (settings.commit_points.clone(), settings.first_step);
+    let env = env.clone();
+    let metrics_done = scope
+        .concatenate(metric_streams)
+        .unary_frontier::<timely::container::CapacityContainerBuilder<Vec<()>>, _, _, _>(
+            Exchange::new(move |_: &MetricRow| metrics_worker as u64),
+            "Metrics",
+            move |cap, _| {
+                let mut hold = if writes {
+                    CommitHold::new(cap, commits, first_step)
+                } else {
+                    CommitHold::none()
+                };
+                let mut flushed = Instant::now();
+                let mut flush_error_logged = false;
+                move |(input, frontier), _output| {
+                    let mut arrived = false;
+                    input.for_each(|_, rows| {
+                        if let Some(observe) = &observer {
+                            observe(rows);
+                        }
+                        arrived = true;
+                        collected.borrow_mut().append(rows);
+                    });
+                    let Some(path) = flush_to.as_ref().filter(|_| writes && !env.aborted()) else {
+                        return;
+                    };
+                    let write = || {
+                        crate::metrics::rows_to_batch(&collected.borrow())
+                            .and_then(|b| crate::parquet_log::write_parquet_atomically(path, &[b]))
+                    };
+                    // A failed write keeps the hold: no later checkpoint counts.
+                    if let Err(err) = hold.advance(frontier, |_| write()) {
+                        env.fail(err);
+                        return;
+                    }
+                    if arrived && flushed.elapsed() >= flush_every {
+                        flushed = Instant::now();
+                        if let (Err(e), false) = (write(), flush_error_logged) {
+                            tracing::warn!(path = %path.display(), error = %e, "writing metrics");
+                            flush_error_logged = true;
+                        }
                     }
                 }
-            }
-        },
-    );
+            },
+        );
+    commit_streams.push(metrics_done);
+    for done in commit_streams {
+        done.probe_with(probe);
+    }
     Ok(())
 }

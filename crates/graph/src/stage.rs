@@ -181,6 +181,15 @@ pub trait Sink {
         Ok(())
     }
 
+    /// Called when the input has passed commit point `step` (see
+    /// [`crate::commit`]), whether or not the step brought data here: make
+    /// everything written so far durable (complete, readable files). A
+    /// checkpoint of `step` counts only after every sink has committed it.
+    fn commit(&mut self, step: Step) -> Result<(), StageError> {
+        let _ = step;
+        Ok(())
+    }
+
     /// Called once at the end of a successful run.
     fn finish(&mut self) -> Result<(), StageError> {
         Ok(())

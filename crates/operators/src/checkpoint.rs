@@ -13,8 +13,16 @@
 //! mid-write leaves no half checkpoint that [`latest`] would pick: a
 //! checkpoint counts only when `state.json` exists and names components
 //! that are all present.
+//!
+//! In a run, `state.json` is written last of all: the trainer saves its
+//! components and hands the state to [`CheckpointCommits`], which writes it
+//! once the engine has passed the step at every sink and at the metrics
+//! writer (a commit point, see `weir_graph::commit`). So a checkpoint never
+//! counts before the rollout log and the metrics file hold its steps.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 use serde_json::{json, Value};
 use weir_gpu::optim::Optimizer;
@@ -37,6 +45,9 @@ pub struct CheckpointState {
     pub seed: u64,
     /// Components saved beside the state (`actor`, `critic`).
     pub components: Vec<String>,
+    /// Config values a resume must keep (key → value as text): what the
+    /// weights, the cursor and the components mean depends on them.
+    pub invariants: BTreeMap<String, String>,
 }
 
 impl CheckpointState {
@@ -47,6 +58,7 @@ impl CheckpointState {
             "cursor": self.cursor.map(|c| json!({"epoch": c.epoch, "position": c.position})),
             "seed": self.seed,
             "components": self.components,
+            "invariants": self.invariants,
         })
     }
 
@@ -77,6 +89,15 @@ impl CheckpointState {
                         .collect()
                 })
                 .unwrap_or_default(),
+            invariants: v
+                .get("invariants")
+                .and_then(Value::as_object)
+                .map(|m| {
+                    m.iter()
+                        .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string())))
+                        .collect()
+                })
+                .unwrap_or_default(),
         })
     }
 }
@@ -96,6 +117,11 @@ impl Checkpointer {
     /// Whether step `step` ends with a checkpoint.
     pub fn due(&self, step: u64) -> bool {
         (self.every > 0 && (step + 1).is_multiple_of(self.every)) || self.last_step == Some(step)
+    }
+
+    /// The steps [`Checkpointer::due`] names, as the engine's commit points.
+    pub fn commit_points(&self) -> weir_graph::commit::NextCommit {
+        weir_graph::commit::every(self.every, self.last_step)
     }
 
     /// The folder of step `step`'s checkpoint.
@@ -136,6 +162,49 @@ impl Checkpointer {
     }
 }
 
+/// Checkpoint states whose components are saved, waiting for their commit point.
+#[derive(Clone, Debug)]
+pub struct CheckpointCommits {
+    checkpointer: Checkpointer,
+    pending: Arc<Mutex<BTreeMap<u64, CheckpointState>>>,
+}
+
+impl CheckpointCommits {
+    /// Nothing pending, for the checkpoints of `checkpointer`.
+    pub fn new(checkpointer: Checkpointer) -> Self {
+        CheckpointCommits {
+            checkpointer,
+            pending: Arc::new(Mutex::new(BTreeMap::new())),
+        }
+    }
+
+    /// Keeps `state` until [`CheckpointCommits::commit`] reaches its step.
+    pub fn defer(&self, state: CheckpointState) {
+        self.lock().insert(state.step, state);
+    }
+
+    /// Writes the `state.json` of every pending checkpoint up to step `at`
+    /// (the run has passed the commit point `at`). Idempotent: every worker calls it.
+    pub fn commit(&self, at: u64) -> Result<(), String> {
+        let mut pending = self.lock();
+        while let Some(entry) = pending.first_entry() {
+            if *entry.key() > at {
+                break;
+            }
+            self.checkpointer
+                .save_state(entry.get())
+                .map_err(|e| e.to_string())?;
+            tracing::info!(step = *entry.key(), "checkpoint committed");
+            entry.remove();
+        }
+        Ok(())
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, CheckpointState>> {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
 /// What a trainer saves, when, and the run state it stores beside the weights.
 #[derive(Clone, Debug)]
 pub struct CheckpointPlan {
@@ -147,6 +216,10 @@ pub struct CheckpointPlan {
     pub seed: u64,
     /// Every component a complete checkpoint has (`actor`, and `critic` for PPO).
     pub components: Vec<String>,
+    /// Where the state waits for its commit point (`None`: written at once).
+    pub commits: Option<CheckpointCommits>,
+    /// Config values a resume must keep (see [`CheckpointState::invariants`]).
+    pub invariants: BTreeMap<String, String>,
 }
 
 impl CheckpointPlan {
@@ -163,14 +236,19 @@ impl CheckpointPlan {
         }
         self.checkpointer
             .save_component(step, "actor", model, optimizer)?;
-        self.checkpointer.save_state(&CheckpointState {
+        let state = CheckpointState {
             step,
             version,
             cursor: self.cursors.as_ref().and_then(|c| c.after(step)),
             seed: self.seed,
             components: self.components.clone(),
-        })?;
-        tracing::info!(step, "checkpoint saved");
+            invariants: self.invariants.clone(),
+        };
+        match &self.commits {
+            Some(commits) => commits.defer(state),
+            None => self.checkpointer.save_state(&state)?,
+        }
+        tracing::info!(step, "checkpoint components saved");
         Ok(())
     }
 }
@@ -245,6 +323,7 @@ mod tests {
             }),
             seed: 9,
             components: vec!["actor".into()],
+            invariants: BTreeMap::from([("data.prompts".into(), "arith".into())]),
         };
         for step in [1, 3] {
             std::fs::create_dir_all(ck.dir(step).join("actor")).unwrap();

@@ -1,0 +1,347 @@
+//! Crash tests: a GRPO run killed with SIGKILL at seeded random moments and
+//! resumed after each kill loses nothing and doubles nothing; with two
+//! processes, killing one ends the other with an error within the peer
+//! timeout and the pair resumes.
+//!
+//! `WEIR_CRASH_SEED` and `WEIR_CRASH_KILLS` change the seed and the number of
+//! kills (defaults 7 and 10); a failure prints the seed to reproduce it.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use arrow::array::AsArray;
+use arrow::datatypes::{UInt32Type, UInt64Type};
+use weir::graph::metrics::batch_to_rows;
+use weir::graph::parquet_log::read_parquet_file;
+
+use super::runs::strs;
+use super::*;
+
+const STEPS: u64 = 90;
+const PROMPTS: u64 = 2;
+const SAMPLES: u64 = 4;
+const K: u64 = 1;
+
+/// A small, seeded generator of kill delays (xorshift64*).
+struct Delays(u64);
+
+impl Delays {
+    fn next_ms(&mut self, lo: u64, hi: u64) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        lo + self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % (hi - lo)
+    }
+}
+
+fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// `weir run grpo` into `out`, or `weir run --resume out` once it holds a run.
+fn run_args(out: &Path) -> Vec<String> {
+    let out_s = out.display().to_string();
+    if out.join("config.resolved.toml").is_file() {
+        return ["run", "--resume", &out_s, "--quiet"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+    }
+    let model = fixtures().join("arith-sft");
+    let mut args: Vec<String> = ["run", "grpo", "--quiet", "--out", &out_s]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    for set in [
+        format!("model.path={}", model.display()),
+        format!("run.steps={STEPS}"),
+        format!("run.max_staleness={K}"),
+        "run.checkpoint_every=3".into(),
+        format!("data.prompts_per_step={PROMPTS}"),
+        format!("data.samples_per_prompt={SAMPLES}"),
+        "generate.max_new_tokens=6".into(),
+        "eval.arith=false".into(),
+    ] {
+        args.extend(["--set".to_string(), set]);
+    }
+    args
+}
+
+fn spawn(args: &[String], dir: &Path, cluster: &[String]) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_weir"))
+        .args(args)
+        .args(cluster)
+        .current_dir(dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("weir binary starts")
+}
+
+/// Kills `child` with SIGKILL after `delay` unless it ended first; true if killed.
+fn kill_after(child: &mut Child, delay: Duration) -> bool {
+    let started = Instant::now();
+    while started.elapsed() < delay {
+        if child.try_wait().unwrap().is_some() {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let killed = child.try_wait().unwrap().is_none();
+    let _ = child.kill();
+    let _ = child.wait();
+    killed
+}
+
+/// The step of the newest committed checkpoint, if any.
+fn latest_checkpoint(dir: &Path) -> Option<u64> {
+    std::fs::read_dir(dir.join("checkpoints"))
+        .ok()?
+        .flatten()
+        .filter(|e| e.path().join("state.json").is_file())
+        .filter_map(|e| e.file_name().to_str()?.strip_prefix("step-")?.parse().ok())
+        .max()
+}
+
+/// Every `*.parquet` file under `dir`, superseded ones included.
+fn parquet_files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for entry in std::fs::read_dir(&d).unwrap().flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                todo.push(path);
+            } else if path.extension().is_some_and(|x| x == "parquet") {
+                out.push(path);
+            }
+        }
+    }
+    out
+}
+
+/// What a finished run folder must hold after any number of crashes.
+fn check_run_folder(dir: &Path, seed: u64) {
+    let ctx = format!("(WEIR_CRASH_SEED={seed}, {})", dir.display());
+    for path in parquet_files(dir) {
+        if let Err(e) = read_parquet_file(&path) {
+            panic!("{} unreadable: {e} {ctx}", path.display());
+        }
+    }
+    // Every step exactly once in the log (superseded rows excluded).
+    let mut per_step: BTreeMap<u64, BTreeSet<(u64, u64)>> = BTreeMap::new();
+    let mut rows = 0u64;
+    let mut version_offsets = BTreeSet::new();
+    for entry in std::fs::read_dir(dir.join("rollouts")).unwrap().flatten() {
+        let path = entry.path();
+        if path.extension().is_none_or(|x| x != "parquet") {
+            continue;
+        }
+        for b in read_parquet_file(&path).unwrap() {
+            let col = |name: &str| {
+                b.column_by_name(name)
+                    .unwrap()
+                    .as_primitive::<UInt64Type>()
+                    .clone()
+            };
+            let (step, group) = (col("step"), col("group_id"));
+            let sample = b
+                .column_by_name("sample_idx")
+                .unwrap()
+                .as_primitive::<UInt32Type>()
+                .clone();
+            let (learner, staleness) = (col("learner_version"), col("staleness"));
+            for i in 0..b.num_rows() {
+                rows += 1;
+                per_step
+                    .entry(step.value(i))
+                    .or_default()
+                    .insert((group.value(i), u64::from(sample.value(i))));
+                assert!(
+                    staleness.value(i) <= K,
+                    "staleness {} > k {ctx}",
+                    staleness.value(i)
+                );
+                version_offsets.insert(learner.value(i) as i64 - step.value(i) as i64);
+            }
+        }
+    }
+    let steps: Vec<u64> = per_step.keys().copied().collect();
+    assert_eq!(
+        steps,
+        (0..STEPS).collect::<Vec<_>>(),
+        "steps in rollouts/ {ctx}"
+    );
+    for (step, ids) in &per_step {
+        assert_eq!(
+            ids.len() as u64,
+            PROMPTS * SAMPLES,
+            "step {step}'s rows {ctx}"
+        );
+    }
+    assert_eq!(rows, STEPS * PROMPTS * SAMPLES, "no row twice {ctx}");
+    assert_eq!(
+        version_offsets.len(),
+        1,
+        "learner versions continuous: offsets {version_offsets:?} {ctx}"
+    );
+    // metrics.parquet covers every step, each once.
+    let mut learned: BTreeMap<u64, u32> = BTreeMap::new();
+    for b in read_parquet_file(&dir.join("metrics.parquet")).unwrap() {
+        for r in batch_to_rows(&b).unwrap() {
+            if r.stage == "learn" && r.metric == "rows_in" {
+                *learned.entry(r.step).or_default() += 1;
+            }
+        }
+    }
+    assert_eq!(
+        learned.keys().copied().collect::<Vec<_>>(),
+        (0..STEPS).collect::<Vec<_>>(),
+        "metrics steps {ctx}"
+    );
+    assert!(
+        learned.values().all(|&n| n == 1),
+        "a step's metrics twice {ctx}"
+    );
+    let last = dir.join(format!("checkpoints/step-{}", STEPS - 1));
+    assert!(last.join("state.json").is_file() && last.join("actor/model.safetensors").is_file());
+    assert!(dir.join("summary.json").is_file(), "{ctx}");
+}
+
+#[test]
+fn a_run_killed_at_random_moments_resumes_with_every_step_once() {
+    let seed = env_u64("WEIR_CRASH_SEED", 7);
+    let kills = env_u64("WEIR_CRASH_KILLS", 10);
+    let tmp = tempfile::tempdir().unwrap();
+    let mut delays = Delays(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+    // Kills land anywhere: in start-up, between steps, in a checkpoint's
+    // writes. A run that gets to its end before all kills are spent is
+    // checked, and the rest go to a new run.
+    let mut landed: Vec<Vec<Option<u64>>> = Vec::new();
+    while (landed.iter().map(Vec::len).sum::<usize>() as u64) < kills {
+        let out = tmp.path().join(format!("run-{}", landed.len()));
+        let done = out.join(format!("checkpoints/step-{}/state.json", STEPS - 1));
+        let mut these = Vec::new();
+        let mut spent = landed.iter().map(Vec::len).sum::<usize>() as u64;
+        while spent < kills && !done.is_file() {
+            let mut child = spawn(&run_args(&out), tmp.path(), &[]);
+            if kill_after(&mut child, Duration::from_millis(delays.next_ms(20, 1500))) {
+                these.push(latest_checkpoint(&out));
+                spent += 1;
+            } else {
+                let status = child.wait().unwrap();
+                assert!(status.success(), "WEIR_CRASH_SEED={seed}: a segment failed");
+            }
+        }
+        let args = run_args(&out);
+        let text = success(&weir(&strs(&args), tmp.path()));
+        assert!(
+            text.lines()
+                .next()
+                .is_some_and(|l| l.contains("resuming at step")
+                    || l.contains("already complete")
+                    || l.contains("starting again")),
+            "one line on what the resume did: {text}"
+        );
+        check_run_folder(&out, seed);
+        // Resuming a finished run, twice: nothing to do, nothing changed.
+        let before = std::fs::read(out.join("summary.json")).unwrap();
+        for _ in 0..2 {
+            let text = success(&weir(&strs(&args), tmp.path()));
+            assert!(text.contains("already complete"), "{text}");
+        }
+        assert_eq!(std::fs::read(out.join("summary.json")).unwrap(), before);
+        check_run_folder(&out, seed);
+        landed.push(these);
+    }
+    eprintln!("seed {seed}: newest checkpoint after each kill, per run: {landed:?}");
+}
+
+#[test]
+fn killing_one_of_two_processes_ends_the_other_and_the_pair_resumes() {
+    let seed = env_u64("WEIR_CRASH_SEED", 7);
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("pair");
+    let mut delays = Delays(seed.wrapping_mul(0xd134_2543_de82_ef95) | 1);
+    let peer_timeout = 3.0;
+    let mut kills = 0;
+    for round in 0..6 {
+        if kills == 2 {
+            break;
+        }
+        let hosts = super::common::hostfile(tmp.path());
+        let args = run_args(&out);
+        let cluster = |id: usize| -> Vec<String> {
+            [
+                "--processes".to_string(),
+                "2".into(),
+                "--process-id".into(),
+                id.to_string(),
+                "--hostfile".into(),
+                hosts.display().to_string(),
+                "--peer-timeout-s".into(),
+                peer_timeout.to_string(),
+                "--connect-timeout-s".into(),
+                "5".into(),
+            ]
+            .to_vec()
+        };
+        let p0 = spawn(&args, tmp.path(), &cluster(0));
+        let mut p1 = spawn(&args, tmp.path(), &cluster(1));
+        // Past start-up (two processes connecting), into the steps.
+        let delay = Duration::from_millis(delays.next_ms(600, 2000));
+        if kill_after(&mut p1, delay) {
+            kills += 1;
+            let started = Instant::now();
+            let o0 = super::common::wait_with_deadline(p0, Duration::from_secs(60));
+            let err = String::from_utf8_lossy(&o0.stderr);
+            if o0.status.success() {
+                // Process 1 died after its part was done: process 0 may finish.
+                continue;
+            }
+            assert!(!err.contains("panicked"), "round {round}: {err}");
+            assert_eq!(
+                err.trim().lines().count(),
+                1,
+                "round {round}: one line: {err}"
+            );
+            assert!(
+                started.elapsed() < Duration::from_secs_f64(peer_timeout * 4.0 + 5.0),
+                "round {round}: process 0 took {:?} to notice",
+                started.elapsed()
+            );
+        } else {
+            let o0 = super::common::wait_with_deadline(p0, Duration::from_secs(60));
+            success(&o0);
+        }
+    }
+    assert!(kills >= 1, "WEIR_CRASH_SEED={seed}: no kill landed");
+    // The pair resumes and finishes.
+    let hosts = super::common::hostfile(tmp.path());
+    let args = run_args(&out);
+    let mut children = Vec::new();
+    for id in 0..2 {
+        let cluster: Vec<String> = [
+            "--processes".to_string(),
+            "2".into(),
+            "--process-id".into(),
+            id.to_string(),
+            "--hostfile".into(),
+            hosts.display().to_string(),
+        ]
+        .to_vec();
+        children.push(spawn(&args, tmp.path(), &cluster));
+    }
+    for child in children {
+        success(&super::common::wait_with_deadline(
+            child,
+            Duration::from_secs(120),
+        ));
+    }
+    check_run_folder(&out, seed);
+}
