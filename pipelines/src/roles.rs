@@ -192,10 +192,17 @@ fn source(
                     .filter(|c| !c.is_empty())
                     .collect()
             };
+            // Room for the response in the model's context (pairs carry their own).
+            let context = weir_gpu::config::ModelConfig::load(Path::new(&cfg.model.path))?
+                .max_position_embeddings;
+            let room = context
+                .filter(|_| !pairs)
+                .map(|c| (c.max(0) as usize).saturating_sub(cfg.generate.max_new_tokens));
             PromptSource::from_file(
                 Path::new(&d.prompts),
                 &column,
                 &extra,
+                room,
                 &tok,
                 d.prompts_per_step,
                 samples,

@@ -121,6 +121,7 @@ pub fn run(req: &RunRequest) -> Result<RunOutcome, PipelineError> {
             .into());
         }
     }
+    check_heads(kind, cfg)?;
     crate::placement::check_data_parallel(kind, cfg, &req.cluster)?;
     let cluster = &req.cluster;
     let execution = crate::placement::execution(cfg, cluster)?;
@@ -349,6 +350,46 @@ pub fn run(req: &RunRequest) -> Result<RunOutcome, PipelineError> {
         final_actor,
         note,
     })
+}
+
+/// Refuses checkpoints of the wrong kind: the policy and the reference must
+/// be causal LMs, a reward model must have a score head.
+fn check_heads(kind: PipelineKind, cfg: &RunConfig) -> Result<(), PipelineError> {
+    use weir_gpu::{Head, ModelConfig};
+    let m = &cfg.model;
+    let policy = kind != PipelineKind::Rm;
+    let scorer = cfg.reward.kind == crate::config::RewardKind::Model || kind == PipelineKind::Rm;
+    let mut wanted = vec![("model.reference", &m.reference, Head::CausalLm)];
+    if policy {
+        wanted.push(("model.path", &m.path, Head::CausalLm));
+    }
+    if scorer && !m.reward_model.is_empty() {
+        wanted.push((
+            "model.reward_model",
+            &m.reward_model,
+            Head::SequenceClassification,
+        ));
+    }
+    for (key, path, head) in wanted {
+        if path.is_empty() {
+            continue;
+        }
+        let config = ModelConfig::load(Path::new(path))?;
+        if config.head != head {
+            let need = match head {
+                Head::CausalLm => "a causal LM (*ForCausalLM) is needed here",
+                Head::SequenceClassification => {
+                    "a reward model needs a score head (*ForSequenceClassification)"
+                }
+            };
+            return Err(format!(
+                "`{key}` = {path:?}: the checkpoint is a {}; {need}",
+                config.architecture
+            )
+            .into());
+        }
+    }
+    Ok(())
 }
 
 /// The config values a resumed run must keep: the checkpoint's weights,

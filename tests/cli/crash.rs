@@ -345,3 +345,62 @@ fn killing_one_of_two_processes_ends_the_other_and_the_pair_resumes() {
     }
     check_run_folder(&out, seed);
 }
+
+#[test]
+fn a_full_disk_ends_the_run_with_an_error_and_keeps_the_last_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("full");
+    // A run killed once its first checkpoint is committed.
+    let mut child = spawn(&run_args(&out), tmp.path(), &[]);
+    let started = Instant::now();
+    while latest_checkpoint(&out).is_none() {
+        assert!(child.try_wait().unwrap().is_none(), "the run ended early");
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "no checkpoint"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    let last = latest_checkpoint(&out).unwrap();
+    let ck = out.join(format!("checkpoints/step-{last}"));
+    let files = [
+        "state.json",
+        "actor/model.safetensors",
+        "actor/optimizer.safetensors",
+    ];
+    let before: Vec<Vec<u8>> = files
+        .iter()
+        .map(|f| std::fs::read(ck.join(f)).unwrap())
+        .collect();
+    // The disk is full: every write of the metrics file fails (ENOSPC).
+    let full = out.join("metrics.parquet.tmp");
+    std::os::unix::fs::symlink("/dev/full", &full).unwrap();
+    let args = run_args(&out);
+    let output = weir(&strs(&args), tmp.path());
+    let err = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "a full disk went unnoticed");
+    assert!(
+        err.contains("metrics.parquet") && err.contains("No space left"),
+        "{err}"
+    );
+    assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(
+        latest_checkpoint(&out),
+        Some(last),
+        "no checkpoint past the failed write"
+    );
+    for (file, bytes) in files.iter().zip(&before) {
+        assert_eq!(
+            &std::fs::read(ck.join(file)).unwrap(),
+            bytes,
+            "{file} changed"
+        );
+    }
+    // Space again: the run resumes from that checkpoint and loses nothing.
+    std::fs::remove_file(&full).unwrap();
+    success(&weir(&strs(&args), tmp.path()));
+    check_run_folder(&out, 0);
+}

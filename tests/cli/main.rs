@@ -14,6 +14,7 @@ use arrow::array::RecordBatch;
 use serde_json::Value;
 use weir::graph::parquet_log::read_parquet_file;
 
+mod bad_input;
 #[path = "../common/mod.rs"]
 mod common;
 mod crash;

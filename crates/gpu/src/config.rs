@@ -106,6 +106,8 @@ pub struct ModelConfig {
     pub bos_token_id: Option<i64>,
     /// The dtype the weights were saved in (`float32`, `bfloat16`, `float16`).
     pub torch_dtype: Option<String>,
+    /// The longest sequence (prompt + response) the model was built for.
+    pub max_position_embeddings: Option<i64>,
 }
 
 /// Architectures weir runs, for error messages.
@@ -262,6 +264,7 @@ impl ModelConfig {
                 .or_else(|| v.get("dtype"))
                 .and_then(Value::as_str)
                 .map(String::from),
+            max_position_embeddings: opt_int("max_position_embeddings"),
         })
     }
 }

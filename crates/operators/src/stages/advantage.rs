@@ -8,7 +8,7 @@ use arrow::array::RecordBatch;
 use weir_graph::batch::with_column;
 use weir_graph::{StageError, StepBuffer, StepContext, StepStage};
 
-use super::columns::{f32s, float_lists, u64s};
+use super::columns::{float_lists, rewards, u64s};
 use crate::algorithms::{gpg, grpo, grpo_passk, opo, rloo, Flavor};
 use crate::rollout::col;
 
@@ -63,7 +63,7 @@ impl StepStage for GroupAdvantage {
         let Some(batch) = rows else {
             return Ok(Vec::new());
         };
-        let rewards = f32s(&batch, col::REWARD, "advantage")?;
+        let rewards = rewards(&batch, "advantage")?;
         let groups = u64s(&batch, col::GROUP_ID, "advantage")?;
         let lengths: Vec<usize> = float_lists(&batch, col::BEHAVIOR_LOGPROBS, "advantage")?
             .iter()
@@ -148,7 +148,7 @@ impl StepStage for GaeAdvantage {
         let Some(batch) = rows else {
             return Ok(Vec::new());
         };
-        let scores = f32s(&batch, col::REWARD, "advantage")?;
+        let scores = rewards(&batch, "advantage")?;
         let values = float_lists(&batch, col::VALUES, "advantage")?;
         let (rewards, mask) = kl_shaped_rewards(
             ctx,
@@ -271,7 +271,7 @@ impl StepStage for ReinforceAdvantage {
         let Some(batch) = rows else {
             return Ok(Vec::new());
         };
-        let mut scores = f32s(&batch, col::REWARD, "advantage")?;
+        let mut scores = rewards(&batch, "advantage")?;
         if self.baseline {
             let groups = u64s(&batch, col::GROUP_ID, "advantage")?;
             scores = grpo(&scores, &groups, false, self.flavor)?;
@@ -354,6 +354,22 @@ mod tests {
             "held until the step ends"
         );
         stage.end_step(&mut ctx).unwrap().remove(0)
+    }
+
+    #[test]
+    fn a_non_finite_reward_is_an_error_naming_its_row() {
+        for bad in [f32::NAN, f32::INFINITY] {
+            let good = batch();
+            let mut columns = good.columns().to_vec();
+            columns[1] = Arc::new(Float32Array::from(vec![1.0, 0.0, bad, 1.0]));
+            let batch = RecordBatch::try_new(good.schema(), columns).unwrap();
+            let err = rewards(&batch, "advantage").unwrap_err().to_string();
+            assert!(err.contains("row 2") && err.contains("finite"), "{err}");
+        }
+        assert_eq!(
+            rewards(&batch(), "advantage").unwrap(),
+            vec![1.0, 0.0, 1.0, 1.0]
+        );
     }
 
     #[test]

@@ -119,6 +119,23 @@ pub fn f32s(batch: &RecordBatch, name: &str, stage: &str) -> Result<Vec<f64>, St
         .collect())
 }
 
+/// The `reward` column, every value finite; a NaN or infinite reward is an
+/// error naming its row (never trained on, never silently zeroed).
+pub fn rewards(batch: &RecordBatch, stage: &str) -> Result<Vec<f64>, StageError> {
+    let rewards = f32s(batch, crate::rollout::col::REWARD, stage)?;
+    if let Some(i) = rewards.iter().position(|r| !r.is_finite()) {
+        let prompt = u64s(batch, crate::rollout::col::PROMPT_ID, stage)
+            .ok()
+            .map_or(String::new(), |ids| format!(" (prompt_id {})", ids[i]));
+        return Err(format!(
+            "`{stage}`: row {i}{prompt} has reward {}: a reward must be a finite number",
+            rewards[i]
+        )
+        .into());
+    }
+    Ok(rewards)
+}
+
 /// A `Utf8` column.
 pub fn strings(batch: &RecordBatch, name: &str, stage: &str) -> Result<Vec<String>, StageError> {
     let col = column(batch, name, stage)?;

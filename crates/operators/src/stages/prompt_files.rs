@@ -18,11 +18,14 @@ pub enum PromptColumn {
 impl PromptSource {
     /// Reads a prompt set from a `.jsonl` or `.parquet` file: the prompt
     /// from `prompt`, and each of `extra` (e.g. `answer`) as a string column.
-    /// Errors name the file and the line (JSONL) or row (Parquet) and the column.
+    /// Errors name the file and the line (JSONL) or row (Parquet) and the
+    /// column; a prompt of more than `max_prompt_tokens` tokens is an error.
+    #[allow(clippy::too_many_arguments)]
     pub fn from_file(
         path: &std::path::Path,
         prompt: &PromptColumn,
         extra: &[String],
+        max_prompt_tokens: Option<usize>,
         tokenizer: &Tokenizer,
         prompts_per_step: usize,
         samples: usize,
@@ -55,6 +58,15 @@ impl PromptSource {
                 return Err(format!(
                     "{}: {where_}: the prompt encodes to no tokens",
                     path.display()
+                )
+                .into());
+            }
+            if let Some(limit) = max_prompt_tokens.filter(|&l| tokens.len() > l) {
+                return Err(format!(
+                    "{}: {where_}: the prompt is {} tokens, more than the {limit} the model's \
+                     context leaves beside generate.max_new_tokens",
+                    path.display(),
+                    tokens.len()
                 )
                 .into());
             }
@@ -159,6 +171,7 @@ mod file_tests {
             &jsonl,
             &PromptColumn::Messages("messages".into()),
             &["answer".into()],
+            None,
             &tok,
             2,
             1,
@@ -192,6 +205,7 @@ mod file_tests {
             &parquet,
             &PromptColumn::Text("question".into()),
             &["answer".into()],
+            None,
             &tok,
             2,
             1,
@@ -219,6 +233,7 @@ mod file_tests {
             &path,
             &PromptColumn::Text("prompt".into()),
             &["answer".into()],
+            None,
             &tok,
             1,
             1,
@@ -235,6 +250,7 @@ mod file_tests {
             &path,
             &PromptColumn::Text("prompt".into()),
             &[],
+            None,
             &tok,
             1,
             1,
@@ -247,6 +263,7 @@ mod file_tests {
             &dir.path().join("x.csv"),
             &PromptColumn::Text("p".into()),
             &[],
+            None,
             &tok,
             1,
             1,

@@ -182,11 +182,29 @@ async fn request(
                 text.chars().take(200).collect::<String>()
             ));
         }
-        let answer: Value = match response.json().await {
+        let text = match response.text().await {
+            Ok(text) => text,
+            Err(e) => {
+                last = describe(&e, cfg);
+                tracing::warn!(url = %cfg.url, attempt, error = %last, "reward server answer lost");
+                continue;
+            }
+        };
+        let answer: Value = match serde_json::from_str(&text) {
             Ok(v) => v,
             Err(e) => {
-                last = format!("sent a body that is not JSON ({e})");
-                continue;
+                // A server that sends bad JSON will send it again: no retry.
+                let nan = ["NaN", "Infinity"].iter().any(|w| text.contains(w));
+                return Err(format!(
+                    "reward server {} sent a body that is not JSON ({e}{}): {}",
+                    cfg.url,
+                    if nan {
+                        "; NaN and Infinity are not JSON numbers, and a reward must be finite"
+                    } else {
+                        ""
+                    },
+                    text.chars().take(200).collect::<String>()
+                ));
             }
         };
         return parse_rewards(&answer, &cfg.score_key, expected)
