@@ -5,7 +5,8 @@
 //! `metrics.parquet` and `rollouts/`. Prints one line per sample, then
 //!
 //! ```text
-//! rss_growth_100_to_last=<ratio − 1>   (target < 0.10)
+//! rss_growth_100_to_last=<ratio − 1>   (target < 0.10; sampled as each checkpoint commits)
+//! peak_rss_growth_100_to_last=<ratio − 1>   (the high-water mark, VmHWM)
 //! fd_growth_100_to_last=<count>        (target 0)
 //! metrics_bytes_per_step_ratio=<last ÷ at 100>
 //! rollout_bytes_per_step_ratio=<last ÷ at 100>
@@ -44,6 +45,7 @@ fn bytes_under(path: &Path) -> u64 {
 struct Sample {
     step: u64,
     rss_kb: u64,
+    peak_kb: u64,
     fds: usize,
     metrics_per_step: f64,
     rollouts_per_step: f64,
@@ -87,21 +89,27 @@ fn main() {
         }
         let committed = out.join(format!("checkpoints/step-{next}/state.json"));
         if next < steps && committed.is_file() {
-            let (Some(rss_kb), Some(fds)) = (proc_field(pid, "VmRSS:"), open_fds(pid)) else {
+            let (Some(rss_kb), Some(peak_kb), Some(fds)) = (
+                proc_field(pid, "VmRSS:"),
+                proc_field(pid, "VmHWM:"),
+                open_fds(pid),
+            ) else {
                 break;
             };
             let done = (next + 1) as f64;
             let sample = Sample {
                 step: next + 1,
                 rss_kb,
+                peak_kb,
                 fds,
                 metrics_per_step: bytes_under(&out.join("metrics.parquet")) as f64 / done,
                 rollouts_per_step: bytes_under(&out.join("rollouts")) as f64 / done,
             };
             println!(
-                "step={} rss_mb={:.1} fds={} metrics_bytes_per_step={:.0} rollout_bytes_per_step={:.0} elapsed_s={:.1}",
+                "step={} rss_mb={:.1} peak_rss_mb={:.1} fds={} metrics_bytes_per_step={:.0} rollout_bytes_per_step={:.0} elapsed_s={:.1}",
                 sample.step,
                 sample.rss_kb as f64 / 1024.0,
+                sample.peak_kb as f64 / 1024.0,
                 sample.fds,
                 sample.metrics_per_step,
                 sample.rollouts_per_step,
@@ -128,6 +136,10 @@ fn main() {
     println!(
         "rss_growth_100_to_last={:.4}",
         last.rss_kb as f64 / first.rss_kb as f64 - 1.0
+    );
+    println!(
+        "peak_rss_growth_100_to_last={:.4}",
+        last.peak_kb as f64 / first.peak_kb as f64 - 1.0
     );
     println!(
         "fd_growth_100_to_last={}",

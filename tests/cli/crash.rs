@@ -257,6 +257,16 @@ fn a_run_killed_at_random_moments_resumes_with_every_step_once() {
         }
         assert_eq!(std::fs::read(out.join("summary.json")).unwrap(), before);
         check_run_folder(&out, seed);
+        // Killed inside its final checkpoint: the components are written,
+        // the state is not. The resume redoes the steps after the one before.
+        let last = out.join(format!("checkpoints/step-{}", STEPS - 1));
+        std::fs::remove_file(last.join("state.json")).unwrap();
+        let text = success(&weir(&strs(&args), tmp.path()));
+        assert!(
+            text.contains(&format!("resuming at step {}", STEPS - 3)),
+            "{text}"
+        );
+        check_run_folder(&out, seed);
         landed.push(these);
     }
     eprintln!("seed {seed}: newest checkpoint after each kill, per run: {landed:?}");

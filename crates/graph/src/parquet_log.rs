@@ -38,6 +38,9 @@ use parquet::file::properties::WriterProperties;
 use crate::stage::Sink;
 use crate::{GraphError, StageError, Step};
 
+/// Buffered batches that are copied into one (see [`ParquetLog::compact`]).
+const COMPACT_BATCHES: usize = 64;
+
 /// Writes batches to rolling Parquet files in one folder.
 pub struct ParquetLog {
     dir: PathBuf,
@@ -82,6 +85,19 @@ impl ParquetLog {
         path
     }
 
+    /// Copies the buffered batches into one, tightly sized: a step's batch
+    /// often holds buffers far larger than its rows (builders' capacities),
+    /// and thousands of small long-lived buffers interleaved with a model's
+    /// large short-lived ones fragment the heap.
+    fn compact(&mut self) -> Result<(), GraphError> {
+        if let (Some(schema), true) = (&self.schema, self.buffered.len() > 1) {
+            let one = arrow::compute::concat_batches(schema, &self.buffered)
+                .map_err(|e| GraphError::Codec(format!("rollout log: {e}")))?;
+            self.buffered = vec![one];
+        }
+        Ok(())
+    }
+
     /// Writes the open file as it stands, if it has rows not yet on disk.
     fn write_open_file(&mut self) -> Result<(), GraphError> {
         if let Some(path) = &self.path {
@@ -115,6 +131,9 @@ impl Sink for ParquetLog {
         self.schema = Some(batch.schema());
         self.buffered_rows += batch.num_rows();
         self.buffered.push(batch.clone());
+        if self.buffered.len() >= COMPACT_BATCHES {
+            self.compact()?;
+        }
         Ok(())
     }
 

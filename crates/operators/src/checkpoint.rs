@@ -335,5 +335,20 @@ mod tests {
         let (dir, got) = latest(tmp.path()).unwrap().unwrap();
         assert_eq!(dir, ck.dir(3));
         assert_eq!(got, state(3));
+
+        // Deferred states count only once their commit point is reached.
+        let commits = CheckpointCommits::new(ck.clone());
+        for step in [7, 9] {
+            std::fs::create_dir_all(ck.dir(step).join("actor")).unwrap();
+            commits.defer(state(step));
+        }
+        assert_eq!(latest(tmp.path()).unwrap().unwrap().1, state(3));
+        commits.commit(7).unwrap();
+        assert_eq!(latest(tmp.path()).unwrap().unwrap().1, state(7));
+        commits.commit(7).unwrap();
+        commits.commit(8).unwrap();
+        assert_eq!(latest(tmp.path()).unwrap().unwrap().1, state(7));
+        commits.commit(9).unwrap();
+        assert_eq!(latest(tmp.path()).unwrap().unwrap().1, state(9));
     }
 }
