@@ -563,8 +563,14 @@ fn build_dataflow<'scope>(
                         crate::metrics::rows_to_batch(&collected.borrow())
                             .and_then(|b| crate::parquet_log::write_parquet_atomically(path, &[b]))
                     };
-                    // A failed write keeps the hold: no later checkpoint counts.
-                    if let Err(err) = hold.advance(frontier, |_| write()) {
+                    // One write covers every commit point passed at once. A
+                    // failed write keeps the hold: no later checkpoint counts.
+                    let mut written = false;
+                    let commit = |_| match std::mem::replace(&mut written, true) {
+                        true => Ok(()),
+                        false => write(),
+                    };
+                    if let Err(err) = hold.advance(frontier, commit) {
                         env.fail(err);
                         return;
                     }
