@@ -359,6 +359,47 @@ fn resume_continues_steps_versions_and_cursor_after_a_crash() {
 }
 
 #[test]
+fn the_adaptive_kl_coefficient_follows_its_controller_across_a_resume() {
+    let tmp = tempfile::tempdir().unwrap();
+    let kind = PipelineKind::ReinforcePp;
+    let mut cfg = config(kind, 4);
+    cfg.algorithm.kl_coef = 0.1;
+    // A target far above any KL this run reaches: every step's error clips
+    // at −0.2, and with the horizon at the step's 12 responses β shrinks
+    // by 0.8 after each step.
+    cfg.algorithm.kl_target = 1e6;
+    cfg.algorithm.kl_horizon = 12.0;
+    cfg.run.checkpoint_every = 2;
+    let straight = tmp.path().join("straight");
+    run(kind, cfg.clone(), &straight, false);
+    let expected: BTreeMap<u64, f64> = (0..4).map(|s| (s, 0.1 * 0.8f64.powi(s as i32))).collect();
+    let got = metric(&straight, "advantage", "kl_coef");
+    assert_curves_match(&got, &expected, 4, "kl_coef");
+    let state: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(straight.join("checkpoints/step-1/state.json")).unwrap(),
+    )
+    .unwrap();
+    assert!((state["values"]["kl_coef"].as_f64().unwrap() - 0.1 * 0.8f64.powi(2)).abs() < 1e-12);
+
+    // Two steps, then two more from the checkpoint: the same coefficients.
+    let resumed = tmp.path().join("resumed");
+    run(kind, config_with_steps(&cfg, 2), &resumed, false);
+    run(kind, cfg.clone(), &resumed, true);
+    assert_curves_match(
+        &metric(&resumed, "advantage", "kl_coef"),
+        &expected,
+        4,
+        "resumed kl_coef",
+    );
+}
+
+fn config_with_steps(cfg: &RunConfig, steps: u64) -> RunConfig {
+    let mut c = cfg.clone();
+    c.run.steps = steps;
+    c
+}
+
+#[test]
 fn sft_lowers_its_loss_and_evaluates() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("sft");

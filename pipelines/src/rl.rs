@@ -80,13 +80,15 @@ pub fn reinforce_pp_baseline(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeli
 fn reinforce(cfg: &RunConfig, ctx: &RunContext, name: &str, baseline: bool) -> Pipeline {
     let a = cfg.algorithm.clone();
     let flavor = roles::flavor(cfg);
+    let (kl_coef, adaptive_kl) = roles::in_reward_kl(cfg, ctx);
     rollouts(Pipeline::new(name), cfg, ctx)
         .stage(
             "advantage",
             TRAIN,
             Partition::ByKey(col::GROUP_ID.into()),
             move |_| {
-                let mut advantage = ReinforceAdvantage::new(baseline, a.kl_coef);
+                let mut advantage = ReinforceAdvantage::new(baseline, kl_coef);
+                advantage.adaptive_kl = adaptive_kl.clone();
                 advantage.gamma = a.gamma;
                 advantage.kl_estimator = a.kl_estimator.into();
                 advantage.flavor = flavor;
@@ -127,13 +129,15 @@ pub fn ppo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
     let (fit, c, ck) = (critic.clone(), cfg.clone(), ctx.checkpointer(cfg));
     let x = ctx.clone();
     let (a, flavor) = (cfg.algorithm.clone(), roles::flavor(cfg));
+    let (kl_coef, adaptive_kl) = roles::in_reward_kl(cfg, ctx);
     Ok(rollouts(Pipeline::new("ppo"), cfg, ctx)
         .stage("critic", TRAIN, Partition::RoundRobin, move |w| {
             Critic::new(&critic, w)
         })
         .offload(roles::MODEL_QUEUE)
         .stage("advantage", TRAIN, Partition::Local, move |_| {
-            let mut advantage = GaeAdvantage::new(a.kl_coef);
+            let mut advantage = GaeAdvantage::new(kl_coef);
+            advantage.adaptive_kl = adaptive_kl.clone();
             (advantage.gamma, advantage.lambda) = (a.gamma, a.lambda);
             advantage.kl_estimator = a.kl_estimator.into();
             advantage.flavor = flavor;

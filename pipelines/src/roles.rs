@@ -13,7 +13,9 @@ use weir_graph::{ParquetLog, StageError, WorkerInfo};
 use weir_operators::algorithms::{
     Flavor, ImportanceCorrection, PolicyLossConfig, PolicyObjective, RatioLevel,
 };
-use weir_operators::checkpoint::{load_optimizer, CheckpointCommits, CheckpointPlan, Checkpointer};
+use weir_operators::checkpoint::{
+    load_optimizer, CheckpointCommits, CheckpointPlan, Checkpointer, StepValues,
+};
 use weir_operators::rewards::{arith, rule_reward};
 use weir_operators::stages::generate::Generate;
 use weir_operators::stages::learner::{Learner, LearnerConfig, LrSchedule};
@@ -64,6 +66,10 @@ pub struct RunContext {
     pub commits: CheckpointCommits,
     /// Config values a resume must keep, stored in every checkpoint.
     pub invariants: std::collections::BTreeMap<String, String>,
+    /// What stages carry from step to step, for checkpoints.
+    pub values: StepValues,
+    /// Those values as the checkpoint resumed from stored them.
+    pub resumed_values: std::collections::BTreeMap<String, f64>,
 }
 
 impl RunContext {
@@ -98,8 +104,33 @@ impl RunContext {
             components: self.components.clone(),
             commits: Some(self.commits.clone()),
             invariants: self.invariants.clone(),
+            values: Some(self.values.clone()),
         }
     }
+}
+
+/// The adaptive KL controller of the in-reward KL penalty, if
+/// `algorithm.kl_target` sets one, and the coefficient to start from (a
+/// resumed run goes on from the checkpoint's).
+pub fn in_reward_kl(
+    cfg: &RunConfig,
+    ctx: &RunContext,
+) -> (f64, Option<weir_operators::stages::advantage::AdaptiveKl>) {
+    let a = &cfg.algorithm;
+    if a.kl_coef <= 0.0 || a.kl_target <= 0.0 {
+        return (a.kl_coef, None);
+    }
+    let start = ctx
+        .resumed_values
+        .get("kl_coef")
+        .copied()
+        .unwrap_or(a.kl_coef);
+    let adaptive = weir_operators::stages::advantage::AdaptiveKl {
+        target: a.kl_target,
+        horizon: a.kl_horizon,
+        values: Some(ctx.values.clone()),
+    };
+    (start, Some(adaptive))
 }
 
 /// The compute dtype named by `model.dtype`.

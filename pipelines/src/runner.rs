@@ -175,6 +175,8 @@ pub fn run(req: &RunRequest) -> Result<RunOutcome, PipelineError> {
             last_step: Some(cfg.run.steps - 1),
         }),
         invariants,
+        values: weir_operators::checkpoint::StepValues::new(),
+        resumed_values: BTreeMap::new(),
     };
     let mut prior = Vec::new();
     if let Some((ck, state)) = &found {
@@ -183,6 +185,7 @@ pub fn run(req: &RunRequest) -> Result<RunOutcome, PipelineError> {
         ctx.first_step = state.step + 1;
         ctx.version = state.version;
         ctx.cursor = state.cursor;
+        ctx.resumed_values = state.values.clone();
         if leader {
             prior = prior_metrics(&dir.join("metrics.parquet"), state.step)?;
         }

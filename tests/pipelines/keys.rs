@@ -438,6 +438,12 @@ fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String
             "1.01".into(),
         ),
         "algorithm.kl_coef" => (&[], "0.5".into()),
+        // A target far above any KL: the coefficient shrinks by the clip after each step.
+        "algorithm.kl_target" => (&["run.steps=3"], "1000000.0".into()),
+        "algorithm.kl_horizon" => (
+            &["run.steps=3", "algorithm.kl_target=1000000.0"],
+            "1.0".into(),
+        ),
         // k3+ differs from k3 in its gradient only, by r²/2 per token: a policy
         // pulled well away from its reference shows it.
         "algorithm.kl_estimator" if kind.is_group() => (

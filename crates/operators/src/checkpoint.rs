@@ -48,6 +48,51 @@ pub struct CheckpointState {
     /// Config values a resume must keep (key → value as text): what the
     /// weights, the cursor and the components mean depends on them.
     pub invariants: BTreeMap<String, String>,
+    /// Values stages carry from step to step (e.g. an adaptive `kl_coef`),
+    /// as they stand after `step`.
+    pub values: BTreeMap<String, f64>,
+}
+
+/// Values that stages carry from one step to the next, by the step after
+/// which they hold, so that a checkpoint stores them and a resume restores
+/// them (the adaptive KL coefficient, say). Shared by the stages of a process.
+#[derive(Clone, Debug, Default)]
+pub struct StepValues {
+    log: Arc<Mutex<BTreeMap<u64, BTreeMap<String, f64>>>>,
+}
+
+impl StepValues {
+    /// An empty log.
+    pub fn new() -> Self {
+        StepValues::default()
+    }
+
+    /// `key` is `value` after step `step`.
+    pub fn record(&self, step: u64, key: &str, value: f64) {
+        self.lock()
+            .entry(step)
+            .or_default()
+            .insert(key.to_string(), value);
+    }
+
+    /// Every key's newest value recorded at or before `step` (older entries
+    /// are folded together, so the log stays small).
+    pub fn after(&self, step: u64) -> BTreeMap<String, f64> {
+        let mut log = self.lock();
+        let mut out = BTreeMap::new();
+        for values in log.range(..=step).map(|(_, v)| v) {
+            out.extend(values.iter().map(|(k, v)| (k.clone(), *v)));
+        }
+        log.retain(|s, _| *s > step);
+        if !out.is_empty() {
+            log.insert(step, out.clone());
+        }
+        out
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, BTreeMap<String, f64>>> {
+        self.log.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 impl CheckpointState {
@@ -59,6 +104,7 @@ impl CheckpointState {
             "seed": self.seed,
             "components": self.components,
             "invariants": self.invariants,
+            "values": self.values,
         })
     }
 
@@ -95,6 +141,15 @@ impl CheckpointState {
                 .map(|m| {
                     m.iter()
                         .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string())))
+                        .collect()
+                })
+                .unwrap_or_default(),
+            values: v
+                .get("values")
+                .and_then(Value::as_object)
+                .map(|m| {
+                    m.iter()
+                        .filter_map(|(k, v)| Some((k.clone(), v.as_f64()?)))
                         .collect()
                 })
                 .unwrap_or_default(),
@@ -220,6 +275,8 @@ pub struct CheckpointPlan {
     pub commits: Option<CheckpointCommits>,
     /// Config values a resume must keep (see [`CheckpointState::invariants`]).
     pub invariants: BTreeMap<String, String>,
+    /// What stages carry from step to step (see [`StepValues`]).
+    pub values: Option<StepValues>,
 }
 
 impl CheckpointPlan {
@@ -243,6 +300,11 @@ impl CheckpointPlan {
             seed: self.seed,
             components: self.components.clone(),
             invariants: self.invariants.clone(),
+            values: self
+                .values
+                .as_ref()
+                .map(|v| v.after(step))
+                .unwrap_or_default(),
         };
         match &self.commits {
             Some(commits) => commits.defer(state),
@@ -302,6 +364,23 @@ mod tests {
     use super::*;
 
     #[test]
+    fn step_values_hold_the_newest_value_of_each_key() {
+        let log = StepValues::new();
+        log.record(0, "kl_coef", 0.1);
+        log.record(1, "kl_coef", 0.12);
+        log.record(1, "other", 3.0);
+        log.record(2, "kl_coef", 0.144);
+        let at1 = log.after(1);
+        assert_eq!(
+            at1,
+            BTreeMap::from([("kl_coef".into(), 0.12), ("other".into(), 3.0)])
+        );
+        assert_eq!(log.after(1), at1, "reading again gives the same");
+        assert_eq!(log.after(2)["kl_coef"], 0.144);
+        assert_eq!(log.after(2)["other"], 3.0);
+    }
+
+    #[test]
     fn only_complete_checkpoints_count() {
         let tmp = tempfile::tempdir().unwrap();
         let ck = Checkpointer {
@@ -324,6 +403,7 @@ mod tests {
             seed: 9,
             components: vec!["actor".into()],
             invariants: BTreeMap::from([("data.prompts".into(), "arith".into())]),
+            values: BTreeMap::from([("kl_coef".into(), 0.25)]),
         };
         for step in [1, 3] {
             std::fs::create_dir_all(ck.dir(step).join("actor")).unwrap();

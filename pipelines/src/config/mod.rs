@@ -265,6 +265,11 @@ pub struct AlgorithmSection {
     pub kl_coef: f64,
     /// `k1`, `k2` (`mse`), `k3`, `abs`, `k1+`, `k3+`.
     pub kl_estimator: KlChoice,
+    /// The KL the adaptive controller steers the in-reward coefficient
+    /// towards (0: `kl_coef` stays fixed).
+    pub kl_target: f64,
+    /// Responses over which the adaptive controller spreads a full adjustment.
+    pub kl_horizon: f64,
     /// Entropy bonus coefficient.
     pub entropy_coef: f64,
     /// `token-mean`, `seq-mean-token-mean`, `seq-mean-token-sum`, `seq-mean-token-sum-norm`, `token-sum`.
@@ -331,6 +336,8 @@ impl Default for AlgorithmSection {
             dual_clip: 0.0,
             kl_coef: 0.04,
             kl_estimator: KlChoice::K3,
+            kl_target: 0.0,
+            kl_horizon: 10_000.0,
             entropy_coef: 0.0,
             aggregation: AggregationChoice::TokenMean,
             loss_scale_factor: 0.0,

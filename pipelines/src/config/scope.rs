@@ -36,7 +36,11 @@ pub fn applies(pipeline: PipelineKind, section: &str, key: &str) -> bool {
             | "sapo_tau_neg" | "clip_cov_ratio" | "clip_cov_lb" | "clip_cov_ub" | "kl_cov_ratio"
             | "kl_cov_coef" | "reinforce_is_cap",
         ) => rl,
-        ("algorithm", "gamma") => matches!(pipeline, Ppo | ReinforcePp),
+        ("algorithm", "gamma") => matches!(pipeline, Ppo | ReinforcePp | ReinforcePpBaseline),
+        // The adaptive controller moves the KL these pipelines put in the reward.
+        ("algorithm", "kl_target" | "kl_horizon") => {
+            matches!(pipeline, Ppo | ReinforcePp | ReinforcePpBaseline)
+        }
         ("algorithm", "lambda" | "critic_lr" | "value_clip") => pipeline == Ppo,
         ("algorithm", "beta" | "preference_loss" | "label_smoothing") => pipeline == Dpo,
         ("eval", _) => pipeline != Rm,
@@ -89,6 +93,13 @@ fn inert(cfg: &RunConfig, pipeline: PipelineKind) -> Vec<(&'static str, &'static
         unless(kl, "placement", &["reference"], "algorithm.kl_coef > 0");
         unless(kl, "model", &["reference"], "algorithm.kl_coef > 0");
         unless(kl, "algorithm", &["kl_estimator"], "algorithm.kl_coef > 0");
+        unless(kl, "algorithm", &["kl_target"], "algorithm.kl_coef > 0");
+        unless(
+            kl && a.kl_target > 0.0,
+            "algorithm",
+            &["kl_horizon"],
+            "algorithm.kl_target > 0",
+        );
     }
     // These act on negative advantages only.
     unless(

@@ -219,6 +219,27 @@ impl RunConfig {
         if a.kl_coef < 0.0 {
             return bad("algorithm.kl_coef", a.kl_coef.to_string(), "must be ≥ 0");
         }
+        if !(a.kl_target >= 0.0 && a.kl_target.is_finite()) {
+            return bad(
+                "algorithm.kl_target",
+                a.kl_target.to_string(),
+                "must be ≥ 0",
+            );
+        }
+        if !(a.kl_horizon > 0.0 && a.kl_horizon.is_finite()) {
+            return bad(
+                "algorithm.kl_horizon",
+                a.kl_horizon.to_string(),
+                "must be > 0",
+            );
+        }
+        if a.kl_target > 0.0 && self.placement.train.len() > 1 {
+            return bad(
+                "algorithm.kl_target",
+                a.kl_target.to_string(),
+                "the adaptive KL controller needs one train worker (each would steer on its own rows)",
+            );
+        }
         if self.dynamic_sampling.enabled && !pipeline.is_group() {
             return bad(
                 "dynamic_sampling.enabled",

@@ -107,6 +107,8 @@ pub struct GaeAdvantage {
     pub lambda: f64,
     /// β of the KL penalty in the reward (0: none; needs `ref_logprobs` otherwise).
     pub kl_coef: f64,
+    /// Moves `kl_coef` after each step (`None`: fixed).
+    pub adaptive_kl: Option<AdaptiveKl>,
     /// The KL estimator of the penalty.
     pub kl_estimator: crate::algorithms::KlEstimator,
     /// Clip range of the score.
@@ -125,6 +127,7 @@ impl GaeAdvantage {
             gamma: 1.0,
             lambda: 1.0,
             kl_coef,
+            adaptive_kl: None,
             kl_estimator: crate::algorithms::KlEstimator::K1,
             reward_clip: Some((-10.0, 10.0)),
             whiten: true,
@@ -150,7 +153,7 @@ impl StepStage for GaeAdvantage {
         };
         let scores = rewards(&batch, "advantage")?;
         let values = float_lists(&batch, col::VALUES, "advantage")?;
-        let (rewards, mask) = kl_shaped_rewards(
+        let (rewards, mask, kl) = kl_shaped_rewards(
             ctx,
             &batch,
             &scores,
@@ -159,6 +162,9 @@ impl StepStage for GaeAdvantage {
             self.reward_clip,
             self.flavor,
         )?;
+        if let (Some(adaptive), Some(kl)) = (&self.adaptive_kl, kl) {
+            adaptive.update(ctx.step, &mut self.kl_coef, kl, batch.num_rows());
+        }
         let (advantages, returns) = gae(
             &rewards,
             &values,
@@ -198,7 +204,9 @@ type TokenRows = Vec<Vec<f64>>;
 /// (clipped to `clip`) minus `kl_coef ·` KL(behaviour ‖ reference); and the
 /// all-ones response mask. With the KL term on, its token mean over the
 /// batch is recorded as the step's `kl` (the KL these pipelines put in the
-/// reward, not in the loss).
+/// reward, not in the loss) and the coefficient as `kl_coef`; the mean over
+/// responses of each response's token-mean KL is returned (what the adaptive
+/// controller steers, as verl's `apply_kl_penalty` and OpenRLHF compute it).
 fn kl_shaped_rewards(
     ctx: &mut StepContext,
     batch: &RecordBatch,
@@ -207,19 +215,62 @@ fn kl_shaped_rewards(
     estimator: crate::algorithms::KlEstimator,
     clip: Option<(f64, f64)>,
     flavor: Flavor,
-) -> Result<(TokenRows, TokenRows), StageError> {
+) -> Result<(TokenRows, TokenRows, Option<f64>), StageError> {
+    use crate::algorithms::stats::masked_mean;
     use crate::algorithms::{kl_tokens, token_rewards};
     let behaviour = float_lists(batch, col::BEHAVIOR_LOGPROBS, "advantage")?;
     let mask: Vec<Vec<f64>> = behaviour.iter().map(|r| vec![1.0; r.len()]).collect();
-    let kl = if kl_coef > 0.0 {
+    let (kl, sequence_kl) = if kl_coef > 0.0 {
         let reference = float_lists(batch, col::REF_LOGPROBS, "advantage")?;
         let kl = kl_tokens(&behaviour, &reference, estimator, flavor);
-        ctx.record("kl", crate::algorithms::stats::masked_mean(&kl, &mask));
-        kl
+        ctx.record("kl", masked_mean(&kl, &mask));
+        ctx.record("kl_coef", kl_coef);
+        let per_response: Vec<f64> = kl
+            .iter()
+            .zip(&mask)
+            .map(|(k, m)| masked_mean(std::slice::from_ref(k), std::slice::from_ref(m)))
+            .collect();
+        let mean = per_response.iter().sum::<f64>() / per_response.len().max(1) as f64;
+        (kl, Some(mean))
     } else {
-        mask.iter().map(|r| vec![0.0; r.len()]).collect()
+        (mask.iter().map(|r| vec![0.0; r.len()]).collect(), None)
     };
-    Ok((token_rewards(scores, &kl, &mask, kl_coef, clip), mask))
+    Ok((
+        token_rewards(scores, &kl, &mask, kl_coef, clip),
+        mask,
+        sequence_kl,
+    ))
+}
+
+/// The adaptive KL controller of an in-reward KL penalty (Ziegler et al.
+/// 2019; OpenRLHF's and verl's `AdaptiveKLController`): after each step,
+/// `β ← β · (1 + clip(KL / target − 1, −0.2, 0.2) · n / horizon)` with KL the
+/// step's mean response KL and `n` its responses. Each new β is logged in
+/// `values` (key `kl_coef`), so a checkpoint keeps it and a resume goes on from it.
+#[derive(Clone, Debug)]
+pub struct AdaptiveKl {
+    /// The KL to steer towards.
+    pub target: f64,
+    /// Responses over which a full adjustment is spread.
+    pub horizon: f64,
+    /// Where each step's new coefficient is logged.
+    pub values: Option<crate::checkpoint::StepValues>,
+}
+
+impl AdaptiveKl {
+    /// Moves `coef` after step `step`, whose `responses` had mean KL `kl`.
+    fn update(&self, step: u64, coef: &mut f64, kl: f64, responses: usize) {
+        let mut controller = crate::algorithms::KlController::Adaptive {
+            value: *coef,
+            target: self.target,
+            horizon: self.horizon,
+        };
+        controller.update(kl, responses as f64);
+        *coef = controller.value();
+        if let Some(values) = &self.values {
+            values.record(step, "kl_coef", *coef);
+        }
+    }
 }
 
 /// REINFORCE++ (and, with `baseline`, REINFORCE++-baseline): scores minus
@@ -233,6 +284,8 @@ pub struct ReinforceAdvantage {
     pub gamma: f64,
     /// β of the KL penalty in the reward.
     pub kl_coef: f64,
+    /// Moves `kl_coef` after each step (`None`: fixed).
+    pub adaptive_kl: Option<AdaptiveKl>,
     /// The KL estimator.
     pub kl_estimator: crate::algorithms::KlEstimator,
     /// Clip range of the shaped score.
@@ -249,6 +302,7 @@ impl ReinforceAdvantage {
             baseline,
             gamma: 1.0,
             kl_coef,
+            adaptive_kl: None,
             kl_estimator: crate::algorithms::KlEstimator::K1,
             reward_clip: Some((-10.0, 10.0)),
             flavor: Flavor::OpenRlhf,
@@ -276,7 +330,7 @@ impl StepStage for ReinforceAdvantage {
             let groups = u64s(&batch, col::GROUP_ID, "advantage")?;
             scores = grpo(&scores, &groups, false, self.flavor)?;
         }
-        let (rewards, mask) = kl_shaped_rewards(
+        let (rewards, mask, kl) = kl_shaped_rewards(
             ctx,
             &batch,
             &scores,
@@ -285,6 +339,9 @@ impl StepStage for ReinforceAdvantage {
             self.reward_clip,
             self.flavor,
         )?;
+        if let (Some(adaptive), Some(kl)) = (&self.adaptive_kl, kl) {
+            adaptive.update(ctx.step, &mut self.kl_coef, kl, batch.num_rows());
+        }
         let returns = discounted_returns(&rewards, &mask, self.gamma, self.flavor);
         let advantages = whiten_advantages(&returns, &mask, false, self.flavor);
         let batch = with_column(
