@@ -2,6 +2,7 @@
 //! columns, looked up by name from the pipeline config.
 
 pub mod arith;
+pub mod python;
 
 /// A rule reward: `reward(response_text, reference_answer)`.
 pub type RuleReward = fn(&str, &str) -> f64;

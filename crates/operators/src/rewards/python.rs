@@ -1,0 +1,525 @@
+//! `PythonReward`: rewards from a function in the user's Python file, run by
+//! a pool of long-lived worker processes of the user's own `python3`; weir
+//! never links Python.
+//!
+//! Two signatures, chosen by the function's name:
+//! - OpenRLHF's `reward_func(queries, prompts, labels, **kwargs)` (any name
+//!   but `compute_score`): `queries` are prompt + response texts, `kwargs`
+//!   the prompt file's other columns; it returns a list (or tensor) of
+//!   floats, or a dict with `"rewards"` and optionally `"scores"` and
+//!   `"extra_logs"` (their means become metrics), as `--remote_rm_url
+//!   file.py` accepts;
+//! - verl's per-sample `compute_score(data_source, solution_str,
+//!   ground_truth, extra_info)`, returning a float or a dict with `"score"`
+//!   (its other numeric keys become metrics).
+//!
+//! A step's rows are split over the workers and sent as one JSON line each
+//! over a pipe (`python_driver.py` is the worker's side). A function that
+//! raises, returns the wrong count, a non-number, NaN or infinity fails
+//! the step with one line naming the file, the function and the row. A
+//! worker that dies or answers later than `timeout` is killed and started
+//! again, and the request retried, `attempts` times in all.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::io::{BufRead, BufReader, Write};
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use arrow::array::{ArrayRef, Float32Array, RecordBatch};
+use serde_json::{json, Value};
+use weir_graph::batch::with_column;
+use weir_graph::{Stage, StageError, StepContext};
+
+use crate::rollout::col;
+use crate::stages::columns::strings;
+
+const DRIVER: &str = include_str!("python_driver.py");
+
+/// Where the reward function is and how to run it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PythonRewardConfig {
+    /// The user's `.py` file.
+    pub file: PathBuf,
+    /// The function: `compute_score` takes verl's per-sample signature, any
+    /// other name OpenRLHF's batch one.
+    pub function: String,
+    /// The interpreter (`python3`, or a venv's `bin/python`).
+    pub python: String,
+    /// Worker processes.
+    pub workers: usize,
+    /// How long one request may take.
+    pub timeout: Duration,
+    /// Tries per request when a worker dies or times out.
+    pub attempts: u32,
+    /// The column of reference answers (`labels` / `ground_truth`), if any.
+    pub label_column: Option<String>,
+    /// Further prompt-file columns handed to the function.
+    pub columns: Vec<String>,
+}
+
+impl PythonRewardConfig {
+    fn per_sample(&self) -> bool {
+        self.function == "compute_score"
+    }
+
+    /// `file::function`, for messages.
+    fn name(&self) -> String {
+        format!("{}::{}", self.file.display(), self.function)
+    }
+}
+
+/// Why a request got no answer.
+enum Lost {
+    /// The worker ended (with what it last wrote to stderr).
+    Died(String),
+    /// No answer within the timeout.
+    TimedOut,
+}
+
+/// One worker process.
+struct Worker {
+    child: Child,
+    stdin: ChildStdin,
+    answers: Receiver<String>,
+    stderr: Arc<Mutex<VecDeque<String>>>,
+}
+
+impl Worker {
+    /// Starts a worker and waits until the user's file is loaded.
+    fn start(cfg: &PythonRewardConfig) -> Result<Worker, String> {
+        let mode = if cfg.per_sample() { "sample" } else { "batch" };
+        let mut child = Command::new(&cfg.python)
+            .arg("-u")
+            .arg("-c")
+            .arg(DRIVER)
+            .arg(&cfg.file)
+            .arg(&cfg.function)
+            .arg(mode)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("cannot start `{}` (reward.python): {e}", cfg.python))?;
+        let stdin = child.stdin.take().expect("piped");
+        let stdout = child.stdout.take().expect("piped");
+        let stderr_pipe = child.stderr.take().expect("piped");
+        let (tx, answers) = mpsc::channel();
+        std::thread::Builder::new()
+            .name("weir:py-reward".into())
+            .spawn(move || {
+                for line in BufReader::new(stdout).lines() {
+                    let Ok(line) = line else { break };
+                    if tx.send(line).is_err() {
+                        break;
+                    }
+                }
+            })
+            .map_err(|e| e.to_string())?;
+        let stderr = Arc::new(Mutex::new(VecDeque::new()));
+        let tail = stderr.clone();
+        std::thread::Builder::new()
+            .name("weir:py-stderr".into())
+            .spawn(move || {
+                for line in BufReader::new(stderr_pipe).lines() {
+                    let Ok(line) = line else { break };
+                    tracing::debug!(target: "weir::python_reward", "{line}");
+                    let mut tail = tail.lock().unwrap_or_else(|e| e.into_inner());
+                    tail.push_back(line);
+                    if tail.len() > 20 {
+                        tail.pop_front();
+                    }
+                }
+            })
+            .map_err(|e| e.to_string())?;
+        let mut worker = Worker {
+            child,
+            stdin,
+            answers,
+            stderr,
+        };
+        // Loading may import big libraries: allow it a minute at least.
+        match worker.answer(cfg.timeout.max(Duration::from_secs(60))) {
+            Ok(v) if v["ready"] == true => Ok(worker),
+            Ok(v) => Err(v["error"]
+                .as_str()
+                .map_or_else(|| format!("an unexpected first line: {v}"), String::from)),
+            Err(Lost::Died(why)) => Err(format!("the worker ended while loading it{why}")),
+            Err(Lost::TimedOut) => Err("loading it took more than a minute".into()),
+        }
+    }
+
+    /// The next answer line, parsed.
+    fn answer(&mut self, timeout: Duration) -> Result<Value, Lost> {
+        match self.answers.recv_timeout(timeout) {
+            Ok(line) => serde_json::from_str(&line).map_err(|e| {
+                Lost::Died(format!(": it wrote a line that is not weir's protocol ({e}): {line}"))
+            }),
+            Err(RecvTimeoutError::Timeout) => Err(Lost::TimedOut),
+            Err(RecvTimeoutError::Disconnected) => {
+                let status = self.child.wait().map(|s| s.to_string()).unwrap_or_default();
+                let tail = self.stderr.lock().unwrap_or_else(|e| e.into_inner());
+                let last = tail.back().map(|l| format!(": {l}")).unwrap_or_default();
+                Err(Lost::Died(format!(" ({status}){last}")))
+            }
+        }
+    }
+
+    /// Sends `request` and waits for its answer.
+    fn call(&mut self, request: &Value, timeout: Duration) -> Result<Value, Lost> {
+        let line = format!("{request}\n");
+        if self.stdin.write_all(line.as_bytes()).is_err() || self.stdin.flush().is_err() {
+            return match self.answer(Duration::from_millis(200)) {
+                Err(lost) => Err(lost),
+                Ok(_) => Err(Lost::Died(" (its input closed)".into())),
+            };
+        }
+        self.answer(timeout)
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The rows of one request.
+struct Rows<'a> {
+    offset: usize,
+    prompts: &'a [String],
+    responses: &'a [String],
+    labels: Option<&'a [String]>,
+    columns: Vec<(&'a str, &'a [String])>,
+}
+
+/// The reward stage over a pool of Python workers.
+pub struct PythonReward {
+    cfg: PythonRewardConfig,
+    workers: Vec<Option<Worker>>,
+}
+
+impl PythonReward {
+    /// Starts the workers; a file that does not load is an error now, not at the first step.
+    pub fn new(cfg: PythonRewardConfig) -> Result<Self, StageError> {
+        if !cfg.file.is_file() {
+            return Err(format!("reward.file {}: no such file", cfg.file.display()).into());
+        }
+        let workers = (0..cfg.workers.max(1))
+            .map(|_| Worker::start(&cfg).map(Some))
+            .collect::<Result<Vec<_>, String>>()
+            .map_err(|e| format!("reward {}: {e}", cfg.name()))?;
+        Ok(PythonReward { cfg, workers })
+    }
+
+    /// Rewards for rows of `(prompt, response)` with their labels and
+    /// columns, and the means of the function's extra logs.
+    pub fn score(
+        &mut self,
+        prompts: &[String],
+        responses: &[String],
+        labels: Option<&[String]>,
+        columns: &[(String, Vec<String>)],
+    ) -> Result<(Vec<f64>, BTreeMap<String, f64>), StageError> {
+        let n = responses.len();
+        let chunk = n.div_ceil(self.workers.len()).max(1);
+        let cfg = &self.cfg;
+        let results: Vec<Result<(Vec<f64>, BTreeMap<String, f64>), String>> =
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = self
+                    .workers
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(w, worker)| {
+                        let start = (w * chunk).min(n);
+                        let end = (start + chunk).min(n);
+                        let rows = Rows {
+                            offset: start,
+                            prompts: &prompts[start..end],
+                            responses: &responses[start..end],
+                            labels: labels.map(|l| &l[start..end]),
+                            columns: columns
+                                .iter()
+                                .map(|(k, v)| (k.as_str(), &v[start..end]))
+                                .collect(),
+                        };
+                        scope.spawn(move || request(cfg, worker, &rows))
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().unwrap_or_else(|_| Err("a worker thread panicked".into())))
+                    .collect()
+            });
+        let mut rewards = Vec::with_capacity(n);
+        let mut logs: BTreeMap<String, (f64, usize)> = BTreeMap::new();
+        for result in results {
+            let (r, l) = result.map_err(|e| format!("reward {}: {e}", self.cfg.name()))?;
+            let rows = r.len();
+            rewards.extend(r);
+            for (k, v) in l {
+                let e = logs.entry(k).or_insert((0.0, 0));
+                e.0 += v * rows as f64;
+                e.1 += rows;
+            }
+        }
+        let logs = logs
+            .into_iter()
+            .map(|(k, (sum, rows))| (k, sum / rows.max(1) as f64))
+            .collect();
+        Ok((rewards, logs))
+    }
+}
+
+/// One chunk's request on one worker, with restarts and retries.
+fn request(
+    cfg: &PythonRewardConfig,
+    worker: &mut Option<Worker>,
+    rows: &Rows,
+) -> Result<(Vec<f64>, BTreeMap<String, f64>), String> {
+    let n = rows.responses.len();
+    if n == 0 {
+        return Ok((Vec::new(), BTreeMap::new()));
+    }
+    let queries: Vec<String> = rows
+        .prompts
+        .iter()
+        .zip(rows.responses)
+        .map(|(p, r)| format!("{p}{r}"))
+        .collect();
+    let columns: serde_json::Map<String, Value> = rows
+        .columns
+        .iter()
+        .map(|(k, v)| (k.to_string(), json!(v)))
+        .collect();
+    let body = json!({
+        "queries": queries,
+        "prompts": rows.prompts,
+        "responses": rows.responses,
+        "labels": rows.labels,
+        "columns": columns,
+    });
+    let span = |i: usize| format!("row {}", rows.offset + i);
+    let mut last = String::new();
+    for attempt in 1..=cfg.attempts.max(1) {
+        if worker.is_none() {
+            *worker = Some(Worker::start(cfg)?);
+        }
+        let w = worker.as_mut().expect("just started");
+        let answer = match w.call(&body, cfg.timeout) {
+            Ok(answer) => answer,
+            Err(lost) => {
+                last = match lost {
+                    Lost::Died(why) => format!("the worker died{why}"),
+                    Lost::TimedOut => format!(
+                        "no answer for rows {}..{} within reward.timeout_s = {} s",
+                        rows.offset,
+                        rows.offset + n,
+                        cfg.timeout.as_secs_f64()
+                    ),
+                };
+                tracing::warn!(reward = %cfg.name(), attempt, error = %last, "python reward worker lost; restarting it");
+                *worker = None;
+                continue;
+            }
+        };
+        if answer["ok"] != true {
+            let error = answer["error"].as_str().unwrap_or("failed");
+            return Err(match answer["row"].as_u64() {
+                Some(i) => format!("{}: {error}", span(i as usize)),
+                None => error.to_string(),
+            });
+        }
+        let list = answer["rewards"].as_array().cloned().unwrap_or_default();
+        if list.len() != n {
+            return Err(format!(
+                "returned {} rewards for {n} rows (rows {}..{})",
+                list.len(),
+                rows.offset,
+                rows.offset + n
+            ));
+        }
+        let mut rewards = Vec::with_capacity(n);
+        for (i, v) in list.iter().enumerate() {
+            match v {
+                Value::Number(x) => rewards.push(x.as_f64().unwrap_or(f64::NAN)),
+                Value::String(s) => {
+                    return Err(format!(
+                        "{}: the reward is {s}: a reward must be a finite number",
+                        span(i)
+                    ))
+                }
+                other => {
+                    let shown = other["bad"].as_str().unwrap_or("?");
+                    return Err(format!("{}: the reward {shown} is not a number", span(i)));
+                }
+            }
+        }
+        let logs = answer["logs"]
+            .as_object()
+            .map(|m| {
+                m.iter()
+                    .filter_map(|(k, v)| Some((k.clone(), v.as_f64()?)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        return Ok((rewards, logs));
+    }
+    Err(format!("{last} (after {} attempt(s))", cfg.attempts.max(1)))
+}
+
+impl Stage for PythonReward {
+    fn process(
+        &mut self,
+        ctx: &mut StepContext,
+        batch: RecordBatch,
+    ) -> Result<Vec<RecordBatch>, StageError> {
+        let prompts = strings(&batch, col::PROMPT, "reward")?;
+        let responses = strings(&batch, col::RESPONSE, "reward")?;
+        let labels = match &self.cfg.label_column {
+            Some(c) => Some(strings(&batch, c, "reward")?),
+            None => None,
+        };
+        let columns = self
+            .cfg
+            .columns
+            .iter()
+            .map(|c| Ok((c.clone(), strings(&batch, c, "reward")?)))
+            .collect::<Result<Vec<_>, StageError>>()?;
+        let (rewards, logs) = self.score(&prompts, &responses, labels.as_deref(), &columns)?;
+        for (key, value) in logs {
+            ctx.record(&key, value);
+        }
+        let rewards: Float32Array = rewards.iter().map(|r| *r as f32).collect();
+        Ok(vec![with_column(
+            &batch,
+            col::REWARD,
+            Arc::new(rewards) as ArrayRef,
+        )?])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(dir: &std::path::Path, source: &str, function: &str) -> PythonRewardConfig {
+        let file = dir.join("reward.py");
+        std::fs::write(&file, source).unwrap();
+        PythonRewardConfig {
+            file,
+            function: function.into(),
+            python: "python3".into(),
+            workers: 2,
+            timeout: Duration::from_secs(5),
+            attempts: 2,
+            label_column: Some("answer".into()),
+            columns: vec!["topic".into()],
+        }
+    }
+
+    fn texts(items: &[&str]) -> Vec<String> {
+        items.iter().map(|s| s.to_string()).collect()
+    }
+
+    fn score(cfg: PythonRewardConfig) -> Result<(Vec<f64>, BTreeMap<String, f64>), String> {
+        let mut reward = PythonReward::new(cfg).map_err(|e| e.to_string())?;
+        let columns = vec![("topic".to_string(), texts(&["a", "b", "a"]))];
+        reward
+            .score(
+                &texts(&["1+1=", "2+2=", "3+3="]),
+                &texts(&["2", "5", "6"]),
+                Some(&texts(&["2", "4", "6"])),
+                &columns,
+            )
+            .map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn openrlhf_and_verl_signatures_score_in_row_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let batch = "def reward_func(queries, prompts, labels, topic=None):\n    \
+                     print('user output goes to stderr')\n    \
+                     r = [float(q[len(p):] == l) for q, p, l in zip(queries, prompts, labels)]\n    \
+                     return {'rewards': r, 'extra_logs': {'topic_a': [float(t == 'a') for t in topic]}}\n";
+        let (rewards, logs) = score(config(dir.path(), batch, "reward_func")).unwrap();
+        assert_eq!(rewards, vec![1.0, 0.0, 1.0]);
+        assert!((logs["topic_a"] - 2.0 / 3.0).abs() < 1e-12, "{logs:?}");
+        let sample = "def compute_score(data_source, solution_str, ground_truth, extra_info):\n    \
+                      return {'score': 2.0 * (solution_str == ground_truth), 'is_a': float(extra_info['topic'] == 'a')}\n";
+        let (rewards, logs) = score(config(dir.path(), sample, "compute_score")).unwrap();
+        assert_eq!(rewards, vec![2.0, 0.0, 2.0]);
+        assert!((logs["is_a"] - 2.0 / 3.0).abs() < 1e-12, "{logs:?}");
+    }
+
+    #[test]
+    fn failures_name_the_file_function_and_row() {
+        let dir = tempfile::tempdir().unwrap();
+        for (source, function, needle) in [
+            ("def f(:\n", "reward_func", "cannot load it: SyntaxError"),
+            ("x = 1\n", "reward_func", "defines no function `reward_func`"),
+            (
+                "def compute_score(s, r, g, e):\n    return 1 / (len(r) - 1)\n",
+                "compute_score",
+                "row 0: ZeroDivisionError",
+            ),
+            (
+                "def reward_func(q, p, l, **k):\n    raise KeyError('label')\n",
+                "reward_func",
+                "KeyError: 'label' (line 2)",
+            ),
+            (
+                "def reward_func(q, p, l, **k):\n    return [1.0]\n",
+                "reward_func",
+                "returned 1 rewards for 2 rows",
+            ),
+            (
+                "def reward_func(q, p, l, **k):\n    return [float('nan')] * len(q)\n",
+                "reward_func",
+                "row 0: the reward is nan",
+            ),
+            (
+                "def compute_score(s, r, g, e):\n    return 'high'\n",
+                "compute_score",
+                "row 0: the reward 'high' is not a number",
+            ),
+            (
+                "import os\ndef reward_func(q, p, l, **k):\n    os._exit(3)\n",
+                "reward_func",
+                "the worker died",
+            ),
+            (
+                "import time\ndef reward_func(q, p, l, **k):\n    time.sleep(30)\n",
+                "reward_func",
+                "within reward.timeout_s",
+            ),
+        ] {
+            let mut cfg = config(dir.path(), source, function);
+            cfg.timeout = Duration::from_millis(1500);
+            let err = score(cfg).unwrap_err();
+            assert!(
+                err.contains("reward.py::") && err.contains(needle),
+                "{source}: {err}"
+            );
+            assert_eq!(err.lines().count(), 1, "{err}");
+        }
+    }
+
+    #[test]
+    fn a_worker_that_dies_once_is_restarted_and_the_request_retried() {
+        let dir = tempfile::tempdir().unwrap();
+        let flag = dir.path().join("died-once");
+        let source = format!(
+            "import os\ndef reward_func(q, p, l, **k):\n    \
+             if not os.path.exists({flag:?}):\n        open({flag:?}, 'w').close()\n        os._exit(1)\n    \
+             return [0.5] * len(q)\n"
+        );
+        let mut cfg = config(dir.path(), &source, "reward_func");
+        cfg.workers = 1;
+        let (rewards, _) = score(cfg).unwrap();
+        assert_eq!(rewards, vec![0.5; 3]);
+    }
+}
