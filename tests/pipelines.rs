@@ -393,6 +393,63 @@ fn the_adaptive_kl_coefficient_follows_its_controller_across_a_resume() {
     );
 }
 
+#[test]
+fn a_python_reward_file_scores_a_jsonl_task_with_its_columns() {
+    use weir::operators::rewards::arith;
+    let tmp = tempfile::tempdir().unwrap();
+    let prompts = tmp.path().join("task.jsonl");
+    let lines: Vec<String> = (0..12u32)
+        .map(|i| {
+            let (a, b) = (i % 5, i / 3);
+            serde_json::json!({
+                "messages": [{"role": "user", "content": arith::user_message(a, b)}],
+                "answer": (a + b).to_string(),
+                "topic": if i % 3 == 0 { "small" } else { "other" },
+            })
+            .to_string()
+        })
+        .collect();
+    std::fs::write(&prompts, lines.join("\n")).unwrap();
+    let file = tmp.path().join("my_reward.py");
+    std::fs::write(
+        &file,
+        "def reward_func(queries, prompts, labels, topic, **rest):\n    \
+         cut = [q[len(p):].split('<|im_end|>')[0].strip() for q, p in zip(queries, prompts)]\n    \
+         return {'rewards': [2.0 * (c == l) for c, l in zip(cut, labels)],\n            \
+         'extra_logs': {'small_topic': [float(t == 'small') for t in topic]}}\n",
+    )
+    .unwrap();
+    let kind = PipelineKind::Grpo;
+    let mut cfg = config(kind, 2);
+    cfg.data.prompts = prompts.display().to_string();
+    cfg.data.messages_column = "messages".into();
+    cfg.reward.kind = weir::pipelines::config::RewardKind::Python;
+    cfg.reward.file = file.display().to_string();
+    let dir = tmp.path().join("run");
+    run(kind, cfg, &dir, false);
+    // Every row's reward is what the file computes from its own response and label.
+    let mut rows = 0;
+    for b in read_parquet_dir(&dir.join("rollouts")).unwrap() {
+        let responses = b.column_by_name("response").unwrap().as_string::<i32>();
+        let answers = b.column_by_name("answer").unwrap().as_string::<i32>();
+        let topics = b.column_by_name("topic").unwrap().as_string::<i32>();
+        let rewards = b
+            .column_by_name("reward")
+            .unwrap()
+            .as_primitive::<Float32Type>();
+        for i in 0..b.num_rows() {
+            let want = 2.0 * arith::exact_match(responses.value(i), answers.value(i));
+            assert_eq!(f64::from(rewards.value(i)), want, "row {i}");
+            assert!(["small", "other"].contains(&topics.value(i)));
+            rows += 1;
+        }
+    }
+    assert_eq!(rows, 2 * 3 * 4);
+    let small = metric(&dir, "reward", "small_topic");
+    assert_eq!(small.len(), 2, "{small:?}");
+    assert!(small.values().all(|v| (0.0..=1.0).contains(v)));
+}
+
 fn config_with_steps(cfg: &RunConfig, steps: u64) -> RunConfig {
     let mut c = cfg.clone();
     c.run.steps = steps;

@@ -16,6 +16,7 @@ use weir_operators::algorithms::{
 use weir_operators::checkpoint::{
     load_optimizer, CheckpointCommits, CheckpointPlan, Checkpointer, StepValues,
 };
+use weir_operators::rewards::python::{PythonReward, PythonRewardConfig};
 use weir_operators::rewards::{arith, rule_reward};
 use weir_operators::stages::generate::Generate;
 use weir_operators::stages::learner::{Learner, LearnerConfig, LrSchedule};
@@ -221,6 +222,7 @@ fn source(
                 [d.label_column.clone()]
                     .into_iter()
                     .filter(|c| !c.is_empty())
+                    .chain(reward_columns(&cfg)?)
                     .collect()
             };
             // Room for the response in the model's context (pairs carry their own).
@@ -304,6 +306,17 @@ pub fn reward(
                 attempts: cfg.reward.attempts,
                 ..Default::default()
             })?),
+            RewardKind::Python => Box::new(PythonReward::new(PythonRewardConfig {
+                file: PathBuf::from(&cfg.reward.file),
+                function: cfg.reward.function.clone(),
+                python: cfg.reward.python.clone(),
+                workers: cfg.reward.workers,
+                timeout: Duration::from_secs_f64(cfg.reward.timeout_s.max(0.001)),
+                attempts: cfg.reward.attempts,
+                label_column: (!cfg.data.label_column.is_empty())
+                    .then(|| cfg.data.label_column.clone()),
+                columns: reward_columns(&cfg)?,
+            })?),
             RewardKind::Rule => {
                 let rule = rule_reward(&cfg.reward.rule)
                     .ok_or_else(|| format!("unknown rule reward `{}`", cfg.reward.rule))?;
@@ -311,6 +324,22 @@ pub fn reward(
             }
         })
     }
+}
+
+/// The prompt-file columns a Python reward receives besides the prompt and
+/// the label: every other column all records have.
+pub fn reward_columns(cfg: &RunConfig) -> Result<Vec<String>, StageError> {
+    let d = &cfg.data;
+    if cfg.reward.kind != RewardKind::Python || d.prompts == "arith" {
+        return Ok(Vec::new());
+    }
+    let own = [&d.prompt_column, &d.messages_column, &d.label_column];
+    Ok(
+        weir_operators::stages::prompt_files::common_columns(Path::new(&d.prompts))?
+            .into_iter()
+            .filter(|c| !own.contains(&c))
+            .collect(),
+    )
 }
 
 /// The frozen reference.

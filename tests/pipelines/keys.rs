@@ -27,6 +27,7 @@ const PERFORMANCE: &[&str] = &[
     "algorithm.micro_batch",
     "algorithm.gradient_checkpointing",
     "eval.batch",
+    "reward.workers",
 ];
 
 /// Metrics that depend on timing, not on what the run computed.
@@ -408,6 +409,39 @@ fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String
                         "reward.url={:?}",
                         format!("{}/{}", reward_server(), kind.name())
                     ),
+                ],
+                value,
+            );
+        }
+        "reward.file" | "reward.function" | "reward.python" | "reward.workers" => {
+            let dir = prompts.parent().unwrap();
+            let (exact, length) = (dir.join("exact.py"), dir.join("length.py"));
+            let cut = "q[len(p):].split('<|im_end|>')[0].strip()";
+            std::fs::write(
+                &exact,
+                format!(
+                    "def reward_func(queries, prompts, labels, **columns):\n    \
+                     return [float({cut} == l) for q, p, l in zip(queries, prompts, labels)]\n\
+                     def other_func(queries, prompts, labels, **columns):\n    \
+                     return [0.25 + 0.5 * float({cut} == l) for q, p, l in zip(queries, prompts, labels)]\n"
+                ),
+            )
+            .unwrap();
+            std::fs::write(
+                &length,
+                format!("def reward_func(queries, prompts, labels, **columns):\n    return [len({cut}) / 10 for q, p in zip(queries, prompts)]\n"),
+            )
+            .unwrap();
+            let value = match key {
+                "reward.file" => format!("{:?}", length.display().to_string()),
+                "reward.function" => "\"other_func\"".into(),
+                "reward.python" => "\"python3-that-is-not-there\"".into(),
+                _ => "1".into(),
+            };
+            return (
+                vec![
+                    "reward.kind=\"python\"".into(),
+                    format!("reward.file={:?}", exact.display().to_string()),
                 ],
                 value,
             );

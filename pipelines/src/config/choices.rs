@@ -59,6 +59,8 @@ pub enum RewardKind {
     Model,
     /// An HTTP reward server (`reward.url`).
     Remote,
+    /// A function in a Python file (`reward.file`, `reward.function`).
+    Python,
 }
 
 /// `algorithm.schedule`.

@@ -211,6 +211,15 @@ pub struct RewardSection {
     pub timeout_s: f64,
     /// Attempts per request.
     pub attempts: u32,
+    /// The Python file of `reward.kind = "python"`.
+    pub file: String,
+    /// Its function: OpenRLHF's `reward_func(queries, prompts, labels,
+    /// **kwargs)`, or verl's per-sample `compute_score`.
+    pub function: String,
+    /// The interpreter that runs it.
+    pub python: String,
+    /// Worker processes running it.
+    pub workers: usize,
     /// DAPO's overlong buffer in tokens below `generate.max_new_tokens` (0: off).
     pub overlong_buffer: usize,
     /// The overlong penalty at `generate.max_new_tokens`.
@@ -225,6 +234,10 @@ impl Default for RewardSection {
             url: String::new(),
             timeout_s: 60.0,
             attempts: 3,
+            file: String::new(),
+            function: "reward_func".into(),
+            python: "python3".into(),
+            workers: 2,
             overlong_buffer: 0,
             overlong_penalty_factor: 1.0,
         }

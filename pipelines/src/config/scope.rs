@@ -77,8 +77,20 @@ fn inert(cfg: &RunConfig, pipeline: PipelineKind) -> Vec<(&'static str, &'static
     unless(
         r.kind == RewardKind::Remote,
         "reward",
-        &["url", "timeout_s", "attempts"],
+        &["url"],
         "reward.kind = \"remote\"",
+    );
+    unless(
+        matches!(r.kind, RewardKind::Remote | RewardKind::Python),
+        "reward",
+        &["timeout_s", "attempts"],
+        "reward.kind = \"remote\" or \"python\"",
+    );
+    unless(
+        r.kind == RewardKind::Python,
+        "reward",
+        &["file", "function", "python", "workers"],
+        "reward.kind = \"python\"",
     );
     if pipeline.is_rl() && pipeline != PipelineKind::Ppo {
         unless(

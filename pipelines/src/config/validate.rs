@@ -93,6 +93,19 @@ impl RunConfig {
                 "reward.kind = \"model\" needs a reward model",
             );
         }
+        if self.reward.kind == RewardKind::Python {
+            let file = &self.reward.file;
+            if file.is_empty() || !std::path::Path::new(file).is_file() {
+                return bad(
+                    "reward.file",
+                    format!("{file:?}"),
+                    "reward.kind = \"python\" needs an existing .py file",
+                );
+            }
+            if self.reward.workers == 0 {
+                return bad("reward.workers", "0".into(), "must be ≥ 1");
+            }
+        }
         if self.reward.kind == RewardKind::Remote && self.reward.url.is_empty() {
             return bad(
                 "reward.url",

@@ -155,7 +155,9 @@ impl Worker {
     fn answer(&mut self, timeout: Duration) -> Result<Value, Lost> {
         match self.answers.recv_timeout(timeout) {
             Ok(line) => serde_json::from_str(&line).map_err(|e| {
-                Lost::Died(format!(": it wrote a line that is not weir's protocol ({e}): {line}"))
+                Lost::Died(format!(
+                    ": it wrote a line that is not weir's protocol ({e}): {line}"
+                ))
             }),
             Err(RecvTimeoutError::Timeout) => Err(Lost::TimedOut),
             Err(RecvTimeoutError::Disconnected) => {
@@ -186,6 +188,9 @@ impl Drop for Worker {
         let _ = self.child.wait();
     }
 }
+
+/// Rewards in row order and the means of the function's extra logs.
+type Scored = (Vec<f64>, BTreeMap<String, f64>);
 
 /// The rows of one request.
 struct Rows<'a> {
@@ -223,37 +228,39 @@ impl PythonReward {
         responses: &[String],
         labels: Option<&[String]>,
         columns: &[(String, Vec<String>)],
-    ) -> Result<(Vec<f64>, BTreeMap<String, f64>), StageError> {
+    ) -> Result<Scored, StageError> {
         let n = responses.len();
         let chunk = n.div_ceil(self.workers.len()).max(1);
         let cfg = &self.cfg;
-        let results: Vec<Result<(Vec<f64>, BTreeMap<String, f64>), String>> =
-            std::thread::scope(|scope| {
-                let handles: Vec<_> = self
-                    .workers
-                    .iter_mut()
-                    .enumerate()
-                    .map(|(w, worker)| {
-                        let start = (w * chunk).min(n);
-                        let end = (start + chunk).min(n);
-                        let rows = Rows {
-                            offset: start,
-                            prompts: &prompts[start..end],
-                            responses: &responses[start..end],
-                            labels: labels.map(|l| &l[start..end]),
-                            columns: columns
-                                .iter()
-                                .map(|(k, v)| (k.as_str(), &v[start..end]))
-                                .collect(),
-                        };
-                        scope.spawn(move || request(cfg, worker, &rows))
-                    })
-                    .collect();
-                handles
-                    .into_iter()
-                    .map(|h| h.join().unwrap_or_else(|_| Err("a worker thread panicked".into())))
-                    .collect()
-            });
+        let results: Vec<Result<Scored, String>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = self
+                .workers
+                .iter_mut()
+                .enumerate()
+                .map(|(w, worker)| {
+                    let start = (w * chunk).min(n);
+                    let end = (start + chunk).min(n);
+                    let rows = Rows {
+                        offset: start,
+                        prompts: &prompts[start..end],
+                        responses: &responses[start..end],
+                        labels: labels.map(|l| &l[start..end]),
+                        columns: columns
+                            .iter()
+                            .map(|(k, v)| (k.as_str(), &v[start..end]))
+                            .collect(),
+                    };
+                    scope.spawn(move || request(cfg, worker, &rows))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err("a worker thread panicked".into()))
+                })
+                .collect()
+        });
         let mut rewards = Vec::with_capacity(n);
         let mut logs: BTreeMap<String, (f64, usize)> = BTreeMap::new();
         for result in results {
@@ -279,7 +286,7 @@ fn request(
     cfg: &PythonRewardConfig,
     worker: &mut Option<Worker>,
     rows: &Rows,
-) -> Result<(Vec<f64>, BTreeMap<String, f64>), String> {
+) -> Result<Scored, String> {
     let n = rows.responses.len();
     if n == 0 {
         return Ok((Vec::new(), BTreeMap::new()));
@@ -425,7 +432,7 @@ mod tests {
         items.iter().map(|s| s.to_string()).collect()
     }
 
-    fn score(cfg: PythonRewardConfig) -> Result<(Vec<f64>, BTreeMap<String, f64>), String> {
+    fn score(cfg: PythonRewardConfig) -> Result<Scored, String> {
         let mut reward = PythonReward::new(cfg).map_err(|e| e.to_string())?;
         let columns = vec![("topic".to_string(), texts(&["a", "b", "a"]))];
         reward
@@ -460,7 +467,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         for (source, function, needle) in [
             ("def f(:\n", "reward_func", "cannot load it: SyntaxError"),
-            ("x = 1\n", "reward_func", "defines no function `reward_func`"),
+            (
+                "x = 1\n",
+                "reward_func",
+                "defines no function `reward_func`",
+            ),
             (
                 "def compute_score(s, r, g, e):\n    return 1 / (len(r) - 1)\n",
                 "compute_score",

@@ -89,6 +89,20 @@ impl PromptSource {
     }
 }
 
+/// The columns every record of a prompt file has, in the order the first
+/// record lists them (what a reward function may receive besides the prompt).
+pub fn common_columns(path: &std::path::Path) -> Result<Vec<String>, StageError> {
+    let records = read_records(path)?;
+    let Some((_, first)) = records.first() else {
+        return Ok(Vec::new());
+    };
+    Ok(first
+        .keys()
+        .filter(|k| records.iter().all(|(_, r)| r.contains_key(*k)))
+        .cloned()
+        .collect())
+}
+
 /// One record of a prompt file: where it came from (`line 3`, `row 7`) and its fields.
 type Record = (String, serde_json::Map<String, serde_json::Value>);
 
