@@ -3,6 +3,8 @@
 
 pub mod arith;
 pub mod python;
+pub mod rules;
+pub mod terms;
 
 /// A rule reward: `reward(response_text, reference_answer)`.
 pub type RuleReward = fn(&str, &str) -> f64;
@@ -11,12 +13,15 @@ pub type RuleReward = fn(&str, &str) -> f64;
 pub fn rule_reward(name: &str) -> Option<RuleReward> {
     match name {
         "arith_exact_match" => Some(arith::exact_match),
+        "math" => Some(rules::math),
+        "exact" => Some(rules::exact),
+        "contains" => Some(rules::contains),
         _ => None,
     }
 }
 
 /// Names accepted by [`rule_reward`], for error messages and `weir config`.
-pub const RULE_REWARDS: &[&str] = &["arith_exact_match"];
+pub const RULE_REWARDS: &[&str] = &["arith_exact_match", "math", "exact", "contains"];
 
 #[cfg(test)]
 mod tests {

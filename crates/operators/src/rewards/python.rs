@@ -220,6 +220,11 @@ impl PythonReward {
         Ok(PythonReward { cfg, workers })
     }
 
+    /// The prompt-file columns the function receives.
+    pub fn columns(&self) -> &[String] {
+        &self.cfg.columns
+    }
+
     /// Rewards for rows of `(prompt, response)` with their labels and
     /// columns, and the means of the function's extra logs.
     pub fn score(

@@ -1,0 +1,207 @@
+//! `RewardTerms`: several rewards combined with weights, as TRL's
+//! `reward_funcs` + `reward_weights`: `reward = Σ weightᵢ · termᵢ`. Each
+//! term's mean over the batch is recorded as the metric `reward_<name>`.
+
+use std::sync::Arc;
+
+use arrow::array::{ArrayRef, Float32Array, RecordBatch};
+use regex::Regex;
+use weir_graph::batch::with_column;
+use weir_graph::{Stage, StageError, StepContext};
+
+use super::python::PythonReward;
+use super::rules;
+use super::RuleReward;
+use crate::rollout::col;
+use crate::stages::columns::{strings, token_lists};
+
+/// What one term computes.
+pub enum TermKind {
+    /// A rule on the response and the reference answer.
+    Rule(RuleReward),
+    /// 1 when the pattern matches the whole completion ([`rules::full_match`]).
+    Regex(Regex),
+    /// [`rules::length_penalty`] of the response's tokens against `max`.
+    Length {
+        /// The length at which the penalty reaches −1.
+        max: usize,
+    },
+    /// A Python reward function.
+    Python(Box<PythonReward>),
+}
+
+/// One weighted term.
+pub struct Term {
+    /// Its metric is `reward_<name>`.
+    pub name: String,
+    /// Its weight in the sum.
+    pub weight: f64,
+    /// What it computes.
+    pub kind: TermKind,
+}
+
+/// The weighted sum of several rewards.
+pub struct RewardTerms {
+    terms: Vec<Term>,
+    label_column: String,
+}
+
+impl RewardTerms {
+    /// The sum of `terms`; rules read their reference from `label_column`.
+    pub fn new(terms: Vec<Term>, label_column: &str) -> Result<Self, StageError> {
+        if terms.is_empty() {
+            return Err("reward terms: none given".into());
+        }
+        Ok(RewardTerms {
+            terms,
+            label_column: label_column.to_string(),
+        })
+    }
+}
+
+impl Stage for RewardTerms {
+    fn process(
+        &mut self,
+        ctx: &mut StepContext,
+        batch: RecordBatch,
+    ) -> Result<Vec<RecordBatch>, StageError> {
+        let n = batch.num_rows();
+        let responses = strings(&batch, col::RESPONSE, "reward")?;
+        let needs_labels = self
+            .terms
+            .iter()
+            .any(|t| matches!(t.kind, TermKind::Rule(_) | TermKind::Python(_)));
+        let labels = match (needs_labels, self.label_column.is_empty()) {
+            (true, false) => Some(strings(&batch, &self.label_column, "reward")?),
+            _ => None,
+        };
+        let mut total = vec![0.0; n];
+        for term in &mut self.terms {
+            let values: Vec<f64> = match &mut term.kind {
+                TermKind::Rule(rule) => {
+                    let labels = labels.as_ref().ok_or_else(|| {
+                        format!(
+                            "reward term `{}`: a rule needs data.label_column",
+                            term.name
+                        )
+                    })?;
+                    responses
+                        .iter()
+                        .zip(labels)
+                        .map(|(r, l)| rule(r, l))
+                        .collect()
+                }
+                TermKind::Regex(pattern) => responses
+                    .iter()
+                    .map(|r| rules::regex_match(pattern, r))
+                    .collect(),
+                TermKind::Length { max } => token_lists(&batch, col::RESPONSE_TOKENS, "reward")?
+                    .iter()
+                    .map(|t| rules::length_penalty(t.len(), *max))
+                    .collect(),
+                TermKind::Python(python) => {
+                    let prompts = strings(&batch, col::PROMPT, "reward")?;
+                    let columns = python
+                        .columns()
+                        .iter()
+                        .map(|c| Ok((c.clone(), strings(&batch, c, "reward")?)))
+                        .collect::<Result<Vec<_>, StageError>>()?;
+                    let (values, logs) =
+                        python.score(&prompts, &responses, labels.as_deref(), &columns)?;
+                    for (key, value) in logs {
+                        ctx.record(&format!("reward_{}_{key}", term.name), value);
+                    }
+                    values
+                }
+            };
+            if n > 0 {
+                ctx.record(
+                    &format!("reward_{}", term.name),
+                    values.iter().sum::<f64>() / n as f64,
+                );
+            }
+            for (sum, v) in total.iter_mut().zip(&values) {
+                *sum += term.weight * v;
+            }
+        }
+        let rewards: Float32Array = total.iter().map(|r| *r as f32).collect();
+        Ok(vec![with_column(
+            &batch,
+            col::REWARD,
+            Arc::new(rewards) as ArrayRef,
+        )?])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use weir_graph::WorkerInfo;
+
+    #[test]
+    fn terms_sum_with_their_weights() {
+        let batch = RecordBatch::try_from_iter([
+            (
+                col::RESPONSE,
+                Arc::new(arrow::array::StringArray::from(vec![
+                    "<answer>3</answer>",
+                    "3",
+                    "<answer>4</answer>",
+                ])) as ArrayRef,
+            ),
+            (
+                "answer",
+                Arc::new(arrow::array::StringArray::from(vec![
+                    "<answer>3</answer>",
+                    "3",
+                    "3",
+                ])) as ArrayRef,
+            ),
+            (
+                col::RESPONSE_TOKENS,
+                crate::stages::columns::token_list_array(&[vec![1, 2], vec![1], vec![1, 2, 3, 4]]),
+            ),
+        ])
+        .unwrap();
+        let terms = vec![
+            Term {
+                name: "exact".into(),
+                weight: 1.0,
+                kind: TermKind::Rule(rules::exact),
+            },
+            Term {
+                name: "format".into(),
+                weight: 0.5,
+                kind: TermKind::Regex(rules::full_match("<answer>.*</answer>").unwrap()),
+            },
+            Term {
+                name: "length".into(),
+                weight: 0.1,
+                kind: TermKind::Length { max: 4 },
+            },
+        ];
+        let mut stage = RewardTerms::new(terms, "answer").unwrap();
+        let info = WorkerInfo {
+            index: 0,
+            peers: 1,
+            process: 0,
+            rank: 0,
+            role_size: 1,
+        };
+        let mut ctx = StepContext::detached(0, info, 0);
+        let out = stage.process(&mut ctx, batch).unwrap().remove(0);
+        let rewards: Vec<f32> = out
+            .column_by_name(col::REWARD)
+            .unwrap()
+            .as_any()
+            .downcast_ref::<Float32Array>()
+            .unwrap()
+            .values()
+            .to_vec();
+        let want = [1.0 + 0.5 - 0.05, 1.0 + 0.0 - 0.025, 0.0 + 0.5 - 0.1];
+        for (got, want) in rewards.iter().zip(want) {
+            assert!((f64::from(*got) - want).abs() < 1e-6, "{rewards:?}");
+        }
+        assert!(RewardTerms::new(Vec::new(), "answer").is_err());
+    }
+}
