@@ -450,6 +450,88 @@ fn a_python_reward_file_scores_a_jsonl_task_with_its_columns() {
     assert!(small.values().all(|v| (0.0..=1.0).contains(v)));
 }
 
+#[test]
+fn weighted_reward_terms_combine_python_math_and_regex() {
+    use weir::operators::rewards::{arith, rules};
+    use weir::pipelines::config::{RewardKind, RewardTerm};
+    let tmp = tempfile::tempdir().unwrap();
+    let prompts = tmp.path().join("task.jsonl");
+    let lines: Vec<String> = (0..9u32)
+        .map(|i| {
+            serde_json::json!({
+                "messages": [{"role": "user", "content": arith::user_message(i, i + 1)}],
+                "answer": (2 * i + 1).to_string(),
+            })
+            .to_string()
+        })
+        .collect();
+    std::fs::write(&prompts, lines.join("\n")).unwrap();
+    let file = tmp.path().join("exact.py");
+    std::fs::write(
+        &file,
+        "def reward_func(queries, prompts, labels, **columns):\n    \
+         return [float(q[len(p):].split('<|im_end|>')[0].strip() == l) for q, p, l in zip(queries, prompts, labels)]\n",
+    )
+    .unwrap();
+    let kind = PipelineKind::Grpo;
+    let mut cfg = config(kind, 2);
+    cfg.data.prompts = prompts.display().to_string();
+    cfg.data.messages_column = "messages".into();
+    cfg.reward.kind = RewardKind::Terms;
+    cfg.reward.terms = vec![
+        RewardTerm {
+            file: file.display().to_string(),
+            weight: 0.5,
+            ..Default::default()
+        },
+        RewardTerm {
+            rule: "math".into(),
+            ..Default::default()
+        },
+        RewardTerm {
+            rule: "regex".into(),
+            name: "digits".into(),
+            pattern: r"\d+".into(),
+            weight: 0.25,
+            ..Default::default()
+        },
+    ];
+    // The resolved config, with its [[reward.terms]], reads back the same.
+    let dir = tmp.path().join("run");
+    run(kind, cfg.clone(), &dir, false);
+    assert_eq!(read_resolved(&dir).unwrap().1, cfg);
+    let digits = rules::full_match(r"\d+").unwrap();
+    let mut rows = 0;
+    for b in read_parquet_dir(&dir.join("rollouts")).unwrap() {
+        let responses = b.column_by_name("response").unwrap().as_string::<i32>();
+        let answers = b.column_by_name("answer").unwrap().as_string::<i32>();
+        let rewards = b
+            .column_by_name("reward")
+            .unwrap()
+            .as_primitive::<Float32Type>();
+        for i in 0..b.num_rows() {
+            let (r, a) = (responses.value(i), answers.value(i));
+            let want = 0.5 * arith::exact_match(r, a)
+                + rules::math(r, a)
+                + 0.25 * rules::regex_match(&digits, r);
+            assert!(
+                (f64::from(rewards.value(i)) - want).abs() < 1e-6,
+                "{r:?} {a}"
+            );
+            rows += 1;
+        }
+    }
+    assert_eq!(rows, 2 * 3 * 4);
+    for term in ["reward_reward_func", "reward_math", "reward_digits"] {
+        assert_eq!(metric(&dir, "reward", term).len(), 2, "{term}");
+    }
+    // A bad term is named.
+    let mut bad = cfg.clone();
+    bad.reward.terms[2].pattern = "(unclosed".into();
+    let err = run_err(kind, bad, &tmp.path().join("bad"));
+    assert!(err.contains("reward.terms[2].pattern"), "{err}");
+}
+
 fn config_with_steps(cfg: &RunConfig, steps: u64) -> RunConfig {
     let mut c = cfg.clone();
     c.run.steps = steps;

@@ -17,7 +17,8 @@ use weir_operators::checkpoint::{
     load_optimizer, CheckpointCommits, CheckpointPlan, Checkpointer, StepValues,
 };
 use weir_operators::rewards::python::{PythonReward, PythonRewardConfig};
-use weir_operators::rewards::{arith, rule_reward};
+use weir_operators::rewards::terms::{RewardTerms, Term, TermKind};
+use weir_operators::rewards::{arith, rule_reward, rules};
 use weir_operators::stages::generate::Generate;
 use weir_operators::stages::learner::{Learner, LearnerConfig, LrSchedule};
 use weir_operators::stages::prompt_stats::{Curriculum, StatsView};
@@ -306,17 +307,39 @@ pub fn reward(
                 attempts: cfg.reward.attempts,
                 ..Default::default()
             })?),
-            RewardKind::Python => Box::new(PythonReward::new(PythonRewardConfig {
-                file: PathBuf::from(&cfg.reward.file),
-                function: cfg.reward.function.clone(),
-                python: cfg.reward.python.clone(),
-                workers: cfg.reward.workers,
-                timeout: Duration::from_secs_f64(cfg.reward.timeout_s.max(0.001)),
-                attempts: cfg.reward.attempts,
-                label_column: (!cfg.data.label_column.is_empty())
-                    .then(|| cfg.data.label_column.clone()),
-                columns: reward_columns(&cfg)?,
-            })?),
+            RewardKind::Python => Box::new(PythonReward::new(python_reward(
+                &cfg,
+                &cfg.reward.file,
+                &cfg.reward.function,
+            )?)?),
+            RewardKind::Terms => {
+                let mut terms = Vec::new();
+                for t in &cfg.reward.terms {
+                    let kind = match t.rule.as_str() {
+                        "" => TermKind::Python(Box::new(PythonReward::new(python_reward(
+                            &cfg,
+                            &t.file,
+                            &t.function,
+                        )?)?)),
+                        "regex" => TermKind::Regex(rules::full_match(&t.pattern)?),
+                        "length" => TermKind::Length {
+                            max: match t.max_tokens {
+                                0 => cfg.generate.max_new_tokens,
+                                n => n,
+                            },
+                        },
+                        name => TermKind::Rule(
+                            rule_reward(name).ok_or_else(|| format!("unknown rule `{name}`"))?,
+                        ),
+                    };
+                    terms.push(Term {
+                        name: t.label(),
+                        weight: t.weight,
+                        kind,
+                    });
+                }
+                Box::new(RewardTerms::new(terms, &cfg.data.label_column)?)
+            }
             RewardKind::Rule => {
                 let rule = rule_reward(&cfg.reward.rule)
                     .ok_or_else(|| format!("unknown rule reward `{}`", cfg.reward.rule))?;
@@ -326,11 +349,34 @@ pub fn reward(
     }
 }
 
+/// How to run the Python reward `function` of `file`.
+fn python_reward(
+    cfg: &RunConfig,
+    file: &str,
+    function: &str,
+) -> Result<PythonRewardConfig, StageError> {
+    Ok(PythonRewardConfig {
+        file: PathBuf::from(file),
+        function: function.to_string(),
+        python: cfg.reward.python.clone(),
+        workers: cfg.reward.workers,
+        timeout: Duration::from_secs_f64(cfg.reward.timeout_s.max(0.001)),
+        attempts: cfg.reward.attempts,
+        label_column: (!cfg.data.label_column.is_empty()).then(|| cfg.data.label_column.clone()),
+        columns: reward_columns(cfg)?,
+    })
+}
+
 /// The prompt-file columns a Python reward receives besides the prompt and
 /// the label: every other column all records have.
 pub fn reward_columns(cfg: &RunConfig) -> Result<Vec<String>, StageError> {
     let d = &cfg.data;
-    if cfg.reward.kind != RewardKind::Python || d.prompts == "arith" {
+    let python = match cfg.reward.kind {
+        RewardKind::Python => true,
+        RewardKind::Terms => cfg.reward.terms.iter().any(|t| !t.file.is_empty()),
+        _ => false,
+    };
+    if !python || d.prompts == "arith" {
         return Ok(Vec::new());
     }
     let own = [&d.prompt_column, &d.messages_column, &d.label_column];

@@ -446,6 +446,14 @@ fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String
                 value,
             );
         }
+        "reward.terms" => (
+            &[
+                "reward.kind=\"terms\"",
+                "reward.terms=[{rule = \"arith_exact_match\"}]",
+            ],
+            "[{rule = \"arith_exact_match\", weight = 2.0}, {rule = \"length\", weight = 0.1}]"
+                .into(),
+        ),
         "algorithm.lr" => (&[], "0.01".into()),
         "algorithm.warmup_steps" => (&[], "5".into()),
         "algorithm.schedule" => (&["algorithm.warmup_steps=0"], "\"cosine\"".into()),

@@ -61,6 +61,8 @@ pub enum RewardKind {
     Remote,
     /// A function in a Python file (`reward.file`, `reward.function`).
     Python,
+    /// Several rewards with weights (`[[reward.terms]]`).
+    Terms,
 }
 
 /// `algorithm.schedule`.

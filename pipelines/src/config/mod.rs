@@ -220,6 +220,9 @@ pub struct RewardSection {
     pub python: String,
     /// Worker processes running it.
     pub workers: usize,
+    /// The rewards of `reward.kind = "terms"`, summed with their weights
+    /// (kept last: TOML writes arrays of tables after the plain keys).
+    pub terms: Vec<RewardTerm>,
     /// DAPO's overlong buffer in tokens below `generate.max_new_tokens` (0: off).
     pub overlong_buffer: usize,
     /// The overlong penalty at `generate.max_new_tokens`.
@@ -238,8 +241,56 @@ impl Default for RewardSection {
             function: "reward_func".into(),
             python: "python3".into(),
             workers: 2,
+            terms: Vec::new(),
             overlong_buffer: 0,
             overlong_penalty_factor: 1.0,
+        }
+    }
+}
+
+/// One `[[reward.terms]]` entry: a rule or a Python function, with a weight.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RewardTerm {
+    /// Its metric is `reward_<name>` (default: the rule, or the function).
+    pub name: String,
+    /// A rule: `arith_exact_match`, `math`, `exact`, `contains`, `regex`, `length`.
+    pub rule: String,
+    /// Or a Python file (OpenRLHF's or verl's signature, as `reward.file`).
+    pub file: String,
+    /// The Python file's function.
+    pub function: String,
+    /// Its weight in the sum.
+    pub weight: f64,
+    /// The `regex` rule's pattern, matched against the whole completion.
+    pub pattern: String,
+    /// The `length` rule's length at which the penalty reaches −1 (0: generate.max_new_tokens).
+    pub max_tokens: usize,
+}
+
+impl Default for RewardTerm {
+    fn default() -> Self {
+        RewardTerm {
+            name: String::new(),
+            rule: String::new(),
+            file: String::new(),
+            function: "reward_func".into(),
+            weight: 1.0,
+            pattern: String::new(),
+            max_tokens: 0,
+        }
+    }
+}
+
+impl RewardTerm {
+    /// The name its metric carries.
+    pub fn label(&self) -> String {
+        if !self.name.is_empty() {
+            self.name.clone()
+        } else if !self.rule.is_empty() {
+            self.rule.clone()
+        } else {
+            self.function.clone()
         }
     }
 }

@@ -80,17 +80,31 @@ fn inert(cfg: &RunConfig, pipeline: PipelineKind) -> Vec<(&'static str, &'static
         &["url"],
         "reward.kind = \"remote\"",
     );
+    let python_terms = r.kind == RewardKind::Terms && r.terms.iter().any(|t| !t.file.is_empty());
+    let python = r.kind == RewardKind::Python || python_terms;
     unless(
-        matches!(r.kind, RewardKind::Remote | RewardKind::Python),
+        r.kind == RewardKind::Remote || python,
         "reward",
         &["timeout_s", "attempts"],
-        "reward.kind = \"remote\" or \"python\"",
+        "reward.kind = \"remote\" or a Python reward",
     );
     unless(
         r.kind == RewardKind::Python,
         "reward",
-        &["file", "function", "python", "workers"],
+        &["file", "function"],
         "reward.kind = \"python\"",
+    );
+    unless(
+        python,
+        "reward",
+        &["python", "workers"],
+        "a Python reward (reward.kind = \"python\", or a term with a file)",
+    );
+    unless(
+        r.kind == RewardKind::Terms,
+        "reward",
+        &["terms"],
+        "reward.kind = \"terms\"",
     );
     if pipeline.is_rl() && pipeline != PipelineKind::Ppo {
         unless(

@@ -106,6 +106,76 @@ impl RunConfig {
                 return bad("reward.workers", "0".into(), "must be ≥ 1");
             }
         }
+        if self.reward.kind == RewardKind::Terms {
+            if self.reward.terms.is_empty() {
+                return bad(
+                    "reward.terms",
+                    "[]".into(),
+                    "reward.kind = \"terms\" needs at least one [[reward.terms]]",
+                );
+            }
+            let mut names = std::collections::BTreeSet::new();
+            for (i, t) in self.reward.terms.iter().enumerate() {
+                let key = |k: &str| format!("reward.terms[{i}].{k}");
+                if t.rule.is_empty() == t.file.is_empty() {
+                    return bad(
+                        &key("rule"),
+                        format!("{:?}", t.rule),
+                        "give a term either a rule or a file",
+                    );
+                }
+                let known = weir_operators::rewards::rule_reward(&t.rule).is_some()
+                    || matches!(t.rule.as_str(), "regex" | "length");
+                if !t.rule.is_empty() && !known {
+                    let mut rules = weir_operators::rewards::RULE_REWARDS.to_vec();
+                    rules.extend(["regex", "length"]);
+                    return bad(
+                        &key("rule"),
+                        format!("{:?}", t.rule),
+                        &format!("must be one of {rules:?}"),
+                    );
+                }
+                if t.rule == "regex" {
+                    if let Err(e) = weir_operators::rewards::rules::full_match(&t.pattern) {
+                        return bad(
+                            &key("pattern"),
+                            format!("{:?}", t.pattern),
+                            &format!("not a regular expression: {e}"),
+                        );
+                    }
+                } else if !t.pattern.is_empty() {
+                    return bad(
+                        &key("pattern"),
+                        format!("{:?}", t.pattern),
+                        "only the regex rule reads a pattern",
+                    );
+                }
+                if t.max_tokens != 0 && t.rule != "length" {
+                    return bad(
+                        &key("max_tokens"),
+                        t.max_tokens.to_string(),
+                        "only the length rule reads max_tokens",
+                    );
+                }
+                if !t.file.is_empty() && !std::path::Path::new(&t.file).is_file() {
+                    return bad(&key("file"), format!("{:?}", t.file), "no such file");
+                }
+                if !t.weight.is_finite() {
+                    return bad(
+                        &key("weight"),
+                        t.weight.to_string(),
+                        "must be a finite number",
+                    );
+                }
+                if !names.insert(t.label()) {
+                    return bad(
+                        &key("name"),
+                        format!("{:?}", t.label()),
+                        "two terms share this name: name them",
+                    );
+                }
+            }
+        }
         if self.reward.kind == RewardKind::Remote && self.reward.url.is_empty() {
             return bad(
                 "reward.url",
