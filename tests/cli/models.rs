@@ -283,3 +283,77 @@ fn bad_lines_are_named_and_nothing_is_written() {
         "{stderr}"
     );
 }
+
+#[test]
+fn a_checkpoint_in_transformers_5_layout_generates_from_messages_and_saves_the_same_way() {
+    let dir = tempfile::tempdir().unwrap();
+    // transformers 5 writes the chat template to chat_template.jinja, not tokenizer_config.json.
+    let source = fixtures().join("arith-sft");
+    let v5 = dir.path().join("arith-sft-v5");
+    std::fs::create_dir_all(&v5).unwrap();
+    for entry in std::fs::read_dir(&source).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, v5.join(path.file_name().unwrap())).unwrap();
+    }
+    let config_path = v5.join("tokenizer_config.json");
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    let template = config
+        .as_object_mut()
+        .unwrap()
+        .remove("chat_template")
+        .unwrap();
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    std::fs::write(v5.join("chat_template.jinja"), template.as_str().unwrap()).unwrap();
+
+    let prompt = serde_json::json!({"messages": [{"role": "user", "content": "Compute: 3+4"}]});
+    std::fs::write(dir.path().join("in.jsonl"), prompt.to_string()).unwrap();
+    let generate = |model: &Path, out: &str| -> String {
+        let text = success(&weir(
+            &[
+                "generate",
+                "--model",
+                model.to_str().unwrap(),
+                "--input",
+                "in.jsonl",
+                "--output",
+                out,
+                "--max-new-tokens",
+                "6",
+                "--greedy",
+            ],
+            dir.path(),
+        ));
+        let _ = text;
+        let batch = read(&dir.path().join(out));
+        let texts = batch.column_by_name("response").unwrap().as_string::<i32>();
+        texts.value(0).to_string()
+    };
+    let want = generate(&source, "a.parquet");
+    assert_eq!(generate(&v5, "b.parquet"), want);
+
+    // A checkpoint of a run from it keeps the layout and generates the same way.
+    success(&weir(
+        &[
+            "run",
+            "sft",
+            "--quiet",
+            "--out",
+            "r",
+            "--set",
+            &format!("model.path={}", v5.display()),
+            "--set",
+            "run.steps=1",
+            "--set",
+            "algorithm.lr=1e-12",
+            "--set",
+            "data.prompts_per_step=2",
+            "--set",
+            "eval.arith=false",
+        ],
+        dir.path(),
+    ));
+    let actor = dir.path().join("r/checkpoints/step-0/actor");
+    assert!(actor.join("chat_template.jinja").is_file());
+    assert_eq!(generate(&actor, "c.parquet"), want);
+}

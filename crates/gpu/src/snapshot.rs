@@ -190,14 +190,38 @@ impl Model {
             "tokenizer.json",
             "tokenizer_config.json",
             "special_tokens_map.json",
+            "chat_template.jinja",
+            "chat_template.json",
+            "additional_chat_templates",
+            "tokenizer.model",
+            "vocab.json",
+            "merges.txt",
+            "added_tokens.json",
         ] {
             let from = self.source.join(file);
-            if from.is_file() && from != dir.join(file) {
-                std::fs::copy(&from, dir.join(file)).map_err(|e| ModelError::io(&from, e))?;
+            if from != dir.join(file) {
+                copy_entry(&from, &dir.join(file))?;
             }
         }
         Ok(())
     }
+}
+
+/// Copies a file, or a folder of files (one level), if `from` exists.
+fn copy_entry(from: &Path, to: &Path) -> Result<(), ModelError> {
+    if from.is_file() {
+        std::fs::copy(from, to).map_err(|e| ModelError::io(from, e))?;
+    } else if from.is_dir() {
+        std::fs::create_dir_all(to).map_err(|e| ModelError::io(to, e))?;
+        for entry in std::fs::read_dir(from).map_err(|e| ModelError::io(from, e))? {
+            let path = entry.map_err(|e| ModelError::io(from, e))?.path();
+            if path.is_file() {
+                let target = to.join(path.file_name().unwrap_or_default());
+                std::fs::copy(&path, &target).map_err(|e| ModelError::io(&path, e))?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Writes `bytes` to `path` through a temporary file and a rename, so

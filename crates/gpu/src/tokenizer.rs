@@ -62,6 +62,38 @@ fn read_json(path: &Path) -> Result<Option<Value>, ModelError> {
         })
 }
 
+/// The chat template of a checkpoint folder, in the layouts transformers
+/// writes: `chat_template.jinja` (transformers ≥ 4.50, and 5), the
+/// `chat_template` key of `tokenizer_config.json` (a string, or a list of
+/// named templates whose `default` is taken), or `chat_template.json`
+/// (`{"chat_template": …}`, processors).
+fn chat_template(dir: &Path, config: &Value) -> Result<Option<String>, ModelError> {
+    let jinja = dir.join("chat_template.jinja");
+    if jinja.is_file() {
+        return std::fs::read_to_string(&jinja)
+            .map(Some)
+            .map_err(|e| ModelError::io(&jinja, e));
+    }
+    let from_config = match config.get("chat_template") {
+        Some(Value::String(t)) => Some(t.clone()),
+        Some(Value::Array(list)) => list
+            .iter()
+            .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+            .and_then(|t| t.get("template"))
+            .and_then(Value::as_str)
+            .map(String::from),
+        _ => None,
+    };
+    if from_config.is_some() {
+        return Ok(from_config);
+    }
+    Ok(read_json(&dir.join("chat_template.json"))?.and_then(|v| {
+        v.get("chat_template")
+            .and_then(Value::as_str)
+            .map(String::from)
+    }))
+}
+
 impl Tokenizer {
     /// Loads the tokenizer files of the checkpoint folder `dir`.
     pub fn load(dir: &Path) -> Result<Self, ModelError> {
@@ -74,17 +106,7 @@ impl Tokenizer {
             message: e.to_string(),
         })?;
         let config = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Value::Null);
-        let chat_template = match config.get("chat_template") {
-            Some(Value::String(t)) => Some(t.clone()),
-            // A list of named templates: take the one called `default`.
-            Some(Value::Array(list)) => list
-                .iter()
-                .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
-                .and_then(|t| t.get("template"))
-                .and_then(Value::as_str)
-                .map(String::from),
-            _ => None,
-        };
+        let chat_template = chat_template(dir, &config)?;
         let (bos_token, eos_token, pad_token) = (
             token_text(config.get("bos_token")),
             token_text(config.get("eos_token")),
