@@ -21,6 +21,7 @@ use weir_operators::rewards::terms::{RewardTerms, Term, TermKind};
 use weir_operators::rewards::{arith, rule_reward, rules};
 use weir_operators::stages::generate::Generate;
 use weir_operators::stages::learner::{Learner, LearnerConfig, LrSchedule};
+use weir_operators::stages::prompt_files::PromptFormat;
 use weir_operators::stages::prompt_stats::{Curriculum, StatsView};
 use weir_operators::stages::prompts::{Cursor, CursorLog, PromptColumn, PromptSource};
 use weir_operators::stages::reference::RefLogprob;
@@ -232,9 +233,15 @@ fn source(
             let room = context
                 .filter(|_| !pairs)
                 .map(|c| (c.max(0) as usize).saturating_sub(cfg.generate.max_new_tokens));
+            let format = PromptFormat {
+                template: (!d.prompt_template.is_empty()).then(|| d.prompt_template.clone()),
+                chat: d.apply_chat_template,
+                system: (!d.system_prompt.is_empty()).then(|| d.system_prompt.clone()),
+            };
             PromptSource::from_file(
                 Path::new(&d.prompts),
                 &column,
+                &format,
                 &extra,
                 room,
                 &tok,

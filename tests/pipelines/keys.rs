@@ -380,6 +380,14 @@ fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String
         "data.prompt_column" => return (vec![file], "\"question\"".into()),
         "data.messages_column" => return (vec![file], "\"messages\"".into()),
         "data.label_column" => return (vec![file], "\"answer2\"".into()),
+        "data.prompt_template" => return (vec![file], "\"Please: {prompt}\"".into()),
+        "data.apply_chat_template" => return (vec![file], "true".into()),
+        "data.system_prompt" => {
+            return (
+                vec![file, "data.apply_chat_template=true".into()],
+                "\"Answer with a number.\"".into(),
+            )
+        }
         "data.chosen_column" => return (vec![file], "\"chosen2\"".into()),
         "data.rejected_column" => return (vec![file], "\"rejected2\"".into()),
         "data.margin_column" => return (vec![file], "\"margin\"".into()),

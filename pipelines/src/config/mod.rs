@@ -141,6 +141,12 @@ pub struct DataSection {
     pub messages_column: String,
     /// The column with the reference answer (rule rewards, SFT targets).
     pub label_column: String,
+    /// A text in which `{prompt}` stands for each plain-text prompt (empty: none).
+    pub prompt_template: String,
+    /// Render plain-text prompts with the model's chat template, as a user message.
+    pub apply_chat_template: bool,
+    /// A system message put before every chat prompt (empty: none).
+    pub system_prompt: String,
     /// Prompts per step.
     pub prompts_per_step: usize,
     /// Samples per prompt (the group size).
@@ -162,6 +168,9 @@ impl Default for DataSection {
             prompt_column: "prompt".into(),
             messages_column: String::new(),
             label_column: "answer".into(),
+            prompt_template: String::new(),
+            apply_chat_template: false,
+            system_prompt: String::new(),
             prompts_per_step: 8,
             samples_per_prompt: 8,
             epochs: 0,

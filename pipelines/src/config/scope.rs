@@ -63,6 +63,24 @@ fn inert(cfg: &RunConfig, pipeline: PipelineKind) -> Vec<(&'static str, &'static
     };
     let arith = cfg.data.prompts == "arith";
     unless(
+        !arith,
+        "data",
+        &["prompt_template", "apply_chat_template", "system_prompt"],
+        "data.prompts is a file (arith prompts have their own format)",
+    );
+    unless(
+        arith || cfg.data.messages_column.is_empty(),
+        "data",
+        &["prompt_template", "apply_chat_template"],
+        "the prompts are plain text (data.messages_column is empty)",
+    );
+    unless(
+        arith || cfg.data.apply_chat_template || !cfg.data.messages_column.is_empty(),
+        "data",
+        &["system_prompt"],
+        "the prompts are chats (data.apply_chat_template, or data.messages_column)",
+    );
+    unless(
         r.overlong_buffer > 0,
         "reward",
         &["overlong_penalty_factor"],

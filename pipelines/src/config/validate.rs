@@ -106,6 +106,14 @@ impl RunConfig {
                 return bad("reward.workers", "0".into(), "must be ≥ 1");
             }
         }
+        let template = &self.data.prompt_template;
+        if !template.is_empty() && !template.contains("{prompt}") {
+            return bad(
+                "data.prompt_template",
+                format!("{template:?}"),
+                "must contain {prompt}, where each prompt goes",
+            );
+        }
         if self.reward.kind == RewardKind::Terms {
             if self.reward.terms.is_empty() {
                 return bad(

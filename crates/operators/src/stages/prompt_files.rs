@@ -15,6 +15,63 @@ pub enum PromptColumn {
     Messages(String),
 }
 
+/// How a prompt of a file becomes the model's input.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PromptFormat {
+    /// A text in which `{prompt}` stands for a plain-text prompt (e.g.
+    /// `"Question: {prompt}\nAnswer:"`).
+    pub template: Option<String>,
+    /// Render a plain-text prompt as a user message with the chat template
+    /// (and a generation prompt); message prompts always are.
+    pub chat: bool,
+    /// A system message put first, unless the messages start with one.
+    pub system: Option<String>,
+}
+
+impl PromptFormat {
+    /// The text and tokens of a plain-text prompt.
+    fn text(&self, raw: &str, tokenizer: &Tokenizer) -> Result<(String, Vec<i64>), StageError> {
+        let text = match &self.template {
+            Some(t) => t.replace("{prompt}", raw),
+            None => raw.to_string(),
+        };
+        if !self.chat {
+            let tokens = tokenizer.encode(&text, true)?;
+            return Ok((text, tokens));
+        }
+        self.messages(
+            vec![Message {
+                role: "user".into(),
+                content: text,
+            }],
+            tokenizer,
+        )
+    }
+
+    /// The text and tokens of a list of messages.
+    fn messages(
+        &self,
+        mut messages: Vec<Message>,
+        tokenizer: &Tokenizer,
+    ) -> Result<(String, Vec<i64>), StageError> {
+        if let Some(system) = &self.system {
+            if messages.first().is_none_or(|m| m.role != "system") {
+                messages.insert(
+                    0,
+                    Message {
+                        role: "system".into(),
+                        content: system.clone(),
+                    },
+                );
+            }
+        }
+        Ok((
+            tokenizer.apply_chat_template(&messages, true)?,
+            tokenizer.encode_chat(&messages, true)?,
+        ))
+    }
+}
+
 impl PromptSource {
     /// Reads a prompt set from a `.jsonl` or `.parquet` file: the prompt
     /// from `prompt`, and each of `extra` (e.g. `answer`) as a string column.
@@ -24,6 +81,7 @@ impl PromptSource {
     pub fn from_file(
         path: &std::path::Path,
         prompt: &PromptColumn,
+        format: &PromptFormat,
         extra: &[String],
         max_prompt_tokens: Option<usize>,
         tokenizer: &Tokenizer,
@@ -42,16 +100,13 @@ impl PromptSource {
                         .get(c)
                         .and_then(serde_json::Value::as_str)
                         .ok_or_else(|| missing(c))?;
-                    (text.to_string(), tokenizer.encode(text, true)?)
+                    format.text(text, tokenizer)?
                 }
                 PromptColumn::Messages(c) => {
                     let value = record.get(c).ok_or_else(|| missing(c))?;
                     let messages: Vec<Message> = serde_json::from_value(value.clone())
                         .map_err(|e| format!("{}: {where_}: column `{c}`: {e}", path.display()))?;
-                    (
-                        tokenizer.apply_chat_template(&messages, true)?,
-                        tokenizer.encode_chat(&messages, true)?,
-                    )
+                    format.messages(messages, tokenizer)?
                 }
             };
             if tokens.is_empty() {
@@ -184,6 +239,7 @@ mod file_tests {
         let src = PromptSource::from_file(
             &jsonl,
             &PromptColumn::Messages("messages".into()),
+            &PromptFormat::default(),
             &["answer".into()],
             None,
             &tok,
@@ -218,6 +274,7 @@ mod file_tests {
         let src = PromptSource::from_file(
             &parquet,
             &PromptColumn::Text("question".into()),
+            &PromptFormat::default(),
             &["answer".into()],
             None,
             &tok,
@@ -234,6 +291,40 @@ mod file_tests {
     }
 
     #[test]
+    fn a_template_a_chat_template_and_a_system_prompt_shape_plain_prompts() {
+        let tok = tokenizer();
+        let format = PromptFormat {
+            template: Some("Question: {prompt}\nAnswer:".into()),
+            chat: true,
+            system: Some("Be brief.".into()),
+        };
+        let (text, tokens) = format.text("1+2?", &tok).unwrap();
+        let messages = [
+            Message {
+                role: "system".into(),
+                content: "Be brief.".into(),
+            },
+            Message {
+                role: "user".into(),
+                content: "Question: 1+2?\nAnswer:".into(),
+            },
+        ];
+        assert_eq!(text, tok.apply_chat_template(&messages, true).unwrap());
+        assert_eq!(tokens, tok.encode_chat(&messages, true).unwrap());
+        // Without the chat template: the templated text as is.
+        let plain = PromptFormat {
+            chat: false,
+            system: None,
+            ..format.clone()
+        };
+        assert_eq!(plain.text("x", &tok).unwrap().0, "Question: x\nAnswer:");
+        // Messages that bring their own system message keep it.
+        let own = vec![messages[0].clone(), messages[1].clone()];
+        let (again, _) = format.messages(own, &tok).unwrap();
+        assert_eq!(again.matches("Be brief.").count(), 1);
+    }
+
+    #[test]
     fn bad_prompt_files_name_the_file_line_and_column() {
         let dir = tempfile::tempdir().unwrap();
         let tok = tokenizer();
@@ -246,6 +337,7 @@ mod file_tests {
         let err = PromptSource::from_file(
             &path,
             &PromptColumn::Text("prompt".into()),
+            &PromptFormat::default(),
             &["answer".into()],
             None,
             &tok,
@@ -263,6 +355,7 @@ mod file_tests {
         let err = PromptSource::from_file(
             &path,
             &PromptColumn::Text("prompt".into()),
+            &PromptFormat::default(),
             &[],
             None,
             &tok,
@@ -276,6 +369,7 @@ mod file_tests {
         let err = PromptSource::from_file(
             &dir.path().join("x.csv"),
             &PromptColumn::Text("p".into()),
+            &PromptFormat::default(),
             &[],
             None,
             &tok,
