@@ -9,6 +9,7 @@ pub use weir_graph as graph;
 pub use weir_operators as operators;
 pub use weir_pipelines as pipelines;
 
+pub mod cli;
 pub mod cluster;
 pub mod demo;
 pub mod model_cli;

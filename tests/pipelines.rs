@@ -532,6 +532,55 @@ fn weighted_reward_terms_combine_python_math_and_regex() {
     assert!(err.contains("reward.terms[2].pattern"), "{err}");
 }
 
+#[test]
+fn a_reward_registered_in_rust_scores_by_its_name() {
+    use weir::operators::rewards::{register, rules, Reward, RewardRows, Scores};
+    struct Longer;
+    impl Reward for Longer {
+        fn score(&mut self, rows: &RewardRows<'_>) -> Result<Scores, weir::graph::StageError> {
+            let labels = rows.labels.expect("arith rows have answers");
+            let rewards = rows
+                .responses
+                .iter()
+                .zip(labels)
+                .map(|(r, l)| rules::exact(r, l) + rules::completion(r).len() as f64 / 100.0)
+                .collect();
+            Ok(Scores {
+                rewards,
+                metrics: vec![("rows".into(), rows.batch.num_rows() as f64)],
+            })
+        }
+    }
+    register("test_longer", || Ok(Box::new(Longer)));
+    let tmp = tempfile::tempdir().unwrap();
+    let kind = PipelineKind::Grpo;
+    let mut cfg = config(kind, 2);
+    cfg.reward.rule = "test_longer".into();
+    let dir = tmp.path().join("run");
+    run(kind, cfg.clone(), &dir, false);
+    for b in read_parquet_dir(&dir.join("rollouts")).unwrap() {
+        let responses = b.column_by_name("response").unwrap().as_string::<i32>();
+        let answers = b.column_by_name("answer").unwrap().as_string::<i32>();
+        let rewards = b
+            .column_by_name("reward")
+            .unwrap()
+            .as_primitive::<Float32Type>();
+        for i in 0..b.num_rows() {
+            let (r, a) = (responses.value(i), answers.value(i));
+            let want = rules::exact(r, a) + rules::completion(r).len() as f64 / 100.0;
+            assert!((f64::from(rewards.value(i)) - want).abs() < 1e-6);
+        }
+    }
+    assert_eq!(metric(&dir, "reward", "reward_test_longer_rows").len(), 2);
+    // An unknown name lists the built-ins and the registered ones.
+    cfg.reward.rule = "test_shorter".into();
+    let err = run_err(kind, cfg, &tmp.path().join("bad"));
+    assert!(
+        err.contains("reward.rule") && err.contains("test_longer"),
+        "{err}"
+    );
+}
+
 fn config_with_steps(cfg: &RunConfig, steps: u64) -> RunConfig {
     let mut c = cfg.clone();
     c.run.steps = steps;

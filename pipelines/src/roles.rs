@@ -335,9 +335,7 @@ pub fn reward(
                                 n => n,
                             },
                         },
-                        name => TermKind::Rule(
-                            rule_reward(name).ok_or_else(|| format!("unknown rule `{name}`"))?,
-                        ),
+                        name => rule_term(name)?,
                     };
                     terms.push(Term {
                         name: t.label(),
@@ -347,13 +345,30 @@ pub fn reward(
                 }
                 Box::new(RewardTerms::new(terms, &cfg.data.label_column)?)
             }
-            RewardKind::Rule => {
-                let rule = rule_reward(&cfg.reward.rule)
-                    .ok_or_else(|| format!("unknown rule reward `{}`", cfg.reward.rule))?;
-                Box::new(RuleReward::new(rule, &cfg.data.label_column))
-            }
+            RewardKind::Rule => match rule_reward(&cfg.reward.rule) {
+                Some(rule) => Box::new(RuleReward::new(rule, &cfg.data.label_column)),
+                // A reward the user's binary registered: one term of weight 1.
+                None => Box::new(RewardTerms::new(
+                    vec![Term {
+                        name: cfg.reward.rule.clone(),
+                        weight: 1.0,
+                        kind: rule_term(&cfg.reward.rule)?,
+                    }],
+                    &cfg.data.label_column,
+                )?),
+            },
         })
     }
+}
+
+/// A built-in rule, or a reward the user's binary registered, by name.
+fn rule_term(name: &str) -> Result<TermKind, StageError> {
+    if let Some(rule) = rule_reward(name) {
+        return Ok(TermKind::Rule(rule));
+    }
+    let factory = weir_operators::rewards::registered(name)
+        .ok_or_else(|| format!("unknown rule reward `{name}`"))?;
+    Ok(TermKind::Custom(factory()?))
 }
 
 /// How to run the Python reward `function` of `file`.

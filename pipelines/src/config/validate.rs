@@ -79,11 +79,12 @@ impl RunConfig {
         }
         if self.reward.kind == RewardKind::Rule
             && weir_operators::rewards::rule_reward(&self.reward.rule).is_none()
+            && weir_operators::rewards::registered(&self.reward.rule).is_none()
         {
             return bad(
                 "reward.rule",
                 format!("{:?}", self.reward.rule),
-                &format!("must be one of {:?}", weir_operators::rewards::RULE_REWARDS),
+                &format!("must be one of {:?}", known_rules()),
             );
         }
         if self.reward.kind == RewardKind::Model && self.model.reward_model.is_empty() {
@@ -133,10 +134,11 @@ impl RunConfig {
                     );
                 }
                 let known = weir_operators::rewards::rule_reward(&t.rule).is_some()
+                    || weir_operators::rewards::registered(&t.rule).is_some()
                     || matches!(t.rule.as_str(), "regex" | "length");
                 if !t.rule.is_empty() && !known {
-                    let mut rules = weir_operators::rewards::RULE_REWARDS.to_vec();
-                    rules.extend(["regex", "length"]);
+                    let mut rules = known_rules();
+                    rules.extend(["regex".to_string(), "length".to_string()]);
                     return bad(
                         &key("rule"),
                         format!("{:?}", t.rule),
@@ -367,4 +369,14 @@ impl RunConfig {
         }
         self.check_scope(pipeline)
     }
+}
+
+/// The built-in rule rewards and those the running binary registered.
+fn known_rules() -> Vec<String> {
+    let mut names: Vec<String> = weir_operators::rewards::RULE_REWARDS
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    names.extend(weir_operators::rewards::registered_names());
+    names
 }

@@ -11,7 +11,7 @@ use weir_graph::{Stage, StageError, StepContext};
 
 use super::python::PythonReward;
 use super::rules;
-use super::RuleReward;
+use super::{check_scores, Reward, RewardRows, RuleReward};
 use crate::rollout::col;
 use crate::stages::columns::{strings, token_lists};
 
@@ -28,6 +28,8 @@ pub enum TermKind {
     },
     /// A Python reward function.
     Python(Box<PythonReward>),
+    /// A reward written in Rust, registered by the user's binary.
+    Custom(Box<dyn Reward>),
 }
 
 /// One weighted term.
@@ -70,7 +72,7 @@ impl Stage for RewardTerms {
         let needs_labels = self
             .terms
             .iter()
-            .any(|t| matches!(t.kind, TermKind::Rule(_) | TermKind::Python(_)));
+            .any(|t| !matches!(t.kind, TermKind::Regex(_) | TermKind::Length { .. }));
         let labels = match (needs_labels, self.label_column.is_empty()) {
             (true, false) => Some(strings(&batch, &self.label_column, "reward")?),
             _ => None,
@@ -112,6 +114,20 @@ impl Stage for RewardTerms {
                         ctx.record(&format!("reward_{}_{key}", term.name), value);
                     }
                     values
+                }
+                TermKind::Custom(reward) => {
+                    let prompts = strings(&batch, col::PROMPT, "reward")?;
+                    let scores = reward.score(&RewardRows {
+                        prompts: &prompts,
+                        responses: &responses,
+                        labels: labels.as_deref(),
+                        batch: &batch,
+                    })?;
+                    check_scores(&term.name, &scores, n)?;
+                    for (key, value) in scores.metrics {
+                        ctx.record(&format!("reward_{}_{key}", term.name), value);
+                    }
+                    scores.rewards
                 }
             };
             if n > 0 {
