@@ -525,6 +525,37 @@ fn weighted_reward_terms_combine_python_math_and_regex() {
     for term in ["reward_reward_func", "reward_math", "reward_digits"] {
         assert_eq!(metric(&dir, "reward", term).len(), 2, "{term}");
     }
+    // TensorBoard: one event file, each step's metrics as the workers' mean.
+    let events: Vec<_> = std::fs::read_dir(dir.join("tensorboard"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(events.len(), 1, "{events:?}");
+    let scalars = weir::graph::tensorboard::read_scalars(&events[0]).unwrap();
+    for (stage, name) in [
+        ("learn", "loss"),
+        ("reward", "reward_math"),
+        ("learn", "reward"),
+    ] {
+        let tag = format!("{stage}/{name}");
+        let got: BTreeMap<u64, f64> = scalars
+            .iter()
+            .filter(|(_, t, _)| *t == tag)
+            .map(|(s, _, v)| (*s, *v))
+            .collect();
+        let want = metric(&dir, stage, name);
+        assert_eq!(
+            got.keys().collect::<Vec<_>>(),
+            want.keys().collect::<Vec<_>>(),
+            "{tag}"
+        );
+        for (step, v) in &want {
+            assert!(
+                (got[step] - v).abs() <= 1e-6 * v.abs().max(1.0),
+                "{tag} {step}"
+            );
+        }
+    }
     // A bad term is named.
     let mut bad = cfg.clone();
     bad.reward.terms[2].pattern = "(unclosed".into();

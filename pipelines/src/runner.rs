@@ -7,6 +7,7 @@
 //!   superseded/              metrics files as they were before each resume
 //!   metrics.parquet          the engine's and the stages' metrics, long format
 //!   checkpoints/step-N/      actor/ (critic/) in HF layout + optimizer state, state.json
+//!   tensorboard/             TensorBoard event files, a step at a time
 //!   eval.json                greedy arith accuracy before training (arith runs)
 //!   summary.json             steps, throughput, staleness, rewards, accuracy before/after
 //! ```
@@ -277,6 +278,7 @@ pub fn run(req: &RunRequest) -> Result<RunOutcome, PipelineError> {
                 })
             })
             .prior_metrics(prior)
+            .observe_steps(tensorboard(&dir.join("tensorboard")))
             .observe(observer);
         let report = pipeline.run(&settings);
         bar.finish();
@@ -360,6 +362,49 @@ pub fn run(req: &RunRequest) -> Result<RunOutcome, PipelineError> {
         summary,
         final_actor,
         note,
+    })
+}
+
+/// Writes each step's metrics to a TensorBoard event file under `dir`
+/// (`tensorboard --logdir runs/`): tag `stage/metric[/label]`, the mean
+/// over the workers that reported it. A failure to write is logged once
+/// and never stops the run.
+fn tensorboard(dir: &Path) -> weir_graph::StepObserver {
+    use weir_graph::tensorboard::EventWriter;
+    let dir = dir.to_path_buf();
+    let writer: std::sync::Mutex<Option<Result<EventWriter, ()>>> = std::sync::Mutex::new(None);
+    Arc::new(move |step, rows| {
+        let mut writer = writer.lock().unwrap_or_else(|e| e.into_inner());
+        let w = writer.get_or_insert_with(|| {
+            EventWriter::create(&dir).map_err(|e| {
+                tracing::warn!(error = %e, "TensorBoard events are not written");
+            })
+        });
+        let Ok(w) = w else { return };
+        let mut sums: BTreeMap<String, (f64, f64)> = BTreeMap::new();
+        let mut wall = 0.0f64;
+        for r in rows {
+            if r.metric == weir_graph::metrics::names::DONE_UNIX_S {
+                wall = wall.max(r.value);
+                continue;
+            }
+            let tag = match &r.label {
+                Some(label) => format!("{}/{}/{label}", r.stage, r.metric),
+                None => format!("{}/{}", r.stage, r.metric),
+            };
+            let e = sums.entry(tag).or_default();
+            (e.0, e.1) = (e.0 + r.value, e.1 + 1.0);
+        }
+        if wall == 0.0 {
+            wall = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64());
+        }
+        let values: Vec<(String, f64)> = sums.into_iter().map(|(k, (s, n))| (k, s / n)).collect();
+        if let Err(e) = w.scalars(step, wall, &values) {
+            tracing::warn!(error = %e, "TensorBoard events are no longer written");
+            *writer = Some(Err(()));
+        }
     })
 }
 

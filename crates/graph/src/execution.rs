@@ -160,6 +160,9 @@ pub struct RunSettings {
     /// Called on the metrics worker with each arriving bundle of metric rows
     /// (progress bars, live dashboards).
     pub observer: Option<MetricsObserver>,
+    /// Called on the metrics worker with every metric row of a step, once
+    /// all have arrived (the metrics frontier has passed the step), in step order.
+    pub step_observer: Option<StepObserver>,
     /// Metric rows of earlier segments of a resumed run: kept in the report
     /// and the metrics file ahead of this segment's rows.
     pub prior_metrics: Vec<crate::metrics::MetricRow>,
@@ -180,6 +183,9 @@ pub struct RunSettings {
 /// A callback over live metric rows.
 pub type MetricsObserver = Arc<dyn Fn(&[crate::metrics::MetricRow]) + Send + Sync>;
 
+/// A callback over the complete metric rows of one step.
+pub type StepObserver = Arc<dyn Fn(Step, &[crate::metrics::MetricRow]) + Send + Sync>;
+
 impl RunSettings {
     /// Settings with k = 0, an unbounded number of steps, a 60 s peer
     /// timeout, 120 s to connect, and the inline weights transport.
@@ -196,6 +202,7 @@ impl RunSettings {
             metrics_path: None,
             transport: Arc::new(InlineTransport),
             observer: None,
+            step_observer: None,
             prior_metrics: Vec::new(),
             metrics_flush: Duration::from_secs(10),
             commit_points: None,
@@ -214,6 +221,12 @@ impl RunSettings {
     /// Calls `observer` with the live metric rows.
     pub fn observe(mut self, observer: MetricsObserver) -> Self {
         self.observer = Some(observer);
+        self
+    }
+
+    /// Calls `observer` with each step's complete metric rows.
+    pub fn observe_steps(mut self, observer: StepObserver) -> Self {
+        self.step_observer = Some(observer);
         self
     }
 

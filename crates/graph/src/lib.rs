@@ -37,13 +37,14 @@ pub mod run;
 pub mod stage;
 mod stage_op;
 pub mod synthetic;
+pub mod tensorboard;
 pub mod weights_edge;
 
 pub use backpressure::Admission;
 pub use batch::Batch;
 pub use engine_thread::StageKind;
 pub use error::{GraphError, StageError};
-pub use execution::{Execution, MetricsObserver, RunSettings};
+pub use execution::{Execution, MetricsObserver, RunSettings, StepObserver};
 pub use metrics::{MetricRow, RunReport};
 pub use parquet_log::ParquetLog;
 pub use partition::{Partition, Router};

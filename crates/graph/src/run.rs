@@ -532,6 +532,11 @@ fn build_dataflow<'scope>(
     let flush_to = settings.metrics_path.clone();
     let flush_every = settings.metrics_flush;
     let writes = index == metrics_worker && flush_to.is_some();
+    let step_observer = settings
+        .step_observer
+        .clone()
+        .filter(|_| index == metrics_worker);
+    let mut by_step: std::collections::BTreeMap<Step, Vec<MetricRow>> = Default::default();
     let (commits, first_step) = (settings.commit_points.clone(), settings.first_step);
     let env = env.clone();
     let metrics_done = scope
@@ -554,8 +559,22 @@ fn build_dataflow<'scope>(
                             observe(rows);
                         }
                         arrived = true;
+                        if step_observer.is_some() {
+                            for row in rows.iter() {
+                                by_step.entry(row.step).or_default().push(row.clone());
+                            }
+                        }
                         collected.borrow_mut().append(rows);
                     });
+                    if let Some(observe) = &step_observer {
+                        while let Some(entry) = by_step.first_entry() {
+                            if frontier.less_equal(entry.key()) {
+                                break;
+                            }
+                            let (step, rows) = entry.remove_entry();
+                            observe(step, &rows);
+                        }
+                    }
                     let Some(path) = flush_to.as_ref().filter(|_| writes && !env.aborted()) else {
                         return;
                     };
