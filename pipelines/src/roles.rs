@@ -78,11 +78,7 @@ pub struct RunContext {
 impl RunContext {
     /// The checkpoint writer of this run.
     pub fn checkpointer(&self, cfg: &RunConfig) -> Checkpointer {
-        Checkpointer {
-            root: self.run_dir.join("checkpoints"),
-            every: cfg.run.checkpoint_every,
-            last_step: Some(self.last_step),
-        }
+        checkpointer(cfg, &self.run_dir)
     }
 
     /// Restores `optimizer` from the `component` (`actor`, `critic`) of the
@@ -109,6 +105,17 @@ impl RunContext {
             invariants: self.invariants.clone(),
             values: Some(self.values.clone()),
         }
+    }
+}
+
+/// The checkpoint writer of a run of `cfg` in `run_dir`.
+pub fn checkpointer(cfg: &RunConfig, run_dir: &Path) -> Checkpointer {
+    Checkpointer {
+        root: run_dir.join("checkpoints"),
+        every: cfg.run.checkpoint_every,
+        last_step: Some(cfg.run.steps - 1),
+        max_shard_bytes: weir_gpu::snapshot::parse_size(&cfg.run.max_shard_size)
+            .unwrap_or(weir_gpu::snapshot::DEFAULT_MAX_SHARD_BYTES),
     }
 }
 

@@ -35,7 +35,7 @@ use serde_json::{json, Value};
 use weir_graph::metrics::{batch_to_rows, MetricRow};
 use weir_graph::parquet_log::{read_parquet_file, write_parquet_atomically};
 use weir_graph::{Placement, RunReport, RunSettings};
-use weir_operators::checkpoint::{latest, CheckpointCommits, Checkpointer};
+use weir_operators::checkpoint::{latest, CheckpointCommits};
 use weir_operators::rewards::arith;
 use weir_operators::rollout::col;
 use weir_operators::stages::prompt_stats::StatsView;
@@ -170,11 +170,7 @@ pub fn run(req: &RunRequest) -> Result<RunOutcome, PipelineError> {
         } else {
             vec!["actor".into()]
         },
-        commits: CheckpointCommits::new(Checkpointer {
-            root: checkpoints.clone(),
-            every: cfg.run.checkpoint_every,
-            last_step: Some(cfg.run.steps - 1),
-        }),
+        commits: CheckpointCommits::new(crate::roles::checkpointer(cfg, dir)),
         invariants,
         values: weir_operators::checkpoint::StepValues::new(),
         resumed_values: BTreeMap::new(),

@@ -354,6 +354,7 @@ fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String
         "run.threads" => (&[], "2".into()),
         "run.checkpoint_every" => (&[], "1".into()),
         "run.rows_per_file" => (&[], "2".into()),
+        "run.max_shard_size" => (&[], "\"100KB\"".into()),
         "run.device" => (&[], "\"cuda\"".into()),
         "placement.workers" => (&[], "3".into()),
         "placement.rollout" | "placement.train" if !kind.is_rl() => {

@@ -140,10 +140,61 @@ impl Model {
     /// dtype), and the tokenizer and generation files of the source folder,
     /// so that transformers (and weir) load the folder.
     pub fn save(&self, dir: &Path, kind: Option<Kind>) -> Result<(), ModelError> {
+        self.save_sharded(dir, kind, DEFAULT_MAX_SHARD_BYTES)
+    }
+
+    /// [`Model::save`], with the weights in shards of at most
+    /// `max_shard_bytes` each (a larger tensor gets a shard of its own):
+    /// one shard is `model.safetensors`; several are
+    /// `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json`
+    /// (`metadata.total_size`, `weight_map`), as transformers writes them.
+    pub fn save_sharded(
+        &self,
+        dir: &Path,
+        kind: Option<Kind>,
+        max_shard_bytes: u64,
+    ) -> Result<(), ModelError> {
         std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
         let kind = kind.unwrap_or_else(|| self.kind());
-        let bytes = to_safetensors(&self.named_tensors(), Some(kind), &HashMap::new())?;
-        write_atomically(&dir.join("model.safetensors"), &bytes)?;
+        let element = kind.elt_size_in_bytes() as u64;
+        let mut shards: Vec<Vec<(String, Tensor)>> = vec![Vec::new()];
+        let mut sizes = vec![0u64];
+        let mut total = 0u64;
+        for (name, tensor) in self.named_tensors() {
+            let bytes = tensor.numel() as u64 * element;
+            total += bytes;
+            let last = sizes.len() - 1;
+            if sizes[last] > 0 && sizes[last] + bytes > max_shard_bytes {
+                shards.push(Vec::new());
+                sizes.push(0);
+            }
+            let last = sizes.len() - 1;
+            sizes[last] += bytes;
+            shards[last].push((name, tensor));
+        }
+        if shards.len() == 1 {
+            let bytes = to_safetensors(&shards[0], Some(kind), &HashMap::new())?;
+            write_atomically(&dir.join("model.safetensors"), &bytes)?;
+        } else {
+            let n = shards.len();
+            let mut weight_map = serde_json::Map::new();
+            for (i, shard) in shards.iter().enumerate() {
+                let file = format!("model-{:05}-of-{n:05}.safetensors", i + 1);
+                let bytes = to_safetensors(shard, Some(kind), &HashMap::new())?;
+                write_atomically(&dir.join(&file), &bytes)?;
+                for (name, _) in shard {
+                    weight_map.insert(name.clone(), file.clone().into());
+                }
+            }
+            let index = serde_json::json!({
+                "metadata": {"total_size": total},
+                "weight_map": weight_map,
+            });
+            write_atomically(
+                &dir.join("model.safetensors.index.json"),
+                index.to_string().as_bytes(),
+            )?;
+        }
         let dtype = match kind {
             Kind::BFloat16 => "bfloat16",
             Kind::Half => "float16",
@@ -205,6 +256,32 @@ impl Model {
         }
         Ok(())
     }
+}
+
+/// The shard size [`Model::save`] uses: transformers' default of 5 GB.
+pub const DEFAULT_MAX_SHARD_BYTES: u64 = 5_000_000_000;
+
+/// Bytes of a size such as `5GB`, `500MB`, `2GiB` or `1048576` (units of
+/// 1000 for KB/MB/GB, 1024 for KiB/MiB/GiB, as transformers reads them).
+pub fn parse_size(text: &str) -> Option<u64> {
+    let t = text.trim();
+    let digits = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (number, unit) = t.split_at(digits);
+    let number: f64 = number.parse().ok()?;
+    let scale = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "kib" => 1024.0,
+        "mib" => 1024.0 * 1024.0,
+        "gib" => 1024.0 * 1024.0 * 1024.0,
+        _ => return None,
+    };
+    let bytes = number * scale;
+    (bytes >= 1.0 && bytes.is_finite()).then_some(bytes as u64)
 }
 
 /// Copies a file, or a folder of files (one level), if `from` exists.

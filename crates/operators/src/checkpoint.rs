@@ -166,6 +166,8 @@ pub struct Checkpointer {
     pub every: u64,
     /// The run's last step, always saved.
     pub last_step: Option<u64>,
+    /// Weights above this many bytes are saved in shards (with an index).
+    pub max_shard_bytes: u64,
 }
 
 impl Checkpointer {
@@ -195,7 +197,7 @@ impl Checkpointer {
         let dir = self.dir(step);
         let tmp = dir.join(format!(".{component}.partial"));
         let _ = std::fs::remove_dir_all(&tmp);
-        model.save(&tmp, None)?;
+        model.save_sharded(&tmp, None, self.max_shard_bytes)?;
         let (tensors, steps) = optimizer.state();
         let meta = std::collections::HashMap::from([("steps".to_string(), steps.to_string())]);
         let bytes = to_safetensors(&tensors, None, &meta)?;
@@ -387,6 +389,7 @@ mod tests {
             root: tmp.path().to_path_buf(),
             every: 2,
             last_step: Some(4),
+            max_shard_bytes: weir_gpu::snapshot::DEFAULT_MAX_SHARD_BYTES,
         };
         assert_eq!(
             (0..6).filter(|s| ck.due(*s)).collect::<Vec<_>>(),

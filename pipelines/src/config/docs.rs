@@ -7,6 +7,7 @@ pub const DOCS: &[(&str, &str, &str)] = &[
     ("run", "seed", "Seed of prompt shuffling and sampling."),
     ("run", "threads", "libtorch threads per worker."),
     ("run", "checkpoint_every", "Save a checkpoint every N steps (0: only after the last step)."),
+    ("run", "max_shard_size", "Checkpoint weights larger than this are saved in shards with model.safetensors.index.json, as transformers saves them (\"5GB\", \"500MB\", \"2GiB\")."),
     ("run", "rows_per_file", "Rollout rows per Parquet file."),
     ("run", "device", "\"cpu\" or \"cuda\"."),
     ("placement", "workers", "Engine workers (threads; one per GPU on a GPU machine)."),

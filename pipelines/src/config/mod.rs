@@ -56,6 +56,8 @@ pub struct RunSection {
     pub threads: usize,
     /// Checkpoint every N steps (0: only at the end).
     pub checkpoint_every: u64,
+    /// Checkpoint weights above this size go in shards with an index (`5GB`, `500MB`, `2GiB`).
+    pub max_shard_size: String,
     /// Rows per rollout Parquet file.
     pub rows_per_file: usize,
     /// `cpu` or `cuda`.
@@ -70,6 +72,7 @@ impl Default for RunSection {
             seed: 42,
             threads: 1,
             checkpoint_every: 50,
+            max_shard_size: "5GB".into(),
             rows_per_file: 4096,
             device: DeviceChoice::Cpu,
         }

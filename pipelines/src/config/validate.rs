@@ -107,6 +107,13 @@ impl RunConfig {
                 return bad("reward.workers", "0".into(), "must be ≥ 1");
             }
         }
+        if weir_gpu::snapshot::parse_size(&self.run.max_shard_size).is_none() {
+            return bad(
+                "run.max_shard_size",
+                format!("{:?}", self.run.max_shard_size),
+                "a size such as \"5GB\", \"500MB\" or \"2GiB\"",
+            );
+        }
         let template = &self.data.prompt_template;
         if !template.is_empty() && !template.contains("{prompt}") {
             return bad(

@@ -34,6 +34,51 @@ fn save_then_load_is_bit_identical_and_snapshots_cross_instances() {
             !model.config.tie_word_embeddings && model.config.head == weir_gpu::Head::CausalLm
         );
     }
+    // Over max_shard_size: shards and an index, as transformers writes them; they load back.
+    let model = load("tiny-llama", Kind::Float);
+    let dir = tempfile::tempdir().unwrap();
+    model.save_sharded(dir.path(), None, 100_000).unwrap();
+    assert!(!dir.path().join("model.safetensors").exists());
+    let index: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.path().join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    let map = index["weight_map"].as_object().unwrap();
+    let shards: std::collections::BTreeSet<&str> =
+        map.values().map(|v| v.as_str().unwrap()).collect();
+    assert!(shards.len() > 1, "{shards:?}");
+    let n = shards.len();
+    for (i, shard) in shards.iter().enumerate() {
+        assert_eq!(*shard, format!("model-{:05}-of-{n:05}.safetensors", i + 1));
+        let size = std::fs::metadata(dir.path().join(shard)).unwrap().len();
+        let tensors = Tensor::read_safetensors(dir.path().join(shard)).unwrap();
+        assert!(
+            size <= 100_000 + 4096 || tensors.len() == 1,
+            "{shard}: {size} bytes"
+        );
+    }
+    let total: i64 = model
+        .named_tensors()
+        .iter()
+        .map(|(_, t)| t.numel() as i64 * 4)
+        .sum();
+    assert_eq!(index["metadata"]["total_size"].as_i64(), Some(total));
+    let back = Model::load(dir.path(), Device::Cpu, Kind::Float).unwrap();
+    for ((a, ta), (b, tb)) in model
+        .named_tensors()
+        .iter()
+        .zip(back.named_tensors().iter())
+    {
+        assert_eq!(a, b);
+        assert!(ta.equal(tb), "{a} changed through shards");
+    }
+    assert_eq!(weir_gpu::snapshot::parse_size("5GB"), Some(5_000_000_000));
+    assert_eq!(weir_gpu::snapshot::parse_size("2GiB"), Some(2 << 30));
+    assert_eq!(weir_gpu::snapshot::parse_size("100kb"), Some(100_000));
+    assert_eq!(weir_gpu::snapshot::parse_size("1048576"), Some(1 << 20));
+    assert_eq!(weir_gpu::snapshot::parse_size("5 parsecs"), None);
+    assert_eq!(weir_gpu::snapshot::parse_size("0"), None);
+
     // A snapshot moves weights between instances of other dtypes, with its version.
     let source = load("tiny-llama", Kind::Float);
     let bytes = source.export_snapshot(7).unwrap();
