@@ -105,9 +105,35 @@ pub fn read_resolved(run_dir: &Path) -> Result<(PipelineKind, RunConfig), Pipeli
     ))
 }
 
-/// Runs (or resumes) a pipeline into its run folder.
+/// Runs (or resumes) a pipeline into its run folder: checks the request,
+/// sets the folder in order (resume), trains, then evaluates and summarises.
 pub fn run(req: &RunRequest) -> Result<RunOutcome, PipelineError> {
-    let (kind, cfg, dir) = (req.pipeline, &req.config, &req.run_dir);
+    check_request(req)?;
+    let mut segment = prepare(req)?;
+    let started = std::time::Instant::now();
+    let report = if segment.complete {
+        RunReport::from_metrics(std::mem::take(&mut segment.prior), 0, 0.0, 0)
+    } else {
+        train(req, &mut segment)?
+    };
+    finish(req, segment, report, started.elapsed().as_secs_f64())
+}
+
+/// Where a run (or a resumed segment of it) starts.
+struct Segment {
+    ctx: RunContext,
+    /// Metric rows of earlier segments, up to the checkpoint resumed from.
+    prior: Vec<MetricRow>,
+    /// Every step is done already (a finished run resumed again).
+    complete: bool,
+    /// On `--resume`, the one line on what the resume did.
+    note: Option<String>,
+}
+
+/// Everything that can be checked before a folder is touched: the config,
+/// the checkpoints it names, the data-parallel layout.
+fn check_request(req: &RunRequest) -> Result<(), PipelineError> {
+    let (kind, cfg) = (req.pipeline, &req.config);
     cfg.validate(kind)?;
     for (key, path) in [
         ("model.path", &cfg.model.path),
@@ -124,8 +150,15 @@ pub fn run(req: &RunRequest) -> Result<RunOutcome, PipelineError> {
     }
     check_heads(kind, cfg)?;
     crate::placement::check_data_parallel(kind, cfg, &req.cluster)?;
-    let cluster = &req.cluster;
-    let execution = crate::placement::execution(cfg, cluster)?;
+    crate::placement::execution(cfg, &req.cluster)?;
+    Ok(())
+}
+
+/// Sets the run folder in order: refuses a foreign or taken folder, finds
+/// the checkpoint to resume from and checks the config still fits it,
+/// writes the resolved config, keeps aside what the resumed steps replace.
+fn prepare(req: &RunRequest) -> Result<Segment, PipelineError> {
+    let (kind, cfg, dir, cluster) = (req.pipeline, &req.config, &req.run_dir, &req.cluster);
     let leader = cluster.is_leader();
     let resolved = dir.join(RESOLVED);
     if leader && !req.resume && resolved.exists() {
@@ -139,9 +172,8 @@ pub fn run(req: &RunRequest) -> Result<RunOutcome, PipelineError> {
     if leader && !req.resume {
         refuse_foreign_folder(dir)?;
     }
-    let checkpoints = dir.join("checkpoints");
     let found = if req.resume {
-        latest(&checkpoints)?
+        latest(&dir.join("checkpoints"))?
     } else {
         None
     };
@@ -219,74 +251,97 @@ pub fn run(req: &RunRequest) -> Result<RunOutcome, PipelineError> {
         // Checkpoints are written here, but the prompts are drawn elsewhere.
         ctx.cursors = crate::placement::derived_cursors(kind, cfg, &ctx, cluster)?;
     }
+    Ok(Segment {
+        ctx,
+        prior,
+        complete,
+        note,
+    })
+}
 
-    let started = std::time::Instant::now();
-    let report = if ctx.first_step <= ctx.last_step {
-        let pipeline = match kind {
-            PipelineKind::Grpo => rl::grpo(cfg, &ctx)?,
-            PipelineKind::DrGrpo => rl::dr_grpo(cfg, &ctx)?,
-            PipelineKind::Rloo => rl::rloo(cfg, &ctx)?,
-            PipelineKind::Opo => rl::opo(cfg, &ctx)?,
-            PipelineKind::GrpoPassk => rl::grpo_passk(cfg, &ctx)?,
-            PipelineKind::Gpg => rl::gpg(cfg, &ctx)?,
-            PipelineKind::ReinforcePp => rl::reinforce_pp(cfg, &ctx)?,
-            PipelineKind::ReinforcePpBaseline => rl::reinforce_pp_baseline(cfg, &ctx)?,
-            PipelineKind::Ppo => rl::ppo(cfg, &ctx)?,
-            PipelineKind::Sft => sft::sft(cfg, &ctx)?,
-            PipelineKind::Rm => preference::rm(cfg, &ctx)?,
-            PipelineKind::Dpo => preference::dpo(cfg, &ctx)?,
-        };
-        let p = &cfg.placement;
-        let placement = Placement::new(p.workers)
-            .assign(ROLLOUT, p.rollout.iter().copied())
-            .assign(TRAIN, p.train.iter().copied());
-        let (observer, bar) = crate::progress::observer(
-            kind.name(),
-            ctx.first_step,
-            cfg.run.steps,
-            req.progress && leader,
-        );
-        // Every process must run this same config from the same checkpoint.
-        let fingerprint = {
-            use std::hash::{Hash, Hasher};
-            let mut h = std::collections::hash_map::DefaultHasher::new();
-            (resolved_config_text(kind, cfg), ctx.first_step, ctx.version).hash(&mut h);
-            h.finish()
-        };
-        let settings = RunSettings::new(execution, placement)
-            .fingerprint(fingerprint)
-            .peer_timeout(cluster.peer_timeout)
-            .connect_timeout(cluster.connect_timeout)
-            .max_staleness(cfg.run.max_staleness)
-            .steps(cfg.run.steps - ctx.first_step)
-            .resume_at(ctx.first_step, ctx.version)
-            .metrics_path(dir.join("metrics.parquet"))
-            .commits(ctx.checkpointer(cfg).commit_points(), {
-                let commits = ctx.commits.clone();
-                let trimmed = Arc::new(std::sync::atomic::AtomicU64::new(0));
-                Arc::new(move |at| {
-                    commits.commit(at)?;
-                    // Once per commit point and process (every worker calls this).
-                    if trimmed.fetch_max(at + 1, std::sync::atomic::Ordering::SeqCst) <= at {
-                        release_free_memory();
-                    }
-                    Ok(())
-                })
-            })
-            .prior_metrics(prior)
-            .observe_steps(tensorboard(&dir.join("tensorboard")))
-            .observe(observer);
-        let report = pipeline.run(&settings);
-        bar.finish();
-        report?
-    } else {
-        RunReport::from_metrics(prior, 0, 0.0, 0)
+/// Builds the pipeline and runs the segment's steps through the engine.
+fn train(req: &RunRequest, segment: &mut Segment) -> Result<RunReport, PipelineError> {
+    let (kind, cfg, dir, cluster) = (req.pipeline, &req.config, &req.run_dir, &req.cluster);
+    let ctx = &segment.ctx;
+    let pipeline = match kind {
+        PipelineKind::Grpo => rl::grpo(cfg, ctx)?,
+        PipelineKind::DrGrpo => rl::dr_grpo(cfg, ctx)?,
+        PipelineKind::Rloo => rl::rloo(cfg, ctx)?,
+        PipelineKind::Opo => rl::opo(cfg, ctx)?,
+        PipelineKind::GrpoPassk => rl::grpo_passk(cfg, ctx)?,
+        PipelineKind::Gpg => rl::gpg(cfg, ctx)?,
+        PipelineKind::ReinforcePp => rl::reinforce_pp(cfg, ctx)?,
+        PipelineKind::ReinforcePpBaseline => rl::reinforce_pp_baseline(cfg, ctx)?,
+        PipelineKind::Ppo => rl::ppo(cfg, ctx)?,
+        PipelineKind::Sft => sft::sft(cfg, ctx)?,
+        PipelineKind::Rm => preference::rm(cfg, ctx)?,
+        PipelineKind::Dpo => preference::dpo(cfg, ctx)?,
     };
-    let wall_s = started.elapsed().as_secs_f64();
+    let p = &cfg.placement;
+    let placement = Placement::new(p.workers)
+        .assign(ROLLOUT, p.rollout.iter().copied())
+        .assign(TRAIN, p.train.iter().copied());
+    let (observer, bar) = crate::progress::observer(
+        kind.name(),
+        ctx.first_step,
+        cfg.run.steps,
+        req.progress && cluster.is_leader(),
+    );
+    // Every process must run this same config from the same checkpoint.
+    let fingerprint = {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (resolved_config_text(kind, cfg), ctx.first_step, ctx.version).hash(&mut h);
+        h.finish()
+    };
+    let settings = RunSettings::new(crate::placement::execution(cfg, cluster)?, placement)
+        .fingerprint(fingerprint)
+        .peer_timeout(cluster.peer_timeout)
+        .connect_timeout(cluster.connect_timeout)
+        .max_staleness(cfg.run.max_staleness)
+        .steps(cfg.run.steps - ctx.first_step)
+        .resume_at(ctx.first_step, ctx.version)
+        .metrics_path(dir.join("metrics.parquet"))
+        .commits(ctx.checkpointer(cfg).commit_points(), {
+            let commits = ctx.commits.clone();
+            let trimmed = Arc::new(std::sync::atomic::AtomicU64::new(0));
+            Arc::new(move |at| {
+                commits.commit(at)?;
+                // Once per commit point and process (every worker calls this).
+                if trimmed.fetch_max(at + 1, std::sync::atomic::Ordering::SeqCst) <= at {
+                    release_free_memory();
+                }
+                Ok(())
+            })
+        })
+        .prior_metrics(std::mem::take(&mut segment.prior))
+        .observe_steps(tensorboard(&dir.join("tensorboard")))
+        .observe(observer);
+    let report = pipeline.run(&settings);
+    bar.finish();
+    Ok(report?)
+}
 
-    let final_dir = checkpoints.join(format!("step-{}", ctx.last_step));
-    let final_actor = final_dir.join("actor");
-    if !leader {
+/// After the steps: the final checkpoint must be there; process 0 measures
+/// the arith accuracy (arith runs) and writes `summary.json`.
+fn finish(
+    req: &RunRequest,
+    segment: Segment,
+    report: RunReport,
+    wall_s: f64,
+) -> Result<RunOutcome, PipelineError> {
+    let (kind, cfg, dir, cluster) = (req.pipeline, &req.config, &req.run_dir, &req.cluster);
+    let Segment {
+        ctx,
+        complete,
+        note,
+        ..
+    } = segment;
+    let final_actor = dir
+        .join("checkpoints")
+        .join(format!("step-{}", ctx.last_step))
+        .join("actor");
+    if !cluster.is_leader() {
         return Ok(RunOutcome {
             run_dir: dir.clone(),
             report,
