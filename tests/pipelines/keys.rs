@@ -153,7 +153,12 @@ fn files_under(dir: &Path, root: &Path, out: &mut Vec<String>) {
         if path.is_dir() {
             files_under(&path, root, out);
         } else {
-            out.push(path.strip_prefix(root).unwrap().display().to_string());
+            let name = path.strip_prefix(root).unwrap().display().to_string();
+            // An event file is named by the time and process that wrote it.
+            out.push(match name.find("events.out.tfevents.") {
+                Some(i) => format!("{}events.out.tfevents.*", &name[..i]),
+                None => name,
+            });
         }
     }
 }
