@@ -612,6 +612,59 @@ fn a_reward_registered_in_rust_scores_by_its_name() {
     );
 }
 
+#[test]
+fn held_out_prompts_evaluate_the_final_policy_with_the_runs_reward() {
+    use weir::operators::rewards::arith;
+    let tmp = tempfile::tempdir().unwrap();
+    let write = |name: &str, pairs: &[(u32, u32)]| -> PathBuf {
+        let path = tmp.path().join(name);
+        let lines: Vec<String> = pairs
+            .iter()
+            .map(|&(a, b)| {
+                serde_json::json!({
+                    "messages": [{"role": "user", "content": arith::user_message(a, b)}],
+                    "answer": (a + b).to_string(),
+                })
+                .to_string()
+            })
+            .collect();
+        std::fs::write(&path, lines.join("\n")).unwrap();
+        path
+    };
+    let train: Vec<(u32, u32)> = (0..12).map(|i| (i, 2 * i + 1)).collect();
+    let held: Vec<(u32, u32)> = (0..20).map(|i| (3 * i + 1, i + 2)).collect();
+    let kind = PipelineKind::Grpo;
+    let mut cfg = config(kind, 2);
+    cfg.data.prompts = write("train.jsonl", &train).display().to_string();
+    cfg.data.messages_column = "messages".into();
+    cfg.eval.prompts = write("held.jsonl", &held).display().to_string();
+    cfg.eval.k = 4;
+    let dir = tmp.path().join("run");
+    let summary = run(kind, cfg, &dir, false);
+    // The greedy reward is the final policy's greedy accuracy on those pairs.
+    let actor = dir.join("checkpoints/step-1/actor");
+    let model = weir::gpu::Model::load(&actor, weir::gpu::Device::Cpu, tch::Kind::Float).unwrap();
+    let tok = weir::gpu::Tokenizer::load(&fixture("arith-sft")).unwrap();
+    let (accuracy, _) = arith::greedy_accuracy(&model, &tok, &held, 7).unwrap();
+    assert_eq!(summary["eval_prompts"], 20);
+    assert_eq!(
+        summary["eval_reward"].as_f64().unwrap(),
+        accuracy,
+        "{summary}"
+    );
+    let (mean, pass) = (
+        summary["eval_mean_at_k"].as_f64().unwrap(),
+        summary["eval_pass_at_k"].as_f64().unwrap(),
+    );
+    assert!((0.0..=1.0).contains(&mean) && (0.0..=1.0).contains(&pass));
+    assert!(pass >= mean - 1e-12, "pass@k {pass} < mean@k {mean}");
+    for name in ["reward", "mean_at_k", "pass_at_k"] {
+        let m = metric(&dir, "eval", name);
+        assert_eq!(m.keys().collect::<Vec<_>>(), vec![&1], "{name}");
+    }
+    assert_eq!(metric(&dir, "eval", "reward")[&1], accuracy);
+}
+
 fn config_with_steps(cfg: &RunConfig, steps: u64) -> RunConfig {
     let mut c = cfg.clone();
     c.run.steps = steps;

@@ -12,6 +12,7 @@
 //! resumes one.
 
 pub mod config;
+pub mod eval;
 pub mod placement;
 pub mod preference;
 pub mod progress;

@@ -108,6 +108,20 @@ impl RunContext {
     }
 }
 
+/// How the generator samples: `[generate]` with the tokenizer's end tokens.
+pub fn sampling(cfg: &RunConfig, tok: &Tokenizer) -> SamplingParams {
+    let g = &cfg.generate;
+    SamplingParams {
+        max_new_tokens: g.max_new_tokens,
+        temperature: g.temperature,
+        top_p: (g.top_p < 1.0).then_some(g.top_p),
+        top_k: (g.top_k > 0).then_some(g.top_k),
+        eos_token_ids: tok.eos_token_ids().to_vec(),
+        seed: cfg.run.seed,
+        ..Default::default()
+    }
+}
+
 /// The checkpoint writer of a run of `cfg` in `run_dir`.
 pub fn checkpointer(cfg: &RunConfig, run_dir: &Path) -> Checkpointer {
     Checkpointer {
@@ -287,16 +301,7 @@ pub fn actor(
     move |w| {
         let model = load(&cfg, &actor, w)?;
         let tok = Tokenizer::load(Path::new(&cfg.model.path))?;
-        let g = &cfg.generate;
-        let params = SamplingParams {
-            max_new_tokens: g.max_new_tokens,
-            temperature: g.temperature,
-            top_p: (g.top_p < 1.0).then_some(g.top_p),
-            top_k: (g.top_k > 0).then_some(g.top_k),
-            eos_token_ids: tok.eos_token_ids().to_vec(),
-            seed: cfg.run.seed,
-            ..Default::default()
-        };
+        let params = sampling(&cfg, &tok);
         Ok(Generate::new(model, tok, params))
     }
 }

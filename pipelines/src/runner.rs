@@ -393,7 +393,19 @@ fn finish(
     } else {
         None
     };
-    let summary = summarize(
+    let mut report = report;
+    let held_out = if cfg.eval.prompts.is_empty() {
+        None
+    } else {
+        // The final policy on the held-out prompts, beside the run's metrics.
+        let result = crate::eval::evaluate(cfg, &final_actor)?;
+        let rows = result.metric_rows(ctx.last_step);
+        report.metrics.extend(rows);
+        let batch = weir_graph::metrics::rows_to_batch(&report.metrics)?;
+        write_parquet_atomically(&dir.join("metrics.parquet"), &[batch])?;
+        Some(result)
+    };
+    let mut summary = summarize(
         kind,
         cfg,
         &ctx,
@@ -403,6 +415,12 @@ fn finish(
         after,
         &final_actor,
     );
+    if let Some(r) = held_out {
+        summary["eval_prompts"] = r.prompts.into();
+        summary["eval_reward"] = r.reward.into();
+        summary["eval_mean_at_k"] = r.mean_at_k.into();
+        summary["eval_pass_at_k"] = r.pass_at_k.into();
+    }
     write_text(
         &dir.join("summary.json"),
         &serde_json::to_string_pretty(&summary).map_err(|e| e.to_string())?,

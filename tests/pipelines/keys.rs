@@ -359,6 +359,13 @@ fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String
         "run.threads" => (&[], "2".into()),
         "run.checkpoint_every" => (&[], "1".into()),
         "run.rows_per_file" => (&[], "2".into()),
+        "eval.prompts" => (&[], format!("{:?}", prompts.display().to_string())),
+        "eval.k" => {
+            return (
+                vec![format!("eval.prompts={:?}", prompts.display().to_string())],
+                "3".into(),
+            )
+        }
         "run.max_shard_size" => (&[], "\"100KB\"".into()),
         "run.device" => (&[], "\"cuda\"".into()),
         "placement.workers" => (&[], "3".into()),

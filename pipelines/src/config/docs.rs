@@ -97,4 +97,6 @@ pub const DOCS: &[(&str, &str, &str)] = &[
     ("curriculum", "solve_threshold", "A sample counts as solved at this reward or more."),
     ("eval", "arith", "Greedy accuracy on the 500 arith evaluation pairs before and after (arith data only)."),
     ("eval", "batch", "Prompts per evaluation batch."),
+    ("eval", "prompts", "Held-out prompts (JSONL or Parquet, read like data.prompts) the final policy is evaluated on with the run's reward: eval/reward (greedy), eval/mean_at_k and eval/pass_at_k in metrics.parquet and summary.json (empty: none)."),
+    ("eval", "k", "Responses sampled per eval prompt (as in training) for mean@k and pass@k, the share of prompts whose best response's reward is positive (1: greedy only)."),
 ];

@@ -488,6 +488,10 @@ pub struct EvalSection {
     pub arith: bool,
     /// Prompts per generation batch.
     pub batch: usize,
+    /// Held-out prompts (a file like `data.prompts`) the final policy is evaluated on (empty: none).
+    pub prompts: String,
+    /// Responses sampled per eval prompt for mean@k and pass@k (1: greedy only).
+    pub k: usize,
 }
 
 impl Default for EvalSection {
@@ -495,6 +499,8 @@ impl Default for EvalSection {
         EvalSection {
             arith: true,
             batch: 128,
+            prompts: String::new(),
+            k: 1,
         }
     }
 }

@@ -63,6 +63,12 @@ fn inert(cfg: &RunConfig, pipeline: PipelineKind) -> Vec<(&'static str, &'static
     };
     let arith = cfg.data.prompts == "arith";
     unless(
+        !cfg.eval.prompts.is_empty(),
+        "eval",
+        &["k"],
+        "eval.prompts names a file",
+    );
+    unless(
         !arith,
         "data",
         &["prompt_template", "apply_chat_template", "system_prompt"],

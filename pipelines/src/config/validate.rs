@@ -114,6 +114,22 @@ impl RunConfig {
                 "a size such as \"5GB\", \"500MB\" or \"2GiB\"",
             );
         }
+        let eval = &self.eval.prompts;
+        if !eval.is_empty() {
+            if !std::path::Path::new(eval).is_file() {
+                return bad("eval.prompts", format!("{eval:?}"), "no such file");
+            }
+            if pipeline == PipelineKind::Rm {
+                return bad(
+                    "eval.prompts",
+                    format!("{eval:?}"),
+                    "a reward model has no policy to evaluate",
+                );
+            }
+        }
+        if self.eval.k == 0 {
+            return bad("eval.k", "0".into(), "must be ≥ 1");
+        }
         let template = &self.data.prompt_template;
         if !template.is_empty() && !template.contains("{prompt}") {
             return bad(

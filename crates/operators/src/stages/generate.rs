@@ -31,6 +31,13 @@ impl Generate {
     }
 }
 
+impl Generate {
+    /// Samples with `params` from now on (n is still one response per row).
+    pub fn set_params(&mut self, params: SamplingParams) {
+        self.params = SamplingParams { n: 1, ..params };
+    }
+}
+
 impl Stage for Generate {
     fn process(
         &mut self,
