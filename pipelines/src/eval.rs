@@ -61,9 +61,9 @@ pub fn evaluate(cfg: &RunConfig, actor: &Path) -> Result<EvalResult, PipelineErr
         rank: 0,
         role_size: 1,
     };
-    let reward_factory = crate::roles::reward(cfg);
+    let reward_factory = crate::rewards::reward(cfg);
     let mut reward = reward_factory(&worker)?;
-    let model = crate::roles::load(cfg, actor, &worker)?;
+    let model = crate::context::load(cfg, actor, &worker)?;
     let tokenizer = Tokenizer::load(Path::new(&cfg.model.path))?;
     let sampled_params = crate::roles::sampling(cfg, &tokenizer);
     let mut generate = Generate::new(
@@ -129,7 +129,7 @@ fn scored(
     let extra: Vec<String> = [d.label_column.clone()]
         .into_iter()
         .filter(|c| !c.is_empty())
-        .chain(crate::roles::reward_columns(cfg)?)
+        .chain(crate::rewards::reward_columns(cfg)?)
         .collect();
     // Every prompt in one step: count them first.
     let count = PromptSource::from_file(

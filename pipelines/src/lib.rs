@@ -12,10 +12,13 @@
 //! resumes one.
 
 pub mod config;
+pub mod context;
 pub mod eval;
 pub mod placement;
 pub mod preference;
 pub mod progress;
+pub mod prompts;
+pub mod rewards;
 pub mod rl;
 pub mod roles;
 pub mod runner;

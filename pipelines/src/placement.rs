@@ -16,7 +16,7 @@ use std::time::Duration;
 use weir_graph::{Execution, WorkerInfo};
 use weir_operators::stages::prompts::CursorLog;
 
-use crate::roles::RunContext;
+use crate::context::RunContext;
 use crate::{PipelineError, PipelineKind, RunConfig};
 
 /// The processes of a run: one (the default), or several in timely's
@@ -105,8 +105,8 @@ pub(crate) fn derived_cursors(
         role_size: 1,
     };
     let source = match kind {
-        PipelineKind::Rm | PipelineKind::Dpo => crate::roles::preference_pairs(cfg, ctx)(&probe)?,
-        _ => crate::roles::prompts(cfg, ctx, 1)(&probe)?,
+        PipelineKind::Rm | PipelineKind::Dpo => crate::prompts::preference_pairs(cfg, ctx)(&probe)?,
+        _ => crate::prompts::prompts(cfg, ctx, 1)(&probe)?,
     };
     Ok(CursorLog::derived(
         ctx.first_step,

@@ -9,7 +9,8 @@ use weir_graph::{Partition, Pipeline};
 use weir_operators::stages::preference::{DpoTrainer, PairConfig, PreferenceLoss, RewardTrainer};
 
 use crate::config::PreferenceChoice;
-use crate::roles::{self, RunContext, ROLLOUT, TRAIN};
+use crate::context::RunContext;
+use crate::roles::{self, ROLLOUT, TRAIN};
 use crate::{PipelineError, RunConfig};
 
 /// The reward model: the config's `model.reward_model` if set, else the
@@ -18,14 +19,18 @@ pub fn rm(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError> 
     let (c, x) = (cfg.clone(), ctx.clone());
     let group = roles::data_parallel_group(cfg);
     Ok(Pipeline::new("rm")
-        .source(ROLLOUT, roles::preference_pairs(cfg, ctx))
+        .source(ROLLOUT, crate::prompts::preference_pairs(cfg, ctx))
         .stage("rm", TRAIN, Partition::RoundRobin, move |w| {
             let start = if x.resumed_from.is_some() || c.model.reward_model.is_empty() {
                 x.actor.clone()
             } else {
                 c.model.reward_model.clone().into()
             };
-            let model = Model::load_critic(&start, roles::device(&c, w)?, roles::kind(&c))?;
+            let model = Model::load_critic(
+                &start,
+                crate::context::device(&c, w)?,
+                crate::context::kind(&c),
+            )?;
             let tok = Tokenizer::load(Path::new(&c.model.path))?;
             let mut trainer = RewardTrainer::new(model, tok, pair_config(&c))?
                 .with_checkpoints(x.checkpoint_plan(&c));
@@ -44,16 +49,16 @@ pub fn dpo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
     let (c, x) = (cfg.clone(), ctx.clone());
     let group = roles::data_parallel_group(cfg);
     Ok(Pipeline::new("dpo")
-        .source(ROLLOUT, roles::preference_pairs(cfg, ctx))
+        .source(ROLLOUT, crate::prompts::preference_pairs(cfg, ctx))
         .stage("dpo", TRAIN, Partition::RoundRobin, move |w| {
             let a = &c.algorithm;
-            let policy = roles::load(&c, &x.actor, w)?;
+            let policy = crate::context::load(&c, &x.actor, w)?;
             let reference_dir = if c.model.reference.is_empty() {
                 &c.model.path
             } else {
                 &c.model.reference
             };
-            let reference = roles::load(&c, Path::new(reference_dir), w)?;
+            let reference = crate::context::load(&c, Path::new(reference_dir), w)?;
             let loss = match a.preference_loss {
                 PreferenceChoice::Ipo => PreferenceLoss::Ipo,
                 PreferenceChoice::Cdpo => PreferenceLoss::Cdpo {

@@ -13,7 +13,8 @@ use weir_operators::stages::prompt_stats::PromptStats;
 use weir_operators::stages::reward::OverlongPenalty;
 
 use crate::config::ReferencePlacement;
-use crate::roles::{self, RunContext, ROLLOUT, TRAIN};
+use crate::context::RunContext;
+use crate::roles::{self, ROLLOUT, TRAIN};
 use crate::{PipelineError, RunConfig};
 
 /// GRPO: group-normalised outcome advantages, β·KL to the reference in the loss.
@@ -122,8 +123,8 @@ pub fn ppo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
     let critic = PerWorker::new(move |w| {
         Ok(weir_gpu::Model::load_critic(
             &critic_dir,
-            roles::device(&c, w)?,
-            roles::kind(&c),
+            crate::context::device(&c, w)?,
+            crate::context::kind(&c),
         )?)
     });
     let (fit, c, ck) = (critic.clone(), cfg.clone(), ctx.checkpointer(cfg));
@@ -175,7 +176,7 @@ fn rollouts(pipeline: Pipeline, cfg: &RunConfig, ctx: &RunContext) -> Pipeline {
     let pipeline = pipeline
         .source(
             ROLLOUT,
-            roles::prompts(cfg, ctx, cfg.data.samples_per_prompt),
+            crate::prompts::prompts(cfg, ctx, cfg.data.samples_per_prompt),
         )
         .generate(
             "generate",
@@ -184,7 +185,12 @@ fn rollouts(pipeline: Pipeline, cfg: &RunConfig, ctx: &RunContext) -> Pipeline {
             roles::actor(cfg, ctx),
         )
         .offload(2)
-        .stage("reward", ROLLOUT, Partition::Local, roles::reward(cfg))
+        .stage(
+            "reward",
+            ROLLOUT,
+            Partition::Local,
+            crate::rewards::reward(cfg),
+        )
         .offload(roles::MODEL_QUEUE);
     let pipeline = if cfg.reward.overlong_buffer > 0 {
         let penalty = OverlongPenalty {

@@ -41,8 +41,9 @@ use weir_operators::rollout::col;
 use weir_operators::stages::prompt_stats::StatsView;
 use weir_operators::stages::prompts::CursorLog;
 
+use crate::context::RunContext;
 use crate::placement::Cluster;
-use crate::roles::{RunContext, ROLLOUT, TRAIN};
+use crate::roles::{ROLLOUT, TRAIN};
 use crate::{preference, rl, sft, PipelineError, PipelineKind, RunConfig};
 
 /// What to run.
@@ -202,7 +203,7 @@ fn prepare(req: &RunRequest) -> Result<Segment, PipelineError> {
         } else {
             vec!["actor".into()]
         },
-        commits: CheckpointCommits::new(crate::roles::checkpointer(cfg, dir)),
+        commits: CheckpointCommits::new(crate::context::checkpointer(cfg, dir)),
         invariants,
         values: weir_operators::checkpoint::StepValues::new(),
         resumed_values: BTreeMap::new(),
@@ -678,7 +679,7 @@ pub fn eval_accuracy(
     } else {
         weir_gpu::Device::Cpu
     };
-    let model = weir_gpu::Model::load(dir, device, crate::roles::kind(cfg))?;
+    let model = weir_gpu::Model::load(dir, device, crate::context::kind(cfg))?;
     let tok = weir_gpu::Tokenizer::load(Path::new(&cfg.model.path))?;
     let threads = tch::get_num_threads();
     tch::set_num_threads(std::thread::available_parallelism().map_or(1, |n| n.get()) as i32);

@@ -7,7 +7,8 @@ use weir_gpu::Tokenizer;
 use weir_graph::{Partition, Pipeline};
 use weir_operators::stages::sft::{SftConfig, SftTrainer};
 
-use crate::roles::{self, RunContext, ROLLOUT, TRAIN};
+use crate::context::RunContext;
+use crate::roles::{self, ROLLOUT, TRAIN};
 use crate::{PipelineError, RunConfig};
 
 /// SFT on `data.label_column` (the target text; the end-of-turn token is appended).
@@ -15,10 +16,10 @@ pub fn sft(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
     let (c, x) = (cfg.clone(), ctx.clone());
     let group = roles::data_parallel_group(cfg);
     Ok(Pipeline::new("sft")
-        .source(ROLLOUT, roles::prompts(cfg, ctx, 1))
+        .source(ROLLOUT, crate::prompts::prompts(cfg, ctx, 1))
         .stage("sft", TRAIN, Partition::RoundRobin, move |w| {
             let a = &c.algorithm;
-            let model = roles::load(&c, &x.actor, w)?;
+            let model = crate::context::load(&c, &x.actor, w)?;
             let tok = Tokenizer::load(Path::new(&c.model.path))?;
             let config = SftConfig {
                 adamw: roles::adamw(&c, a.lr),

@@ -1,0 +1,115 @@
+//! Where a run stands (`RunContext`) and where its models live: the
+//! checkpoint writer, the compute dtype, the device of a worker.
+
+use std::path::{Path, PathBuf};
+
+use tch::Kind;
+use weir_gpu::{Device, Model};
+use weir_graph::{StageError, WorkerInfo};
+use weir_operators::checkpoint::{
+    load_optimizer, CheckpointCommits, CheckpointPlan, Checkpointer, StepValues,
+};
+use weir_operators::stages::prompt_stats::StatsView;
+use weir_operators::stages::prompts::{Cursor, CursorLog};
+
+use crate::config::DeviceChoice;
+use crate::RunConfig;
+
+/// Where a run (or a resumed segment of one) starts, and what its stages share.
+#[derive(Clone, Debug)]
+pub struct RunContext {
+    /// The run folder.
+    pub run_dir: PathBuf,
+    /// The actor's starting checkpoint (the config's, or a checkpoint's `actor/`).
+    pub actor: PathBuf,
+    /// The checkpoint folder resumed from (`actor/`, `critic/` with optimizer state), if any.
+    pub resumed_from: Option<PathBuf>,
+    /// The first step of this segment.
+    pub first_step: u64,
+    /// The policy version at `first_step`.
+    pub version: u64,
+    /// The prompt cursor at `first_step`.
+    pub cursor: Option<Cursor>,
+    /// Cursors as the source draws them (for checkpoints).
+    pub cursors: CursorLog,
+    /// Per-prompt statistics (curriculum).
+    pub stats: StatsView,
+    /// The last step of the run.
+    pub last_step: u64,
+    /// Components of a complete checkpoint.
+    pub components: Vec<String>,
+    /// Checkpoint states waiting for their commit point.
+    pub commits: CheckpointCommits,
+    /// Config values a resume must keep, stored in every checkpoint.
+    pub invariants: std::collections::BTreeMap<String, String>,
+    /// What stages carry from step to step, for checkpoints.
+    pub values: StepValues,
+    /// Those values as the checkpoint resumed from stored them.
+    pub resumed_values: std::collections::BTreeMap<String, f64>,
+}
+
+impl RunContext {
+    /// The checkpoint writer of this run.
+    pub fn checkpointer(&self, cfg: &RunConfig) -> Checkpointer {
+        checkpointer(cfg, &self.run_dir)
+    }
+
+    /// Restores `optimizer` from the `component` (`actor`, `critic`) of the
+    /// checkpoint this segment resumed from; nothing on a fresh run.
+    pub fn restore_optimizer(
+        &self,
+        component: &str,
+        optimizer: &mut weir_gpu::optim::Optimizer,
+    ) -> Result<(), StageError> {
+        match &self.resumed_from {
+            Some(dir) => load_optimizer(&dir.join(component), optimizer),
+            None => Ok(()),
+        }
+    }
+
+    /// What trainers save, when, with the run state.
+    pub fn checkpoint_plan(&self, cfg: &RunConfig) -> CheckpointPlan {
+        CheckpointPlan {
+            checkpointer: self.checkpointer(cfg),
+            cursors: Some(self.cursors.clone()),
+            seed: cfg.run.seed,
+            components: self.components.clone(),
+            commits: Some(self.commits.clone()),
+            invariants: self.invariants.clone(),
+            values: Some(self.values.clone()),
+        }
+    }
+}
+
+/// The checkpoint writer of a run of `cfg` in `run_dir`.
+pub fn checkpointer(cfg: &RunConfig, run_dir: &Path) -> Checkpointer {
+    Checkpointer {
+        root: run_dir.join("checkpoints"),
+        every: cfg.run.checkpoint_every,
+        last_step: Some(cfg.run.steps - 1),
+        max_shard_bytes: weir_gpu::snapshot::parse_size(&cfg.run.max_shard_size)
+            .unwrap_or(weir_gpu::snapshot::DEFAULT_MAX_SHARD_BYTES),
+    }
+}
+
+/// The compute dtype named by `model.dtype`.
+pub fn kind(cfg: &RunConfig) -> Kind {
+    cfg.model.dtype.kind()
+}
+
+/// The device of `worker`: the CPU, or CUDA device `index mod count`.
+pub fn device(cfg: &RunConfig, worker: &WorkerInfo) -> Result<Device, StageError> {
+    if cfg.run.device == DeviceChoice::Cpu {
+        return Ok(Device::Cpu);
+    }
+    let count = Device::cuda_count();
+    if count == 0 {
+        return Err("run.device = \"cuda\", but libtorch sees no CUDA device".into());
+    }
+    Ok(Device::Cuda(worker.index % count))
+}
+
+/// Loads `dir` on `worker`'s device in the config's dtype.
+pub fn load(cfg: &RunConfig, dir: &Path, worker: &WorkerInfo) -> Result<Model, StageError> {
+    Ok(Model::load(dir, device(cfg, worker)?, kind(cfg))?)
+}

@@ -1,0 +1,133 @@
+//! The reward stage of a config: a rule, a reward model, a reward server,
+//! a Python function, a reward the user's binary registered, or a weighted
+//! sum of these.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use weir_graph::{StageError, WorkerInfo};
+use weir_operators::rewards::python::{PythonReward, PythonRewardConfig};
+use weir_operators::rewards::terms::{RewardTerms, Term, TermKind};
+use weir_operators::rewards::{rule_reward, rules};
+use weir_operators::stages::remote_reward::{RemoteReward, RemoteRewardConfig};
+use weir_operators::stages::reward::{RewardModel, RuleReward};
+
+use crate::config::RewardKind;
+use crate::context::load;
+use crate::RunConfig;
+
+/// The reward stage the config names (boxed: rule, model or remote).
+pub fn reward(
+    cfg: &RunConfig,
+) -> impl Fn(&WorkerInfo) -> Result<Box<dyn weir_graph::Stage>, StageError> + Send + Sync + 'static
+{
+    let cfg = cfg.clone();
+    move |w| -> Result<Box<dyn weir_graph::Stage>, StageError> {
+        Ok(match cfg.reward.kind {
+            RewardKind::Model => Box::new(RewardModel::new(
+                load(&cfg, Path::new(&cfg.model.reward_model), w)?,
+                cfg.algorithm.micro_batch,
+            )?),
+            RewardKind::Remote => Box::new(RemoteReward::new(RemoteRewardConfig {
+                url: cfg.reward.url.clone(),
+                label_column: (!cfg.data.label_column.is_empty())
+                    .then(|| cfg.data.label_column.clone()),
+                timeout: Duration::from_secs_f64(cfg.reward.timeout_s.max(0.001)),
+                attempts: cfg.reward.attempts,
+                ..Default::default()
+            })?),
+            RewardKind::Python => Box::new(PythonReward::new(python_reward(
+                &cfg,
+                &cfg.reward.file,
+                &cfg.reward.function,
+            )?)?),
+            RewardKind::Terms => {
+                let mut terms = Vec::new();
+                for t in &cfg.reward.terms {
+                    let kind = match t.rule.as_str() {
+                        "" => TermKind::Python(Box::new(PythonReward::new(python_reward(
+                            &cfg,
+                            &t.file,
+                            &t.function,
+                        )?)?)),
+                        "regex" => TermKind::Regex(rules::full_match(&t.pattern)?),
+                        "length" => TermKind::Length {
+                            max: match t.max_tokens {
+                                0 => cfg.generate.max_new_tokens,
+                                n => n,
+                            },
+                        },
+                        name => rule_term(name)?,
+                    };
+                    terms.push(Term {
+                        name: t.label(),
+                        weight: t.weight,
+                        kind,
+                    });
+                }
+                Box::new(RewardTerms::new(terms, &cfg.data.label_column)?)
+            }
+            RewardKind::Rule => match rule_reward(&cfg.reward.rule) {
+                Some(rule) => Box::new(RuleReward::new(rule, &cfg.data.label_column)),
+                // A reward the user's binary registered: one term of weight 1.
+                None => Box::new(RewardTerms::new(
+                    vec![Term {
+                        name: cfg.reward.rule.clone(),
+                        weight: 1.0,
+                        kind: rule_term(&cfg.reward.rule)?,
+                    }],
+                    &cfg.data.label_column,
+                )?),
+            },
+        })
+    }
+}
+
+/// A built-in rule, or a reward the user's binary registered, by name.
+fn rule_term(name: &str) -> Result<TermKind, StageError> {
+    if let Some(rule) = rule_reward(name) {
+        return Ok(TermKind::Rule(rule));
+    }
+    let factory = weir_operators::rewards::registered(name)
+        .ok_or_else(|| format!("unknown rule reward `{name}`"))?;
+    Ok(TermKind::Custom(factory()?))
+}
+
+/// How to run the Python reward `function` of `file`.
+fn python_reward(
+    cfg: &RunConfig,
+    file: &str,
+    function: &str,
+) -> Result<PythonRewardConfig, StageError> {
+    Ok(PythonRewardConfig {
+        file: PathBuf::from(file),
+        function: function.to_string(),
+        python: cfg.reward.python.clone(),
+        workers: cfg.reward.workers,
+        timeout: Duration::from_secs_f64(cfg.reward.timeout_s.max(0.001)),
+        attempts: cfg.reward.attempts,
+        label_column: (!cfg.data.label_column.is_empty()).then(|| cfg.data.label_column.clone()),
+        columns: reward_columns(cfg)?,
+    })
+}
+
+/// The prompt-file columns a Python reward receives besides the prompt and
+/// the label: every other column all records have.
+pub fn reward_columns(cfg: &RunConfig) -> Result<Vec<String>, StageError> {
+    let d = &cfg.data;
+    let python = match cfg.reward.kind {
+        RewardKind::Python => true,
+        RewardKind::Terms => cfg.reward.terms.iter().any(|t| !t.file.is_empty()),
+        _ => false,
+    };
+    if !python || d.prompts == "arith" {
+        return Ok(Vec::new());
+    }
+    let own = [&d.prompt_column, &d.messages_column, &d.label_column];
+    Ok(
+        weir_operators::stages::prompt_files::common_columns(Path::new(&d.prompts))?
+            .into_iter()
+            .filter(|c| !own.contains(&c))
+            .collect(),
+    )
+}
