@@ -90,6 +90,40 @@ fn u64s(b: &RecordBatch, name: &str) -> Vec<u64> {
         .to_vec()
 }
 
+/// A text column of every rollout row.
+fn text_column(dir: &Path, name: &str) -> Vec<String> {
+    read_parquet_dir(&dir.join("rollouts"))
+        .unwrap()
+        .iter()
+        .flat_map(|b| {
+            let c = b.column_by_name(name).unwrap().as_string::<i32>();
+            (0..b.num_rows())
+                .map(|i| c.value(i).to_string())
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// Every rollout row's response, answer and reward.
+fn scored_rows(dir: &Path) -> Vec<(String, String, f64)> {
+    let rewards = read_parquet_dir(&dir.join("rollouts"))
+        .unwrap()
+        .iter()
+        .flat_map(|b| {
+            let c = b.column_by_name(col::REWARD).unwrap();
+            let c = c.as_primitive::<Float32Type>();
+            c.values().iter().map(|v| f64::from(*v)).collect::<Vec<_>>()
+        })
+        .collect::<Vec<_>>();
+    let (responses, answers) = (text_column(dir, col::RESPONSE), text_column(dir, "answer"));
+    responses
+        .into_iter()
+        .zip(answers)
+        .zip(rewards)
+        .map(|((r, a), w)| (r, a, w))
+        .collect()
+}
+
 /// Metric values of `stage`/`metric` by step.
 fn metric(dir: &Path, stage: &str, name: &str) -> BTreeMap<u64, f64> {
     let mut out = BTreeMap::new();
@@ -428,23 +462,18 @@ fn a_python_reward_file_scores_a_jsonl_task_with_its_columns() {
     let dir = tmp.path().join("run");
     run(kind, cfg, &dir, false);
     // Every row's reward is what the file computes from its own response and label.
-    let mut rows = 0;
-    for b in read_parquet_dir(&dir.join("rollouts")).unwrap() {
-        let responses = b.column_by_name("response").unwrap().as_string::<i32>();
-        let answers = b.column_by_name("answer").unwrap().as_string::<i32>();
-        let topics = b.column_by_name("topic").unwrap().as_string::<i32>();
-        let rewards = b
-            .column_by_name("reward")
-            .unwrap()
-            .as_primitive::<Float32Type>();
-        for i in 0..b.num_rows() {
-            let want = 2.0 * arith::exact_match(responses.value(i), answers.value(i));
-            assert_eq!(f64::from(rewards.value(i)), want, "row {i}");
-            assert!(["small", "other"].contains(&topics.value(i)));
-            rows += 1;
-        }
+    let rows = scored_rows(&dir);
+    for (i, (response, answer, reward)) in rows.iter().enumerate() {
+        assert_eq!(
+            *reward,
+            2.0 * arith::exact_match(response, answer),
+            "row {i}"
+        );
     }
-    assert_eq!(rows, 2 * 3 * 4);
+    assert!(text_column(&dir, "topic")
+        .iter()
+        .all(|t| ["small", "other"].contains(&t.as_str())));
+    assert_eq!(rows.len(), 2 * 3 * 4);
     let small = metric(&dir, "reward", "small_topic");
     assert_eq!(small.len(), 2, "{small:?}");
     assert!(small.values().all(|v| (0.0..=1.0).contains(v)));
@@ -501,27 +530,14 @@ fn weighted_reward_terms_combine_python_math_and_regex() {
     run(kind, cfg.clone(), &dir, false);
     assert_eq!(read_resolved(&dir).unwrap().1, cfg);
     let digits = rules::full_match(r"\d+").unwrap();
-    let mut rows = 0;
-    for b in read_parquet_dir(&dir.join("rollouts")).unwrap() {
-        let responses = b.column_by_name("response").unwrap().as_string::<i32>();
-        let answers = b.column_by_name("answer").unwrap().as_string::<i32>();
-        let rewards = b
-            .column_by_name("reward")
-            .unwrap()
-            .as_primitive::<Float32Type>();
-        for i in 0..b.num_rows() {
-            let (r, a) = (responses.value(i), answers.value(i));
-            let want = 0.5 * arith::exact_match(r, a)
-                + rules::math(r, a)
-                + 0.25 * rules::regex_match(&digits, r);
-            assert!(
-                (f64::from(rewards.value(i)) - want).abs() < 1e-6,
-                "{r:?} {a}"
-            );
-            rows += 1;
-        }
+    let rows = scored_rows(&dir);
+    for (r, a, reward) in &rows {
+        let want = 0.5 * arith::exact_match(r, a)
+            + rules::math(r, a)
+            + 0.25 * rules::regex_match(&digits, r);
+        assert!((reward - want).abs() < 1e-6, "{r:?} {a}");
     }
-    assert_eq!(rows, 2 * 3 * 4);
+    assert_eq!(rows.len(), 2 * 3 * 4);
     for term in ["reward_reward_func", "reward_math", "reward_digits"] {
         assert_eq!(metric(&dir, "reward", term).len(), 2, "{term}");
     }
@@ -589,18 +605,9 @@ fn a_reward_registered_in_rust_scores_by_its_name() {
     cfg.reward.rule = "test_longer".into();
     let dir = tmp.path().join("run");
     run(kind, cfg.clone(), &dir, false);
-    for b in read_parquet_dir(&dir.join("rollouts")).unwrap() {
-        let responses = b.column_by_name("response").unwrap().as_string::<i32>();
-        let answers = b.column_by_name("answer").unwrap().as_string::<i32>();
-        let rewards = b
-            .column_by_name("reward")
-            .unwrap()
-            .as_primitive::<Float32Type>();
-        for i in 0..b.num_rows() {
-            let (r, a) = (responses.value(i), answers.value(i));
-            let want = rules::exact(r, a) + rules::completion(r).len() as f64 / 100.0;
-            assert!((f64::from(rewards.value(i)) - want).abs() < 1e-6);
-        }
+    for (r, a, reward) in scored_rows(&dir) {
+        let want = rules::exact(&r, &a) + rules::completion(&r).len() as f64 / 100.0;
+        assert!((reward - want).abs() < 1e-6);
     }
     assert_eq!(metric(&dir, "reward", "reward_test_longer_rows").len(), 2);
     // An unknown name lists the built-ins and the registered ones.

@@ -19,8 +19,6 @@ use weir_gpu::{SamplingParams, Tokenizer};
 use weir_graph::metrics::MetricRow;
 use weir_graph::{Source, SourceContext, Stage, StepContext, WorkerInfo};
 use weir_operators::stages::generate::Generate;
-use weir_operators::stages::prompt_files::PromptFormat;
-use weir_operators::stages::prompts::{PromptColumn, PromptSource};
 
 use crate::{PipelineError, RunConfig};
 
@@ -54,13 +52,7 @@ impl EvalResult {
 
 /// Evaluates the policy in `actor` on `cfg.eval.prompts`.
 pub fn evaluate(cfg: &RunConfig, actor: &Path) -> Result<EvalResult, PipelineError> {
-    let worker = WorkerInfo {
-        index: 0,
-        peers: 1,
-        process: 0,
-        rank: 0,
-        role_size: 1,
-    };
+    let worker = WorkerInfo::single();
     let reward_factory = crate::rewards::reward(cfg);
     let mut reward = reward_factory(&worker)?;
     let model = crate::context::load(cfg, actor, &worker)?;
@@ -114,56 +106,11 @@ fn scored(
     generate: &mut Generate,
     reward: &mut dyn Stage,
 ) -> Result<RecordBatch, PipelineError> {
-    let d = &cfg.data;
     let path = Path::new(&cfg.eval.prompts);
-    let column = if d.messages_column.is_empty() {
-        PromptColumn::Text(d.prompt_column.clone())
-    } else {
-        PromptColumn::Messages(d.messages_column.clone())
-    };
-    let format = PromptFormat {
-        template: (!d.prompt_template.is_empty()).then(|| d.prompt_template.clone()),
-        chat: d.apply_chat_template,
-        system: (!d.system_prompt.is_empty()).then(|| d.system_prompt.clone()),
-    };
-    let extra: Vec<String> = [d.label_column.clone()]
-        .into_iter()
-        .filter(|c| !c.is_empty())
-        .chain(crate::rewards::reward_columns(cfg)?)
-        .collect();
-    // Every prompt in one step: count them first.
-    let count = PromptSource::from_file(
-        path,
-        &column,
-        &format,
-        &extra,
-        None,
-        tokenizer,
-        1,
-        1,
-        cfg.run.seed,
-    )?
-    .rows()
-    .len();
-    let mut source = PromptSource::from_file(
-        path,
-        &column,
-        &format,
-        &extra,
-        None,
-        tokenizer,
-        count,
-        samples,
-        cfg.run.seed,
-    )?
-    .epochs(1);
-    let worker = WorkerInfo {
-        index: 0,
-        peers: 1,
-        process: 0,
-        rank: 0,
-        role_size: 1,
-    };
+    let mut source = crate::prompts::prompt_file(cfg, path, samples, false, tokenizer)?
+        .every_prompt_per_step()
+        .epochs(1);
+    let worker = WorkerInfo::single();
     let batch = source
         .next_step(&SourceContext { step: 0, worker })?
         .and_then(|mut b| b.pop())

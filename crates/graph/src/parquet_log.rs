@@ -216,6 +216,22 @@ mod tests {
         .unwrap()
     }
 
+    /// Every `row_id` the folder's files hold, in file order.
+    fn ids(dir: &Path) -> Vec<u64> {
+        read_parquet_dir(dir)
+            .unwrap()
+            .iter()
+            .flat_map(|b| {
+                b.column(0)
+                    .as_any()
+                    .downcast_ref::<UInt64Array>()
+                    .unwrap()
+                    .values()
+                    .to_vec()
+            })
+            .collect()
+    }
+
     #[test]
     fn rolls_files_at_step_boundaries_and_leaves_no_temp_files() {
         let dir = tempfile::tempdir().unwrap();
@@ -236,39 +252,13 @@ mod tests {
             "{names:?}"
         );
         assert_eq!(names.len(), 3);
-        let back = read_parquet_dir(dir.path()).unwrap();
-        let ids: Vec<u64> = back
-            .iter()
-            .flat_map(|b| {
-                b.column(0)
-                    .as_any()
-                    .downcast_ref::<UInt64Array>()
-                    .unwrap()
-                    .values()
-                    .to_vec()
-            })
-            .collect();
-        assert_eq!(ids, (0..15).collect::<Vec<_>>());
+        assert_eq!(ids(dir.path()), (0..15).collect::<Vec<_>>());
     }
 
     #[test]
     fn a_commit_writes_the_open_file_which_then_grows() {
         let dir = tempfile::tempdir().unwrap();
         let mut log = ParquetLog::new(dir.path(), 0, 100).unwrap();
-        let ids = |dir: &Path| -> Vec<u64> {
-            read_parquet_dir(dir)
-                .unwrap()
-                .iter()
-                .flat_map(|b| {
-                    b.column(0)
-                        .as_any()
-                        .downcast_ref::<UInt64Array>()
-                        .unwrap()
-                        .values()
-                        .to_vec()
-                })
-                .collect()
-        };
         log.write(0, &rows(0..3)).unwrap();
         log.end_step(0).unwrap();
         assert!(

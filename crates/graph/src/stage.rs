@@ -25,6 +25,20 @@ pub struct WorkerInfo {
     pub role_size: usize,
 }
 
+impl WorkerInfo {
+    /// The one worker of a one-worker run (tools that run a stage on its
+    /// own, such as an evaluation, and tests).
+    pub fn single() -> Self {
+        WorkerInfo {
+            index: 0,
+            peers: 1,
+            process: 0,
+            rank: 0,
+            role_size: 1,
+        }
+    }
+}
+
 /// The per-call context of a stage: the step, where it runs, the weights
 /// version, and (for a learner) the slot for publishing new weights.
 #[derive(Debug)]

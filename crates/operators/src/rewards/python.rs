@@ -28,13 +28,12 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use arrow::array::{ArrayRef, Float32Array, RecordBatch};
+use arrow::array::RecordBatch;
 use serde_json::{json, Value};
-use weir_graph::batch::with_column;
 use weir_graph::{Stage, StageError, StepContext};
 
 use crate::rollout::col;
-use crate::stages::columns::strings;
+use crate::stages::columns::{strings, with_rewards};
 
 const DRIVER: &str = include_str!("python_driver.py");
 
@@ -190,7 +189,7 @@ impl Drop for Worker {
 }
 
 /// Rewards in row order and the means of the function's extra logs.
-type Scored = (Vec<f64>, BTreeMap<String, f64>);
+pub type Scored = (Vec<f64>, BTreeMap<String, f64>);
 
 /// The rows of one request.
 struct Rows<'a> {
@@ -220,9 +219,22 @@ impl PythonReward {
         Ok(PythonReward { cfg, workers })
     }
 
-    /// The prompt-file columns the function receives.
-    pub fn columns(&self) -> &[String] {
-        &self.cfg.columns
+    /// Rewards for the rows of `batch`: its prompts, responses, labels and
+    /// the columns the function receives.
+    pub fn score_batch(&mut self, batch: &RecordBatch) -> Result<Scored, StageError> {
+        let prompts = strings(batch, col::PROMPT, "reward")?;
+        let responses = strings(batch, col::RESPONSE, "reward")?;
+        let labels = match &self.cfg.label_column {
+            Some(c) => Some(strings(batch, c, "reward")?),
+            None => None,
+        };
+        let columns = self
+            .cfg
+            .columns
+            .iter()
+            .map(|c| Ok((c.clone(), strings(batch, c, "reward")?)))
+            .collect::<Result<Vec<_>, StageError>>()?;
+        self.score(&prompts, &responses, labels.as_deref(), &columns)
     }
 
     /// Rewards for rows of `(prompt, response)` with their labels and
@@ -389,28 +401,11 @@ impl Stage for PythonReward {
         ctx: &mut StepContext,
         batch: RecordBatch,
     ) -> Result<Vec<RecordBatch>, StageError> {
-        let prompts = strings(&batch, col::PROMPT, "reward")?;
-        let responses = strings(&batch, col::RESPONSE, "reward")?;
-        let labels = match &self.cfg.label_column {
-            Some(c) => Some(strings(&batch, c, "reward")?),
-            None => None,
-        };
-        let columns = self
-            .cfg
-            .columns
-            .iter()
-            .map(|c| Ok((c.clone(), strings(&batch, c, "reward")?)))
-            .collect::<Result<Vec<_>, StageError>>()?;
-        let (rewards, logs) = self.score(&prompts, &responses, labels.as_deref(), &columns)?;
+        let (rewards, logs) = self.score_batch(&batch)?;
         for (key, value) in logs {
             ctx.record(&key, value);
         }
-        let rewards: Float32Array = rewards.iter().map(|r| *r as f32).collect();
-        Ok(vec![with_column(
-            &batch,
-            col::REWARD,
-            Arc::new(rewards) as ArrayRef,
-        )?])
+        Ok(vec![with_rewards(&batch, &rewards)?])
     }
 }
 

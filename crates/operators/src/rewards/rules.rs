@@ -100,21 +100,8 @@ fn last_boxed(text: &str) -> Option<String> {
         .filter_map(|m| text.rfind(m).map(|i| (i, m.len())))
         .max()?;
     let rest = &text[at.0 + at.1..];
-    if let Some(inner) = rest.strip_prefix('{') {
-        let mut depth = 1;
-        for (i, c) in inner.char_indices() {
-            match c {
-                '{' => depth += 1,
-                '}' => {
-                    depth -= 1;
-                    if depth == 0 {
-                        return Some(inner[..i].trim().to_string());
-                    }
-                }
-                _ => {}
-            }
-        }
-        return None;
+    if rest.starts_with('{') {
+        return braced(rest).map(|(inner, _)| inner.trim().to_string());
     }
     let word: String = rest
         .trim_start()
@@ -219,23 +206,29 @@ fn value(s: &str) -> Option<f64> {
     None
 }
 
+/// For `s` starting with `{`: what its balanced braces hold, and what follows them.
+fn braced(s: &str) -> Option<(&str, &str)> {
+    let inner = s.strip_prefix('{')?;
+    let mut depth = 1;
+    for (i, c) in inner.char_indices() {
+        match c {
+            '{' => depth += 1,
+            '}' => {
+                depth -= 1;
+                if depth == 0 {
+                    return Some((&inner[..i], &inner[i + 1..]));
+                }
+            }
+            _ => {}
+        }
+    }
+    None
+}
+
 /// One argument of `\frac`: `{…}` or a single character.
 fn frac_part(s: &str) -> Option<(String, &str)> {
-    if let Some(inner) = s.strip_prefix('{') {
-        let mut depth = 1;
-        for (i, c) in inner.char_indices() {
-            match c {
-                '{' => depth += 1,
-                '}' => {
-                    depth -= 1;
-                    if depth == 0 {
-                        return Some((inner[..i].to_string(), &inner[i + 1..]));
-                    }
-                }
-                _ => {}
-            }
-        }
-        return None;
+    if s.starts_with('{') {
+        return braced(s).map(|(inner, rest)| (inner.to_string(), rest));
     }
     let c = s.chars().next()?;
     Some((c.to_string(), &s[c.len_utf8()..]))

@@ -2,18 +2,15 @@
 //! `reward_funcs` + `reward_weights`: `reward = Σ weightᵢ · termᵢ`. Each
 //! term's mean over the batch is recorded as the metric `reward_<name>`.
 
-use std::sync::Arc;
-
-use arrow::array::{ArrayRef, Float32Array, RecordBatch};
+use arrow::array::RecordBatch;
 use regex::Regex;
-use weir_graph::batch::with_column;
 use weir_graph::{Stage, StageError, StepContext};
 
 use super::python::PythonReward;
 use super::rules;
 use super::{check_scores, Reward, RewardRows, RuleReward};
 use crate::rollout::col;
-use crate::stages::columns::{strings, token_lists};
+use crate::stages::columns::{strings, token_lists, with_rewards};
 
 /// What one term computes.
 pub enum TermKind {
@@ -102,14 +99,7 @@ impl Stage for RewardTerms {
                     .map(|t| rules::length_penalty(t.len(), *max))
                     .collect(),
                 TermKind::Python(python) => {
-                    let prompts = strings(&batch, col::PROMPT, "reward")?;
-                    let columns = python
-                        .columns()
-                        .iter()
-                        .map(|c| Ok((c.clone(), strings(&batch, c, "reward")?)))
-                        .collect::<Result<Vec<_>, StageError>>()?;
-                    let (values, logs) =
-                        python.score(&prompts, &responses, labels.as_deref(), &columns)?;
+                    let (values, logs) = python.score_batch(&batch)?;
                     for (key, value) in logs {
                         ctx.record(&format!("reward_{}_{key}", term.name), value);
                     }
@@ -140,18 +130,15 @@ impl Stage for RewardTerms {
                 *sum += term.weight * v;
             }
         }
-        let rewards: Float32Array = total.iter().map(|r| *r as f32).collect();
-        Ok(vec![with_column(
-            &batch,
-            col::REWARD,
-            Arc::new(rewards) as ArrayRef,
-        )?])
+        Ok(vec![with_rewards(&batch, &total)?])
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use arrow::array::{ArrayRef, Float32Array};
+    use std::sync::Arc;
     use weir_graph::WorkerInfo;
 
     #[test]
@@ -197,13 +184,7 @@ mod tests {
             },
         ];
         let mut stage = RewardTerms::new(terms, "answer").unwrap();
-        let info = WorkerInfo {
-            index: 0,
-            peers: 1,
-            process: 0,
-            rank: 0,
-            role_size: 1,
-        };
+        let info = WorkerInfo::single();
         let mut ctx = StepContext::detached(0, info, 0);
         let out = stage.process(&mut ctx, batch).unwrap().remove(0);
         let rewards: Vec<f32> = out

@@ -395,17 +395,7 @@ mod tests {
     }
 
     fn run(stage: &mut dyn Stage) -> RecordBatch {
-        let mut ctx = StepContext::detached(
-            0,
-            WorkerInfo {
-                index: 0,
-                peers: 1,
-                process: 0,
-                rank: 0,
-                role_size: 1,
-            },
-            0,
-        );
+        let mut ctx = StepContext::detached(0, WorkerInfo::single(), 0);
         assert!(
             stage.process(&mut ctx, batch()).unwrap().is_empty(),
             "held until the step ends"

@@ -119,6 +119,16 @@ pub fn f32s(batch: &RecordBatch, name: &str, stage: &str) -> Result<Vec<f64>, St
         .collect())
 }
 
+/// `batch` with its `reward` column set to `rewards` (float32).
+pub fn with_rewards(batch: &RecordBatch, rewards: &[f64]) -> Result<RecordBatch, StageError> {
+    let column: arrow::array::Float32Array = rewards.iter().map(|r| *r as f32).collect();
+    Ok(weir_graph::batch::with_column(
+        batch,
+        crate::rollout::col::REWARD,
+        std::sync::Arc::new(column) as ArrayRef,
+    )?)
+}
+
 /// The `reward` column, every value finite; a NaN or infinite reward is an
 /// error naming its row (never trained on, never silently zeroed).
 pub fn rewards(batch: &RecordBatch, stage: &str) -> Result<Vec<f64>, StageError> {

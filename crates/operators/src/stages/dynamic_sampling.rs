@@ -170,13 +170,7 @@ mod tests {
         s: u64,
         rows: &[(u64, f32, u64)],
     ) -> (Vec<u64>, Vec<(String, f64)>) {
-        let worker = WorkerInfo {
-            index: 0,
-            peers: 1,
-            process: 0,
-            rank: 0,
-            role_size: 1,
-        };
+        let worker = WorkerInfo::single();
         let mut ctx = StepContext::detached(s, worker, s);
         assert!(stage.process(&mut ctx, batch(rows)).unwrap().is_empty());
         let out = stage.end_step(&mut ctx).unwrap();

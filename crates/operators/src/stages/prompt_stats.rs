@@ -266,13 +266,7 @@ mod tests {
             ),
         ])
         .unwrap();
-        let worker = WorkerInfo {
-            index: 0,
-            peers: 1,
-            process: 0,
-            rank: 0,
-            role_size: 1,
-        };
+        let worker = WorkerInfo::single();
         let mut ctx = StepContext::detached(step, worker, step);
         assert!(stage.process(&mut ctx, batch).unwrap().is_empty());
         let out = stage.end_step(&mut ctx).unwrap();

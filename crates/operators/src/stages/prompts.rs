@@ -201,6 +201,12 @@ impl PromptSource {
         })
     }
 
+    /// Every prompt of the set in each step (an evaluation's one step).
+    pub fn every_prompt_per_step(mut self) -> Self {
+        self.prompts_per_step = self.rows.len();
+        self
+    }
+
     /// The arith task's prompts for `pairs`, with an `answer` column.
     pub fn arith(
         pairs: &[(u32, u32)],
@@ -408,13 +414,7 @@ mod tests {
     fn ctx(step: u64) -> SourceContext {
         SourceContext {
             step,
-            worker: WorkerInfo {
-                index: 0,
-                peers: 1,
-                process: 0,
-                rank: 0,
-                role_size: 1,
-            },
+            worker: WorkerInfo::single(),
         }
     }
 

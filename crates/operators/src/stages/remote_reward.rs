@@ -14,12 +14,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use arrow::array::{ArrayRef, Float32Array, RecordBatch};
+use arrow::array::RecordBatch;
 use serde_json::{json, Value};
-use weir_graph::batch::with_column;
 use weir_graph::{Stage, StageError, StepContext};
 
-use super::columns::strings;
+use super::columns::{strings, with_rewards};
 use crate::rollout::col;
 
 /// Where and how to ask a reward server.
@@ -263,12 +262,7 @@ impl Stage for RemoteReward {
             None => None,
         };
         let rewards = self.score(&prompts, &responses, labels.as_deref())?;
-        let column: Float32Array = rewards.iter().map(|r| *r as f32).collect();
-        Ok(vec![with_column(
-            &batch,
-            col::REWARD,
-            Arc::new(column) as ArrayRef,
-        )?])
+        Ok(vec![with_rewards(&batch, &rewards)?])
     }
 }
 

@@ -6,7 +6,7 @@ use arrow::array::{ArrayRef, Float32Array, RecordBatch};
 use weir_graph::batch::with_column;
 use weir_graph::{Stage, StageError, StepContext};
 
-use super::columns::strings;
+use super::columns::{strings, with_rewards};
 use crate::rewards::RuleReward as RuleFn;
 use crate::rollout::col;
 
@@ -34,16 +34,12 @@ impl Stage for RuleReward {
     ) -> Result<Vec<RecordBatch>, StageError> {
         let responses = strings(&batch, col::RESPONSE, "reward")?;
         let answers = strings(&batch, &self.reference, "reward")?;
-        let rewards: Float32Array = responses
+        let rewards: Vec<f64> = responses
             .iter()
             .zip(&answers)
-            .map(|(r, a)| (self.rule)(r, a) as f32)
+            .map(|(r, a)| (self.rule)(r, a))
             .collect();
-        Ok(vec![with_column(
-            &batch,
-            col::REWARD,
-            Arc::new(rewards) as ArrayRef,
-        )?])
+        Ok(vec![with_rewards(&batch, &rewards)?])
     }
 }
 
@@ -114,17 +110,7 @@ mod tests {
 
     fn ctx() -> StepContext {
         // A stage context outside an engine run: only the step matters here.
-        weir_graph::stage::StepContext::detached(
-            0,
-            WorkerInfo {
-                index: 0,
-                peers: 1,
-                process: 0,
-                rank: 0,
-                role_size: 1,
-            },
-            0,
-        )
+        weir_graph::stage::StepContext::detached(0, WorkerInfo::single(), 0)
     }
 
     #[test]
@@ -260,13 +246,7 @@ mod overlong_tests {
             buffer: 4,
             factor: 1.0,
         };
-        let worker = weir_graph::WorkerInfo {
-            index: 0,
-            peers: 1,
-            process: 0,
-            rank: 0,
-            role_size: 1,
-        };
+        let worker = weir_graph::WorkerInfo::single();
         let mut ctx = StepContext::detached(0, worker, 0);
         let out = stage.process(&mut ctx, batch).unwrap();
         let r = crate::stages::columns::f32s(&out[0], col::REWARD, "t").unwrap();
