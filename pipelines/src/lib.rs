@@ -18,6 +18,7 @@ pub mod placement;
 pub mod preference;
 pub mod progress;
 pub mod prompts;
+pub mod resume;
 pub mod rewards;
 pub mod rl;
 pub mod roles;

@@ -28,21 +28,21 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use arrow::array::{AsArray, BooleanArray};
-use arrow::compute::filter_record_batch;
-use arrow::datatypes::UInt64Type;
 use serde_json::{json, Value};
-use weir_graph::metrics::{batch_to_rows, MetricRow};
-use weir_graph::parquet_log::{read_parquet_file, write_parquet_atomically};
+use weir_graph::metrics::MetricRow;
+use weir_graph::parquet_log::write_parquet_atomically;
 use weir_graph::{Placement, RunReport, RunSettings};
 use weir_operators::checkpoint::{latest, CheckpointCommits};
 use weir_operators::rewards::arith;
-use weir_operators::rollout::col;
 use weir_operators::stages::prompt_stats::StatsView;
 use weir_operators::stages::prompts::CursorLog;
 
 use crate::context::RunContext;
 use crate::placement::Cluster;
+use crate::resume::{
+    check_resumable, keep_aside, prior_metrics, refuse_foreign_folder, resume_invariants,
+    trim_rollouts,
+};
 use crate::roles::{ROLLOUT, TRAIN};
 use crate::{preference, rl, sft, PipelineError, PipelineKind, RunConfig};
 
@@ -316,7 +316,9 @@ fn train(req: &RunRequest, segment: &mut Segment) -> Result<RunReport, PipelineE
             })
         })
         .prior_metrics(std::mem::take(&mut segment.prior))
-        .observe_steps(tensorboard(&dir.join("tensorboard")))
+        .observe_steps(weir_graph::tensorboard::step_observer(
+            &dir.join("tensorboard"),
+        ))
         .observe(observer);
     let report = pipeline.run(&settings);
     bar.finish();
@@ -342,18 +344,20 @@ fn finish(
         .join("checkpoints")
         .join(format!("step-{}", ctx.last_step))
         .join("actor");
+    let outcome = |report, summary| RunOutcome {
+        run_dir: dir.clone(),
+        report,
+        summary,
+        final_actor: final_actor.clone(),
+        note,
+    };
     if !cluster.is_leader() {
-        return Ok(RunOutcome {
-            run_dir: dir.clone(),
-            report,
-            summary: json!({
-                "pipeline": kind.name(),
-                "process": cluster.process,
-                "processes": cluster.processes,
-            }),
-            final_actor,
-            note,
+        let summary = json!({
+            "pipeline": kind.name(),
+            "process": cluster.process,
+            "processes": cluster.processes,
         });
+        return Ok(outcome(report, summary));
     }
     if !final_actor.is_dir() {
         let shared = if cluster.processes > 1 {
@@ -373,13 +377,7 @@ fn finish(
         .flatten()
         .and_then(|text| serde_json::from_str::<Value>(&text).ok());
     if let Some(summary) = kept {
-        return Ok(RunOutcome {
-            run_dir: dir.clone(),
-            report,
-            summary,
-            final_actor,
-            note,
-        });
+        return Ok(outcome(report, summary));
     }
     // Greedy accuracy of a policy (not of a reward model), of the starting
     // checkpoint and of the final one.
@@ -426,56 +424,7 @@ fn finish(
         &dir.join("summary.json"),
         &serde_json::to_string_pretty(&summary).map_err(|e| e.to_string())?,
     )?;
-    Ok(RunOutcome {
-        run_dir: dir.clone(),
-        report,
-        summary,
-        final_actor,
-        note,
-    })
-}
-
-/// Writes each step's metrics to a TensorBoard event file under `dir`
-/// (`tensorboard --logdir runs/`): tag `stage/metric[/label]`, the mean
-/// over the workers that reported it. A failure to write is logged once
-/// and never stops the run.
-fn tensorboard(dir: &Path) -> weir_graph::StepObserver {
-    use weir_graph::tensorboard::EventWriter;
-    let dir = dir.to_path_buf();
-    let writer: std::sync::Mutex<Option<Result<EventWriter, ()>>> = std::sync::Mutex::new(None);
-    Arc::new(move |step, rows| {
-        let mut writer = writer.lock().unwrap_or_else(|e| e.into_inner());
-        let w = writer.get_or_insert_with(|| {
-            EventWriter::create(&dir).map_err(|e| {
-                tracing::warn!(error = %e, "TensorBoard events are not written");
-            })
-        });
-        let Ok(w) = w else { return };
-        let mut sums: BTreeMap<String, (f64, f64)> = BTreeMap::new();
-        let mut wall = 0.0f64;
-        for r in rows {
-            if r.metric == weir_graph::metrics::names::DONE_UNIX_S {
-                wall = wall.max(r.value);
-                continue;
-            }
-            let tag = match &r.label {
-                Some(label) => format!("{}/{}/{label}", r.stage, r.metric),
-                None => format!("{}/{}", r.stage, r.metric),
-            };
-            let e = sums.entry(tag).or_default();
-            (e.0, e.1) = (e.0 + r.value, e.1 + 1.0);
-        }
-        if wall == 0.0 {
-            wall = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0.0, |d| d.as_secs_f64());
-        }
-        let values: Vec<(String, f64)> = sums.into_iter().map(|(k, (s, n))| (k, s / n)).collect();
-        if let Err(e) = w.scalars(step, wall, &values) {
-            tracing::warn!(error = %e, "TensorBoard events are no longer written");
-            *writer = Some(Err(()));
-        }
-    })
+    Ok(outcome(report, summary))
 }
 
 /// Hands heap memory that is free but kept by the allocator back to the OS.
@@ -527,80 +476,6 @@ fn check_heads(kind: PipelineKind, cfg: &RunConfig) -> Result<(), PipelineError>
             )
             .into());
         }
-    }
-    Ok(())
-}
-
-/// The config values a resumed run must keep: the checkpoint's weights,
-/// prompt cursor and components mean something only under them. Other keys
-/// (the number of steps, learning rate, logging, threads) may change.
-pub fn resume_invariants(kind: PipelineKind, cfg: &RunConfig) -> BTreeMap<String, String> {
-    let (m, d) = (&cfg.model, &cfg.data);
-    [
-        ("pipeline", kind.name().to_string()),
-        ("model.path", m.path.clone()),
-        ("model.reference", m.reference.clone()),
-        ("model.reward_model", m.reward_model.clone()),
-        ("model.critic", m.critic.clone()),
-        ("data.prompts", d.prompts.clone()),
-        ("data.prompt_column", d.prompt_column.clone()),
-        ("data.messages_column", d.messages_column.clone()),
-        ("run.seed", cfg.run.seed.to_string()),
-        ("placement.workers", cfg.placement.workers.to_string()),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_string(), v))
-    .collect()
-}
-
-/// Refuses to resume from checkpoint `ck` under a config that changed what it means.
-fn check_resumable(
-    dir: &Path,
-    ck: &Path,
-    state: &weir_operators::checkpoint::CheckpointState,
-    cfg: &RunConfig,
-    now: &BTreeMap<String, String>,
-) -> Result<(), PipelineError> {
-    let name = ck.file_name().unwrap_or_default().to_string_lossy();
-    for (key, was) in &state.invariants {
-        let is = now.get(key).map(String::as_str).unwrap_or("");
-        if is != was {
-            return Err(format!(
-                "cannot resume {}: `{key}` is {is:?} in {} but checkpoint {name} was made with {was:?}; \
-                 put it back, or start a new run from {}",
-                dir.display(),
-                dir.join(RESOLVED).display(),
-                ck.join("actor").display()
-            )
-            .into());
-        }
-    }
-    if cfg.run.steps <= state.step {
-        return Err(format!(
-            "cannot resume {}: `run.steps` = {} but the run has reached step {} (checkpoint {name}); \
-             a resume may only add steps",
-            dir.display(),
-            cfg.run.steps,
-            state.step
-        )
-        .into());
-    }
-    Ok(())
-}
-
-/// Refuses an existing, non-empty folder that is not a weir run (a new run
-/// would mix its files with someone else's).
-fn refuse_foreign_folder(dir: &Path) -> Result<(), PipelineError> {
-    let Ok(mut entries) = std::fs::read_dir(dir) else {
-        return Ok(());
-    };
-    if entries.next().is_some() {
-        return Err(format!(
-            "--out {}: the folder exists, is not empty and holds no weir run ({RESOLVED}); \
-             pick a new folder",
-            dir.display()
-        )
-        .into());
     }
     Ok(())
 }
@@ -705,98 +580,6 @@ fn eval_before(cfg: &RunConfig, dir: &Path) -> Result<(f64, Vec<(String, String)
         &json!({"eval_accuracy_before": acc, "samples": samples}).to_string(),
     )?;
     Ok((acc, samples))
-}
-
-/// Metric rows of steps ≤ `last_step` from an earlier segment.
-fn prior_metrics(path: &Path, last_step: u64) -> Result<Vec<MetricRow>, PipelineError> {
-    if !path.is_file() {
-        return Ok(Vec::new());
-    }
-    let mut rows = Vec::new();
-    for batch in read_parquet_file(path)? {
-        rows.extend(
-            batch_to_rows(&batch)?
-                .into_iter()
-                .filter(|r| r.step <= last_step),
-        );
-    }
-    Ok(rows)
-}
-
-/// Copies `path` (if present) to `superseded/NAME-<unix seconds>` beside it.
-fn keep_aside(path: &Path) -> Result<(), PipelineError> {
-    if !path.is_file() {
-        return Ok(());
-    }
-    let dir = path.parent().unwrap_or(Path::new(".")).join("superseded");
-    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let stamp = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    let name = path.file_name().unwrap_or_default().to_string_lossy();
-    let target = dir.join(format!("{stamp}-{name}"));
-    std::fs::copy(path, &target).map_err(|e| format!("{}: {e}", target.display()))?;
-    Ok(())
-}
-
-/// Moves rollout files holding steps after `last_step` (every file when
-/// there is no checkpoint) to `superseded/`, keeping their rows up to
-/// `last_step` in a new file.
-fn trim_rollouts(dir: &Path, last_step: Option<u64>) -> Result<(), PipelineError> {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return Ok(());
-    };
-    let paths: Vec<PathBuf> = entries.flatten().map(|e| e.path()).collect();
-    // Half-written files of the crash (never renamed into place) are no one's rows.
-    for tmp in paths
-        .iter()
-        .filter(|p| p.extension().is_some_and(|x| x == "tmp"))
-    {
-        std::fs::remove_file(tmp).map_err(|e| format!("{}: {e}", tmp.display()))?;
-    }
-    let mut files: Vec<PathBuf> = paths
-        .into_iter()
-        .filter(|p| p.extension().is_some_and(|x| x == "parquet"))
-        .collect();
-    files.sort();
-    for path in files {
-        let batches = read_parquet_file(&path)?;
-        let mut kept = Vec::new();
-        let mut later = false;
-        for b in &batches {
-            let steps = b
-                .column_by_name(col::STEP)
-                .ok_or_else(|| format!("{}: no `step` column", path.display()))?
-                .as_primitive::<UInt64Type>();
-            let keep: BooleanArray = steps
-                .iter()
-                .map(|s| s.map(|s| last_step.is_some_and(|last| s <= last)))
-                .collect();
-            later |= keep.true_count() < b.num_rows();
-            let k = filter_record_batch(b, &keep).map_err(|e| e.to_string())?;
-            if k.num_rows() > 0 {
-                kept.push(k);
-            }
-        }
-        if !later {
-            continue;
-        }
-        let name = path
-            .file_name()
-            .unwrap_or_default()
-            .to_string_lossy()
-            .to_string();
-        let superseded = dir.join("superseded");
-        std::fs::create_dir_all(&superseded)
-            .map_err(|e| format!("{}: {e}", superseded.display()))?;
-        if let (false, Some(last)) = (kept.is_empty(), last_step) {
-            let stem = name.trim_end_matches(".parquet");
-            write_parquet_atomically(&dir.join(format!("{stem}-upto-{last}.parquet")), &kept)?;
-        }
-        std::fs::rename(&path, superseded.join(&name))
-            .map_err(|e| format!("{}: {e}", path.display()))?;
-    }
-    Ok(())
 }
 
 fn write_text(path: &Path, text: &str) -> Result<(), PipelineError> {

@@ -6,7 +6,8 @@
 //! protocol buffer: the first `file_version = "brain.Event:2"`, then one
 //! per step with a `Summary` of `(tag, simple_value)` pairs. The few
 //! protobuf fields are encoded here by hand; [`read_scalars`] decodes them
-//! again (tests, and `weir` itself never needs more).
+//! again (tests, and `weir` itself never needs more). [`step_observer`]
+//! writes a run's metrics through `RunSettings::observe_steps`.
 //!
 //! # Examples
 //! ```
@@ -123,6 +124,48 @@ fn field_bytes(out: &mut Vec<u8>, field: u64, bytes: &[u8]) {
 fn field_double(out: &mut Vec<u8>, field: u64, v: f64) {
     varint(out, (field << 3) | 1);
     out.extend_from_slice(&v.to_le_bytes());
+}
+
+/// Writes each step's metrics to a TensorBoard event file under `dir`
+/// (`tensorboard --logdir runs/`): tag `stage/metric[/label]`, the mean
+/// over the workers that reported it. A failure to write is logged once
+/// and never stops the run.
+pub fn step_observer(dir: &Path) -> crate::StepObserver {
+    let dir = dir.to_path_buf();
+    let writer: std::sync::Mutex<Option<Result<EventWriter, ()>>> = std::sync::Mutex::new(None);
+    std::sync::Arc::new(move |step, rows: &[crate::metrics::MetricRow]| {
+        let mut writer = writer.lock().unwrap_or_else(|e| e.into_inner());
+        let w = writer.get_or_insert_with(|| {
+            EventWriter::create(&dir).map_err(|e| {
+                tracing::warn!(error = %e, "TensorBoard events are not written");
+            })
+        });
+        let Ok(w) = w else { return };
+        let mut sums: std::collections::BTreeMap<String, (f64, f64)> = Default::default();
+        let mut wall = 0.0f64;
+        for r in rows {
+            if r.metric == crate::metrics::names::DONE_UNIX_S {
+                wall = wall.max(r.value);
+                continue;
+            }
+            let tag = match &r.label {
+                Some(label) => format!("{}/{}/{label}", r.stage, r.metric),
+                None => format!("{}/{}", r.stage, r.metric),
+            };
+            let e = sums.entry(tag).or_default();
+            (e.0, e.1) = (e.0 + r.value, e.1 + 1.0);
+        }
+        if wall == 0.0 {
+            wall = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64());
+        }
+        let values: Vec<(String, f64)> = sums.into_iter().map(|(k, (s, n))| (k, s / n)).collect();
+        if let Err(e) = w.scalars(step, wall, &values) {
+            tracing::warn!(error = %e, "TensorBoard events are no longer written");
+            *writer = Some(Err(()));
+        }
+    })
 }
 
 /// CRC-32C (Castagnoli), bitwise-reflected, as TFRecord uses it.
