@@ -116,10 +116,7 @@ pub fn aggregate_in_step(
 mod tests {
     use super::*;
 
-    fn t(rows: &[&[f32]]) -> Tensor {
-        let (b, n) = (rows.len() as i64, rows[0].len() as i64);
-        Tensor::from_slice(&rows.concat()).view([b, n])
-    }
+    use crate::algorithms::test_rows as t;
 
     #[test]
     fn aggregation_modes_by_hand() {

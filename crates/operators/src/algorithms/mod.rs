@@ -39,3 +39,10 @@ pub enum Flavor {
     /// verl (`verl/trainer/ppo/core_algos.py`).
     Verl,
 }
+
+/// A `[rows, columns]` float tensor of equal-length rows (tests).
+#[cfg(test)]
+pub(crate) fn test_rows(rows: &[&[f32]]) -> tch::Tensor {
+    let (b, n) = (rows.len() as i64, rows[0].len() as i64);
+    tch::Tensor::from_slice(&rows.concat()).view([b, n])
+}
