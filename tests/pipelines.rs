@@ -321,6 +321,23 @@ fn prompts_by_step(dir: &Path) -> BTreeMap<u64, Vec<u64>> {
 fn resume_continues_steps_versions_and_cursor_after_a_crash() {
     let kind = PipelineKind::Grpo;
     let tmp = tempfile::tempdir().unwrap();
+    // Evaluated every two steps on five held-out prompts.
+    let held = tmp.path().join("held.jsonl");
+    let lines: Vec<String> = (0..5u32)
+        .map(|i| {
+            let content = weir::operators::rewards::arith::user_message(i, 7);
+            serde_json::json!({"messages": [{"role": "user", "content": content}], "answer": (i + 7).to_string()})
+                .to_string()
+        })
+        .collect();
+    std::fs::write(&held, lines.join("\n")).unwrap();
+    let config = |kind, steps| {
+        let mut c = config(kind, steps);
+        c.eval.prompts = held.display().to_string();
+        c.data.messages_column = "messages".into();
+        c.eval.every = 2;
+        c
+    };
     // The run as it should be: four steps straight.
     let straight = tmp.path().join("straight");
     run(kind, config(kind, 4), &straight, false);
@@ -367,6 +384,14 @@ fn resume_continues_steps_versions_and_cursor_after_a_crash() {
     assert_eq!(state["cursor"]["position"].as_u64(), Some(12));
     // The earlier metrics file was kept aside, not overwritten.
     assert_eq!(crashed.join("superseded").read_dir().unwrap().count(), 1);
+    // Each evaluation once: the kept one of step 0, step 2's again by the
+    // resumed generators, and the final policy's (not the first attempt's).
+    for dir in [&straight, &crashed] {
+        let points = weir::pipelines::eval::points(&metric_rows(dir));
+        assert_eq!(points.keys().copied().collect::<Vec<_>>(), vec![0, 2, 4]);
+        assert!(points.values().all(|p| p.prompts == 5), "{points:?}");
+        assert_eq!(points[&4].policy_version, 4);
+    }
 
     // A crash before the first checkpoint: the resumed run starts over,
     // and what the first attempt wrote is kept aside.
@@ -525,6 +550,9 @@ fn weighted_reward_terms_combine_python_math_and_regex() {
             ..Default::default()
         },
     ];
+    // Evaluation every step, on the task's own prompts, with the same reward.
+    cfg.eval.prompts = prompts.display().to_string();
+    cfg.eval.every = 1;
     // The resolved config, with its [[reward.terms]], reads back the same.
     let dir = tmp.path().join("run");
     run(kind, cfg.clone(), &dir, false);
@@ -541,17 +569,25 @@ fn weighted_reward_terms_combine_python_math_and_regex() {
     for term in ["reward_reward_func", "reward_math", "reward_digits"] {
         assert_eq!(metric(&dir, "reward", term).len(), 2, "{term}");
     }
-    // TensorBoard: one event file, each step's metrics as the workers' mean.
-    let events: Vec<_> = std::fs::read_dir(dir.join("tensorboard"))
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .collect();
-    assert_eq!(events.len(), 1, "{events:?}");
-    let scalars = weir::graph::tensorboard::read_scalars(&events[0]).unwrap();
+    // The evaluations: before each step's rollouts, and of the final policy.
+    let evals = metric(&dir, "eval", "reward");
+    assert_eq!(evals.keys().collect::<Vec<_>>(), vec![&0, &1, &2]);
+    assert!(
+        evals.values().all(|r| (0.0..=1.75).contains(r)),
+        "{evals:?}"
+    );
+    assert_eq!(metric(&dir, "eval", "prompts")[&1], 9.0);
+    // TensorBoard: the training's event file and the final evaluation's,
+    // each step's metrics as the workers' mean.
+    let mut scalars = Vec::new();
+    for e in std::fs::read_dir(dir.join("tensorboard")).unwrap() {
+        scalars.extend(weir::graph::tensorboard::read_scalars(&e.unwrap().path()).unwrap());
+    }
     for (stage, name) in [
         ("learn", "loss"),
         ("reward", "reward_math"),
         ("learn", "reward"),
+        ("eval", "reward"),
     ] {
         let tag = format!("{stage}/{name}");
         let got: BTreeMap<u64, f64> = scalars
@@ -620,7 +656,7 @@ fn a_reward_registered_in_rust_scores_by_its_name() {
 }
 
 #[test]
-fn held_out_prompts_evaluate_the_final_policy_with_the_runs_reward() {
+fn held_out_prompts_evaluate_the_policy_during_training_and_mark_the_best_checkpoint() {
     use weir::operators::rewards::arith;
     let tmp = tempfile::tempdir().unwrap();
     let write = |name: &str, pairs: &[(u32, u32)]| -> PathBuf {
@@ -639,37 +675,125 @@ fn held_out_prompts_evaluate_the_final_policy_with_the_runs_reward() {
         path
     };
     let train: Vec<(u32, u32)> = (0..12).map(|i| (i, 2 * i + 1)).collect();
-    let held: Vec<(u32, u32)> = (0..20).map(|i| (3 * i + 1, i + 2)).collect();
+    // 21 prompts: the two rollout workers evaluate 11 and 10 of them.
+    let held: Vec<(u32, u32)> = (0..21).map(|i| (3 * i + 1, i + 2)).collect();
     let kind = PipelineKind::Grpo;
-    let mut cfg = config(kind, 2);
+    let mut cfg = config(kind, 4);
+    cfg.run.max_staleness = 0;
+    cfg.run.checkpoint_every = 2;
+    cfg.placement.workers = 3;
+    cfg.placement.rollout = vec![0, 1];
+    cfg.placement.train = vec![2];
+    cfg.algorithm.lr = 1e-4;
     cfg.data.prompts = write("train.jsonl", &train).display().to_string();
     cfg.data.messages_column = "messages".into();
     cfg.eval.prompts = write("held.jsonl", &held).display().to_string();
     cfg.eval.k = 4;
+    cfg.eval.every = 2;
+    cfg.eval.best_checkpoint = true;
     let dir = tmp.path().join("run");
-    let summary = run(kind, cfg, &dir, false);
-    // The greedy reward is the final policy's greedy accuracy on those pairs.
-    let actor = dir.join("checkpoints/step-1/actor");
-    let model = weir::gpu::Model::load(&actor, weir::gpu::Device::Cpu, tch::Kind::Float).unwrap();
+    let summary = run(kind, cfg.clone(), &dir, false);
+    // Each evaluation is the greedy accuracy, on those pairs, of the policy
+    // the generators held: the start at step 0, the checkpoint of version 2
+    // (after step 1) at step 2, and the final policy (version 4) after the run.
     let tok = weir::gpu::Tokenizer::load(&fixture("arith-sft")).unwrap();
-    let (accuracy, _) = arith::greedy_accuracy(&model, &tok, &held, 7).unwrap();
-    assert_eq!(summary["eval_prompts"], 20);
+    let accuracy = |actor: &Path| {
+        let model =
+            weir::gpu::Model::load(actor, weir::gpu::Device::Cpu, tch::Kind::Float).unwrap();
+        arith::greedy_accuracy(&model, &tok, &held, 7).unwrap().0
+    };
+    let want: BTreeMap<u64, f64> = [
+        (0, accuracy(&fixture("arith-sft"))),
+        (2, accuracy(&dir.join("checkpoints/step-1/actor"))),
+        (4, accuracy(&dir.join("checkpoints/step-3/actor"))),
+    ]
+    .into();
+    let points = weir::pipelines::eval::points(&metric_rows(&dir));
     assert_eq!(
-        summary["eval_reward"].as_f64().unwrap(),
-        accuracy,
+        points.keys().collect::<Vec<_>>(),
+        want.keys().collect::<Vec<_>>()
+    );
+    for (step, p) in &points {
+        assert_eq!(p.prompts, 21, "step {step}");
+        assert_eq!(p.policy_version, *step, "step {step}");
+        assert!(
+            (p.reward - want[step]).abs() < 1e-9,
+            "step {step}: {p:?} vs {}",
+            want[step]
+        );
+        let (mean, pass) = (p.mean_at_k.unwrap(), p.pass_at_k.unwrap());
+        assert!((0.0..=1.0).contains(&mean) && pass >= mean - 1e-12, "{p:?}");
+    }
+    // During training both rollout workers evaluated their share.
+    let shares: Vec<f64> = metric_rows(&dir)
+        .iter()
+        .filter(|r| r.stage == "eval" && r.metric == "prompts" && r.step == 2)
+        .map(|r| r.value)
+        .collect();
+    assert_eq!(shares.len(), 2, "{shares:?}");
+    assert_eq!(shares.iter().sum::<f64>(), 21.0);
+    assert_eq!(summary["eval_prompts"], 21);
+    assert!((summary["eval_reward"].as_f64().unwrap() - want[&4]).abs() < 1e-9);
+    assert_eq!(
+        summary["eval_history"].as_array().unwrap().len(),
+        3,
         "{summary}"
     );
-    let (mean, pass) = (
-        summary["eval_mean_at_k"].as_f64().unwrap(),
-        summary["eval_pass_at_k"].as_f64().unwrap(),
-    );
-    assert!((0.0..=1.0).contains(&mean) && (0.0..=1.0).contains(&pass));
-    assert!(pass >= mean - 1e-12, "pass@k {pass} < mean@k {mean}");
-    for name in ["reward", "mean_at_k", "pass_at_k"] {
-        let m = metric(&dir, "eval", name);
-        assert_eq!(m.keys().collect::<Vec<_>>(), vec![&1], "{name}");
+    // The best evaluated policy with a checkpoint is marked (the earliest of equals).
+    let best_step = if want[&4] > want[&2] { 3 } else { 1 };
+    let best = std::fs::read_link(dir.join("checkpoints/best")).unwrap();
+    assert_eq!(best, PathBuf::from(format!("step-{best_step}")));
+    assert!(dir.join("checkpoints/best/actor/config.json").is_file());
+    let note: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("checkpoints/best.json")).unwrap())
+            .unwrap();
+    assert_eq!(note["policy_version"], best_step + 1);
+    assert_eq!(summary["best_checkpoint"]["eval_step"], best_step + 1);
+    // TensorBoard holds each evaluation as one figure (the workers weighted).
+    let mut scalars = Vec::new();
+    for e in std::fs::read_dir(dir.join("tensorboard")).unwrap() {
+        scalars.extend(weir::graph::tensorboard::read_scalars(&e.unwrap().path()).unwrap());
     }
-    assert_eq!(metric(&dir, "eval", "reward")[&1], accuracy);
+    let board: BTreeMap<u64, f64> = scalars
+        .iter()
+        .filter(|(_, tag, _)| tag == "eval/reward")
+        .map(|(s, _, v)| (*s, *v))
+        .collect();
+    assert_eq!(
+        board.keys().collect::<Vec<_>>(),
+        want.keys().collect::<Vec<_>>()
+    );
+    for (step, v) in &board {
+        assert!((v - want[step]).abs() < 1e-6, "tensorboard step {step}");
+    }
+    // `weir inspect` shows the evaluation; `weir plot` draws it.
+    let text = weir::report::inspect(&dir).unwrap();
+    assert!(
+        text.contains("eval/reward") && text.contains("eval/pass_at_k"),
+        "{text}"
+    );
+    let charts = weir::report::plot(&dir).unwrap();
+    assert!(
+        charts.iter().any(|c| c.ends_with("eval_reward.png")),
+        "{charts:?}"
+    );
+    // Evaluated policies must be saved for the best to be marked.
+    let mut bad = cfg.clone();
+    bad.eval.every = 3;
+    let err = run_err(kind, bad, &tmp.path().join("bad"));
+    assert!(
+        err.contains("eval.best_checkpoint") && err.contains("checkpoint_every"),
+        "{err}"
+    );
+}
+
+/// Every metric row of a run.
+fn metric_rows(dir: &Path) -> Vec<weir::graph::metrics::MetricRow> {
+    read_parquet_file(&dir.join("metrics.parquet"))
+        .unwrap()
+        .iter()
+        .flat_map(|b| weir::graph::metrics::batch_to_rows(b).unwrap())
+        .collect()
 }
 
 fn config_with_steps(cfg: &RunConfig, steps: u64) -> RunConfig {

@@ -1,5 +1,5 @@
 //! Evaluation on held-out prompts (`eval.prompts`): the run's own prompt
-//! format, generator and reward, on a checkpoint.
+//! format, generator and reward.
 //!
 //! - `reward`: the mean reward of one greedy response per prompt;
 //! - with `eval.k > 1`, `k` responses per prompt sampled as in training
@@ -7,26 +7,46 @@
 //!   reward, and `pass_at_k`, the share of prompts whose best response has
 //!   a positive reward.
 //!
+//! During training ([`EvaluatingGenerator`], `eval.every`), each rollout
+//! worker evaluates its share of the prompts with the weights its
+//! generator holds, before it generates the rollouts of every `every`-th
+//! step (step 0 measures the starting policy). The figures are metric rows
+//! of stage `eval` at that step, one per worker with the worker's prompt
+//! count, so they are committed with the step like every other metric;
+//! [`points`] folds them into one figure per step. At the end the runner
+//! evaluates the final checkpoint the same way ([`evaluate`]).
+//!
 //! The rows go through the same stages as a training step's (the prompt
 //! source, `Generate`, the reward stage), so a task's evaluation scores
 //! exactly what its training rewards.
 
-use std::path::Path;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 
 use arrow::array::{AsArray, RecordBatch};
 use arrow::datatypes::{Float32Type, UInt64Type};
+use serde_json::json;
 use weir_gpu::{SamplingParams, Tokenizer};
 use weir_graph::metrics::MetricRow;
-use weir_graph::{Source, SourceContext, Stage, StepContext, WorkerInfo};
+use weir_graph::{
+    PolicyVersion, Source, SourceContext, Stage, StageError, Step, StepContext, WeightsPayload,
+    WorkerInfo,
+};
+use weir_operators::checkpoint::CheckpointState;
 use weir_operators::stages::generate::Generate;
 
 use crate::{PipelineError, RunConfig};
+
+/// The stage name of the evaluation's metric rows.
+pub const STAGE: &str = "eval";
 
 /// What an evaluation measured.
 #[derive(Clone, Debug, PartialEq)]
 pub struct EvalResult {
     /// Prompts evaluated.
     pub prompts: usize,
+    /// The policy version evaluated (the number of updates behind it).
+    pub policy_version: PolicyVersion,
     /// Mean reward of the greedy responses.
     pub reward: f64,
     /// With `k > 1`: the mean reward of `k` sampled responses per prompt.
@@ -36,104 +56,338 @@ pub struct EvalResult {
 }
 
 impl EvalResult {
-    /// The result as metric rows of stage `eval` at `step`.
-    pub fn metric_rows(&self, step: u64) -> Vec<MetricRow> {
-        let mut rows = vec![
-            MetricRow::new(step, 0, "eval", "reward", None, self.reward),
-            MetricRow::new(step, 0, "eval", "prompts", None, self.prompts as f64),
+    /// The figures by metric name, as the metric rows hold them.
+    fn figures(&self) -> Vec<(&'static str, f64)> {
+        let mut out = vec![
+            ("reward", self.reward),
+            ("prompts", self.prompts as f64),
+            ("policy_version", self.policy_version as f64),
         ];
         if let (Some(mean), Some(pass)) = (self.mean_at_k, self.pass_at_k) {
-            rows.push(MetricRow::new(step, 0, "eval", "mean_at_k", None, mean));
-            rows.push(MetricRow::new(step, 0, "eval", "pass_at_k", None, pass));
+            out.push(("mean_at_k", mean));
+            out.push(("pass_at_k", pass));
         }
-        rows
+        out
+    }
+
+    /// The result as metric rows of stage `eval` at `step`.
+    pub fn metric_rows(&self, step: Step, worker: u32) -> Vec<MetricRow> {
+        self.figures()
+            .into_iter()
+            .map(|(metric, value)| MetricRow::new(step, worker, STAGE, metric, None, value))
+            .collect()
     }
 }
 
-/// Evaluates the policy in `actor` on `cfg.eval.prompts`.
-pub fn evaluate(cfg: &RunConfig, actor: &Path) -> Result<EvalResult, PipelineError> {
+/// The evaluations in `rows` (stage `eval`), one per step: the workers'
+/// figures weighted by their prompt counts.
+pub fn points(rows: &[MetricRow]) -> BTreeMap<Step, EvalResult> {
+    // (step, worker) → metric → value
+    let mut by_worker: BTreeMap<(Step, u32), BTreeMap<&str, f64>> = BTreeMap::new();
+    for r in rows
+        .iter()
+        .filter(|r| r.stage == STAGE && r.label.is_none())
+    {
+        by_worker
+            .entry((r.step, r.worker))
+            .or_default()
+            .insert(&r.metric, r.value);
+    }
+    let mut sums: BTreeMap<Step, (f64, BTreeMap<&str, f64>, f64)> = BTreeMap::new();
+    for ((step, _), figures) in &by_worker {
+        let n = figures.get("prompts").copied().unwrap_or(0.0);
+        if n <= 0.0 {
+            continue;
+        }
+        let (total, weighted, version) = sums.entry(*step).or_default();
+        *total += n;
+        *version = version.max(figures.get("policy_version").copied().unwrap_or(0.0));
+        for metric in ["reward", "mean_at_k", "pass_at_k"] {
+            if let Some(v) = figures.get(metric) {
+                *weighted.entry(metric).or_default() += n * v;
+            }
+        }
+    }
+    sums.into_iter()
+        .map(|(step, (n, weighted, version))| {
+            let mean = |m: &str| weighted.get(m).map(|s| s / n);
+            let result = EvalResult {
+                prompts: n as usize,
+                policy_version: version as PolicyVersion,
+                reward: mean("reward").unwrap_or(f64::NAN),
+                mean_at_k: mean("mean_at_k"),
+                pass_at_k: mean("pass_at_k"),
+            };
+            (step, result)
+        })
+        .collect()
+}
+
+/// `rows` with the evaluation rows of each step (one per worker) replaced
+/// by their fold ([`points`]), as worker 0's: what a reader that averages
+/// over workers should see.
+pub fn folded(rows: &[MetricRow]) -> Vec<MetricRow> {
+    let mut out: Vec<MetricRow> = rows.iter().filter(|r| r.stage != STAGE).cloned().collect();
+    for (step, result) in points(rows) {
+        out.extend(result.metric_rows(step, 0));
+    }
+    out
+}
+
+/// One worker's evaluation: its share of the eval prompts (greedy, and × k
+/// sampled), the reward stage, and the sampling settings.
+pub struct Evaluation {
+    greedy: Option<RecordBatch>,
+    sampled: Option<RecordBatch>,
+    reward: Box<dyn Stage>,
+    greedy_params: SamplingParams,
+    sampled_params: SamplingParams,
+    batch: usize,
+    worker: WorkerInfo,
+}
+
+impl Evaluation {
+    /// The evaluation of `worker`'s share of `cfg.eval.prompts` (prompt `i`
+    /// goes to rollout rank `i mod ranks`).
+    pub fn new(cfg: &RunConfig, worker: &WorkerInfo) -> Result<Self, StageError> {
+        let tokenizer = Tokenizer::load(Path::new(&cfg.model.path))?;
+        let share = |samples: usize| -> Result<Option<RecordBatch>, StageError> {
+            let path = Path::new(&cfg.eval.prompts);
+            let source = crate::prompts::prompt_file(cfg, path, samples, false, &tokenizer)?;
+            if source.rows().is_empty() {
+                return Err(format!("eval.prompts {}: no prompts", path.display()).into());
+            }
+            let mut source = source
+                .every_prompt_per_step()
+                .epochs(1)
+                .shard(worker.rank, worker.role_size);
+            let batch = source
+                .next_step(&SourceContext {
+                    step: 0,
+                    worker: *worker,
+                })?
+                .and_then(|mut b| b.pop());
+            Ok(batch.filter(|b| b.num_rows() > 0))
+        };
+        let sampled_params = crate::roles::sampling(cfg, &tokenizer);
+        Ok(Evaluation {
+            greedy: share(1)?,
+            sampled: if cfg.eval.k > 1 {
+                share(cfg.eval.k)?
+            } else {
+                None
+            },
+            reward: crate::rewards::reward(cfg)(worker)?,
+            greedy_params: SamplingParams {
+                greedy: true,
+                ..sampled_params.clone()
+            },
+            sampled_params,
+            batch: cfg.eval.batch.max(1),
+            worker: *worker,
+        })
+    }
+
+    /// Evaluates the policy in `generate` (version `version`); `None` when
+    /// this worker's share is empty. `generate` is left sampling with `restore`.
+    pub fn run(
+        &mut self,
+        generate: &mut Generate,
+        version: PolicyVersion,
+        restore: &SamplingParams,
+    ) -> Result<Option<EvalResult>, StageError> {
+        let Some(greedy) = self.greedy.clone() else {
+            return Ok(None);
+        };
+        generate.set_params(self.greedy_params.clone());
+        let result = self.measure(generate, version, &greedy);
+        generate.set_params(restore.clone());
+        let rewards = column_f64(&result?, "reward")?;
+        let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+        let mut result = EvalResult {
+            prompts: rewards.len(),
+            policy_version: version,
+            reward: mean(&rewards),
+            mean_at_k: None,
+            pass_at_k: None,
+        };
+        if let Some(rows) = self.sampled.clone() {
+            generate.set_params(self.sampled_params.clone());
+            let sampled = self.measure(generate, version, &rows);
+            generate.set_params(restore.clone());
+            let sampled = sampled?;
+            let rewards = column_f64(&sampled, "reward")?;
+            let groups = sampled
+                .column_by_name("group_id")
+                .ok_or("eval: no group_id column")?
+                .as_primitive::<UInt64Type>()
+                .values()
+                .to_vec();
+            let mut best: BTreeMap<u64, f64> = BTreeMap::new();
+            for (g, r) in groups.iter().zip(&rewards) {
+                let b = best.entry(*g).or_insert(f64::NEG_INFINITY);
+                *b = b.max(*r);
+            }
+            result.mean_at_k = Some(mean(&rewards));
+            result.pass_at_k =
+                Some(best.values().filter(|r| **r > 0.0).count() as f64 / best.len().max(1) as f64);
+        }
+        Ok(Some(result))
+    }
+
+    /// `rows` generated in slices of `eval.batch` and rewarded, in one batch.
+    fn measure(
+        &mut self,
+        generate: &mut Generate,
+        version: PolicyVersion,
+        rows: &RecordBatch,
+    ) -> Result<RecordBatch, StageError> {
+        let mut ctx = StepContext::detached(0, self.worker, version);
+        let mut out = Vec::new();
+        let n = rows.num_rows();
+        for start in (0..n).step_by(self.batch) {
+            let part = rows.slice(start, self.batch.min(n - start));
+            for generated in generate.process(&mut ctx, part)? {
+                out.extend(self.reward.process(&mut ctx, generated)?);
+            }
+        }
+        out.extend(self.reward.end_step(&mut ctx)?);
+        let schema = out
+            .first()
+            .map(|b| b.schema())
+            .ok_or("eval: nothing scored")?;
+        Ok(arrow::compute::concat_batches(&schema, &out).map_err(|e| e.to_string())?)
+    }
+}
+
+/// The generator with `eval.every`: before the rollouts of every
+/// `every`-th step it evaluates the policy it holds on its share of the
+/// eval prompts, and records the figures as stage `eval`.
+pub struct EvaluatingGenerator {
+    generate: Generate,
+    evaluation: Evaluation,
+    training: SamplingParams,
+    every: Step,
+    evaluated: Option<Step>,
+}
+
+impl EvaluatingGenerator {
+    /// Wraps `generate` (which samples with `training`).
+    pub fn new(
+        generate: Generate,
+        evaluation: Evaluation,
+        training: SamplingParams,
+        every: Step,
+    ) -> Self {
+        EvaluatingGenerator {
+            generate,
+            evaluation,
+            training,
+            every: every.max(1),
+            evaluated: None,
+        }
+    }
+}
+
+impl Stage for EvaluatingGenerator {
+    fn process(
+        &mut self,
+        ctx: &mut StepContext,
+        batch: RecordBatch,
+    ) -> Result<Vec<RecordBatch>, StageError> {
+        let due = ctx.step.is_multiple_of(self.every);
+        if due && self.evaluated.is_none_or(|s| s < ctx.step) {
+            self.evaluated = Some(ctx.step);
+            let result = self
+                .evaluation
+                .run(&mut self.generate, ctx.version, &self.training)?;
+            for (metric, value) in result.iter().flat_map(EvalResult::figures) {
+                ctx.record_under(STAGE, metric, value);
+            }
+        }
+        self.generate.process(ctx, batch)
+    }
+
+    fn load_weights(
+        &mut self,
+        version: PolicyVersion,
+        weights: &WeightsPayload,
+    ) -> Result<(), StageError> {
+        self.generate.load_weights(version, weights)
+    }
+}
+
+/// Evaluates the policy checkpoint in `actor` (version `version`) on all of
+/// `cfg.eval.prompts`, on one worker.
+pub fn evaluate(
+    cfg: &RunConfig,
+    actor: &Path,
+    version: PolicyVersion,
+) -> Result<EvalResult, PipelineError> {
     let worker = WorkerInfo::single();
-    let reward_factory = crate::rewards::reward(cfg);
-    let mut reward = reward_factory(&worker)?;
+    let mut evaluation = Evaluation::new(cfg, &worker)?;
     let model = crate::context::load(cfg, actor, &worker)?;
     let tokenizer = Tokenizer::load(Path::new(&cfg.model.path))?;
-    let sampled_params = crate::roles::sampling(cfg, &tokenizer);
-    let mut generate = Generate::new(
-        model,
-        Tokenizer::load(Path::new(&cfg.model.path))?,
-        SamplingParams {
-            greedy: true,
-            ..sampled_params.clone()
-        },
-    );
-    let greedy = scored(cfg, &tokenizer, 1, &mut generate, reward.as_mut())?;
-    let rewards = column_f32(&greedy, "reward")?;
-    let prompts = rewards.len();
-    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
-    let mut result = EvalResult {
-        prompts,
-        reward: mean(&rewards),
-        mean_at_k: None,
-        pass_at_k: None,
+    let training = crate::roles::sampling(cfg, &tokenizer);
+    let mut generate = Generate::new(model, tokenizer, training.clone());
+    Ok(evaluation
+        .run(&mut generate, version, &training)?
+        .ok_or_else(|| format!("eval.prompts {}: no prompts", cfg.eval.prompts))?)
+}
+
+/// The best evaluation (by greedy reward; the earliest of equals) whose
+/// policy version a complete checkpoint under `root` holds; marks it:
+/// `root/best` links to the checkpoint's folder and `root/best.json` says
+/// which evaluation it won. Returns the checkpoint folder and its result.
+pub fn mark_best_checkpoint(
+    root: &Path,
+    evaluations: &BTreeMap<Step, EvalResult>,
+) -> Result<Option<(PathBuf, Step, EvalResult)>, PipelineError> {
+    let saved: BTreeMap<PolicyVersion, (PathBuf, CheckpointState)> =
+        weir_operators::checkpoint::complete(root)?
+            .into_iter()
+            .map(|(dir, state)| (state.version, (dir, state)))
+            .collect();
+    let mut best: Option<(PathBuf, Step, EvalResult)> = None;
+    for (step, result) in evaluations {
+        let Some((dir, _)) = saved.get(&result.policy_version) else {
+            continue;
+        };
+        if best.as_ref().is_none_or(|b| result.reward > b.2.reward) {
+            best = Some((dir.clone(), *step, result.clone()));
+        }
+    }
+    let Some((dir, step, result)) = &best else {
+        return Ok(None);
     };
-    if cfg.eval.k > 1 {
-        generate.set_params(sampled_params);
-        let sampled = scored(cfg, &tokenizer, cfg.eval.k, &mut generate, reward.as_mut())?;
-        let rewards = column_f32(&sampled, "reward")?;
-        let groups = sampled
-            .column_by_name("group_id")
-            .ok_or_else(|| "eval: no group_id column".to_string())?
-            .as_primitive::<UInt64Type>()
-            .values()
-            .to_vec();
-        let mut best: std::collections::BTreeMap<u64, f64> = Default::default();
-        for (g, r) in groups.iter().zip(&rewards) {
-            let b = best.entry(*g).or_insert(f64::NEG_INFINITY);
-            *b = b.max(*r);
-        }
-        result.mean_at_k = Some(mean(&rewards));
-        result.pass_at_k =
-            Some(best.values().filter(|r| **r > 0.0).count() as f64 / best.len().max(1) as f64);
-    }
-    Ok(result)
+    let name = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().to_string())
+        .unwrap_or_default();
+    let link = root.join("best");
+    let tmp = root.join(".best.partial");
+    let _ = std::fs::remove_file(&tmp);
+    std::os::unix::fs::symlink(&name, &tmp).map_err(|e| format!("{}: {e}", tmp.display()))?;
+    std::fs::rename(&tmp, &link).map_err(|e| format!("{}: {e}", link.display()))?;
+    let note = json!({
+        "checkpoint": name,
+        "eval_step": step,
+        "policy_version": result.policy_version,
+        "metric": "reward",
+        "value": result.reward,
+        "mean_at_k": result.mean_at_k,
+        "pass_at_k": result.pass_at_k,
+    });
+    weir_gpu::snapshot::write_atomically(
+        &root.join("best.json"),
+        serde_json::to_string_pretty(&note)
+            .map_err(|e| e.to_string())?
+            .as_bytes(),
+    )?;
+    Ok(best)
 }
 
-/// Every eval prompt × `samples`, generated and rewarded, in one batch.
-fn scored(
-    cfg: &RunConfig,
-    tokenizer: &Tokenizer,
-    samples: usize,
-    generate: &mut Generate,
-    reward: &mut dyn Stage,
-) -> Result<RecordBatch, PipelineError> {
-    let path = Path::new(&cfg.eval.prompts);
-    let mut source = crate::prompts::prompt_file(cfg, path, samples, false, tokenizer)?
-        .every_prompt_per_step()
-        .epochs(1);
-    let worker = WorkerInfo::single();
-    let batch = source
-        .next_step(&SourceContext { step: 0, worker })?
-        .and_then(|mut b| b.pop())
-        .ok_or_else(|| format!("eval.prompts {}: no prompts", path.display()))?;
-    let mut ctx = StepContext::detached(0, worker, 0);
-    let mut out = Vec::new();
-    // Generation in batches of eval.batch rows.
-    let rows = batch.num_rows();
-    let step = cfg.eval.batch.max(1);
-    for start in (0..rows).step_by(step) {
-        let part = batch.slice(start, step.min(rows - start));
-        for generated in generate.process(&mut ctx, part)? {
-            out.extend(reward.process(&mut ctx, generated)?);
-        }
-    }
-    let schema = out
-        .first()
-        .map(|b| b.schema())
-        .ok_or_else(|| "eval: nothing scored".to_string())?;
-    Ok(arrow::compute::concat_batches(&schema, &out).map_err(|e| e.to_string())?)
-}
-
-fn column_f32(batch: &RecordBatch, name: &str) -> Result<Vec<f64>, PipelineError> {
+fn column_f64(batch: &RecordBatch, name: &str) -> Result<Vec<f64>, StageError> {
     Ok(batch
         .column_by_name(name)
         .ok_or_else(|| format!("eval: no `{name}` column"))?
@@ -143,4 +397,37 @@ fn column_f32(batch: &RecordBatch, name: &str) -> Result<Vec<f64>, PipelineError
         .iter()
         .map(|v| f64::from(*v))
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn points_weight_each_worker_by_its_prompts() {
+        let a = EvalResult {
+            prompts: 3,
+            policy_version: 4,
+            reward: 1.0,
+            mean_at_k: Some(0.5),
+            pass_at_k: Some(1.0),
+        };
+        let b = EvalResult {
+            prompts: 1,
+            reward: 0.0,
+            mean_at_k: Some(0.1),
+            pass_at_k: Some(0.0),
+            ..a.clone()
+        };
+        let mut rows = a.metric_rows(4, 0);
+        rows.extend(b.metric_rows(4, 2));
+        rows.push(MetricRow::new(4, 0, "generate", "reward", None, 9.0));
+        let p = points(&rows);
+        assert_eq!(p.len(), 1);
+        let r = &p[&4];
+        assert_eq!((r.prompts, r.policy_version), (4, 4));
+        assert!((r.reward - 0.75).abs() < 1e-12);
+        assert!((r.mean_at_k.unwrap() - 0.4).abs() < 1e-12);
+        assert!((r.pass_at_k.unwrap() - 0.75).abs() < 1e-12);
+    }
 }

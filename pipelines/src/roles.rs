@@ -9,7 +9,7 @@ use std::sync::Arc;
 use weir_gpu::collective::HostGroup;
 use weir_gpu::optim::AdamWConfig;
 use weir_gpu::{SamplingParams, Tokenizer};
-use weir_graph::{ParquetLog, StageError, WorkerInfo};
+use weir_graph::{ParquetLog, Stage, StageError, WorkerInfo};
 use weir_operators::algorithms::{
     Flavor, ImportanceCorrection, PolicyLossConfig, PolicyObjective, RatioLevel,
 };
@@ -78,17 +78,28 @@ fn or_actor(path: &str, cfg: &RunConfig) -> PathBuf {
     })
 }
 
-/// The actor's generator, starting from the run's actor checkpoint.
+/// The actor's generator, starting from the run's actor checkpoint; with
+/// `eval.every`, one that evaluates the policy it holds every so many steps.
 pub fn actor(
     cfg: &RunConfig,
     ctx: &RunContext,
-) -> impl Fn(&WorkerInfo) -> Result<Generate, StageError> + Send + Sync + 'static {
+) -> impl Fn(&WorkerInfo) -> Result<Box<dyn Stage>, StageError> + Send + Sync + 'static {
     let (cfg, actor) = (cfg.clone(), ctx.actor.clone());
-    move |w| {
+    move |w| -> Result<Box<dyn Stage>, StageError> {
         let model = load(&cfg, &actor, w)?;
         let tok = Tokenizer::load(Path::new(&cfg.model.path))?;
         let params = sampling(&cfg, &tok);
-        Ok(Generate::new(model, tok, params))
+        let generate = Generate::new(model, tok, params.clone());
+        if cfg.eval.every == 0 || cfg.eval.prompts.is_empty() {
+            return Ok(Box::new(generate));
+        }
+        let evaluation = crate::eval::Evaluation::new(&cfg, w)?;
+        Ok(Box::new(crate::eval::EvaluatingGenerator::new(
+            generate,
+            evaluation,
+            params,
+            cfg.eval.every,
+        )))
     }
 }
 

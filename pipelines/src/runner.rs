@@ -7,6 +7,7 @@
 //!   superseded/              metrics files as they were before each resume
 //!   metrics.parquet          the engine's and the stages' metrics, long format
 //!   checkpoints/step-N/      actor/ (critic/) in HF layout + optimizer state, state.json
+//!   checkpoints/best         with eval.best_checkpoint: a link to the best-evaluated step-N, best.json
 //!   tensorboard/             TensorBoard event files, a step at a time
 //!   eval.json                greedy arith accuracy before training (arith runs)
 //!   summary.json             steps, throughput, staleness, rewards, accuracy before/after
@@ -316,9 +317,11 @@ fn train(req: &RunRequest, segment: &mut Segment) -> Result<RunReport, PipelineE
             })
         })
         .prior_metrics(std::mem::take(&mut segment.prior))
-        .observe_steps(weir_graph::tensorboard::step_observer(
-            &dir.join("tensorboard"),
-        ))
+        .observe_steps({
+            // The evaluation's rows as one figure per step, not a mean over workers.
+            let events = weir_graph::tensorboard::step_observer(&dir.join("tensorboard"));
+            Arc::new(move |step, rows: &[MetricRow]| events(step, &crate::eval::folded(rows)))
+        })
         .observe(observer);
     let report = pipeline.run(&settings);
     bar.finish();
@@ -396,10 +399,18 @@ fn finish(
     let held_out = if cfg.eval.prompts.is_empty() {
         None
     } else {
-        // The final policy on the held-out prompts, beside the run's metrics.
-        let result = crate::eval::evaluate(cfg, &final_actor)?;
-        let rows = result.metric_rows(ctx.last_step);
-        report.metrics.extend(rows);
+        // The final policy (version last_step + 1) on the held-out prompts,
+        // beside the run's metrics and the evaluations during training.
+        let version = ctx.last_step + 1;
+        let result = crate::eval::evaluate(cfg, &final_actor, version)?;
+        report
+            .metrics
+            .retain(|r| !(r.stage == crate::eval::STAGE && r.step == version));
+        report.metrics.extend(result.metric_rows(version, 0));
+        weir_graph::tensorboard::step_observer(&dir.join("tensorboard"))(
+            version,
+            &result.metric_rows(version, 0),
+        );
         let batch = weir_graph::metrics::rows_to_batch(&report.metrics)?;
         write_parquet_atomically(&dir.join("metrics.parquet"), &[batch])?;
         Some(result)
@@ -419,6 +430,20 @@ fn finish(
         summary["eval_reward"] = r.reward.into();
         summary["eval_mean_at_k"] = r.mean_at_k.into();
         summary["eval_pass_at_k"] = r.pass_at_k.into();
+        let points = crate::eval::points(&report.metrics);
+        summary["eval_history"] = points
+            .iter()
+            .map(|(step, p)| json!({"step": step, "policy_version": p.policy_version, "reward": p.reward, "mean_at_k": p.mean_at_k, "pass_at_k": p.pass_at_k}))
+            .collect::<Vec<_>>()
+            .into();
+        if cfg.eval.best_checkpoint {
+            let best = crate::eval::mark_best_checkpoint(&dir.join("checkpoints"), &points)?;
+            summary["best_checkpoint"] = best
+                .map(|(ck, step, p)| {
+                    json!({"checkpoint": ck.display().to_string(), "eval_step": step, "policy_version": p.policy_version, "reward": p.reward})
+                })
+                .into();
+        }
     }
     write_text(
         &dir.join("summary.json"),

@@ -36,7 +36,13 @@ pub fn inspect(run_dir: &Path) -> anyhow::Result<String> {
 
 /// Steps, wall time and throughput.
 fn write_progress(run: &RunMetrics, out: &mut String) -> std::fmt::Result {
-    let steps: BTreeSet<Step> = run.rows.iter().map(|r| r.step).collect();
+    // (The final evaluation's rows sit one step past the last.)
+    let steps: BTreeSet<Step> = run
+        .rows
+        .iter()
+        .filter(|r| r.stage != weir_pipelines::eval::STAGE)
+        .map(|r| r.step)
+        .collect();
     let (first, last) = (steps.first(), steps.last());
     if let (Some(first), Some(last)) = (first, last) {
         writeln!(

@@ -94,6 +94,8 @@ impl RunMetrics {
         for batch in &batches {
             rows.extend(batch_to_rows(batch).with_context(|| path.display().to_string())?);
         }
+        // The evaluation's figures as one per step (its workers weighted by their prompts).
+        let rows = weir_pipelines::eval::folded(&rows);
         Ok(RunMetrics { path, rows })
     }
 

@@ -25,8 +25,9 @@ const FONT: &[u8] = include_bytes!("../../assets/fonts/DejaVuSans-subset.ttf");
 
 /// Writes PNG charts of the run in `run_dir` to `RUN_DIR/plots/`: one per
 /// recorded learner curve (`reward.png`, `kl.png`, `entropy.png`,
-/// `loss.png`), `staleness.png` and `throughput.png` when their figures
-/// exist. Returns the paths written.
+/// `loss.png`), the held-out evaluation (`eval_reward.png`,
+/// `eval_pass_at_k.png`), `staleness.png` and `throughput.png` when their
+/// figures exist. Returns the paths written.
 pub fn plot(run_dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
     let run = RunMetrics::load(run_dir)?;
     register_font()?;
@@ -44,6 +45,21 @@ pub fn plot(run_dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
                 Chart::Line {
                     title: format!("{metric} per step ({stage}) — {name}"),
                     y_desc: format!("{metric} (mean over workers)"),
+                    points: series.into_iter().collect(),
+                    from_zero: false,
+                },
+            ));
+        }
+    }
+    for metric in ["reward", "pass_at_k"] {
+        let stage = weir_pipelines::eval::STAGE;
+        let series = run.per_step(Some(stage), metric, super::Fold::Mean);
+        if !series.is_empty() {
+            charts.push((
+                dir.join(format!("eval_{metric}.png")),
+                Chart::Line {
+                    title: format!("held-out {metric} by step ({stage}) — {name}"),
+                    y_desc: format!("eval {metric}"),
                     points: series.into_iter().collect(),
                     from_zero: false,
                 },

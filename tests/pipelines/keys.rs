@@ -366,6 +366,13 @@ fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String
                 "3".into(),
             )
         }
+        "eval.every" | "eval.best_checkpoint" => {
+            let value = if key == "eval.every" { "1" } else { "true" };
+            return (
+                vec![format!("eval.prompts={:?}", prompts.display().to_string())],
+                value.into(),
+            );
+        }
         "run.max_shard_size" => (&[], "\"100KB\"".into()),
         "run.device" => (&[], "\"cuda\"".into()),
         "placement.workers" => (&[], "3".into()),

@@ -55,6 +55,7 @@ pub(crate) struct StepStats {
     rows_out: u64,
     staleness: BTreeMap<u64, u64>,
     recorded: Vec<(String, f64)>,
+    recorded_under: Vec<(String, String, f64)>,
 }
 
 /// A finished job.
@@ -136,6 +137,7 @@ impl StageRunner {
                 let stats = self.steps.entry(step).or_default();
                 stats.busy_s += started.elapsed().as_secs_f64();
                 stats.recorded.append(&mut ctx.recorded);
+                stats.recorded_under.append(&mut ctx.recorded_under);
                 let batches = self.finish_output(step, out?)?;
                 Ok(Done::Output { step, batches })
             }
@@ -166,6 +168,7 @@ impl StageRunner {
                 let mut stats = self.steps.remove(&step).unwrap_or_default();
                 stats.busy_s += busy;
                 stats.recorded.append(&mut ctx.recorded);
+                stats.recorded_under.append(&mut ctx.recorded_under);
                 Ok(Done::Ended {
                     step,
                     batches,
@@ -266,6 +269,9 @@ impl StageRunner {
         }
         for (name, value) in &stats.recorded {
             rows.push(row(name, None, *value));
+        }
+        for (stage, name, value) in &stats.recorded_under {
+            rows.push(MetricRow::new(step, w, stage, name, None, *value));
         }
         for t in self.transfers.drain(..) {
             rows.push(MetricRow::new(

@@ -53,6 +53,7 @@ pub struct StepContext {
     pub(crate) published: Option<WeightsPayload>,
     pub(crate) may_publish: bool,
     pub(crate) recorded: Vec<(String, f64)>,
+    pub(crate) recorded_under: Vec<(String, String, f64)>,
 }
 
 impl StepContext {
@@ -74,6 +75,7 @@ impl StepContext {
             version,
             published: None,
             recorded: Vec::new(),
+            recorded_under: Vec::new(),
             may_publish,
         }
     }
@@ -83,6 +85,14 @@ impl StepContext {
     /// stage, metric = `name`) in the metrics stream and `metrics.parquet`.
     pub fn record(&mut self, name: &str, value: f64) {
         self.recorded.push((name.to_string(), value));
+    }
+
+    /// Records a metric for this step under another stage's name: a figure
+    /// the stage measures for a part of the run that is not its own (the
+    /// generator's periodic evaluation writes stage `eval`).
+    pub fn record_under(&mut self, stage: &str, name: &str, value: f64) {
+        self.recorded_under
+            .push((stage.to_string(), name.to_string(), value));
     }
 
     /// The metrics recorded so far in this call.

@@ -43,12 +43,33 @@ impl EventWriter {
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
             .map(|h| h.trim().to_string())
             .unwrap_or_else(|_| "weir".into());
-        let path = dir.join(format!(
+        // A second writer of the same process and second gets a suffix
+        // rather than truncating the first one's file.
+        let base = format!(
             "events.out.tfevents.{}.{host}.{}",
             now.as_secs(),
             std::process::id()
-        ));
-        let file = File::create(&path).map_err(|e| GraphError::io(&path, e))?;
+        );
+        let (path, file) = (0..)
+            .map(|n| match n {
+                0 => dir.join(&base),
+                n => dir.join(format!("{base}.{n}")),
+            })
+            .find_map(|path| {
+                match std::fs::OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .open(&path)
+                {
+                    Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => None,
+                    opened => Some(
+                        opened
+                            .map(|f| (path.clone(), f))
+                            .map_err(|e| GraphError::io(&path, e)),
+                    ),
+                }
+            })
+            .expect("an unused file name")?;
         let mut writer = EventWriter {
             path,
             out: BufWriter::new(file),

@@ -334,8 +334,29 @@ pub fn load_optimizer(component_dir: &Path, optimizer: &mut Optimizer) -> Result
 
 /// The newest complete checkpoint under `root`: its folder and state.
 pub fn latest(root: &Path) -> Result<Option<(PathBuf, CheckpointState)>, StageError> {
+    for dir in step_folders(root).into_iter().rev() {
+        if let Some(state) = complete_state(&dir)? {
+            return Ok(Some((dir, state)));
+        }
+    }
+    Ok(None)
+}
+
+/// Every complete checkpoint under `root`, oldest first.
+pub fn complete(root: &Path) -> Result<Vec<(PathBuf, CheckpointState)>, StageError> {
+    let mut out = Vec::new();
+    for dir in step_folders(root) {
+        if let Some(state) = complete_state(&dir)? {
+            out.push((dir, state));
+        }
+    }
+    Ok(out)
+}
+
+/// The `step-N` folders under `root`, by step.
+fn step_folders(root: &Path) -> Vec<PathBuf> {
     let Ok(entries) = std::fs::read_dir(root) else {
-        return Ok(None);
+        return Vec::new();
     };
     let mut steps: Vec<(u64, PathBuf)> = entries
         .flatten()
@@ -346,19 +367,24 @@ pub fn latest(root: &Path) -> Result<Option<(PathBuf, CheckpointState)>, StageEr
         })
         .collect();
     steps.sort();
-    for (_, dir) in steps.into_iter().rev() {
-        let path = dir.join("state.json");
-        let Ok(text) = std::fs::read_to_string(&path) else {
-            continue;
-        };
-        let value: Value =
-            serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
-        let state = CheckpointState::from_json(&value, &path)?;
-        if state.components.iter().all(|c| dir.join(c).is_dir()) {
-            return Ok(Some((dir, state)));
-        }
-    }
-    Ok(None)
+    steps.into_iter().map(|(_, dir)| dir).collect()
+}
+
+/// The state of the checkpoint in `dir` if it is complete: its
+/// `state.json` is there and every component it names is.
+fn complete_state(dir: &Path) -> Result<Option<CheckpointState>, StageError> {
+    let path = dir.join("state.json");
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        return Ok(None);
+    };
+    let value: Value =
+        serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let state = CheckpointState::from_json(&value, &path)?;
+    Ok(state
+        .components
+        .iter()
+        .all(|c| dir.join(c).is_dir())
+        .then_some(state))
 }
 
 #[cfg(test)]

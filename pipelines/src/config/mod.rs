@@ -492,6 +492,10 @@ pub struct EvalSection {
     pub prompts: String,
     /// Responses sampled per eval prompt for mean@k and pass@k (1: greedy only).
     pub k: usize,
+    /// Evaluate on `prompts` every N steps during training, from step 0 (0: only at the end).
+    pub every: u64,
+    /// Mark the checkpoint of the best evaluation (`checkpoints/best`, `best.json`).
+    pub best_checkpoint: bool,
 }
 
 impl Default for EvalSection {
@@ -501,6 +505,8 @@ impl Default for EvalSection {
             batch: 128,
             prompts: String::new(),
             k: 1,
+            every: 0,
+            best_checkpoint: false,
         }
     }
 }

@@ -43,6 +43,8 @@ pub fn applies(pipeline: PipelineKind, section: &str, key: &str) -> bool {
         }
         ("algorithm", "lambda" | "critic_lr" | "value_clip") => pipeline == Ppo,
         ("algorithm", "beta" | "preference_loss" | "label_smoothing") => pipeline == Dpo,
+        // Evaluation during training runs on the generator.
+        ("eval", "every" | "best_checkpoint") => pipeline.is_rl(),
         ("eval", _) => pipeline != Rm,
         _ => true,
     }
@@ -61,27 +63,29 @@ fn inert(cfg: &RunConfig, pipeline: PipelineKind) -> Vec<(&'static str, &'static
             }
         }
     };
-    let arith = cfg.data.prompts == "arith";
+    // Prompt files are read as `[data]` says: the training set, or the eval set.
+    let arith_data = cfg.data.prompts == "arith";
+    let no_file = arith_data && cfg.eval.prompts.is_empty();
     unless(
         !cfg.eval.prompts.is_empty(),
         "eval",
-        &["k"],
+        &["k", "every", "best_checkpoint"],
         "eval.prompts names a file",
     );
     unless(
-        !arith,
+        !no_file,
         "data",
         &["prompt_template", "apply_chat_template", "system_prompt"],
-        "data.prompts is a file (arith prompts have their own format)",
+        "data.prompts or eval.prompts is a file (arith prompts have their own format)",
     );
     unless(
-        arith || cfg.data.messages_column.is_empty(),
+        no_file || cfg.data.messages_column.is_empty(),
         "data",
         &["prompt_template", "apply_chat_template"],
         "the prompts are plain text (data.messages_column is empty)",
     );
     unless(
-        arith || cfg.data.apply_chat_template || !cfg.data.messages_column.is_empty(),
+        no_file || cfg.data.apply_chat_template || !cfg.data.messages_column.is_empty(),
         "data",
         &["system_prompt"],
         "the prompts are chats (data.apply_chat_template, or data.messages_column)",
@@ -261,22 +265,22 @@ fn inert(cfg: &RunConfig, pipeline: PipelineKind) -> Vec<(&'static str, &'static
         "dynamic_sampling.enabled",
     );
     unless(
-        !arith,
+        !no_file,
         "data",
         &["prompt_column", "messages_column"],
-        "data.prompts is a prompt file",
+        "data.prompts or eval.prompts is a prompt file",
     );
     unless(
-        !arith,
+        !arith_data,
         "data",
         &["chosen_column", "rejected_column", "margin_column"],
         "data.prompts is a prompt file (arith makes its own pairs)",
     );
     unless(
-        arith && cfg.eval.arith,
+        (arith_data && cfg.eval.arith) || !cfg.eval.prompts.is_empty(),
         "eval",
         &["batch"],
-        "the arith evaluation runs (eval.arith with data.prompts = \"arith\")",
+        "an evaluation runs (eval.prompts, or eval.arith with data.prompts = \"arith\")",
     );
     out
 }

@@ -127,6 +127,16 @@ impl RunConfig {
                 );
             }
         }
+        let (every, saves) = (self.eval.every, self.run.checkpoint_every);
+        if self.eval.best_checkpoint && (saves == 0 || !every.is_multiple_of(saves)) {
+            return bad(
+                "eval.best_checkpoint",
+                "true".into(),
+                &format!(
+                    "eval.every = {every} must be a multiple of run.checkpoint_every = {saves} (> 0), so that the evaluated policies are saved"
+                ),
+            );
+        }
         if self.eval.k == 0 {
             return bad("eval.k", "0".into(), "must be ≥ 1");
         }
