@@ -51,13 +51,13 @@ pub struct GenerateArgs {
     /// Always take the most likely token.
     #[arg(long, conflicts_with_all = ["temperature", "top_p", "top_k"])]
     pub greedy: bool,
-    /// Sampling temperature.
-    #[arg(long, default_value_t = 1.0)]
-    pub temperature: f64,
-    /// Nucleus sampling mass.
+    /// Sampling temperature (default: the checkpoint's generation_config.json, else 1).
+    #[arg(long)]
+    pub temperature: Option<f64>,
+    /// Nucleus sampling mass (default: generation_config.json's top_p, else none).
     #[arg(long = "top-p")]
     pub top_p: Option<f64>,
-    /// Keep only the k most likely tokens.
+    /// Keep only the k most likely tokens (default: generation_config.json's top_k, else none).
     #[arg(long = "top-k")]
     pub top_k: Option<usize>,
     /// Samples per prompt.
@@ -301,12 +301,21 @@ pub fn logprobs(args: &ModelArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The checkpoint's tokenizer, if it has a `tokenizer.json` (token-id
+/// input needs none); a tokenizer that is there but does not load is an error.
+fn tokenizer_of(model: &Path) -> anyhow::Result<Option<Tokenizer>> {
+    if !model.join("tokenizer.json").is_file() {
+        return Ok(None);
+    }
+    Ok(Some(Tokenizer::load(model)?))
+}
+
 /// `weir generate`.
 pub fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
     let m = &args.model;
     let lines = read_jsonl(&m.input)?;
     let model = load(m)?;
-    let tokenizer = Tokenizer::load(&m.model).ok();
+    let tokenizer = tokenizer_of(&m.model)?;
     let prompts: Vec<Vec<i64>> = lines
         .iter()
         .map(|(line, v)| {
@@ -324,12 +333,18 @@ pub fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
             eos.push(*id);
         }
     }
+    // Unset flags take the checkpoint's defaults, as transformers' generate() does.
+    let defaults = tokenizer
+        .as_ref()
+        .map(|t| t.sampling_defaults().clone())
+        .unwrap_or_default();
+    let flagged = args.temperature.is_some() || args.top_p.is_some() || args.top_k.is_some();
     let params = SamplingParams {
         max_new_tokens: args.max_new_tokens,
-        greedy: args.greedy,
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
+        greedy: args.greedy || (!flagged && defaults.do_sample == Some(false)),
+        temperature: args.temperature.or(defaults.temperature).unwrap_or(1.0),
+        top_k: args.top_k.or(defaults.top_k).filter(|k| *k > 0),
+        top_p: args.top_p.or(defaults.top_p).filter(|p| *p < 1.0),
         n: args.n,
         seed: args.seed,
         eos_token_ids: eos,
@@ -397,7 +412,7 @@ pub fn score(args: &ModelArgs) -> anyhow::Result<()> {
             model.config.architecture
         );
     }
-    let tokenizer = Tokenizer::load(&args.model).ok();
+    let tokenizer = tokenizer_of(&args.model)?;
     let inputs: Vec<Vec<i64>> = lines
         .iter()
         .map(|(line, v)| {

@@ -308,29 +308,59 @@ fn a_checkpoint_in_transformers_5_layout_generates_from_messages_and_saves_the_s
 
     let prompt = serde_json::json!({"messages": [{"role": "user", "content": "Compute: 3+4"}]});
     std::fs::write(dir.path().join("in.jsonl"), prompt.to_string()).unwrap();
-    let generate = |model: &Path, out: &str| -> String {
-        let text = success(&weir(
-            &[
-                "generate",
-                "--model",
-                model.to_str().unwrap(),
-                "--input",
-                "in.jsonl",
-                "--output",
-                out,
-                "--max-new-tokens",
-                "6",
-                "--greedy",
-            ],
-            dir.path(),
-        ));
-        let _ = text;
+    let generate_with = |model: &Path, out: &str, flags: &[&str]| -> String {
+        let mut args = vec![
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--input",
+            "in.jsonl",
+            "--output",
+            out,
+            "--max-new-tokens",
+            "6",
+        ];
+        args.extend(flags);
+        success(&weir(&args, dir.path()));
         let batch = read(&dir.path().join(out));
         let texts = batch.column_by_name("response").unwrap().as_string::<i32>();
         texts.value(0).to_string()
     };
+    let generate = |model: &Path, out: &str| generate_with(model, out, &["--greedy"]);
     let want = generate(&source, "a.parquet");
     assert_eq!(generate(&v5, "b.parquet"), want);
+    // Without flags, generation_config.json's sampling applies, as in
+    // transformers: `do_sample: false` decodes greedily.
+    let gen_path = v5.join("generation_config.json");
+    let mut gen: Value =
+        serde_json::from_str(&std::fs::read_to_string(&gen_path).unwrap()).unwrap();
+    gen["do_sample"] = false.into();
+    std::fs::write(&gen_path, gen.to_string()).unwrap();
+    assert_eq!(generate_with(&v5, "d.parquet", &[]), want);
+    // A key of the wrong type is named.
+    gen["top_k"] = "many".into();
+    std::fs::write(&gen_path, gen.to_string()).unwrap();
+    let out = weir(
+        &[
+            "generate",
+            "--model",
+            v5.to_str().unwrap(),
+            "--input",
+            "in.jsonl",
+            "--output",
+            "e.parquet",
+            "--max-new-tokens",
+            "6",
+        ],
+        dir.path(),
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("generation_config.json") && err.contains("top_k"),
+        "{err}"
+    );
+    gen["top_k"] = 0.into();
+    std::fs::write(&gen_path, gen.to_string()).unwrap();
 
     // A checkpoint of a run from it keeps the layout and generates the same way.
     success(&weir(

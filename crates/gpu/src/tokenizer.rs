@@ -29,6 +29,56 @@ pub struct Tokenizer {
     eos_token: Option<String>,
     pad_token: Option<String>,
     eos_token_ids: Vec<i64>,
+    sampling: SamplingDefaults,
+}
+
+/// The default sampling of a checkpoint, as `generation_config.json` sets
+/// it for transformers' `generate()`; every field is absent when the file
+/// or its key is.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SamplingDefaults {
+    /// `do_sample` (transformers decodes greedily when it is false or absent).
+    pub do_sample: Option<bool>,
+    /// `temperature`.
+    pub temperature: Option<f64>,
+    /// `top_p`.
+    pub top_p: Option<f64>,
+    /// `top_k`.
+    pub top_k: Option<usize>,
+}
+
+impl SamplingDefaults {
+    /// The sampling keys of a `generation_config.json` value; a key of the
+    /// wrong type is an error naming it.
+    fn from_json(v: &Value, path: &Path) -> Result<Self, ModelError> {
+        let bad = |key: &str, want: &str| ModelError::Json {
+            path: path.display().to_string(),
+            message: format!("key {key}: {} is not {want}", v[key]),
+        };
+        let number = |key: &str| match v.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(x) => x.as_f64().map(Some).ok_or_else(|| bad(key, "a number")),
+        };
+        Ok(SamplingDefaults {
+            do_sample: match v.get("do_sample") {
+                None | Some(Value::Null) => None,
+                Some(x) => Some(
+                    x.as_bool()
+                        .ok_or_else(|| bad("do_sample", "true or false"))?,
+                ),
+            },
+            temperature: number("temperature")?,
+            top_p: number("top_p")?,
+            top_k: match v.get("top_k") {
+                None | Some(Value::Null) => None,
+                Some(x) => Some(
+                    x.as_u64()
+                        .ok_or_else(|| bad("top_k", "a whole number ≥ 0"))?
+                        as usize,
+                ),
+            },
+        })
+    }
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -119,7 +169,9 @@ impl Tokenizer {
             .into_iter()
             .collect();
         let gen_path = dir.join("generation_config.json");
+        let mut sampling = SamplingDefaults::default();
         if let Some(gen) = read_json(&gen_path)? {
+            sampling = SamplingDefaults::from_json(&gen, &gen_path)?;
             let extra: Vec<i64> = match gen.get("eos_token_id") {
                 Some(Value::Number(n)) => n.as_i64().into_iter().collect(),
                 Some(Value::Array(a)) => a.iter().filter_map(Value::as_i64).collect(),
@@ -139,6 +191,7 @@ impl Tokenizer {
             eos_token,
             pad_token,
             eos_token_ids,
+            sampling,
         })
     }
 
@@ -228,6 +281,11 @@ impl Tokenizer {
             &self.apply_chat_template(messages, add_generation_prompt)?,
             false,
         )
+    }
+
+    /// The checkpoint's default sampling (`generation_config.json`).
+    pub fn sampling_defaults(&self) -> &SamplingDefaults {
+        &self.sampling
     }
 
     /// Every end-of-sequence id: the tokenizer's eos token and `generation_config.json`'s list.

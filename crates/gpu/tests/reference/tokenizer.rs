@@ -47,6 +47,13 @@ fn tokenizer_and_chat_template_match_transformers() {
     // qwen2's generation config lists two eos ids; both count.
     let qwen = Tokenizer::load(&fixtures().join("models/tiny-qwen2")).unwrap();
     assert_eq!(qwen.eos_token_ids(), &[2, 0]);
+    // …and its default sampling, which `weir generate` starts from.
+    let d = qwen.sampling_defaults();
+    assert_eq!(
+        (d.do_sample, d.temperature, d.top_p, d.top_k),
+        (Some(true), Some(0.7), Some(0.8), Some(20))
+    );
+    assert_eq!(tok.sampling_defaults().do_sample, None);
 }
 
 #[test]
