@@ -6,11 +6,12 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use weir_graph::{StageError, WorkerInfo};
+use weir_operators::rewards::model::RewardModel;
 use weir_operators::rewards::python::{PythonReward, PythonRewardConfig};
+use weir_operators::rewards::remote::{RemoteReward, RemoteRewardConfig};
+use weir_operators::rewards::rule_stage::RuleReward;
 use weir_operators::rewards::terms::{RewardTerms, Term, TermKind};
 use weir_operators::rewards::{rule_reward, rules};
-use weir_operators::stages::remote_reward::{RemoteReward, RemoteRewardConfig};
-use weir_operators::stages::reward::{RewardModel, RuleReward};
 
 use crate::config::RewardKind;
 use crate::context::load;

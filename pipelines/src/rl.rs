@@ -3,6 +3,7 @@
 //! → rollout log, with the learner's weights flowing back to `generate`.
 
 use weir_graph::{Partition, Pipeline};
+use weir_operators::rewards::overlong::OverlongPenalty;
 use weir_operators::rollout::col;
 use weir_operators::stages::advantage::{
     GaeAdvantage, GroupAdvantage, GroupEstimator, ReinforceAdvantage,
@@ -10,7 +11,6 @@ use weir_operators::stages::advantage::{
 use weir_operators::stages::critic::{Critic, CriticLearner, PerWorker};
 use weir_operators::stages::dynamic_sampling::{DynamicSampling, DynamicSamplingConfig};
 use weir_operators::stages::prompt_stats::PromptStats;
-use weir_operators::stages::reward::OverlongPenalty;
 
 use crate::config::ReferencePlacement;
 use crate::context::RunContext;

@@ -13,6 +13,7 @@ use weir_gpu::optim::AdamWConfig;
 use weir_gpu::{Device, Model, SamplingParams, Tokenizer};
 use weir_graph::{Execution, ParquetLog, Partition, Pipeline, Placement, RunSettings};
 use weir_operators::algorithms::Flavor;
+use weir_operators::rewards::rule_stage::RuleReward;
 use weir_operators::rewards::{arith, rule_reward};
 use weir_operators::rollout::{check, col, Phase};
 use weir_operators::stages::advantage::{GroupAdvantage, GroupEstimator};
@@ -20,7 +21,6 @@ use weir_operators::stages::generate::Generate;
 use weir_operators::stages::learner::{Learner, LearnerConfig, LrSchedule};
 use weir_operators::stages::prompts::PromptSource;
 use weir_operators::stages::reference::RefLogprob;
-use weir_operators::stages::reward::RuleReward;
 
 fn model_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures/models/arith-sft")

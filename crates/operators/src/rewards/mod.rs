@@ -1,9 +1,15 @@
-//! Rewards: the built-in rules (functions of a response's text and its
-//! row's reference answer, looked up by name from the config), rewards
-//! written in Rust by a user's own binary ([`Reward`], [`register`]),
-//! Python reward functions (`python.rs`) and weighted sums (`terms.rs`).
-//! The model and HTTP rewards are stages (`stages::reward`,
-//! `stages::remote_reward`).
+//! Rewards, every kind in this folder, each a stage that writes `reward`:
+//! - the built-in rules (functions of a response's text and its row's
+//!   reference answer, looked up by name from the config: `rules.rs`,
+//!   `arith.rs`), as a stage in `rule_stage.rs`;
+//! - rewards written in Rust by a user's own binary ([`Reward`], [`register`]);
+//! - Python reward functions (`python.rs`);
+//! - a reward model (`model.rs`) and an HTTP reward server (`remote.rs`);
+//! - weighted sums of these (`terms.rs`);
+//! - and DAPO's overlong penalty, shaping a reward (`overlong.rs`).
+//!
+//! `weir_pipelines::rewards` is the one factory that builds the stage a
+//! config names.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -12,7 +18,11 @@ use arrow::array::RecordBatch;
 use weir_graph::StageError;
 
 pub mod arith;
+pub mod model;
+pub mod overlong;
 pub mod python;
+pub mod remote;
+pub mod rule_stage;
 pub mod rules;
 pub mod terms;
 

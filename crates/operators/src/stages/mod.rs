@@ -2,8 +2,7 @@
 //!
 //! - [`prompts::PromptSource`]: prompts × n samples per step, seeded shuffling per epoch, a cursor.
 //! - [`generate::Generate`]: the actor; loads weight snapshots from the weights edge.
-//! - [`reward::RuleReward`]: rule rewards on a dataset column; [`reward::RewardModel`]: a reward model.
-//! - [`remote_reward::RemoteReward`]: rewards from an HTTP reward server (OpenRLHF's protocol), with timeouts and retries.
+//! - The reward stages live with the rewards (`crate::rewards`).
 //! - [`dynamic_sampling::DynamicSampling`]: DAPO's filter of groups whose rewards all agree, refilled from a staleness-bounded pool.
 //! - [`prompt_stats::PromptStats`]: per-prompt solve rate and reward variance across epochs, a differential-dataflow view the prompt source can use as a curriculum.
 //! - [`reference::RefLogprob`]: the frozen reference model's log-probs.
@@ -24,8 +23,6 @@ pub mod prompt_files;
 pub mod prompt_stats;
 pub mod prompts;
 pub mod reference;
-pub mod remote_reward;
-pub mod reward;
 pub mod sequences;
 pub mod sft;
 pub mod train_step;

@@ -18,8 +18,8 @@ use arrow::array::RecordBatch;
 use serde_json::{json, Value};
 use weir_graph::{Stage, StageError, StepContext};
 
-use super::columns::{strings, with_rewards};
 use crate::rollout::col;
+use crate::stages::columns::{strings, with_rewards};
 
 /// Where and how to ask a reward server.
 #[derive(Clone, Debug, PartialEq)]

@@ -1,4 +1,4 @@
-//! `RuleReward`: a rule reward of each response against a dataset column.
+//! `RewardModel`: a reward model's score of each prompt and response.
 
 use std::sync::Arc;
 
@@ -6,42 +6,7 @@ use arrow::array::{ArrayRef, Float32Array, RecordBatch};
 use weir_graph::batch::with_column;
 use weir_graph::{Stage, StageError, StepContext};
 
-use super::columns::{strings, with_rewards};
-use crate::rewards::RuleReward as RuleFn;
 use crate::rollout::col;
-
-/// Scores `response` against the column `reference` with a rule.
-pub struct RuleReward {
-    rule: RuleFn,
-    reference: String,
-}
-
-impl RuleReward {
-    /// Rewards with `rule(response, row[reference])`.
-    pub fn new(rule: RuleFn, reference: &str) -> Self {
-        RuleReward {
-            rule,
-            reference: reference.to_string(),
-        }
-    }
-}
-
-impl Stage for RuleReward {
-    fn process(
-        &mut self,
-        _ctx: &mut StepContext,
-        batch: RecordBatch,
-    ) -> Result<Vec<RecordBatch>, StageError> {
-        let responses = strings(&batch, col::RESPONSE, "reward")?;
-        let answers = strings(&batch, &self.reference, "reward")?;
-        let rewards: Vec<f64> = responses
-            .iter()
-            .zip(&answers)
-            .map(|(r, a)| (self.rule)(r, a))
-            .collect();
-        Ok(vec![with_rewards(&batch, &rewards)?])
-    }
-}
 
 /// Scores `prompt_tokens + response_tokens` with a reward model
 /// (`*ForSequenceClassification`, pooled at the last non-pad token).
@@ -74,14 +39,15 @@ impl Stage for RewardModel {
         _ctx: &mut StepContext,
         batch: RecordBatch,
     ) -> Result<Vec<RecordBatch>, StageError> {
-        let prompts = super::columns::token_lists(&batch, col::PROMPT_TOKENS, "reward")?;
-        let responses = super::columns::token_lists(&batch, col::RESPONSE_TOKENS, "reward")?;
+        let prompts = crate::stages::columns::token_lists(&batch, col::PROMPT_TOKENS, "reward")?;
+        let responses =
+            crate::stages::columns::token_lists(&batch, col::RESPONSE_TOKENS, "reward")?;
         let pad = self.model.config.pad_token_id.unwrap_or(0).max(0);
         let _guard = tch::no_grad_guard();
         let mut scores = Vec::with_capacity(batch.num_rows());
         for start in (0..prompts.len()).step_by(self.micro_batch) {
             let end = (start + self.micro_batch).min(prompts.len());
-            let packed = super::sequences::pack(
+            let packed = crate::stages::sequences::pack(
                 &prompts[start..end],
                 &responses[start..end],
                 pad,
@@ -144,8 +110,8 @@ mod tests {
         let batch = RecordBatch::try_new(
             schema,
             vec![
-                super::super::columns::token_list_array(&prompts),
-                super::super::columns::token_list_array(&responses),
+                crate::stages::columns::token_list_array(&prompts),
+                crate::stages::columns::token_list_array(&responses),
             ],
         )
         .unwrap();
@@ -172,85 +138,5 @@ mod tests {
             .unwrap()
             .to_string()
             .contains("not a reward model"));
-    }
-}
-
-/// DAPO's soft overlong punishment (arXiv 2503.14476; OpenRLHF's
-/// `overlong_buffer_len` / `overlong_penalty_factor`): adds
-/// [`crate::algorithms::overlong_penalty`] of each response's length to its
-/// `reward`, 0 up to `max_len − buffer` tokens, then falling linearly to
-/// `−factor` at `max_len`. Records the step's mean penalty as `overlong_penalty`.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct OverlongPenalty {
-    /// The longest response (the generator's `max_new_tokens`).
-    pub max_len: usize,
-    /// The buffer below `max_len` where the penalty grows.
-    pub buffer: usize,
-    /// The penalty at `max_len`.
-    pub factor: f64,
-}
-
-impl Stage for OverlongPenalty {
-    fn process(
-        &mut self,
-        ctx: &mut StepContext,
-        batch: RecordBatch,
-    ) -> Result<Vec<RecordBatch>, StageError> {
-        let lengths = super::columns::token_lists(&batch, col::RESPONSE_TOKENS, "overlong")?;
-        let rewards = super::columns::f32s(&batch, col::REWARD, "overlong")?;
-        let penalties: Vec<f64> = lengths
-            .iter()
-            .map(|r| {
-                crate::algorithms::overlong_penalty(r.len(), self.max_len, self.buffer, self.factor)
-            })
-            .collect();
-        if !penalties.is_empty() {
-            ctx.record(
-                "overlong_penalty",
-                penalties.iter().sum::<f64>() / penalties.len() as f64,
-            );
-        }
-        let shaped: Float32Array = rewards
-            .iter()
-            .zip(&penalties)
-            .map(|(r, p)| (r + p) as f32)
-            .collect();
-        Ok(vec![with_column(
-            &batch,
-            col::REWARD,
-            Arc::new(shaped) as ArrayRef,
-        )?])
-    }
-}
-
-#[cfg(test)]
-mod overlong_tests {
-    use super::*;
-    use crate::stages::columns::token_list_array;
-
-    #[test]
-    fn long_responses_lose_reward_in_the_buffer() {
-        let batch = RecordBatch::try_from_iter([
-            (
-                col::RESPONSE_TOKENS,
-                token_list_array(&[vec![1; 4], vec![1; 6], vec![1; 8]]),
-            ),
-            (
-                col::REWARD,
-                Arc::new(Float32Array::from(vec![1.0, 1.0, 0.0])) as ArrayRef,
-            ),
-        ])
-        .unwrap();
-        let mut stage = OverlongPenalty {
-            max_len: 8,
-            buffer: 4,
-            factor: 1.0,
-        };
-        let worker = weir_graph::WorkerInfo::single();
-        let mut ctx = StepContext::detached(0, worker, 0);
-        let out = stage.process(&mut ctx, batch).unwrap();
-        let r = crate::stages::columns::f32s(&out[0], col::REWARD, "t").unwrap();
-        // Expected length 4: no penalty at 4, −0.5 at 6, −1 at 8.
-        assert_eq!(r, vec![1.0, 0.5, -1.0]);
     }
 }
