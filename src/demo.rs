@@ -18,8 +18,9 @@ use std::time::Instant;
 use anyhow::Context;
 use serde_json::json;
 use weir_gpu::{Device, Model, ModelConfig};
-use weir_operators::rewards::arith;
-use weir_pipelines::runner::{eval_accuracy, RunRequest};
+use weir_operators::tasks::arith;
+use weir_pipelines::runner::RunRequest;
+use weir_pipelines::task::arith_accuracy;
 use weir_pipelines::{PipelineKind, RunConfig};
 
 /// `weir demo`.
@@ -89,7 +90,7 @@ pub fn demo(args: &DemoArgs) -> anyhow::Result<()> {
             progress: !args.quiet,
             cluster: Default::default(),
         })?;
-        let (accuracy, _) = eval_accuracy(&sft, &run.final_actor)?;
+        let (accuracy, _) = arith_accuracy(&sft, &run.final_actor)?;
         println!(
             "sft: {sft_steps} steps ({:.0} s), loss {:.3}, greedy accuracy {:.1}%",
             sft_started.elapsed().as_secs_f64(),

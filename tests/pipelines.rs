@@ -325,7 +325,7 @@ fn resume_continues_steps_versions_and_cursor_after_a_crash() {
     let held = tmp.path().join("held.jsonl");
     let lines: Vec<String> = (0..5u32)
         .map(|i| {
-            let content = weir::operators::rewards::arith::user_message(i, 7);
+            let content = weir::operators::tasks::arith::user_message(i, 7);
             serde_json::json!({"messages": [{"role": "user", "content": content}], "answer": (i + 7).to_string()})
                 .to_string()
         })
@@ -454,7 +454,7 @@ fn the_adaptive_kl_coefficient_follows_its_controller_across_a_resume() {
 
 #[test]
 fn a_python_reward_file_scores_a_jsonl_task_with_its_columns() {
-    use weir::operators::rewards::arith;
+    use weir::operators::tasks::arith;
     let tmp = tempfile::tempdir().unwrap();
     let prompts = tmp.path().join("task.jsonl");
     let lines: Vec<String> = (0..12u32)
@@ -506,7 +506,8 @@ fn a_python_reward_file_scores_a_jsonl_task_with_its_columns() {
 
 #[test]
 fn weighted_reward_terms_combine_python_math_and_regex() {
-    use weir::operators::rewards::{arith, rules};
+    use weir::operators::rewards::rules;
+    use weir::operators::tasks::arith;
     use weir::pipelines::config::{RewardKind, RewardTerm};
     let tmp = tempfile::tempdir().unwrap();
     let prompts = tmp.path().join("task.jsonl");
@@ -657,7 +658,7 @@ fn a_reward_registered_in_rust_scores_by_its_name() {
 
 #[test]
 fn held_out_prompts_evaluate_the_policy_during_training_and_mark_the_best_checkpoint() {
-    use weir::operators::rewards::arith;
+    use weir::operators::tasks::arith;
     let tmp = tempfile::tempdir().unwrap();
     let write = |name: &str, pairs: &[(u32, u32)]| -> PathBuf {
         let path = tmp.path().join(name);
@@ -821,7 +822,7 @@ fn sft_lowers_its_loss_and_evaluates() {
     let mut cfg = config(PipelineKind::Grpo, 1);
     cfg.eval.arith = true;
     let (acc, samples) =
-        weir::pipelines::runner::eval_accuracy(&cfg, &fixture("arith-sft")).unwrap();
+        weir::pipelines::task::arith_accuracy(&cfg, &fixture("arith-sft")).unwrap();
     assert!((acc - 0.472).abs() < 1e-9, "greedy accuracy {acc}");
     assert_eq!(samples[0].0, "93+34");
 }

@@ -153,7 +153,8 @@ impl Evaluation {
         let tokenizer = Tokenizer::load(Path::new(&cfg.model.path))?;
         let share = |samples: usize| -> Result<Option<RecordBatch>, StageError> {
             let path = Path::new(&cfg.eval.prompts);
-            let source = crate::prompts::prompt_file(cfg, path, samples, false, &tokenizer)?;
+            let source =
+                crate::task::Task::File(path.to_path_buf()).prompts(cfg, samples, &tokenizer)?;
             if source.rows().is_empty() {
                 return Err(format!("eval.prompts {}: no prompts", path.display()).into());
             }

@@ -24,6 +24,7 @@ pub mod rl;
 pub mod roles;
 pub mod runner;
 pub mod sft;
+pub mod task;
 
 pub use config::{ConfigError, RunConfig};
 pub use runner::{run, RunOutcome, RunRequest};

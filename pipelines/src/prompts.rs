@@ -1,20 +1,19 @@
-//! The prompt sources: the arith task's pairs or a prompt file, shaped by
-//! `[data]`, resumed at the run's cursor.
+//! The prompt sources: the task's prompt set (`task.rs`), shaped by
+//! `[data]` (epochs, curriculum), resumed at the run's cursor, sharded over
+//! the rollout workers.
 
 use std::path::Path;
 
 use weir_gpu::Tokenizer;
 use weir_graph::{StageError, WorkerInfo};
-use weir_operators::rewards::arith;
-use weir_operators::stages::prompt_files::PromptFormat;
 use weir_operators::stages::prompt_stats::Curriculum;
-use weir_operators::stages::prompts::{PromptColumn, PromptSource};
+use weir_operators::stages::prompts::PromptSource;
 
 use crate::context::RunContext;
-use crate::rewards::reward_columns;
+use crate::task::Task;
 use crate::RunConfig;
 
-/// The prompt source: the arith task's training pairs or a prompt file, with the run's cursor.
+/// The prompt source: the task's prompts, with the run's cursor.
 pub fn prompts(
     cfg: &RunConfig,
     ctx: &RunContext,
@@ -41,23 +40,11 @@ fn source(
     move |w| {
         let tok = Tokenizer::load(Path::new(&cfg.model.path))?;
         let d = &cfg.data;
-        let mut src = if d.prompts == "arith" && pairs {
-            PromptSource::arith_preferences(
-                &arith::train_pairs(cfg.run.seed),
-                &tok,
-                d.prompts_per_step,
-                cfg.run.seed,
-            )?
-        } else if d.prompts == "arith" {
-            PromptSource::arith(
-                &arith::train_pairs(cfg.run.seed),
-                &tok,
-                d.prompts_per_step,
-                samples,
-                cfg.run.seed,
-            )?
+        let task = Task::of(&cfg);
+        let mut src = if pairs {
+            task.pairs(&cfg, &tok)?
         } else {
-            prompt_file(&cfg, Path::new(&d.prompts), samples, pairs, &tok)?
+            task.prompts(&cfg, samples, &tok)?
         };
         if d.epochs > 0 {
             src = src.epochs(d.epochs);
@@ -78,59 +65,4 @@ fn source(
             .cursor_log(ctx.cursors.clone())
             .shard(w.rank, w.role_size))
     }
-}
-
-/// A prompt file read as `[data]` says: its prompt or messages column,
-/// shaped by the template, chat template and system prompt; the label and
-/// the columns a Python reward receives (or, for `pairs`, the chosen,
-/// rejected and margin columns); prompts that leave the response no room
-/// in the model's context refused.
-pub fn prompt_file(
-    cfg: &RunConfig,
-    path: &Path,
-    samples: usize,
-    pairs: bool,
-    tok: &Tokenizer,
-) -> Result<PromptSource, StageError> {
-    let d = &cfg.data;
-    let column = if d.messages_column.is_empty() {
-        PromptColumn::Text(d.prompt_column.clone())
-    } else {
-        PromptColumn::Messages(d.messages_column.clone())
-    };
-    let extra: Vec<String> = if pairs {
-        [&d.chosen_column, &d.rejected_column, &d.margin_column]
-            .into_iter()
-            .filter(|c| !c.is_empty())
-            .cloned()
-            .collect()
-    } else {
-        [d.label_column.clone()]
-            .into_iter()
-            .filter(|c| !c.is_empty())
-            .chain(reward_columns(cfg)?)
-            .collect()
-    };
-    // Room for the response in the model's context (pairs carry their own).
-    let context =
-        weir_gpu::config::ModelConfig::load(Path::new(&cfg.model.path))?.max_position_embeddings;
-    let room = context
-        .filter(|_| !pairs)
-        .map(|c| (c.max(0) as usize).saturating_sub(cfg.generate.max_new_tokens));
-    let format = PromptFormat {
-        template: (!d.prompt_template.is_empty()).then(|| d.prompt_template.clone()),
-        chat: d.apply_chat_template,
-        system: (!d.system_prompt.is_empty()).then(|| d.system_prompt.clone()),
-    };
-    PromptSource::from_file(
-        path,
-        &column,
-        &format,
-        &extra,
-        room,
-        tok,
-        d.prompts_per_step,
-        samples,
-        cfg.run.seed,
-    )
 }

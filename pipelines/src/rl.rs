@@ -8,7 +8,7 @@ use weir_operators::rollout::col;
 use weir_operators::stages::advantage::{
     GaeAdvantage, GroupAdvantage, GroupEstimator, ReinforceAdvantage,
 };
-use weir_operators::stages::critic::{Critic, CriticLearner, PerWorker};
+use weir_operators::stages::critic::Critic;
 use weir_operators::stages::dynamic_sampling::{DynamicSampling, DynamicSamplingConfig};
 use weir_operators::stages::prompt_stats::PromptStats;
 
@@ -107,28 +107,8 @@ fn reinforce(cfg: &RunConfig, ctx: &RunContext, name: &str, baseline: bool) -> P
 
 /// PPO: a critic scores every token before GAE and is fitted after the policy update.
 pub fn ppo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError> {
-    let critic_dir = ctx
-        .resumed_from
-        .as_ref()
-        .map(|d| d.join("critic"))
-        .unwrap_or_else(|| {
-            let m = &cfg.model;
-            std::path::PathBuf::from(match () {
-                _ if !m.critic.is_empty() => &m.critic,
-                _ if !m.reward_model.is_empty() => &m.reward_model,
-                _ => &m.path,
-            })
-        });
-    let c = cfg.clone();
-    let critic = PerWorker::new(move |w| {
-        Ok(weir_gpu::Model::load_critic(
-            &critic_dir,
-            crate::context::device(&c, w)?,
-            crate::context::kind(&c),
-        )?)
-    });
-    let (fit, c, ck) = (critic.clone(), cfg.clone(), ctx.checkpointer(cfg));
-    let x = ctx.clone();
+    let critic = roles::critic(cfg, ctx);
+    let fit = critic.clone();
     let (a, flavor) = (cfg.algorithm.clone(), roles::flavor(cfg));
     let (kl_coef, adaptive_kl) = roles::in_reward_kl(cfg, ctx);
     Ok(rollouts(Pipeline::new("ppo"), cfg, ctx)
@@ -150,22 +130,12 @@ pub fn ppo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
             Partition::Local,
             roles::learner(cfg, ctx, false),
         )
-        .stage("critic_learn", TRAIN, Partition::Local, move |w| {
-            let a = &c.algorithm;
-            let mut learner = CriticLearner::new(
-                &fit,
-                w,
-                roles::adamw(&c, a.critic_lr),
-                (a.value_clip > 0.0).then_some(a.value_clip),
-                (a.max_grad_norm > 0.0).then_some(a.max_grad_norm),
-            )?
-            .with_loss(a.aggregation.into(), roles::flavor(&c))
-            .with_epochs(a.ppo_epochs)
-            .with_mini_batches(a.mini_batches)
-            .with_checkpoints(ck.clone());
-            x.restore_optimizer("critic", learner.optimizer_mut())?;
-            Ok(learner)
-        })
+        .stage(
+            "critic_learn",
+            TRAIN,
+            Partition::Local,
+            roles::critic_learner(cfg, ctx, fit),
+        )
         .offload(roles::MODEL_QUEUE)
         .sink("log", TRAIN, Partition::Local, roles::rollout_log(cfg, ctx)))
 }

@@ -13,6 +13,7 @@ use weir_graph::{ParquetLog, Stage, StageError, WorkerInfo};
 use weir_operators::algorithms::{
     Flavor, ImportanceCorrection, PolicyLossConfig, PolicyObjective, RatioLevel,
 };
+use weir_operators::stages::critic::{CriticLearner, PerWorker};
 use weir_operators::stages::generate::Generate;
 use weir_operators::stages::learner::{Learner, LearnerConfig, LrSchedule};
 use weir_operators::stages::reference::RefLogprob;
@@ -100,6 +101,55 @@ pub fn actor(
             params,
             cfg.eval.every,
         )))
+    }
+}
+
+/// PPO's critic, one model per worker shared by the stage that scores
+/// (`Critic`) and the one that fits it (`CriticLearner`): from the resumed
+/// checkpoint's `critic/`, else `model.critic`, else the reward model, else
+/// the actor with a fresh value head.
+pub fn critic(cfg: &RunConfig, ctx: &RunContext) -> Arc<PerWorker<weir_gpu::Model>> {
+    let m = &cfg.model;
+    let dir = match &ctx.resumed_from {
+        Some(ck) => ck.join("critic"),
+        None if !m.critic.is_empty() => PathBuf::from(&m.critic),
+        None if !m.reward_model.is_empty() => PathBuf::from(&m.reward_model),
+        None => PathBuf::from(&m.path),
+    };
+    let cfg = cfg.clone();
+    PerWorker::new(move |w| {
+        Ok(weir_gpu::Model::load_critic(
+            &dir,
+            crate::context::device(&cfg, w)?,
+            crate::context::kind(&cfg),
+        )?)
+    })
+}
+
+/// The critic's fit after the policy update: its own AdamW (`critic_lr`),
+/// value clipping, the policy's aggregation, epochs and mini-batches,
+/// saved with the checkpoints, its optimizer restored on a resume.
+pub fn critic_learner(
+    cfg: &RunConfig,
+    ctx: &RunContext,
+    critic: Arc<PerWorker<weir_gpu::Model>>,
+) -> impl Fn(&WorkerInfo) -> Result<CriticLearner, StageError> + Send + Sync + 'static {
+    let (cfg, ctx, checkpoints) = (cfg.clone(), ctx.clone(), ctx.checkpointer(cfg));
+    move |w| {
+        let a = &cfg.algorithm;
+        let mut learner = CriticLearner::new(
+            &critic,
+            w,
+            adamw(&cfg, a.critic_lr),
+            (a.value_clip > 0.0).then_some(a.value_clip),
+            (a.max_grad_norm > 0.0).then_some(a.max_grad_norm),
+        )?
+        .with_loss(a.aggregation.into(), flavor(&cfg))
+        .with_epochs(a.ppo_epochs)
+        .with_mini_batches(a.mini_batches)
+        .with_checkpoints(checkpoints.clone());
+        ctx.restore_optimizer("critic", learner.optimizer_mut())?;
+        Ok(learner)
     }
 }
 

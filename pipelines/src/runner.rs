@@ -34,7 +34,6 @@ use weir_graph::metrics::MetricRow;
 use weir_graph::parquet_log::write_parquet_atomically;
 use weir_graph::{Placement, RunReport, RunSettings};
 use weir_operators::checkpoint::{latest, CheckpointCommits};
-use weir_operators::rewards::arith;
 use weir_operators::stages::prompt_stats::StatsView;
 use weir_operators::stages::prompts::CursorLog;
 
@@ -45,6 +44,7 @@ use crate::resume::{
     trim_rollouts,
 };
 use crate::roles::{ROLLOUT, TRAIN};
+use crate::task::Task;
 use crate::{preference, rl, sft, PipelineError, PipelineKind, RunConfig};
 
 /// What to run.
@@ -382,18 +382,15 @@ fn finish(
     if let Some(summary) = kept {
         return Ok(outcome(report, summary));
     }
-    // Greedy accuracy of a policy (not of a reward model), of the starting
-    // checkpoint and of the final one.
-    let arith_eval = cfg.eval.arith && cfg.data.prompts == "arith" && kind != PipelineKind::Rm;
-    let before = if arith_eval {
-        Some(eval_before(cfg, dir)?)
+    // The task's own measure of the starting and the final policy (arith: accuracy).
+    let task = Task::of(cfg);
+    let (before, after) = if task.measures_accuracy(kind, cfg) {
+        (
+            Some(task.accuracy_before(cfg, dir)?),
+            Some(task.accuracy(cfg, &final_actor)?),
+        )
     } else {
-        None
-    };
-    let after = if arith_eval {
-        Some(eval_accuracy(cfg, &final_actor)?)
-    } else {
-        None
+        (None, None)
     };
     let mut report = report;
     let held_out = if cfg.eval.prompts.is_empty() {
@@ -565,46 +562,6 @@ fn rows_this_segment(report: &RunReport, trainer: &str, first_step: u64) -> f64 
         .filter(|r| r.stage == trainer && r.metric == "rows_in" && r.step >= first_step)
         .map(|r| r.value)
         .sum()
-}
-
-/// Greedy arith accuracy of the checkpoint in `dir`.
-pub fn eval_accuracy(
-    cfg: &RunConfig,
-    dir: &Path,
-) -> Result<(f64, Vec<(String, String)>), PipelineError> {
-    let device = if cfg.run.device == crate::config::DeviceChoice::Cuda
-        && weir_gpu::Device::cuda_count() > 0
-    {
-        weir_gpu::Device::Cuda(0)
-    } else {
-        weir_gpu::Device::Cpu
-    };
-    let model = weir_gpu::Model::load(dir, device, crate::context::kind(cfg))?;
-    let tok = weir_gpu::Tokenizer::load(Path::new(&cfg.model.path))?;
-    let threads = tch::get_num_threads();
-    tch::set_num_threads(std::thread::available_parallelism().map_or(1, |n| n.get()) as i32);
-    let result = arith::greedy_accuracy(&model, &tok, &arith::eval_pairs(), cfg.eval.batch);
-    tch::set_num_threads(threads);
-    Ok(result?)
-}
-
-/// The accuracy before training: measured once, kept in `eval.json` across resumes.
-fn eval_before(cfg: &RunConfig, dir: &Path) -> Result<(f64, Vec<(String, String)>), PipelineError> {
-    let path = dir.join("eval.json");
-    if let Ok(text) = std::fs::read_to_string(&path) {
-        if let Some(acc) = serde_json::from_str::<Value>(&text)
-            .ok()
-            .and_then(|v| v["eval_accuracy_before"].as_f64())
-        {
-            return Ok((acc, Vec::new()));
-        }
-    }
-    let (acc, samples) = eval_accuracy(cfg, Path::new(&cfg.model.path))?;
-    write_text(
-        &path,
-        &json!({"eval_accuracy_before": acc, "samples": samples}).to_string(),
-    )?;
-    Ok((acc, samples))
 }
 
 fn write_text(path: &Path, text: &str) -> Result<(), PipelineError> {

@@ -12,5 +12,6 @@ pub mod checkpoint;
 pub mod rewards;
 pub mod rollout;
 pub mod stages;
+pub mod tasks;
 
 pub use weir_graph::columns;

@@ -13,14 +13,15 @@ use weir_gpu::optim::AdamWConfig;
 use weir_gpu::{Device, Model, SamplingParams, Tokenizer};
 use weir_graph::{Execution, ParquetLog, Partition, Pipeline, Placement, RunSettings};
 use weir_operators::algorithms::Flavor;
+use weir_operators::rewards::rule_reward;
 use weir_operators::rewards::rule_stage::RuleReward;
-use weir_operators::rewards::{arith, rule_reward};
 use weir_operators::rollout::{check, col, Phase};
 use weir_operators::stages::advantage::{GroupAdvantage, GroupEstimator};
 use weir_operators::stages::generate::Generate;
 use weir_operators::stages::learner::{Learner, LearnerConfig, LrSchedule};
 use weir_operators::stages::prompts::PromptSource;
 use weir_operators::stages::reference::RefLogprob;
+use weir_operators::tasks::arith;
 
 fn model_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures/models/arith-sft")
@@ -34,7 +35,7 @@ fn grpo_runs_through_the_engine_with_async_weights() {
     let pipeline = Pipeline::new("grpo")
         .source("rollout", move |w| {
             let tok = Tokenizer::load(&model_dir())?;
-            Ok(PromptSource::arith(
+            Ok(arith::prompts(
                 &arith::eval_pairs()[..64],
                 &tok,
                 prompts_per_step,
@@ -205,7 +206,7 @@ fn ppo_with_a_critic_runs_through_the_engine() {
     let pipeline = Pipeline::new("ppo")
         .source("rollout", move |w| {
             let tok = Tokenizer::load(&model_dir())?;
-            Ok(PromptSource::arith(
+            Ok(arith::prompts(
                 &arith::eval_pairs()[..32],
                 &tok,
                 prompts_per_step,
@@ -320,7 +321,7 @@ fn dapo_filters_groups_and_feeds_prompt_stats_through_the_engine() {
     let pipeline = Pipeline::new("dapo")
         .source("rollout", move |w| {
             let tok = Tokenizer::load(&model_dir())?;
-            Ok(PromptSource::arith(
+            Ok(arith::prompts(
                 &arith::eval_pairs()[..48],
                 &tok,
                 prompts_per_step,

@@ -1,7 +1,7 @@
 //! Rewards, every kind in this folder, each a stage that writes `reward`:
 //! - the built-in rules (functions of a response's text and its row's
-//!   reference answer, looked up by name from the config: `rules.rs`,
-//!   `arith.rs`), as a stage in `rule_stage.rs`;
+//!   reference answer, looked up by name from the config: `rules.rs`, and
+//!   the arith task's `arith_exact_match`), as a stage in `rule_stage.rs`;
 //! - rewards written in Rust by a user's own binary ([`Reward`], [`register`]);
 //! - Python reward functions (`python.rs`);
 //! - a reward model (`model.rs`) and an HTTP reward server (`remote.rs`);
@@ -17,7 +17,6 @@ use std::sync::{Arc, Mutex, OnceLock};
 use arrow::array::RecordBatch;
 use weir_graph::StageError;
 
-pub mod arith;
 pub mod model;
 pub mod overlong;
 pub mod python;
@@ -32,7 +31,7 @@ pub type RuleReward = fn(&str, &str) -> f64;
 /// The rule rewards weir ships, by config name.
 pub fn rule_reward(name: &str) -> Option<RuleReward> {
     match name {
-        "arith_exact_match" => Some(arith::exact_match),
+        "arith_exact_match" => Some(crate::tasks::arith::exact_match),
         "math" => Some(rules::math),
         "exact" => Some(rules::exact),
         "contains" => Some(rules::contains),

@@ -5,11 +5,9 @@ use std::sync::Arc;
 
 use arrow::array::{ArrayRef, RecordBatch, StringArray, UInt32Array, UInt64Array};
 use arrow::datatypes::{DataType, Field};
-use weir_gpu::{Message, Tokenizer};
 use weir_graph::{Source, SourceContext, StageError};
 
 use super::columns::token_list_array;
-use crate::rewards::arith;
 use crate::rollout::{schema_after, Phase};
 
 pub use super::prompt_files::PromptColumn;
@@ -205,63 +203,6 @@ impl PromptSource {
     pub fn every_prompt_per_step(mut self) -> Self {
         self.prompts_per_step = self.rows.len();
         self
-    }
-
-    /// The arith task's prompts for `pairs`, with an `answer` column.
-    pub fn arith(
-        pairs: &[(u32, u32)],
-        tokenizer: &Tokenizer,
-        prompts_per_step: usize,
-        samples: usize,
-        seed: u64,
-    ) -> Result<Self, StageError> {
-        let rows = pairs
-            .iter()
-            .map(|&(a, b)| {
-                let messages = [Message {
-                    role: "user".into(),
-                    content: arith::user_message(a, b),
-                }];
-                Ok(PromptRow {
-                    prompt: arith::user_message(a, b),
-                    tokens: tokenizer.encode_chat(&messages, true)?,
-                    extra: vec![(a + b).to_string()],
-                })
-            })
-            .collect::<Result<Vec<_>, StageError>>()?;
-        PromptSource::new(rows, vec!["answer".into()], prompts_per_step, samples, seed)
-    }
-
-    /// The arith task as preference pairs: columns `chosen` (the sum) and
-    /// `rejected` (a wrong sum, off by 1–10, fixed per pair).
-    pub fn arith_preferences(
-        pairs: &[(u32, u32)],
-        tokenizer: &Tokenizer,
-        prompts_per_step: usize,
-        seed: u64,
-    ) -> Result<Self, StageError> {
-        let mut src = PromptSource::arith(pairs, tokenizer, prompts_per_step, 1, seed)?;
-        let rows = src
-            .rows
-            .iter()
-            .zip(pairs)
-            .map(|(r, &(a, b))| {
-                let sum = a + b;
-                let off = 1 + (a * 31 + b * 17) % 10;
-                let wrong = if (a + b) % 2 == 0 || sum < off {
-                    sum + off
-                } else {
-                    sum - off
-                };
-                PromptRow {
-                    extra: vec![sum.to_string(), wrong.to_string()],
-                    ..r.clone()
-                }
-            })
-            .collect();
-        src.rows = Arc::new(rows);
-        src.extra_columns = vec!["chosen".into(), "rejected".into()];
-        Ok(src)
     }
 
     /// Stops after `epochs` passes over the prompts (default: never).

@@ -5,6 +5,11 @@
 //! the answer, else 0.0. The 500 evaluation pairs are shipped as data
 //! (`data/arith_eval_pairs.json`, made by `scripts/make_arith_eval_pairs.py`).
 
+use weir_gpu::{Message, Tokenizer};
+use weir_graph::StageError;
+
+use crate::stages::prompts::{PromptRow, PromptSource};
+
 /// The end-of-turn token that cuts a completion.
 pub const END: &str = "<|im_end|>";
 
@@ -95,6 +100,67 @@ pub fn train_pairs(seed: u64) -> Vec<(u32, u32)> {
         pairs.swap(i, (z % (i as u64 + 1)) as usize);
     }
     pairs
+}
+
+/// The arith task's prompts for `pairs`, with an `answer` column.
+pub fn prompts(
+    pairs: &[(u32, u32)],
+    tokenizer: &Tokenizer,
+    prompts_per_step: usize,
+    samples: usize,
+    seed: u64,
+) -> Result<PromptSource, StageError> {
+    let rows = pairs
+        .iter()
+        .map(|&(a, b)| {
+            let messages = [Message {
+                role: "user".into(),
+                content: user_message(a, b),
+            }];
+            Ok(PromptRow {
+                prompt: user_message(a, b),
+                tokens: tokenizer.encode_chat(&messages, true)?,
+                extra: vec![(a + b).to_string()],
+            })
+        })
+        .collect::<Result<Vec<_>, StageError>>()?;
+    PromptSource::new(rows, vec!["answer".into()], prompts_per_step, samples, seed)
+}
+
+/// The arith task as preference pairs: columns `chosen` (the sum) and
+/// `rejected` (a wrong sum, off by 1–10, fixed per pair).
+pub fn preferences(
+    pairs: &[(u32, u32)],
+    tokenizer: &Tokenizer,
+    prompts_per_step: usize,
+    seed: u64,
+) -> Result<PromptSource, StageError> {
+    let src = prompts(pairs, tokenizer, prompts_per_step, 1, seed)?;
+    let rows = src
+        .rows()
+        .iter()
+        .zip(pairs)
+        .map(|(r, &(a, b))| {
+            let sum = a + b;
+            let off = 1 + (a * 31 + b * 17) % 10;
+            let wrong = if (a + b) % 2 == 0 || sum < off {
+                sum + off
+            } else {
+                sum - off
+            };
+            PromptRow {
+                extra: vec![sum.to_string(), wrong.to_string()],
+                ..r.clone()
+            }
+        })
+        .collect();
+    PromptSource::new(
+        rows,
+        vec!["chosen".into(), "rejected".into()],
+        prompts_per_step,
+        1,
+        seed,
+    )
 }
 
 #[cfg(test)]
