@@ -60,13 +60,6 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
             cluster: cluster.clone(),
         }
     } else {
-        let Some(name) = &args.pipeline else {
-            bail!("name a pipeline (weir run grpo --config FILE.toml) or --resume RUN_DIR");
-        };
-        let kind = PipelineKind::parse(name).map_err(anyhow::Error::msg)?;
-        if cluster.processes > 1 && args.out.is_none() {
-            bail!("with --processes {}, name the run folder with --out: every process writes to the same one", cluster.processes);
-        }
         let text = match &args.config {
             Some(path) => Some(
                 std::fs::read_to_string(path)
@@ -79,6 +72,21 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
             .as_ref()
             .map(|p| p.display().to_string())
             .unwrap_or_default();
+        // The pipeline named on the command line, else by the file's `pipeline` key.
+        let kind = match (&args.pipeline, &text) {
+            (Some(name), _) => PipelineKind::parse(name).map_err(anyhow::Error::msg)?,
+            (None, Some(text)) => RunConfig::pipeline_in(text, &source)?.ok_or_else(|| {
+                anyhow::anyhow!(
+                    "{source}: name a pipeline (weir run grpo --config {source}, or pipeline = \"grpo\" in the file)"
+                )
+            })?,
+            (None, None) => {
+                bail!("name a pipeline (weir run grpo --config FILE.toml) or --resume RUN_DIR")
+            }
+        };
+        if cluster.processes > 1 && args.out.is_none() {
+            bail!("with --processes {}, name the run folder with --out: every process writes to the same one", cluster.processes);
+        }
         let cfg = RunConfig::load(
             kind,
             text.as_deref().map(|t| (t, source.as_str())),
@@ -133,6 +141,9 @@ pub fn print_summary(summary: &serde_json::Value) {
         "loss_last",
         "eval_accuracy_before",
         "eval_accuracy_after",
+        "eval_reward",
+        "eval_mean_at_k",
+        "eval_pass_at_k",
     ] {
         match &summary[key] {
             serde_json::Value::Null => {}
@@ -141,6 +152,14 @@ pub fn print_summary(summary: &serde_json::Value) {
             }
             v => println!("{key}: {v}"),
         }
+    }
+    if let Some(best) = summary["best_checkpoint"].as_object() {
+        println!(
+            "best checkpoint: {} (eval reward {} at step {})",
+            best["checkpoint"].as_str().unwrap_or("?"),
+            best["reward"],
+            best["eval_step"]
+        );
     }
 }
 

@@ -68,6 +68,11 @@ fn a_catalogue_of_bad_run_input_gets_one_line_each() {
     );
     std::fs::write(dir.join("syntax.toml"), "[run]\nsteps = 3\nthreads = \n").unwrap();
     std::fs::write(dir.join("type.toml"), "[algorithm]\nlr = \"fast\"\n").unwrap();
+    std::fs::write(
+        dir.join("rloo.toml"),
+        "pipeline = \"rloo\"\n[run]\nsteps = 3\n",
+    )
+    .unwrap();
     std::fs::create_dir_all(dir.join("foreign")).unwrap();
     std::fs::write(dir.join("foreign/notes.txt"), "mine").unwrap();
     std::fs::create_dir_all(dir.join("empty-model")).unwrap();
@@ -131,6 +136,32 @@ fn a_catalogue_of_bad_run_input_gets_one_line_each() {
             none(),
             args(&["--config", "syntax.toml"]),
             "line 3",
+        ),
+        (
+            "the file names another pipeline",
+            "grpo",
+            none(),
+            args(&["--config", "rloo.toml"]),
+            "`pipeline` = \"rloo\", but the run is \"grpo\"",
+        ),
+        (
+            "eval every N without eval prompts",
+            "grpo",
+            set("eval.every=2"),
+            none(),
+            "eval.every",
+        ),
+        (
+            "best checkpoint not saved at evaluations",
+            "grpo",
+            args(&[
+                &format!("eval.prompts={}", file("no-prompt")),
+                "eval.every=3",
+                "eval.best_checkpoint=true",
+                "run.checkpoint_every=2",
+            ]),
+            none(),
+            "eval.best_checkpoint",
         ),
         (
             "unknown key",

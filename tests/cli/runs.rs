@@ -163,6 +163,21 @@ fn run_then_resume_through_the_command_line() {
     let out = weir(&argv, tmp.path());
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("already holds a run"));
+    // A resolved config is a config: its `pipeline` key names the pipeline.
+    let text = success(&weir(
+        &[
+            "run",
+            "--config",
+            "r/config.resolved.toml",
+            "--out",
+            "again",
+            "--quiet",
+            "--set",
+            "run.steps=1",
+        ],
+        tmp.path(),
+    ));
+    assert!(text.contains("pipeline: \"sft\""), "{text}");
 }
 
 /// `weir run ARGS` as process `process` of two, in `dir`.

@@ -592,6 +592,21 @@ impl RunConfig {
                 toml::from_str(text).map_err(|e| err(e.to_string().trim().replace('\n', " ")))?;
             let mut doc = toml::Value::try_from(&config).map_err(|e| err(e.to_string()))?;
             for (section, value) in user {
+                if section == "pipeline" {
+                    // A file may say its pipeline (as config.resolved.toml does).
+                    match value.as_str().map(PipelineKind::parse) {
+                        Some(Ok(kind)) if kind == pipeline => continue,
+                        Some(Ok(kind)) => {
+                            return Err(err(format!(
+                                "`pipeline` = {:?}, but the run is {:?}",
+                                kind.name(),
+                                pipeline.name()
+                            )))
+                        }
+                        Some(Err(e)) => return Err(err(format!("`pipeline`: {e}"))),
+                        None => return Err(err("`pipeline` must be a string".into())),
+                    }
+                }
                 match (value, doc.get_mut(&section)) {
                     (toml::Value::Table(keys), Some(toml::Value::Table(base))) => {
                         base.extend(keys);
@@ -621,6 +636,25 @@ impl RunConfig {
                 },
             }
         })
+    }
+
+    /// The pipeline a config file names with a top-level `pipeline = "…"`, if it does.
+    pub fn pipeline_in(text: &str, source_name: &str) -> Result<Option<PipelineKind>, ConfigError> {
+        let err = |message: String| ConfigError {
+            source_name: source_name.to_string(),
+            message,
+        };
+        let table: toml::Table =
+            toml::from_str(text).map_err(|e| err(e.to_string().trim().replace('\n', " ")))?;
+        match table.get("pipeline") {
+            None => Ok(None),
+            Some(v) => match v.as_str() {
+                Some(name) => PipelineKind::parse(name)
+                    .map(Some)
+                    .map_err(|e| err(format!("`pipeline`: {e}"))),
+                None => Err(err("`pipeline` must be a string".into())),
+            },
+        }
     }
 
     /// Applies `key=value` overrides (`section.key=value`, the value in TOML syntax; bare words are strings).
