@@ -505,6 +505,78 @@ fn a_python_reward_file_scores_a_jsonl_task_with_its_columns() {
 }
 
 #[test]
+fn a_verl_dataset_in_parquet_and_its_compute_score_load_unchanged() {
+    use weir::operators::tasks::arith;
+    let tmp = tempfile::tempdir().unwrap();
+    // verl's layout: chat `prompt`, the answer in `reward_model.ground_truth`,
+    // an `extra_info` object; written to Parquet with struct columns.
+    let lines: Vec<String> = (0..8u32)
+        .map(|i| {
+            serde_json::json!({
+                "data_source": "openai/gsm8k",
+                "prompt": [{"role": "user", "content": arith::user_message(i, 3)}],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": (i + 3).to_string()},
+                "extra_info": {"split": "train", "index": i},
+            })
+            .to_string()
+        })
+        .collect();
+    let text = lines.join("\n");
+    let mut cursor = std::io::Cursor::new(text.as_bytes());
+    let (schema, _) =
+        arrow::json::reader::infer_json_schema_from_seekable(&mut cursor, None).unwrap();
+    let batches: Vec<RecordBatch> = arrow::json::ReaderBuilder::new(std::sync::Arc::new(schema))
+        .build(std::io::Cursor::new(text.as_bytes()))
+        .unwrap()
+        .map(|b| b.unwrap())
+        .collect();
+    let prompts = tmp.path().join("train.parquet");
+    weir::graph::parquet_log::write_parquet_atomically(&prompts, &batches).unwrap();
+    let file = tmp.path().join("gsm8k.py");
+    std::fs::write(
+        &file,
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    \
+         assert data_source == 'openai/gsm8k', data_source\n    \
+         assert extra_info['split'] == 'train' and isinstance(extra_info['index'], int), extra_info\n    \
+         return {'score': float(solution_str.strip() == ground_truth), 'index': float(extra_info['index'])}\n",
+    )
+    .unwrap();
+    let kind = PipelineKind::Grpo;
+    let mut cfg = config(kind, 2);
+    cfg.data.prompts = prompts.display().to_string();
+    cfg.data.messages_column = "prompt".into();
+    cfg.data.label_column = "reward_model.ground_truth".into();
+    cfg.reward.kind = weir::pipelines::config::RewardKind::Python;
+    cfg.reward.file = file.display().to_string();
+    cfg.reward.function = "compute_score".into();
+    let dir = tmp.path().join("run");
+    run(kind, cfg, &dir, false);
+    let (responses, answers) = (
+        text_column(&dir, col::RESPONSE),
+        text_column(&dir, "reward_model.ground_truth"),
+    );
+    let rewards: Vec<f64> = read_parquet_dir(&dir.join("rollouts"))
+        .unwrap()
+        .iter()
+        .flat_map(|b| {
+            let c = b
+                .column_by_name(col::REWARD)
+                .unwrap()
+                .as_primitive::<Float32Type>();
+            c.values().iter().map(|v| f64::from(*v)).collect::<Vec<_>>()
+        })
+        .collect();
+    assert_eq!(rewards.len(), 2 * 3 * 4);
+    for ((r, a), reward) in responses.iter().zip(&answers).zip(&rewards) {
+        assert_eq!(*reward, arith::exact_match(r, a), "{r:?} {a}");
+    }
+    let index = metric(&dir, "reward", "index");
+    assert_eq!(index.len(), 2, "{index:?}");
+    assert!(index.values().all(|v| (0.0..8.0).contains(v)));
+}
+
+#[test]
 fn weighted_reward_terms_combine_python_math_and_regex() {
     use weir::operators::rewards::rules;
     use weir::operators::tasks::arith;

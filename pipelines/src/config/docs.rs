@@ -22,7 +22,7 @@ pub const DOCS: &[(&str, &str, &str)] = &[
     ("data", "prompts", "\"arith\" (the built-in task, its 9,500 training pairs) or a .jsonl / .parquet prompt file."),
     ("data", "prompt_column", "The column with plain-text prompts."),
     ("data", "messages_column", "The column with chat messages (rendered with the chat template); empty: use prompt_column."),
-    ("data", "label_column", "The column with the reference answer (rule rewards; SFT targets)."),
+    ("data", "label_column", "The column with the reference answer (rule rewards; SFT targets); a dotted name reads a nested field, e.g. verl's reward_model.ground_truth (columns of every kind may be dotted)."),
     ("data", "prompt_template", "A text in which {prompt} stands for each plain-text prompt, e.g. \"Question: {prompt}\\nAnswer:\" (empty: the prompt as is)."),
     ("data", "apply_chat_template", "Render plain-text prompts as a user message with the model's chat template and a generation prompt (message prompts always are)."),
     ("data", "system_prompt", "A system message put before every chat prompt (needs apply_chat_template or messages_column)."),

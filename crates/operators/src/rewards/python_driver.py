@@ -4,7 +4,9 @@
 #
 #   argv: FILE FUNCTION MODE   (MODE: "batch" = OpenRLHF's
 #         reward_func(queries, prompts, labels, **kwargs); "sample" = verl's
-#         compute_score(data_source, solution_str, ground_truth, extra_info))
+#         compute_score(data_source, solution_str, ground_truth, extra_info):
+#         extra_info is the file's `extra_info` column (an object) if it has
+#         one, else a dict of its other columns)
 #   request:  {"queries": [...], "prompts": [...], "responses": [...],
 #              "labels": [...] or null, "columns": {name: [...]}}
 #   answer:   {"ok": true, "rewards": [...], "logs": {name: number}}
@@ -102,12 +104,24 @@ def batch(req):
     return [number(r) for r in result], logs(extra)
 
 
+def decoded(text):
+    # A column that held a JSON object or list arrives as its JSON text.
+    try:
+        value = json.loads(text)
+    except (TypeError, ValueError):
+        return text
+    return value if isinstance(value, (dict, list)) else text
+
+
 def sample(req):
     rewards, extras = [], {}
     labels = req["labels"]
     columns = req["columns"]
     for i, response in enumerate(req["responses"]):
         info = {key: values[i] for key, values in columns.items() if key != "data_source"}
+        if "extra_info" in columns:
+            # verl's datasets carry extra_info as an object: it is the argument.
+            info = decoded(columns["extra_info"][i])
         source = columns["data_source"][i] if "data_source" in columns else ""
         try:
             score = fn(source, response, labels[i] if labels is not None else None, info)

@@ -96,14 +96,13 @@ impl PromptSource {
                 |c: &str| format!("{}: {where_}: column `{c}` is missing", path.display());
             let (text, tokens) = match prompt {
                 PromptColumn::Text(c) => {
-                    let text = record
-                        .get(c)
+                    let text = field(record, c)
                         .and_then(serde_json::Value::as_str)
                         .ok_or_else(|| missing(c))?;
                     format.text(text, tokenizer)?
                 }
                 PromptColumn::Messages(c) => {
-                    let value = record.get(c).ok_or_else(|| missing(c))?;
+                    let value = field(record, c).ok_or_else(|| missing(c))?;
                     let messages: Vec<Message> = serde_json::from_value(value.clone())
                         .map_err(|e| format!("{}: {where_}: column `{c}`: {e}", path.display()))?;
                     format.messages(messages, tokenizer)?
@@ -127,7 +126,7 @@ impl PromptSource {
             }
             let mut values = Vec::with_capacity(extra.len());
             for c in extra {
-                let v = record.get(c).ok_or_else(|| missing(c))?;
+                let v = field(record, c).ok_or_else(|| missing(c))?;
                 values.push(match v {
                     serde_json::Value::String(s) => s.clone(),
                     other => other.to_string(),
@@ -156,6 +155,24 @@ pub fn common_columns(path: &std::path::Path) -> Result<Vec<String>, StageError>
         .filter(|k| records.iter().all(|(_, r)| r.contains_key(*k)))
         .cloned()
         .collect())
+}
+
+/// A record's column `name`: the top-level field of that name, else, for a
+/// dotted name, the nested field it names (`reward_model.ground_truth`, as
+/// verl's datasets keep the answer; a Parquet struct column reads the same).
+fn field<'a>(
+    record: &'a serde_json::Map<String, serde_json::Value>,
+    name: &str,
+) -> Option<&'a serde_json::Value> {
+    if let Some(v) = record.get(name) {
+        return Some(v);
+    }
+    let mut parts = name.split('.');
+    let mut value = record.get(parts.next()?)?;
+    for part in parts {
+        value = value.as_object()?.get(part)?;
+    }
+    Some(value)
 }
 
 /// One record of a prompt file: where it came from (`line 3`, `row 7`) and its fields.
