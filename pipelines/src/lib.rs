@@ -51,6 +51,8 @@ pub enum PipelineKind {
     ReinforcePp,
     /// REINFORCE++-baseline: group-mean baseline first.
     ReinforcePpBaseline,
+    /// ReMax: a greedy response per prompt is the baseline.
+    Remax,
     /// Supervised fine-tuning on a target column.
     Sft,
     /// Bradley–Terry reward-model training on preference pairs.
@@ -71,6 +73,7 @@ impl PipelineKind {
         PipelineKind::Gpg,
         PipelineKind::ReinforcePp,
         PipelineKind::ReinforcePpBaseline,
+        PipelineKind::Remax,
         PipelineKind::Sft,
         PipelineKind::Rm,
         PipelineKind::Dpo,
@@ -88,6 +91,7 @@ impl PipelineKind {
             PipelineKind::Gpg => "gpg",
             PipelineKind::ReinforcePp => "reinforce_pp",
             PipelineKind::ReinforcePpBaseline => "reinforce_pp_baseline",
+            PipelineKind::Remax => "remax",
             PipelineKind::Sft => "sft",
             PipelineKind::Rm => "rm",
             PipelineKind::Dpo => "dpo",

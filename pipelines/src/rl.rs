@@ -6,7 +6,7 @@ use weir_graph::{Partition, Pipeline};
 use weir_operators::rewards::overlong::OverlongPenalty;
 use weir_operators::rollout::col;
 use weir_operators::stages::advantage::{
-    GaeAdvantage, GroupAdvantage, GroupEstimator, ReinforceAdvantage,
+    GaeAdvantage, GroupAdvantage, GroupEstimator, ReinforceAdvantage, ReinforceBaseline,
 };
 use weir_operators::stages::critic::Critic;
 use weir_operators::stages::dynamic_sampling::{DynamicSampling, DynamicSamplingConfig};
@@ -53,7 +53,7 @@ pub fn gpg(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
 /// The group estimators' pipeline.
 fn group(cfg: &RunConfig, ctx: &RunContext, name: &str, estimator: GroupEstimator) -> Pipeline {
     let flavor = roles::flavor(cfg);
-    let pipeline = rollouts(Pipeline::new(name), cfg, ctx);
+    let pipeline = rollouts(Pipeline::new(name), cfg, ctx, false);
     let (pipeline, regroup) = statistics_and_filter(pipeline, cfg, ctx);
     pipeline
         .stage("advantage", TRAIN, regroup, move |_| {
@@ -70,19 +70,38 @@ fn group(cfg: &RunConfig, ctx: &RunContext, name: &str, estimator: GroupEstimato
 
 /// REINFORCE++: the KL to the reference shaped into token rewards, returns whitened.
 pub fn reinforce_pp(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError> {
-    Ok(reinforce(cfg, ctx, "reinforce_pp", false))
+    Ok(reinforce(cfg, ctx, "reinforce_pp", ReinforceBaseline::None))
 }
 
 /// REINFORCE++-baseline: the group mean subtracted from the score first.
 pub fn reinforce_pp_baseline(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError> {
-    Ok(reinforce(cfg, ctx, "reinforce_pp_baseline", true))
+    Ok(reinforce(
+        cfg,
+        ctx,
+        "reinforce_pp_baseline",
+        ReinforceBaseline::GroupMean,
+    ))
 }
 
-fn reinforce(cfg: &RunConfig, ctx: &RunContext, name: &str, baseline: bool) -> Pipeline {
+/// ReMax: one more, greedy, response per prompt; its reward is the
+/// baseline subtracted from each sampled response's return (KL in the
+/// reward, as verl's recipe has it). The greedy rows are scored and then
+/// leave at the advantage stage.
+pub fn remax(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError> {
+    Ok(reinforce(cfg, ctx, "remax", ReinforceBaseline::Greedy))
+}
+
+fn reinforce(
+    cfg: &RunConfig,
+    ctx: &RunContext,
+    name: &str,
+    baseline: ReinforceBaseline,
+) -> Pipeline {
     let a = cfg.algorithm.clone();
     let flavor = roles::flavor(cfg);
     let (kl_coef, adaptive_kl) = roles::in_reward_kl(cfg, ctx);
-    rollouts(Pipeline::new(name), cfg, ctx)
+    let greedy = baseline == ReinforceBaseline::Greedy;
+    rollouts(Pipeline::new(name), cfg, ctx, greedy)
         .stage(
             "advantage",
             TRAIN,
@@ -93,6 +112,10 @@ fn reinforce(cfg: &RunConfig, ctx: &RunContext, name: &str, baseline: bool) -> P
                 advantage.gamma = a.gamma;
                 advantage.kl_estimator = a.kl_estimator.into();
                 advantage.flavor = flavor;
+                if greedy {
+                    // verl's ReMax does not clip the score.
+                    advantage.reward_clip = None;
+                }
                 Ok(advantage)
             },
         )
@@ -111,7 +134,7 @@ pub fn ppo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
     let fit = critic.clone();
     let (a, flavor) = (cfg.algorithm.clone(), roles::flavor(cfg));
     let (kl_coef, adaptive_kl) = roles::in_reward_kl(cfg, ctx);
-    Ok(rollouts(Pipeline::new("ppo"), cfg, ctx)
+    Ok(rollouts(Pipeline::new("ppo"), cfg, ctx, false)
         .stage("critic", TRAIN, Partition::RoundRobin, move |w| {
             Critic::new(&critic, w)
         })
@@ -140,14 +163,20 @@ pub fn ppo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
         .sink("log", TRAIN, Partition::Local, roles::rollout_log(cfg, ctx)))
 }
 
-/// Prompts, generation and reward on the rollout workers, then the
-/// reference log-probs on the train workers when the KL term is on.
-fn rollouts(pipeline: Pipeline, cfg: &RunConfig, ctx: &RunContext) -> Pipeline {
+/// Prompts (with ReMax's greedy row per prompt when `greedy`), generation
+/// and reward on the rollout workers, then the reference log-probs on the
+/// train workers when the KL term is on.
+fn rollouts(pipeline: Pipeline, cfg: &RunConfig, ctx: &RunContext, greedy: bool) -> Pipeline {
+    let prompts = crate::prompts::prompts(cfg, ctx, cfg.data.samples_per_prompt);
     let pipeline = pipeline
-        .source(
-            ROLLOUT,
-            crate::prompts::prompts(cfg, ctx, cfg.data.samples_per_prompt),
-        )
+        .source(ROLLOUT, move |w| {
+            let source = prompts(w)?;
+            Ok(if greedy {
+                source.greedy_baseline()
+            } else {
+                source
+            })
+        })
         .generate(
             "generate",
             ROLLOUT,

@@ -499,6 +499,28 @@ fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String
             &["algorithm.ppo_epochs=3", "algorithm.lr=0.01"],
             "0.01".into(),
         ),
+        // ReMax on the SFT'd pairs: the greedy answer is mostly right, so
+        // advantages are rarely positive; a reward for wrong answers makes them so.
+        "algorithm.clip_high" if kind == PipelineKind::Remax => (
+            &[
+                "algorithm.ppo_epochs=3",
+                "algorithm.lr=0.01",
+                "reward.kind=\"terms\"",
+                "reward.terms=[{rule = \"exact\", weight = -1.0}]",
+            ],
+            "0.0".into(),
+        ),
+        "algorithm.sapo_tau_pos" if kind == PipelineKind::Remax => (
+            &[
+                "algorithm.policy_loss=sapo",
+                "algorithm.aggregation=\"seq-mean-token-mean\"",
+                "algorithm.ppo_epochs=3",
+                "algorithm.lr=0.01",
+                "reward.kind=\"terms\"",
+                "reward.terms=[{rule = \"exact\", weight = -1.0}]",
+            ],
+            "5.0".into(),
+        ),
         "algorithm.clip_high" => (
             &["algorithm.ppo_epochs=3", "algorithm.lr=0.01"],
             "0.0".into(),
@@ -834,9 +856,10 @@ fn every_ppo_key_changes_the_run_or_is_refused() {
 }
 
 #[test]
-fn every_reinforce_pp_key_changes_the_run_or_is_refused() {
+fn every_reinforce_pp_and_remax_key_changes_the_run_or_is_refused() {
     walk(PipelineKind::ReinforcePp);
     walk(PipelineKind::ReinforcePpBaseline);
+    walk(PipelineKind::Remax);
 }
 
 #[test]

@@ -58,6 +58,12 @@ pub mod col {
     pub const STALENESS: &str = weir_graph::columns::STALENESS;
     /// Seconds the generator spent on the row's batch (f32).
     pub const GENERATE_S: &str = "generate_s";
+    /// ReMax: marks the one greedy response per prompt whose reward is the
+    /// group's baseline (bool; only in ReMax runs, dropped with those rows
+    /// before the learner).
+    pub const GREEDY_BASELINE: &str = "greedy_baseline";
+    /// ReMax: the reward of the prompt's greedy response, subtracted from each sample's.
+    pub const REWARD_BASELINE: &str = "reward_baseline";
 }
 
 /// The stage after which a column exists.

@@ -546,6 +546,11 @@ impl RunConfig {
             PipelineKind::ReinforcePp | PipelineKind::ReinforcePpBaseline => {
                 c.algorithm.kl_coef = 0.01;
             }
+            // verl's ReMax recipe: the KL in the reward, its estimator, its semantics.
+            PipelineKind::Remax => {
+                c.algorithm.kl_coef = 0.001;
+                c.algorithm.flavor = FlavorChoice::Verl;
+            }
             PipelineKind::Sft | PipelineKind::Rm | PipelineKind::Dpo => {
                 c.run.steps = 400;
                 c.run.max_staleness = 0;

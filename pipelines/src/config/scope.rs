@@ -39,7 +39,7 @@ pub fn applies(pipeline: PipelineKind, section: &str, key: &str) -> bool {
         ("algorithm", "gamma") => matches!(pipeline, Ppo | ReinforcePp | ReinforcePpBaseline),
         // The adaptive controller moves the KL these pipelines put in the reward.
         ("algorithm", "kl_target" | "kl_horizon") => {
-            matches!(pipeline, Ppo | ReinforcePp | ReinforcePpBaseline)
+            matches!(pipeline, Ppo | ReinforcePp | ReinforcePpBaseline | Remax)
         }
         ("algorithm", "lambda" | "critic_lr" | "value_clip") => pipeline == Ppo,
         ("algorithm", "beta" | "preference_loss" | "label_smoothing") => pipeline == Dpo,

@@ -26,6 +26,14 @@ pub enum GroupError {
         /// Number of group ids.
         groups: usize,
     },
+    /// ReMax needs one greedy baseline response per prompt.
+    #[error("group {group} has {found} greedy baseline response(s); ReMax needs exactly 1")]
+    Baseline {
+        /// The group id.
+        group: u64,
+        /// Greedy responses found in it.
+        found: usize,
+    },
 }
 
 /// Group ids for OpenRLHF's grouping: consecutive blocks of `n` samples.
@@ -45,6 +53,55 @@ fn members(scores: &[f64], groups: &[u64]) -> Result<BTreeMap<u64, Vec<usize>>, 
         by_group.entry(*g).or_default().push(i);
     }
     Ok(by_group)
+}
+
+/// ReMax (arXiv 2310.10505; verl `compute_remax_outcome_advantage`): each
+/// token's return, the sum of the masked token rewards from it to the end,
+/// minus the reward of the prompt's greedy response on every valid token:
+/// `A_t = Σ_{t' ≥ t} m_{t'} r_{t'} − b · m_t`. With the score on the last
+/// token only (rewards without a KL term) this is `score − b` on every
+/// token. Returns `(advantages, returns)`.
+pub fn remax(
+    token_rewards: &[Vec<f64>],
+    masks: &[Vec<f64>],
+    baselines: &[f64],
+) -> (Vec<Vec<f64>>, Vec<Vec<f64>>) {
+    let mut advantages = Vec::with_capacity(token_rewards.len());
+    let mut returns = Vec::with_capacity(token_rewards.len());
+    for ((r, m), b) in token_rewards.iter().zip(masks).zip(baselines) {
+        let mut ret = vec![0.0; r.len()];
+        let mut running = 0.0;
+        for t in (0..r.len()).rev() {
+            running += r[t] * m[t];
+            ret[t] = running;
+        }
+        advantages.push(ret.iter().zip(m).map(|(g, m)| g - b * m).collect());
+        returns.push(ret);
+    }
+    (advantages, returns)
+}
+
+/// For each of `scores`, the score of its group's greedy response
+/// (`greedy[i]` marks those): ReMax's baseline. Each group needs exactly one.
+pub fn greedy_baselines(
+    scores: &[f64],
+    groups: &[u64],
+    greedy: &[bool],
+) -> Result<Vec<f64>, GroupError> {
+    let mut out = vec![0.0; scores.len()];
+    for (group, idx) in members(scores, groups)? {
+        let found: Vec<usize> = idx.iter().copied().filter(|&i| greedy[i]).collect();
+        if found.len() != 1 {
+            return Err(GroupError::Baseline {
+                group,
+                found: found.len(),
+            });
+        }
+        for &i in &idx {
+            out[i] = scores[found[0]];
+        }
+    }
+    Ok(out)
 }
 
 /// Generalised advantage estimation over token rewards `r`, values `V`, mask `m`.
@@ -307,6 +364,25 @@ pub fn whiten_advantages(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn remax_subtracts_the_greedy_reward_from_each_return() {
+        // Two responses; the second has a masked interior token.
+        let r = vec![vec![0.0, 0.0, 1.0], vec![0.5, 0.0, 0.0, 2.0]];
+        let m = vec![vec![1.0, 1.0, 1.0], vec![1.0, 0.0, 1.0, 1.0]];
+        let (a, g) = remax(&r, &m, &[0.25, 1.0]);
+        assert_eq!(g, vec![vec![1.0, 1.0, 1.0], vec![2.5, 2.0, 2.0, 2.0]]);
+        assert_eq!(a, vec![vec![0.75, 0.75, 0.75], vec![1.5, 2.0, 1.0, 1.0]]);
+        let b = greedy_baselines(
+            &[1.0, 0.0, 3.0, 2.0, 5.0],
+            &[7, 7, 7, 8, 8],
+            &[false, true, false, true, false],
+        )
+        .unwrap();
+        assert_eq!(b, vec![0.0, 0.0, 0.0, 2.0, 2.0]);
+        let err = greedy_baselines(&[1.0, 0.0], &[7, 7], &[false, false]).unwrap_err();
+        assert!(err.to_string().contains("group 7 has 0 greedy"), "{err}");
+    }
 
     fn close(a: &[f64], b: &[f64]) {
         assert_eq!(a.len(), b.len());

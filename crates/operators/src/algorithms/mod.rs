@@ -18,7 +18,8 @@ pub mod shaping;
 pub mod stats;
 
 pub use advantages::{
-    discounted_returns, gae, gpg, grpo, grpo_passk, opo, rloo, whiten_advantages, GroupError,
+    discounted_returns, gae, gpg, greedy_baselines, grpo, grpo_passk, opo, remax, rloo,
+    whiten_advantages, GroupError,
 };
 pub use kl::{kl, kl_tensor, kl_tokens, token_rewards, KlEstimator};
 pub use losses::{

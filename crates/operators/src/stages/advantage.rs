@@ -3,13 +3,13 @@
 //! (from several generators); the stage keeps a step's rows and computes at
 //! `end_step`, so its input edge must be partitioned `ByKey("group_id")`.
 
-use arrow::array::RecordBatch;
+use arrow::array::{AsArray, RecordBatch};
 
 use weir_graph::batch::with_column;
 use weir_graph::{StageError, StepBuffer, StepContext, StepStage};
 
 use super::columns::{float_lists, rewards, u64s};
-use crate::algorithms::{gpg, grpo, grpo_passk, opo, rloo, Flavor};
+use crate::algorithms::{gpg, greedy_baselines, grpo, grpo_passk, opo, remax, rloo, Flavor};
 use crate::rollout::col;
 
 /// Which group baseline.
@@ -94,6 +94,53 @@ impl StepStage for GroupAdvantage {
         )?;
         Ok(vec![batch])
     }
+}
+
+/// ReMax's split of a step's rows: each group's baseline from its greedy
+/// row (`greedy_baseline`); the sampled rows alone, with the baseline as
+/// `reward_baseline` and without the flag column.
+fn split_greedy(
+    ctx: &mut StepContext,
+    batch: &RecordBatch,
+) -> Result<(RecordBatch, Vec<f64>), StageError> {
+    let scores = rewards(batch, "advantage")?;
+    let groups = u64s(batch, col::GROUP_ID, "advantage")?;
+    let greedy: arrow::array::BooleanArray = batch
+        .column_by_name(col::GREEDY_BASELINE)
+        .and_then(|c| c.as_boolean_opt().cloned())
+        .ok_or_else(|| {
+            format!(
+                "advantage: ReMax needs the bool column `{}` (the prompt source's greedy rows)",
+                col::GREEDY_BASELINE
+            )
+        })?;
+    let flags: Vec<bool> = greedy.iter().map(|v| v.unwrap_or(false)).collect();
+    let baselines = greedy_baselines(&scores, &groups, &flags)?;
+    let greedy_scores: Vec<f64> = (0..flags.len())
+        .filter(|&i| flags[i])
+        .map(|i| scores[i])
+        .collect();
+    if !greedy_scores.is_empty() {
+        ctx.record(
+            "reward_baseline",
+            greedy_scores.iter().sum::<f64>() / greedy_scores.len() as f64,
+        );
+    }
+    let column = arrow::array::Float32Array::from_iter_values(baselines.iter().map(|b| *b as f32));
+    let batch = with_column(batch, col::REWARD_BASELINE, std::sync::Arc::new(column))?;
+    let sampled = arrow::compute::not(&greedy).map_err(|e| e.to_string())?;
+    let mut kept =
+        arrow::compute::filter_record_batch(&batch, &sampled).map_err(|e| e.to_string())?;
+    let at = kept
+        .schema()
+        .index_of(col::GREEDY_BASELINE)
+        .map_err(|e| e.to_string())?;
+    kept.remove_column(at);
+    let kept_baselines = (0..flags.len())
+        .filter(|&i| !flags[i])
+        .map(|i| baselines[i])
+        .collect();
+    Ok((kept, kept_baselines))
 }
 
 /// PPO's advantages: per-token rewards (the score on the last token, minus
@@ -278,8 +325,8 @@ impl AdaptiveKl {
 /// returns, advantages = the returns whitened over the step (OpenRLHF's
 /// order: group shaping, reward clip + KL, returns, whitening).
 pub struct ReinforceAdvantage {
-    /// Subtract the group mean of the scores first (needs whole groups: `ByKey("group_id")`).
-    pub baseline: bool,
+    /// The baseline (group mean and greedy need whole groups: `ByKey("group_id")`).
+    pub baseline: ReinforceBaseline,
     /// Discount.
     pub gamma: f64,
     /// β of the KL penalty in the reward.
@@ -295,9 +342,23 @@ pub struct ReinforceAdvantage {
     held: StepBuffer,
 }
 
+/// The baseline of [`ReinforceAdvantage`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReinforceBaseline {
+    /// REINFORCE++: none; the returns are whitened over the step.
+    None,
+    /// REINFORCE++-baseline: the group mean subtracted from each score
+    /// first; the returns are whitened.
+    GroupMean,
+    /// ReMax: the reward of the prompt's greedy response, subtracted from
+    /// each token's (undiscounted) return ([`crate::algorithms::remax`]);
+    /// no whitening. The greedy rows leave here.
+    Greedy,
+}
+
 impl ReinforceAdvantage {
     /// OpenRLHF's defaults: γ = 1, k1, score clipped to ±10.
-    pub fn new(baseline: bool, kl_coef: f64) -> Self {
+    pub fn new(baseline: ReinforceBaseline, kl_coef: f64) -> Self {
         ReinforceAdvantage {
             baseline,
             gamma: 1.0,
@@ -325,8 +386,15 @@ impl StepStage for ReinforceAdvantage {
         let Some(batch) = rows else {
             return Ok(Vec::new());
         };
+        let (batch, greedy) = match self.baseline {
+            ReinforceBaseline::Greedy => {
+                let (batch, baselines) = split_greedy(ctx, &batch)?;
+                (batch, Some(baselines))
+            }
+            _ => (batch, None),
+        };
         let mut scores = rewards(&batch, "advantage")?;
-        if self.baseline {
+        if self.baseline == ReinforceBaseline::GroupMean {
             let groups = u64s(&batch, col::GROUP_ID, "advantage")?;
             scores = grpo(&scores, &groups, false, self.flavor)?;
         }
@@ -342,8 +410,17 @@ impl StepStage for ReinforceAdvantage {
         if let (Some(adaptive), Some(kl)) = (&self.adaptive_kl, kl) {
             adaptive.update(ctx.step, &mut self.kl_coef, kl, batch.num_rows());
         }
-        let returns = discounted_returns(&rewards, &mask, self.gamma, self.flavor);
-        let advantages = whiten_advantages(&returns, &mask, false, self.flavor);
+        let (returns, advantages) = match &greedy {
+            Some(baselines) => {
+                let (advantages, returns) = remax(&rewards, &mask, baselines);
+                (returns, advantages)
+            }
+            None => {
+                let returns = discounted_returns(&rewards, &mask, self.gamma, self.flavor);
+                let advantages = whiten_advantages(&returns, &mask, false, self.flavor);
+                (returns, advantages)
+            }
+        };
         let batch = with_column(
             &batch,
             col::TOKEN_REWARDS,
@@ -421,7 +498,10 @@ mod tests {
 
     #[test]
     fn reinforce_baseline_returns_are_the_shaped_score_and_advantages_are_whitened() {
-        let out = run(&mut ReinforceAdvantage::new(true, 0.0));
+        let out = run(&mut ReinforceAdvantage::new(
+            ReinforceBaseline::GroupMean,
+            0.0,
+        ));
         let returns = float_lists(&out, col::RETURNS, "t").unwrap();
         // Scores minus group means: [0.5, −0.5, 0, 0]; γ = 1 so every token carries it.
         assert_eq!(

@@ -5,8 +5,9 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use arrow::array::AsArray;
 use arrow::array::{ArrayRef, Float32Array, RecordBatch, StringArray};
-use weir_gpu::{generate_with_ids, Model, SamplingParams, Tokenizer};
+use weir_gpu::{generate_with_ids, Generation, Model, SamplingParams, Tokenizer};
 use weir_graph::batch::with_column;
 use weir_graph::{PolicyVersion, Stage, StageError, StepContext, WeightsPayload};
 
@@ -38,6 +39,54 @@ impl Generate {
     }
 }
 
+impl Generate {
+    /// One generation per row: with the sampling parameters, or greedily
+    /// for rows marked `greedy_baseline` (ReMax's baseline responses).
+    fn generate_rows(
+        &self,
+        batch: &RecordBatch,
+        prompts: &[Vec<i64>],
+        streams: &[u64],
+    ) -> Result<Vec<Generation>, StageError> {
+        let greedy: Vec<bool> = match batch.column_by_name(col::GREEDY_BASELINE) {
+            None => {
+                return Ok(generate_with_ids(
+                    &self.model,
+                    prompts,
+                    streams,
+                    &self.params,
+                )?)
+            }
+            Some(c) => c
+                .as_boolean_opt()
+                .ok_or_else(|| format!("generate: column `{}` is not bool", col::GREEDY_BASELINE))?
+                .iter()
+                .map(|v| v.unwrap_or(false))
+                .collect(),
+        };
+        let greedy_params = SamplingParams {
+            greedy: true,
+            ..self.params.clone()
+        };
+        let mut out: Vec<Option<Generation>> = vec![None; prompts.len()];
+        for (want, params) in [(false, &self.params), (true, &greedy_params)] {
+            let idx: Vec<usize> = (0..prompts.len()).filter(|&i| greedy[i] == want).collect();
+            if idx.is_empty() {
+                continue;
+            }
+            let p: Vec<Vec<i64>> = idx.iter().map(|&i| prompts[i].clone()).collect();
+            let s: Vec<u64> = idx.iter().map(|&i| streams[i]).collect();
+            for (i, g) in idx
+                .into_iter()
+                .zip(generate_with_ids(&self.model, &p, &s, params)?)
+            {
+                out[i] = Some(g);
+            }
+        }
+        Ok(out.into_iter().flatten().collect())
+    }
+}
+
 impl Stage for Generate {
     fn process(
         &mut self,
@@ -55,7 +104,7 @@ impl Stage for Generate {
             .map(|(g, s)| (g << 16) ^ u64::from(*s))
             .collect();
         let started = Instant::now();
-        let out = generate_with_ids(&self.model, &prompts, &streams, &self.params)?;
+        let out = self.generate_rows(&batch, &prompts, &streams)?;
         let seconds = started.elapsed().as_secs_f64() as f32;
         let tokens: Vec<Vec<i64>> = out.iter().map(|g| g.tokens.clone()).collect();
         let logprobs: Vec<Vec<f64>> = out

@@ -3,12 +3,12 @@
 
 use std::sync::Arc;
 
-use arrow::array::{ArrayRef, RecordBatch, StringArray, UInt32Array, UInt64Array};
+use arrow::array::{ArrayRef, BooleanArray, RecordBatch, StringArray, UInt32Array, UInt64Array};
 use arrow::datatypes::{DataType, Field};
 use weir_graph::{Source, SourceContext, StageError};
 
 use super::columns::token_list_array;
-use crate::rollout::{schema_after, Phase};
+use crate::rollout::{col, schema_after, Phase};
 
 pub use super::prompt_files::PromptColumn;
 
@@ -47,6 +47,7 @@ pub struct PromptSource {
     role_size: usize,
     curriculum: Option<super::prompt_stats::Curriculum>,
     cursor_log: Option<CursorLog>,
+    greedy_baseline: bool,
 }
 
 impl Cursor {
@@ -196,12 +197,20 @@ impl PromptSource {
             role_size: 1,
             curriculum: None,
             cursor_log: None,
+            greedy_baseline: false,
         })
     }
 
     /// Every prompt of the set in each step (an evaluation's one step).
     pub fn every_prompt_per_step(mut self) -> Self {
         self.prompts_per_step = self.rows.len();
+        self
+    }
+
+    /// ReMax: one more row per prompt, marked `greedy_baseline` (a bool
+    /// column on every row), for the generator to answer greedily.
+    pub fn greedy_baseline(mut self) -> Self {
+        self.greedy_baseline = true;
         self
     }
 
@@ -295,12 +304,15 @@ impl Source for PromptSource {
         let (mut prompt_id, mut group_id, mut sample_idx, mut text, mut tokens) =
             (vec![], vec![], vec![], vec![], vec![]);
         let mut extra: Vec<Vec<String>> = vec![Vec::new(); self.extra_columns.len()];
+        let mut greedy = Vec::new();
         for (i, &p) in prompts.iter().enumerate() {
             if i % self.role_size != self.rank {
                 continue;
             }
             let row = &self.rows[p];
-            for s in 0..self.samples {
+            let rows = self.samples + usize::from(self.greedy_baseline);
+            for s in 0..rows {
+                greedy.push(s == self.samples);
                 step.push(ctx.step);
                 prompt_id.push(p as u64);
                 group_id.push(ctx.step * self.prompts_per_step as u64 + i as u64);
@@ -312,11 +324,14 @@ impl Source for PromptSource {
                 }
             }
         }
-        let dataset: Vec<Field> = self
+        let mut dataset: Vec<Field> = self
             .extra_columns
             .iter()
             .map(|n| Field::new(n, DataType::Utf8, false))
             .collect();
+        if self.greedy_baseline {
+            dataset.push(Field::new(col::GREEDY_BASELINE, DataType::Boolean, false));
+        }
         let schema = schema_after(Phase::Prompt, &dataset);
         let mut columns: Vec<ArrayRef> = vec![
             Arc::new(UInt64Array::from(step)),
@@ -331,6 +346,9 @@ impl Source for PromptSource {
                 .into_iter()
                 .map(|c| Arc::new(StringArray::from(c)) as ArrayRef),
         );
+        if self.greedy_baseline {
+            columns.push(Arc::new(BooleanArray::from(greedy)));
+        }
         debug_assert_eq!(schema.fields().len(), columns.len());
         Ok(Some(vec![RecordBatch::try_new(schema, columns)?]))
     }
