@@ -1,0 +1,197 @@
+"""Records the upstream outputs weir's RL math is held to by
+`crates/operators/tests/upstream.rs` (the file `upstream_09_cases.json`):
+verl 0.9.1 and OpenRLHF 0.11.2 as released on PyPI.
+
+Nothing of either project is kept in this repository: the script downloads
+their wheels (`pip download --no-deps`), imports the functions from them,
+runs them with torch in float64 on seeded random inputs, and writes the
+inputs and outputs. OpenRLHF's modules import GPU-only packages at module
+level (flash_attn, deepspeed, vllm); those are replaced by empty stubs,
+which the recorded functions never touch.
+
+    python3 -m venv /tmp/rec && /tmp/rec/bin/pip install torch numpy packaging \
+        ray tensordict omegaconf transformers codetiming orjson peft pylatexenc aiohttp torchdata
+    /tmp/rec/bin/python scripts/record_upstream_09.py [WORK_DIR]
+"""
+
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import subprocess
+import sys
+import types
+import zipfile
+
+VERL, OPENRLHF = "0.9.1", "0.11.2"
+work = sys.argv[1] if len(sys.argv) > 1 else "/tmp/weir-upstream"
+out_path = os.path.join(os.path.dirname(__file__), "../crates/operators/tests/data/upstream_09_cases.json")
+
+
+def wheel(package, version):
+    dest = os.path.join(work, f"{package}-{version}")
+    if not os.path.isdir(dest):
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"{package}=={version}", "-d", work],
+            check=True,
+        )
+        name = next(f for f in os.listdir(work) if f.startswith(f"{package}-{version}") and f.endswith(".whl"))
+        zipfile.ZipFile(os.path.join(work, name)).extractall(dest)
+    purelib = os.path.join(dest, f"{package}-{version}.data", "purelib")
+    return purelib if os.path.isdir(purelib) else dest
+
+
+class _Any(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Any(f"{self.__name__}.{name}")
+
+    def __call__(self, *a, **k):
+        return None
+
+
+class _Stubs(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    roots = ("flash_attn", "deepspeed", "vllm", "ring_flash_attn", "liger_kernel", "bitsandbytes")
+
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in self.roots:
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        m = _Any(spec.name)
+        m.__path__ = []
+        return m
+
+    def exec_module(self, module):
+        pass
+
+
+sys.meta_path.insert(0, _Stubs())
+sys.path[:0] = [wheel("verl", VERL), wheel("openrlhf", OPENRLHF)]
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_default_dtype(torch.float64)
+import verl.trainer.ppo.core_algos as verl_algos  # noqa: E402
+from openrlhf.models import loss as orl_loss  # noqa: E402
+from openrlhf.models import utils as orl_utils  # noqa: E402
+
+rng = np.random.default_rng(20261201)
+cases = []
+
+
+def mat(rows, cols, scale=1.0):
+    return (rng.standard_normal((rows, cols)) * scale).tolist()
+
+
+def mask(rows, cols, gaps=False):
+    m = np.zeros((rows, cols))
+    for r in range(rows):
+        n = int(rng.integers(1, cols + 1))
+        m[r, :n] = 1.0
+        if gaps and n > 3:
+            a = int(rng.integers(1, n - 1))
+            m[r, a : a + int(rng.integers(1, n - a))] = 0.0
+            m[r, n - 1] = 1.0
+    return m.tolist()
+
+
+def t(x):
+    return torch.tensor(x, dtype=torch.float64)
+
+
+def add(name, kind, flavor, source, inputs, expected):
+    cases.append(dict(name=name, kind=kind, flavor=flavor, source=source, inputs=inputs, expected=expected))
+
+
+class Cfg(dict):
+    """A stand-in for verl's config objects: attributes and `.get`."""
+
+    def __getattr__(self, k):
+        try:
+            return self[k]
+        except KeyError as e:
+            raise AttributeError(k) from e
+
+
+# ---- verl advantages -------------------------------------------------------
+verl_src = f"verl=={VERL} verl/trainer/ppo/core_algos.py"
+for n in range(4):
+    B, T = 8, 7
+    index = [int(i) for i in rng.integers(0, 3, size=B)]
+    m = mask(B, T, gaps=(n % 2 == 1))
+    scores = rng.integers(0, 3, size=B).astype(float) * 0.5 + rng.standard_normal(B) * (n % 2)
+    tlr = np.zeros((B, T))
+    for r in range(B):
+        last = max(i for i in range(T) if m[r][i] > 0)
+        tlr[r, last] = scores[r]
+        if n >= 2:
+            tlr[r] += np.array(m[r]) * rng.standard_normal(T) * 0.1
+    tlr = tlr.tolist()
+    common = dict(token_level_rewards=tlr, mask=m, index=index)
+    for est in ["remax", "opo", "grpo_passk", "gpg", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo", "grpo"]:
+        fn = verl_algos.get_adv_estimator_fn(est)
+        kw = dict(token_level_rewards=t(tlr), response_mask=t(m), index=np.array(index))
+        inputs = dict(common, estimator=est)
+        if est == "remax":
+            baselines = (rng.standard_normal(B)).tolist()
+            kw["reward_baselines"] = t(baselines)
+            inputs["reward_baselines"] = baselines
+        if est == "reinforce_plus_plus":
+            gamma = [1.0, 0.9][n % 2]
+            kw["config"] = Cfg(gamma=gamma)
+            inputs["gamma"] = gamma
+        if est in ("grpo", "grpo_passk"):
+            norm = n % 2 == 0
+            kw["norm_adv_by_std_in_grpo"] = norm
+            kw["config"] = Cfg(norm_adv_by_std_in_grpo=norm)
+            inputs["norm_adv_by_std_in_grpo"] = norm
+        if est == "grpo_passk" and min(index.count(g) for g in set(index)) < 2:
+            continue
+        if est in ("rloo", "grpo", "opo", "reinforce_plus_plus_baseline", "gpg") and "config" not in kw:
+            kw["config"] = Cfg()
+        a, r = fn(**kw)
+        add(f"verl09_{est}_{n}", "advantages_verl_09", "verl", f"{verl_src} ({fn.__name__})", inputs,
+            dict(advantages=a.tolist(), returns=r.tolist()))
+
+# ---- verl KL estimators, values and gradients --------------------------------
+for n, est in enumerate(["k1", "k2", "k3", "abs", "mse", "low_var_kl", "k1+", "k3+"]):
+    lp, rp = mat(3, 5, 0.7), mat(3, 5, 0.7)
+    x = t(lp).requires_grad_(True)
+    kl = verl_algos.kl_penalty(x, t(rp), est)
+    kl.sum().backward()
+    add(f"verl09_kl_{est}", "kl_09", "verl", f"{verl_src} (kl_penalty)",
+        dict(estimator=est, logprobs=lp, ref_logprobs=rp),
+        dict(kl=kl.detach().tolist(), grad=x.grad.tolist()))
+
+# ---- OpenRLHF KL estimators ------------------------------------------------------
+orl_src = f"openrlhf=={OPENRLHF} openrlhf/models/utils.py"
+for est in ["k1", "k2", "k3"]:
+    lp, rp = mat(3, 5, 0.7), mat(3, 5, 0.7)
+    x = t(lp).requires_grad_(True)
+    kl = orl_utils.compute_approx_kl(x, t(rp), kl_estimator=est)
+    kl.sum().backward()
+    add(f"openrlhf011_kl_{est}", "kl_09", "openrlhf", f"{orl_src} (compute_approx_kl)",
+        dict(estimator=est, logprobs=lp, ref_logprobs=rp),
+        dict(kl=kl.detach().tolist(), grad=x.grad.tolist()))
+
+# ---- OpenRLHF pairwise reward-model loss with a margin ------------------------------
+for n in range(3):
+    chosen, rejected = rng.standard_normal(6).tolist(), rng.standard_normal(6).tolist()
+    margin = None if n == 0 else (rng.random(6) * 2).tolist()
+    loss = orl_loss.PairWiseLoss()(t(chosen), t(rejected), None if margin is None else t(margin))
+    add(f"openrlhf011_pairwise_{n}", "pairwise_09", "openrlhf", f"openrlhf=={OPENRLHF} openrlhf/models/loss.py (PairWiseLoss)",
+        dict(chosen=chosen, rejected=rejected, margin=margin), dict(loss=loss.item()))
+
+doc = dict(
+    about="Recorded by scripts/record_upstream_09.py from the PyPI wheels named in `upstream`, torch float64.",
+    upstream={"verl": VERL, "openrlhf": OPENRLHF},
+    torch=torch.__version__,
+    cases=cases,
+)
+with open(out_path, "w") as f:
+    json.dump(doc, f, indent=1)
+print(f"{len(cases)} cases -> {out_path}")
