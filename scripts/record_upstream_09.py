@@ -167,6 +167,38 @@ for n, est in enumerate(["k1", "k2", "k3", "abs", "mse", "low_var_kl", "k1+", "k
         dict(estimator=est, logprobs=lp, ref_logprobs=rp),
         dict(kl=kl.detach().tolist(), grad=x.grad.tolist()))
 
+# ---- verl policy losses, values and gradients -------------------------------------
+# GSPO and SAPO check `isinstance(config, ActorConfig)`: the stand-in passes.
+verl_algos.ActorConfig = Cfg
+modes = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum"]
+losses = [("vanilla", {}), ("vanilla", dict(clip_ratio_high=0.28, clip_ratio_c=3.0)), ("vanilla", dict(clip_ratio_c=1.5)),
+          ("gspo", dict(clip_ratio_low=3e-4, clip_ratio_high=4e-4)), ("sapo", dict(tau_pos=1.0, tau_neg=1.05)),
+          ("gpg", {}), ("cispo", dict(clip_ratio_low=0.2, clip_ratio_high=0.28)), ("geo_mean", dict(clip_ratio_low=0.4, clip_ratio_high=0.4))]
+for n, (loss_name, extra) in enumerate(losses):
+    for m_i, mode in enumerate(modes):
+        if loss_name in ("sapo", "geo_mean") and m_i > 0:
+            continue  # these ignore the mode
+        B, T = 4, 6
+        m = mask(B, T)
+        old = mat(B, T, 0.5)
+        lp = (np.array(old) + rng.standard_normal((B, T)) * 0.3).tolist()
+        # Per-token advantages (GAE-like), so GSPO's token handling shows.
+        adv = mat(B, T)
+        scale = None if mode != "seq-mean-token-sum-norm" else [None, 16.0][n % 2]
+        cfg = Cfg(clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=None, clip_ratio_c=3.0,
+                  global_batch_info=dict(dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=scale))
+        cfg.update(extra)
+        x = t(lp).requires_grad_(True)
+        fn = verl_algos.get_policy_loss_fn(loss_name)
+        loss, metrics = fn(old_log_prob=t(old), log_prob=x, advantages=t(adv), response_mask=t(m), loss_agg_mode=mode, config=cfg)
+        loss.backward()
+        add(f"verl09_pg_{loss_name}_{n}_{mode}", "policy_loss_09", "verl", f"{verl_src} ({fn.__name__})",
+            dict(policy_loss=loss_name, mode=mode, loss_scale_factor=scale, logprobs=lp, old_logprobs=old, advantages=adv, mask=m,
+                 clip_low=cfg.clip_ratio_low if cfg.clip_ratio_low is not None else cfg.clip_ratio,
+                 clip_high=cfg.clip_ratio_high if cfg.clip_ratio_high is not None else cfg.clip_ratio,
+                 dual_clip=cfg.clip_ratio_c, tau_pos=cfg.get("tau_pos"), tau_neg=cfg.get("tau_neg")),
+            dict(loss=loss.item(), grad=x.grad.tolist(), clip_fraction=metrics.get("actor/pg_clipfrac"), approx_kl=metrics.get("actor/ppo_kl")))
+
 # ---- OpenRLHF KL estimators ------------------------------------------------------
 orl_src = f"openrlhf=={OPENRLHF} openrlhf/models/utils.py"
 for est in ["k1", "k2", "k3"]:

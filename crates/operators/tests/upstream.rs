@@ -41,7 +41,7 @@ use weir_operators::algorithms::{
     aggregate, discounted_returns, gae, gpg, grpo, grpo_passk, kl_tensor, kl_tokens, opo,
     overlong_penalty, policy_loss, remax, rloo, token_rewards, value_loss, whiten_advantages,
     Aggregation, Flavor, ImportanceCorrection, KlController, KlEstimator, PolicyLossConfig,
-    RatioLevel,
+    PolicyObjective, RatioLevel,
 };
 
 const TOL: f64 = 1e-6;
@@ -128,6 +128,7 @@ fn aggregation(mode: &str) -> Aggregation {
         "seq-mean-token-mean" => Aggregation::SeqMeanTokenMean,
         "seq-mean-token-sum" => Aggregation::SeqMeanTokenSum,
         "seq-mean-token-sum-norm" => Aggregation::SeqMeanTokenSumNorm,
+        "token-sum" => Aggregation::TokenSum,
         other => panic!("unknown aggregation {other}"),
     }
 }
@@ -652,6 +653,65 @@ fn advantages_verl_09_case(c: &mut Check, name: &str, i: &Value, e: &Value) {
     c.matrix(name, "returns", &ret, &matrix(&e["returns"]));
 }
 
+/// A verl 0.9 policy loss: its value, its gradient in the log-probs, the
+/// clip fraction and the approximate KL.
+fn policy_loss_09_case(c: &mut Check, name: &str, i: &Value, e: &Value) {
+    let loss_name = string(&i["policy_loss"]);
+    let objective = match loss_name {
+        "vanilla" | "gspo" => PolicyObjective::Clipped,
+        "sapo" => PolicyObjective::Sapo {
+            tau_pos: num(&i["tau_pos"]),
+            tau_neg: num(&i["tau_neg"]),
+        },
+        "gpg" => PolicyObjective::PolicyGradient,
+        "cispo" => PolicyObjective::Cispo,
+        "geo_mean" => PolicyObjective::GeoMean,
+        other => panic!("unknown policy loss {other}"),
+    };
+    let cfg = PolicyLossConfig {
+        clip_low: num(&i["clip_low"]),
+        clip_high: num(&i["clip_high"]),
+        dual_clip: (loss_name == "vanilla").then(|| num(&i["dual_clip"])),
+        ratio_level: if loss_name == "gspo" {
+            RatioLevel::Sequence
+        } else {
+            RatioLevel::Token
+        },
+        // verl's SAPO averages per response whatever the mode (weir's config requires that mode).
+        aggregation: match loss_name {
+            "sapo" => Aggregation::SeqMeanTokenMean,
+            _ => aggregation(string(&i["mode"])),
+        },
+        correction: None,
+        flavor: Flavor::Verl,
+        loss_scale_factor: opt_num(&i["loss_scale_factor"]),
+        objective,
+    };
+    let x = tensor(&matrix(&i["logprobs"])).set_requires_grad(true);
+    let out = policy_loss(
+        &x,
+        &tensor(&matrix(&i["old_logprobs"])),
+        &tensor(&matrix(&i["advantages"])),
+        &tensor(&matrix(&i["mask"])),
+        None,
+        &cfg,
+    );
+    c.close(name, "loss", out.loss_value(), num(&e["loss"]));
+    out.loss.backward();
+    c.matrix(name, "grad", &to_matrix(&x.grad()), &matrix(&e["grad"]));
+    if !e["clip_fraction"].is_null() && matches!(loss_name, "vanilla" | "gspo") {
+        c.close(
+            name,
+            "clip_fraction",
+            out.clip_fraction,
+            num(&e["clip_fraction"]),
+        );
+    }
+    if !e["approx_kl"].is_null() {
+        c.close(name, "approx_kl", out.approx_kl, num(&e["approx_kl"]));
+    }
+}
+
 fn pairwise_09_case(c: &mut Check, name: &str, i: &Value, e: &Value) {
     let margin = (!i["margin"].is_null()).then(|| Tensor::from_slice(&vector(&i["margin"])));
     let loss = weir_operators::stages::preference::pairwise_loss(
@@ -686,6 +746,7 @@ fn weir_matches_verl_0_9_and_openrlhf_0_11_releases() {
             "advantages_verl_09" => advantages_verl_09_case(&mut check, name, i, e),
             "kl_09" => kl_09_case(&mut check, name, flavor, i, e),
             "pairwise_09" => pairwise_09_case(&mut check, name, i, e),
+            "policy_loss_09" => policy_loss_09_case(&mut check, name, i, e),
             other => panic!("{name}: unknown kind {other}"),
         }
         *kinds
