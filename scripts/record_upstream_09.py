@@ -199,6 +199,29 @@ for n, (loss_name, extra) in enumerate(losses):
                  dual_clip=cfg.clip_ratio_c, tau_pos=cfg.get("tau_pos"), tau_neg=cfg.get("tau_neg")),
             dict(loss=loss.item(), grad=x.grad.tolist(), clip_fraction=metrics.get("actor/pg_clipfrac"), approx_kl=metrics.get("actor/ppo_kl")))
 
+# ---- verl rollout corrections: IS weights and rejection masks ------------------------
+from verl.trainer.ppo import rollout_corr_helper as corr  # noqa: E402
+
+corr_src = f"verl=={VERL} verl/trainer/ppo/rollout_corr_helper.py"
+specs = [("tis", "token", "2.0"), ("icepop", "token", "0.5_2.0"), ("seq-tis", "sequence", "3.0"),
+         ("geo-rejection", "seq_mean_k1", "0.8_1.25"), ("k3-rejection", "seq_mean_k3", "0.05")]
+for n in range(2):
+    for name, level, threshold in specs:
+        B, T = 6, 8
+        m = mask(B, T)
+        behaviour = mat(B, T, 0.8)
+        old = (np.array(behaviour) + rng.standard_normal((B, T)) * [0.2, 0.6][n]).tolist()
+        log_ratio = t(old) - t(behaviour)
+        if name in ("tis", "icepop", "seq-tis"):
+            w, _ = corr.compute_rollout_correction_weights(log_ratio, t(m), rollout_is=level, rollout_is_threshold=threshold)
+            fn = "compute_rollout_correction_weights"
+        else:
+            w, _ = corr.compute_rollout_rejection_mask(log_ratio, t(m), rollout_rs=level, rollout_rs_threshold=threshold)
+            fn = "compute_rollout_rejection_mask"
+        add(f"verl09_correction_{name}_{n}", "correction_09", "verl", f"{corr_src} ({fn})",
+            dict(correction=name, threshold=threshold, old_logprobs=old, behaviour_logprobs=behaviour, mask=m),
+            dict(weights=(w * t(m)).tolist()))
+
 # ---- OpenRLHF KL estimators ------------------------------------------------------
 orl_src = f"openrlhf=={OPENRLHF} openrlhf/models/utils.py"
 for est in ["k1", "k2", "k3"]:

@@ -38,10 +38,10 @@ use tch::{Kind, Tensor};
 use weir_operators::algorithms::advantages::block_groups;
 use weir_operators::algorithms::stats::{masked_mean, masked_var, masked_whiten};
 use weir_operators::algorithms::{
-    aggregate, discounted_returns, gae, gpg, grpo, grpo_passk, kl_tensor, kl_tokens, opo,
-    overlong_penalty, policy_loss, remax, rloo, token_rewards, value_loss, whiten_advantages,
-    Aggregation, Flavor, ImportanceCorrection, KlController, KlEstimator, PolicyLossConfig,
-    PolicyObjective, RatioLevel,
+    aggregate, discounted_returns, gae, gpg, grpo, grpo_passk, importance_weights, kl_tensor,
+    kl_tokens, opo, overlong_penalty, policy_loss, remax, rloo, token_rewards, value_loss,
+    whiten_advantages, Aggregation, Flavor, ImportanceCorrection, KlController, KlEstimator,
+    PolicyLossConfig, PolicyObjective, RatioLevel,
 };
 
 const TOL: f64 = 1e-6;
@@ -712,6 +712,41 @@ fn policy_loss_09_case(c: &mut Check, name: &str, i: &Value, e: &Value) {
     }
 }
 
+/// verl 0.9's rollout corrections: the importance weights (or the
+/// rejection mask) of each valid token.
+fn correction_09_case(c: &mut Check, name: &str, i: &Value, e: &Value) {
+    let bounds: Vec<f64> = string(&i["threshold"])
+        .split('_')
+        .map(|x| x.parse().unwrap())
+        .collect();
+    let (low, high) = match bounds[..] {
+        [high] => (0.0, high),
+        [low, high] => (low, high),
+        _ => panic!("{name}: threshold"),
+    };
+    let correction = match string(&i["correction"]) {
+        "tis" => ImportanceCorrection::Tis { low, high },
+        "icepop" => ImportanceCorrection::IcePop { low, high },
+        "seq-tis" => ImportanceCorrection::SequenceTis { low, high },
+        "geo-rejection" => ImportanceCorrection::GeometricRejection { low, high },
+        "k3-rejection" => ImportanceCorrection::K3Rejection { high },
+        other => panic!("unknown correction {other}"),
+    };
+    let mask = tensor(&matrix(&i["mask"]));
+    let w = importance_weights(
+        correction,
+        &tensor(&matrix(&i["old_logprobs"])),
+        &tensor(&matrix(&i["behaviour_logprobs"])),
+        &mask,
+    );
+    c.matrix(
+        name,
+        "weights",
+        &to_matrix(&(w * &mask)),
+        &matrix(&e["weights"]),
+    );
+}
+
 fn pairwise_09_case(c: &mut Check, name: &str, i: &Value, e: &Value) {
     let margin = (!i["margin"].is_null()).then(|| Tensor::from_slice(&vector(&i["margin"])));
     let loss = weir_operators::stages::preference::pairwise_loss(
@@ -747,6 +782,7 @@ fn weir_matches_verl_0_9_and_openrlhf_0_11_releases() {
             "kl_09" => kl_09_case(&mut check, name, flavor, i, e),
             "pairwise_09" => pairwise_09_case(&mut check, name, i, e),
             "policy_loss_09" => policy_loss_09_case(&mut check, name, i, e),
+            "correction_09" => correction_09_case(&mut check, name, i, e),
             other => panic!("{name}: unknown kind {other}"),
         }
         *kinds
