@@ -222,6 +222,40 @@ for n in range(2):
             dict(correction=name, threshold=threshold, old_logprobs=old, behaviour_logprobs=behaviour, mask=m),
             dict(weights=(w * t(m)).tolist()))
 
+# ---- OpenRLHF policy loss, values and gradients ------------------------------------
+orl_loss_src = f"openrlhf=={OPENRLHF} openrlhf/models/loss.py (PolicyLoss)"
+settings = [
+    dict(policy_loss_type="ppo", token_level_loss=True),
+    dict(policy_loss_type="ppo", token_level_loss=False, clip_eps_high=0.28),
+    dict(policy_loss_type="ppo", token_level_loss=True, dual_clip=3.0),
+    dict(policy_loss_type="gspo", clip_eps_low=3e-4, clip_eps_high=4e-4),
+    dict(policy_loss_type="ppo", is_correction_level="token", is_correction_mode="clip", is_correction_threshold=(0.5, 2.0)),
+    dict(policy_loss_type="ppo", is_correction_level="token", is_correction_mode="mask", is_correction_threshold=(0.5, 2.0)),
+    dict(policy_loss_type="ppo", token_level_loss=False, is_correction_level="seq", is_correction_mode="mask", is_correction_threshold=(0.8, 1.25)),
+]
+names = {("token", "clip"): "tis", ("token", "mask"): "icepop", ("seq", "mask"): "seq-mask-tis"}
+for n, kw in enumerate(settings):
+    B, T = 5, 7
+    m = mask(B, T)
+    behaviour = mat(B, T, 0.6)
+    old = (np.array(behaviour) + rng.standard_normal((B, T)) * 0.3).tolist()
+    lp = (np.array(old) + rng.standard_normal((B, T)) * 0.3).tolist()
+    adv = mat(B, T)
+    x = t(lp).requires_grad_(True)
+    fn = orl_loss.PolicyLoss(**kw)
+    correction = kw.get("is_correction_level", "off")
+    loss, clip_ratio, ppo_kl, _, _ = fn(x, t(old), t(adv), action_mask=t(m),
+                                        rollout_log_probs=t(behaviour) if correction != "off" else None)
+    loss.backward()
+    add(f"openrlhf011_pg_{n}", "policy_loss", "openrlhf", orl_loss_src,
+        dict(policy_loss_type=kw["policy_loss_type"], token_level_loss=fn.token_level_loss,
+             clip_low=kw.get("clip_eps_low", 0.2), clip_high=kw.get("clip_eps_high", 0.2), dual_clip=kw.get("dual_clip"),
+             correction=None if correction == "off" else names[(correction, kw["is_correction_mode"])],
+             threshold=list(kw.get("is_correction_threshold", (0.5, 5.0))),
+             logprobs=lp, old_logprobs=old, behaviour_logprobs=behaviour if correction != "off" else None,
+             advantages=adv, mask=m),
+        dict(loss=loss.item(), grad=x.grad.tolist(), clip_fraction=clip_ratio.item(), approx_kl=ppo_kl.item()))
+
 # ---- OpenRLHF KL estimators ------------------------------------------------------
 orl_src = f"openrlhf=={OPENRLHF} openrlhf/models/utils.py"
 for est in ["k1", "k2", "k3"]:

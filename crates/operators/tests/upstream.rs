@@ -442,8 +442,9 @@ fn policy_loss_case(c: &mut Check, name: &str, flavor: Flavor, i: &Value, e: &Va
     };
     let behaviour =
         (!i["behaviour_logprobs"].is_null()).then(|| tensor(&matrix(&i["behaviour_logprobs"])));
+    let logprobs = tensor(&matrix(&i["logprobs"])).set_requires_grad(true);
     let out = policy_loss(
-        &tensor(&matrix(&i["logprobs"])),
+        &logprobs,
         &tensor(&matrix(&i["old_logprobs"])),
         &tensor(&matrix(&i["advantages"])),
         &tensor(&matrix(&i["mask"])),
@@ -464,6 +465,16 @@ fn policy_loss_case(c: &mut Check, name: &str, flavor: Flavor, i: &Value, e: &Va
         num(&e["clip_fraction"]),
     );
     c.close(name, "approx_kl", out.approx_kl, num(&e["approx_kl"]));
+    // The releases' recordings carry the gradient in the log-probs too.
+    if !e["grad"].is_null() {
+        out.loss.backward();
+        c.matrix(
+            name,
+            "grad",
+            &to_matrix(&logprobs.grad()),
+            &matrix(&e["grad"]),
+        );
+    }
 }
 
 fn value_loss_case(c: &mut Check, name: &str, flavor: Flavor, i: &Value, e: &Value) {
@@ -783,6 +794,7 @@ fn weir_matches_verl_0_9_and_openrlhf_0_11_releases() {
             "pairwise_09" => pairwise_09_case(&mut check, name, i, e),
             "policy_loss_09" => policy_loss_09_case(&mut check, name, i, e),
             "correction_09" => correction_09_case(&mut check, name, i, e),
+            "policy_loss" => policy_loss_case(&mut check, name, flavor, i, e),
             other => panic!("{name}: unknown kind {other}"),
         }
         *kinds
