@@ -199,6 +199,38 @@ for n, (loss_name, extra) in enumerate(losses):
                  dual_clip=cfg.clip_ratio_c, tau_pos=cfg.get("tau_pos"), tau_neg=cfg.get("tau_neg")),
             dict(loss=loss.item(), grad=x.grad.tolist(), clip_fraction=metrics.get("actor/pg_clipfrac"), approx_kl=metrics.get("actor/ppo_kl")))
 
+# KL-Cov (its tokens by top-k covariance) and REINFORCE with verl's bypass-mode weights.
+for n in range(3):
+    B, T = 4, 6
+    m = mask(B, T)
+    old = mat(B, T, 0.5)
+    lp = (np.array(old) + rng.standard_normal((B, T)) * 0.3).tolist()
+    adv = mat(B, T)
+    mode = modes[n]
+    base = dict(clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=None,
+                global_batch_info=dict(dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None))
+    x = t(lp).requires_grad_(True)
+    cfg = Cfg(base, policy_loss=Cfg(kl_cov_ratio=[0.1, 0.25, 0.05][n], ppo_kl_coef=[0.1, 1.0, 0.5][n]))
+    fn = verl_algos.get_policy_loss_fn("kl_cov")
+    loss, metrics = fn(old_log_prob=t(old), log_prob=x, advantages=t(adv), response_mask=t(m), loss_agg_mode=mode, config=cfg)
+    loss.backward()
+    add(f"verl09_pg_kl_cov_{n}", "policy_loss_09", "verl", f"{verl_src} ({fn.__name__})",
+        dict(policy_loss="kl_cov", mode=mode, loss_scale_factor=None, logprobs=lp, old_logprobs=old, advantages=adv, mask=m,
+             clip_low=0.2, clip_high=0.2, dual_clip=3.0, kl_cov_ratio=cfg.policy_loss.kl_cov_ratio, kl_cov_coef=cfg.policy_loss.ppo_kl_coef),
+        dict(loss=loss.item(), grad=x.grad.tolist(), clip_fraction=None, approx_kl=None))
+    # REINFORCE in bypass mode: the old policy is the rollout's, the weight its truncated ratio.
+    x = t(lp).requires_grad_(True)
+    cap = [2.0, 1.2, 5.0][n]
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights  # noqa: E402
+    w, _ = compute_rollout_correction_weights((x - t(old)).detach(), t(m), rollout_is="token", rollout_is_threshold=str(cap))
+    loss, metrics = verl_algos.compute_policy_loss_reinforce(t(old), x, t(adv), t(m), loss_agg_mode=mode, config=Cfg(base), rollout_is_weights=w)
+    loss.backward()
+    add(f"verl09_pg_reinforce_{n}", "policy_loss_09", "verl",
+        f"{verl_src} (compute_policy_loss_reinforce with rollout_corr_helper.compute_rollout_correction_weights, bypass mode)",
+        dict(policy_loss="reinforce", mode=mode, loss_scale_factor=None, logprobs=lp, old_logprobs=old, advantages=adv, mask=m,
+             clip_low=0.2, clip_high=0.2, dual_clip=3.0, cap=cap),
+        dict(loss=loss.item(), grad=x.grad.tolist(), clip_fraction=None, approx_kl=metrics["actor/ppo_kl"]))
+
 # ---- verl rollout corrections: IS weights and rejection masks ------------------------
 from verl.trainer.ppo import rollout_corr_helper as corr  # noqa: E402
 
@@ -255,6 +287,36 @@ for n, kw in enumerate(settings):
              logprobs=lp, old_logprobs=old, behaviour_logprobs=behaviour if correction != "off" else None,
              advantages=adv, mask=m),
         dict(loss=loss.item(), grad=x.grad.tolist(), clip_fraction=clip_ratio.item(), approx_kl=ppo_kl.item()))
+
+# ---- OpenRLHF advantages: RemoteExperienceMaker.compute_advantages_and_returns itself --
+from openrlhf.trainer.ppo_utils import experience_maker as orl_exp  # noqa: E402
+
+NS = types.SimpleNamespace
+for n, est in enumerate(["gae", "reinforce", "rloo", "reinforce_baseline", "group_norm", "dr_grpo", "gae", "reinforce"]):
+    k = 1 if est in ("gae", "reinforce") and n < 6 else 4
+    B, T = 8, 6
+    m = mask(B, T)
+    scores = (rng.standard_normal(B) * 2).tolist()
+    kl = mat(B, T, 0.05)
+    values = mat(B, T, 0.5)
+    gamma, lambd = [1.0, 0.9][n % 2], 0.95
+    no_std_norm = n == 6
+    clip = [-1.5, 1.5] if n >= 6 else None
+    kl_coef = 0.05
+    args = NS(rollout=NS(n_samples_per_prompt=k, max_new_tokens=T),
+              algo=NS(advantage=NS(estimator=est, gamma=gamma, lambd=lambd, no_std_norm=no_std_norm)),
+              reward=NS(clip_range=clip, overlong_buffer_len=None, stop_properly_penalty_coef=None), data=NS(max_len=T))
+    maker = orl_exp.RemoteExperienceMaker.__new__(orl_exp.RemoteExperienceMaker)
+    maker.strategy, maker.args, maker.advantage_estimator, maker.kl_ctl = NS(args=args), args, est, NS(value=kl_coef)
+    # Two experiences of four samples, as the trainer splits a batch.
+    exps = [NS(rewards=t(scores[j:j + 4]), index=list(range(j, j + 4)), kl=t(kl[j:j + 4]), action_mask=t(m[j:j + 4]),
+               values=t(values[j:j + 4]), info={}, response_length=t(m[j:j + 4]).sum(-1)) for j in (0, 4)]
+    exps = maker.compute_advantages_and_returns(exps)
+    add(f"openrlhf011_advantages_{est}_{n}", "advantages_openrlhf", "openrlhf",
+        f"openrlhf=={OPENRLHF} openrlhf/trainer/ppo_utils/experience_maker.py (RemoteExperienceMaker.compute_advantages_and_returns, estimator={est!r})",
+        dict(estimator=est, n_samples_per_prompt=k, gamma=gamma, lambd=lambd, no_std_norm=no_std_norm, clip=clip, kl_coef=kl_coef,
+             scores=scores, kl=kl, mask=m, values=values),
+        dict(advantages=torch.cat([e.advantages for e in exps]).tolist(), returns=torch.cat([e.returns for e in exps]).tolist()))
 
 # ---- OpenRLHF KL estimators ------------------------------------------------------
 orl_src = f"openrlhf=={OPENRLHF} openrlhf/models/utils.py"

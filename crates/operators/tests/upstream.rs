@@ -22,10 +22,24 @@
 //! `data/upstream_09_cases.json` adds cases recorded from the releases
 //! verl 0.9.1 and OpenRLHF 0.11.2 by `scripts/record_upstream_09.py` (it
 //! downloads their PyPI wheels and runs their functions; rerun it to
-//! regenerate): the verl 0.9 advantage estimators (ReMax, OPO, pass@k, GPG,
-//! REINFORCE++ over masked interior spans, REINFORCE++-baseline, RLOO,
-//! GRPO), every KL estimator with its gradient (`abs`, `mse`, the
-//! straight-through `k1+`, `k3+`), and OpenRLHF's pairwise loss with a margin.
+//! regenerate):
+//! - verl's advantage estimators (ReMax, OPO, pass@k, GPG, REINFORCE++ over
+//!   masked interior spans, REINFORCE++-baseline, RLOO, GRPO);
+//! - verl's policy losses with their gradients in the log-probs: vanilla
+//!   (clip-higher, dual clip), GSPO with per-token advantages, SAPO, GPG,
+//!   CISPO, GMPO, KL-Cov, REINFORCE with bypass-mode weights, over every
+//!   aggregation mode (`token-sum`, `seq-mean-token-sum-norm` with a
+//!   `loss_scale_factor`);
+//! - verl's rollout corrections (token and sequence TIS, IcePop,
+//!   geometric-mean and K3 rejection);
+//! - every KL estimator with its gradient (`abs`, `mse`, the
+//!   straight-through `k1+`, `k3+`; OpenRLHF's k1–k3);
+//! - OpenRLHF's `PolicyLoss` with its gradient (token and sequence means,
+//!   dual clip, GSPO, TIS / IcePop / seq-mask corrections), its advantages
+//!   from `RemoteExperienceMaker.compute_advantages_and_returns` (GAE,
+//!   REINFORCE++, RLOO, -baseline, group norm, Dr.GRPO), and its pairwise
+//!   loss with a margin.
+//! Clip-Cov is not recorded: verl draws its tokens at random.
 //!
 //! Every value is compared with a tolerance of 1e-6, relative to the
 //! expected value where that exceeds 1 in magnitude. Mismatches are
@@ -556,6 +570,7 @@ fn weir_matches_recorded_upstream_outputs() {
             "advantages_verl" => advantages_verl_case(&mut check, name, i, e),
             "aggregate" => aggregate_case(&mut check, name, flavor, i, e),
             "policy_loss" => policy_loss_case(&mut check, name, flavor, i, e),
+            "advantages_openrlhf" => advantages_openrlhf_case(&mut check, name, i, e),
             "value_loss" => value_loss_case(&mut check, name, flavor, i, e),
             "kl_controller" => kl_controller_case(&mut check, name, i, e),
             "overlong" => overlong_case(&mut check, name, i, e),
@@ -677,8 +692,17 @@ fn policy_loss_09_case(c: &mut Check, name: &str, i: &Value, e: &Value) {
         "gpg" => PolicyObjective::PolicyGradient,
         "cispo" => PolicyObjective::Cispo,
         "geo_mean" => PolicyObjective::GeoMean,
+        "kl_cov" => PolicyObjective::KlCov {
+            ratio: num(&i["kl_cov_ratio"]),
+            coef: num(&i["kl_cov_coef"]),
+        },
+        "reinforce" => PolicyObjective::Reinforce {
+            cap: num(&i["cap"]),
+        },
         other => panic!("unknown policy loss {other}"),
     };
+    // REINFORCE's bypass mode: the old policy is the rollout's.
+    let behaviour = (loss_name == "reinforce").then(|| tensor(&matrix(&i["old_logprobs"])));
     let cfg = PolicyLossConfig {
         clip_low: num(&i["clip_low"]),
         clip_high: num(&i["clip_high"]),
@@ -704,7 +728,7 @@ fn policy_loss_09_case(c: &mut Check, name: &str, i: &Value, e: &Value) {
         &tensor(&matrix(&i["old_logprobs"])),
         &tensor(&matrix(&i["advantages"])),
         &tensor(&matrix(&i["mask"])),
-        None,
+        behaviour.as_ref(),
         &cfg,
     );
     c.close(name, "loss", out.loss_value(), num(&e["loss"]));
@@ -795,6 +819,7 @@ fn weir_matches_verl_0_9_and_openrlhf_0_11_releases() {
             "policy_loss_09" => policy_loss_09_case(&mut check, name, i, e),
             "correction_09" => correction_09_case(&mut check, name, i, e),
             "policy_loss" => policy_loss_case(&mut check, name, flavor, i, e),
+            "advantages_openrlhf" => advantages_openrlhf_case(&mut check, name, i, e),
             other => panic!("{name}: unknown kind {other}"),
         }
         *kinds
