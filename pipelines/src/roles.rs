@@ -160,10 +160,10 @@ pub fn reference(
     let cfg = cfg.clone();
     move |w| {
         let dir = or_actor(&cfg.model.reference, &cfg);
-        Ok(RefLogprob::new(
-            load(&cfg, &dir, w)?,
-            cfg.generate.temperature,
-        ))
+        Ok(
+            RefLogprob::new(load(&cfg, &dir, w)?, cfg.generate.temperature)
+                .with_logprob_chunk(cfg.algorithm.logprob_chunk),
+        )
     }
 }
 
@@ -215,6 +215,7 @@ pub fn learner_config(cfg: &RunConfig, kl_in_loss: bool) -> LearnerConfig {
         schedule: schedule(cfg),
         entropy_coef: a.entropy_coef,
         gradient_checkpointing: a.gradient_checkpointing,
+        logprob_chunk: a.logprob_chunk,
     }
 }
 

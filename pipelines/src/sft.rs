@@ -27,6 +27,7 @@ pub fn sft(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
                 max_grad_norm: (a.max_grad_norm > 0.0).then_some(a.max_grad_norm),
                 micro_batch: a.micro_batch,
                 gradient_checkpointing: a.gradient_checkpointing,
+                logprob_chunk: a.logprob_chunk,
             };
             let mut trainer = SftTrainer::new(model, tok, &c.data.label_column, config)?
                 .with_checkpoints(x.checkpoint_plan(&c));

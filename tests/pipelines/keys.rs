@@ -26,6 +26,7 @@ const PERFORMANCE: &[&str] = &[
     "placement.workers",
     "algorithm.micro_batch",
     "algorithm.gradient_checkpointing",
+    "algorithm.logprob_chunk",
     "eval.batch",
     "reward.workers",
 ];
@@ -493,6 +494,7 @@ fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String
         "algorithm.max_grad_norm" => (&[], "0.001".into()),
         "algorithm.micro_batch" => (&[], "1".into()),
         "algorithm.gradient_checkpointing" => (&[], "true".into()),
+        "algorithm.logprob_chunk" => (&[], "5".into()),
         "algorithm.ppo_epochs" => (&[], "2".into()),
         "algorithm.mini_batches" => (&[], "2".into()),
         "algorithm.clip_low" => (

@@ -34,6 +34,93 @@ pub fn entropy(logits: &Tensor, temperature: f64) -> Tensor {
     -(logp.exp() * &logp).sum_dim_intlist(-1, false, kind)
 }
 
+/// The float kind the log-softmax runs in: float32, or float64 for a float64 model.
+fn softmax_kind(kind: Kind) -> Kind {
+    if kind == Kind::Double {
+        Kind::Double
+    } else {
+        Kind::Float
+    }
+}
+
+/// Log-probs of `targets` `[N]` (and the entropy) under the output head
+/// `weight` `[vocab, hidden]` applied to `hidden` `[N, hidden]` at
+/// `temperature`, `chunk` positions at a time: at most `chunk × vocab`
+/// logits exist at once, whatever `N`. Without gradients; the gradient is
+/// [`head_backward_chunked`]'s. Equal to [`gather_logprobs`] and
+/// [`entropy`] over the full logits.
+pub fn head_forward_chunked(
+    weight: &Tensor,
+    hidden: &Tensor,
+    targets: &Tensor,
+    temperature: f64,
+    with_entropy: bool,
+    chunk: usize,
+) -> (Tensor, Option<Tensor>) {
+    let _guard = tch::no_grad_guard();
+    let n = hidden.size()[0];
+    let step = chunk.max(1) as i64;
+    let (mut logprobs, mut entropies) = (Vec::new(), Vec::new());
+    for start in (0..n).step_by(step as usize) {
+        let len = step.min(n - start);
+        let logits = hidden.narrow(0, start, len).matmul(&weight.tr());
+        let t = targets.narrow(0, start, len);
+        logprobs.push(gather_logprobs(&logits, &t, temperature));
+        if with_entropy {
+            entropies.push(entropy(&logits, temperature));
+        }
+    }
+    (
+        Tensor::cat(&logprobs, 0),
+        with_entropy.then(|| Tensor::cat(&entropies, 0)),
+    )
+}
+
+/// The gradient of a loss in `hidden` `[N, hidden]` and in the head's
+/// `weight` `[vocab, hidden]`, given its gradient in the log-probs
+/// `grad_logprobs` `[N]` (and in the entropy) of [`head_forward_chunked`],
+/// recomputing the logits `chunk` positions at a time. With `z = h·Wᵀ/τ`,
+/// `p = softmax(z)`: `∂/∂z = g_lp · (onehot(target) − p) − g_H · p ⊙ (log p + H)`,
+/// then `∂/∂h = ∂/∂z · W / τ` and `∂/∂W = (∂/∂z)ᵀ · h / τ`.
+pub fn head_backward_chunked(
+    weight: &Tensor,
+    hidden: &Tensor,
+    targets: &Tensor,
+    temperature: f64,
+    grad_logprobs: &Tensor,
+    grad_entropy: Option<&Tensor>,
+    chunk: usize,
+) -> (Tensor, Tensor) {
+    let _guard = tch::no_grad_guard();
+    let n = hidden.size()[0];
+    let step = chunk.max(1) as i64;
+    let kind = softmax_kind(hidden.kind());
+    let mut grad_weight = weight.zeros_like();
+    let mut grad_hidden = Vec::new();
+    for start in (0..n).step_by(step as usize) {
+        let len = step.min(n - start);
+        let h = hidden.narrow(0, start, len);
+        let z = h.matmul(&weight.tr()).to_kind(kind) / temperature;
+        let logp = z.log_softmax(-1, kind);
+        let p = logp.exp();
+        let g = grad_logprobs
+            .narrow(0, start, len)
+            .to_kind(kind)
+            .unsqueeze(-1);
+        let mut dz = -(&p * &g);
+        let _ = dz.scatter_add_(-1, &targets.narrow(0, start, len).unsqueeze(-1), &g);
+        if let Some(ge) = grad_entropy {
+            let ge = ge.narrow(0, start, len).to_kind(kind).unsqueeze(-1);
+            let h_ent = -(&p * &logp).sum_dim_intlist(-1, true, kind);
+            dz -= ge * &p * (&logp + h_ent);
+        }
+        let dlogits = (dz / temperature).to_kind(weight.kind());
+        grad_hidden.push(dlogits.matmul(weight));
+        grad_weight += dlogits.tr().matmul(&h);
+    }
+    (Tensor::cat(&grad_hidden, 0), grad_weight)
+}
+
 /// `log p(responses[r][j] | prompts[r] ++ responses[r][..j])` at
 /// `temperature` for every response token, without gradients, on weir's CPU
 /// kernels (equal prompts run once). An error where they do not apply

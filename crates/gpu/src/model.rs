@@ -240,6 +240,34 @@ impl Model {
             })
     }
 
+    /// Gradient checkpointing as [`Model::backward_checkpointed`], with
+    /// `loss_of` given the final hidden states `[B, T, hidden]` instead of
+    /// the logits (for a head applied in chunks, see
+    /// [`crate::logprobs::head_backward_chunked`]).
+    pub fn backward_checkpointed_hidden<E: From<ModelError>>(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        loss_of: impl FnOnce(&Tensor) -> Result<Tensor, E>,
+    ) -> Result<Tensor, E> {
+        let (ids, mask, positions) = self.inputs(input_ids, attention_mask, None)?;
+        self.decoder
+            .backward_checkpointed(&ids, &mask, &positions, loss_of)
+    }
+
+    /// The output head's weight `[vocab, hidden]` (the embedding when tied):
+    /// `lm_logits(h) = h · Wᵀ`. It shares storage and gradient with the parameter.
+    pub fn lm_weight(&self) -> Result<Tensor, ModelError> {
+        match (&self.lm_head, self.config.head) {
+            (Some(head), _) => Ok(head.ws.shallow_clone()),
+            (None, Head::CausalLm) => Ok(self.decoder.embed.shallow_clone()),
+            (None, Head::SequenceClassification) => Err(ModelError::Input(format!(
+                "{} has no LM head",
+                self.config.architecture
+            ))),
+        }
+    }
+
     /// Logits `[B, T, vocab]` of a causal LM.
     pub fn logits(
         &self,

@@ -34,6 +34,21 @@ impl Model {
         prompts: &[Vec<i64>],
         responses: &[Vec<i64>],
     ) -> Result<ResponseLogits, ModelError> {
+        let r = self.response_hidden(prompts, responses)?;
+        Ok(ResponseLogits {
+            logits: self.lm_logits(&r.logits)?,
+            targets: r.targets,
+            mask: r.mask,
+        })
+    }
+
+    /// As [`Model::response_logits`], but the final hidden states
+    /// `[B, R, hidden]` before the output head (in the `logits` field).
+    pub fn response_hidden(
+        &self,
+        prompts: &[Vec<i64>],
+        responses: &[Vec<i64>],
+    ) -> Result<ResponseLogits, ModelError> {
         if prompts.len() != responses.len() || prompts.is_empty() {
             return Err(ModelError::Input(format!(
                 "{} prompts for {} responses",
@@ -112,7 +127,7 @@ impl Model {
             last
         };
         Ok(ResponseLogits {
-            logits: self.lm_logits(&hidden)?,
+            logits: hidden,
             targets,
             mask: target_mask,
         })

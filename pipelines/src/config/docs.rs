@@ -55,6 +55,7 @@ pub const DOCS: &[(&str, &str, &str)] = &[
     ("algorithm", "weight_decay", "AdamW weight decay."),
     ("algorithm", "max_grad_norm", "Gradient-norm clip (0: off)."),
     ("algorithm", "micro_batch", "Rows per forward/backward pass (gradients accumulate over a step)."),
+    ("algorithm", "logprob_chunk", "Response positions the output head runs on at a time in the log-prob passes (learner, reference, SFT) when a micro-batch holds more: at most this many × vocabulary logits exist at once, forward and backward (the gradient through the head is computed chunk by chunk); the same values and gradients. 0: all positions at once."),
     ("algorithm", "gradient_checkpointing", "Keep one hidden state per layer and recompute the rest in the backward pass (actor learner and SFT): less memory, one more forward pass, the same gradients."),
     ("algorithm", "ppo_epochs", "Optimizer passes over each step's rows."),
     ("algorithm", "mini_batches", "Optimizer steps per pass over a step's rows: the rows split into this many mini-batches, each normalised over its own rows (verl's ppo_mini_batch_size = rows / mini_batches); the critic takes the same ones."),

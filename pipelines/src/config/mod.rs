@@ -327,6 +327,8 @@ pub struct AlgorithmSection {
     pub micro_batch: usize,
     /// Recompute layer activations in the backward pass (actor learner, SFT).
     pub gradient_checkpointing: bool,
+    /// Response positions the output head runs on at a time in log-prob passes (0: all at once).
+    pub logprob_chunk: usize,
     /// Optimizer passes over each step's rows.
     pub ppo_epochs: usize,
     /// Optimizer steps per pass (the step's rows in this many mini-batches).
@@ -405,6 +407,7 @@ impl Default for AlgorithmSection {
             max_grad_norm: 1.0,
             micro_batch: 64,
             gradient_checkpointing: false,
+            logprob_chunk: 1024,
             ppo_epochs: 1,
             mini_batches: 1,
             clip_low: 0.2,

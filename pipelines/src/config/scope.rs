@@ -27,7 +27,9 @@ pub fn applies(pipeline: PipelineKind, section: &str, key: &str) -> bool {
         ("generate" | "reward" | "curriculum" | "dynamic_sampling", _) => {
             rl && (group || !matches!(section, "curriculum" | "dynamic_sampling"))
         }
-        ("algorithm", "micro_batch" | "gradient_checkpointing") => rl || pipeline == Sft,
+        ("algorithm", "micro_batch" | "gradient_checkpointing" | "logprob_chunk") => {
+            rl || pipeline == Sft
+        }
         (
             "algorithm",
             "ppo_epochs" | "mini_batches" | "clip_low" | "clip_high" | "dual_clip" | "kl_coef"

@@ -57,6 +57,9 @@ pub struct LearnerConfig {
     /// Recompute layer activations in the backward pass instead of keeping
     /// them: less memory for one more forward pass, the same gradients.
     pub gradient_checkpointing: bool,
+    /// Response positions the output head runs on at a time in the
+    /// log-prob passes (0: all at once): bounds the logits' memory.
+    pub logprob_chunk: usize,
 }
 
 /// Learning rate over optimizer steps: linear warm-up from 0, then constant or cosine decay.
@@ -122,6 +125,7 @@ impl Default for LearnerConfig {
             schedule: LrSchedule::Constant { warmup: 0 },
             entropy_coef: 0.0,
             gradient_checkpointing: false,
+            logprob_chunk: 0,
         }
     }
 }
@@ -292,6 +296,7 @@ impl Learner {
                                 &prompts[start..end],
                                 &responses[start..end],
                                 self.cfg.temperature,
+                                self.cfg.logprob_chunk,
                             )
                             .map(|(lp, _)| lp)
                         })
@@ -389,6 +394,7 @@ impl Learner {
                                 cfg.temperature,
                                 true,
                                 cfg.gradient_checkpointing,
+                                cfg.logprob_chunk,
                                 micro_loss,
                             )?;
                         }

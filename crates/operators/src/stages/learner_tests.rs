@@ -47,7 +47,7 @@ fn the_entropy_bonus_moves_entropy_its_way() {
 }
 
 #[test]
-fn shared_prompts_and_gradient_checkpointing_give_the_same_updates() {
+fn shared_prompts_gradient_checkpointing_and_a_chunked_head_give_the_same_updates() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../../shared/fixtures/models/tiny-qwen2");
     let responses = vec![vec![5i64, 6, 7], vec![8, 9], vec![10]];
@@ -65,37 +65,50 @@ fn shared_prompts_and_gradient_checkpointing_give_the_same_updates() {
         (col::BEHAVIOR_LOGPROBS, float_list_array(&behaviour)),
     ])
     .unwrap();
-    let run = |checkpointed: bool| {
+    let run = |checkpointed: bool, chunk: usize| {
         let model = Model::load(&dir, weir_gpu::Device::Cpu, Kind::Float).unwrap();
         let mut cfg = LearnerConfig {
             entropy_coef: 0.1,
             micro_batch: 2,
             ppo_epochs: 2,
             gradient_checkpointing: checkpointed,
+            logprob_chunk: chunk,
             ..LearnerConfig::default()
         };
         cfg.adamw.lr = 1e-2;
+        // Rounding-level gradients (a key bias's is 0 up to rounding:
+        // softmax ignores a shift shared by all keys) take rounding-level
+        // steps, not ~lr·g/(g + ε) ones that differ with the rounding.
+        cfg.adamw.eps = 1e-6;
         let mut learner = Learner::new(model, cfg).unwrap();
         let stats = learner.update(&batch).unwrap();
         (stats, learner.model().named_tensors())
     };
-    let (plain, plain_weights) = run(false);
-    let (checkpointed, weights) = run(true);
+    let (plain, plain_weights) = run(false, 0);
     assert!(plain.grad_norm > 0.0);
-    for (a, b) in [
-        (plain.loss, checkpointed.loss),
-        (plain.grad_norm, checkpointed.grad_norm),
-        (plain.entropy, checkpointed.entropy),
-    ] {
-        assert!((a - b).abs() < 1e-5 * a.abs().max(1.0), "{a} vs {b}");
-    }
-    // Adam scales every step to ~lr whatever the gradient's size, so
-    // rounding-level gradients (a key bias's is 0 up to rounding: softmax
-    // ignores a shift shared by all keys) move by rounding-level amounts
-    // of lr; a wrong gradient would move weights by ~lr = 1e-2.
-    for ((name, a), (_, b)) in plain_weights.iter().zip(&weights) {
-        let d = (a - b).abs().max().double_value(&[]);
-        assert!(d < 1e-4, "{name} differs by {d:e} after the update");
+    // Checkpointed; the output head two positions at a time (the log-probs,
+    // the entropy and their gradient through the head chunk by chunk), with
+    // and without checkpointing.
+    for (checkpointed, chunk) in [(true, 0), (false, 2), (true, 2), (false, 1)] {
+        let (other, weights) = run(checkpointed, chunk);
+        for (a, b) in [
+            (plain.loss, other.loss),
+            (plain.grad_norm, other.grad_norm),
+            (plain.entropy, other.entropy),
+        ] {
+            assert!(
+                (a - b).abs() < 1e-5 * a.abs().max(1.0),
+                "checkpointed {checkpointed}, chunk {chunk}: {a} vs {b}"
+            );
+        }
+        // A wrong gradient would move weights by ~lr = 1e-2.
+        for ((name, a), (_, b)) in plain_weights.iter().zip(&weights) {
+            let d = (a - b).abs().max().double_value(&[]);
+            assert!(
+                d < 1e-4,
+                "checkpointed {checkpointed}, chunk {chunk}: {name} differs by {d:e}"
+            );
+        }
     }
 }
 

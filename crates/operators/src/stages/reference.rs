@@ -14,12 +14,23 @@ use crate::rollout::col;
 pub struct RefLogprob {
     model: Model,
     temperature: f64,
+    chunk: usize,
 }
 
 impl RefLogprob {
     /// A reference stage over `model` (its weights are never updated).
     pub fn new(model: Model, temperature: f64) -> Self {
-        RefLogprob { model, temperature }
+        RefLogprob {
+            model,
+            temperature,
+            chunk: 0,
+        }
+    }
+
+    /// Runs the output head on `chunk` response positions at a time (0: all at once).
+    pub fn with_logprob_chunk(mut self, chunk: usize) -> Self {
+        self.chunk = chunk;
+        self
     }
 }
 
@@ -32,7 +43,13 @@ impl Stage for RefLogprob {
         let prompts = token_lists(&batch, col::PROMPT_TOKENS, "reference")?;
         let responses = token_lists(&batch, col::RESPONSE_TOKENS, "reference")?;
         let _guard = tch::no_grad_guard();
-        let (lp, _) = response_logprobs(&self.model, &prompts, &responses, self.temperature)?;
+        let (lp, _) = response_logprobs(
+            &self.model,
+            &prompts,
+            &responses,
+            self.temperature,
+            self.chunk,
+        )?;
         let lp = lp.to_kind(Kind::Double);
         let rows: Vec<Vec<f64>> = responses
             .iter()

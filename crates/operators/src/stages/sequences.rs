@@ -60,15 +60,22 @@ pub fn pack(prompts: &[Vec<i64>], responses: &[Vec<i64>], pad: i64, device: tch:
 /// `temperature`), with the response mask `[B, R]` (R = the longest
 /// response), without gradients. A float32 model on an AVX2 CPU runs on
 /// weir's CPU kernels (equal prompts, e.g. a group's samples, run once);
-/// anything else through [`response_forward`].
+/// anything else through [`response_forward`], or with the output head
+/// applied `chunk` positions at a time when the rows hold more (0: never).
 pub fn response_logprobs(
     model: &Model,
     prompts: &[Vec<i64>],
     responses: &[Vec<i64>],
     temperature: f64,
+    chunk: usize,
 ) -> Result<(Tensor, Tensor), StageError> {
     if !weir_gpu::generate::cpu_kernels_apply(model) {
         let _guard = tch::no_grad_guard();
+        if chunks(responses, chunk) {
+            let (hidden, targets, mask) = response_hidden(model, prompts, responses)?;
+            let f = head_in_chunks(model, &hidden, &targets, mask, temperature, false, chunk)?;
+            return Ok((f.logprobs, f.mask));
+        }
         let f = response_forward(model, prompts, responses, temperature, false)?;
         return Ok((f.logprobs, f.mask));
     }
@@ -135,6 +142,119 @@ pub fn response_forward(
     ))
 }
 
+/// Whether `chunk` splits the output head's work over these responses:
+/// more response positions (rows × the longest response) than `chunk`.
+fn chunks(responses: &[Vec<i64>], chunk: usize) -> bool {
+    let width = responses.iter().map(Vec::len).max().unwrap_or(1).max(1);
+    chunk > 0 && responses.len() * width > chunk
+}
+
+/// The final hidden states at the positions predicting each response
+/// token `[B, R, hidden]`, the tokens and the mask (differentiable).
+fn response_hidden(
+    model: &Model,
+    prompts: &[Vec<i64>],
+    responses: &[Vec<i64>],
+) -> Result<(Tensor, Tensor, Tensor), StageError> {
+    if prompts_repeat(prompts) {
+        let r = model.response_hidden(prompts, responses)?;
+        return Ok((r.logits, r.targets, r.mask));
+    }
+    let pad = model.config.pad_token_id.unwrap_or(0).max(0);
+    let packed = pack(prompts, responses, pad, model.device());
+    let hidden = model.hidden_states(&packed.ids, Some(&packed.mask), None)?;
+    Ok(gather_responses(&hidden, packed))
+}
+
+/// Log-probs (and entropy) from hidden states `[B, R, hidden]` through the
+/// output head `chunk` positions at a time, without gradients.
+fn head_in_chunks(
+    model: &Model,
+    hidden: &Tensor,
+    targets: &Tensor,
+    mask: Tensor,
+    temperature: f64,
+    with_entropy: bool,
+    chunk: usize,
+) -> Result<ResponseForward, StageError> {
+    let (b, r, h) = hidden.size3().map_err(|e| e.to_string())?;
+    let (logprobs, entropy) = weir_gpu::logprobs::head_forward_chunked(
+        &model.lm_weight()?,
+        &hidden.detach().reshape([b * r, h]),
+        &targets.reshape([b * r]),
+        temperature,
+        with_entropy,
+        chunk,
+    );
+    Ok(ResponseForward {
+        logprobs: logprobs.view([b, r]),
+        mask,
+        entropy: entropy.map(|e| e.view([b, r])),
+    })
+}
+
+/// The training pass's head in chunks: log-probs and entropy from the
+/// detached `hidden` `[B, R, hidden]`, `loss_of` on them as leaves, its
+/// gradient in them carried back through the head chunk by chunk
+/// ([`weir_gpu::logprobs::head_backward_chunked`]). Returns what `loss_of`
+/// measured and a surrogate whose backward pass puts that gradient into
+/// `hidden`'s graph and the head's weight: `Σ hidden · ∂L/∂hidden + Σ W · ∂L/∂W`.
+#[allow(clippy::too_many_arguments)]
+fn chunked_loss<T>(
+    model: &Model,
+    hidden: &Tensor,
+    targets: &Tensor,
+    mask: Tensor,
+    temperature: f64,
+    with_entropy: bool,
+    chunk: usize,
+    loss_of: impl FnOnce(ResponseForward) -> Result<(Tensor, T), StageError>,
+) -> Result<(Tensor, T), StageError> {
+    let (b, r, h) = hidden.size3().map_err(|e| e.to_string())?;
+    let weight = model.lm_weight()?;
+    let flat = hidden.detach().reshape([b * r, h]);
+    let flat_targets = targets.reshape([b * r]);
+    let f = head_in_chunks(
+        model,
+        hidden,
+        targets,
+        mask,
+        temperature,
+        with_entropy,
+        chunk,
+    )?;
+    let logprobs = f.logprobs.detach().set_requires_grad(true);
+    let entropy = f.entropy.map(|e| e.detach().set_requires_grad(true));
+    let (loss, measured) = loss_of(ResponseForward {
+        logprobs: logprobs.shallow_clone(),
+        mask: f.mask,
+        entropy: entropy.as_ref().map(Tensor::shallow_clone),
+    })?;
+    loss.backward();
+    let grad = |t: &Tensor| {
+        let g = t.grad();
+        if g.defined() {
+            g.reshape([b * r])
+        } else {
+            t.zeros_like().reshape([b * r])
+        }
+    };
+    let grad_entropy = entropy.as_ref().map(grad);
+    let (grad_hidden, grad_weight) = weir_gpu::logprobs::head_backward_chunked(
+        &weight,
+        &flat,
+        &flat_targets,
+        temperature,
+        &grad(&logprobs),
+        grad_entropy.as_ref(),
+        chunk,
+    );
+    let kind = hidden.kind();
+    let surrogate =
+        (hidden * grad_hidden.view([b, r, h])).sum(kind) + (&weight * grad_weight).sum(kind);
+    Ok((surrogate, measured))
+}
+
 /// True when some rows share a prompt.
 fn prompts_repeat(prompts: &[Vec<i64>]) -> bool {
     let distinct: std::collections::HashSet<&[i64]> = prompts.iter().map(Vec::as_slice).collect();
@@ -190,7 +310,11 @@ fn read_responses(
 /// `loss_of` turns the [`ResponseForward`] into the loss to backpropagate
 /// (and anything else it measured, returned). With `checkpointed`, layer
 /// activations are recomputed in the backward pass instead of kept
-/// ([`Model::backward_checkpointed`]); the gradients are the same.
+/// ([`Model::backward_checkpointed`]); the gradients are the same. With
+/// more response positions than `chunk` (> 0), the output head runs
+/// `chunk` positions at a time forward and backward ([`chunked_loss`]), so
+/// at most `chunk × vocab` logits exist at once; the gradients are the same.
+#[allow(clippy::too_many_arguments)]
 pub fn response_backward<T>(
     model: &Model,
     prompts: &[Vec<i64>],
@@ -198,8 +322,46 @@ pub fn response_backward<T>(
     temperature: f64,
     with_entropy: bool,
     checkpointed: bool,
+    chunk: usize,
     loss_of: impl FnOnce(ResponseForward) -> Result<(Tensor, T), StageError>,
 ) -> Result<T, StageError> {
+    if chunks(responses, chunk) {
+        if !checkpointed {
+            let (hidden, targets, mask) = response_hidden(model, prompts, responses)?;
+            let (surrogate, measured) = chunked_loss(
+                model,
+                &hidden,
+                &targets,
+                mask,
+                temperature,
+                with_entropy,
+                chunk,
+                loss_of,
+            )?;
+            surrogate.backward();
+            return Ok(measured);
+        }
+        let pad = model.config.pad_token_id.unwrap_or(0).max(0);
+        let packed = pack(prompts, responses, pad, model.device());
+        let (ids, mask) = (packed.ids.shallow_clone(), packed.mask.shallow_clone());
+        let mut measured = None;
+        let _surrogate = model.backward_checkpointed_hidden(&ids, Some(&mask), |hidden| {
+            let (at, targets, mask) = gather_responses(hidden, packed);
+            let (surrogate, m) = chunked_loss(
+                model,
+                &at,
+                &targets,
+                mask,
+                temperature,
+                with_entropy,
+                chunk,
+                loss_of,
+            )?;
+            measured = Some(m);
+            Ok::<_, StageError>(surrogate)
+        })?;
+        return Ok(measured.expect("loss_of ran"));
+    }
     if !checkpointed {
         let fwd = response_forward(model, prompts, responses, temperature, with_entropy)?;
         let (loss, measured) = loss_of(fwd)?;
@@ -252,6 +414,23 @@ pub fn response_targets(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_chunked_head_gives_the_same_log_probs() {
+        // float64: the libtorch path (the CPU kernels take float32 only).
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../../shared/fixtures/models/tiny-llama");
+        let model = Model::load(&dir, weir_gpu::Device::Cpu, tch::Kind::Double).unwrap();
+        let prompts = vec![vec![1i64, 2], vec![1, 2], vec![3, 4, 5]];
+        let responses = vec![vec![5i64, 6, 7], vec![8], vec![9, 10]];
+        let (whole, mask) = response_logprobs(&model, &prompts, &responses, 0.7, 0).unwrap();
+        for chunk in [1, 2, 4] {
+            let (chunked, m) = response_logprobs(&model, &prompts, &responses, 0.7, chunk).unwrap();
+            assert_eq!(m, mask);
+            let d = (&chunked - &whole).abs().max().double_value(&[]);
+            assert!(d < 1e-12, "chunk {chunk}: {d:e}");
+        }
+    }
 
     #[test]
     fn index_points_at_the_predicting_positions() {

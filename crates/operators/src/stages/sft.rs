@@ -31,6 +31,8 @@ pub struct SftConfig {
     pub micro_batch: usize,
     /// Recompute layer activations in the backward pass (less memory).
     pub gradient_checkpointing: bool,
+    /// Response positions the output head runs on at a time (0: all at once).
+    pub logprob_chunk: usize,
 }
 
 /// The SFT trainer stage.
@@ -137,6 +139,7 @@ impl SftTrainer {
                         1.0,
                         false,
                         cfg.gradient_checkpointing,
+                        cfg.logprob_chunk,
                         |f| {
                             let nll = -f.logprobs;
                             let loss = aggregate_in_step(
