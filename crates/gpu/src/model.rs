@@ -233,11 +233,9 @@ impl Model {
         attention_mask: Option<&Tensor>,
         loss_of: impl FnOnce(&Tensor) -> Result<Tensor, E>,
     ) -> Result<Tensor, E> {
-        let (ids, mask, positions) = self.inputs(input_ids, attention_mask, None)?;
-        self.decoder
-            .backward_checkpointed(&ids, &mask, &positions, |hidden| {
-                loss_of(&self.lm_logits(hidden)?)
-            })
+        self.backward_checkpointed_hidden(input_ids, attention_mask, |hidden| {
+            loss_of(&self.lm_logits(hidden)?)
+        })
     }
 
     /// Gradient checkpointing as [`Model::backward_checkpointed`], with

@@ -261,30 +261,24 @@ fn prompts_repeat(prompts: &[Vec<i64>]) -> bool {
     distinct.len() < prompts.len()
 }
 
-/// Logits at the positions predicting each response token `[B, R, vocab]`,
-/// the tokens `[B, R]` and the response mask `[B, R]`.
+/// Logits at the positions predicting each response token `[B, R, vocab]`
+/// (the head applied there only), the tokens `[B, R]` and the response mask `[B, R]`.
 fn response_logits(
     model: &Model,
     prompts: &[Vec<i64>],
     responses: &[Vec<i64>],
 ) -> Result<(Tensor, Tensor, Tensor), StageError> {
-    if prompts_repeat(prompts) {
-        let r = model.response_logits(prompts, responses)?;
-        return Ok((r.logits, r.targets, r.mask));
-    }
-    let pad = model.config.pad_token_id.unwrap_or(0).max(0);
-    let packed = pack(prompts, responses, pad, model.device());
-    let logits = model.logits(&packed.ids, Some(&packed.mask), None)?;
-    Ok(gather_responses(&logits, packed))
+    let (hidden, targets, mask) = response_hidden(model, prompts, responses)?;
+    Ok((model.lm_logits(&hidden)?, targets, mask))
 }
 
-/// The response positions of `logits` `[B, T, vocab]` over `packed` rows:
-/// (logits `[B, R, vocab]`, targets `[B, R]`, mask `[B, R]`).
-fn gather_responses(logits: &Tensor, packed: Packed) -> (Tensor, Tensor, Tensor) {
-    let vocab = logits.size()[2];
-    let at = logits.gather(
+/// The response positions of `states` `[B, T, d]` (hidden states or
+/// logits) over `packed` rows: (`[B, R, d]`, targets `[B, R]`, mask `[B, R]`).
+fn gather_responses(states: &Tensor, packed: Packed) -> (Tensor, Tensor, Tensor) {
+    let width = states.size()[2];
+    let at = states.gather(
         1,
-        &packed.index.unsqueeze(-1).expand([-1, -1, vocab], false),
+        &packed.index.unsqueeze(-1).expand([-1, -1, width], false),
         false,
     );
     let targets = packed.ids.gather(1, &(&packed.index + 1), false);
@@ -325,46 +319,33 @@ pub fn response_backward<T>(
     chunk: usize,
     loss_of: impl FnOnce(ResponseForward) -> Result<(Tensor, T), StageError>,
 ) -> Result<T, StageError> {
-    if chunks(responses, chunk) {
-        if !checkpointed {
-            let (hidden, targets, mask) = response_hidden(model, prompts, responses)?;
-            let (surrogate, measured) = chunked_loss(
+    let chunked = chunks(responses, chunk);
+    // The loss to backpropagate, from the hidden states at the response positions.
+    let head = |hidden: &Tensor, targets: &Tensor, mask: Tensor| {
+        if chunked {
+            return chunked_loss(
                 model,
-                &hidden,
-                &targets,
+                hidden,
+                targets,
                 mask,
                 temperature,
                 with_entropy,
                 chunk,
                 loss_of,
-            )?;
-            surrogate.backward();
-            return Ok(measured);
+            );
         }
-        let pad = model.config.pad_token_id.unwrap_or(0).max(0);
-        let packed = pack(prompts, responses, pad, model.device());
-        let (ids, mask) = (packed.ids.shallow_clone(), packed.mask.shallow_clone());
-        let mut measured = None;
-        let _surrogate = model.backward_checkpointed_hidden(&ids, Some(&mask), |hidden| {
-            let (at, targets, mask) = gather_responses(hidden, packed);
-            let (surrogate, m) = chunked_loss(
-                model,
-                &at,
-                &targets,
-                mask,
-                temperature,
-                with_entropy,
-                chunk,
-                loss_of,
-            )?;
-            measured = Some(m);
-            Ok::<_, StageError>(surrogate)
-        })?;
-        return Ok(measured.expect("loss_of ran"));
-    }
+        let logits = model.lm_logits(hidden)?;
+        loss_of(read_responses(
+            &logits,
+            targets,
+            mask,
+            temperature,
+            with_entropy,
+        ))
+    };
     if !checkpointed {
-        let fwd = response_forward(model, prompts, responses, temperature, with_entropy)?;
-        let (loss, measured) = loss_of(fwd)?;
+        let (hidden, targets, mask) = response_hidden(model, prompts, responses)?;
+        let (loss, measured) = head(&hidden, &targets, mask)?;
         loss.backward();
         return Ok(measured);
     }
@@ -372,15 +353,9 @@ pub fn response_backward<T>(
     let packed = pack(prompts, responses, pad, model.device());
     let (ids, mask) = (packed.ids.shallow_clone(), packed.mask.shallow_clone());
     let mut measured = None;
-    let _loss = model.backward_checkpointed(&ids, Some(&mask), |logits| {
-        let (at, targets, mask) = gather_responses(logits, packed);
-        let (loss, m) = loss_of(read_responses(
-            &at,
-            &targets,
-            mask,
-            temperature,
-            with_entropy,
-        ))?;
+    let _loss = model.backward_checkpointed_hidden(&ids, Some(&mask), |hidden| {
+        let (at, targets, mask) = gather_responses(hidden, packed);
+        let (loss, m) = head(&at, &targets, mask)?;
         measured = Some(m);
         Ok::<_, StageError>(loss)
     })?;
