@@ -28,6 +28,11 @@ if [ -f "$site/torch/version.py" ]; then
   have="$(sed -n "s/^__version__ = '\([^'+]*\).*'/\1/p" "$site/torch/version.py")"
 fi
 
+# The full wheel's CUDA libraries (cuDNN among them) are missing from a minimal install.
+if [ "${WEIR_TORCH:-minimal}" = "full" ] && [ "$have" = "$torch_version" ] && ! ls -d "$site"/nvidia/cudnn* >/dev/null 2>&1; then
+  have="minimal"
+fi
+
 if [ "$have" != "$torch_version" ]; then
   echo "setup: installing torch==$torch_version into $venv (once)"
   if [ "${WEIR_TORCH:-minimal}" = "full" ]; then

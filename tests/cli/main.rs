@@ -33,12 +33,19 @@ pub(crate) fn reference(model: &str) -> Value {
     .unwrap()
 }
 
+/// With `WEIR_TEST_DEVICE` (e.g. `cuda`, as `scripts/gpu-check.sh` sets
+/// it), the model commands (`logprobs`, `generate`, `score`) run on that
+/// device, held to the same references.
 pub(crate) fn weir(args: &[&str], dir: &Path) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_weir"))
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .unwrap()
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_weir"));
+    cmd.args(args).current_dir(dir);
+    let model_command = matches!(args.first(), Some(&("logprobs" | "generate" | "score")));
+    if let Ok(device) = std::env::var("WEIR_TEST_DEVICE") {
+        if model_command && !args.contains(&"--device") {
+            cmd.args(["--device", &device]);
+        }
+    }
+    cmd.output().unwrap()
 }
 
 /// Writes `in.jsonl` with one `{"input_ids": …}` line per reference case.
