@@ -36,13 +36,35 @@ impl Default for AdamWConfig {
 /// An AdamW optimiser over one model's parameters, PyTorch's update rule
 /// (decoupled decay, bias-corrected moments), with its state exposed so a
 /// checkpoint can save and restore it.
+///
+/// Moments are float32. A half-precision parameter (bf16, f16) has a float32
+/// master copy that the update applies to, and the parameter is the master
+/// rounded: updates smaller than the parameter's rounding step accumulate
+/// instead of being lost (mixed-precision training as DeepSpeed's and FSDP's).
 pub struct Optimizer {
     config: AdamWConfig,
     lr: f64,
-    /// (name, parameter, first moment, second moment), sorted by name.
-    slots: Vec<(String, Tensor, Tensor, Tensor)>,
+    /// One per trainable parameter, sorted by name.
+    slots: Vec<Slot>,
     /// Optimizer steps taken.
     steps: u64,
+}
+
+/// A parameter and its optimizer state.
+struct Slot {
+    name: String,
+    param: Tensor,
+    /// First moment (float32).
+    m: Tensor,
+    /// Second moment (float32).
+    v: Tensor,
+    /// The float32 master copy of a half-precision parameter.
+    master: Option<Tensor>,
+}
+
+/// Whether a parameter of `kind` trains through a float32 master copy.
+fn needs_master(kind: Kind) -> bool {
+    matches!(kind, Kind::BFloat16 | Kind::Half)
 }
 
 impl Optimizer {
@@ -56,7 +78,14 @@ impl Optimizer {
             .map(|(name, p)| {
                 let m = p.zeros_like().to_kind(Kind::Float);
                 let v = p.zeros_like().to_kind(Kind::Float);
-                (name, p, m, v)
+                let master = needs_master(p.kind()).then(|| p.detach().to_kind(Kind::Float));
+                Slot {
+                    name,
+                    param: p,
+                    m,
+                    v,
+                    master,
+                }
             })
             .collect();
         Ok(Optimizer {
@@ -79,8 +108,8 @@ impl Optimizer {
 
     /// Clears the accumulated gradients.
     pub fn zero_grad(&mut self) {
-        for (_, p, _, _) in &mut self.slots {
-            let mut g = p.grad();
+        for slot in &mut self.slots {
+            let mut g = slot.param.grad();
             if g.defined() {
                 let _ = g.detach_();
                 let _ = g.zero_();
@@ -101,14 +130,14 @@ impl Optimizer {
         let missing: Vec<Tensor> = self
             .slots
             .iter()
-            .filter(|(_, p, _, _)| !p.grad().defined())
-            .map(|(_, p, _, _)| p.sum(Kind::Float) * 0.0)
+            .filter(|s| !s.param.grad().defined())
+            .map(|s| s.param.sum(Kind::Float) * 0.0)
             .collect();
         if !missing.is_empty() {
             // Defines the missing gradients as zeros.
             Tensor::stack(&missing, 0).sum(Kind::Float).backward();
         }
-        let grads: Vec<Tensor> = self.slots.iter().map(|(_, p, _, _)| p.grad()).collect();
+        let grads: Vec<Tensor> = self.slots.iter().map(|s| s.param.grad()).collect();
         all_reduce(member, &grads, true, scalars)
     }
 
@@ -116,12 +145,20 @@ impl Optimizer {
     /// ranks start equal even where a checkpoint leaves a head to a random
     /// initialisation (a reward model's score head).
     pub fn share_rank0_parameters(&mut self, member: &GroupMember) -> Result<(), ModelError> {
-        let params: Vec<Tensor> = self
-            .slots
-            .iter()
-            .map(|(_, p, _, _)| p.shallow_clone())
-            .collect();
-        all_reduce(member, &params, member.rank() == 0, &mut [])
+        let params: Vec<Tensor> = self.slots.iter().map(|s| s.param.shallow_clone()).collect();
+        all_reduce(member, &params, member.rank() == 0, &mut [])?;
+        self.sync_masters();
+        Ok(())
+    }
+
+    /// Sets each master copy to its parameter (after the parameters changed outside [`Optimizer::step`]).
+    fn sync_masters(&mut self) {
+        let _guard = tch::no_grad_guard();
+        for slot in &mut self.slots {
+            if let Some(master) = &mut slot.master {
+                master.copy_(&slot.param.to_kind(Kind::Float));
+            }
+        }
     }
 
     /// The global L2 norm of the accumulated gradients.
@@ -129,7 +166,7 @@ impl Optimizer {
         let total: f64 = self
             .slots
             .iter()
-            .map(|(_, p, _, _)| p.grad())
+            .map(|s| s.param.grad())
             .filter(|g| g.defined())
             .map(|g| {
                 g.to_kind(Kind::Double)
@@ -157,8 +194,8 @@ impl Optimizer {
         let bias1 = 1.0 - c.beta1.powi(t);
         let bias2 = 1.0 - c.beta2.powi(t);
         let _guard = tch::no_grad_guard();
-        for (_, p, m, v) in &mut self.slots {
-            let g = p.grad();
+        for slot in &mut self.slots {
+            let g = slot.param.grad();
             if !g.defined() {
                 continue;
             }
@@ -167,27 +204,38 @@ impl Optimizer {
             } else {
                 g.to_kind(Kind::Float) * scale
             };
-            if c.weight_decay != 0.0 {
-                let _ = p.g_mul_scalar_(1.0 - self.lr * c.weight_decay);
-            }
+            let (m, v) = (&mut slot.m, &mut slot.v);
             let _ = m.g_mul_scalar_(c.beta1);
             let _ = m.g_add_(&(&g * (1.0 - c.beta1)));
             let _ = v.g_mul_scalar_(c.beta2);
             let _ = v.g_add_(&(&g * &g * (1.0 - c.beta2)));
             let denom = v.sqrt() / bias2.sqrt() + c.eps;
             let update = (&*m / denom) * (self.lr / bias1);
-            let _ = p.g_sub_(&update.to_kind(p.kind()));
+            // The update lands on the float32 master where there is one.
+            let target = slot.master.as_mut().unwrap_or(&mut slot.param);
+            if c.weight_decay != 0.0 {
+                let _ = target.g_mul_scalar_(1.0 - self.lr * c.weight_decay);
+            }
+            let _ = target.g_sub_(&update.to_kind(target.kind()));
+            if let Some(master) = &slot.master {
+                slot.param.copy_(&master.to_kind(slot.param.kind()));
+            }
         }
         norm
     }
 
-    /// The optimizer state as named tensors (`exp_avg.NAME`, `exp_avg_sq.NAME`)
-    /// and the step count, for a checkpoint.
+    /// The optimizer state as named tensors (`exp_avg.NAME`, `exp_avg_sq.NAME`,
+    /// and `master.NAME` for a half-precision parameter) and the step count,
+    /// for a checkpoint.
     pub fn state(&self) -> (Vec<(String, Tensor)>, u64) {
         let mut out = Vec::with_capacity(self.slots.len() * 2);
-        for (name, _, m, v) in &self.slots {
-            out.push((format!("exp_avg.{name}"), m.shallow_clone()));
-            out.push((format!("exp_avg_sq.{name}"), v.shallow_clone()));
+        for slot in &self.slots {
+            let name = &slot.name;
+            out.push((format!("exp_avg.{name}"), slot.m.shallow_clone()));
+            out.push((format!("exp_avg_sq.{name}"), slot.v.shallow_clone()));
+            if let Some(master) = &slot.master {
+                out.push((format!("master.{name}"), master.shallow_clone()));
+            }
         }
         (out, self.steps)
     }
@@ -200,7 +248,25 @@ impl Optimizer {
     ) -> Result<(), ModelError> {
         let by_name: std::collections::HashMap<&str, &Tensor> =
             tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
-        for (name, p, m, v) in &mut self.slots {
+        for Slot {
+            name,
+            param: p,
+            m,
+            v,
+            master,
+        } in &mut self.slots
+        {
+            // A master copy saved beside the moments (a half-precision
+            // checkpoint of this or a later weir); else the parameter's value.
+            if let Some(master) = master {
+                let _guard = tch::no_grad_guard();
+                match by_name.get(format!("master.{name}").as_str()) {
+                    Some(t) if t.size() == p.size() => {
+                        master.copy_(&t.to_kind(Kind::Float).to_device(p.device()))
+                    }
+                    _ => master.copy_(&p.to_kind(Kind::Float)),
+                }
+            }
             for (prefix, slot) in [("exp_avg", &mut *m), ("exp_avg_sq", &mut *v)] {
                 let key = format!("{prefix}.{name}");
                 let t = by_name

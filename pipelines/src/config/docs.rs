@@ -15,7 +15,7 @@ pub const DOCS: &[(&str, &str, &str)] = &[
     ("placement", "train", "Workers that run the reference, critic, advantage and learner (may equal rollout: colocation). Several workers (in one process) train as data-parallel ranks of one learner, each on its share of every step's groups, their gradients summed before each optimizer step: grpo, dr_grpo, rloo, sft, rm and dpo."),
     ("placement", "reference", "Where the reference model runs: \"train\" (with the learner) or \"rollout\" (beside the generator, to balance a learner-bound step)."),
     ("model", "path", "The actor's HuggingFace checkpoint folder (required)."),
-    ("model", "dtype", "Compute dtype: \"f32\", \"bf16\" or \"f16\"."),
+    ("model", "dtype", "Compute dtype: \"f32\", \"bf16\" or \"f16\". Trainers of a half-precision model keep float32 master weights and AdamW moments (saved in optimizer.safetensors as master.*): the update lands on the master, the weights are it rounded."),
     ("model", "reference", "The frozen reference's checkpoint (empty: the actor's)."),
     ("model", "reward_model", "A reward model checkpoint, for reward.kind = \"model\"."),
     ("model", "critic", "The critic's initial checkpoint (ppo; empty: the reward model, else the actor with a fresh value head)."),

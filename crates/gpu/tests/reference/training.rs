@@ -160,3 +160,75 @@ fn response_logits_run_each_prompt_once_with_the_same_values_and_gradients() {
         }
     }
 }
+
+/// AdamW on a bf16 model keeps float32 master weights: a run of small
+/// updates lands where the float32 model's does, up to the final rounding
+/// to bf16, where updating the bf16 weights directly would lose each
+/// update smaller than a bf16 step.
+#[test]
+fn bf16_training_updates_float32_master_weights() {
+    use weir_gpu::optim::{AdamWConfig, Optimizer};
+    let dir = fixtures().join("models/tiny-llama");
+    let run = |kind: Kind| {
+        let model = Model::load(&dir, Device::Cpu, kind).unwrap();
+        let config = AdamWConfig {
+            lr: 2e-5,
+            ..AdamWConfig::default()
+        };
+        let mut opt = Optimizer::adamw(&model, config).unwrap();
+        for _ in 0..30 {
+            opt.zero_grad();
+            // The same gradient for both kinds and every step: a fixed sign per entry.
+            let loss: Tensor = model
+                .named_tensors()
+                .into_iter()
+                .map(|(_, p)| {
+                    let n = p.numel() as i64;
+                    let sign = (Tensor::arange(n, (Kind::Float, p.device())) * 0.37)
+                        .sin()
+                        .sign()
+                        .view(p.size().as_slice());
+                    (p.to_kind(Kind::Float) * sign).sum(Kind::Float)
+                })
+                .reduce(|a, b| a + b)
+                .unwrap();
+            loss.backward();
+            opt.step(None);
+        }
+        let (state, _) = opt.state();
+        (model.named_tensors(), state)
+    };
+    let (f32_weights, f32_state) = run(Kind::Float);
+    let (bf16_weights, bf16_state) = run(Kind::BFloat16);
+    assert!(bf16_state.iter().any(|(n, _)| n.starts_with("master.")));
+    assert!(!f32_state.iter().any(|(n, _)| n.starts_with("master.")));
+    let initial = Model::load(&dir, Device::Cpu, Kind::Float)
+        .unwrap()
+        .named_tensors();
+    let mut moved = 0i64;
+    for (((name, a), (_, b)), (_, start)) in f32_weights.iter().zip(&bf16_weights).zip(&initial) {
+        let (a, b) = (a.to_kind(Kind::Float), b.to_kind(Kind::Float));
+        // The bf16 run starts from the checkpoint rounded to bf16 and takes
+        // the float32 run's steps (the gradients' signs make Adam's steps
+        // equal): its weight is that sum rounded, within one bf16 step (2⁻⁸ relative).
+        let start_bf16 = start.to_kind(Kind::BFloat16).to_kind(Kind::Float);
+        let want = (&start_bf16 + (&a - start))
+            .to_kind(Kind::BFloat16)
+            .to_kind(Kind::Float);
+        let step = want.abs() * 2f64.powi(-8) + 1e-30;
+        let off = ((&b - &want).abs() - &step).max().double_value(&[]);
+        assert!(
+            off <= 1e-7,
+            "{name}: bf16 weight off by {off:e} beyond a bf16 step"
+        );
+        // Weights the float32 run moved by more than two bf16 steps: where
+        // the bf16 weights were updated directly (each 2e-5 update below
+        // half a step) they would not have moved, and the check above fails.
+        let far = (&a - start).abs().gt_tensor(&(start.abs() * 2f64.powi(-7)));
+        moved += far.sum(Kind::Int64).int64_value(&[]);
+    }
+    assert!(
+        moved > 1000,
+        "{moved} weights moved by more than two bf16 steps"
+    );
+}
