@@ -2,8 +2,10 @@
 //! output head (`algorithm.logprob_chunk`): one actor update of a random
 //! Llama with a 65,536-token vocabulary (hidden 64, 2 layers) on 8 rows of
 //! 16 prompt and 512 response tokens, each configuration in a child process
-//! of its own. Prints per configuration the peak resident memory the update
-//! added (VmHWM after − before) and its seconds, then
+//! of its own. Prints per configuration the resident memory of the weights
+//! and of AdamW's state (float32 moments), the peak the update added on top
+//! (VmHWM after − before: gradients, activations, the head's logits) and
+//! its seconds, then
 //!
 //! ```text
 //! logprob_chunk_1024_peak_over_whole=<ratio>   (the 1024-position chunks' peak ÷ the whole head's)
@@ -22,13 +24,21 @@ use weir::operators::rollout::col;
 use weir::operators::stages::columns::{float_list_array, token_list_array};
 use weir::operators::stages::learner::{Learner, LearnerConfig};
 
-fn peak_kb() -> u64 {
+fn status_kb(key: &str) -> u64 {
     let text = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     text.lines()
-        .find(|l| l.starts_with("VmHWM:"))
+        .find(|l| l.starts_with(key))
         .and_then(|l| l.split_whitespace().nth(1))
         .and_then(|v| v.parse().ok())
         .unwrap_or(0)
+}
+
+fn peak_kb() -> u64 {
+    status_kb("VmHWM:")
+}
+
+fn rss_mb() -> f64 {
+    status_kb("VmRSS:") as f64 / 1024.0
 }
 
 /// One update with `chunk`; prints `peak_mb=… seconds=…`.
@@ -40,8 +50,10 @@ fn child(chunk: usize, vocab: usize, response: usize, dir: &Path) {
         "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 3, "hidden_act": "silu", "torch_dtype": "float32"
     });
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let start = rss_mb();
     let mut model = Model::new(ModelConfig::load(dir).unwrap(), Device::Cpu, dir).unwrap();
     model.init_weights(0.02, 7);
+    let weights_mb = rss_mb() - start;
     let rows = 8;
     let prompts: Vec<Vec<i64>> = (0..rows)
         .map(|r| {
@@ -74,14 +86,18 @@ fn child(chunk: usize, vocab: usize, response: usize, dir: &Path) {
         entropy_coef: 0.01,
         ..LearnerConfig::default()
     };
+    let before_optimizer = rss_mb();
     let mut learner = Learner::new(model, cfg).unwrap();
+    let optimizer_mb = rss_mb() - before_optimizer;
     let before = peak_kb();
     let started = Instant::now();
     let stats = learner.update(&batch).unwrap();
     let seconds = started.elapsed().as_secs_f64();
     assert!(stats.loss.is_finite());
     let peak_mb = (peak_kb() - before) as f64 / 1024.0;
-    println!("peak_mb={peak_mb:.1} seconds={seconds:.3}");
+    println!(
+        "weights_mb={weights_mb:.1} optimizer_mb={optimizer_mb:.1} peak_mb={peak_mb:.1} seconds={seconds:.3}"
+    );
 }
 
 fn main() {
@@ -116,8 +132,9 @@ fn main() {
                 .unwrap_or(f64::NAN)
         };
         let (peak, seconds) = (field("peak_mb="), field("seconds="));
+        let (weights, optimizer) = (field("weights_mb="), field("optimizer_mb="));
         println!(
-            "logprob_chunk={chunk} vocab={vocab} rows=8 response_tokens={response}: peak_added_mb={peak:.1} seconds={seconds:.3}"
+            "logprob_chunk={chunk} vocab={vocab} rows=8 response_tokens={response}: weights_mb={weights:.1} adamw_state_mb={optimizer:.1} update_peak_added_mb={peak:.1} seconds={seconds:.3}"
         );
         figures.push((chunk, peak, seconds));
     }
