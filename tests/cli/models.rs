@@ -308,7 +308,8 @@ fn a_checkpoint_in_transformers_5_layout_generates_from_messages_and_saves_the_s
 
     let prompt = serde_json::json!({"messages": [{"role": "user", "content": "Compute: 3+4"}]});
     std::fs::write(dir.path().join("in.jsonl"), prompt.to_string()).unwrap();
-    let generate_with = |model: &Path, out: &str, flags: &[&str]| -> String {
+    // `weir generate` of in.jsonl with 6 new tokens and `flags`.
+    let run_generate = |model: &Path, out: &str, flags: &[&str]| {
         let mut args = vec![
             "generate",
             "--model",
@@ -321,7 +322,10 @@ fn a_checkpoint_in_transformers_5_layout_generates_from_messages_and_saves_the_s
             "6",
         ];
         args.extend(flags);
-        success(&weir(&args, dir.path()));
+        weir(&args, dir.path())
+    };
+    let generate_with = |model: &Path, out: &str, flags: &[&str]| -> String {
+        success(&run_generate(model, out, flags));
         let batch = read(&dir.path().join(out));
         let texts = batch.column_by_name("response").unwrap().as_string::<i32>();
         texts.value(0).to_string()
@@ -340,20 +344,7 @@ fn a_checkpoint_in_transformers_5_layout_generates_from_messages_and_saves_the_s
     // A key of the wrong type is named.
     gen["top_k"] = "many".into();
     std::fs::write(&gen_path, gen.to_string()).unwrap();
-    let out = weir(
-        &[
-            "generate",
-            "--model",
-            v5.to_str().unwrap(),
-            "--input",
-            "in.jsonl",
-            "--output",
-            "e.parquet",
-            "--max-new-tokens",
-            "6",
-        ],
-        dir.path(),
-    );
+    let out = run_generate(&v5, "e.parquet", &[]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success() && err.contains("generation_config.json") && err.contains("top_k"),
