@@ -151,14 +151,16 @@ impl Evaluation {
     /// goes to rollout rank `i mod ranks`).
     pub fn new(cfg: &RunConfig, worker: &WorkerInfo) -> Result<Self, StageError> {
         let tokenizer = Tokenizer::load(Path::new(&cfg.model.path))?;
+        let path = Path::new(&cfg.eval.prompts);
+        let prompts = crate::task::Task::File(path.to_path_buf()).prompts(cfg, 1, &tokenizer)?;
+        if prompts.rows().is_empty() {
+            return Err(format!("eval.prompts {}: no prompts", path.display()).into());
+        }
+        // This worker's share of every prompt × `samples`, in one batch.
         let share = |samples: usize| -> Result<Option<RecordBatch>, StageError> {
-            let path = Path::new(&cfg.eval.prompts);
-            let source =
-                crate::task::Task::File(path.to_path_buf()).prompts(cfg, samples, &tokenizer)?;
-            if source.rows().is_empty() {
-                return Err(format!("eval.prompts {}: no prompts", path.display()).into());
-            }
-            let mut source = source
+            let mut source = prompts
+                .clone()
+                .with_samples(samples)
                 .every_prompt_per_step()
                 .epochs(1)
                 .shard(worker.rank, worker.role_size);

@@ -121,7 +121,7 @@ pub fn reward_columns(cfg: &RunConfig) -> Result<Vec<String>, StageError> {
         RewardKind::Terms => cfg.reward.terms.iter().any(|t| !t.file.is_empty()),
         _ => false,
     };
-    if !python || d.prompts == "arith" {
+    if !python || crate::task::Task::of(cfg) == crate::task::Task::Arith {
         return Ok(Vec::new());
     }
     let own = [&d.prompt_column, &d.messages_column, &d.label_column];

@@ -384,14 +384,9 @@ fn finish(
         return Ok(outcome(report, summary));
     }
     // The task's own measure of the starting and the final policy (arith: accuracy).
-    let task = Task::of(cfg);
-    let (before, after) = if task.measures_accuracy(kind, cfg) {
-        (
-            Some(task.accuracy_before(cfg, dir)?),
-            Some(task.accuracy(cfg, &final_actor)?),
-        )
-    } else {
-        (None, None)
+    let (before, after) = match Task::of(cfg).accuracy(kind, cfg, dir, &final_actor)? {
+        Some((before, after)) => (Some(before), Some(after)),
+        None => (None, None),
     };
     let mut report = report;
     let held_out = if cfg.eval.prompts.is_empty() {
@@ -399,16 +394,13 @@ fn finish(
     } else {
         // The final policy (version last_step + 1) on the held-out prompts,
         // beside the run's metrics and the evaluations during training.
+        // (A resumed segment's prior metrics stop at its checkpoint, so no
+        // earlier final evaluation is among them.)
         let version = ctx.last_step + 1;
         let result = crate::eval::evaluate(cfg, &final_actor, version)?;
-        report
-            .metrics
-            .retain(|r| !(r.stage == crate::eval::STAGE && r.step == version));
-        report.metrics.extend(result.metric_rows(version, 0));
-        weir_graph::tensorboard::step_observer(&dir.join("tensorboard"))(
-            version,
-            &result.metric_rows(version, 0),
-        );
+        let rows = result.metric_rows(version, 0);
+        weir_graph::tensorboard::step_observer(&dir.join("tensorboard"))(version, &rows);
+        report.metrics.extend(rows);
         let batch = weir_graph::metrics::rows_to_batch(&report.metrics)?;
         write_parquet_atomically(&dir.join("metrics.parquet"), &[batch])?;
         Some(result)

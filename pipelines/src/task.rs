@@ -25,6 +25,9 @@ use weir_operators::tasks::arith;
 use crate::rewards::reward_columns;
 use crate::{PipelineError, PipelineKind, RunConfig};
 
+/// An accuracy and the (prompt, response) samples it was measured on.
+pub type Accuracy = (f64, Vec<(String, String)>);
+
 /// A task.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Task {
@@ -75,37 +78,24 @@ impl Task {
         }
     }
 
-    /// Whether the run measures the task's accuracy of the starting and
-    /// the final policy (`eval.arith` on the arith task; not of a reward model).
-    pub fn measures_accuracy(&self, kind: PipelineKind, cfg: &RunConfig) -> bool {
-        *self == Task::Arith && cfg.eval.arith && kind != PipelineKind::Rm
-    }
-
-    /// The task's accuracy of the policy checkpoint in `dir`, with samples.
+    /// The task's own accuracy of the starting policy (measured once per
+    /// run folder) and of the final one in `final_actor`, with samples —
+    /// the arith task's greedy accuracy on its 500 evaluation pairs, with
+    /// `eval.arith` and a policy to measure (not a reward model); `None`
+    /// otherwise (a prompt file is measured through `eval.prompts`).
     pub fn accuracy(
         &self,
-        cfg: &RunConfig,
-        dir: &Path,
-    ) -> Result<(f64, Vec<(String, String)>), PipelineError> {
-        match self {
-            Task::Arith => arith_accuracy(cfg, dir),
-            Task::File(path) => Err(format!(
-                "{}: a prompt file has no accuracy of its own (use eval.prompts)",
-                path.display()
-            )
-            .into()),
-        }
-    }
-
-    /// The accuracy of the starting policy, measured once per run folder.
-    pub fn accuracy_before(
-        &self,
+        kind: PipelineKind,
         cfg: &RunConfig,
         run_dir: &Path,
-    ) -> Result<(f64, Vec<(String, String)>), PipelineError> {
+        final_actor: &Path,
+    ) -> Result<Option<(Accuracy, Accuracy)>, PipelineError> {
         match self {
-            Task::Arith => arith_accuracy_before(cfg, run_dir),
-            Task::File(_) => self.accuracy(cfg, Path::new(&cfg.model.path)),
+            Task::Arith if cfg.eval.arith && kind != PipelineKind::Rm => Ok(Some((
+                arith_accuracy_before(cfg, run_dir)?,
+                arith_accuracy(cfg, final_actor)?,
+            ))),
+            _ => Ok(None),
         }
     }
 }
@@ -166,10 +156,7 @@ fn prompt_file(
 }
 
 /// The arith task's greedy accuracy of the checkpoint in `dir` on its 500 evaluation pairs.
-pub fn arith_accuracy(
-    cfg: &RunConfig,
-    dir: &Path,
-) -> Result<(f64, Vec<(String, String)>), PipelineError> {
+pub fn arith_accuracy(cfg: &RunConfig, dir: &Path) -> Result<Accuracy, PipelineError> {
     let device = if cfg.run.device == crate::config::DeviceChoice::Cuda
         && weir_gpu::Device::cuda_count() > 0
     {

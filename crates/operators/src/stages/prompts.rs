@@ -201,6 +201,13 @@ impl PromptSource {
         })
     }
 
+    /// The same prompt set with `samples` rows per prompt (at least 1); the
+    /// rows are shared, not read or tokenised again.
+    pub fn with_samples(mut self, samples: usize) -> Self {
+        self.samples = samples.max(1);
+        self
+    }
+
     /// Every prompt of the set in each step (an evaluation's one step).
     pub fn every_prompt_per_step(mut self) -> Self {
         self.prompts_per_step = self.rows.len();
