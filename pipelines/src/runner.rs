@@ -321,7 +321,13 @@ fn train(req: &RunRequest, segment: &mut Segment) -> Result<RunReport, PipelineE
         .observe_steps({
             // The evaluation's rows as one figure per step, not a mean over workers.
             let events = weir_graph::tensorboard::step_observer(&dir.join("tensorboard"));
-            Arc::new(move |step, rows: &[MetricRow]| events(step, &crate::eval::folded(rows)))
+            Arc::new(move |step, rows: &[MetricRow]| {
+                if rows.iter().any(|r| r.stage == crate::eval::STAGE) {
+                    events(step, &crate::eval::folded(rows))
+                } else {
+                    events(step, rows)
+                }
+            })
         })
         .observe(observer);
     let report = pipeline.run(&settings);
