@@ -167,7 +167,7 @@ impl Attention {
         x: &Tensor,
         cos: &Tensor,
         sin: &Tensor,
-        mask: &Tensor,
+        mask: &Mask,
         cache: Option<&mut LayerCache>,
     ) -> Tensor {
         let (b, t) = (x.size()[0], x.size()[1]);
@@ -186,19 +186,30 @@ impl Attention {
             None => (k, v),
         };
         let scale = 1.0 / (self.head_dim as f64).sqrt();
-        let y = if t == 1 {
-            self.decode_attention(&q, &k, &v, mask, scale)
-        } else {
-            Tensor::scaled_dot_product_attention(
+        let y = match mask {
+            Mask::Bias(bias) if t == 1 => self.decode_attention(&q, &k, &v, Some(bias), scale),
+            Mask::Causal if t == 1 => self.decode_attention(&q, &k, &v, None, scale),
+            // No bias tensor: SDPA may pick a fused (flash) kernel.
+            Mask::Causal => Tensor::scaled_dot_product_attention::<Tensor>(
                 &q,
                 &k,
                 &v,
-                Some(mask),
+                None,
+                0.0,
+                true,
+                scale,
+                self.kv_heads != self.heads,
+            ),
+            Mask::Bias(bias) => Tensor::scaled_dot_product_attention(
+                &q,
+                &k,
+                &v,
+                Some(bias),
                 0.0,
                 false,
                 scale,
                 self.kv_heads != self.heads,
-            )
+            ),
         };
         self.o.forward(
             &y.transpose(1, 2)
@@ -217,13 +228,16 @@ impl Attention {
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        mask: &Tensor,
+        bias: Option<&Tensor>,
         scale: f64,
     ) -> Tensor {
         let b = q.size()[0];
         let group = self.heads / self.kv_heads;
         let q = q.reshape([b, self.kv_heads, group, self.head_dim]);
-        let scores = q.matmul(&k.transpose(-2, -1)) * scale + mask;
+        let mut scores = q.matmul(&k.transpose(-2, -1)) * scale;
+        if let Some(bias) = bias {
+            scores += bias;
+        }
         let probs = scores.softmax(-1, scores.kind());
         probs.matmul(v).reshape([b, self.heads, 1, self.head_dim])
     }
@@ -310,12 +324,14 @@ impl Decoder {
     /// Final hidden states `[B, T, hidden]` for `input_ids` `[B, T]`.
     ///
     /// `key_mask` `[B, S]` (1 = attend) covers the cached and the new
-    /// positions (S = cached + T); `position_ids` `[B, T]` are the new
-    /// tokens' positions. With a cache, new keys are appended to it.
+    /// positions (S = cached + T); `None` attends to every earlier position
+    /// (plain causal attention, with no bias tensor built when nothing is
+    /// cached). `position_ids` `[B, T]` are the new tokens' positions. With
+    /// a cache, new keys are appended to it.
     pub fn forward(
         &self,
         input_ids: &Tensor,
-        key_mask: &Tensor,
+        key_mask: Option<&Tensor>,
         position_ids: &Tensor,
         mut cache: Option<&mut KvCache>,
     ) -> Tensor {
@@ -323,7 +339,7 @@ impl Decoder {
         let mut h = Tensor::embedding(&self.embed, input_ids, -1, false, false);
         let (cos, sin) = self.rope.tables(position_ids, kind);
         let past = cache.as_ref().map_or(0, |c| c.len());
-        let mask = attention_bias(key_mask, input_ids.size()[1], past, kind);
+        let mask = Mask::new(key_mask, input_ids, past, kind);
         for (i, layer) in self.layers.iter().enumerate() {
             let slot = cache.as_mut().map(|c| &mut c.layers[i]);
             h = layer.forward(&h, &cos, &sin, &mask, slot);
@@ -344,13 +360,13 @@ impl Decoder {
     pub fn backward_checkpointed<E>(
         &self,
         input_ids: &Tensor,
-        key_mask: &Tensor,
+        key_mask: Option<&Tensor>,
         position_ids: &Tensor,
         loss_of: impl FnOnce(&Tensor) -> Result<Tensor, E>,
     ) -> Result<Tensor, E> {
         let kind = self.embed.kind();
         let (cos, sin) = self.rope.tables(position_ids, kind);
-        let mask = attention_bias(key_mask, input_ids.size()[1], 0, kind);
+        let mask = Mask::new(key_mask, input_ids, 0, kind);
         let mut inputs = Vec::with_capacity(self.layers.len());
         let last = {
             let _guard = tch::no_grad_guard();
@@ -383,13 +399,40 @@ impl Layer {
         h: &Tensor,
         cos: &Tensor,
         sin: &Tensor,
-        mask: &Tensor,
+        mask: &Mask,
         cache: Option<&mut LayerCache>,
     ) -> Tensor {
         let h = h + self
             .attention
             .forward(&self.input_norm.forward(h), cos, sin, mask, cache);
         &h + self.mlp.forward(&self.post_norm.forward(&h))
+    }
+}
+
+/// Which keys each query sees.
+#[derive(Debug)]
+enum Mask {
+    /// Every key at or before the query's position, nothing cached: SDPA's
+    /// `is_causal`, no bias tensor.
+    Causal,
+    /// An additive bias `[B, 1, T, S]` (padding, or a cache before the new positions).
+    Bias(Tensor),
+}
+
+impl Mask {
+    fn new(key_mask: Option<&Tensor>, input_ids: &Tensor, past: i64, kind: Kind) -> Mask {
+        let t = input_ids.size()[1];
+        match key_mask {
+            Some(key_mask) => Mask::Bias(attention_bias(key_mask, t, past, kind)),
+            None if past == 0 => Mask::Causal,
+            None => {
+                let all = Tensor::ones(
+                    [input_ids.size()[0], past + t],
+                    (Kind::Int64, input_ids.device()),
+                );
+                Mask::Bias(attention_bias(&all, t, past, kind))
+            }
+        }
     }
 }
 

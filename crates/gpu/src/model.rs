@@ -183,8 +183,12 @@ impl Model {
     }
 
     /// Final hidden states `[B, T, hidden]`. `attention_mask` `[B, T]` (1 =
-    /// token, 0 = padding) defaults to all ones; `position_ids` default to
-    /// `cumsum(mask) − 1` (padding slots 1), as transformers' generate does.
+    /// token, 0 = padding); `position_ids` default to `cumsum(mask) − 1`
+    /// (padding slots 1), as transformers' generate does. Without a mask,
+    /// attention is plain causal (SDPA's `is_causal`, no bias tensor, so a
+    /// fused kernel may run) and positions are `0..T`: exact for rows with
+    /// no padding or with padding only on the right, whose real tokens never
+    /// see a later (padding) position.
     pub fn hidden_states(
         &self,
         input_ids: &Tensor,
@@ -192,19 +196,22 @@ impl Model {
         position_ids: Option<&Tensor>,
     ) -> Result<Tensor, ModelError> {
         let (ids, mask, positions) = self.inputs(input_ids, attention_mask, position_ids)?;
-        Ok(self.decoder.forward(&ids, &mask, &positions, None))
+        Ok(self.decoder.forward(&ids, mask.as_ref(), &positions, None))
     }
 
-    /// Checked ids, mask and positions on the model's device.
+    /// Checked ids, mask and positions on the model's device. Without a
+    /// mask, attention is plain causal and positions count from 0.
     fn inputs(
         &self,
         input_ids: &Tensor,
         attention_mask: Option<&Tensor>,
         position_ids: Option<&Tensor>,
-    ) -> Result<(Tensor, Tensor, Tensor), ModelError> {
+    ) -> Result<(Tensor, Option<Tensor>, Tensor), ModelError> {
         let ids = self.check_ids(input_ids)?;
         let mask = match attention_mask {
-            Some(m) if m.size() == ids.size() => m.to_device(self.device()).to_kind(Kind::Int64),
+            Some(m) if m.size() == ids.size() => {
+                Some(m.to_device(self.device()).to_kind(Kind::Int64))
+            }
             Some(m) => {
                 return Err(ModelError::Input(format!(
                     "attention mask has shape {:?}, input ids {:?}",
@@ -212,11 +219,17 @@ impl Model {
                     ids.size()
                 )))
             }
-            None => ids.ones_like(),
+            None => None,
         };
-        let positions = match position_ids {
-            Some(p) => p.to_device(self.device()).to_kind(Kind::Int64),
-            None => default_positions(&mask),
+        let positions = match (position_ids, &mask) {
+            (Some(p), _) => p.to_device(self.device()).to_kind(Kind::Int64),
+            (None, Some(mask)) => default_positions(mask),
+            (None, None) => {
+                let (b, t) = (ids.size()[0], ids.size()[1]);
+                Tensor::arange(t, (Kind::Int64, ids.device()))
+                    .view([1, t])
+                    .expand([b, t], false)
+            }
         };
         Ok((ids, mask, positions))
     }
@@ -250,7 +263,7 @@ impl Model {
     ) -> Result<Tensor, E> {
         let (ids, mask, positions) = self.inputs(input_ids, attention_mask, None)?;
         self.decoder
-            .backward_checkpointed(&ids, &mask, &positions, loss_of)
+            .backward_checkpointed(&ids, mask.as_ref(), &positions, loss_of)
     }
 
     /// The output head's weight `[vocab, hidden]` (the embedding when tied):
@@ -355,7 +368,7 @@ impl Model {
         cache: &mut KvCache,
     ) -> Tensor {
         self.decoder
-            .forward(input_ids, key_mask, position_ids, Some(cache))
+            .forward(input_ids, Some(key_mask), position_ids, Some(cache))
     }
 
     /// The CPU kernels' packed weights of this model.
@@ -381,16 +394,22 @@ impl Model {
                 input_ids.size()
             )));
         }
-        let ids = input_ids.to_device(self.device()).to_kind(Kind::Int64);
-        let (min, max) = (ids.min().int64_value(&[]), ids.max().int64_value(&[]));
-        if min < 0 || max >= self.config.vocab_size {
-            return Err(ModelError::Input(format!(
-                "token ids must lie in 0..{}, found {}",
-                self.config.vocab_size,
-                if min < 0 { min } else { max }
-            )));
+        // Ids on the host are checked there, before the copy to the device;
+        // ids already on an accelerator are not (reading them back would
+        // wait for the device on every forward): whoever made them there
+        // checked them (`pack_for`) or sampled them from this vocabulary.
+        if input_ids.device() == tch::Device::Cpu {
+            let ids = input_ids.to_kind(Kind::Int64);
+            let (min, max) = (ids.min().int64_value(&[]), ids.max().int64_value(&[]));
+            if min < 0 || max >= self.config.vocab_size {
+                return Err(ModelError::Input(format!(
+                    "token ids must lie in 0..{}, found {}",
+                    self.config.vocab_size,
+                    if min < 0 { min } else { max }
+                )));
+            }
         }
-        Ok(ids)
+        Ok(input_ids.to_device(self.device()).to_kind(Kind::Int64))
     }
 }
 

@@ -108,11 +108,35 @@ pub(crate) fn check_causal_lm(name: &str, kind: Kind, tol: f64) {
             case["name"]
         );
     }
+    let mut right_padded_cases = 0;
     for case in r["batched"].as_array().unwrap() {
         let ids = matrix(&case["input_ids"]);
         let mask = matrix(&case["attention_mask"]);
         let positions = matrix(&case["position_ids"]);
         let logits = model.logits(&ids, Some(&mask), Some(&positions)).unwrap();
+        let right_padded = mask
+            .diff(1, 1, None::<Tensor>, None::<Tensor>)
+            .le(0)
+            .all()
+            .int64_value(&[])
+            == 1;
+        if right_padded {
+            // Padding only on the right: plain causal attention without a mask
+            // (SDPA's `is_causal`) gives the same logits at every real token.
+            let causal = model.logits(&ids, None, None).unwrap();
+            let real = mask.unsqueeze(-1).to_kind(Kind::Bool);
+            let d = (causal - &logits)
+                .masked_fill(&real.logical_not(), 0.0)
+                .abs()
+                .max()
+                .double_value(&[]);
+            assert!(
+                d < tol,
+                "{name} {kind:?} {}: unmasked causal logits differ by {d:e}",
+                case["name"]
+            );
+            right_padded_cases += 1;
+        }
         if !case["logits"].is_null() {
             // Rows at padding are null in the reference and skipped.
             let expanded = batch_logits(&case["logits"], logits.size()[2] as usize);
@@ -151,4 +175,5 @@ pub(crate) fn check_causal_lm(name: &str, kind: Kind, tol: f64) {
             case["name"]
         );
     }
+    assert!(right_padded_cases > 0, "{name}: no right-padded case");
 }

@@ -42,18 +42,16 @@ impl Stage for RewardModel {
         let prompts = crate::stages::columns::token_lists(&batch, col::PROMPT_TOKENS, "reward")?;
         let responses =
             crate::stages::columns::token_lists(&batch, col::RESPONSE_TOKENS, "reward")?;
-        let pad = self.model.config.pad_token_id.unwrap_or(0).max(0);
         let _guard = tch::no_grad_guard();
         let mut scores = Vec::with_capacity(batch.num_rows());
         for start in (0..prompts.len()).step_by(self.micro_batch) {
             let end = (start + self.micro_batch).min(prompts.len());
-            let packed = crate::stages::sequences::pack(
+            let packed = crate::stages::sequences::pack_for(
+                &self.model,
                 &prompts[start..end],
                 &responses[start..end],
-                pad,
-                self.model.device(),
-            );
-            let s = self.model.scores(&packed.ids, Some(&packed.mask))?;
+            )?;
+            let s = self.model.scores(&packed.ids, None)?;
             scores.extend(
                 Vec::<f32>::try_from(s.select(1, 0).to_kind(tch::Kind::Float))
                     .map_err(|e| e.to_string())?,

@@ -15,7 +15,7 @@ use weir_graph::batch::with_column;
 use weir_graph::{Stage, StageError, StepBuffer, StepContext, StepStage, WorkerInfo};
 
 use super::columns::{float_list_array, float_lists, token_lists};
-use super::sequences::pack;
+use super::sequences::pack_for;
 use crate::algorithms::{value_loss, Aggregation, Flavor};
 use crate::rollout::col;
 
@@ -66,10 +66,9 @@ fn response_values(
     prompts: &[Vec<i64>],
     responses: &[Vec<i64>],
 ) -> Result<(Tensor, Tensor), StageError> {
-    let pad = model.config.pad_token_id.unwrap_or(0).max(0);
-    let packed = pack(prompts, responses, pad, model.device());
+    let packed = pack_for(model, prompts, responses)?;
     let scores = model
-        .position_scores(&packed.ids, Some(&packed.mask))?
+        .position_scores(&packed.ids, None)?
         .select(2, 0)
         .to_kind(Kind::Float);
     Ok((scores.gather(1, &packed.index, false), packed.response_mask))

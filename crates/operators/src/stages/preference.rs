@@ -22,7 +22,7 @@ use weir_graph::{StageError, StepBuffer, StepContext, StepStage};
 use super::columns::{strings, token_lists};
 use super::learner::LrSchedule;
 use super::sequences::response_forward;
-use super::sequences::{pack, response_targets};
+use super::sequences::{pack_for, response_targets};
 use crate::checkpoint::CheckpointPlan;
 use crate::rollout::col;
 
@@ -168,10 +168,9 @@ pub fn last_token_scores(
     prompts: &[Vec<i64>],
     responses: &[Vec<i64>],
 ) -> Result<Tensor, StageError> {
-    let pad = model.config.pad_token_id.unwrap_or(0).max(0);
-    let packed = pack(prompts, responses, pad, model.device());
+    let packed = pack_for(model, prompts, responses)?;
     let scores = model
-        .position_scores(&packed.ids, Some(&packed.mask))?
+        .position_scores(&packed.ids, None)?
         .select(2, 0)
         .to_kind(Kind::Float);
     let last: Vec<i64> = prompts

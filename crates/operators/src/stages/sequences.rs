@@ -11,11 +11,13 @@ use weir_graph::StageError;
 /// of row `i` the position `len(prompt_i) − 1 + j` that predicts it — the
 /// index into token log-probs (entry `t − 1` is `log p(token t | < t)`) and
 /// into per-position critic values alike.
+///
+/// The padding is on the right only, so a real token never attends to a
+/// padding position: the model runs on `ids` with no attention mask (plain
+/// causal attention, which lets SDPA choose a fused kernel).
 pub struct Packed {
     /// Token ids `[B, T]`.
     pub ids: Tensor,
-    /// Attention mask `[B, T]`.
-    pub mask: Tensor,
     /// Predicting positions `[B, R]` (R = the longest response; padded entries repeat the last).
     pub index: Tensor,
     /// 1.0 on real response tokens `[B, R]`.
@@ -32,7 +34,7 @@ pub fn pack(prompts: &[Vec<i64>], responses: &[Vec<i64>], pad: i64, device: tch:
         .max()
         .unwrap_or(1);
     let r_max = responses.iter().map(Vec::len).max().unwrap_or(1).max(1);
-    let (mut ids, mut mask, mut index, mut rmask) = (vec![], vec![], vec![], vec![]);
+    let (mut ids, mut index, mut rmask) = (vec![], vec![], vec![]);
     for (p, r) in prompts.iter().zip(responses) {
         let len = p.len() + r.len();
         ids.extend(
@@ -41,7 +43,6 @@ pub fn pack(prompts: &[Vec<i64>], responses: &[Vec<i64>], pad: i64, device: tch:
                 .copied()
                 .chain(std::iter::repeat_n(pad, width - len)),
         );
-        mask.extend(std::iter::repeat_n(1i64, len).chain(std::iter::repeat_n(0, width - len)));
         for j in 0..r_max {
             index.push((p.len() + j.min(r.len().saturating_sub(1))) as i64 - 1);
             rmask.push(if j < r.len() { 1.0f32 } else { 0.0 });
@@ -50,10 +51,34 @@ pub fn pack(prompts: &[Vec<i64>], responses: &[Vec<i64>], pad: i64, device: tch:
     let (b, w, r) = (prompts.len() as i64, width as i64, r_max as i64);
     Packed {
         ids: Tensor::from_slice(&ids).view([b, w]).to_device(device),
-        mask: Tensor::from_slice(&mask).view([b, w]).to_device(device),
         index: Tensor::from_slice(&index).view([b, r]).to_device(device),
         response_mask: Tensor::from_slice(&rmask).view([b, r]).to_device(device),
     }
+}
+
+/// [`pack`] with `model`'s padding id, on its device, after checking on
+/// the host that every token id lies in its vocabulary (so no device
+/// has to be asked).
+pub fn pack_for(
+    model: &Model,
+    prompts: &[Vec<i64>],
+    responses: &[Vec<i64>],
+) -> Result<Packed, StageError> {
+    let vocab = model.config.vocab_size;
+    if let Some(bad) = prompts
+        .iter()
+        .chain(responses)
+        .flatten()
+        .find(|&&id| id < 0 || id >= vocab)
+    {
+        return Err(format!(
+            "token id {bad} is outside the vocabulary of {} (0..{vocab})",
+            model.source.display()
+        )
+        .into());
+    }
+    let pad = model.config.pad_token_id.unwrap_or(0).max(0);
+    Ok(pack(prompts, responses, pad, model.device()))
 }
 
 /// Log-probs `[B, R]` of each row's response tokens given its prompt (at
@@ -160,9 +185,8 @@ fn response_hidden(
         let r = model.response_hidden(prompts, responses)?;
         return Ok((r.logits, r.targets, r.mask));
     }
-    let pad = model.config.pad_token_id.unwrap_or(0).max(0);
-    let packed = pack(prompts, responses, pad, model.device());
-    let hidden = model.hidden_states(&packed.ids, Some(&packed.mask), None)?;
+    let packed = pack_for(model, prompts, responses)?;
+    let hidden = model.hidden_states(&packed.ids, None, None)?;
     Ok(gather_responses(&hidden, packed))
 }
 
@@ -349,11 +373,10 @@ pub fn response_backward<T>(
         loss.backward();
         return Ok(measured);
     }
-    let pad = model.config.pad_token_id.unwrap_or(0).max(0);
-    let packed = pack(prompts, responses, pad, model.device());
-    let (ids, mask) = (packed.ids.shallow_clone(), packed.mask.shallow_clone());
+    let packed = pack_for(model, prompts, responses)?;
+    let ids = packed.ids.shallow_clone();
     let mut measured = None;
-    let _loss = model.backward_checkpointed_hidden(&ids, Some(&mask), |hidden| {
+    let _loss = model.backward_checkpointed_hidden(&ids, None, |hidden| {
         let (at, targets, mask) = gather_responses(hidden, packed);
         let (loss, m) = head(&at, &targets, mask)?;
         measured = Some(m);
@@ -404,6 +427,20 @@ mod tests {
             assert_eq!(m, mask);
             let d = (&chunked - &whole).abs().max().double_value(&[]);
             assert!(d < 1e-12, "chunk {chunk}: {d:e}");
+        }
+        // A token outside the vocabulary is named before anything runs
+        // (on the host: no device is asked to check).
+        let vocab = model.config.vocab_size;
+        for bad in [vocab, -1] {
+            let rows = vec![vec![1i64, bad]];
+            let err = response_logprobs(&model, &prompts[..1], &rows, 1.0, 0)
+                .err()
+                .unwrap()
+                .to_string();
+            assert!(
+                err.contains(&format!("token id {bad}")) && err.contains("tiny-llama"),
+                "{err}"
+            );
         }
     }
 
