@@ -1,5 +1,9 @@
 //! Data-parallel training inside one process: the ranks of a [`HostGroup`]
-//! sum their gradients (and a few statistics) through host memory.
+//! sum their gradients (and a few statistics).
+//!
+//! Values travel as float32 tensors and are summed on rank 0's device: on
+//! CUDA devices the gradients go device to device (peer copies), never
+//! through host memory; on the CPU nothing is copied but the sums.
 //!
 //! A round is an all-reduce: every rank hands in its values and waits; the
 //! last to arrive adds them up, in rank order, so every rank receives the
@@ -10,21 +14,28 @@
 //!
 //! # Examples
 //! ```
+//! use tch::Tensor;
 //! use weir_gpu::collective::HostGroup;
 //!
 //! let group = HostGroup::new(2);
 //! let (a, b) = (group.member(0), group.member(1));
-//! let other = std::thread::spawn(move || b.all_reduce(vec![1.0, 2.0], vec![10.0]).unwrap());
-//! let (values, scalars) = a.all_reduce(vec![0.5, 0.5], vec![1.0]).unwrap();
-//! assert_eq!(values.as_slice(), &[1.5, 2.5]);
+//! let other = std::thread::spawn(move || {
+//!     let (values, _) = b.all_reduce(Tensor::from_slice(&[1.0f32, 2.0]), vec![10.0]).unwrap();
+//!     Vec::<f32>::try_from(values).unwrap()
+//! });
+//! let (values, scalars) = a.all_reduce(Tensor::from_slice(&[0.5f32, 0.5]), vec![1.0]).unwrap();
+//! assert_eq!(Vec::<f32>::try_from(values).unwrap(), [1.5, 2.5]);
 //! assert_eq!(scalars.as_slice(), &[11.0]);
-//! assert_eq!(other.join().unwrap().0, values);
+//! assert_eq!(other.join().unwrap(), [1.5, 2.5]);
 //! ```
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
-/// What a round sums: values (gradients) and scalars (statistics, in f64).
-type Sums = (Arc<Vec<f32>>, Arc<Vec<f64>>);
+use tch::{Kind, Tensor};
+
+/// What a round sums: values (gradients: a flat float32 tensor, on rank
+/// 0's device) and scalars (statistics, in f64).
+pub type Sums = (Tensor, Arc<Vec<f64>>);
 
 /// The ranks of one data-parallel trainer in this process.
 #[derive(Debug)]
@@ -39,7 +50,7 @@ struct Round {
     /// Rounds completed.
     generation: u64,
     /// Each rank's values for the round being collected.
-    deposits: Vec<Option<(Vec<f32>, Vec<f64>)>>,
+    deposits: Vec<Option<(Tensor, Vec<f64>)>>,
     /// The sums of round `generation`, while ranks are still taking them.
     result: Option<Sums>,
     /// Ranks that took `result`.
@@ -54,7 +65,7 @@ impl HostGroup {
         Arc::new(HostGroup {
             size: size.max(1),
             state: Mutex::new(Round {
-                deposits: vec![None; size.max(1)],
+                deposits: (0..size.max(1)).map(|_| None).collect(),
                 ..Round::default()
             }),
             changed: Condvar::new(),
@@ -80,7 +91,7 @@ impl HostGroup {
         self.changed.notify_all();
     }
 
-    fn all_reduce(&self, rank: usize, values: Vec<f32>, scalars: Vec<f64>) -> Result<Sums, String> {
+    fn all_reduce(&self, rank: usize, values: Tensor, scalars: Vec<f64>) -> Result<Sums, String> {
         let mut round = self.lock();
         // Wait until the previous round's sums are taken and this rank's slot is free.
         while round.result.is_some() || round.deposits[rank].is_some() {
@@ -109,7 +120,8 @@ impl HostGroup {
         }
         loop {
             if round.generation == generation {
-                if let Some(sums) = round.result.clone() {
+                if let Some((values, scalars)) = &round.result {
+                    let sums = (values.shallow_clone(), scalars.clone());
                     round.taken += 1;
                     if round.taken == self.size {
                         round.result = None;
@@ -127,27 +139,30 @@ impl HostGroup {
     }
 }
 
-/// Adds the deposits up in rank order and empties them.
-fn sum_in_rank_order(deposits: &mut [Option<(Vec<f32>, Vec<f64>)>]) -> Result<Sums, String> {
+/// Adds the deposits up in rank order, on rank 0's device, and empties them.
+fn sum_in_rank_order(deposits: &mut [Option<(Tensor, Vec<f64>)>]) -> Result<Sums, String> {
+    let _guard = tch::no_grad_guard();
     let mut taken = deposits
         .iter_mut()
         .map(|d| d.take().expect("all deposited"));
-    let (mut values, mut scalars) = taken.next().expect("a group has a rank");
+    let (first, mut scalars) = taken.next().expect("a group has a rank");
+    let mut values = first.to_kind(Kind::Float).reshape([-1]);
     for (rank, (v, s)) in taken.enumerate() {
-        if v.len() != values.len() || s.len() != scalars.len() {
+        if v.numel() != values.numel() || s.len() != scalars.len() {
             return Err(format!(
                 "rank {} handed in {} values and {} scalars, rank 0 {} and {}",
                 rank + 1,
-                v.len(),
+                v.numel(),
                 s.len(),
-                values.len(),
+                values.numel(),
                 scalars.len()
             ));
         }
-        values.iter_mut().zip(&v).for_each(|(a, b)| *a += b);
+        let device = values.device();
+        values = values + v.reshape([-1]).to_device(device).to_kind(Kind::Float);
         scalars.iter_mut().zip(&s).for_each(|(a, b)| *a += b);
     }
-    Ok((Arc::new(values), Arc::new(scalars)))
+    Ok((values, Arc::new(scalars)))
 }
 
 /// One rank of a [`HostGroup`]; dropping it closes the group.
@@ -169,9 +184,10 @@ impl GroupMember {
     }
 
     /// Waits for every rank and returns the element-wise sums of their
-    /// `values` and `scalars`, the same on every rank. Fails when a rank
-    /// has left the group or the ranks' lengths differ.
-    pub fn all_reduce(&self, values: Vec<f32>, scalars: Vec<f64>) -> Result<Sums, String> {
+    /// `values` (any shape and device, summed flat in float32) and
+    /// `scalars`, the same bits on every rank. Fails when a rank has left
+    /// the group or the ranks' lengths differ.
+    pub fn all_reduce(&self, values: Tensor, scalars: Vec<f64>) -> Result<Sums, String> {
         self.group
             .all_reduce(self.rank, values, scalars)
             .map_err(|why| format!("data-parallel group: {why}"))
@@ -187,7 +203,7 @@ pub fn leads(member: Option<&GroupMember>) -> bool {
 /// Sums `scalars` over `member`'s group in place; alone (`None`), leaves them.
 pub fn sum_scalars(member: Option<&GroupMember>, scalars: &mut [f64]) -> Result<(), String> {
     if let Some(member) = member {
-        let (_, sums) = member.all_reduce(Vec::new(), scalars.to_vec())?;
+        let (_, sums) = member.all_reduce(no_values(), scalars.to_vec())?;
         scalars.copy_from_slice(&sums);
     }
     Ok(())
@@ -201,7 +217,7 @@ pub fn max_scalars(member: Option<&GroupMember>, scalars: &mut [f64]) -> Result<
         let n = scalars.len();
         let mut slots = vec![0.0; n * member.size()];
         slots[member.rank * n..(member.rank + 1) * n].copy_from_slice(scalars);
-        let (_, sums) = member.all_reduce(Vec::new(), slots)?;
+        let (_, sums) = member.all_reduce(no_values(), slots)?;
         for (i, x) in scalars.iter_mut().enumerate() {
             *x = (0..member.size())
                 .map(|r| sums[r * n + i])
@@ -209,6 +225,10 @@ pub fn max_scalars(member: Option<&GroupMember>, scalars: &mut [f64]) -> Result<
         }
     }
     Ok(())
+}
+
+fn no_values() -> Tensor {
+    Tensor::zeros([0], (Kind::Float, tch::Device::Cpu))
 }
 
 impl Drop for GroupMember {
@@ -230,8 +250,10 @@ mod tests {
                 std::thread::spawn(move || {
                     (0..50)
                         .map(|round| {
-                            let v = vec![rank as f32 + round as f32, 1.0];
-                            member.all_reduce(v, vec![rank as f64]).unwrap()
+                            let v = Tensor::from_slice(&[rank as f32 + round as f32, 1.0]);
+                            let (values, scalars) =
+                                member.all_reduce(v, vec![rank as f64]).unwrap();
+                            (Vec::<f32>::try_from(values).unwrap(), scalars)
                         })
                         .collect::<Vec<_>>()
                 })
@@ -272,7 +294,10 @@ mod tests {
     fn a_rank_that_leaves_fails_the_waiters_instead_of_hanging() {
         let group = HostGroup::new(2);
         let (a, b) = (group.member(0), group.member(1));
-        let waiter = std::thread::spawn(move || a.all_reduce(vec![1.0], vec![]));
+        let waiter = std::thread::spawn(move || {
+            a.all_reduce(Tensor::from_slice(&[1.0f32]), vec![])
+                .map(|_| ())
+        });
         std::thread::sleep(std::time::Duration::from_millis(50));
         drop(b);
         let err = waiter.join().unwrap().unwrap_err();
@@ -283,8 +308,13 @@ mod tests {
     fn mismatched_lengths_are_an_error() {
         let group = HostGroup::new(2);
         let (a, b) = (group.member(0), group.member(1));
-        let other = std::thread::spawn(move || b.all_reduce(vec![1.0, 2.0], vec![]));
-        let err = a.all_reduce(vec![1.0], vec![]).unwrap_err();
+        let other = std::thread::spawn(move || {
+            b.all_reduce(Tensor::from_slice(&[1.0f32, 2.0]), vec![])
+                .map(|_| ())
+        });
+        let err = a
+            .all_reduce(Tensor::from_slice(&[1.0f32]), vec![])
+            .unwrap_err();
         assert!(err.contains("rank 1 handed in 2 values"), "{err}");
         drop(a);
         assert!(other.join().unwrap().is_err());

@@ -121,7 +121,7 @@ impl Optimizer {
     /// data-parallel group, in place: every rank ends with the same
     /// gradients, so the same [`Optimizer::step`] keeps the ranks' weights
     /// equal. A rank that ran no backward pass contributes zeros. The sums
-    /// travel through host memory in float32.
+    /// are float32, on the devices (no copy through host memory).
     pub fn all_reduce_gradients(
         &mut self,
         member: &GroupMember,
@@ -289,7 +289,8 @@ impl Optimizer {
 }
 
 /// Replaces each of `tensors` by its sum over `member`'s group (a rank that
-/// does not `contribute` adds zeros), and `scalars` likewise; float32
+/// does not `contribute` adds zeros), and `scalars` likewise. The values
+/// stay on their devices (summed in float32 on rank 0's), with no copy
 /// through host memory.
 fn all_reduce(
     member: &GroupMember,
@@ -301,10 +302,7 @@ fn all_reduce(
     let flat: Vec<Tensor> = tensors
         .iter()
         .map(|t| {
-            let t = t
-                .to_device(tch::Device::Cpu)
-                .to_kind(Kind::Float)
-                .reshape([-1]);
+            let t = t.to_kind(Kind::Float).reshape([-1]);
             if contribute {
                 t
             } else {
@@ -312,18 +310,17 @@ fn all_reduce(
             }
         })
         .collect();
-    let values = Vec::<f32>::try_from(&Tensor::cat(&flat, 0))?;
     let (sums, scalar_sums) = member
-        .all_reduce(values, scalars.to_vec())
+        .all_reduce(Tensor::cat(&flat, 0), scalars.to_vec())
         .map_err(ModelError::Input)?;
     scalars.copy_from_slice(&scalar_sums);
-    let sums = Tensor::from_slice(&sums);
     let mut offset = 0;
+    let mut here: Option<Tensor> = None;
     for t in tensors {
+        let sums = here.get_or_insert_with(|| sums.to_device(t.device()));
         let n = t.numel() as i64;
         let summed = sums.narrow(0, offset, n).view(t.size().as_slice());
-        t.shallow_clone()
-            .copy_(&summed.to_kind(t.kind()).to_device(t.device()));
+        t.shallow_clone().copy_(&summed.to_kind(t.kind()));
         offset += n;
     }
     Ok(())
