@@ -146,7 +146,8 @@ fn sum_in_rank_order(deposits: &mut [Option<(Tensor, Vec<f64>)>]) -> Result<Sums
         .iter_mut()
         .map(|d| d.take().expect("all deposited"));
     let (first, mut scalars) = taken.next().expect("a group has a rank");
-    let mut values = first.to_kind(Kind::Float).reshape([-1]);
+    // A copy: the sums accumulate in place, never in a rank's own tensor.
+    let mut values = first.to_kind(Kind::Float).reshape([-1]).copy();
     for (rank, (v, s)) in taken.enumerate() {
         if v.numel() != values.numel() || s.len() != scalars.len() {
             return Err(format!(
@@ -159,7 +160,7 @@ fn sum_in_rank_order(deposits: &mut [Option<(Tensor, Vec<f64>)>]) -> Result<Sums
             ));
         }
         let device = values.device();
-        values = values + v.reshape([-1]).to_device(device).to_kind(Kind::Float);
+        values += v.reshape([-1]).to_device(device).to_kind(Kind::Float);
         scalars.iter_mut().zip(&s).for_each(|(a, b)| *a += b);
     }
     Ok((values, Arc::new(scalars)))
