@@ -30,6 +30,8 @@ enum Command {
     Generate(crate::model_cli::GenerateArgs),
     /// Score sequences with a reward model (JSONL → Parquet `score`).
     Score(crate::model_cli::ModelArgs),
+    /// Merge a LoRA adapter folder (PEFT layout) into its base model: a plain HuggingFace checkpoint.
+    Merge(crate::model_cli::MergeArgs),
     /// List the devices weir can place roles on (CPU, and CUDA devices with free/total memory).
     Devices,
     /// Summarise a run folder in the terminal: steps, reward/KL sparklines, staleness, per-stage busy time.
@@ -62,6 +64,7 @@ pub fn main() {
         Command::Logprobs(args) => crate::model_cli::logprobs(args),
         Command::Generate(args) => crate::model_cli::generate(args),
         Command::Score(args) => crate::model_cli::score(args),
+        Command::Merge(args) => crate::model_cli::merge(args),
         Command::Devices => crate::model_cli::devices(),
         Command::Inspect { run_dir } => {
             crate::report::inspect(run_dir).map(|text| print!("{text}"))

@@ -465,3 +465,57 @@ pub fn devices() -> anyhow::Result<()> {
     println!("libtorch sees {} CUDA device(s)", Device::cuda_count());
     Ok(())
 }
+
+/// Flags of `weir merge`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct MergeArgs {
+    /// A PEFT LoRA adapter folder (a LoRA run's checkpoint `actor/`).
+    pub adapter: PathBuf,
+    /// The folder to write the merged HuggingFace checkpoint to (must not exist, or be empty).
+    #[arg(long)]
+    pub output: PathBuf,
+    /// The base checkpoint (default: the adapter's `base_model_name_or_path`).
+    #[arg(long)]
+    pub base: Option<PathBuf>,
+    /// The merged weights' dtype: f32, bf16, f16 or f64.
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+}
+
+/// `weir merge`: folds a LoRA adapter into its base model's weights
+/// (`W + alpha/r · B·A`, computed in float64) and saves a plain checkpoint.
+pub fn merge(args: &MergeArgs) -> anyhow::Result<()> {
+    use weir_gpu::lora::{LoraConfig, ADAPTER_CONFIG};
+    let save_kind = kind(&args.dtype)?;
+    if !args.adapter.join(ADAPTER_CONFIG).is_file() {
+        bail!(
+            "{}: no {ADAPTER_CONFIG}: not a PEFT adapter folder",
+            args.adapter.display()
+        );
+    }
+    let occupied = std::fs::read_dir(&args.output).is_ok_and(|mut d| d.next().is_some());
+    if occupied {
+        bail!(
+            "--output {}: the folder exists and is not empty",
+            args.output.display()
+        );
+    }
+    let (config, recorded_base) = LoraConfig::read_peft(&args.adapter)?;
+    let base = args.base.clone().unwrap_or(recorded_base);
+    weir_gpu::device::set_threads(1);
+    let mut model = Model::load(&base, Device::Cpu, Kind::Double)
+        .with_context(|| format!("the base model of {}", args.adapter.display()))?;
+    model.add_lora(&config, 0)?;
+    model.load_adapter_weights(&args.adapter)?;
+    model.merge_lora()?;
+    model.save(&args.output, Some(save_kind))?;
+    eprintln!(
+        "merged {} (rank {}, alpha {}) into {}: wrote {}",
+        args.adapter.display(),
+        config.rank,
+        config.alpha,
+        base.display(),
+        args.output.display()
+    );
+    Ok(())
+}

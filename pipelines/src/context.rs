@@ -109,7 +109,47 @@ pub fn device(cfg: &RunConfig, worker: &WorkerInfo) -> Result<Device, StageError
     Ok(Device::Cuda(worker.index % count))
 }
 
-/// Loads `dir` on `worker`'s device in the config's dtype.
+/// Loads `dir` on `worker`'s device in the config's dtype (a PEFT adapter
+/// folder loads as its base with the adapters).
 pub fn load(cfg: &RunConfig, dir: &Path, worker: &WorkerInfo) -> Result<Model, StageError> {
     Ok(Model::load(dir, device(cfg, worker)?, kind(cfg))?)
+}
+
+/// The policy a role trains or samples from, starting at `dir` (the
+/// actor's checkpoint, or `model.path`). With `[lora]`: the frozen weights
+/// of `model.path`, shared with the other frozen models on this device,
+/// plus adapters (drawn from `run.seed`: every role and rank starts equal),
+/// loaded from `dir` when it is an adapter folder (a resumed run).
+pub fn load_policy(cfg: &RunConfig, dir: &Path, worker: &WorkerInfo) -> Result<Model, StageError> {
+    let Some(adapters) = cfg.lora.adapters() else {
+        return load(cfg, dir, worker);
+    };
+    let base = Path::new(&cfg.model.path);
+    let mut model = Model::load_shared(base, device(cfg, worker)?, kind(cfg))?;
+    model.add_lora(&adapters, cfg.run.seed)?;
+    if dir.join(weir_gpu::lora::ADAPTER_CONFIG).is_file() {
+        let (saved, _) = weir_gpu::lora::LoraConfig::read_peft(dir)?;
+        if saved != adapters {
+            return Err(format!(
+                "{}: the checkpoint's adapters (rank {}, alpha {}, {:?}) differ from [lora] (rank {}, alpha {}, {:?})",
+                dir.display(),
+                saved.rank,
+                saved.alpha,
+                saved.target_modules,
+                adapters.rank,
+                adapters.alpha,
+                adapters.target_modules
+            )
+            .into());
+        }
+        model.load_adapter_weights(dir)?;
+    }
+    Ok(model)
+}
+
+/// A model that never trains (the reference): one copy of `dir`'s weights
+/// per device, shared by every role that loads it this way (with `[lora]`,
+/// the policy's own frozen weights when `dir` is `model.path`).
+pub fn load_frozen(cfg: &RunConfig, dir: &Path, worker: &WorkerInfo) -> Result<Model, StageError> {
+    Ok(Model::load_shared(dir, device(cfg, worker)?, kind(cfg))?)
 }

@@ -52,13 +52,13 @@ pub fn dpo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
         .source(ROLLOUT, crate::prompts::preference_pairs(cfg, ctx))
         .stage("dpo", TRAIN, Partition::RoundRobin, move |w| {
             let a = &c.algorithm;
-            let policy = crate::context::load(&c, &x.actor, w)?;
+            let policy = crate::context::load_policy(&c, &x.actor, w)?;
             let reference_dir = if c.model.reference.is_empty() {
                 &c.model.path
             } else {
                 &c.model.reference
             };
-            let reference = crate::context::load(&c, Path::new(reference_dir), w)?;
+            let reference = crate::context::load_frozen(&c, Path::new(reference_dir), w)?;
             let loss = match a.preference_loss {
                 PreferenceChoice::Ipo => PreferenceLoss::Ipo,
                 PreferenceChoice::Cdpo => PreferenceLoss::Cdpo {

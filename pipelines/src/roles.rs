@@ -19,7 +19,7 @@ use weir_operators::stages::learner::{Learner, LearnerConfig, LrSchedule};
 use weir_operators::stages::reference::RefLogprob;
 
 use crate::config::{CorrectionChoice, PolicyLossChoice, ScheduleChoice};
-use crate::context::{load, RunContext};
+use crate::context::{load_frozen, load_policy, RunContext};
 use crate::RunConfig;
 
 /// Worker set of generation and scoring.
@@ -87,7 +87,7 @@ pub fn actor(
 ) -> impl Fn(&WorkerInfo) -> Result<Box<dyn Stage>, StageError> + Send + Sync + 'static {
     let (cfg, actor) = (cfg.clone(), ctx.actor.clone());
     move |w| -> Result<Box<dyn Stage>, StageError> {
-        let model = load(&cfg, &actor, w)?;
+        let model = load_policy(&cfg, &actor, w)?;
         let tok = Tokenizer::load(Path::new(&cfg.model.path))?;
         let params = sampling(&cfg, &tok);
         let generate = Generate::new(model, tok, params.clone());
@@ -161,7 +161,7 @@ pub fn reference(
     move |w| {
         let dir = or_actor(&cfg.model.reference, &cfg);
         Ok(
-            RefLogprob::new(load(&cfg, &dir, w)?, cfg.generate.temperature)
+            RefLogprob::new(load_frozen(&cfg, &dir, w)?, cfg.generate.temperature)
                 .with_logprob_chunk(cfg.algorithm.logprob_chunk),
         )
     }
@@ -300,7 +300,7 @@ pub fn learner(
     let (cfg, ctx) = (cfg.clone(), ctx.clone());
     let group = data_parallel_group(&cfg);
     move |w| {
-        let model = load(&cfg, &ctx.actor, w)?;
+        let model = load_policy(&cfg, &ctx.actor, w)?;
         let mut learner = Learner::new(model, learner_config(&cfg, kl_in_loss))?
             .with_checkpoints(ctx.checkpoint_plan(&cfg));
         if let Some(group) = &group {

@@ -19,7 +19,7 @@ pub fn sft(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
         .source(ROLLOUT, crate::prompts::prompts(cfg, ctx, 1))
         .stage("sft", TRAIN, Partition::RoundRobin, move |w| {
             let a = &c.algorithm;
-            let model = crate::context::load(&c, &x.actor, w)?;
+            let model = crate::context::load_policy(&c, &x.actor, w)?;
             let tok = Tokenizer::load(Path::new(&c.model.path))?;
             let config = SftConfig {
                 adamw: roles::adamw(&c, a.lr),

@@ -28,6 +28,31 @@ pub(crate) fn zero_linear(vs: nn::Path, inputs: i64, outputs: i64, bias: bool) -
     )
 }
 
+/// A projection of a decoder layer: the checkpoint's linear layer, plus a
+/// LoRA adapter once one is attached ([`crate::lora`]).
+#[derive(Debug)]
+pub(crate) struct Proj {
+    pub(crate) base: nn::Linear,
+    pub(crate) adapter: Option<crate::lora::Adapter>,
+}
+
+impl Proj {
+    fn new(vs: nn::Path, inputs: i64, outputs: i64, bias: bool) -> Self {
+        Proj {
+            base: zero_linear(vs, inputs, outputs, bias),
+            adapter: None,
+        }
+    }
+
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let y = self.base.forward(x);
+        match &self.adapter {
+            Some(adapter) => adapter.add_to(y, x),
+            None => y,
+        }
+    }
+}
+
 #[derive(Debug)]
 pub struct RmsNorm {
     weight: Tensor,
@@ -130,10 +155,10 @@ impl KvCache {
 
 #[derive(Debug)]
 struct Attention {
-    q: nn::Linear,
-    k: nn::Linear,
-    v: nn::Linear,
-    o: nn::Linear,
+    q: Proj,
+    k: Proj,
+    v: Proj,
+    o: Proj,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
     heads: i64,
@@ -143,7 +168,7 @@ struct Attention {
 
 impl Attention {
     fn new(vs: nn::Path, c: &ModelConfig) -> Self {
-        let lin = |name: &str, i: i64, o: i64, bias: bool| zero_linear(&vs / name, i, o, bias);
+        let lin = |name: &str, i: i64, o: i64, bias: bool| Proj::new(&vs / name, i, o, bias);
         let (h, kv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         Attention {
             q: lin("q_proj", c.hidden_size, h * d, c.attention_bias),
@@ -245,18 +270,18 @@ impl Attention {
 
 #[derive(Debug)]
 struct Mlp {
-    gate: nn::Linear,
-    up: nn::Linear,
-    down: nn::Linear,
+    gate: Proj,
+    up: Proj,
+    down: Proj,
 }
 
 impl Mlp {
     fn new(vs: nn::Path, c: &ModelConfig) -> Self {
         let (h, i, bias) = (c.hidden_size, c.intermediate_size, c.mlp_bias);
         Mlp {
-            gate: zero_linear(&vs / "gate_proj", h, i, bias),
-            up: zero_linear(&vs / "up_proj", h, i, bias),
-            down: zero_linear(&vs / "down_proj", i, h, bias),
+            gate: Proj::new(&vs / "gate_proj", h, i, bias),
+            up: Proj::new(&vs / "up_proj", h, i, bias),
+            down: Proj::new(&vs / "down_proj", i, h, bias),
         }
     }
 
@@ -319,6 +344,48 @@ impl Decoder {
     /// Number of layers.
     pub fn num_layers(&self) -> usize {
         self.layers.len()
+    }
+
+    /// Every layer's projections by module path under the decoder
+    /// (`layers.{i}.self_attn.q_proj`, …, `layers.{i}.mlp.down_proj`).
+    pub(crate) fn projections_mut(&mut self) -> Vec<(String, &mut Proj)> {
+        let mut out = Vec::with_capacity(self.layers.len() * 7);
+        for (i, layer) in self.layers.iter_mut().enumerate() {
+            let a = &mut layer.attention;
+            let m = &mut layer.mlp;
+            for (name, proj) in [
+                ("self_attn.q_proj", &mut a.q),
+                ("self_attn.k_proj", &mut a.k),
+                ("self_attn.v_proj", &mut a.v),
+                ("self_attn.o_proj", &mut a.o),
+                ("mlp.gate_proj", &mut m.gate),
+                ("mlp.up_proj", &mut m.up),
+                ("mlp.down_proj", &mut m.down),
+            ] {
+                out.push((format!("layers.{i}.{name}"), proj));
+            }
+        }
+        out
+    }
+
+    /// [`Decoder::projections_mut`], read-only.
+    pub(crate) fn projections(&self) -> Vec<(String, &Proj)> {
+        let mut out = Vec::with_capacity(self.layers.len() * 7);
+        for (i, layer) in self.layers.iter().enumerate() {
+            let (a, m) = (&layer.attention, &layer.mlp);
+            for (name, proj) in [
+                ("self_attn.q_proj", &a.q),
+                ("self_attn.k_proj", &a.k),
+                ("self_attn.v_proj", &a.v),
+                ("self_attn.o_proj", &a.o),
+                ("mlp.gate_proj", &m.gate),
+                ("mlp.up_proj", &m.up),
+                ("mlp.down_proj", &m.down),
+            ] {
+                out.push((format!("layers.{i}.{name}"), proj));
+            }
+        }
+        out
     }
 
     /// Final hidden states `[B, T, hidden]` for `input_ids` `[B, T]`.

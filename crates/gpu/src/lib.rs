@@ -18,6 +18,7 @@ pub mod device;
 mod error;
 pub mod generate;
 pub mod logprobs;
+pub mod lora;
 pub mod model;
 #[cfg(feature = "cuda")]
 pub mod nccl;

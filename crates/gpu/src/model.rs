@@ -26,10 +26,14 @@ pub struct Model {
     pub config: ModelConfig,
     /// Where it was loaded from.
     pub source: PathBuf,
-    vs: nn::VarStore,
-    decoder: Decoder,
+    pub(crate) vs: nn::VarStore,
+    pub(crate) decoder: Decoder,
     lm_head: Option<nn::Linear>,
     score: Option<nn::Linear>,
+    /// LoRA adapters, once attached ([`Model::add_lora`]).
+    pub(crate) lora: Option<crate::lora::Lora>,
+    /// The weights this model shares with others ([`Model::load_shared`]).
+    pub(crate) shared: Option<std::sync::Arc<crate::lora::SharedWeights>>,
     /// Packed weights for the CPU generation kernels, made on first use.
     #[cfg(target_arch = "x86_64")]
     prepared: crate::cpu::prepared::Prepared,
@@ -37,7 +41,12 @@ pub struct Model {
 
 impl Model {
     /// Loads `dir` (config.json + safetensors) onto `device`, computing in `kind`.
+    /// A PEFT adapter folder (`adapter_config.json`, no `config.json`)
+    /// loads as its base model with the adapters attached.
     pub fn load(dir: &Path, device: Device, kind: Kind) -> Result<Self, ModelError> {
+        if dir.join(crate::lora::ADAPTER_CONFIG).is_file() && !dir.join("config.json").is_file() {
+            return Model::load_adapter_folder(dir, device, kind);
+        }
         let config = ModelConfig::load(dir)?;
         let mut model = Model::new(config, device, dir)?;
         model.load_weights(dir)?;
@@ -107,6 +116,8 @@ impl Model {
             decoder,
             lm_head,
             score,
+            lora: None,
+            shared: None,
             #[cfg(target_arch = "x86_64")]
             prepared: Default::default(),
         })
@@ -419,19 +430,32 @@ pub fn default_positions(mask: &Tensor) -> Tensor {
     positions.masked_fill(&mask.eq(0), 1)
 }
 
-/// `n` draws from N(0, std²), the same for the same `seed` (splitmix64 and
-/// Box–Muller; libtorch's generator is global and shared between threads).
-fn seeded_normal(n: usize, std: f64, seed: u64) -> Vec<f32> {
+/// Uniform draws in (0, 1] from `seed` (splitmix64): the same for the
+/// same seed (libtorch's generator is global and shared between threads).
+fn seeded_unit(seed: u64) -> impl FnMut() -> f64 {
     let mut state = seed;
-    let mut uniform = move || {
+    move || {
         state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = state;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
         z ^= z >> 31;
-        // In (0, 1]: the logarithm below stays finite.
+        // In (0, 1]: a logarithm of it stays finite.
         ((z >> 11) as f64 + 1.0) / (1u64 << 53) as f64
-    };
+    }
+}
+
+/// `n` draws from U(−bound, bound), the same for the same `seed`.
+pub(crate) fn seeded_uniform(n: usize, bound: f64, seed: u64) -> Vec<f32> {
+    let mut unit = seeded_unit(seed);
+    (0..n)
+        .map(|_| ((2.0 * unit() - 1.0) * bound) as f32)
+        .collect()
+}
+
+/// `n` draws from N(0, std²), the same for the same `seed` (Box–Muller).
+fn seeded_normal(n: usize, std: f64, seed: u64) -> Vec<f32> {
+    let mut uniform = seeded_unit(seed);
     (0..n)
         .map(|_| {
             let (u, v) = (uniform(), uniform());

@@ -68,13 +68,11 @@ fn needs_master(kind: Kind) -> bool {
 }
 
 impl Optimizer {
-    /// AdamW over every trainable parameter of `model`.
+    /// AdamW over every trainable parameter of `model` (a LoRA model's adapters).
     pub fn adamw(model: &Model, config: AdamWConfig) -> Result<Self, ModelError> {
-        let mut vars: Vec<(String, Tensor)> = model.var_store().variables().into_iter().collect();
-        vars.sort_by(|a, b| a.0.cmp(&b.0));
-        let slots = vars
+        let slots = model
+            .trainable_tensors()
             .into_iter()
-            .filter(|(_, p)| p.requires_grad())
             .map(|(name, p)| {
                 let m = p.zeros_like().to_kind(Kind::Float);
                 let v = p.zeros_like().to_kind(Kind::Float);

@@ -97,10 +97,11 @@ impl Model {
         all
     }
 
-    /// The weights as safetensors bytes tagged with `version` (for the weights edge).
+    /// The weights as safetensors bytes tagged with `version` (for the
+    /// weights edge); a LoRA model's hold only its adapters.
     pub fn export_snapshot(&self, version: u64) -> Result<Vec<u8>, ModelError> {
         let metadata = HashMap::from([(VERSION_KEY.to_string(), version.to_string())]);
-        to_safetensors(&self.named_tensors(), None, &metadata)
+        to_safetensors(&self.snapshot_tensors(), None, &metadata)
     }
 
     /// Applies a snapshot from [`Model::export_snapshot`] (any device, any
@@ -114,6 +115,10 @@ impl Model {
                 ModelError::Input(format!("snapshot has no `{VERSION_KEY}` metadata"))
             })?;
         let incoming: HashMap<String, Tensor> = tensors.into_iter().collect();
+        if self.lora().is_some() {
+            self.copy_adapters(&incoming, "weights snapshot")?;
+            return Ok(version);
+        }
         let _guard = tch::no_grad_guard();
         for (name, mut var) in self.var_store().variables() {
             let t = incoming
@@ -154,8 +159,11 @@ impl Model {
         kind: Option<Kind>,
         max_shard_bytes: u64,
     ) -> Result<(), ModelError> {
-        std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
         let kind = kind.unwrap_or_else(|| self.kind());
+        if self.lora().is_some() {
+            return self.save_adapters(dir, kind);
+        }
+        std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
         let element = kind.elt_size_in_bytes() as u64;
         let mut shards: Vec<Vec<(String, Tensor)>> = vec![Vec::new()];
         let mut sizes = vec![0u64];
@@ -236,6 +244,11 @@ impl Model {
             message: e.to_string(),
         })?;
         write_atomically(&dir.join("config.json"), text.as_bytes())?;
+        self.copy_side_files(dir)
+    }
+
+    /// Copies the source folder's tokenizer and generation files into `dir`.
+    pub(crate) fn copy_side_files(&self, dir: &Path) -> Result<(), ModelError> {
         for file in [
             "generation_config.json",
             "tokenizer.json",

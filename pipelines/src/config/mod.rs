@@ -40,6 +40,8 @@ pub struct RunConfig {
     pub curriculum: CurriculumSection,
     /// Greedy evaluation on the arith task.
     pub eval: EvalSection,
+    /// LoRA adapters for the actor.
+    pub lora: LoraSection,
 }
 
 /// `[run]`.
@@ -511,6 +513,46 @@ impl Default for EvalSection {
             every: 0,
             best_checkpoint: false,
         }
+    }
+}
+
+/// `[lora]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LoraSection {
+    /// Adapter rank (0: no adapters, the whole model trains).
+    pub rank: i64,
+    /// The adapters' update is scaled by `alpha / rank`.
+    pub alpha: f64,
+    /// Dropout on the adapters' input while training.
+    pub dropout: f64,
+    /// The projections that get adapters.
+    pub target_modules: Vec<String>,
+}
+
+impl Default for LoraSection {
+    fn default() -> Self {
+        LoraSection {
+            rank: 0,
+            alpha: 16.0,
+            dropout: 0.0,
+            target_modules: weir_gpu::lora::TARGET_MODULES
+                .iter()
+                .map(|m| m.to_string())
+                .collect(),
+        }
+    }
+}
+
+impl LoraSection {
+    /// The adapters' shape, when `rank > 0`.
+    pub fn adapters(&self) -> Option<weir_gpu::lora::LoraConfig> {
+        (self.rank > 0).then(|| weir_gpu::lora::LoraConfig {
+            rank: self.rank,
+            alpha: self.alpha,
+            dropout: self.dropout,
+            target_modules: self.target_modules.clone(),
+        })
     }
 }
 

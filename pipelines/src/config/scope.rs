@@ -48,6 +48,8 @@ pub fn applies(pipeline: PipelineKind, section: &str, key: &str) -> bool {
         // Evaluation during training runs on the generator.
         ("eval", "every" | "best_checkpoint") => pipeline.is_rl(),
         ("eval", _) => pipeline != Rm,
+        // A reward model trains its score head, which adapters do not reach.
+        ("lora", _) => pipeline != Rm,
         _ => true,
     }
 }
@@ -65,6 +67,12 @@ fn inert(cfg: &RunConfig, pipeline: PipelineKind) -> Vec<(&'static str, &'static
             }
         }
     };
+    unless(
+        cfg.lora.rank > 0,
+        "lora",
+        &["alpha", "dropout", "target_modules"],
+        "lora.rank > 0",
+    );
     // Prompt files are read as `[data]` says: the training set, or the eval set.
     let arith_data = cfg.data.prompts == "arith";
     let no_file = arith_data && cfg.eval.prompts.is_empty();

@@ -140,6 +140,33 @@ impl RunConfig {
         if self.eval.k == 0 {
             return bad("eval.k", "0".into(), "must be ≥ 1");
         }
+        if self.lora.rank < 0 {
+            return bad("lora.rank", self.lora.rank.to_string(), "must be ≥ 0");
+        }
+        if let Some(adapters) = self.lora.adapters() {
+            if let Err(why) = adapters.check() {
+                let key = if why.starts_with("alpha") {
+                    "lora.alpha"
+                } else if why.starts_with("dropout") {
+                    "lora.dropout"
+                } else {
+                    "lora.target_modules"
+                };
+                let value = match key {
+                    "lora.alpha" => self.lora.alpha.to_string(),
+                    "lora.dropout" => self.lora.dropout.to_string(),
+                    _ => format!("{:?}", self.lora.target_modules),
+                };
+                return bad(key, value, &why);
+            }
+            if adapters.dropout > 0.0 && self.algorithm.gradient_checkpointing {
+                return bad(
+                    "lora.dropout",
+                    adapters.dropout.to_string(),
+                    "needs algorithm.gradient_checkpointing = false (a recomputed layer would draw other dropout masks)",
+                );
+            }
+        }
         let template = &self.data.prompt_template;
         if !template.is_empty() && !template.contains("{prompt}") {
             return bad(

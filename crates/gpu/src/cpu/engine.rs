@@ -59,7 +59,12 @@ impl CpuModel {
     /// Copies and packs the weights of a causal LM.
     pub fn from_model(model: &Model) -> Result<Self, ModelError> {
         let c = &model.config;
-        let tensors: HashMap<String, Tensor> = model.named_tensors().into_iter().collect();
+        // A LoRA model runs on its weights with the adapters folded in.
+        let tensors: HashMap<String, Tensor> = if model.lora().is_some() {
+            model.merged_tensors().into_iter().collect()
+        } else {
+            model.named_tensors().into_iter().collect()
+        };
         let get = |name: &str| -> Result<Vec<f32>, ModelError> {
             let t = tensors
                 .get(name)

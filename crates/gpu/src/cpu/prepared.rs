@@ -41,6 +41,7 @@ impl Prepared {
         let stamp: Stamp = model
             .named_tensors()
             .iter()
+            .chain(&model.adapter_tensors())
             .map(|(_, t)| (t.data_ptr() as usize, t.internal_version()))
             .collect();
         let mut slot = self.packed.lock().unwrap_or_else(|e| e.into_inner());

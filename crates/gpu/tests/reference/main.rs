@@ -6,6 +6,7 @@
 mod checkpoints;
 mod generation;
 mod logits;
+mod lora;
 mod tokenizer;
 mod training;
 

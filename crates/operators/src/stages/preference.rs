@@ -386,6 +386,7 @@ impl StepStage for DpoTrainer {
                     sequence_logprobs(&self.reference, &p.prompts, &p.rejected)?,
                 )
             };
+            let _training = t.model.training();
             let chosen = sequence_logprobs(&t.model, &p.prompts, &p.chosen)? - ref_c;
             let rejected = sequence_logprobs(&t.model, &p.prompts, &p.rejected)? - ref_r;
             let h = &chosen - &rejected;

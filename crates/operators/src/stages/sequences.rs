@@ -344,6 +344,7 @@ pub fn response_backward<T>(
     loss_of: impl FnOnce(ResponseForward) -> Result<(Tensor, T), StageError>,
 ) -> Result<T, StageError> {
     let chunked = chunks(responses, chunk);
+    let _training = model.training();
     // The loss to backpropagate, from the hidden states at the response positions.
     let head = |hidden: &Tensor, targets: &Tensor, mask: Tensor| {
         if chunked {

@@ -1,0 +1,538 @@
+//! LoRA: low-rank adapters on a decoder's projections, trained while the
+//! checkpoint's weights stay frozen.
+//!
+//! An adapted projection computes `W·x + (α / r)·B·A·dropout(x)` with
+//! `A [r, in]` (Kaiming-uniform, bound `1/√in`, as PEFT initialises it,
+//! from a fixed seed) and `B [out, r]` (zeros, so a fresh adapter changes
+//! nothing). The adapters live in their own store under PEFT's names
+//! (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`), so:
+//! - only they train ([`Model::trainable_tensors`]);
+//! - a weights snapshot carries only them ([`Model::export_snapshot`]);
+//! - a LoRA model saves as a PEFT adapter folder (`adapter_config.json`,
+//!   `adapter_model.safetensors`) that `peft` loads onto the base model,
+//!   and [`Model::load`] reads such a folder back (base and adapters);
+//! - [`Model::merge_lora`] folds them into the weights for a plain
+//!   HuggingFace checkpoint.
+//!
+//! Models whose weights never change (frozen bases, references) can share
+//! one copy of a checkpoint per device: [`Model::load_shared`].
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+
+use tch::{nn, Kind, Tensor};
+
+use crate::config::Head;
+use crate::model::Model;
+use crate::{Device, ModelError};
+
+/// The projections an adapter may target (PEFT's `target_modules` names).
+pub const TARGET_MODULES: [&str; 7] = [
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+];
+
+/// The adapter file names of a PEFT folder.
+pub const ADAPTER_CONFIG: &str = "adapter_config.json";
+/// The adapter weights of a PEFT folder.
+pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
+
+/// The shape of the adapters (PEFT's `LoraConfig`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoraConfig {
+    /// `r`: the adapters' inner dimension.
+    pub rank: i64,
+    /// `lora_alpha`: the update is scaled by `alpha / rank`.
+    pub alpha: f64,
+    /// `lora_dropout`: dropout on the adapter's input while training.
+    pub dropout: f64,
+    /// The projections adapted, e.g. `q_proj`, `v_proj`.
+    pub target_modules: Vec<String>,
+}
+
+impl LoraConfig {
+    /// `alpha / rank`.
+    pub fn scale(&self) -> f64 {
+        self.alpha / self.rank as f64
+    }
+
+    /// Checks the values, naming the first bad one.
+    pub fn check(&self) -> Result<(), String> {
+        if self.rank <= 0 {
+            return Err(format!("rank must be positive, got {}", self.rank));
+        }
+        if !(self.alpha.is_finite() && self.alpha > 0.0) {
+            return Err(format!("alpha must be positive, got {}", self.alpha));
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return Err(format!("dropout must lie in [0, 1), got {}", self.dropout));
+        }
+        if self.target_modules.is_empty() {
+            return Err("target_modules is empty".into());
+        }
+        if let Some(bad) = self
+            .target_modules
+            .iter()
+            .find(|m| !TARGET_MODULES.contains(&m.as_str()))
+        {
+            return Err(format!(
+                "target module `{bad}` is not one of {}",
+                TARGET_MODULES.join(", ")
+            ));
+        }
+        Ok(())
+    }
+
+    /// PEFT's `adapter_config.json` for adapters on the model at `base`.
+    pub fn to_peft_json(&self, base: &Path) -> serde_json::Value {
+        serde_json::json!({
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": base.display().to_string(),
+            "r": self.rank,
+            "lora_alpha": self.alpha,
+            "lora_dropout": self.dropout,
+            "target_modules": self.target_modules,
+            "bias": "none",
+            "fan_in_fan_out": false,
+            "inference_mode": true,
+            "init_lora_weights": true,
+            "use_rslora": false,
+            "use_dora": false,
+            "modules_to_save": null,
+            "layers_to_transform": null,
+            "rank_pattern": {},
+            "alpha_pattern": {},
+            "revision": null,
+        })
+    }
+
+    /// Reads a PEFT `adapter_config.json`: the adapters' shape and the base
+    /// model's folder (relative paths are taken from the adapter folder).
+    pub fn read_peft(dir: &Path) -> Result<(LoraConfig, PathBuf), ModelError> {
+        let path = dir.join(ADAPTER_CONFIG);
+        let text = std::fs::read_to_string(&path).map_err(|e| ModelError::io(&path, e))?;
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| ModelError::Json {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })?;
+        let bad = |key: &str, why: String| ModelError::config(&path, key, why);
+        let peft_type = v["peft_type"].as_str().unwrap_or("");
+        if peft_type != "LORA" {
+            return Err(bad(
+                "peft_type",
+                format!("only LORA adapters load, found `{peft_type}`"),
+            ));
+        }
+        for (key, plain) in [
+            ("use_dora", false),
+            ("use_rslora", false),
+            ("fan_in_fan_out", false),
+        ] {
+            if v[key].as_bool().unwrap_or(plain) != plain {
+                return Err(bad(key, format!("must be {plain} (not supported)")));
+            }
+        }
+        let targets = match &v["target_modules"] {
+            serde_json::Value::Array(a) => a
+                .iter()
+                .map(|m| m.as_str().map(str::to_string))
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| bad("target_modules", "must be a list of names".into()))?,
+            serde_json::Value::String(s) => s.split(',').map(|m| m.trim().to_string()).collect(),
+            _ => return Err(bad("target_modules", "missing".into())),
+        };
+        let config = LoraConfig {
+            rank: v["r"]
+                .as_i64()
+                .ok_or_else(|| bad("r", "missing or not an integer".into()))?,
+            alpha: v["lora_alpha"]
+                .as_f64()
+                .ok_or_else(|| bad("lora_alpha", "missing or not a number".into()))?,
+            dropout: v["lora_dropout"].as_f64().unwrap_or(0.0),
+            target_modules: targets,
+        };
+        config.check().map_err(|why| bad("r", why))?;
+        let base = v["base_model_name_or_path"]
+            .as_str()
+            .filter(|b| !b.is_empty())
+            .ok_or_else(|| bad("base_model_name_or_path", "missing".into()))?;
+        Ok((config, dir.join(base)))
+    }
+}
+
+/// One projection's adapter.
+#[derive(Debug)]
+pub(crate) struct Adapter {
+    a: Tensor,
+    b: Tensor,
+    scale: f64,
+    dropout: f64,
+    training: Arc<AtomicBool>,
+}
+
+impl Adapter {
+    /// `y + scale · B·A·dropout(x)`.
+    pub(crate) fn add_to(&self, y: Tensor, x: &Tensor) -> Tensor {
+        let x = if self.dropout > 0.0 && self.training.load(Ordering::Relaxed) {
+            x.dropout(self.dropout, true)
+        } else {
+            x.shallow_clone()
+        };
+        y + x.matmul(&self.a.tr()).matmul(&self.b.tr()) * self.scale
+    }
+
+    /// The weight update it stands for, `scale · B·A` `[out, in]`.
+    fn delta(&self) -> Tensor {
+        self.b.matmul(&self.a) * self.scale
+    }
+}
+
+/// A model's adapters: their shape, their store, and the training switch
+/// (dropout is on only while the learner trains).
+#[derive(Debug)]
+pub(crate) struct Lora {
+    config: LoraConfig,
+    vs: nn::VarStore,
+    training: Arc<AtomicBool>,
+}
+
+/// PEFT's name of adapter `which` ("A" or "B") on decoder module `module`.
+fn peft_name(module: &str, which: &str) -> String {
+    format!("base_model.model.model.{module}.lora_{which}.weight")
+}
+
+/// Adds trainable `tensor` to `vs` under the dotted `name`.
+fn add_var(vs: &nn::VarStore, name: &str, tensor: Tensor) -> Tensor {
+    let (path, last) = name.rsplit_once('.').expect("a dotted name");
+    let mut at = vs.root();
+    for part in path.split('.') {
+        at = at.sub(part);
+    }
+    at.add(last, tensor, true)
+}
+
+impl Model {
+    /// Attaches fresh adapters (`B = 0`: the model computes what it did)
+    /// to the projections `config` targets, and freezes every other
+    /// parameter. `A` is drawn from `seed`, so every process and rank that
+    /// attaches with the same seed holds the same adapters.
+    pub fn add_lora(&mut self, config: &LoraConfig, seed: u64) -> Result<(), ModelError> {
+        config
+            .check()
+            .map_err(|why| ModelError::Input(format!("lora: {why}")))?;
+        if self.lora.is_some() {
+            return Err(ModelError::Input("the model already has adapters".into()));
+        }
+        if self.config.head != Head::CausalLm {
+            return Err(ModelError::Input(format!(
+                "lora: {} is not a causal LM",
+                self.config.architecture
+            )));
+        }
+        let (kind, device) = (self.kind(), self.device());
+        let vs = nn::VarStore::new(device);
+        let training = Arc::new(AtomicBool::new(false));
+        let mut stream = seed;
+        for (module, proj) in self.decoder.projections_mut() {
+            let short = module.rsplit('.').next().unwrap_or_default();
+            if !config.target_modules.iter().any(|t| t == short) {
+                continue;
+            }
+            let (outputs, inputs) = (proj.base.ws.size()[0], proj.base.ws.size()[1]);
+            let bound = 1.0 / (inputs as f64).sqrt();
+            stream = stream.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let values =
+                crate::model::seeded_uniform((config.rank * inputs) as usize, bound, stream);
+            let a = Tensor::from_slice(&values)
+                .view([config.rank, inputs])
+                .to_kind(kind)
+                .to_device(device);
+            let b = Tensor::zeros([outputs, config.rank], (kind, device));
+            let a = add_var(&vs, &peft_name(&module, "A"), a);
+            let b = add_var(&vs, &peft_name(&module, "B"), b);
+            proj.adapter = Some(Adapter {
+                a,
+                b,
+                scale: config.scale(),
+                dropout: config.dropout,
+                training: training.clone(),
+            });
+        }
+        self.vs.freeze();
+        self.lora = Some(Lora {
+            config: config.clone(),
+            vs,
+            training,
+        });
+        Ok(())
+    }
+
+    /// The adapters' shape, if the model has adapters.
+    pub fn lora(&self) -> Option<&LoraConfig> {
+        self.lora.as_ref().map(|l| &l.config)
+    }
+
+    /// The adapters by PEFT name, sorted (empty without adapters).
+    pub fn adapter_tensors(&self) -> Vec<(String, Tensor)> {
+        let mut all: Vec<(String, Tensor)> = self
+            .lora
+            .as_ref()
+            .map(|l| l.vs.variables().into_iter().collect())
+            .unwrap_or_default();
+        all.sort_by(|a, b| a.0.cmp(&b.0));
+        all
+    }
+
+    /// What an optimizer updates, by name, sorted: the adapters of a LoRA
+    /// model, else every parameter that requires a gradient.
+    pub fn trainable_tensors(&self) -> Vec<(String, Tensor)> {
+        if self.lora.is_some() {
+            return self.adapter_tensors();
+        }
+        self.named_tensors()
+            .into_iter()
+            .filter(|(_, t)| t.requires_grad())
+            .collect()
+    }
+
+    /// What a weights snapshot carries: the adapters of a LoRA model (the
+    /// frozen weights never change), else every parameter.
+    pub fn snapshot_tensors(&self) -> Vec<(String, Tensor)> {
+        if self.lora.is_some() {
+            self.adapter_tensors()
+        } else {
+            self.named_tensors()
+        }
+    }
+
+    /// Adapter dropout on until the guard drops: wrap a training forward
+    /// pass in it (the log-prob passes run without dropout).
+    pub fn training(&self) -> TrainingGuard<'_> {
+        if let Some(lora) = &self.lora {
+            lora.training.store(true, Ordering::Relaxed);
+        }
+        TrainingGuard(self)
+    }
+
+    /// Every parameter by name with the adapters folded in (`W + scale·B·A`
+    /// as new tensors; the model is unchanged): the weights that compute
+    /// what this model computes without adapters.
+    pub fn merged_tensors(&self) -> Vec<(String, Tensor)> {
+        let _guard = tch::no_grad_guard();
+        let deltas: HashMap<String, Tensor> = self
+            .decoder
+            .projections()
+            .into_iter()
+            .filter_map(|(module, proj)| {
+                let adapter = proj.adapter.as_ref()?;
+                Some((format!("model.{module}.weight"), adapter.delta()))
+            })
+            .collect();
+        self.named_tensors()
+            .into_iter()
+            .map(|(name, t)| match deltas.get(&name) {
+                Some(delta) => {
+                    let merged = &t + delta.to_kind(t.kind());
+                    (name, merged)
+                }
+                None => (name, t),
+            })
+            .collect()
+    }
+
+    /// Folds the adapters into the weights and drops them: the model is a
+    /// plain checkpoint again (all of it trainable), computing the same.
+    pub fn merge_lora(&mut self) -> Result<(), ModelError> {
+        if self.lora.is_none() {
+            return Err(ModelError::Input(
+                "the model has no adapters to merge".into(),
+            ));
+        }
+        if self.shared.is_some() {
+            return Err(ModelError::Input(
+                "the model's weights are shared with other models: load it alone to merge".into(),
+            ));
+        }
+        {
+            let _guard = tch::no_grad_guard();
+            for (_, proj) in self.decoder.projections_mut() {
+                if let Some(adapter) = proj.adapter.take() {
+                    let delta = adapter.delta().to_kind(proj.base.ws.kind());
+                    let _ = proj.base.ws.f_add_(&delta)?;
+                }
+            }
+        }
+        self.lora = None;
+        self.vs.unfreeze();
+        Ok(())
+    }
+
+    /// Copies adapter weights by PEFT name (from a snapshot or an adapter
+    /// file) into this model's adapters; every adapter must be present with
+    /// its shape. `origin` names the source in errors.
+    pub(crate) fn copy_adapters(
+        &self,
+        incoming: &HashMap<String, Tensor>,
+        origin: &str,
+    ) -> Result<(), ModelError> {
+        let _guard = tch::no_grad_guard();
+        for (name, mut var) in self.adapter_tensors() {
+            let t = incoming
+                .get(&name)
+                .ok_or_else(|| ModelError::MissingTensor {
+                    path: origin.to_string(),
+                    name: name.clone(),
+                })?;
+            if t.size() != var.size() {
+                return Err(ModelError::ShapeMismatch {
+                    path: origin.to_string(),
+                    name,
+                    expected: var.size(),
+                    found: t.size(),
+                });
+            }
+            var.f_copy_(&t.to_kind(var.kind()).to_device(var.device()))?;
+        }
+        Ok(())
+    }
+
+    /// Loads the adapter weights of PEFT folder `dir` into this model's
+    /// adapters (attached with the folder's config).
+    pub fn load_adapter_weights(&self, dir: &Path) -> Result<(), ModelError> {
+        let path = dir.join(ADAPTER_WEIGHTS);
+        let bytes = std::fs::read(&path).map_err(|e| ModelError::io(&path, e))?;
+        let (tensors, _) = crate::snapshot::from_safetensors(&bytes)
+            .map_err(|e| ModelError::Input(format!("{}: {e}", path.display())))?;
+        // PEFT may save names with the adapter's name (`lora_A.default.weight`).
+        let incoming: HashMap<String, Tensor> = tensors
+            .into_iter()
+            .map(|(n, t)| (n.replace(".default.weight", ".weight"), t))
+            .collect();
+        self.copy_adapters(&incoming, &path.display().to_string())
+    }
+
+    /// A PEFT adapter folder: its base model (from `base_model_name_or_path`)
+    /// with the folder's adapters.
+    pub(crate) fn load_adapter_folder(
+        dir: &Path,
+        device: Device,
+        kind: Kind,
+    ) -> Result<Self, ModelError> {
+        let (config, base) = LoraConfig::read_peft(dir)?;
+        let mut model = Model::load(&base, device, kind).map_err(|e| match e {
+            ModelError::Io { path, message } => ModelError::Input(format!(
+                "{}: base model `{path}`: {message}",
+                dir.join(ADAPTER_CONFIG).display()
+            )),
+            other => other,
+        })?;
+        model.add_lora(&config, 0)?;
+        model.load_adapter_weights(dir)?;
+        Ok(model)
+    }
+
+    /// Saves the adapters as a PEFT folder: `adapter_config.json` (the base
+    /// is this model's source), `adapter_model.safetensors` (in `kind`),
+    /// and the source's tokenizer and generation files.
+    pub(crate) fn save_adapters(&self, dir: &Path, kind: Kind) -> Result<(), ModelError> {
+        let lora = self.lora.as_ref().expect("called on a LoRA model");
+        std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
+        let base = std::fs::canonicalize(&self.source).unwrap_or_else(|_| self.source.clone());
+        let config = serde_json::to_string_pretty(&lora.config.to_peft_json(&base))
+            .expect("JSON values serialise");
+        crate::snapshot::write_atomically(&dir.join(ADAPTER_CONFIG), config.as_bytes())?;
+        let bytes =
+            crate::snapshot::to_safetensors(&self.adapter_tensors(), Some(kind), &HashMap::new())?;
+        crate::snapshot::write_atomically(&dir.join(ADAPTER_WEIGHTS), &bytes)?;
+        self.copy_side_files(dir)
+    }
+
+    /// `dir`'s checkpoint on `device` in `kind`, its weights shared with
+    /// every other model loaded this way from the same folder, device and
+    /// dtype while one of them lives (one copy, not one per role). The
+    /// weights are frozen: such a model is a reference or the frozen base
+    /// of a LoRA model, never trained itself.
+    pub fn load_shared(dir: &Path, device: Device, kind: Kind) -> Result<Self, ModelError> {
+        let base = SharedWeights::get(dir, device, kind)?;
+        let mut model = Model::new(crate::ModelConfig::load(dir)?, device, dir)?;
+        {
+            let _guard = tch::no_grad_guard();
+            for (name, mut var) in model.vs.variables() {
+                let shared = base
+                    .tensors
+                    .get(&name)
+                    .ok_or_else(|| ModelError::MissingTensor {
+                        path: dir.display().to_string(),
+                        name: name.clone(),
+                    })?;
+                var.set_data(shared);
+            }
+        }
+        model.vs.freeze();
+        model.shared = Some(base);
+        Ok(model)
+    }
+}
+
+/// Adapter dropout is on while this lives ([`Model::training`]).
+#[must_use = "dropout is on only while the guard lives"]
+pub struct TrainingGuard<'a>(&'a Model);
+
+impl Drop for TrainingGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(lora) = &self.0.lora {
+            lora.training.store(false, Ordering::Relaxed);
+        }
+    }
+}
+
+/// One checkpoint's weights, loaded once and shared by the models of
+/// [`Model::load_shared`]. Never written after loading.
+#[derive(Debug)]
+pub(crate) struct SharedWeights {
+    tensors: HashMap<String, Tensor>,
+}
+
+// SAFETY: the tensors are written only while loading, before the value is
+// shared; afterwards threads only read them and take shallow clones
+// (libtorch's reference counts are atomic).
+unsafe impl Sync for SharedWeights {}
+unsafe impl Send for SharedWeights {}
+
+type SharedKey = (PathBuf, String, String);
+
+fn shared_registry() -> &'static Mutex<HashMap<SharedKey, Weak<SharedWeights>>> {
+    static REGISTRY: std::sync::OnceLock<Mutex<HashMap<SharedKey, Weak<SharedWeights>>>> =
+        std::sync::OnceLock::new();
+    REGISTRY.get_or_init(Default::default)
+}
+
+impl SharedWeights {
+    fn get(dir: &Path, device: Device, kind: Kind) -> Result<Arc<Self>, ModelError> {
+        let canonical = std::fs::canonicalize(dir).map_err(|e| ModelError::io(dir, e))?;
+        let key = (canonical, format!("{device:?}"), format!("{kind:?}"));
+        // Held while loading: two roles asking at once load once.
+        let mut registry = shared_registry().lock().unwrap_or_else(|e| e.into_inner());
+        registry.retain(|_, weak| weak.strong_count() > 0);
+        if let Some(found) = registry.get(&key).and_then(Weak::upgrade) {
+            return Ok(found);
+        }
+        let model = Model::load(dir, device, kind)?;
+        let tensors = model
+            .named_tensors()
+            .into_iter()
+            .map(|(name, t)| (name, t.detach()))
+            .collect();
+        let shared = Arc::new(SharedWeights { tensors });
+        registry.insert(key, Arc::downgrade(&shared));
+        Ok(shared)
+    }
+}
