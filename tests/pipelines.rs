@@ -980,6 +980,127 @@ fn a_bf16_run_follows_the_float32_run() {
         .any(|(n, t)| n.starts_with("master.") && t.kind() == tch::Kind::Float));
 }
 
+/// GRPO with LoRA adapters on the actor: only the adapters train (the
+/// base weights in every checkpoint are the starting ones, untouched); the
+/// weights edge carries the adapters alone; checkpoints are PEFT folders; a
+/// run resumed from one follows the straight run; `weir merge` turns the
+/// final adapters into a plain checkpoint that computes the same.
+#[test]
+fn a_lora_grpo_run_trains_adapters_resumes_and_merges() {
+    let kind = PipelineKind::Grpo;
+    let tmp = tempfile::tempdir().unwrap();
+    let lora = |steps| {
+        let mut c = config(kind, steps);
+        c.lora.rank = 8;
+        c.lora.alpha = 16.0;
+        c.algorithm.lr = 1e-3;
+        c.algorithm.kl_coef = 0.05;
+        c.run.checkpoint_every = 2;
+        // Synchronous: the same seed gives the same rows, so the resumed
+        // run's curves can be held to the straight run's.
+        c.run.max_staleness = 0;
+        c
+    };
+    let straight = tmp.path().join("straight");
+    run(kind, lora(4), &straight, false);
+    let actor = straight.join("checkpoints/step-3/actor");
+    assert!(actor.join("adapter_config.json").is_file());
+    assert!(!actor.join("model.safetensors").exists());
+    let (state, _) = weir::gpu::snapshot::from_safetensors(
+        &std::fs::read(actor.join("optimizer.safetensors")).unwrap(),
+    )
+    .unwrap();
+    assert!(
+        state.iter().all(|(n, _)| n.contains(".lora_")),
+        "{:?}",
+        state[0].0
+    );
+    // The edge's payload: the adapters, a small share of the weights.
+    let full = std::fs::metadata(fixture("arith-sft").join("model.safetensors"))
+        .unwrap()
+        .len();
+    let shipped = metric(&straight, "learn", "weights_bytes");
+    assert_eq!(shipped.len(), 4);
+    assert!(
+        shipped.values().all(|&b| b > 0.0 && b < 0.2 * full as f64),
+        "{shipped:?} of {full}"
+    );
+    // The adapters moved the policy: its log-probs differ from the base's.
+    let kl = metric(&straight, "learn", "kl");
+    assert!(kl[&3] > 0.0, "{kl:?}");
+
+    // A crash after step 2: the resumed run loads the step-2 adapters and
+    // optimizer and follows the straight run.
+    let crashed = tmp.path().join("crashed");
+    run(kind, lora(3), &crashed, false);
+    std::fs::remove_dir_all(crashed.join("checkpoints/step-2")).unwrap();
+    let (k, cfg) = read_resolved(&crashed).unwrap();
+    let cfg = cfg.with_overrides(&["run.steps=4".into()]).unwrap();
+    let summary = run(k, cfg, &crashed, true);
+    assert_eq!(summary["resumed_at_step"], 2);
+    for name in ["loss", "kl", "reward"] {
+        let (a, b) = (
+            metric(&straight, "learn", name),
+            metric(&crashed, "learn", name),
+        );
+        assert_curves_match(&a, &b, 4, name);
+    }
+    // Resuming with other adapters is refused, naming both.
+    let (k, cfg) = read_resolved(&crashed).unwrap();
+    let cfg = cfg
+        .with_overrides(&["run.steps=5".into(), "lora.rank=4".into()])
+        .unwrap();
+    let err = weir::pipelines::run(&request(k, cfg, &crashed, true))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("differ from [lora]"), "{err}");
+    // So is resuming them as a full fine-tune.
+    let (k, cfg) = read_resolved(&crashed).unwrap();
+    let cfg = cfg
+        .with_overrides(&["run.steps=5".into(), "lora.rank=0".into()])
+        .unwrap();
+    let err = weir::pipelines::run(&request(k, cfg, &crashed, true))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("holds LoRA adapters"), "{err}");
+
+    // weir merge: a plain checkpoint that computes what base + adapters do.
+    let merged = tmp.path().join("merged");
+    weir::model_cli::merge(&weir::model_cli::MergeArgs {
+        adapter: actor.clone(),
+        output: merged.clone(),
+        base: None,
+        dtype: "f32".into(),
+    })
+    .unwrap();
+    assert!(merged.join("model.safetensors").is_file() && merged.join("config.json").is_file());
+    let ids = tch::Tensor::from_slice(&[1i64, 5, 9, 2, 7, 3]).view([1, 6]);
+    let logits = |dir: &Path| {
+        weir::gpu::Model::load(dir, weir::gpu::Device::Cpu, tch::Kind::Float)
+            .unwrap()
+            .logits(&ids, None, None)
+            .unwrap()
+    };
+    let (adapted, plain, base) = (
+        logits(&actor),
+        logits(&merged),
+        logits(&fixture("arith-sft")),
+    );
+    let d = (&adapted - &plain).abs().max().double_value(&[]);
+    assert!(d < 1e-4, "merged logits differ by {d:e}");
+    assert!((&adapted - &base).abs().max().double_value(&[]) > 1e-4);
+    // Merging into a folder that holds files is refused; nothing is overwritten.
+    let err = weir::model_cli::merge(&weir::model_cli::MergeArgs {
+        adapter: actor.clone(),
+        output: merged.clone(),
+        base: None,
+        dtype: "f32".into(),
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("not empty"), "{err}");
+}
+
 fn config_with_steps(cfg: &RunConfig, steps: u64) -> RunConfig {
     let mut c = cfg.clone();
     c.run.steps = steps;

@@ -121,13 +121,28 @@ pub fn load(cfg: &RunConfig, dir: &Path, worker: &WorkerInfo) -> Result<Model, S
 /// plus adapters (drawn from `run.seed`: every role and rank starts equal),
 /// loaded from `dir` when it is an adapter folder (a resumed run).
 pub fn load_policy(cfg: &RunConfig, dir: &Path, worker: &WorkerInfo) -> Result<Model, StageError> {
+    let adapter_folder = dir.join(weir_gpu::lora::ADAPTER_CONFIG).is_file();
     let Some(adapters) = cfg.lora.adapters() else {
+        if adapter_folder {
+            return Err(format!(
+                "{} holds LoRA adapters: resume it with its [lora] section",
+                dir.display()
+            )
+            .into());
+        }
         return load(cfg, dir, worker);
     };
+    if !adapter_folder && dir != Path::new(&cfg.model.path) {
+        return Err(format!(
+            "{} holds full weights, not LoRA adapters: resume it without [lora]",
+            dir.display()
+        )
+        .into());
+    }
     let base = Path::new(&cfg.model.path);
     let mut model = Model::load_shared(base, device(cfg, worker)?, kind(cfg))?;
     model.add_lora(&adapters, cfg.run.seed)?;
-    if dir.join(weir_gpu::lora::ADAPTER_CONFIG).is_file() {
+    if adapter_folder {
         let (saved, _) = weir_gpu::lora::LoraConfig::read_peft(dir)?;
         if saved != adapters {
             return Err(format!(

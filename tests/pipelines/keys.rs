@@ -190,7 +190,13 @@ fn outcome(kind: PipelineKind, cfg: RunConfig, dir: &Path) -> Outcome {
             }
         }
     }
-    let weights = weights_of(&done.final_actor.join("model.safetensors"));
+    // A LoRA run's actor is an adapter folder.
+    let adapters = done.final_actor.join("adapter_model.safetensors");
+    let weights = weights_of(&if adapters.is_file() {
+        adapters
+    } else {
+        done.final_actor.join("model.safetensors")
+    });
     let eval = std::fs::read_to_string(dir.join("eval.json")).ok();
     Outcome::Ran {
         rows,
@@ -375,6 +381,10 @@ fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String
             );
         }
         "run.max_shard_size" => (&[], "\"100KB\"".into()),
+        "lora.rank" => (&[], "4".into()),
+        "lora.alpha" => (&["lora.rank=4"], "4.0".into()),
+        "lora.dropout" => (&["lora.rank=4"], "0.2".into()),
+        "lora.target_modules" => (&["lora.rank=4"], "[\"q_proj\", \"down_proj\"]".into()),
         "run.device" => (&[], "\"cuda\"".into()),
         "placement.workers" => (&[], "3".into()),
         "placement.rollout" | "placement.train" if !kind.is_rl() => {

@@ -485,9 +485,10 @@ impl StepStage for Learner {
         if leads {
             // Published even when no rows reached this learner: the generators
             // wait for each version.
-            ctx.publish_weights(WeightsPayload::from(
-                self.model.export_snapshot(ctx.version + 1)?,
-            ))?;
+            let snapshot = self.model.export_snapshot(ctx.version + 1)?;
+            // What the weights edge carries (a LoRA actor's: its adapters only).
+            ctx.record("weights_bytes", snapshot.len() as f64);
+            ctx.publish_weights(WeightsPayload::from(snapshot))?;
             if let Some(plan) = &self.checkpoints {
                 plan.save_actor_if_due(ctx.step, ctx.version + 1, &self.model, &self.optimizer)?;
             }
