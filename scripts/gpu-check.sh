@@ -9,6 +9,9 @@
 #      64 tokens per sample, end of sequence ignored);
 #   4. a short `grpo` run with `run.device = "cuda"` (generator and learner
 #      on different devices when two are present, else colocated);
+#   5. the same run with LoRA adapters (`lora.rank = 8`): a PEFT folder;
+#   6. with two devices, two data-parallel learner ranks, one per device
+#      (their gradient all-reduce goes device to device);
 # and a last line `gpu-check: passed=<n> failed=<n> [failed: <names>]`.
 # Without a CUDA device it says so in one line and exits 0.
 #
@@ -87,10 +90,31 @@ grpo() {
   test -f "$work/grpo/checkpoints/step-3/actor/model.safetensors"
 }
 
+grpo_lora() {
+  timeout 300 "$weir" run grpo --quiet --out "$work/grpo-lora" \
+    --set "model.path=$fixtures/arith-sft" --set run.device=cuda --set run.steps=3 \
+    --set data.prompts_per_step=8 --set data.samples_per_prompt=8 --set generate.max_new_tokens=8 \
+    --set eval.arith=false --set lora.rank=8 || return 1
+  test -f "$work/grpo-lora/checkpoints/step-2/actor/adapter_model.safetensors"
+}
+
+grpo_data_parallel() {
+  timeout 300 "$weir" run grpo --quiet --out "$work/grpo-dp" \
+    --set "model.path=$fixtures/arith-sft" --set run.device=cuda --set run.steps=3 \
+    --set data.prompts_per_step=8 --set data.samples_per_prompt=8 --set generate.max_new_tokens=8 \
+    --set eval.arith=false --set placement.workers=2 --set "placement.rollout=[0]" \
+    --set "placement.train=[0, 1]" || return 1
+  test -f "$work/grpo-dp/checkpoints/step-2/actor/model.safetensors"
+}
+
 check "model parity on cuda" parity
 check "nccl weights edge" nccl
 check "generation tokens/s on cuda" generation
 check "grpo on cuda ($count device(s))" grpo
+check "grpo with lora on cuda" grpo_lora
+if [ "$count" -ge 2 ]; then
+  check "data-parallel learners on two cuda devices" grpo_data_parallel
+fi
 
 if [ "${#failed[@]}" -eq 0 ]; then
   echo "gpu-check: passed=$passed failed=0"
