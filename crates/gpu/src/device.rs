@@ -104,6 +104,23 @@ pub fn set_threads(threads: usize) {
     tch::set_num_threads(threads.max(1) as i32);
 }
 
+/// Gives the host memory that freed tensors left in the allocator's heap
+/// back to the system (glibc on Linux: `malloc_trim`). Called where a
+/// phase of different tensor shapes ends (a generation, a learner update):
+/// glibc serves tensors of up to 32 MiB from heap arenas that keep freed
+/// memory resident, and one phase's holes rarely fit the next phase's
+/// tensors, so without it the resident set grows by the sum of the
+/// phases' working sets (about 1.1 GB of a 135M-shaped GRPO run's peak).
+/// Pages given back fault in again when reused: a cost per phase, not per
+/// tensor.
+pub fn release_freed_host_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns free heap pages to the system.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

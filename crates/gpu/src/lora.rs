@@ -326,26 +326,35 @@ impl Model {
     /// as new tensors; the model is unchanged): the weights that compute
     /// what this model computes without adapters.
     pub fn merged_tensors(&self) -> Vec<(String, Tensor)> {
-        let _guard = tch::no_grad_guard();
-        let deltas: HashMap<String, Tensor> = self
-            .decoder
-            .projections()
-            .into_iter()
-            .filter_map(|(module, proj)| {
-                let adapter = proj.adapter.as_ref()?;
-                Some((format!("model.{module}.weight"), adapter.delta()))
-            })
-            .collect();
         self.named_tensors()
             .into_iter()
-            .map(|(name, t)| match deltas.get(&name) {
-                Some(delta) => {
-                    let merged = &t + delta.to_kind(t.kind());
-                    (name, merged)
-                }
-                None => (name, t),
+            .map(|(name, t)| {
+                let merged = self.merged_tensor(&name, &t);
+                (name, merged)
             })
             .collect()
+    }
+
+    /// Parameter `name` (whose value is `t`) with its adapter folded in, or
+    /// `t` itself when no adapter sits on it; one tensor at a time, so a
+    /// caller that packs weights one by one never holds a merged copy of
+    /// them all.
+    pub fn merged_tensor(&self, name: &str, t: &Tensor) -> Tensor {
+        let _guard = tch::no_grad_guard();
+        let module = name
+            .strip_prefix("model.")
+            .and_then(|n| n.strip_suffix(".weight"));
+        let adapter = module.and_then(|module| {
+            self.decoder
+                .projections()
+                .into_iter()
+                .find(|(m, _)| m == module)
+                .and_then(|(_, proj)| proj.adapter.as_ref())
+        });
+        match adapter {
+            Some(adapter) => t + adapter.delta().to_kind(t.kind()),
+            None => t.shallow_clone(),
+        }
     }
 
     /// Folds the adapters into the weights and drops them: the model is a
@@ -375,35 +384,6 @@ impl Model {
         Ok(())
     }
 
-    /// Copies adapter weights by PEFT name (from a snapshot or an adapter
-    /// file) into this model's adapters; every adapter must be present with
-    /// its shape. `origin` names the source in errors.
-    pub(crate) fn copy_adapters(
-        &self,
-        incoming: &HashMap<String, Tensor>,
-        origin: &str,
-    ) -> Result<(), ModelError> {
-        let _guard = tch::no_grad_guard();
-        for (name, mut var) in self.adapter_tensors() {
-            let t = incoming
-                .get(&name)
-                .ok_or_else(|| ModelError::MissingTensor {
-                    path: origin.to_string(),
-                    name: name.clone(),
-                })?;
-            if t.size() != var.size() {
-                return Err(ModelError::ShapeMismatch {
-                    path: origin.to_string(),
-                    name,
-                    expected: var.size(),
-                    found: t.size(),
-                });
-            }
-            var.f_copy_(&t.to_kind(var.kind()).to_device(var.device()))?;
-        }
-        Ok(())
-    }
-
     /// Loads the adapter weights of PEFT folder `dir` into this model's
     /// adapters (attached with the folder's config).
     pub fn load_adapter_weights(&self, dir: &Path) -> Result<(), ModelError> {
@@ -412,11 +392,15 @@ impl Model {
         let (tensors, _) = crate::snapshot::from_safetensors(&bytes)
             .map_err(|e| ModelError::Input(format!("{}: {e}", path.display())))?;
         // PEFT may save names with the adapter's name (`lora_A.default.weight`).
-        let incoming: HashMap<String, Tensor> = tensors
+        let mut incoming: HashMap<String, Tensor> = tensors
             .into_iter()
             .map(|(n, t)| (n.replace(".default.weight", ".weight"), t))
             .collect();
-        self.copy_adapters(&incoming, &path.display().to_string())
+        crate::snapshot::copy_into(
+            self.adapter_tensors(),
+            &path.display().to_string(),
+            |name| Ok(incoming.remove(name)),
+        )
     }
 
     /// A PEFT adapter folder: its base model (from `base_model_name_or_path`)
@@ -478,6 +462,8 @@ impl Model {
         }
         model.vs.freeze();
         model.shared = Some(base);
+        // The placeholder tensors `set_data` replaced are freed.
+        crate::device::release_freed_host_memory();
         Ok(model)
     }
 }

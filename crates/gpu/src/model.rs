@@ -51,6 +51,8 @@ impl Model {
         let mut model = Model::new(config, device, dir)?;
         model.load_weights(dir)?;
         model.vs.set_kind(kind);
+        // The file's tensors are freed: give their pages back.
+        crate::device::release_freed_host_memory();
         Ok(model)
     }
 

@@ -2,11 +2,10 @@
 //! checkpoint and for the weights edge (a version-tagged snapshot the
 //! learner exports and generators apply, on the same or another device).
 
-use std::borrow::Cow;
 use std::collections::HashMap;
 use std::path::Path;
 
-use safetensors::tensor::{Dtype, SafeTensors, View};
+use safetensors::tensor::{Dtype, SafeTensors};
 use tch::{Kind, Tensor};
 
 use crate::model::Model;
@@ -15,58 +14,59 @@ use crate::ModelError;
 /// Metadata key holding a snapshot's policy version.
 pub const VERSION_KEY: &str = "weir_policy_version";
 
-struct OwnedView {
-    dtype: Dtype,
-    shape: Vec<usize>,
-    data: Vec<u8>,
-}
-
-impl View for OwnedView {
-    fn dtype(&self) -> Dtype {
-        self.dtype
-    }
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-    fn data(&self) -> Cow<'_, [u8]> {
-        Cow::Borrowed(&self.data)
-    }
-    fn data_len(&self) -> usize {
-        self.data.len()
-    }
-}
-
-fn view(tensor: &Tensor) -> Result<OwnedView, ModelError> {
-    let dtype = Dtype::try_from(tensor.kind()).map_err(|e| ModelError::Torch(e.to_string()))?;
-    let cpu = tensor.to_device(tch::Device::Cpu).contiguous();
-    let numel = cpu.numel();
-    let mut data = vec![0u8; numel * cpu.kind().elt_size_in_bytes()];
-    cpu.f_copy_data_u8(&mut data, numel)?;
-    Ok(OwnedView {
-        dtype,
-        shape: cpu.size().iter().map(|&d| d as usize).collect(),
-        data,
-    })
-}
-
-/// Serialises named tensors (in `kind` if given) with `metadata` (plus `format: pt`).
+/// Serialises named tensors (in `kind` if given) with `metadata` (plus
+/// `format: pt`) in safetensors layout: the header, then each tensor's
+/// bytes copied once, straight from its device into the returned buffer
+/// (no intermediate copy of the whole set).
 pub fn to_safetensors(
     tensors: &[(String, Tensor)],
     kind: Option<Kind>,
     metadata: &HashMap<String, String>,
 ) -> Result<Vec<u8>, ModelError> {
-    let mut views = Vec::with_capacity(tensors.len());
-    for (name, tensor) in tensors {
-        let t = match kind {
-            Some(k) => tensor.to_kind(k),
-            None => tensor.shallow_clone(),
-        };
-        views.push((name.clone(), view(&t)?));
-    }
-    let mut info = metadata.clone();
+    let mut header = serde_json::Map::new();
+    let mut info: serde_json::Map<String, serde_json::Value> = metadata
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone().into()))
+        .collect();
     info.insert("format".into(), "pt".into());
-    safetensors::tensor::serialize(views, &Some(info))
-        .map_err(|e| ModelError::Torch(format!("safetensors: {e:?}")))
+    header.insert("__metadata__".into(), info.into());
+    let mut offset = 0usize;
+    for (name, tensor) in tensors {
+        let kind = kind.unwrap_or(tensor.kind());
+        let dtype = Dtype::try_from(kind).map_err(|e| ModelError::Torch(e.to_string()))?;
+        let bytes = tensor.numel() * kind.elt_size_in_bytes();
+        header.insert(
+            name.clone(),
+            serde_json::json!({
+                "dtype": dtype,
+                "shape": tensor.size(),
+                "data_offsets": [offset, offset + bytes],
+            }),
+        );
+        offset += bytes;
+    }
+    let mut text = serde_json::Value::Object(header).to_string();
+    // The data starts 8-byte aligned, as the safetensors writers pad it.
+    while (8 + text.len()) % 8 != 0 {
+        text.push(' ');
+    }
+    let data_start = 8 + text.len();
+    let mut out = Vec::with_capacity(data_start + offset);
+    out.extend_from_slice(&(text.len() as u64).to_le_bytes());
+    out.extend_from_slice(text.as_bytes());
+    out.resize(data_start + offset, 0);
+    let mut at = data_start;
+    for (_, tensor) in tensors {
+        let t = match kind {
+            Some(k) if k != tensor.kind() => tensor.to_kind(k),
+            _ => tensor.shallow_clone(),
+        };
+        let numel = t.numel();
+        let end = at + numel * t.kind().elt_size_in_bytes();
+        t.f_copy_data_u8(&mut out[at..end], numel)?;
+        at = end;
+    }
+    Ok(out)
 }
 
 /// Named tensors, sorted by name.
@@ -89,6 +89,33 @@ pub fn from_safetensors(
     Ok((tensors, metadata))
 }
 
+/// Copies into each of `targets` the tensor `fetch` gives for its name
+/// (converted to the target's dtype and device), checking that every one
+/// is there with its shape; `origin` names the source in errors.
+pub(crate) fn copy_into(
+    targets: Vec<(String, Tensor)>,
+    origin: &str,
+    mut fetch: impl FnMut(&str) -> Result<Option<Tensor>, ModelError>,
+) -> Result<(), ModelError> {
+    let _guard = tch::no_grad_guard();
+    for (name, mut var) in targets {
+        let t = fetch(&name)?.ok_or_else(|| ModelError::MissingTensor {
+            path: origin.to_string(),
+            name: name.clone(),
+        })?;
+        if t.size() != var.size() {
+            return Err(ModelError::ShapeMismatch {
+                path: origin.to_string(),
+                name,
+                expected: var.size(),
+                found: t.size(),
+            });
+        }
+        var.f_copy_(&t.to_kind(var.kind()).to_device(var.device()))?;
+    }
+    Ok(())
+}
+
 impl Model {
     /// Every parameter by HuggingFace name, sorted.
     pub fn named_tensors(&self) -> Vec<(String, Tensor)> {
@@ -105,38 +132,29 @@ impl Model {
     }
 
     /// Applies a snapshot from [`Model::export_snapshot`] (any device, any
-    /// dtype: converted to this model's); returns its version.
+    /// dtype: converted to this model's); returns its version. Each tensor
+    /// is read out of the bytes and copied into place one at a time, so the
+    /// transient memory is one tensor, not a second set of weights.
     pub fn apply_snapshot(&mut self, bytes: &[u8]) -> Result<u64, ModelError> {
-        let (tensors, metadata) = from_safetensors(bytes)?;
-        let version = metadata
-            .get(VERSION_KEY)
+        let (_, meta) = SafeTensors::read_metadata(bytes)
+            .map_err(|e| ModelError::Input(format!("not safetensors bytes: {e:?}")))?;
+        let version = meta
+            .metadata()
+            .as_ref()
+            .and_then(|m| m.get(VERSION_KEY))
             .and_then(|v| v.parse().ok())
             .ok_or_else(|| {
                 ModelError::Input(format!("snapshot has no `{VERSION_KEY}` metadata"))
             })?;
-        let incoming: HashMap<String, Tensor> = tensors.into_iter().collect();
-        if self.lora().is_some() {
-            self.copy_adapters(&incoming, "weights snapshot")?;
-            return Ok(version);
-        }
-        let _guard = tch::no_grad_guard();
-        for (name, mut var) in self.var_store().variables() {
-            let t = incoming
-                .get(&name)
-                .ok_or_else(|| ModelError::MissingTensor {
-                    path: "weights snapshot".into(),
-                    name: name.clone(),
-                })?;
-            if t.size() != var.size() {
-                return Err(ModelError::ShapeMismatch {
-                    path: "weights snapshot".into(),
-                    name,
-                    expected: var.size(),
-                    found: t.size(),
-                });
-            }
-            var.f_copy_(&t.to_kind(var.kind()).to_device(var.device()))?;
-        }
+        let st = SafeTensors::deserialize(bytes)
+            .map_err(|e| ModelError::Input(format!("not safetensors bytes: {e:?}")))?;
+        copy_into(self.snapshot_tensors(), "weights snapshot", |name| {
+            st.tensor(name)
+                .ok()
+                .map(Tensor::try_from)
+                .transpose()
+                .map_err(Into::into)
+        })?;
         Ok(version)
     }
 

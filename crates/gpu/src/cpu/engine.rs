@@ -59,16 +59,19 @@ impl CpuModel {
     /// Copies and packs the weights of a causal LM.
     pub fn from_model(model: &Model) -> Result<Self, ModelError> {
         let c = &model.config;
-        // A LoRA model runs on its weights with the adapters folded in.
-        let tensors: HashMap<String, Tensor> = if model.lora().is_some() {
-            model.merged_tensors().into_iter().collect()
-        } else {
-            model.named_tensors().into_iter().collect()
-        };
+        let tensors: HashMap<String, Tensor> = model.named_tensors().into_iter().collect();
+        let lora = model.lora().is_some();
         let get = |name: &str| -> Result<Vec<f32>, ModelError> {
             let t = tensors
                 .get(name)
                 .ok_or_else(|| ModelError::Input(format!("the model has no tensor `{name}`")))?;
+            // A LoRA model runs on its weights with the adapters folded in,
+            // merged one tensor at a time.
+            let t = if lora {
+                model.merged_tensor(name, t)
+            } else {
+                t.shallow_clone()
+            };
             Vec::<f32>::try_from(&t.detach().to_kind(Kind::Float).contiguous().view(-1))
                 .map_err(|e| ModelError::Torch(e.to_string()))
         };

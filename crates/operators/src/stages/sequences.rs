@@ -110,6 +110,8 @@ pub fn response_logprobs(
         responses,
         temperature,
     )?;
+    // The kernels' activations and cache are freed: give their pages back.
+    weir_gpu::device::release_freed_host_memory();
     let width = responses.iter().map(Vec::len).max().unwrap_or(1).max(1);
     let mut logprobs = Vec::with_capacity(rows.len() * width);
     let mut mask = Vec::with_capacity(rows.len() * width);
