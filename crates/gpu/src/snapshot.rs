@@ -47,7 +47,7 @@ pub fn to_safetensors(
     }
     let mut text = serde_json::Value::Object(header).to_string();
     // The data starts 8-byte aligned, as the safetensors writers pad it.
-    while (8 + text.len()) % 8 != 0 {
+    while !(8 + text.len()).is_multiple_of(8) {
         text.push(' ');
     }
     let data_start = 8 + text.len();
