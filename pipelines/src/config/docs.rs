@@ -101,9 +101,9 @@ pub const DOCS: &[(&str, &str, &str)] = &[
     ("eval", "prompts", "Held-out prompts (JSONL or Parquet, read like data.prompts) the final policy is evaluated on with the run's reward: eval/reward (greedy), eval/mean_at_k and eval/pass_at_k in metrics.parquet and summary.json (empty: none)."),
     ("eval", "every", "Evaluate on eval.prompts every N steps during training: each rollout worker scores its share of the prompts with the policy its generator holds, before that step's rollouts (step 0: the starting policy); rows of stage eval in metrics.parquet, with the policy_version evaluated (0: only the final policy, at the end)."),
     ("eval", "best_checkpoint", "After the run, link checkpoints/best to the checkpoint whose policy had the best greedy eval reward (the earliest of equals) and describe it in checkpoints/best.json and summary.json; eval.every must be a multiple of run.checkpoint_every so that evaluated policies are saved."),
+    ("eval", "k", "Responses sampled per eval prompt (as in training) for mean@k and pass@k, the share of prompts whose best response's reward is positive (1: greedy only)."),
     ("lora", "rank", "LoRA adapters of this rank on the actor (0: none, the whole model trains). Only the adapters train; the reference is the same frozen weights without them (one copy per device, shared by the roles there); the weights edge carries only the adapters; checkpoints are PEFT adapter folders (adapter_config.json, adapter_model.safetensors) that peft loads onto model.path and that weir merge turns into a plain checkpoint."),
     ("lora", "alpha", "The adapters' update is scaled by alpha / rank."),
     ("lora", "dropout", "Dropout on the adapters' input while the learner trains (needs algorithm.gradient_checkpointing = false)."),
     ("lora", "target_modules", "The projections that get adapters: any of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj."),
-    ("eval", "k", "Responses sampled per eval prompt (as in training) for mean@k and pass@k, the share of prompts whose best response's reward is positive (1: greedy only)."),
 ];
