@@ -125,7 +125,7 @@ pub fn load_policy(cfg: &RunConfig, dir: &Path, worker: &WorkerInfo) -> Result<M
     let Some(adapters) = cfg.lora.adapters() else {
         if adapter_folder {
             return Err(format!(
-                "{} holds LoRA adapters: resume it with its [lora] section",
+                "{} holds LoRA adapters: set its [lora] section to train on, or `weir merge` it into a plain checkpoint first",
                 dir.display()
             )
             .into());
