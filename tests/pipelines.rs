@@ -1045,34 +1045,34 @@ fn a_lora_grpo_run_trains_adapters_resumes_and_merges() {
         );
         assert_curves_match(&a, &b, 4, name);
     }
+    // Resuming with `rank`: the run's error.
+    let resume_with = |rank: &str| {
+        let (k, cfg) = read_resolved(&crashed).unwrap();
+        let cfg = cfg
+            .with_overrides(&["run.steps=5".into(), format!("lora.rank={rank}")])
+            .unwrap();
+        weir::pipelines::run(&request(k, cfg, &crashed, true))
+            .unwrap_err()
+            .to_string()
+    };
     // Resuming with other adapters is refused, naming both.
-    let (k, cfg) = read_resolved(&crashed).unwrap();
-    let cfg = cfg
-        .with_overrides(&["run.steps=5".into(), "lora.rank=4".into()])
-        .unwrap();
-    let err = weir::pipelines::run(&request(k, cfg, &crashed, true))
-        .unwrap_err()
-        .to_string();
+    let err = resume_with("4");
     assert!(err.contains("differ from [lora]"), "{err}");
     // So is resuming them as a full fine-tune.
-    let (k, cfg) = read_resolved(&crashed).unwrap();
-    let cfg = cfg
-        .with_overrides(&["run.steps=5".into(), "lora.rank=0".into()])
-        .unwrap();
-    let err = weir::pipelines::run(&request(k, cfg, &crashed, true))
-        .unwrap_err()
-        .to_string();
+    let err = resume_with("0");
     assert!(err.contains("holds LoRA adapters"), "{err}");
 
     // weir merge: a plain checkpoint that computes what base + adapters do.
     let merged = tmp.path().join("merged");
-    weir::model_cli::merge(&weir::model_cli::MergeArgs {
-        adapter: actor.clone(),
-        output: merged.clone(),
-        base: None,
-        dtype: "f32".into(),
-    })
-    .unwrap();
+    let merge = || {
+        weir::model_cli::merge(&weir::model_cli::MergeArgs {
+            adapter: actor.clone(),
+            output: merged.clone(),
+            base: None,
+            dtype: "f32".into(),
+        })
+    };
+    merge().unwrap();
     assert!(merged.join("model.safetensors").is_file() && merged.join("config.json").is_file());
     let ids = tch::Tensor::from_slice(&[1i64, 5, 9, 2, 7, 3]).view([1, 6]);
     let logits = |dir: &Path| {
@@ -1090,14 +1090,7 @@ fn a_lora_grpo_run_trains_adapters_resumes_and_merges() {
     assert!(d < 1e-4, "merged logits differ by {d:e}");
     assert!((&adapted - &base).abs().max().double_value(&[]) > 1e-4);
     // Merging into a folder that holds files is refused; nothing is overwritten.
-    let err = weir::model_cli::merge(&weir::model_cli::MergeArgs {
-        adapter: actor.clone(),
-        output: merged.clone(),
-        base: None,
-        dtype: "f32".into(),
-    })
-    .unwrap_err()
-    .to_string();
+    let err = merge().unwrap_err().to_string();
     assert!(err.contains("not empty"), "{err}");
 }
 

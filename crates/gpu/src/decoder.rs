@@ -368,26 +368,6 @@ impl Decoder {
         out
     }
 
-    /// [`Decoder::projections_mut`], read-only.
-    pub(crate) fn projections(&self) -> Vec<(String, &Proj)> {
-        let mut out = Vec::with_capacity(self.layers.len() * 7);
-        for (i, layer) in self.layers.iter().enumerate() {
-            let (a, m) = (&layer.attention, &layer.mlp);
-            for (name, proj) in [
-                ("self_attn.q_proj", &a.q),
-                ("self_attn.k_proj", &a.k),
-                ("self_attn.v_proj", &a.v),
-                ("self_attn.o_proj", &a.o),
-                ("mlp.gate_proj", &m.gate),
-                ("mlp.up_proj", &m.up),
-                ("mlp.down_proj", &m.down),
-            ] {
-                out.push((format!("layers.{i}.{name}"), proj));
-            }
-        }
-        out
-    }
-
     /// Final hidden states `[B, T, hidden]` for `input_ids` `[B, T]`.
     ///
     /// `key_mask` `[B, S]` (1 = attend) covers the cached and the new

@@ -203,11 +203,19 @@ pub fn generate_on(
     if params.max_new_tokens == 0 {
         return Ok(Generation::empty_rows(prompts.len(), params.n));
     }
-    if backend == Backend::Auto && cpu_kernels_apply(model) {
+    let out = if backend == Backend::Auto && cpu_kernels_apply(model) {
         #[cfg(target_arch = "x86_64")]
-        return crate::cpu::run::generate(model, prompts, stream_ids, params);
-    }
-    generate_torch(model, prompts, stream_ids, params)
+        {
+            crate::cpu::run::generate(model, prompts, stream_ids, params)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!("the CPU kernels apply only on x86-64")
+    } else {
+        generate_torch(model, prompts, stream_ids, params)
+    };
+    // The generation's activations and KV cache are freed: give their pages back.
+    crate::device::release_freed_host_memory();
+    out
 }
 
 /// Every prompt non-empty, and every id of `prompts` and `more` in the vocabulary.

@@ -150,7 +150,12 @@ pub fn response_logprobs_on_cpu_kernels(
         ));
     }
     #[cfg(target_arch = "x86_64")]
-    return crate::cpu::run::response_logprobs(model, prompts, responses, temperature);
+    {
+        let rows = crate::cpu::run::response_logprobs(model, prompts, responses, temperature);
+        // The kernels' activations and cache are freed: give their pages back.
+        crate::device::release_freed_host_memory();
+        rows
+    }
     #[cfg(not(target_arch = "x86_64"))]
     unreachable!("cpu_kernels_apply is false off x86-64")
 }

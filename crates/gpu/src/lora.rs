@@ -63,28 +63,35 @@ impl LoraConfig {
         self.alpha / self.rank as f64
     }
 
-    /// Checks the values, naming the first bad one.
-    pub fn check(&self) -> Result<(), String> {
+    /// Checks the values; the first bad one's field (`rank`, `alpha`,
+    /// `dropout`, `target_modules`) and what is wrong with it.
+    pub fn check(&self) -> Result<(), (&'static str, String)> {
         if self.rank <= 0 {
-            return Err(format!("rank must be positive, got {}", self.rank));
+            return Err(("rank", format!("must be positive, got {}", self.rank)));
         }
         if !(self.alpha.is_finite() && self.alpha > 0.0) {
-            return Err(format!("alpha must be positive, got {}", self.alpha));
+            return Err(("alpha", format!("must be positive, got {}", self.alpha)));
         }
         if !(0.0..1.0).contains(&self.dropout) {
-            return Err(format!("dropout must lie in [0, 1), got {}", self.dropout));
+            return Err((
+                "dropout",
+                format!("must lie in [0, 1), got {}", self.dropout),
+            ));
         }
         if self.target_modules.is_empty() {
-            return Err("target_modules is empty".into());
+            return Err(("target_modules", "is empty".into()));
         }
         if let Some(bad) = self
             .target_modules
             .iter()
             .find(|m| !TARGET_MODULES.contains(&m.as_str()))
         {
-            return Err(format!(
-                "target module `{bad}` is not one of {}",
-                TARGET_MODULES.join(", ")
+            return Err((
+                "target_modules",
+                format!(
+                    "target module `{bad}` is not one of {}",
+                    TARGET_MODULES.join(", ")
+                ),
             ));
         }
         Ok(())
@@ -159,7 +166,15 @@ impl LoraConfig {
             dropout: v["lora_dropout"].as_f64().unwrap_or(0.0),
             target_modules: targets,
         };
-        config.check().map_err(|why| bad("r", why))?;
+        config.check().map_err(|(field, why)| {
+            let key = match field {
+                "rank" => "r",
+                "alpha" => "lora_alpha",
+                "dropout" => "lora_dropout",
+                other => other,
+            };
+            bad(key, why)
+        })?;
         let base = v["base_model_name_or_path"]
             .as_str()
             .filter(|b| !b.is_empty())
@@ -188,11 +203,11 @@ impl Adapter {
         };
         y + x.matmul(&self.a.tr()).matmul(&self.b.tr()) * self.scale
     }
+}
 
-    /// The weight update it stands for, `scale · B·A` `[out, in]`.
-    fn delta(&self) -> Tensor {
-        self.b.matmul(&self.a) * self.scale
-    }
+/// The weight update of adapter `(a, b)`: `scale · B·A` `[out, in]`.
+fn delta(a: &Tensor, b: &Tensor, scale: f64) -> Tensor {
+    b.matmul(a) * scale
 }
 
 /// A model's adapters: their shape, their store, and the training switch
@@ -201,6 +216,8 @@ impl Adapter {
 pub(crate) struct Lora {
     config: LoraConfig,
     vs: nn::VarStore,
+    /// Each adapted weight's `(A, B)`, by the weight's name (`model.layers.0.self_attn.q_proj.weight`).
+    by_weight: HashMap<String, (Tensor, Tensor)>,
     training: Arc<AtomicBool>,
 }
 
@@ -227,7 +244,7 @@ impl Model {
     pub fn add_lora(&mut self, config: &LoraConfig, seed: u64) -> Result<(), ModelError> {
         config
             .check()
-            .map_err(|why| ModelError::Input(format!("lora: {why}")))?;
+            .map_err(|(field, why)| ModelError::Input(format!("lora: {field} {why}")))?;
         if self.lora.is_some() {
             return Err(ModelError::Input("the model already has adapters".into()));
         }
@@ -240,6 +257,7 @@ impl Model {
         let (kind, device) = (self.kind(), self.device());
         let vs = nn::VarStore::new(device);
         let training = Arc::new(AtomicBool::new(false));
+        let mut by_weight = HashMap::new();
         let mut stream = seed;
         for (module, proj) in self.decoder.projections_mut() {
             let short = module.rsplit('.').next().unwrap_or_default();
@@ -258,6 +276,10 @@ impl Model {
             let b = Tensor::zeros([outputs, config.rank], (kind, device));
             let a = add_var(&vs, &peft_name(&module, "A"), a);
             let b = add_var(&vs, &peft_name(&module, "B"), b);
+            by_weight.insert(
+                format!("model.{module}.weight"),
+                (a.shallow_clone(), b.shallow_clone()),
+            );
             proj.adapter = Some(Adapter {
                 a,
                 b,
@@ -270,6 +292,7 @@ impl Model {
         self.lora = Some(Lora {
             config: config.clone(),
             vs,
+            by_weight,
             training,
         });
         Ok(())
@@ -341,18 +364,12 @@ impl Model {
     /// them all.
     pub fn merged_tensor(&self, name: &str, t: &Tensor) -> Tensor {
         let _guard = tch::no_grad_guard();
-        let module = name
-            .strip_prefix("model.")
-            .and_then(|n| n.strip_suffix(".weight"));
-        let adapter = module.and_then(|module| {
-            self.decoder
-                .projections()
-                .into_iter()
-                .find(|(m, _)| m == module)
-                .and_then(|(_, proj)| proj.adapter.as_ref())
-        });
+        let adapter = self
+            .lora
+            .as_ref()
+            .and_then(|l| Some((l.by_weight.get(name)?, l.config.scale())));
         match adapter {
-            Some(adapter) => t + adapter.delta().to_kind(t.kind()),
+            Some(((a, b), scale)) => t + delta(a, b, scale).to_kind(t.kind()),
             None => t.shallow_clone(),
         }
     }
@@ -374,8 +391,8 @@ impl Model {
             let _guard = tch::no_grad_guard();
             for (_, proj) in self.decoder.projections_mut() {
                 if let Some(adapter) = proj.adapter.take() {
-                    let delta = adapter.delta().to_kind(proj.base.ws.kind());
-                    let _ = proj.base.ws.f_add_(&delta)?;
+                    let update = delta(&adapter.a, &adapter.b, adapter.scale);
+                    let _ = proj.base.ws.f_add_(&update.to_kind(proj.base.ws.kind()))?;
                 }
             }
         }
@@ -446,7 +463,7 @@ impl Model {
     /// of a LoRA model, never trained itself.
     pub fn load_shared(dir: &Path, device: Device, kind: Kind) -> Result<Self, ModelError> {
         let base = SharedWeights::get(dir, device, kind)?;
-        let mut model = Model::new(crate::ModelConfig::load(dir)?, device, dir)?;
+        let mut model = Model::new(base.config.clone(), device, dir)?;
         {
             let _guard = tch::no_grad_guard();
             for (name, mut var) in model.vs.variables() {
@@ -484,6 +501,7 @@ impl Drop for TrainingGuard<'_> {
 /// [`Model::load_shared`]. Never written after loading.
 #[derive(Debug)]
 pub(crate) struct SharedWeights {
+    config: crate::ModelConfig,
     tensors: HashMap<String, Tensor>,
 }
 
@@ -491,7 +509,6 @@ pub(crate) struct SharedWeights {
 // shared; afterwards threads only read them and take shallow clones
 // (libtorch's reference counts are atomic).
 unsafe impl Sync for SharedWeights {}
-unsafe impl Send for SharedWeights {}
 
 type SharedKey = (PathBuf, String, String);
 
@@ -517,7 +534,10 @@ impl SharedWeights {
             .into_iter()
             .map(|(name, t)| (name, t.detach()))
             .collect();
-        let shared = Arc::new(SharedWeights { tensors });
+        let shared = Arc::new(SharedWeights {
+            config: model.config.clone(),
+            tensors,
+        });
         registry.insert(key, Arc::downgrade(&shared));
         Ok(shared)
     }

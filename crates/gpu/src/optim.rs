@@ -219,6 +219,8 @@ impl Optimizer {
                 slot.param.copy_(&master.to_kind(slot.param.kind()));
             }
         }
+        // The pass's activations and the step's temporaries are freed.
+        crate::device::release_freed_host_memory();
         norm
     }
 

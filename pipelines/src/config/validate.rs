@@ -144,20 +144,14 @@ impl RunConfig {
             return bad("lora.rank", self.lora.rank.to_string(), "must be ≥ 0");
         }
         if let Some(adapters) = self.lora.adapters() {
-            if let Err(why) = adapters.check() {
-                let key = if why.starts_with("alpha") {
-                    "lora.alpha"
-                } else if why.starts_with("dropout") {
-                    "lora.dropout"
-                } else {
-                    "lora.target_modules"
-                };
-                let value = match key {
-                    "lora.alpha" => self.lora.alpha.to_string(),
-                    "lora.dropout" => self.lora.dropout.to_string(),
+            if let Err((field, why)) = adapters.check() {
+                let value = match field {
+                    "rank" => self.lora.rank.to_string(),
+                    "alpha" => self.lora.alpha.to_string(),
+                    "dropout" => self.lora.dropout.to_string(),
                     _ => format!("{:?}", self.lora.target_modules),
                 };
-                return bad(key, value, &why);
+                return bad(&format!("lora.{field}"), value, &why);
             }
             if adapters.dropout > 0.0 && self.algorithm.gradient_checkpointing {
                 return bad(

@@ -285,20 +285,7 @@ fn peft_loads_weirs_adapter_folder_to_the_same_logits() {
     let recorded: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     let mut model = load("tiny-llama", Kind::Double);
-    model
-        .add_lora(
-            &adapters(&[
-                "q_proj",
-                "k_proj",
-                "v_proj",
-                "o_proj",
-                "gate_proj",
-                "up_proj",
-                "down_proj",
-            ]),
-            3,
-        )
-        .unwrap();
+    model.add_lora(&all_targets(), 3).unwrap();
     set_b(&model);
     if let Ok(out) = std::env::var("WEIR_WRITE_PEFT_CASE") {
         // How the recorded case was made: this folder, then the script.

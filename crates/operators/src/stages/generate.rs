@@ -106,7 +106,6 @@ impl Stage for Generate {
         let started = Instant::now();
         let out = self.generate_rows(&batch, &prompts, &streams)?;
         let seconds = started.elapsed().as_secs_f64() as f32;
-        weir_gpu::device::release_freed_host_memory();
         let tokens: Vec<Vec<i64>> = out.iter().map(|g| g.tokens.clone()).collect();
         let logprobs: Vec<Vec<f64>> = out
             .iter()

@@ -110,8 +110,6 @@ pub fn response_logprobs(
         responses,
         temperature,
     )?;
-    // The kernels' activations and cache are freed: give their pages back.
-    weir_gpu::device::release_freed_host_memory();
     let width = responses.iter().map(Vec::len).max().unwrap_or(1).max(1);
     let mut logprobs = Vec::with_capacity(rows.len() * width);
     let mut mask = Vec::with_capacity(rows.len() * width);
@@ -240,20 +238,19 @@ fn chunked_loss<T>(
     let weight = model.lm_weight()?;
     let flat = hidden.detach().reshape([b * r, h]);
     let flat_targets = targets.reshape([b * r]);
-    let f = head_in_chunks(
-        model,
-        hidden,
-        targets,
-        mask,
+    let (logprobs, entropy) = weir_gpu::logprobs::head_forward_chunked(
+        &weight,
+        &flat,
+        &flat_targets,
         temperature,
         with_entropy,
         chunk,
-    )?;
-    let logprobs = f.logprobs.detach().set_requires_grad(true);
-    let entropy = f.entropy.map(|e| e.detach().set_requires_grad(true));
+    );
+    let logprobs = logprobs.detach().view([b, r]).set_requires_grad(true);
+    let entropy = entropy.map(|e| e.detach().view([b, r]).set_requires_grad(true));
     let (loss, measured) = loss_of(ResponseForward {
         logprobs: logprobs.shallow_clone(),
-        mask: f.mask,
+        mask,
         entropy: entropy.as_ref().map(Tensor::shallow_clone),
     })?;
     loss.backward();

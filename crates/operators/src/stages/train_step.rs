@@ -71,7 +71,6 @@ pub fn optimizer_step(
         optimizer.all_reduce_gradients(member, stats)?;
     }
     let norm = optimizer.step(max_grad_norm);
-    weir_gpu::device::release_freed_host_memory();
     let loss = stats.first().copied().unwrap_or(0.0);
     if !loss.is_finite() || !norm.is_finite() {
         return Err(format!("the loss ({loss}) or gradient norm ({norm}) is not finite").into());
