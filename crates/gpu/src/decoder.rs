@@ -151,6 +151,66 @@ impl KvCache {
             }
         }
     }
+
+    /// Appends the rows of `other` after this cache's rows. The shorter of
+    /// the two is padded at the front to the other's length; the caller's
+    /// key mask must mark that padding (its keys are zeros).
+    pub fn append_rows(&mut self, other: &KvCache) {
+        let (len, other_len) = (self.len(), other.len());
+        let width = len.max(other_len);
+        for (mine, theirs) in self.layers.iter_mut().zip(&other.layers) {
+            let mut joined = [None, None];
+            for (which, out) in joined.iter_mut().enumerate() {
+                let pick = |l: &LayerCache| {
+                    let buffer = if which == 0 { &l.keys } else { &l.values };
+                    buffer
+                        .as_ref()
+                        .map(|b| front_padded(&b.narrow(2, 0, l.len), width))
+                };
+                *out = match (pick(mine), pick(theirs)) {
+                    (Some(a), Some(b)) => Some(Tensor::cat(&[a, b], 0)),
+                    (a, b) => a.or(b),
+                };
+            }
+            let [keys, values] = joined;
+            *mine = LayerCache {
+                keys,
+                values,
+                len: width,
+            };
+        }
+    }
+
+    /// Drops the first `n` positions of every row (columns that only padding fills).
+    pub fn drop_front(&mut self, n: i64) {
+        if n <= 0 {
+            return;
+        }
+        for layer in &mut self.layers {
+            let kept = layer.len - n;
+            for buffer in [&mut layer.keys, &mut layer.values].into_iter().flatten() {
+                *buffer = buffer.narrow(2, n, kept).contiguous();
+            }
+            layer.len = kept;
+        }
+    }
+}
+
+/// `t` `[B, H, len, D]` with zeros in front up to `width` positions.
+fn front_padded(t: &Tensor, width: i64) -> Tensor {
+    let mut shape = t.size();
+    let missing = width - shape[2];
+    if missing == 0 {
+        return t.shallow_clone();
+    }
+    shape[2] = missing;
+    Tensor::cat(
+        &[
+            Tensor::zeros(shape.as_slice(), (t.kind(), t.device())),
+            t.shallow_clone(),
+        ],
+        2,
+    )
 }
 
 #[derive(Debug)]

@@ -53,7 +53,7 @@ impl Default for SamplingParams {
 }
 
 impl SamplingParams {
-    fn validate(&self) -> Result<(), ModelError> {
+    pub(crate) fn validate(&self) -> Result<(), ModelError> {
         let usable_temperature = self.temperature > 0.0 && self.temperature.is_finite();
         if !self.greedy && !usable_temperature {
             return Err(ModelError::Input(format!(
@@ -335,7 +335,7 @@ fn generate_torch(
 
 /// Picks one token per row of `logits` `[B, V]`; returns the tokens and
 /// their log-probs under the distribution they were drawn from.
-fn pick(logits: &Tensor, params: &SamplingParams, uniforms: &[f32]) -> (Tensor, Tensor) {
+pub(crate) fn pick(logits: &Tensor, params: &SamplingParams, uniforms: &[f32]) -> (Tensor, Tensor) {
     let logits = logits.to_kind(if logits.kind() == Kind::Double {
         Kind::Double
     } else {

@@ -26,6 +26,7 @@ pub mod optim;
 pub mod responses;
 pub mod rope;
 pub mod snapshot;
+pub mod stream;
 pub mod tokenizer;
 
 pub use config::{Family, Head, ModelConfig};
@@ -35,4 +36,5 @@ pub use generate::{
     generate, generate_on, generate_with_ids, Backend, FinishReason, Generation, SamplingParams,
 };
 pub use model::Model;
+pub use stream::{Finished, OnNewWeights, Request, StreamStats, Streamer};
 pub use tokenizer::{Message, Tokenizer};

@@ -9,34 +9,33 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::engine::CpuModel;
-use super::prepared::Prepared;
 use super::sample::Picker;
 use super::state::{Cache, RopeTables, Row, Scratch};
 use crate::generate::{Generation, SamplingParams, Stream};
+use crate::stream::Slots;
 use crate::{Model, ModelError};
 
 /// Prompt tokens run through the model at once during prefill.
 const PREFILL_ROWS: usize = 256;
 
 /// One call's state: the packed model, RoPE tables, cache, activations and
-/// thread pool.
-struct Run<'m> {
-    prepared: &'m Prepared,
-    cpu: Arc<CpuModel>,
+/// thread pool. It borrows nothing from the model, so a streaming generator
+/// keeps one across calls while new weights are applied to the model.
+pub(crate) struct Run {
+    pub(super) cpu: Arc<CpuModel>,
     rope: RopeTables,
-    cache: Cache,
+    pub(super) cache: Cache,
     scratch: Scratch,
     pool: Option<Arc<rayon::ThreadPool>>,
 }
 
-impl<'m> Run<'m> {
+impl Run {
     /// `slots` sequences of up to `capacity` positions on `model`.
-    fn start(model: &'m Model, slots: usize, capacity: usize) -> Result<Self, ModelError> {
+    pub(super) fn start(model: &Model, slots: usize, capacity: usize) -> Result<Self, ModelError> {
         let prepared = model.prepared_for_cpu();
         let cpu = prepared.model(model)?;
         let cache = Cache::new(prepared.take_cache(), slots, &cpu, capacity);
         Ok(Run {
-            prepared,
             rope: RopeTables::new(model, capacity)?,
             cache,
             scratch: Scratch::default(),
@@ -45,11 +44,43 @@ impl<'m> Run<'m> {
         })
     }
 
+    /// Packs `model`'s current weights (after new ones were applied).
+    pub(super) fn repack(&mut self, model: &Model) -> Result<(), ModelError> {
+        self.cpu = model.prepared_for_cpu().model(model)?;
+        Ok(())
+    }
+
+    /// Makes room for `capacity` positions per slot, keeping the first
+    /// `len` positions of each `(slot, len)` of `keep`.
+    pub(super) fn grow(
+        &mut self,
+        model: &Model,
+        capacity: usize,
+        keep: &[(usize, usize)],
+    ) -> Result<(), ModelError> {
+        if capacity <= self.cache.capacity {
+            return Ok(());
+        }
+        let slots = self.cache.slots();
+        let mut cache = Cache::new(Vec::new(), slots, &self.cpu, capacity);
+        for &(slot, len) in keep {
+            self.cache.copy_slot_into(slot, len, &mut cache);
+        }
+        self.cache = cache;
+        self.rope = RopeTables::new(model, capacity)?;
+        Ok(())
+    }
+
     /// [`CpuModel::forward`] on this call's state.
     ///
     /// # Safety
     /// The CPU must support AVX2 and FMA.
-    unsafe fn forward(&mut self, ids: &[i64], rows: &[Row], logit_rows: &[usize]) -> &[f32] {
+    pub(super) unsafe fn forward(
+        &mut self,
+        ids: &[i64],
+        rows: &[Row],
+        logit_rows: &[usize],
+    ) -> &[f32] {
         self.cpu.forward(
             ids,
             rows,
@@ -61,66 +92,78 @@ impl<'m> Run<'m> {
         )
     }
 
-    /// Runs each prompt `p` with `owner[p] == p` (the first of equal prompts)
-    /// into the slot of its first sample, then copies its keys and values to
-    /// the slots of every sample of every prompt equal to it; returns the
-    /// logits after each such prompt's last token, `[prompts, vocab]` (other
-    /// rows are left at 0).
+    /// Runs each `(slot, context)` of `items` into its slot from position 0:
+    /// each distinct context once, into the slot of its first item, whose
+    /// keys and values are then copied to the slots of the items equal to
+    /// it. Returns the logits after each item's last token, `[items, vocab]`.
     ///
     /// # Safety
     /// The CPU must support AVX2 and FMA.
-    unsafe fn prefill(&mut self, prompts: &[Vec<i64>], owner: &[usize], n: usize) -> Vec<f32> {
+    pub(super) unsafe fn prefill(&mut self, items: &[(usize, &[i64])]) -> Vec<f32> {
         let vocab = self.cpu.vocab;
-        let mut first = vec![0.0f32; prompts.len() * vocab];
-        let tokens: Vec<(usize, usize, i64)> = prompts
+        let contexts: Vec<&[i64]> = items.iter().map(|&(_, c)| c).collect();
+        let owner = owners(&contexts);
+        let mut first = vec![0.0f32; items.len() * vocab];
+        let tokens: Vec<(usize, usize, i64)> = contexts
             .iter()
             .enumerate()
-            .filter(|&(p, _)| owner[p] == p)
-            .flat_map(|(p, prompt)| {
-                prompt
+            .filter(|&(i, _)| owner[i] == i)
+            .flat_map(|(i, context)| {
+                context
                     .iter()
                     .enumerate()
-                    .map(move |(pos, &id)| (p, pos, id))
+                    .map(move |(pos, &id)| (i, pos, id))
             })
             .collect();
         for chunk in tokens.chunks(PREFILL_ROWS) {
             let ids: Vec<i64> = chunk.iter().map(|t| t.2).collect();
             let rows: Vec<Row> = chunk
                 .iter()
-                .map(|&(p, pos, _)| Row { slot: p * n, pos })
+                .map(|&(i, pos, _)| Row {
+                    slot: items[i].0,
+                    pos,
+                })
                 .collect();
             let last: Vec<usize> = (0..chunk.len())
-                .filter(|&i| chunk[i].1 + 1 == prompts[chunk[i].0].len())
+                .filter(|&j| chunk[j].1 + 1 == contexts[chunk[j].0].len())
                 .collect();
             let logits = self.forward(&ids, &rows, &last);
-            for (j, &i) in last.iter().enumerate() {
-                let p = chunk[i].0;
-                first[p * vocab..(p + 1) * vocab]
+            for (j, &t) in last.iter().enumerate() {
+                let i = chunk[t].0;
+                first[i * vocab..(i + 1) * vocab]
                     .copy_from_slice(&logits[j * vocab..(j + 1) * vocab]);
             }
         }
-        for r in 0..prompts.len() * n {
-            let (p, source) = (r / n, owner[r / n] * n);
-            if r != source {
-                self.cache.copy_prefix(source, r, prompts[p].len());
+        for (i, &(slot, context)) in items.iter().enumerate() {
+            let o = owner[i];
+            if o != i {
+                self.cache.copy_prefix(items[o].0, slot, context.len());
+                first.copy_within(o * vocab..(o + 1) * vocab, i * vocab);
             }
         }
         first
     }
 
-    /// Hands the cache buffer back for the next call.
-    fn finish(self) {
-        self.prepared.give_back_cache(self.cache.data);
+    /// Hands the cache buffer back to `model` for its next call.
+    pub(super) fn finish(self, model: &Model) {
+        model.prepared_for_cpu().give_back_cache(self.cache.data);
     }
 }
 
-/// For each prompt, the index of the first prompt equal to it.
-fn owners(prompts: &[Vec<i64>]) -> Vec<usize> {
+/// For each context, the index of the first context equal to it.
+fn owners(contexts: &[&[i64]]) -> Vec<usize> {
     let mut seen: HashMap<&[i64], usize> = HashMap::new();
-    prompts
+    contexts
         .iter()
         .enumerate()
-        .map(|(p, prompt)| *seen.entry(prompt.as_slice()).or_insert(p))
+        .map(|(i, context)| *seen.entry(context).or_insert(i))
+        .collect()
+}
+
+/// Every row's `(slot, prompt)`: row `r` is sample `r % n` of prompt `r / n`.
+fn row_items(prompts: &[Vec<i64>], n: usize) -> Vec<(usize, &[i64])> {
+    (0..prompts.len() * n)
+        .map(|r| (r, prompts[r / n].as_slice()))
         .collect()
 }
 
@@ -138,9 +181,8 @@ pub fn generate(
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let mut run = Run::start(model, out.len(), longest + params.max_new_tokens)?;
     let vocab = run.cpu.vocab;
-    let owner = owners(prompts);
     // SAFETY (all calls below): the caller checked that the CPU has AVX2 and FMA.
-    let first = unsafe { run.prefill(prompts, &owner, n) };
+    let first = unsafe { run.prefill(&row_items(prompts, n)) };
     let mut streams: Vec<Stream> = (0..out.len())
         .map(|r| Stream::new(params.seed, stream_ids[r / n], (r % n) as u64))
         .collect();
@@ -149,9 +191,9 @@ pub fn generate(
     // Live sequences: (output row = cache slot, last token, its position).
     let mut live: Vec<(usize, i64, usize)> = Vec::with_capacity(out.len());
     for (r, generation) in out.iter_mut().enumerate() {
-        let (p, source) = (r / n, owner[r / n]);
+        let p = r / n;
         row_logits.clear();
-        row_logits.extend_from_slice(&first[source * vocab..(source + 1) * vocab]);
+        row_logits.extend_from_slice(&first[r * vocab..(r + 1) * vocab]);
         let (token, logprob) =
             unsafe { picker.pick(&mut row_logits, params, streams[r].next_f32()) };
         if generation.record(token, logprob, params) {
@@ -183,7 +225,7 @@ pub fn generate(
         }
         live.truncate(kept);
     }
-    run.finish();
+    run.finish(model);
     Ok(out)
 }
 
@@ -212,7 +254,6 @@ pub fn response_logprobs(
         .unwrap_or(1);
     let mut run = Run::start(model, prompts.len(), capacity)?;
     let vocab = run.cpu.vocab;
-    let owner = owners(prompts);
     let temperature = temperature as f32;
     let (mut picker, mut row) = (Picker::default(), Vec::with_capacity(vocab));
     let mut logprob = |logits: &[f32], target: i64| {
@@ -222,15 +263,14 @@ pub fn response_logprobs(
         unsafe { picker.log_prob(&row, target as usize) }
     };
     // SAFETY (both calls): as above.
-    let first = unsafe { run.prefill(prompts, &owner, 1) };
+    let first = unsafe { run.prefill(&row_items(prompts, 1)) };
     let mut out: Vec<Vec<f32>> = responses
         .iter()
         .enumerate()
         .map(|(r, response)| {
             let mut lp = Vec::with_capacity(response.len());
             if let Some(&target) = response.first() {
-                let o = owner[r];
-                lp.push(logprob(&first[o * vocab..(o + 1) * vocab], target));
+                lp.push(logprob(&first[r * vocab..(r + 1) * vocab], target));
             }
             lp
         })
@@ -258,6 +298,126 @@ pub fn response_logprobs(
             out[r].push(lp);
         }
     }
-    run.finish();
+    run.finish(model);
     Ok(out)
+}
+
+/// The CPU kernels as a [`crate::stream::Streamer`]'s backend: one cache
+/// slot per sequence, the run kept across calls.
+pub(crate) struct CpuSlots {
+    slots: usize,
+    run: Option<Run>,
+    repack: bool,
+    logits: Vec<f32>,
+    picker: Picker,
+}
+
+impl CpuSlots {
+    /// Room for `slots` sequences; made only where the kernels apply.
+    pub(crate) fn new(slots: usize) -> Self {
+        CpuSlots {
+            slots,
+            run: None,
+            repack: false,
+            logits: Vec::new(),
+            picker: Picker::default(),
+        }
+    }
+}
+
+impl Slots for CpuSlots {
+    fn reserve(
+        &mut self,
+        model: &Model,
+        positions: usize,
+        live: &[(usize, usize)],
+    ) -> Result<(), ModelError> {
+        match self.run.as_mut() {
+            None => {
+                self.run = Some(Run::start(model, self.slots, positions)?);
+                self.repack = false;
+            }
+            Some(run) => {
+                if self.repack {
+                    run.repack(model)?;
+                    self.repack = false;
+                }
+                let grown = positions.max(run.cache.capacity + run.cache.capacity / 2);
+                if positions > run.cache.capacity {
+                    run.grow(model, grown, live)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn forward(
+        &mut self,
+        _: &Model,
+        steps: &[(usize, i64, usize)],
+        prefills: &[(usize, &[i64])],
+    ) -> Result<(), ModelError> {
+        let run = self.run.as_mut().expect("reserve runs before forward");
+        let vocab = run.cpu.vocab;
+        self.logits.clear();
+        if !steps.is_empty() {
+            let ids: Vec<i64> = steps.iter().map(|s| s.1).collect();
+            let rows: Vec<Row> = steps
+                .iter()
+                .map(|s| Row {
+                    slot: s.0,
+                    pos: s.2,
+                })
+                .collect();
+            let all: Vec<usize> = (0..steps.len()).collect();
+            // SAFETY: a `CpuSlots` is made only where the kernels apply (AVX2 and FMA).
+            let logits = unsafe { run.forward(&ids, &rows, &all) };
+            self.logits
+                .extend_from_slice(&logits[..steps.len() * vocab]);
+        }
+        if !prefills.is_empty() {
+            // SAFETY: as above.
+            let first = unsafe { run.prefill(prefills) };
+            self.logits.extend_from_slice(&first);
+        }
+        Ok(())
+    }
+
+    fn pick(
+        &mut self,
+        params: &SamplingParams,
+        greedy: &[bool],
+        uniforms: &[f32],
+    ) -> Result<Vec<(i64, f32)>, ModelError> {
+        let vocab = self.logits.len() / greedy.len().max(1);
+        let greedy_params = SamplingParams {
+            greedy: true,
+            ..params.clone()
+        };
+        Ok(self
+            .logits
+            .chunks_mut(vocab.max(1))
+            .zip(greedy.iter().zip(uniforms))
+            .map(|(row, (&g, &u))| {
+                let params = if g { &greedy_params } else { params };
+                // SAFETY: as in `forward`.
+                unsafe { self.picker.pick(row, params, u) }
+            })
+            .collect())
+    }
+
+    fn free(&mut self, _: &[usize]) -> Result<(), ModelError> {
+        // A slot's positions are written before they are read again.
+        Ok(())
+    }
+
+    fn clear(&mut self, model: &Model) {
+        if let Some(run) = self.run.take() {
+            run.finish(model);
+        }
+    }
+
+    fn weights_changed(&mut self) {
+        self.repack = true;
+    }
 }

@@ -71,6 +71,11 @@ impl Cache {
         }
     }
 
+    /// Sequences the cache holds.
+    pub(super) fn slots(&self) -> usize {
+        self.data.len() / (self.layers * 2 * self.kv_heads * self.capacity * self.dim).max(1)
+    }
+
     /// Start of the block of (slot, layer, keys (0) or values (1), head).
     pub(super) fn block(&self, slot: usize, layer: usize, which: usize, head: usize) -> usize {
         (((slot * self.layers + layer) * 2 + which) * self.kv_heads + head)
@@ -106,6 +111,30 @@ impl Cache {
     pub(super) fn values(&self, slot: usize, layer: usize, head: usize, len: usize) -> &[f32] {
         let start = self.block(slot, layer, 1, head);
         &self.data[start..start + len * self.dim]
+    }
+
+    /// Copies the first `len` positions of `slot` into the same slot of
+    /// `to` (a cache of the same model with another capacity).
+    pub(super) fn copy_slot_into(&self, slot: usize, len: usize, to: &mut Cache) {
+        let d = self.dim;
+        for layer in 0..self.layers {
+            for head in 0..self.kv_heads {
+                let (src, dst) = (
+                    self.block(slot, layer, 0, head),
+                    to.block(slot, layer, 0, head),
+                );
+                for c in 0..d {
+                    to.data[dst + c * to.capacity..dst + c * to.capacity + len].copy_from_slice(
+                        &self.data[src + c * self.capacity..src + c * self.capacity + len],
+                    );
+                }
+                let (src, dst) = (
+                    self.block(slot, layer, 1, head),
+                    to.block(slot, layer, 1, head),
+                );
+                to.data[dst..dst + len * d].copy_from_slice(&self.data[src..src + len * d]);
+            }
+        }
     }
 
     /// Copies the first `len` positions of slot `from` into slot `to`.

@@ -7,6 +7,7 @@ mod checkpoints;
 mod generation;
 mod logits;
 mod lora;
+mod streaming;
 mod tokenizer;
 mod training;
 

@@ -1,0 +1,637 @@
+//! Continuous batching: a pool of up to `max_inflight` sequences that all
+//! advance one token per call. A finished sequence leaves at once and its
+//! slot goes to the next waiting request, which is prefilled in the same
+//! forward pass as the others' decode step. New weights may be applied to
+//! the model between two calls; [`OnNewWeights`] says what happens to the
+//! sequences in flight, and every token records the policy version that
+//! sampled it.
+//!
+//! The scheduler ([`Streamer`]) is the same for both backends; a backend
+//! ([`Slots`]) only runs forward passes over cache slots and picks tokens:
+//! weir's CPU kernels (one cache slot per sequence, no padding) or libtorch
+//! (`TorchSlots`: one left-padded cache, new rows joined at the front-padded
+//! width, all-padding columns dropped as rows leave).
+
+use std::collections::VecDeque;
+use std::str::FromStr;
+
+use tch::{Kind, Tensor};
+
+use crate::generate::{check_prompts, cpu_kernels_apply, pick, Backend, Generation, Stream};
+use crate::{Model, ModelError, SamplingParams};
+
+/// What the sequences in flight do when new weights arrive.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum OnNewWeights {
+    /// They finish on the weights they started with; no new sequence starts
+    /// until they have (the caller holds the new weights back until
+    /// [`Streamer::live`] is 0).
+    #[default]
+    Finish,
+    /// They continue on the new weights over their existing KV cache
+    /// (PipelineRL).
+    Keep,
+    /// Each one's prompt and tokens so far are run again under the new
+    /// weights before its next token (AReaL).
+    Recompute,
+}
+
+impl OnNewWeights {
+    /// The config spelling.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            OnNewWeights::Finish => "finish",
+            OnNewWeights::Keep => "keep",
+            OnNewWeights::Recompute => "recompute",
+        }
+    }
+}
+
+impl FromStr for OnNewWeights {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "finish" => Ok(OnNewWeights::Finish),
+            "keep" => Ok(OnNewWeights::Keep),
+            "recompute" => Ok(OnNewWeights::Recompute),
+            other => Err(format!(
+                "`{other}` is not a weight-update policy (finish, keep, recompute)"
+            )),
+        }
+    }
+}
+
+/// A sequence to generate.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Request {
+    /// The caller's key, returned with the result.
+    pub key: u64,
+    /// The prompt's token ids.
+    pub prompt: Vec<i64>,
+    /// Its random stream (as `stream_ids` in [`crate::generate_with_ids`], sample 0).
+    pub stream: u64,
+    /// Greedy whatever the sampling settings (ReMax's baseline rows).
+    pub greedy: bool,
+}
+
+/// A finished sequence.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Finished {
+    /// The request's key.
+    pub key: u64,
+    /// Tokens, behaviour log-probs and why it ended (`prompt`/`sample` are 0).
+    pub generation: Generation,
+    /// The policy version that sampled each token.
+    pub versions: Vec<u32>,
+    /// Whether each token's context had been recomputed under its version
+    /// (`recompute`); false for a context built up under older weights too.
+    pub recomputed: Vec<bool>,
+}
+
+/// Counters since the last [`Streamer::take_stats`].
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StreamStats {
+    /// Forward passes run.
+    pub passes: u64,
+    /// Sequences in flight summed over the passes.
+    pub inflight: u64,
+    /// Tokens sampled.
+    pub tokens: u64,
+    /// Sequences prefilled again under new weights.
+    pub recomputed: u64,
+}
+
+/// The backend of a [`Streamer`]: cache slots and forward passes.
+pub(crate) trait Slots {
+    /// Makes room for sequences of `positions` positions, keeping the first
+    /// `len` positions of every `(slot, len)` in `live`.
+    fn reserve(
+        &mut self,
+        model: &Model,
+        positions: usize,
+        live: &[(usize, usize)],
+    ) -> Result<(), ModelError>;
+
+    /// Runs `steps` (slot, token, position: one token each, after what the
+    /// slot holds) and `prefills` (slot, context: a whole context into an
+    /// empty slot); afterwards the next-token logits of those slots are
+    /// ready, steps first, in the order given.
+    fn forward(
+        &mut self,
+        model: &Model,
+        steps: &[(usize, i64, usize)],
+        prefills: &[(usize, &[i64])],
+    ) -> Result<(), ModelError>;
+
+    /// Picks one token per ready row with the row's uniform number;
+    /// `greedy[i]` overrides the sampling settings.
+    fn pick(
+        &mut self,
+        params: &SamplingParams,
+        greedy: &[bool],
+        uniforms: &[f32],
+    ) -> Result<Vec<(i64, f32)>, ModelError>;
+
+    /// The sequences of `slots` ended.
+    fn free(&mut self, slots: &[usize]) -> Result<(), ModelError>;
+
+    /// Forgets every cached position and hands memory back (nothing in flight).
+    fn clear(&mut self, model: &Model);
+
+    /// The model's weights changed: repack what was packed from them.
+    fn weights_changed(&mut self);
+}
+
+/// One sequence in flight.
+struct Sequence {
+    request: Request,
+    slot: usize,
+    generation: Generation,
+    versions: Vec<u32>,
+    recomputed: Vec<bool>,
+    stream: Stream,
+    /// The cache holds the prompt and every token but the last.
+    cached: bool,
+    /// Its context was run again under the current weights.
+    context_recomputed: bool,
+}
+
+impl Sequence {
+    /// Prompt and tokens so far.
+    fn context(&self) -> Vec<i64> {
+        let mut c = self.request.prompt.clone();
+        c.extend_from_slice(&self.generation.tokens);
+        c
+    }
+}
+
+/// Continuous batching over a model; see the module docs.
+pub struct Streamer {
+    params: SamplingParams,
+    max_inflight: usize,
+    on_new_weights: OnNewWeights,
+    slots: Box<dyn Slots>,
+    waiting: VecDeque<Request>,
+    live: Vec<Sequence>,
+    free: Vec<usize>,
+    version: u32,
+    recompute: bool,
+    admitting: bool,
+    stats: StreamStats,
+}
+
+impl Streamer {
+    /// A pool of `max_inflight` sequences on `model` sampling with `params`
+    /// (`n` is ignored: one sequence per request), starting at policy `version`.
+    pub fn new(
+        model: &Model,
+        params: SamplingParams,
+        max_inflight: usize,
+        on_new_weights: OnNewWeights,
+        version: u32,
+        backend: Backend,
+    ) -> Result<Self, ModelError> {
+        params.validate()?;
+        if max_inflight == 0 {
+            return Err(ModelError::Input("max_inflight must be at least 1".into()));
+        }
+        let slots: Box<dyn Slots> = if backend == Backend::Auto && cpu_kernels_apply(model) {
+            #[cfg(target_arch = "x86_64")]
+            {
+                Box::new(crate::cpu::run::CpuSlots::new(max_inflight))
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            unreachable!("the CPU kernels apply only on x86-64")
+        } else {
+            Box::new(TorchSlots::new(model))
+        };
+        Ok(Streamer {
+            params: SamplingParams { n: 1, ..params },
+            max_inflight,
+            on_new_weights,
+            slots,
+            waiting: VecDeque::new(),
+            live: Vec::new(),
+            free: (0..max_inflight).rev().collect(),
+            version,
+            recompute: false,
+            admitting: true,
+            stats: StreamStats::default(),
+        })
+    }
+
+    /// Queues requests; they start, oldest first, as slots free up.
+    pub fn submit(&mut self, model: &Model, requests: Vec<Request>) -> Result<(), ModelError> {
+        let prompts: Vec<Vec<i64>> = requests.iter().map(|r| r.prompt.clone()).collect();
+        check_prompts(model, &prompts, &[])?;
+        self.waiting.extend(requests);
+        Ok(())
+    }
+
+    /// Sequences in flight.
+    pub fn live(&self) -> usize {
+        self.live.len()
+    }
+
+    /// Requests not started yet.
+    pub fn waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Nothing in flight and nothing waiting.
+    pub fn is_idle(&self) -> bool {
+        self.live.is_empty() && self.waiting.is_empty()
+    }
+
+    /// Keys of the requests in flight or waiting.
+    pub fn keys(&self) -> impl Iterator<Item = u64> + '_ {
+        self.live
+            .iter()
+            .map(|s| s.request.key)
+            .chain(self.waiting.iter().map(|r| r.key))
+    }
+
+    /// The policy version tokens are recorded under.
+    pub fn version(&self) -> u32 {
+        self.version
+    }
+
+    /// Whether waiting requests may start (a caller holding new weights
+    /// back under [`OnNewWeights::Finish`] stops admission meanwhile).
+    pub fn set_admitting(&mut self, admitting: bool) {
+        self.admitting = admitting;
+    }
+
+    /// The policy.
+    pub fn on_new_weights(&self) -> OnNewWeights {
+        self.on_new_weights
+    }
+
+    /// The caller applied weights of `version` to the model: the next
+    /// tokens are sampled under them; under [`OnNewWeights::Recompute`] the
+    /// sequences in flight are prefilled again first.
+    pub fn weights_changed(&mut self, version: u32) {
+        self.version = version;
+        self.slots.weights_changed();
+        if self.on_new_weights == OnNewWeights::Recompute && !self.live.is_empty() {
+            self.recompute = true;
+        }
+    }
+
+    /// Counters since the last call.
+    pub fn take_stats(&mut self) -> StreamStats {
+        std::mem::take(&mut self.stats)
+    }
+
+    /// One forward pass: waiting requests start in free slots, every
+    /// sequence in flight gets one token; returns the sequences that ended.
+    pub fn advance(&mut self, model: &Model) -> Result<Vec<Finished>, ModelError> {
+        if self.params.max_new_tokens == 0 {
+            return Ok(self.finish_all_empty());
+        }
+        if self.recompute {
+            self.recompute = false;
+            self.slots.clear(model);
+            for s in &mut self.live {
+                s.cached = false;
+                s.context_recomputed = true;
+                self.stats.recomputed += 1;
+            }
+        }
+        while self.admitting && self.live.len() < self.max_inflight {
+            let Some(request) = self.waiting.pop_front() else {
+                break;
+            };
+            let slot = self.free.pop().expect("a free slot per missing sequence");
+            self.live.push(Sequence {
+                stream: Stream::new(self.params.seed, request.stream, 0),
+                request,
+                slot,
+                generation: Generation::empty(0, 0),
+                versions: Vec::new(),
+                recomputed: Vec::new(),
+                cached: false,
+                context_recomputed: false,
+            });
+        }
+        if self.live.is_empty() {
+            return Ok(Vec::new());
+        }
+        let positions = self
+            .live
+            .iter()
+            .map(|s| s.request.prompt.len() + self.params.max_new_tokens)
+            .max()
+            .unwrap_or(1);
+        let kept: Vec<(usize, usize)> = self
+            .live
+            .iter()
+            .filter(|s| s.cached)
+            .map(|s| {
+                (
+                    s.slot,
+                    s.request.prompt.len() + s.generation.tokens.len() - 1,
+                )
+            })
+            .collect();
+        self.slots.reserve(model, positions, &kept)?;
+
+        // Steps first, then prefills: the order the backend's logits come in.
+        let mut order: Vec<usize> = (0..self.live.len())
+            .filter(|&i| self.live[i].cached)
+            .collect();
+        let steps: Vec<(usize, i64, usize)> = order
+            .iter()
+            .map(|&i| {
+                let s = &self.live[i];
+                let last = *s
+                    .generation
+                    .tokens
+                    .last()
+                    .expect("a cached sequence has a token");
+                (
+                    s.slot,
+                    last,
+                    s.request.prompt.len() + s.generation.tokens.len() - 1,
+                )
+            })
+            .collect();
+        let fresh: Vec<usize> = (0..self.live.len())
+            .filter(|&i| !self.live[i].cached)
+            .collect();
+        let contexts: Vec<Vec<i64>> = fresh.iter().map(|&i| self.live[i].context()).collect();
+        let prefills: Vec<(usize, &[i64])> = fresh
+            .iter()
+            .zip(&contexts)
+            .map(|(&i, c)| (self.live[i].slot, c.as_slice()))
+            .collect();
+        self.slots.forward(model, &steps, &prefills)?;
+        order.extend(&fresh);
+
+        let greedy: Vec<bool> = order.iter().map(|&i| self.live[i].request.greedy).collect();
+        let uniforms: Vec<f32> = order
+            .iter()
+            .map(|&i| self.live[i].stream.next_f32())
+            .collect();
+        let picks = self.slots.pick(&self.params, &greedy, &uniforms)?;
+        self.stats.passes += 1;
+        self.stats.inflight += self.live.len() as u64;
+        self.stats.tokens += picks.len() as u64;
+
+        let greedy_params = SamplingParams {
+            greedy: true,
+            ..self.params.clone()
+        };
+        let mut ended = vec![false; self.live.len()];
+        for (&i, &(token, logprob)) in order.iter().zip(&picks) {
+            let s = &mut self.live[i];
+            let params = if s.request.greedy {
+                &greedy_params
+            } else {
+                &self.params
+            };
+            s.cached = true;
+            s.versions.push(self.version);
+            s.recomputed.push(s.context_recomputed);
+            ended[i] = !s.generation.record(token, logprob, params);
+        }
+        let (done, live): (Vec<_>, Vec<_>) = std::mem::take(&mut self.live)
+            .into_iter()
+            .zip(ended)
+            .partition(|(_, e)| *e);
+        self.live = live.into_iter().map(|(s, _)| s).collect();
+        let freed: Vec<usize> = done.iter().map(|(s, _)| s.slot).collect();
+        self.slots.free(&freed)?;
+        self.free.extend(freed);
+        if self.is_idle() {
+            self.slots.clear(model);
+        }
+        Ok(done
+            .into_iter()
+            .map(|(s, _)| Finished {
+                key: s.request.key,
+                generation: s.generation,
+                versions: s.versions,
+                recomputed: s.recomputed,
+            })
+            .collect())
+    }
+
+    /// With `max_new_tokens` 0 every request ends at once, empty.
+    fn finish_all_empty(&mut self) -> Vec<Finished> {
+        self.waiting
+            .drain(..)
+            .map(|request| Finished {
+                key: request.key,
+                generation: Generation::empty(0, 0),
+                versions: Vec::new(),
+                recomputed: Vec::new(),
+            })
+            .collect()
+    }
+}
+
+/// The libtorch backend: one left-padded KV cache whose rows are the
+/// sequences in flight (`rows[i]` is row i's slot).
+struct TorchSlots {
+    layers: usize,
+    cache: crate::decoder::KvCache,
+    /// `[rows, cached positions]`, 1 where a position holds a token.
+    key_mask: Option<Tensor>,
+    rows: Vec<usize>,
+    logits: Option<Tensor>,
+}
+
+impl TorchSlots {
+    fn new(model: &Model) -> Self {
+        let layers = model.decoder.num_layers();
+        TorchSlots {
+            layers,
+            cache: crate::decoder::KvCache::new(layers),
+            key_mask: None,
+            rows: Vec::new(),
+            logits: None,
+        }
+    }
+
+    /// One token for every row, in `steps`' order; returns their logits.
+    fn step(&mut self, model: &Model, steps: &[(usize, i64, usize)]) -> Result<Tensor, ModelError> {
+        let device = model.device();
+        let at: std::collections::HashMap<usize, usize> =
+            steps.iter().enumerate().map(|(i, s)| (s.0, i)).collect();
+        if at.len() != self.rows.len() || self.rows.iter().any(|r| !at.contains_key(r)) {
+            return Err(ModelError::Input(
+                "a decode step must cover every sequence in the cache".into(),
+            ));
+        }
+        let ids: Vec<i64> = self.rows.iter().map(|r| steps[at[r]].1).collect();
+        let positions: Vec<i64> = self.rows.iter().map(|r| steps[at[r]].2 as i64).collect();
+        let b = ids.len() as i64;
+        let ids = Tensor::from_slice(&ids).view([b, 1]).to_device(device);
+        let positions = Tensor::from_slice(&positions)
+            .view([b, 1])
+            .to_device(device);
+        let mask = self.key_mask.as_ref().expect("rows have a mask");
+        let mask = Tensor::cat(&[mask, &mask.ones_like().narrow(1, 0, 1)], 1);
+        let hidden = model.forward_cached(&ids, &mask, &positions, &mut self.cache);
+        self.key_mask = Some(mask);
+        let logits = model.lm_logits(&hidden.squeeze_dim(1))?;
+        // Back into the caller's order.
+        let back: Vec<i64> = steps
+            .iter()
+            .map(|s| self.rows.iter().position(|&r| r == s.0).expect("checked") as i64)
+            .collect();
+        Ok(logits.index_select(0, &Tensor::from_slice(&back).to_device(device)))
+    }
+
+    /// Runs `prefills` as one left-padded batch and joins them to the cache.
+    fn prefill(
+        &mut self,
+        model: &Model,
+        prefills: &[(usize, &[i64])],
+    ) -> Result<Tensor, ModelError> {
+        let device = model.device();
+        let width = prefills.iter().map(|p| p.1.len()).max().unwrap_or(0);
+        let pad = model.config.pad_token_id.unwrap_or(0).max(0);
+        let (mut ids, mut mask) = (Vec::new(), Vec::new());
+        for &(_, context) in prefills {
+            let padding = width - context.len();
+            ids.extend(std::iter::repeat_n(pad, padding).chain(context.iter().copied()));
+            mask.extend(
+                std::iter::repeat_n(0i64, padding).chain(std::iter::repeat_n(1, context.len())),
+            );
+        }
+        let (p, w) = (prefills.len() as i64, width as i64);
+        let ids = Tensor::from_slice(&ids).view([p, w]).to_device(device);
+        let mask = Tensor::from_slice(&mask).view([p, w]).to_device(device);
+        let positions = crate::model::default_positions(&mask);
+        let mut cache = crate::decoder::KvCache::new(self.layers);
+        let hidden = model.forward_cached(&ids, &mask, &positions, &mut cache);
+        let logits = model.lm_logits(&hidden.narrow(1, w - 1, 1).squeeze_dim(1))?;
+        self.key_mask = Some(match self.key_mask.take() {
+            None => mask,
+            Some(old) => {
+                let cols = old.size()[1].max(w);
+                let padded = |m: &Tensor| {
+                    let missing = cols - m.size()[1];
+                    if missing == 0 {
+                        m.shallow_clone()
+                    } else {
+                        Tensor::cat(
+                            &[
+                                m.zeros_like()
+                                    .narrow(1, 0, 1)
+                                    .expand([m.size()[0], missing], false),
+                                m.shallow_clone(),
+                            ],
+                            1,
+                        )
+                    }
+                };
+                Tensor::cat(&[padded(&old), padded(&mask)], 0)
+            }
+        });
+        self.cache.append_rows(&cache);
+        self.rows.extend(prefills.iter().map(|p| p.0));
+        Ok(logits)
+    }
+}
+
+impl Slots for TorchSlots {
+    fn reserve(&mut self, _: &Model, _: usize, _: &[(usize, usize)]) -> Result<(), ModelError> {
+        // The cache grows as it goes.
+        Ok(())
+    }
+
+    fn forward(
+        &mut self,
+        model: &Model,
+        steps: &[(usize, i64, usize)],
+        prefills: &[(usize, &[i64])],
+    ) -> Result<(), ModelError> {
+        let _guard = tch::no_grad_guard();
+        let mut parts = Vec::new();
+        if !steps.is_empty() {
+            parts.push(self.step(model, steps)?);
+        }
+        if !prefills.is_empty() {
+            parts.push(self.prefill(model, prefills)?);
+        }
+        self.logits = Some(Tensor::cat(&parts, 0));
+        Ok(())
+    }
+
+    fn pick(
+        &mut self,
+        params: &SamplingParams,
+        greedy: &[bool],
+        uniforms: &[f32],
+    ) -> Result<Vec<(i64, f32)>, ModelError> {
+        let _guard = tch::no_grad_guard();
+        let logits = self.logits.take().expect("forward ran before pick");
+        let greedy_params = SamplingParams {
+            greedy: true,
+            ..params.clone()
+        };
+        let mut out = vec![(0i64, 0f32); greedy.len()];
+        for (want, params) in [(false, params), (true, &greedy_params)] {
+            let idx: Vec<i64> = (0..greedy.len() as i64)
+                .filter(|&i| greedy[i as usize] == want)
+                .collect();
+            if idx.is_empty() {
+                continue;
+            }
+            let rows = Tensor::from_slice(&idx).to_device(logits.device());
+            let u: Vec<f32> = idx.iter().map(|&i| uniforms[i as usize]).collect();
+            let (tokens, logprobs) = pick(&logits.index_select(0, &rows), params, &u);
+            let tokens =
+                Vec::<i64>::try_from(&tokens).map_err(|e| ModelError::Torch(e.to_string()))?;
+            let logprobs = Vec::<f32>::try_from(&logprobs.to_kind(Kind::Float))
+                .map_err(|e| ModelError::Torch(e.to_string()))?;
+            for ((&i, t), l) in idx.iter().zip(tokens).zip(logprobs) {
+                out[i as usize] = (t, l);
+            }
+        }
+        Ok(out)
+    }
+
+    fn free(&mut self, slots: &[usize]) -> Result<(), ModelError> {
+        if slots.is_empty() {
+            return Ok(());
+        }
+        let kept: Vec<i64> = (0..self.rows.len() as i64)
+            .filter(|&i| !slots.contains(&self.rows[i as usize]))
+            .collect();
+        if kept.is_empty() {
+            self.cache = crate::decoder::KvCache::new(self.layers);
+            self.key_mask = None;
+            self.rows.clear();
+            return Ok(());
+        }
+        let mask = self.key_mask.take().expect("rows have a mask");
+        let index = Tensor::from_slice(&kept).to_device(mask.device());
+        self.cache.select_rows(&index);
+        let mask = mask.index_select(0, &index);
+        self.rows = kept.iter().map(|&i| self.rows[i as usize]).collect();
+        // Columns that only padding fills now (the ended rows were the longest) go.
+        let used = mask
+            .sum_dim_intlist(0, false, Kind::Int64)
+            .gt(0)
+            .to_kind(Kind::Int64);
+        let leading =
+            i64::try_from(used.argmax(0, false)).map_err(|e| ModelError::Torch(e.to_string()))?;
+        self.cache.drop_front(leading);
+        self.key_mask = Some(mask.narrow(1, leading, mask.size()[1] - leading));
+        Ok(())
+    }
+
+    fn clear(&mut self, _: &Model) {
+        self.cache = crate::decoder::KvCache::new(self.layers);
+        self.key_mask = None;
+        self.rows.clear();
+        self.logits = None;
+    }
+
+    fn weights_changed(&mut self) {}
+}
