@@ -1415,3 +1415,5 @@ fn every_policy_loss_and_correction_trains_through_grpo() {
 
 #[path = "pipelines/keys.rs"]
 mod keys;
+#[path = "pipelines/streaming.rs"]
+mod streaming;

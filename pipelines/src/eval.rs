@@ -250,9 +250,8 @@ impl Evaluation {
         let n = rows.num_rows();
         for start in (0..n).step_by(self.batch) {
             let part = rows.slice(start, self.batch.min(n - start));
-            for generated in generate.process(&mut ctx, part)? {
-                out.extend(self.reward.process(&mut ctx, generated)?);
-            }
+            let generated = generate.generate_now(&ctx, part)?;
+            out.extend(self.reward.process(&mut ctx, generated)?);
         }
         out.extend(self.reward.end_step(&mut ctx)?);
         let schema = out
@@ -317,6 +316,22 @@ impl Stage for EvaluatingGenerator {
         weights: &WeightsPayload,
     ) -> Result<(), StageError> {
         self.generate.load_weights(version, weights)
+    }
+
+    fn end_step(&mut self, ctx: &mut StepContext) -> Result<Vec<RecordBatch>, StageError> {
+        self.generate.end_step(ctx)
+    }
+
+    fn streaming(&self) -> bool {
+        Stage::streaming(&self.generate)
+    }
+
+    fn advance(&mut self) -> Result<Vec<(Step, RecordBatch)>, StageError> {
+        self.generate.advance()
+    }
+
+    fn holds(&self, step: Step) -> bool {
+        self.generate.holds(step)
     }
 }
 

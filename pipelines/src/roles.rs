@@ -14,7 +14,7 @@ use weir_operators::algorithms::{
     Flavor, ImportanceCorrection, PolicyLossConfig, PolicyObjective, RatioLevel,
 };
 use weir_operators::stages::critic::{CriticLearner, PerWorker};
-use weir_operators::stages::generate::Generate;
+use weir_operators::stages::generate::{Generate, Streaming};
 use weir_operators::stages::learner::{Learner, LearnerConfig, LrSchedule};
 use weir_operators::stages::reference::RefLogprob;
 
@@ -85,12 +85,19 @@ pub fn actor(
     cfg: &RunConfig,
     ctx: &RunContext,
 ) -> impl Fn(&WorkerInfo) -> Result<Box<dyn Stage>, StageError> + Send + Sync + 'static {
-    let (cfg, actor) = (cfg.clone(), ctx.actor.clone());
+    let (cfg, actor, version) = (cfg.clone(), ctx.actor.clone(), ctx.version);
     move |w| -> Result<Box<dyn Stage>, StageError> {
         let model = load_policy(&cfg, &actor, w)?;
         let tok = Tokenizer::load(Path::new(&cfg.model.path))?;
         let params = sampling(&cfg, &tok);
-        let generate = Generate::new(model, tok, params.clone());
+        let mut generate = Generate::new(model, tok, params.clone());
+        if cfg.generate.max_inflight > 0 {
+            let streaming = Streaming {
+                max_inflight: cfg.generate.max_inflight,
+                on_new_weights: cfg.generate.on_new_weights.policy(),
+            };
+            generate = generate.streamed(streaming, version)?;
+        }
         if cfg.eval.every == 0 || cfg.eval.prompts.is_empty() {
             return Ok(Box::new(generate));
         }

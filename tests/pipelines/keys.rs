@@ -20,8 +20,14 @@ use weir::pipelines::config::{applies, DOCS};
 
 use super::*;
 
-/// Keys that change speed or memory only.
+/// Keys that change speed or memory only; and `generate.on_new_weights`,
+/// whose effect depends on whether new weights land while sequences are in
+/// flight, which timing decides (`tests/pipelines.rs` holds streaming runs
+/// to the synchronous rows at k = 0, and the runtime's tests hold each
+/// policy to its definition).
 const PERFORMANCE: &[&str] = &[
+    "generate.max_inflight",
+    "generate.on_new_weights",
     "run.threads",
     "placement.workers",
     "algorithm.micro_batch",
@@ -429,6 +435,11 @@ fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String
         "generate.temperature" => (&[], "0.5".into()),
         "generate.top_p" => (&[], "0.5".into()),
         "generate.top_k" => (&[], "3".into()),
+        "generate.max_inflight" => (&[], "3".into()),
+        "generate.on_new_weights" => (
+            &["generate.max_inflight=3", "run.max_staleness=1"],
+            "\"recompute\"".into(),
+        ),
         "reward.kind" => (&[], "\"remote\"".into()),
         "reward.overlong_buffer" => (&[], "3".into()),
         "reward.overlong_penalty_factor" => (&["reward.overlong_buffer=3"], "5.0".into()),
@@ -734,6 +745,7 @@ fn more_values(key: &str) -> &'static [&'static str] {
             "\"k3-rejection\"",
         ],
         "algorithm.preference_loss" => &["\"cdpo\""],
+        "generate.on_new_weights" => &["\"keep\""],
         "algorithm.policy_loss" => &[
             "\"sapo\"",
             "\"cispo\"",

@@ -71,6 +71,11 @@ pub(crate) enum Done {
         metrics: Vec<MetricRow>,
     },
     Loaded,
+    /// Rows a streaming stage finished between jobs (no job of its own).
+    Streamed {
+        step: Step,
+        batches: Vec<RecordBatch>,
+    },
     Failed(GraphError),
 }
 
@@ -193,6 +198,43 @@ impl StageRunner {
         }
     }
 
+    /// True when the stage streams ([`Stage::streaming`]).
+    pub(crate) fn streaming(&self) -> bool {
+        self.stage.streaming()
+    }
+
+    /// Whether a streaming stage holds rows of `step` or earlier.
+    pub(crate) fn holds(&self, step: Step) -> bool {
+        self.stage.holds(step)
+    }
+
+    /// One piece of a streaming stage's work; its busy time counts to the
+    /// oldest step the stage holds.
+    pub(crate) fn advance(&mut self) -> Vec<Done> {
+        let step = self.steps.keys().copied().find(|&s| self.stage.holds(s));
+        let started = Instant::now();
+        let out = guarded(&self.name, step, self.worker.index, || self.stage.advance());
+        if let Some(step) = step {
+            self.steps.entry(step).or_default().busy_s += started.elapsed().as_secs_f64();
+        }
+        let mut by_step: BTreeMap<Step, Vec<RecordBatch>> = BTreeMap::new();
+        match out {
+            Ok(rows) => {
+                for (step, batch) in rows {
+                    by_step.entry(step).or_default().push(batch);
+                }
+            }
+            Err(err) => return vec![Done::Failed(err)],
+        }
+        by_step
+            .into_iter()
+            .map(|(step, batches)| match self.finish_output(step, batches) {
+                Ok(batches) => Done::Streamed { step, batches },
+                Err(err) => Done::Failed(err),
+            })
+            .collect()
+    }
+
     /// Adds `learner_version` and `staleness` to a learner's input, checking the bound.
     fn stamp_learner_input(
         &mut self,
@@ -231,10 +273,15 @@ impl StageRunner {
         step: Step,
         batches: Vec<RecordBatch>,
     ) -> Result<Vec<RecordBatch>, GraphError> {
+        // A generator that stamps its own rows (a streaming one: the oldest
+        // token's version) keeps its stamps.
         let batches = match self.kind {
             StageKind::Generate => batches
                 .iter()
-                .map(|b| with_u64_column(b, columns::POLICY_VERSION, self.version))
+                .map(|b| match b.column_by_name(columns::POLICY_VERSION) {
+                    Some(_) => Ok(b.clone()),
+                    None => with_u64_column(b, columns::POLICY_VERSION, self.version),
+                })
                 .collect::<Result<Vec<_>, _>>()?,
             _ => batches,
         };
@@ -346,6 +393,10 @@ impl Executor {
                         return;
                     }
                 };
+                if runner.streaming() {
+                    stream_jobs(&mut runner, &jobs_rx, &done_tx, &activator);
+                    return;
+                }
                 for job in jobs_rx {
                     if done_tx.send(runner.run(job)).is_err() || activator.activate().is_err() {
                         return;
@@ -390,13 +441,28 @@ impl Executor {
     pub(crate) fn poll(&mut self) -> Vec<Done> {
         match self {
             Executor::Inline { runner, slot } => {
-                slot.take().map(|job| runner.run(job)).into_iter().collect()
+                let mut out: Vec<Done> =
+                    slot.take().map(|job| runner.run(job)).into_iter().collect();
+                // Inline, a streaming stage runs its rows to the end at once.
+                while runner.streaming() && runner.holds(Step::MAX) {
+                    let done = runner.advance();
+                    let failed = done.iter().any(|d| matches!(d, Done::Failed(_)));
+                    out.extend(done);
+                    if failed {
+                        break;
+                    }
+                }
+                out
             }
             Executor::Thread {
                 results, in_flight, ..
             } => {
                 let out: Vec<Done> = results.try_iter().collect();
-                *in_flight = in_flight.saturating_sub(out.len());
+                let answers = out
+                    .iter()
+                    .filter(|d| !matches!(d, Done::Streamed { .. }))
+                    .count();
+                *in_flight = in_flight.saturating_sub(answers);
                 out
             }
         }
@@ -407,6 +473,57 @@ impl Executor {
         match self {
             Executor::Inline { slot, .. } => usize::from(slot.is_some()),
             Executor::Thread { in_flight, .. } => *in_flight,
+        }
+    }
+}
+
+/// An engine thread's loop for a streaming stage: jobs first while any
+/// wait (batches join the pool, new weights apply between two passes),
+/// otherwise one pass of the stage; `end_step(s)` waits until the stage no
+/// longer holds rows of `s`. Blocks only when the stage holds nothing.
+fn stream_jobs(
+    runner: &mut StageRunner,
+    jobs: &Receiver<Job>,
+    done: &mpsc::Sender<Done>,
+    activator: &SyncActivator,
+) {
+    let mut ending: std::collections::VecDeque<Step> = std::collections::VecDeque::new();
+    let send = |d: Done| done.send(d).is_ok() && activator.activate().is_ok();
+    loop {
+        let job = if runner.holds(Step::MAX) {
+            match jobs.try_recv() {
+                Ok(job) => Some(job),
+                Err(mpsc::TryRecvError::Empty) => None,
+                Err(mpsc::TryRecvError::Disconnected) => return,
+            }
+        } else {
+            match jobs.recv() {
+                Ok(job) => Some(job),
+                Err(_) => return,
+            }
+        };
+        let results = match job {
+            Some(Job::EndStep { step }) => {
+                ending.push_back(step);
+                Vec::new()
+            }
+            Some(job) => vec![runner.run(job)],
+            None => runner.advance(),
+        };
+        for d in results {
+            let failed = matches!(d, Done::Failed(_));
+            if !send(d) || failed {
+                return;
+            }
+        }
+        while let Some(&step) = ending.front() {
+            if runner.holds(step) {
+                break;
+            }
+            ending.pop_front();
+            if !send(runner.run(Job::EndStep { step })) {
+                return;
+            }
         }
     }
 }

@@ -154,6 +154,28 @@ pub trait Stage {
         let _ = (version, weights);
         Err("this stage does not take weights".into())
     }
+
+    /// True for a streaming stage (a continuous-batching generator):
+    /// `process` only takes a batch in, and the rows leave later, from
+    /// [`Stage::advance`]. The engine calls `advance` whenever the stage
+    /// holds rows and no other job waits, applies new weights between two
+    /// calls, and calls `end_step(s)` only once the stage no longer
+    /// [`holds`](Stage::holds) rows of step `s` or earlier.
+    fn streaming(&self) -> bool {
+        false
+    }
+
+    /// A streaming stage's next piece of work (one decode pass); returns
+    /// the rows that are done, with their steps.
+    fn advance(&mut self) -> Result<Vec<(Step, RecordBatch)>, StageError> {
+        Ok(Vec::new())
+    }
+
+    /// Whether a streaming stage still holds rows of `step` or an earlier step.
+    fn holds(&self, step: Step) -> bool {
+        let _ = step;
+        false
+    }
 }
 
 /// A boxed stage is a stage (a role whose stage type the config picks).
@@ -176,6 +198,18 @@ impl Stage for Box<dyn Stage> {
         weights: &WeightsPayload,
     ) -> Result<(), StageError> {
         (**self).load_weights(version, weights)
+    }
+
+    fn streaming(&self) -> bool {
+        (**self).streaming()
+    }
+
+    fn advance(&mut self) -> Result<Vec<(Step, RecordBatch)>, StageError> {
+        (**self).advance()
+    }
+
+    fn holds(&self, step: Step) -> bool {
+        (**self).holds(step)
     }
 }
 
@@ -233,15 +267,30 @@ pub type SinkFactory =
 /// The batches a stage holds until a step ends, by step — for stages that
 /// need a whole step (group statistics, a learner's update). A plain stage
 /// may receive batches of step `s + 1` before `end_step(s)`, hence the keying.
+///
+/// With [`StepBuffer::ordered_by`], a step's rows come out sorted by key
+/// columns whatever order their batches arrived in (several generators, or
+/// a streaming one that sends groups as they finish), so what a step
+/// computes does not depend on timing.
 #[derive(Debug, Default)]
 pub struct StepBuffer {
     held: std::collections::BTreeMap<Step, Vec<RecordBatch>>,
+    order: &'static [&'static str],
 }
 
 impl StepBuffer {
-    /// An empty buffer.
+    /// An empty buffer; rows come out in arrival order.
     pub fn new() -> Self {
         StepBuffer::default()
+    }
+
+    /// An empty buffer whose steps come out sorted by `keys` (ascending,
+    /// stable), when a step's rows have every key column.
+    pub fn ordered_by(keys: &'static [&'static str]) -> Self {
+        StepBuffer {
+            held: Default::default(),
+            order: keys,
+        }
     }
 
     /// Holds `batch` for `step`.
@@ -255,11 +304,37 @@ impl StepBuffer {
         let Some(batches) = self.held.remove(&step) else {
             return Ok(None);
         };
-        Ok(Some(arrow::compute::concat_batches(
-            &batches[0].schema(),
-            &batches,
-        )?))
+        let rows = arrow::compute::concat_batches(&batches[0].schema(), &batches)?;
+        Ok(Some(sorted_by(rows, self.order)?))
     }
+}
+
+/// `rows` sorted by the `keys` columns (unchanged without them, or when already in order).
+fn sorted_by(rows: RecordBatch, keys: &[&str]) -> Result<RecordBatch, StageError> {
+    let columns: Option<Vec<arrow::array::ArrayRef>> = keys
+        .iter()
+        .map(|k| rows.column_by_name(k).cloned())
+        .collect();
+    let Some(columns) = columns.filter(|c| !c.is_empty()) else {
+        return Ok(rows);
+    };
+    let sort: Vec<arrow::compute::SortColumn> = columns
+        .into_iter()
+        .map(|values| arrow::compute::SortColumn {
+            values,
+            options: None,
+        })
+        .collect();
+    let order = arrow::compute::lexsort_to_indices(&sort, None)?;
+    if order
+        .values()
+        .iter()
+        .enumerate()
+        .all(|(i, &j)| i as u32 == j)
+    {
+        return Ok(rows);
+    }
+    Ok(arrow::compute::take_record_batch(&rows, &order)?)
 }
 
 /// A stage that works on whole steps (group statistics, a learner's update):

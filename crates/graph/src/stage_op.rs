@@ -183,7 +183,7 @@ pub(crate) fn stage_operator<'scope>(
                 state.queue_peak = state.queue_peak.max(depth as u64);
                 for done in executor.poll() {
                     match done {
-                        Done::Output { step, batches } => {
+                        Done::Output { step, batches } | Done::Streamed { step, batches } => {
                             let cap = match state.ending.get(&step) {
                                 Some(held) => held[0].clone(),
                                 None => caps[0].delayed(&step),

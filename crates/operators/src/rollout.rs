@@ -36,7 +36,9 @@ pub mod col {
     pub const RESPONSE_TOKENS: &str = "response_tokens";
     /// Per-token log-probs under the distribution the generator sampled from (list<f32>).
     pub const BEHAVIOR_LOGPROBS: &str = "behavior_logprobs";
-    /// The weights version that generated the row (u64; set by the engine).
+    /// The weights version that generated the row (u64): the oldest of its
+    /// `token_versions` (the engine stamps the generator's version on rows
+    /// that lack it); staleness is measured on it.
     pub const POLICY_VERSION: &str = weir_graph::columns::POLICY_VERSION;
     /// `stop` or `length` (utf8).
     pub const FINISH_REASON: &str = "finish_reason";
@@ -56,8 +58,15 @@ pub mod col {
     pub const LEARNER_VERSION: &str = weir_graph::columns::LEARNER_VERSION;
     /// learner_version − policy_version (u64; set by the engine).
     pub const STALENESS: &str = weir_graph::columns::STALENESS;
-    /// Seconds the generator spent on the row's batch (f32).
+    /// Seconds the generator spent on the row's batch (f32); with streaming
+    /// generation, from the row's admission to its last token.
     pub const GENERATE_S: &str = "generate_s";
+    /// The policy version that sampled each response token (list<u32>);
+    /// `policy_version` is the oldest of them.
+    pub const TOKEN_VERSIONS: &str = "token_versions";
+    /// Whether each token's context had been run again under its version
+    /// before it was sampled (list<bool>; `generate.on_new_weights = "recompute"`).
+    pub const KV_RECOMPUTED: &str = "kv_recomputed";
     /// ReMax: marks the one greedy response per prompt whose reward is the
     /// group's baseline (bool; only in ReMax runs, dropped with those rows
     /// before the learner).
@@ -124,6 +133,20 @@ pub fn columns() -> Vec<(&'static str, DataType, bool, Phase, bool)> {
         (col::POLICY_VERSION, UInt64, false, Phase::Generate, false),
         (col::FINISH_REASON, Utf8, false, Phase::Generate, false),
         (col::GENERATE_S, Float32, false, Phase::Generate, false),
+        (
+            col::TOKEN_VERSIONS,
+            DataType::List(Arc::new(Field::new("item", UInt32, false))),
+            true,
+            Phase::Generate,
+            true,
+        ),
+        (
+            col::KV_RECOMPUTED,
+            DataType::List(Arc::new(Field::new("item", Boolean, false))),
+            true,
+            Phase::Generate,
+            true,
+        ),
         (col::REWARD, Float32, false, Phase::Score, false),
         (col::TOKEN_REWARDS, per_token(), true, Phase::Score, true),
         (col::REF_LOGPROBS, per_token(), true, Phase::Score, true),

@@ -49,6 +49,30 @@ impl Dtype {
     }
 }
 
+/// `generate.on_new_weights`: what a streaming generator's in-flight
+/// sequences do when the learner's new weights arrive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WeightUpdate {
+    /// They finish on the weights they started with; new ones start once they have.
+    Finish,
+    /// They go on under the new weights over their existing KV cache (PipelineRL).
+    Keep,
+    /// Their prompt and tokens so far are run again under the new weights (AReaL).
+    Recompute,
+}
+
+impl WeightUpdate {
+    /// The runtime's policy.
+    pub fn policy(self) -> weir_gpu::OnNewWeights {
+        match self {
+            WeightUpdate::Finish => weir_gpu::OnNewWeights::Finish,
+            WeightUpdate::Keep => weir_gpu::OnNewWeights::Keep,
+            WeightUpdate::Recompute => weir_gpu::OnNewWeights::Recompute,
+        }
+    }
+}
+
 /// `reward.kind`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

@@ -36,6 +36,8 @@ pub const DOCS: &[(&str, &str, &str)] = &[
     ("generate", "temperature", "Sampling temperature."),
     ("generate", "top_p", "Nucleus sampling (1.0: off)."),
     ("generate", "top_k", "Top-k sampling (0: off)."),
+    ("generate", "max_inflight", "Streaming generation: a pool of this many sequences advances token by token across batches and steps; a finished sequence's slot is refilled at once and a group's rows leave as soon as its last sample ends (0: each batch generated whole)."),
+    ("generate", "on_new_weights", "What a streaming generator's in-flight sequences do when new weights arrive: \"finish\" (on the weights they started with; nothing new starts meanwhile), \"keep\" (continue under the new weights over their KV cache), \"recompute\" (their prompt and tokens so far are run again under the new weights)."),
     ("reward", "kind", "\"rule\", \"model\" (model.reward_model), \"remote\" (an HTTP reward server), \"python\" (a function in reward.file) or \"terms\" (several, weighted: reward.terms)."),
     ("reward", "rule", "The rule reward: arith_exact_match, math (the final answer: last \\boxed{…}, #### x or last number; numbers, fractions, percentages, units), exact, contains."),
     ("reward", "url", "The reward server, e.g. http://10.0.0.7:5000/get_reward (OpenRLHF's protocol)."),

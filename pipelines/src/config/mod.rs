@@ -14,6 +14,7 @@ mod validate;
 pub use choices::{
     AggregationChoice, CorrectionChoice, DeviceChoice, Dtype, FlavorChoice, KlChoice,
     PolicyLossChoice, PreferenceChoice, ReferencePlacement, RewardKind, ScheduleChoice,
+    WeightUpdate,
 };
 
 /// A whole run config.
@@ -198,6 +199,11 @@ pub struct GenerateSection {
     pub top_p: f64,
     /// Top-k sampling (0: off).
     pub top_k: usize,
+    /// Streaming generation: sequences in flight at most, across batches
+    /// and steps (0: batch by batch).
+    pub max_inflight: usize,
+    /// What in-flight sequences do when new weights arrive.
+    pub on_new_weights: WeightUpdate,
 }
 
 impl Default for GenerateSection {
@@ -207,6 +213,8 @@ impl Default for GenerateSection {
             temperature: 1.0,
             top_p: 1.0,
             top_k: 0,
+            max_inflight: 0,
+            on_new_weights: WeightUpdate::Finish,
         }
     }
 }

@@ -68,6 +68,12 @@ fn inert(cfg: &RunConfig, pipeline: PipelineKind) -> Vec<(&'static str, &'static
         }
     };
     unless(
+        cfg.generate.max_inflight > 0 && cfg.run.max_staleness > 0,
+        "generate",
+        &["on_new_weights"],
+        "generate.max_inflight > 0 and run.max_staleness > 0 (weights reach a generator mid-flight only then)",
+    );
+    unless(
         cfg.lora.rank > 0,
         "lora",
         &["alpha", "dropout", "target_modules"],

@@ -45,7 +45,7 @@ impl GroupAdvantage {
         GroupAdvantage {
             estimator,
             flavor,
-            held: StepBuffer::new(),
+            held: super::rows_in_order(),
         }
     }
 }
@@ -179,7 +179,7 @@ impl GaeAdvantage {
             reward_clip: Some((-10.0, 10.0)),
             whiten: true,
             flavor: Flavor::OpenRlhf,
-            held: StepBuffer::new(),
+            held: super::rows_in_order(),
         }
     }
 }
@@ -367,7 +367,7 @@ impl ReinforceAdvantage {
             kl_estimator: crate::algorithms::KlEstimator::K1,
             reward_clip: Some((-10.0, 10.0)),
             flavor: Flavor::OpenRlhf,
-            held: StepBuffer::new(),
+            held: super::rows_in_order(),
         }
     }
 }

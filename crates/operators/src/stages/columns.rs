@@ -187,3 +187,27 @@ pub fn float_list_array(rows: &[Vec<f64>]) -> ArrayRef {
     }
     Arc::new(b.finish())
 }
+
+/// Builds a `List<UInt32>` column (non-null items): per-token policy versions.
+pub fn u32_list_array(rows: &[Vec<u32>]) -> ArrayRef {
+    let mut b = ListBuilder::new(arrow::array::UInt32Builder::new())
+        .with_field(Arc::new(Field::new("item", DataType::UInt32, false)));
+    for r in rows {
+        b.values().append_slice(r);
+        b.append(true);
+    }
+    Arc::new(b.finish())
+}
+
+/// Builds a `List<Boolean>` column (non-null items).
+pub fn bool_list_array(rows: &[Vec<bool>]) -> ArrayRef {
+    let mut b = ListBuilder::new(arrow::array::BooleanBuilder::new())
+        .with_field(Arc::new(Field::new("item", DataType::Boolean, false)));
+    for r in rows {
+        for &x in r {
+            b.values().append_value(x);
+        }
+        b.append(true);
+    }
+    Arc::new(b.finish())
+}

@@ -152,7 +152,7 @@ impl CriticLearner {
             optimizer,
             clip,
             max_grad_norm,
-            held: StepBuffer::new(),
+            held: super::rows_in_order(),
             checkpoints: None,
             aggregation: Aggregation::TokenMean,
             flavor: Flavor::OpenRlhf,

@@ -47,7 +47,7 @@ impl DynamicSampling {
         DynamicSampling {
             cfg,
             pool: VecDeque::new(),
-            held: StepBuffer::new(),
+            held: super::rows_in_order(),
         }
     }
 

@@ -1,17 +1,31 @@
 //! `Generate`: the actor. Samples one response per row (the source already
 //! expanded prompts × n), writes the response columns, and loads new
 //! weights from the weights edge (safetensors snapshots).
+//!
+//! Two modes. Batch by batch (the default): a batch is generated in one
+//! call and leaves whole, and new weights load between calls. Streaming
+//! (`generate.max_inflight` > 0, [`Generate::streamed`]): the rows join a
+//! [`Streamer`]'s pool of sequences that advances one token per pass across
+//! batches and steps; a group's rows leave together as soon as its last
+//! sample ends, and new weights are applied between two passes under
+//! `generate.on_new_weights`. Each row records the version of every token.
 
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Instant;
 
 use arrow::array::AsArray;
-use arrow::array::{ArrayRef, Float32Array, RecordBatch, StringArray};
-use weir_gpu::{generate_with_ids, Generation, Model, SamplingParams, Tokenizer};
+use arrow::array::{ArrayRef, Float32Array, RecordBatch, StringArray, UInt32Array, UInt64Array};
+use weir_gpu::{
+    generate_with_ids, Backend, Finished, Generation, Model, OnNewWeights, Request, SamplingParams,
+    Streamer, Tokenizer,
+};
 use weir_graph::batch::with_column;
-use weir_graph::{PolicyVersion, Stage, StageError, StepContext, WeightsPayload};
+use weir_graph::{PolicyVersion, Stage, StageError, Step, StepContext, WeightsPayload};
 
-use super::columns::{float_list_array, token_list_array, token_lists, u32s, u64s};
+use super::columns::{
+    bool_list_array, float_list_array, token_list_array, token_lists, u32_list_array, u32s, u64s,
+};
 use crate::rollout::col;
 
 /// The actor's generation stage.
@@ -19,6 +33,16 @@ pub struct Generate {
     model: Model,
     tokenizer: Tokenizer,
     params: SamplingParams,
+    stream: Option<StreamState>,
+}
+
+/// Settings of streaming generation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Streaming {
+    /// Sequences in flight at most.
+    pub max_inflight: usize,
+    /// What in-flight sequences do when new weights arrive.
+    pub on_new_weights: OnNewWeights,
 }
 
 impl Generate {
@@ -28,8 +52,40 @@ impl Generate {
             model,
             tokenizer,
             params: SamplingParams { n: 1, ..params },
+            stream: None,
         }
     }
+
+    /// Streams instead: rows join a pool of `settings.max_inflight`
+    /// sequences; the model holds policy `version`.
+    pub fn streamed(
+        mut self,
+        settings: Streaming,
+        version: PolicyVersion,
+    ) -> Result<Self, StageError> {
+        let streamer = Streamer::new(
+            &self.model,
+            self.params.clone(),
+            settings.max_inflight,
+            settings.on_new_weights,
+            version_u32(version)?,
+            Backend::Auto,
+        )?;
+        self.stream = Some(StreamState {
+            streamer,
+            max_inflight: settings.max_inflight,
+            batches: BTreeMap::new(),
+            next_batch: 0,
+            held: None,
+            figures: BTreeMap::new(),
+        });
+        Ok(self)
+    }
+}
+
+fn version_u32(version: PolicyVersion) -> Result<u32, StageError> {
+    u32::try_from(version)
+        .map_err(|_| format!("generate: policy version {version} exceeds u32").into())
 }
 
 impl Generate {
@@ -48,22 +104,15 @@ impl Generate {
         prompts: &[Vec<i64>],
         streams: &[u64],
     ) -> Result<Vec<Generation>, StageError> {
-        let greedy: Vec<bool> = match batch.column_by_name(col::GREEDY_BASELINE) {
-            None => {
-                return Ok(generate_with_ids(
-                    &self.model,
-                    prompts,
-                    streams,
-                    &self.params,
-                )?)
-            }
-            Some(c) => c
-                .as_boolean_opt()
-                .ok_or_else(|| format!("generate: column `{}` is not bool", col::GREEDY_BASELINE))?
-                .iter()
-                .map(|v| v.unwrap_or(false))
-                .collect(),
-        };
+        if batch.column_by_name(col::GREEDY_BASELINE).is_none() {
+            return Ok(generate_with_ids(
+                &self.model,
+                prompts,
+                streams,
+                &self.params,
+            )?);
+        }
+        let greedy = greedy_flags(batch)?;
         let greedy_params = SamplingParams {
             greedy: true,
             ..self.params.clone()
@@ -87,25 +136,26 @@ impl Generate {
     }
 }
 
-impl Stage for Generate {
-    fn process(
-        &mut self,
-        ctx: &mut StepContext,
-        batch: RecordBatch,
-    ) -> Result<Vec<RecordBatch>, StageError> {
-        let name = "generate";
-        let prompts = token_lists(&batch, col::PROMPT_TOKENS, name)?;
-        let groups = u64s(&batch, col::GROUP_ID, name)?;
-        let samples = u32s(&batch, col::SAMPLE_IDX, name)?;
-        // A row's random stream depends only on its group and sample: reproducible under any batching.
-        let streams: Vec<u64> = groups
-            .iter()
-            .zip(&samples)
-            .map(|(g, s)| (g << 16) ^ u64::from(*s))
-            .collect();
-        let started = Instant::now();
-        let out = self.generate_rows(&batch, &prompts, &streams)?;
-        let seconds = started.elapsed().as_secs_f64() as f32;
+/// The response columns of `batch`'s rows: tokens, texts, behaviour
+/// log-probs, per-token versions and recompute marks, the oldest token's
+/// version as `policy_version`, finish reasons and seconds.
+struct Responses<'a> {
+    generations: Vec<&'a Generation>,
+    versions: Vec<Vec<u32>>,
+    recomputed: Vec<Vec<bool>>,
+    /// A row without tokens is of this version.
+    version: PolicyVersion,
+    seconds: Vec<f32>,
+}
+
+/// `batch` with the response columns of `r`.
+fn with_responses(
+    tokenizer: &Tokenizer,
+    batch: RecordBatch,
+    r: Responses,
+) -> Result<RecordBatch, StageError> {
+    {
+        let out = &r.generations;
         let tokens: Vec<Vec<i64>> = out.iter().map(|g| g.tokens.clone()).collect();
         let logprobs: Vec<Vec<f64>> = out
             .iter()
@@ -113,10 +163,14 @@ impl Stage for Generate {
             .collect();
         let texts: Vec<String> = out
             .iter()
-            .map(|g| self.tokenizer.decode(&g.tokens, true))
+            .map(|g| tokenizer.decode(&g.tokens, true))
             .collect::<Result<_, _>>()?;
         let reasons: Vec<&str> = out.iter().map(|g| g.finish_reason.as_str()).collect();
-        let n = batch.num_rows();
+        let oldest: Vec<u64> = r
+            .versions
+            .iter()
+            .map(|v| v.iter().min().map_or(r.version, |&m| u64::from(m)))
+            .collect();
         let mut b = batch;
         b = with_column(
             &b,
@@ -125,8 +179,11 @@ impl Stage for Generate {
         )?;
         b = with_column(&b, col::RESPONSE_TOKENS, token_list_array(&tokens))?;
         b = with_column(&b, col::BEHAVIOR_LOGPROBS, float_list_array(&logprobs))?;
-        // The engine stamps policy_version; put it in its schema position now so the order is stable.
-        b = weir_graph::batch::with_u64_column(&b, col::POLICY_VERSION, ctx.version)?;
+        b = with_column(
+            &b,
+            col::POLICY_VERSION,
+            Arc::new(UInt64Array::from(oldest)) as ArrayRef,
+        )?;
         b = with_column(
             &b,
             col::FINISH_REASON,
@@ -135,12 +192,45 @@ impl Stage for Generate {
         b = with_column(
             &b,
             col::GENERATE_S,
-            Arc::new(Float32Array::from_value(seconds, n)) as ArrayRef,
+            Arc::new(Float32Array::from(r.seconds)) as ArrayRef,
         )?;
-        Ok(vec![b])
+        b = with_column(&b, col::TOKEN_VERSIONS, u32_list_array(&r.versions))?;
+        b = with_column(&b, col::KV_RECOMPUTED, bool_list_array(&r.recomputed))?;
+        Ok(b)
+    }
+}
+
+impl Generate {
+    /// Generates `batch` now, in one call, whatever the mode (the
+    /// evaluation's and the batch-by-batch path).
+    pub fn generate_now(
+        &self,
+        ctx: &StepContext,
+        batch: RecordBatch,
+    ) -> Result<RecordBatch, StageError> {
+        let name = "generate";
+        let prompts = token_lists(&batch, col::PROMPT_TOKENS, name)?;
+        let streams = row_streams(&batch)?;
+        let started = Instant::now();
+        let out = self.generate_rows(&batch, &prompts, &streams)?;
+        let seconds = started.elapsed().as_secs_f64() as f32;
+        let version = version_u32(ctx.version)?;
+        let n = batch.num_rows();
+        with_responses(
+            &self.tokenizer,
+            batch,
+            Responses {
+                versions: out.iter().map(|g| vec![version; g.tokens.len()]).collect(),
+                recomputed: out.iter().map(|g| vec![false; g.tokens.len()]).collect(),
+                generations: out.iter().collect(),
+                version: ctx.version,
+                seconds: vec![seconds; n],
+            },
+        )
     }
 
-    fn load_weights(
+    /// Applies a snapshot to the model.
+    fn apply(
         &mut self,
         version: PolicyVersion,
         weights: &WeightsPayload,
@@ -152,5 +242,278 @@ impl Stage for Generate {
             );
         }
         Ok(())
+    }
+}
+
+/// A row's random stream depends only on its group and sample: reproducible under any batching.
+fn row_streams(batch: &RecordBatch) -> Result<Vec<u64>, StageError> {
+    let name = "generate";
+    let groups = u64s(batch, col::GROUP_ID, name)?;
+    let samples = u32s(batch, col::SAMPLE_IDX, name)?;
+    Ok(groups
+        .iter()
+        .zip(&samples)
+        .map(|(g, s)| (g << 16) ^ u64::from(*s))
+        .collect())
+}
+
+/// Rows per-row greedy flags (ReMax's baseline rows), all false without the column.
+fn greedy_flags(batch: &RecordBatch) -> Result<Vec<bool>, StageError> {
+    match batch.column_by_name(col::GREEDY_BASELINE) {
+        None => Ok(vec![false; batch.num_rows()]),
+        Some(c) => Ok(c
+            .as_boolean_opt()
+            .ok_or_else(|| format!("generate: column `{}` is not bool", col::GREEDY_BASELINE))?
+            .iter()
+            .map(|v| v.unwrap_or(false))
+            .collect()),
+    }
+}
+
+/// The streaming mode's state.
+struct StreamState {
+    streamer: Streamer,
+    max_inflight: usize,
+    /// Batches with rows in flight, by arrival.
+    batches: BTreeMap<u64, InFlight>,
+    next_batch: u64,
+    /// Weights held back until the sequences in flight end (`finish`).
+    held: Option<(PolicyVersion, WeightsPayload)>,
+    /// Per step: rows out, rows spanning versions, passes, sequences in flight over them, weight applies.
+    figures: BTreeMap<Step, StepFigures>,
+}
+
+#[derive(Default)]
+struct StepFigures {
+    rows: u64,
+    partial: u64,
+    passes: u64,
+    inflight: u64,
+    applies: Vec<f64>,
+}
+
+/// A batch whose rows are being generated.
+struct InFlight {
+    step: Step,
+    batch: RecordBatch,
+    admitted: Instant,
+    results: Vec<Option<(Finished, f32)>>,
+    /// Rows of each group not finished yet.
+    open: HashMap<u64, usize>,
+    groups: Vec<u64>,
+    /// Rows already sent on.
+    sent: Vec<bool>,
+}
+
+/// Rows of a batch are keyed (batch << 32) | row.
+const ROW_BITS: u32 = 32;
+
+impl Generate {
+    fn admit(&mut self, ctx: &StepContext, batch: RecordBatch) -> Result<(), StageError> {
+        let prompts = token_lists(&batch, col::PROMPT_TOKENS, "generate")?;
+        let streams = row_streams(&batch)?;
+        let greedy = greedy_flags(&batch)?;
+        let groups = u64s(&batch, col::GROUP_ID, "generate")?;
+        let state = self.stream.as_mut().expect("streaming mode");
+        let id = state.next_batch;
+        state.next_batch += 1;
+        let requests: Vec<Request> = prompts
+            .into_iter()
+            .zip(streams)
+            .zip(&greedy)
+            .enumerate()
+            .map(|(row, ((prompt, stream), &greedy))| Request {
+                key: (id << ROW_BITS) | row as u64,
+                prompt,
+                stream,
+                greedy,
+            })
+            .collect();
+        state.streamer.submit(&self.model, requests)?;
+        let mut open = HashMap::new();
+        for g in &groups {
+            *open.entry(*g).or_insert(0) += 1;
+        }
+        let n = batch.num_rows();
+        state.batches.insert(
+            id,
+            InFlight {
+                step: ctx.step,
+                batch,
+                admitted: Instant::now(),
+                results: vec![None; n],
+                open,
+                groups,
+                sent: vec![false; n],
+            },
+        );
+        Ok(())
+    }
+
+    /// One pass of the pool; returns the rows of every group that ended.
+    fn advance_stream(&mut self) -> Result<Vec<(Step, RecordBatch)>, StageError> {
+        let state = self.stream.as_mut().expect("streaming mode");
+        if state.streamer.live() == 0 {
+            if let Some((version, weights)) = state.held.take() {
+                self.apply_held(version, &weights)?;
+            }
+        }
+        let state = self.stream.as_mut().expect("streaming mode");
+        let finished = state.streamer.advance(&self.model)?;
+        let stats = state.streamer.take_stats();
+        if let Some(oldest) = state.batches.values().next() {
+            let f = state.figures.entry(oldest.step).or_default();
+            f.passes += stats.passes;
+            f.inflight += stats.inflight;
+        }
+        for done in finished {
+            let (id, row) = (
+                done.key >> ROW_BITS,
+                (done.key & ((1 << ROW_BITS) - 1)) as usize,
+            );
+            let b = state
+                .batches
+                .get_mut(&id)
+                .expect("a key names a batch in flight");
+            let seconds = b.admitted.elapsed().as_secs_f32();
+            b.results[row] = Some((done, seconds));
+            let left = b
+                .open
+                .get_mut(&b.groups[row])
+                .expect("the row's group is open");
+            *left -= 1;
+        }
+        let mut out = Vec::new();
+        let ids: Vec<u64> = state.batches.keys().copied().collect();
+        for id in ids {
+            let state = self.stream.as_mut().expect("streaming mode");
+            let b = state.batches.get_mut(&id).expect("listed above");
+            let ready: Vec<usize> = (0..b.sent.len())
+                .filter(|&r| !b.sent[r] && b.open[&b.groups[r]] == 0)
+                .collect();
+            if ready.is_empty() {
+                continue;
+            }
+            for &r in &ready {
+                b.sent[r] = true;
+            }
+            let indices = UInt32Array::from(ready.iter().map(|&r| r as u32).collect::<Vec<_>>());
+            let rows = arrow::compute::take_record_batch(&b.batch, &indices)?;
+            let picked: Vec<&(Finished, f32)> = ready
+                .iter()
+                .map(|&r| b.results[r].as_ref().expect("a ready row has its result"))
+                .collect();
+            let versions: Vec<Vec<u32>> = picked.iter().map(|(f, _)| f.versions.clone()).collect();
+            let step = b.step;
+            let figures = state.figures.entry(step).or_default();
+            figures.rows += ready.len() as u64;
+            figures.partial += versions
+                .iter()
+                .filter(|v| v.iter().min() != v.iter().max())
+                .count() as u64;
+            let responses = Responses {
+                generations: picked.iter().map(|(f, _)| &f.generation).collect(),
+                recomputed: picked.iter().map(|(f, _)| f.recomputed.clone()).collect(),
+                versions,
+                version: u64::from(state.streamer.version()),
+                seconds: picked.iter().map(|(_, s)| *s).collect(),
+            };
+            let batch = with_responses(&self.tokenizer, rows, responses)?;
+            if b.sent.iter().all(|&s| s) {
+                state.batches.remove(&id);
+            }
+            out.push((step, batch));
+        }
+        Ok(out)
+    }
+
+    fn apply_held(
+        &mut self,
+        version: PolicyVersion,
+        weights: &WeightsPayload,
+    ) -> Result<(), StageError> {
+        let started = Instant::now();
+        self.apply(version, weights)?;
+        let state = self.stream.as_mut().expect("streaming mode");
+        state.streamer.weights_changed(version_u32(version)?);
+        state.streamer.set_admitting(true);
+        let step = state.batches.values().next().map_or(0, |b| b.step);
+        state
+            .figures
+            .entry(step)
+            .or_default()
+            .applies
+            .push(started.elapsed().as_secs_f64());
+        Ok(())
+    }
+}
+
+impl Stage for Generate {
+    fn process(
+        &mut self,
+        ctx: &mut StepContext,
+        batch: RecordBatch,
+    ) -> Result<Vec<RecordBatch>, StageError> {
+        if self.stream.is_some() {
+            self.admit(ctx, batch)?;
+            return Ok(Vec::new());
+        }
+        Ok(vec![self.generate_now(ctx, batch)?])
+    }
+
+    fn end_step(&mut self, ctx: &mut StepContext) -> Result<Vec<RecordBatch>, StageError> {
+        let Some(state) = self.stream.as_mut() else {
+            return Ok(Vec::new());
+        };
+        let f = state.figures.remove(&ctx.step).unwrap_or_default();
+        if f.rows > 0 {
+            ctx.record("partial_ratio", f.partial as f64 / f.rows as f64);
+        }
+        if f.passes > 0 {
+            let mean = f.inflight as f64 / f.passes as f64;
+            ctx.record("inflight", mean);
+            ctx.record("slot_occupancy", mean / state.max_inflight as f64);
+            ctx.record("passes", f.passes as f64);
+        }
+        for s in f.applies {
+            ctx.record("weights_apply_s", s);
+        }
+        Ok(Vec::new())
+    }
+
+    fn load_weights(
+        &mut self,
+        version: PolicyVersion,
+        weights: &WeightsPayload,
+    ) -> Result<(), StageError> {
+        let Some(state) = self.stream.as_mut() else {
+            return self.apply(version, weights);
+        };
+        if state.streamer.on_new_weights() == OnNewWeights::Finish && state.streamer.live() > 0 {
+            // The sequences in flight finish on the weights they started
+            // with; nothing new starts until then.
+            state.held = Some((version, weights.clone()));
+            state.streamer.set_admitting(false);
+            return Ok(());
+        }
+        state.held = None;
+        self.apply_held(version, weights)
+    }
+
+    fn streaming(&self) -> bool {
+        self.stream.is_some()
+    }
+
+    fn advance(&mut self) -> Result<Vec<(Step, RecordBatch)>, StageError> {
+        if self.stream.is_none() {
+            return Ok(Vec::new());
+        }
+        self.advance_stream()
+    }
+
+    fn holds(&self, step: Step) -> bool {
+        self.stream
+            .as_ref()
+            .is_some_and(|s| s.batches.values().any(|b| b.step <= step))
     }
 }

@@ -173,7 +173,7 @@ impl Learner {
             model,
             optimizer,
             cfg,
-            held: StepBuffer::new(),
+            held: super::rows_in_order(),
             last: UpdateStats::default(),
             updates: 0,
             checkpoints: None,

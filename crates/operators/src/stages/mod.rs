@@ -26,3 +26,14 @@ pub mod reference;
 pub mod sequences;
 pub mod sft;
 pub mod train_step;
+
+/// The buffer of a stage that works on whole steps: a step's rows come out
+/// ordered by group and sample, however their batches arrived (several
+/// generators, or a streaming one sending groups as they finish), so a
+/// step's update does not depend on timing.
+pub(crate) fn rows_in_order() -> weir_graph::StepBuffer {
+    weir_graph::StepBuffer::ordered_by(&[
+        crate::rollout::col::GROUP_ID,
+        crate::rollout::col::SAMPLE_IDX,
+    ])
+}

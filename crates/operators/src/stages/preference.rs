@@ -96,7 +96,7 @@ impl Trainer {
             model,
             tokenizer,
             cfg,
-            held: StepBuffer::new(),
+            held: super::rows_in_order(),
             checkpoints: None,
             data_parallel: None,
         })

@@ -196,7 +196,7 @@ impl PromptStats {
             probe,
             solve_threshold: solve,
             view,
-            held: StepBuffer::new(),
+            held: super::rows_in_order(),
         }
     }
 

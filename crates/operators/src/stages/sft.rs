@@ -64,7 +64,7 @@ impl SftTrainer {
             tokenizer,
             cfg,
             target_column: target_column.to_string(),
-            held: StepBuffer::new(),
+            held: super::rows_in_order(),
             checkpoints: None,
             data_parallel: None,
             last_loss: f64::NAN,

@@ -1,0 +1,147 @@
+//! Streaming generation (`generate.max_inflight`) through whole runs: at
+//! k = 0 the same rows and weights as batch-by-batch generation; at k = 1
+//! every token's version recorded and the staleness bound held per row.
+
+use arrow::array::{Array, ListArray};
+use arrow::datatypes::UInt32Type;
+use weir::pipelines::config::WeightUpdate;
+
+use super::*;
+
+/// Every rollout row of `dir`, keyed by (step, group, sample), as the
+/// columns that must not depend on how generation was scheduled.
+fn rows_by_key(dir: &Path) -> BTreeMap<(u64, u64, u64), Vec<String>> {
+    let mut out = BTreeMap::new();
+    for b in read_parquet_dir(&dir.join("rollouts")).unwrap() {
+        let (steps, groups) = (u64s(&b, col::STEP), u64s(&b, col::GROUP_ID));
+        let samples = b
+            .column_by_name(col::SAMPLE_IDX)
+            .unwrap()
+            .as_primitive::<UInt32Type>();
+        for i in 0..b.num_rows() {
+            let values = [
+                col::RESPONSE_TOKENS,
+                col::BEHAVIOR_LOGPROBS,
+                col::REWARD,
+                col::REF_LOGPROBS,
+                col::ADVANTAGES,
+                col::POLICY_VERSION,
+                col::TOKEN_VERSIONS,
+                col::FINISH_REASON,
+            ]
+            .iter()
+            .map(|c| {
+                let column = b.column_by_name(c).unwrap_or_else(|| panic!("no {c}"));
+                arrow::util::display::array_value_to_string(column, i).unwrap()
+            })
+            .collect();
+            let key = (steps[i], groups[i], u64::from(samples.value(i)));
+            assert!(out.insert(key, values).is_none(), "row {key:?} twice");
+        }
+    }
+    out
+}
+
+fn list_values(b: &RecordBatch, name: &str, row: usize) -> arrow::array::ArrayRef {
+    let list: &ListArray = b.column_by_name(name).unwrap().as_list::<i32>();
+    list.value(row)
+}
+
+#[test]
+fn streaming_generation_keeps_the_synchronous_rows_at_k0_and_bounds_every_token_at_k1() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base = || {
+        let mut cfg = config(PipelineKind::Grpo, 3);
+        cfg.run.max_staleness = 0;
+        cfg.generate.max_new_tokens = 8;
+        cfg
+    };
+    let batch = tmp.path().join("batch");
+    run(PipelineKind::Grpo, base(), &batch, false);
+    // 12 rows a step through 5 slots: slots are refilled within a step.
+    let mut cfg = base();
+    cfg.generate.max_inflight = 5;
+    let streamed = tmp.path().join("streamed");
+    run(PipelineKind::Grpo, cfg, &streamed, false);
+    let (a, b) = (rows_by_key(&batch), rows_by_key(&streamed));
+    assert_eq!(a.len(), 3 * 12);
+    assert_eq!(a, b, "k = 0: streaming changed the rows");
+    for name in ["loss", "kl", "grad_norm"] {
+        assert_eq!(
+            metric(&batch, "learn", name),
+            metric(&streamed, "learn", name),
+            "k = 0: learn {name}"
+        );
+    }
+    let weights =
+        |dir: &Path| std::fs::read(dir.join("checkpoints/step-2/actor/model.safetensors")).unwrap();
+    assert!(
+        weights(&batch) == weights(&streamed),
+        "k = 0: the checkpoints differ"
+    );
+    let occupancy = metric(&streamed, "generate", "slot_occupancy");
+    assert_eq!(occupancy.len(), 3);
+    assert!(
+        occupancy.values().all(|&o| o > 0.0 && o <= 1.0),
+        "{occupancy:?}"
+    );
+
+    // k = 1: weights land while sequences are in flight (or between them);
+    // whatever the timing, each token names its version and each row's
+    // policy_version is its oldest token's, within the bound.
+    for policy in [
+        WeightUpdate::Keep,
+        WeightUpdate::Recompute,
+        WeightUpdate::Finish,
+    ] {
+        let mut cfg = base();
+        cfg.run.steps = 4;
+        cfg.run.max_staleness = 1;
+        cfg.generate.max_inflight = 5;
+        cfg.generate.on_new_weights = policy;
+        let dir = tmp.path().join(format!("k1-{policy:?}"));
+        let summary = run(PipelineKind::Grpo, cfg, &dir, false);
+        assert!(summary["max_staleness_observed"].as_u64().unwrap() <= 1);
+        let mut rows = 0;
+        for b in read_parquet_dir(&dir.join("rollouts")).unwrap() {
+            check(&b, Phase::Learn, "test").unwrap();
+            let (policy_versions, learner) = (
+                u64s(&b, col::POLICY_VERSION),
+                u64s(&b, col::LEARNER_VERSION),
+            );
+            for i in 0..b.num_rows() {
+                rows += 1;
+                let versions = list_values(&b, col::TOKEN_VERSIONS, i);
+                let versions = versions.as_primitive::<UInt32Type>().values().to_vec();
+                let recomputed = list_values(&b, col::KV_RECOMPUTED, i);
+                let recomputed: Vec<bool> =
+                    recomputed.as_boolean().iter().map(Option::unwrap).collect();
+                assert_eq!(
+                    versions.len(),
+                    list_values(&b, col::RESPONSE_TOKENS, i).len()
+                );
+                let oldest = versions.iter().min().map(|&v| u64::from(v));
+                assert_eq!(
+                    Some(policy_versions[i]),
+                    oldest.or(Some(policy_versions[i]))
+                );
+                assert!(
+                    versions.windows(2).all(|w| w[0] <= w[1]),
+                    "{policy:?}: {versions:?}"
+                );
+                assert!(learner[i] - policy_versions[i] <= 1);
+                if policy != WeightUpdate::Recompute {
+                    assert!(recomputed.iter().all(|r| !r), "{policy:?}: {recomputed:?}");
+                }
+                if policy == WeightUpdate::Finish {
+                    assert!(
+                        versions.iter().all(|&v| v == versions[0]),
+                        "finish: {versions:?}"
+                    );
+                }
+            }
+        }
+        assert_eq!(rows, 4 * 12, "{policy:?}");
+        assert_eq!(metric(&dir, "learn", "loss").len(), 4);
+    }
+}
