@@ -312,6 +312,8 @@ mod tests {
             Arc::new(UInt64Array::from(vec![3, 3])),
             Arc::new(StringArray::from(vec!["stop", "length"])),
             Arc::new(arrow::array::Float32Array::from(vec![0.1, 0.1])),
+            crate::stages::columns::u32_list_array(&[vec![3, 3], vec![3]]),
+            crate::stages::columns::bool_list_array(&[vec![false, false], vec![false]]),
         ];
         RecordBatch::try_new(schema, columns).unwrap()
     }
