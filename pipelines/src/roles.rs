@@ -91,6 +91,9 @@ pub fn actor(
         let tok = Tokenizer::load(Path::new(&cfg.model.path))?;
         let params = sampling(&cfg, &tok);
         let mut generate = Generate::new(model, tok, params.clone());
+        if cfg.generate.long_tail > 0.0 {
+            generate = generate.with_long_tail(cfg.generate.long_tail);
+        }
         if cfg.generate.max_inflight > 0 {
             let streaming = Streaming {
                 max_inflight: cfg.generate.max_inflight,

@@ -45,6 +45,11 @@ fn env_u64(name: &str, default: u64) -> u64 {
 
 /// `weir run grpo` into `out`, or `weir run --resume out` once it holds a run.
 fn run_args(out: &Path) -> Vec<String> {
+    run_args_with(out, &[])
+}
+
+/// [`run_args`] with more `--set` items for a new run.
+fn run_args_with(out: &Path, more: &[&str]) -> Vec<String> {
     let out_s = out.display().to_string();
     if out.join("config.resolved.toml").is_file() {
         return ["run", "--resume", &out_s, "--quiet"]
@@ -66,7 +71,10 @@ fn run_args(out: &Path) -> Vec<String> {
         format!("data.samples_per_prompt={SAMPLES}"),
         "generate.max_new_tokens=6".into(),
         "eval.arith=false".into(),
-    ] {
+    ]
+    .into_iter()
+    .chain(more.iter().map(|s| s.to_string()))
+    {
         args.extend(["--set".to_string(), set]);
     }
     args
@@ -216,7 +224,27 @@ fn check_run_folder(dir: &Path, seed: u64) {
 #[test]
 fn a_run_killed_at_random_moments_resumes_with_every_step_once() {
     let seed = env_u64("WEIR_CRASH_SEED", 7);
-    let kills = env_u64("WEIR_CRASH_KILLS", 10);
+    kill_and_resume(seed, env_u64("WEIR_CRASH_KILLS", 10), &[]);
+}
+
+/// With streaming generation, a kill lands while sequences of one or two
+/// steps are in flight. They are not in any checkpoint: the resume starts
+/// at the step after the last checkpoint and generates those steps again
+/// from their prompts (the same rows a straight run gives at k = 0).
+#[test]
+fn a_streaming_run_killed_with_sequences_in_flight_resumes_with_every_step_once() {
+    let seed = env_u64("WEIR_CRASH_SEED", 7) + 1;
+    let kills = env_u64("WEIR_CRASH_KILLS", 10).div_ceil(2);
+    kill_and_resume(
+        seed,
+        kills,
+        &["generate.max_inflight=3", "generate.on_new_weights=keep"],
+    );
+}
+
+/// Kills `weir run grpo` (with `more` settings) `kills` times at seeded
+/// random moments, resuming after each, and checks every finished run folder.
+fn kill_and_resume(seed: u64, kills: u64, more: &[&str]) {
     let tmp = tempfile::tempdir().unwrap();
     let mut delays = Delays(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
     // Kills land anywhere: in start-up, between steps, in a checkpoint's
@@ -229,7 +257,7 @@ fn a_run_killed_at_random_moments_resumes_with_every_step_once() {
         let mut these = Vec::new();
         let mut spent = landed.iter().map(Vec::len).sum::<usize>() as u64;
         while spent < kills && !done.is_file() {
-            let mut child = spawn(&run_args(&out), tmp.path(), &[]);
+            let mut child = spawn(&run_args_with(&out, more), tmp.path(), &[]);
             if kill_after(&mut child, Duration::from_millis(delays.next_ms(20, 1500))) {
                 these.push(latest_checkpoint(&out));
                 spent += 1;
@@ -238,7 +266,7 @@ fn a_run_killed_at_random_moments_resumes_with_every_step_once() {
                 assert!(status.success(), "WEIR_CRASH_SEED={seed}: a segment failed");
             }
         }
-        let args = run_args(&out);
+        let args = run_args_with(&out, more);
         let text = success(&weir(&strs(&args), tmp.path()));
         assert!(
             text.lines()

@@ -436,6 +436,7 @@ fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String
         "generate.top_p" => (&[], "0.5".into()),
         "generate.top_k" => (&[], "3".into()),
         "generate.max_inflight" => (&[], "3".into()),
+        "generate.long_tail" => (&[], "1.0".into()),
         "generate.on_new_weights" => (
             &["generate.max_inflight=3", "run.max_staleness=1"],
             "\"recompute\"".into(),

@@ -73,6 +73,15 @@ pub struct Request {
     pub stream: u64,
     /// Greedy whatever the sampling settings (ReMax's baseline rows).
     pub greedy: bool,
+    /// Its own token budget, below the sampling settings' `max_new_tokens`.
+    pub max_new_tokens: Option<usize>,
+}
+
+impl Request {
+    fn limit(&self, params: &SamplingParams) -> usize {
+        self.max_new_tokens
+            .map_or(params.max_new_tokens, |m| m.min(params.max_new_tokens))
+    }
 }
 
 /// A finished sequence.
@@ -287,9 +296,6 @@ impl Streamer {
     /// One forward pass: waiting requests start in free slots, every
     /// sequence in flight gets one token; returns the sequences that ended.
     pub fn advance(&mut self, model: &Model) -> Result<Vec<Finished>, ModelError> {
-        if self.params.max_new_tokens == 0 {
-            return Ok(self.finish_all_empty());
-        }
         if self.recompute {
             self.recompute = false;
             self.slots.clear(model);
@@ -299,10 +305,20 @@ impl Streamer {
                 self.stats.recomputed += 1;
             }
         }
+        let mut empty = Vec::new();
         while self.admitting && self.live.len() < self.max_inflight {
             let Some(request) = self.waiting.pop_front() else {
                 break;
             };
+            if request.limit(&self.params) == 0 {
+                empty.push(Finished {
+                    key: request.key,
+                    generation: Generation::empty(0, 0),
+                    versions: Vec::new(),
+                    recomputed: Vec::new(),
+                });
+                continue;
+            }
             let slot = self.free.pop().expect("a free slot per missing sequence");
             self.live.push(Sequence {
                 stream: Stream::new(self.params.seed, request.stream, 0),
@@ -316,12 +332,12 @@ impl Streamer {
             });
         }
         if self.live.is_empty() {
-            return Ok(Vec::new());
+            return Ok(empty);
         }
         let positions = self
             .live
             .iter()
-            .map(|s| s.request.prompt.len() + self.params.max_new_tokens)
+            .map(|s| s.request.prompt.len() + s.request.limit(&self.params))
             .max()
             .unwrap_or(1);
         let kept: Vec<(usize, usize)> = self
@@ -394,7 +410,8 @@ impl Streamer {
             s.cached = true;
             s.versions.push(self.version);
             s.recomputed.push(s.context_recomputed);
-            ended[i] = !s.generation.record(token, logprob, params);
+            let more = s.generation.record(token, logprob, params);
+            ended[i] = !more || s.generation.tokens.len() >= s.request.limit(params);
         }
         let (done, live): (Vec<_>, Vec<_>) = std::mem::take(&mut self.live)
             .into_iter()
@@ -407,28 +424,13 @@ impl Streamer {
         if self.is_idle() {
             self.slots.clear(model);
         }
-        Ok(done
-            .into_iter()
-            .map(|(s, _)| Finished {
-                key: s.request.key,
-                generation: s.generation,
-                versions: s.versions,
-                recomputed: s.recomputed,
-            })
-            .collect())
-    }
-
-    /// With `max_new_tokens` 0 every request ends at once, empty.
-    fn finish_all_empty(&mut self) -> Vec<Finished> {
-        self.waiting
-            .drain(..)
-            .map(|request| Finished {
-                key: request.key,
-                generation: Generation::empty(0, 0),
-                versions: Vec::new(),
-                recomputed: Vec::new(),
-            })
-            .collect()
+        empty.extend(done.into_iter().map(|(s, _)| Finished {
+            key: s.request.key,
+            generation: s.generation,
+            versions: s.versions,
+            recomputed: s.recomputed,
+        }));
+        Ok(empty)
     }
 }
 

@@ -37,6 +37,7 @@ pub const DOCS: &[(&str, &str, &str)] = &[
     ("generate", "top_p", "Nucleus sampling (1.0: off)."),
     ("generate", "top_k", "Top-k sampling (0: off)."),
     ("generate", "max_inflight", "Streaming generation: a pool of this many sequences advances token by token across batches and steps; a finished sequence's slot is refilled at once and a group's rows leave as soon as its last sample ends (0: each batch generated whole)."),
+    ("generate", "long_tail", "A long-tail workload for asynchronous experiments: each response gets its own token budget, drawn from a Pareto distribution of this shape between max_new_tokens / 64 and max_new_tokens, and eos ids are ignored, so lengths within a step spread as reasoning traces do (0: off; 1 is a heavy tail)."),
     ("generate", "on_new_weights", "What a streaming generator's in-flight sequences do when new weights arrive: \"finish\" (on the weights they started with; nothing new starts meanwhile), \"keep\" (continue under the new weights over their KV cache), \"recompute\" (their prompt and tokens so far are run again under the new weights)."),
     ("reward", "kind", "\"rule\", \"model\" (model.reward_model), \"remote\" (an HTTP reward server), \"python\" (a function in reward.file) or \"terms\" (several, weighted: reward.terms)."),
     ("reward", "rule", "The rule reward: arith_exact_match, math (the final answer: last \\boxed{…}, #### x or last number; numbers, fractions, percentages, units), exact, contains."),

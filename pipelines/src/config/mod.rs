@@ -204,6 +204,9 @@ pub struct GenerateSection {
     pub max_inflight: usize,
     /// What in-flight sequences do when new weights arrive.
     pub on_new_weights: WeightUpdate,
+    /// A long-tail workload: per-response token budgets from a Pareto
+    /// distribution of this shape, eos ignored (0: off).
+    pub long_tail: f64,
 }
 
 impl Default for GenerateSection {
@@ -215,6 +218,7 @@ impl Default for GenerateSection {
             top_k: 0,
             max_inflight: 0,
             on_new_weights: WeightUpdate::Finish,
+            long_tail: 0.0,
         }
     }
 }

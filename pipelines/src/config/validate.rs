@@ -70,6 +70,13 @@ impl RunConfig {
                 "must be > 0",
             );
         }
+        if !(self.generate.long_tail.is_finite() && self.generate.long_tail >= 0.0) {
+            return bad(
+                "generate.long_tail",
+                self.generate.long_tail.to_string(),
+                "must be ≥ 0 (0: off)",
+            );
+        }
         if !(self.generate.top_p > 0.0 && self.generate.top_p <= 1.0) {
             return bad(
                 "generate.top_p",

@@ -30,6 +30,7 @@ fn requests(prompts: &[Vec<i64>], streams: &[u64]) -> Vec<Request> {
             prompt: p.clone(),
             stream: s,
             greedy: false,
+            max_new_tokens: None,
         })
         .collect()
 }

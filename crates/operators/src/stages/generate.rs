@@ -34,6 +34,8 @@ pub struct Generate {
     tokenizer: Tokenizer,
     params: SamplingParams,
     stream: Option<StreamState>,
+    /// The long-tail workload's Pareto shape (`generate.long_tail`).
+    tail: Option<f64>,
 }
 
 /// Settings of streaming generation.
@@ -53,7 +55,43 @@ impl Generate {
             tokenizer,
             params: SamplingParams { n: 1, ..params },
             stream: None,
+            tail: None,
         }
+    }
+
+    /// A long-tail workload (`generate.long_tail`): each row gets its own
+    /// token budget, drawn from a Pareto distribution of shape `alpha`
+    /// between `max_new_tokens / 64` and `max_new_tokens` (seeded by the
+    /// row's stream), and ignores eos ids, so response lengths spread over
+    /// up to 64× within a step as reasoning traces do. Call before
+    /// [`Generate::streamed`].
+    pub fn with_long_tail(mut self, alpha: f64) -> Self {
+        self.tail = Some(alpha);
+        self
+    }
+
+    /// The sampling parameters of training rows: the long-tail workload ignores eos ids.
+    fn workload_params(&self) -> SamplingParams {
+        SamplingParams {
+            ignore_eos: self.params.ignore_eos || self.tail.is_some(),
+            ..self.params.clone()
+        }
+    }
+
+    /// A row's token budget under the long-tail workload.
+    fn budget(&self, stream: u64) -> Option<usize> {
+        let alpha = self.tail?;
+        let max = self.params.max_new_tokens;
+        let low = max.div_ceil(64).max(1) as f64;
+        // A uniform in (0, 1] from (seed, stream): splitmix64.
+        let mut z = (self.params.seed ^ stream.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+            .wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        let u = ((z >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
+        let length = (low * u.powf(-1.0 / alpha)).floor();
+        Some((length as usize).clamp(low as usize, max))
     }
 
     /// Streams instead: rows join a pool of `settings.max_inflight`
@@ -65,7 +103,7 @@ impl Generate {
     ) -> Result<Self, StageError> {
         let streamer = Streamer::new(
             &self.model,
-            self.params.clone(),
+            self.workload_params(),
             settings.max_inflight,
             settings.on_new_weights,
             version_u32(version)?,
@@ -78,6 +116,7 @@ impl Generate {
             next_batch: 0,
             held: None,
             figures: BTreeMap::new(),
+            applies: Vec::new(),
         });
         Ok(self)
     }
@@ -148,6 +187,52 @@ struct Responses<'a> {
     seconds: Vec<f32>,
 }
 
+impl Generate {
+    /// The long-tail workload batch by batch: the whole batch in one pool
+    /// (no refill), each row to its own budget; it ends with its longest row.
+    fn generate_with_budgets(
+        &self,
+        batch: &RecordBatch,
+        prompts: &[Vec<i64>],
+        streams: &[u64],
+    ) -> Result<Vec<Generation>, StageError> {
+        let greedy = greedy_flags(batch)?;
+        let requests: Vec<Request> = prompts
+            .iter()
+            .zip(streams)
+            .zip(greedy)
+            .enumerate()
+            .map(|(row, ((prompt, &stream), greedy))| Request {
+                key: row as u64,
+                prompt: prompt.clone(),
+                stream,
+                greedy,
+                max_new_tokens: self.budget(stream),
+            })
+            .collect();
+        let pool = requests.len().max(1);
+        let mut streamer = Streamer::new(
+            &self.model,
+            self.workload_params(),
+            pool,
+            OnNewWeights::Finish,
+            0,
+            Backend::Auto,
+        )?;
+        streamer.submit(&self.model, requests)?;
+        let mut out: Vec<Option<Generation>> = vec![None; prompts.len()];
+        while !streamer.is_idle() {
+            for f in streamer.advance(&self.model)? {
+                out[f.key as usize] = Some(f.generation);
+            }
+        }
+        Ok(out
+            .into_iter()
+            .map(|g| g.expect("every row ends"))
+            .collect())
+    }
+}
+
 /// `batch` with the response columns of `r`.
 fn with_responses(
     tokenizer: &Tokenizer,
@@ -201,18 +286,32 @@ fn with_responses(
 }
 
 impl Generate {
-    /// Generates `batch` now, in one call, whatever the mode (the
-    /// evaluation's and the batch-by-batch path).
+    /// Generates `batch` now, in one call, whatever the mode, with the
+    /// sampling parameters alone (the evaluation: no long-tail budgets).
     pub fn generate_now(
         &self,
         ctx: &StepContext,
         batch: RecordBatch,
     ) -> Result<RecordBatch, StageError> {
+        self.generate_batch(ctx, batch, false)
+    }
+
+    /// The batch-by-batch path (`workload`: with the long-tail budgets).
+    fn generate_batch(
+        &self,
+        ctx: &StepContext,
+        batch: RecordBatch,
+        workload: bool,
+    ) -> Result<RecordBatch, StageError> {
         let name = "generate";
         let prompts = token_lists(&batch, col::PROMPT_TOKENS, name)?;
         let streams = row_streams(&batch)?;
         let started = Instant::now();
-        let out = self.generate_rows(&batch, &prompts, &streams)?;
+        let out = if workload && self.tail.is_some() {
+            self.generate_with_budgets(&batch, &prompts, &streams)?
+        } else {
+            self.generate_rows(&batch, &prompts, &streams)?
+        };
         let seconds = started.elapsed().as_secs_f64() as f32;
         let version = version_u32(ctx.version)?;
         let n = batch.num_rows();
@@ -279,8 +378,10 @@ struct StreamState {
     next_batch: u64,
     /// Weights held back until the sequences in flight end (`finish`).
     held: Option<(PolicyVersion, WeightsPayload)>,
-    /// Per step: rows out, rows spanning versions, passes, sequences in flight over them, weight applies.
+    /// Per step: rows out, rows spanning versions, passes, sequences in flight over them.
     figures: BTreeMap<Step, StepFigures>,
+    /// Seconds of each weights update since the last step ended.
+    applies: Vec<f64>,
 }
 
 #[derive(Default)]
@@ -289,7 +390,6 @@ struct StepFigures {
     partial: u64,
     passes: u64,
     inflight: u64,
-    applies: Vec<f64>,
 }
 
 /// A batch whose rows are being generated.
@@ -314,20 +414,24 @@ impl Generate {
         let streams = row_streams(&batch)?;
         let greedy = greedy_flags(&batch)?;
         let groups = u64s(&batch, col::GROUP_ID, "generate")?;
+        let budgets: Vec<Option<usize>> = streams.iter().map(|&s| self.budget(s)).collect();
         let state = self.stream.as_mut().expect("streaming mode");
         let id = state.next_batch;
         state.next_batch += 1;
         let requests: Vec<Request> = prompts
             .into_iter()
             .zip(streams)
-            .zip(&greedy)
+            .zip(greedy.iter().zip(budgets))
             .enumerate()
-            .map(|(row, ((prompt, stream), &greedy))| Request {
-                key: (id << ROW_BITS) | row as u64,
-                prompt,
-                stream,
-                greedy,
-            })
+            .map(
+                |(row, ((prompt, stream), (&greedy, max_new_tokens)))| Request {
+                    key: (id << ROW_BITS) | row as u64,
+                    prompt,
+                    stream,
+                    greedy,
+                    max_new_tokens,
+                },
+            )
             .collect();
         state.streamer.submit(&self.model, requests)?;
         let mut open = HashMap::new();
@@ -437,13 +541,7 @@ impl Generate {
         let state = self.stream.as_mut().expect("streaming mode");
         state.streamer.weights_changed(version_u32(version)?);
         state.streamer.set_admitting(true);
-        let step = state.batches.values().next().map_or(0, |b| b.step);
-        state
-            .figures
-            .entry(step)
-            .or_default()
-            .applies
-            .push(started.elapsed().as_secs_f64());
+        state.applies.push(started.elapsed().as_secs_f64());
         Ok(())
     }
 }
@@ -458,7 +556,7 @@ impl Stage for Generate {
             self.admit(ctx, batch)?;
             return Ok(Vec::new());
         }
-        Ok(vec![self.generate_now(ctx, batch)?])
+        Ok(vec![self.generate_batch(ctx, batch, true)?])
     }
 
     fn end_step(&mut self, ctx: &mut StepContext) -> Result<Vec<RecordBatch>, StageError> {
@@ -475,7 +573,7 @@ impl Stage for Generate {
             ctx.record("slot_occupancy", mean / state.max_inflight as f64);
             ctx.record("passes", f.passes as f64);
         }
-        for s in f.applies {
+        for s in state.applies.drain(..) {
             ctx.record("weights_apply_s", s);
         }
         Ok(Vec::new())
