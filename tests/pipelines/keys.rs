@@ -583,10 +583,13 @@ fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String
         ),
         // Dr.GRPO and RLOO agree in both anchors but for one-sample groups
         // and KL estimates beyond the clamps: a policy far from its reference.
+        // GRPO's flavors differ otherwise only in the whitening epsilon (1e-9
+        // against 1e-6), a change at rounding level in a two-step run.
         "algorithm.flavor"
             if matches!(
                 kind,
-                PipelineKind::DrGrpo
+                PipelineKind::Grpo
+                    | PipelineKind::DrGrpo
                     | PipelineKind::Rloo
                     | PipelineKind::Opo
                     | PipelineKind::GrpoPassk

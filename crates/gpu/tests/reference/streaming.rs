@@ -247,3 +247,34 @@ fn weights_applied_in_flight_are_recorded_per_token_and_recompute_matches_a_fres
         }
     }
 }
+
+#[test]
+fn a_request_budget_ends_its_sequence_and_zero_ends_it_at_once() {
+    let model = load("tiny-qwen2", Kind::Float);
+    let prompts = prompts();
+    let streams: Vec<u64> = (0..prompts.len() as u64).collect();
+    let params = SamplingParams {
+        max_new_tokens: 9,
+        greedy: true,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    for backend in [Backend::Auto, Backend::Torch] {
+        let full = generate_on(&model, &prompts, &streams, &params, backend).unwrap();
+        let mut requests = requests(&prompts, &streams);
+        let budgets = [Some(3), None, Some(0), Some(20), Some(1), Some(9), Some(5)];
+        for (r, b) in requests.iter_mut().zip(budgets) {
+            r.max_new_tokens = b;
+        }
+        let got = stream_all(&model, &params, 3, backend, requests);
+        for (i, (f, b)) in got.iter().zip(budgets).enumerate() {
+            let n = b.unwrap_or(9).min(9);
+            assert_eq!(
+                f.generation.tokens,
+                full[i].tokens[..n],
+                "{backend:?} row {i}"
+            );
+            assert_eq!(f.versions.len(), n);
+        }
+    }
+}
