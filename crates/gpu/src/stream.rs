@@ -133,11 +133,12 @@ pub(crate) trait Slots {
         prefills: &[(usize, &[i64])],
     ) -> Result<(), ModelError>;
 
-    /// Picks one token per ready row with the row's uniform number;
-    /// `greedy[i]` overrides the sampling settings.
+    /// Picks one token per ready row with the row's uniform number, under
+    /// `params[0]` (the sampling settings), or `params[1]` (greedy) where
+    /// `greedy[i]`.
     fn pick(
         &mut self,
-        params: &SamplingParams,
+        params: &[SamplingParams; 2],
         greedy: &[bool],
         uniforms: &[f32],
     ) -> Result<Vec<(i64, f32)>, ModelError>;
@@ -177,7 +178,8 @@ impl Sequence {
 
 /// Continuous batching over a model; see the module docs.
 pub struct Streamer {
-    params: SamplingParams,
+    /// The sampling settings, and the same greedy (for greedy requests).
+    params: [SamplingParams; 2],
     max_inflight: usize,
     on_new_weights: OnNewWeights,
     slots: Box<dyn Slots>,
@@ -216,7 +218,17 @@ impl Streamer {
             Box::new(TorchSlots::new(model))
         };
         Ok(Streamer {
-            params: SamplingParams { n: 1, ..params },
+            params: [
+                SamplingParams {
+                    n: 1,
+                    ..params.clone()
+                },
+                SamplingParams {
+                    n: 1,
+                    greedy: true,
+                    ..params
+                },
+            ],
             max_inflight,
             on_new_weights,
             slots,
@@ -236,6 +248,11 @@ impl Streamer {
         check_prompts(model, &prompts, &[])?;
         self.waiting.extend(requests);
         Ok(())
+    }
+
+    /// The pool's size.
+    pub fn max_inflight(&self) -> usize {
+        self.max_inflight
     }
 
     /// Sequences in flight.
@@ -310,7 +327,7 @@ impl Streamer {
             let Some(request) = self.waiting.pop_front() else {
                 break;
             };
-            if request.limit(&self.params) == 0 {
+            if request.limit(&self.params[0]) == 0 {
                 empty.push(Finished {
                     key: request.key,
                     generation: Generation::empty(0, 0),
@@ -321,7 +338,7 @@ impl Streamer {
             }
             let slot = self.free.pop().expect("a free slot per missing sequence");
             self.live.push(Sequence {
-                stream: Stream::new(self.params.seed, request.stream, 0),
+                stream: Stream::new(self.params[0].seed, request.stream, 0),
                 request,
                 slot,
                 generation: Generation::empty(0, 0),
@@ -337,7 +354,7 @@ impl Streamer {
         let positions = self
             .live
             .iter()
-            .map(|s| s.request.prompt.len() + s.request.limit(&self.params))
+            .map(|s| s.request.prompt.len() + s.request.limit(&self.params[0]))
             .max()
             .unwrap_or(1);
         let kept: Vec<(usize, usize)> = self
@@ -395,18 +412,10 @@ impl Streamer {
         self.stats.inflight += self.live.len() as u64;
         self.stats.tokens += picks.len() as u64;
 
-        let greedy_params = SamplingParams {
-            greedy: true,
-            ..self.params.clone()
-        };
         let mut ended = vec![false; self.live.len()];
         for (&i, &(token, logprob)) in order.iter().zip(&picks) {
             let s = &mut self.live[i];
-            let params = if s.request.greedy {
-                &greedy_params
-            } else {
-                &self.params
-            };
+            let params = &self.params[usize::from(s.request.greedy)];
             s.cached = true;
             s.versions.push(self.version);
             s.recomputed.push(s.context_recomputed);
@@ -480,10 +489,13 @@ impl TorchSlots {
         self.key_mask = Some(mask);
         let logits = model.lm_logits(&hidden.squeeze_dim(1))?;
         // Back into the caller's order.
-        let back: Vec<i64> = steps
+        let row_of: std::collections::HashMap<usize, i64> = self
+            .rows
             .iter()
-            .map(|s| self.rows.iter().position(|&r| r == s.0).expect("checked") as i64)
+            .enumerate()
+            .map(|(i, &r)| (r, i as i64))
             .collect();
+        let back: Vec<i64> = steps.iter().map(|s| row_of[&s.0]).collect();
         Ok(logits.index_select(0, &Tensor::from_slice(&back).to_device(device)))
     }
 
@@ -566,18 +578,14 @@ impl Slots for TorchSlots {
 
     fn pick(
         &mut self,
-        params: &SamplingParams,
+        params: &[SamplingParams; 2],
         greedy: &[bool],
         uniforms: &[f32],
     ) -> Result<Vec<(i64, f32)>, ModelError> {
         let _guard = tch::no_grad_guard();
         let logits = self.logits.take().expect("forward ran before pick");
-        let greedy_params = SamplingParams {
-            greedy: true,
-            ..params.clone()
-        };
         let mut out = vec![(0i64, 0f32); greedy.len()];
-        for (want, params) in [(false, params), (true, &greedy_params)] {
+        for (want, params) in [false, true].into_iter().zip(params) {
             let idx: Vec<i64> = (0..greedy.len() as i64)
                 .filter(|&i| greedy[i as usize] == want)
                 .collect();

@@ -385,23 +385,18 @@ impl Slots for CpuSlots {
 
     fn pick(
         &mut self,
-        params: &SamplingParams,
+        params: &[SamplingParams; 2],
         greedy: &[bool],
         uniforms: &[f32],
     ) -> Result<Vec<(i64, f32)>, ModelError> {
         let vocab = self.logits.len() / greedy.len().max(1);
-        let greedy_params = SamplingParams {
-            greedy: true,
-            ..params.clone()
-        };
         Ok(self
             .logits
             .chunks_mut(vocab.max(1))
             .zip(greedy.iter().zip(uniforms))
             .map(|(row, (&g, &u))| {
-                let params = if g { &greedy_params } else { params };
                 // SAFETY: as in `forward`.
-                unsafe { self.picker.pick(row, params, u) }
+                unsafe { self.picker.pick(row, &params[usize::from(g)], u) }
             })
             .collect())
     }

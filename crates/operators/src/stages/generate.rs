@@ -111,7 +111,6 @@ impl Generate {
         )?;
         self.stream = Some(StreamState {
             streamer,
-            max_inflight: settings.max_inflight,
             batches: BTreeMap::new(),
             next_batch: 0,
             held: None,
@@ -188,6 +187,30 @@ struct Responses<'a> {
 }
 
 impl Generate {
+    /// One request per row of `batch`, keyed `first_key + row`.
+    fn requests(
+        &self,
+        batch: &RecordBatch,
+        prompts: Vec<Vec<i64>>,
+        streams: &[u64],
+        first_key: u64,
+    ) -> Result<Vec<Request>, StageError> {
+        let greedy = greedy_flags(batch)?;
+        Ok(prompts
+            .into_iter()
+            .zip(streams)
+            .zip(greedy)
+            .enumerate()
+            .map(|(row, ((prompt, &stream), greedy))| Request {
+                key: first_key + row as u64,
+                prompt,
+                stream,
+                greedy,
+                max_new_tokens: self.budget(stream),
+            })
+            .collect())
+    }
+
     /// The long-tail workload batch by batch: the whole batch in one pool
     /// (no refill), each row to its own budget; it ends with its longest row.
     fn generate_with_budgets(
@@ -196,20 +219,7 @@ impl Generate {
         prompts: &[Vec<i64>],
         streams: &[u64],
     ) -> Result<Vec<Generation>, StageError> {
-        let greedy = greedy_flags(batch)?;
-        let requests: Vec<Request> = prompts
-            .iter()
-            .zip(streams)
-            .zip(greedy)
-            .enumerate()
-            .map(|(row, ((prompt, &stream), greedy))| Request {
-                key: row as u64,
-                prompt: prompt.clone(),
-                stream,
-                greedy,
-                max_new_tokens: self.budget(stream),
-            })
-            .collect();
+        let requests = self.requests(batch, prompts.to_vec(), streams, 0)?;
         let pool = requests.len().max(1);
         let mut streamer = Streamer::new(
             &self.model,
@@ -372,7 +382,6 @@ fn greedy_flags(batch: &RecordBatch) -> Result<Vec<bool>, StageError> {
 /// The streaming mode's state.
 struct StreamState {
     streamer: Streamer,
-    max_inflight: usize,
     /// Batches with rows in flight, by arrival.
     batches: BTreeMap<u64, InFlight>,
     next_batch: u64,
@@ -412,27 +421,11 @@ impl Generate {
     fn admit(&mut self, ctx: &StepContext, batch: RecordBatch) -> Result<(), StageError> {
         let prompts = token_lists(&batch, col::PROMPT_TOKENS, "generate")?;
         let streams = row_streams(&batch)?;
-        let greedy = greedy_flags(&batch)?;
         let groups = u64s(&batch, col::GROUP_ID, "generate")?;
-        let budgets: Vec<Option<usize>> = streams.iter().map(|&s| self.budget(s)).collect();
+        let id = self.stream.as_ref().expect("streaming mode").next_batch;
+        let requests = self.requests(&batch, prompts, &streams, id << ROW_BITS)?;
         let state = self.stream.as_mut().expect("streaming mode");
-        let id = state.next_batch;
         state.next_batch += 1;
-        let requests: Vec<Request> = prompts
-            .into_iter()
-            .zip(streams)
-            .zip(greedy.iter().zip(budgets))
-            .enumerate()
-            .map(
-                |(row, ((prompt, stream), (&greedy, max_new_tokens)))| Request {
-                    key: (id << ROW_BITS) | row as u64,
-                    prompt,
-                    stream,
-                    greedy,
-                    max_new_tokens,
-                },
-            )
-            .collect();
         state.streamer.submit(&self.model, requests)?;
         let mut open = HashMap::new();
         for g in &groups {
@@ -570,7 +563,10 @@ impl Stage for Generate {
         if f.passes > 0 {
             let mean = f.inflight as f64 / f.passes as f64;
             ctx.record("inflight", mean);
-            ctx.record("slot_occupancy", mean / state.max_inflight as f64);
+            ctx.record(
+                "slot_occupancy",
+                mean / state.streamer.max_inflight() as f64,
+            );
             ctx.record("passes", f.passes as f64);
         }
         for s in state.applies.drain(..) {
