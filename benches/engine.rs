@@ -153,6 +153,7 @@ fn sim_steps_per_s(k: u64, queue: usize, steps: u64) -> f64 {
         weights_bytes: 4096,
         placement: None,
         generate_queue: queue,
+        stream_slots: 0,
         fail_at_step: None,
         out: out.path().to_path_buf(),
     };

@@ -4,10 +4,13 @@
 //!
 //! - the long-tail setting (`generate.long_tail = 1`: per-response budgets
 //!   from a Pareto distribution between 4 and 256 tokens, eos ignored, so
-//!   lengths within a step spread over up to 64×, as reasoning traces do):
+//!   lengths within a step spread over up to 64×, as reasoning traces do;
+//!   decoding on libtorch ops, the GPU's path, whose pass costs about the
+//!   same for one sequence as for many; the learner's micro-batches cut at
+//!   1,024 padded tokens, `WEIR_BENCH_MICRO_TOKENS` to change):
 //!   synchronous (k = 0), batch-level k = 1, streaming k = 1 with
 //!   `on_new_weights = "keep"` and `"recompute"` (`generate.max_inflight` =
-//!   the rows of a step);
+//!   the rows of two steps), and batch-level against streaming keep at k = 2;
 //! - the arith setting (≤ 8 tokens, eos ends responses): batch-level k = 1
 //!   against streaming k = 1 `"keep"`.
 //!
@@ -30,7 +33,7 @@ use arrow::array::AsArray;
 use arrow::datatypes::{Float32Type, UInt32Type, UInt64Type};
 use weir::graph::metrics::MetricRow;
 use weir::graph::parquet_log::read_parquet_dir;
-use weir::pipelines::config::WeightUpdate;
+use weir::pipelines::config::{GenerateBackend, WeightUpdate};
 use weir::pipelines::{run, PipelineKind, RunConfig, RunRequest};
 
 const WARMUP_STEPS: u64 = 2;
@@ -40,8 +43,10 @@ const SAMPLES: usize = 4;
 #[derive(Clone, Copy, PartialEq, Debug)]
 enum Mode {
     Synchronous,
-    Batch,
-    Streaming(WeightUpdate),
+    /// Batch by batch at this k.
+    Batch(u64),
+    /// Streaming at this k.
+    Streaming(WeightUpdate, u64),
 }
 
 fn config(steps: u64, mode: Mode, long_tail: bool) -> RunConfig {
@@ -63,12 +68,25 @@ fn config(steps: u64, mode: Mode, long_tail: bool) -> RunConfig {
     if long_tail {
         c.generate.long_tail = 1.0;
         c.generate.max_new_tokens = 256;
+        // Decoding on libtorch ops, the path a GPU runs: a pass costs about
+        // the same for one sequence as for a full pool, as on a GPU, so a
+        // batch that waits for its longest row wastes its empty slots.
+        c.generate.backend = GenerateBackend::Torch;
+        // The learner pays for the tokens, not rows × the longest row.
+        c.algorithm.micro_batch_tokens = std::env::var("WEIR_BENCH_MICRO_TOKENS")
+            .ok()
+            .map(|s| s.parse().expect("WEIR_BENCH_MICRO_TOKENS: a number"))
+            .unwrap_or(1024);
     } else {
         c.generate.max_new_tokens = 8;
     }
-    c.run.max_staleness = if mode == Mode::Synchronous { 0 } else { 1 };
-    if let Mode::Streaming(policy) = mode {
-        c.generate.max_inflight = PROMPTS * SAMPLES;
+    c.run.max_staleness = match mode {
+        Mode::Synchronous => 0,
+        Mode::Batch(k) | Mode::Streaming(_, k) => k,
+    };
+    if let Mode::Streaming(policy, _) = mode {
+        // Room for the rows of two steps at once.
+        c.generate.max_inflight = 2 * PROMPTS * SAMPLES;
         c.generate.on_new_weights = policy;
     }
     c
@@ -181,8 +199,8 @@ fn measure(steps: u64, mode: Mode, long_tail: bool) -> Figures {
     let all: usize = lengths.values().map(Vec::len).sum();
     let label = match mode {
         Mode::Synchronous => "synchronous k=0".to_string(),
-        Mode::Batch => "batch-level k=1".to_string(),
-        Mode::Streaming(p) => format!("streaming k=1 {p:?}").to_lowercase(),
+        Mode::Batch(k) => format!("batch-level k={k}"),
+        Mode::Streaming(p, k) => format!("streaming k={k} {p:?}").to_lowercase(),
     };
     Figures {
         label,
@@ -241,27 +259,40 @@ fn main() {
     println!(
         "== streaming generation: grpo, arith-sft, {PROMPTS} prompts × {SAMPLES} samples, 2 workers (generate w0, reference + learn w1), 1 thread each, {steps} steps, the first {WARMUP_STEPS} left out =="
     );
+    // The headline compares k = 1 runs; the k = 2 pair shows what groups
+    // filling steps as they finish (slack that k = 1 does not leave) adds.
     let modes = [
         Mode::Synchronous,
-        Mode::Batch,
-        Mode::Streaming(WeightUpdate::Keep),
-        Mode::Streaming(WeightUpdate::Recompute),
+        Mode::Batch(1),
+        Mode::Streaming(WeightUpdate::Keep, 1),
+        Mode::Streaming(WeightUpdate::Recompute, 1),
+        Mode::Batch(2),
+        Mode::Streaming(WeightUpdate::Keep, 2),
     ];
     let tail: Vec<Figures> = modes.iter().map(|&m| measure(steps, m, true)).collect();
     table(
-        "long tail (generate.long_tail = 1, 4..256 tokens, eos ignored)",
+        "long tail (generate.long_tail = 1, 4..256 tokens, eos ignored; libtorch decoding, learner micro-batches of ≤ 1024 padded tokens)",
         &tail,
     );
-    let arith: Vec<Figures> = [Mode::Batch, Mode::Streaming(WeightUpdate::Keep)]
+    println!(
+        "synchronous step: generation busy {:.0} % of the wall, learner {:.0} %",
+        100.0 * (1.0 - tail[0].generator_idle),
+        100.0 * (1.0 - tail[0].learner_idle)
+    );
+    let arith: Vec<Figures> = [Mode::Batch(1), Mode::Streaming(WeightUpdate::Keep, 1)]
         .iter()
         .map(|&m| measure(steps, m, false))
         .collect();
     table("arith (≤ 8 tokens, eos ends responses)", &arith);
     let batch = &tail[1];
-    let best = tail[2..]
+    let best = tail[2..4]
         .iter()
         .max_by(|a, b| a.tokens_per_s.total_cmp(&b.tokens_per_s))
         .unwrap();
+    println!(
+        "k=2: streaming keep / batch-level tokens/s = {:.2}",
+        tail[5].tokens_per_s / tail[4].tokens_per_s
+    );
     println!(
         "\nlong tail: {} / batch-level k=1 tokens/s = {:.2}; arith: streaming keep / batch-level k=1 tokens/s = {:.2}",
         best.label,

@@ -12,9 +12,10 @@ use std::time::Duration;
 use anyhow::Context;
 use weir_graph::synthetic::{
     Cost, SyntheticAdvantage, SyntheticGenerate, SyntheticLearn, SyntheticPrompts, SyntheticScore,
+    SyntheticStreamingGenerate,
 };
 use weir_graph::{
-    roles, Execution, ParquetLog, Partition, Pipeline, Placement, RunReport, RunSettings,
+    roles, Execution, ParquetLog, Partition, Pipeline, Placement, RunReport, RunSettings, Stage,
 };
 
 /// Flags of `weir sim` and of the `engine_sim` example.
@@ -64,6 +65,11 @@ pub struct SimArgs {
     /// behind a long generate call; 0 runs it inline on the worker.
     #[arg(long = "generate-queue", default_value_t = 2)]
     pub generate_queue: usize,
+    /// Streaming generation: a pool of this many sequences advanced one
+    /// token per pass (`--gen-ms` a pass), rows of a group leaving at the
+    /// step they fill (0: each batch generated whole, `--gen-ms` a batch).
+    #[arg(long = "stream-slots", default_value_t = 0)]
+    pub stream_slots: usize,
     /// Make scoring fail at this step (to exercise failure handling).
     #[arg(long = "fail-at-step")]
     pub fail_at_step: Option<u64>,
@@ -106,6 +112,7 @@ pub fn sim_pipeline(args: &SimArgs) -> Pipeline {
     let score_cost = args.cost(args.score_ms, 2);
     let train_cost = args.cost(args.train_ms, 3);
     let (weights_bytes, fail_at) = (args.weights_bytes, args.fail_at_step);
+    let (slots, k) = (args.stream_slots, args.max_staleness);
     let rollouts = args.out.join("rollouts");
     let mut pipeline = Pipeline::new("engine_sim")
         .source(roles::ROLLOUT, move |w| {
@@ -114,7 +121,11 @@ pub fn sim_pipeline(args: &SimArgs) -> Pipeline {
                 .shard(w.rank, w.role_size))
         })
         .generate("generate", roles::ROLLOUT, Partition::Local, move |_| {
-            Ok(SyntheticGenerate::new(gen_cost))
+            Ok(if slots > 0 {
+                Box::new(SyntheticStreamingGenerate::new(gen_cost, slots, k)) as Box<dyn Stage>
+            } else {
+                Box::new(SyntheticGenerate::new(gen_cost))
+            })
         });
     if args.generate_queue > 0 {
         pipeline = pipeline.offload(args.generate_queue);
@@ -141,6 +152,9 @@ pub fn sim_pipeline(args: &SimArgs) -> Pipeline {
 pub fn run_sim(args: &SimArgs) -> anyhow::Result<RunReport> {
     if args.group_size == 0 || args.batch_rows == 0 {
         anyhow::bail!("--batch-rows and --group-size must be at least 1");
+    }
+    if args.stream_slots > 0 && args.generate_queue == 0 {
+        anyhow::bail!("--stream-slots needs --generate-queue ≥ 1 (a streaming generator runs on an engine thread)");
     }
     if !args.batch_rows.is_multiple_of(args.group_size) {
         anyhow::bail!(

@@ -86,11 +86,13 @@ pub fn actor(
     ctx: &RunContext,
 ) -> impl Fn(&WorkerInfo) -> Result<Box<dyn Stage>, StageError> + Send + Sync + 'static {
     let (cfg, actor, version) = (cfg.clone(), ctx.actor.clone(), ctx.version);
+    let (first_step, last_step) = (ctx.first_step, ctx.last_step);
     move |w| -> Result<Box<dyn Stage>, StageError> {
         let model = load_policy(&cfg, &actor, w)?;
         let tok = Tokenizer::load(Path::new(&cfg.model.path))?;
         let params = sampling(&cfg, &tok);
-        let mut generate = Generate::new(model, tok, params.clone());
+        let mut generate =
+            Generate::new(model, tok, params.clone()).with_backend(cfg.generate.backend.backend());
         if cfg.generate.long_tail > 0.0 {
             generate = generate.with_long_tail(cfg.generate.long_tail);
         }
@@ -98,6 +100,10 @@ pub fn actor(
             let streaming = Streaming {
                 max_inflight: cfg.generate.max_inflight,
                 on_new_weights: cfg.generate.on_new_weights.policy(),
+                max_staleness: cfg.run.max_staleness,
+                first_step,
+                checkpoint_every: cfg.run.checkpoint_every,
+                last_step,
             };
             generate = generate.streamed(streaming, version)?;
         }
@@ -184,6 +190,7 @@ pub fn learner_config(cfg: &RunConfig, kl_in_loss: bool) -> LearnerConfig {
         adamw: adamw(cfg, a.lr),
         max_grad_norm: (a.max_grad_norm > 0.0).then_some(a.max_grad_norm),
         micro_batch: a.micro_batch,
+        micro_batch_tokens: a.micro_batch_tokens,
         policy: PolicyLossConfig {
             clip_low: a.clip_low,
             clip_high: a.clip_high,

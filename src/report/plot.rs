@@ -14,7 +14,20 @@ use super::inspect::SPARK_WIDTH;
 use super::RunMetrics;
 
 /// The per-step curves `plot` draws, each when recorded.
-const PLOTTED: [&str; 4] = ["reward", "kl", "entropy", "loss"];
+const PLOTTED: [&str; 5] = ["reward", "kl", "entropy", "loss", "row_latency_s"];
+
+/// A streaming generator's per-step figures, each drawn when recorded:
+/// (metric, y axis, whether the axis starts at zero).
+const GENERATOR: [(&str, &str, bool); 4] = [
+    (
+        "slot_occupancy",
+        "sequences in flight / generate.max_inflight",
+        true,
+    ),
+    ("inflight", "sequences in flight (mean over passes)", true),
+    ("partial_ratio", "rows whose tokens span versions", true),
+    ("weights_apply_s", "seconds per weights update", true),
+];
 
 /// Pixels of every chart.
 const CHART_SIZE: (u32, u32) = (960, 540);
@@ -25,7 +38,10 @@ const FONT: &[u8] = include_bytes!("../../assets/fonts/DejaVuSans-subset.ttf");
 
 /// Writes PNG charts of the run in `run_dir` to `RUN_DIR/plots/`: one per
 /// recorded learner curve (`reward.png`, `kl.png`, `entropy.png`,
-/// `loss.png`), the held-out evaluation (`eval_reward.png`,
+/// `loss.png`, `row_latency_s.png`: from a row's start to its training), a
+/// streaming generator's `generate_slot_occupancy.png`,
+/// `generate_inflight.png`, `generate_partial_ratio.png` and
+/// `generate_weights_apply_s.png`, the held-out evaluation (`eval_reward.png`,
 /// `eval_pass_at_k.png`), `staleness.png` and `throughput.png` when their
 /// figures exist. Returns the paths written.
 pub fn plot(run_dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
@@ -47,6 +63,20 @@ pub fn plot(run_dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
                     y_desc: format!("{metric} (mean over workers)"),
                     points: series.into_iter().collect(),
                     from_zero: false,
+                },
+            ));
+        }
+    }
+    for (metric, y_desc, from_zero) in GENERATOR {
+        let series = run.per_step(Some("generate"), metric, super::Fold::Mean);
+        if !series.is_empty() {
+            charts.push((
+                dir.join(format!("generate_{metric}.png")),
+                Chart::Line {
+                    title: format!("generator {metric} per step — {name}"),
+                    y_desc: y_desc.into(),
+                    points: series.into_iter().collect(),
+                    from_zero,
                 },
             ));
         }

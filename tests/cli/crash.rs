@@ -193,6 +193,13 @@ fn check_run_folder(dir: &Path, seed: u64) {
         );
     }
     assert_eq!(rows, STEPS * PROMPTS * SAMPLES, "no row twice {ctx}");
+    // Every prompt's samples exactly once, whichever step they joined (a
+    // streaming generator's groups fill steps in the order they finish).
+    let all: BTreeSet<(u64, u64)> = per_step.values().flatten().copied().collect();
+    let expected: BTreeSet<(u64, u64)> = (0..STEPS * PROMPTS)
+        .flat_map(|g| (0..SAMPLES).map(move |s| (g, s)))
+        .collect();
+    assert_eq!(all, expected, "every prompt's samples once {ctx}");
     assert_eq!(
         version_offsets.len(),
         1,

@@ -25,6 +25,7 @@ fn write_run(dir: &Path) {
                 row("rows_out", 8.0),
                 row("policy_version", step.saturating_sub(1) as f64),
                 row("done_unix_s", done - 1.0),
+                row("slot_occupancy", 0.5 + 0.1 * step as f64),
             ]);
         }
         for (worker, spread) in [(2, -0.05), (3, 0.05)] {
@@ -37,6 +38,7 @@ fn write_run(dir: &Path) {
                 row("reward", reward + spread),
                 row("kl", 0.01 * step as f64),
                 row("loss", 1.0 / (step + 1) as f64),
+                row("row_latency_s", 1.0 + 0.2 * step as f64),
             ]);
             let staleness = |label: &str, n| {
                 MetricRow::new(step, worker, "train", "staleness", Some(label.into()), n)
@@ -156,6 +158,8 @@ fn plot_writes_png_charts_of_the_recorded_metrics() {
             "reward.png",
             "kl.png",
             "loss.png",
+            "row_latency_s.png",
+            "generate_slot_occupancy.png",
             "staleness.png",
             "throughput.png"
         ]

@@ -20,7 +20,8 @@ use weir::pipelines::config::{applies, DOCS};
 
 use super::*;
 
-/// Keys that change speed or memory only; and `generate.on_new_weights`,
+/// Keys that change speed or memory only (`generate.backend`: the two
+/// runtimes are held to the same tokens by the runtime's tests); and `generate.on_new_weights`,
 /// whose effect depends on whether new weights land while sequences are in
 /// flight, which timing decides (`tests/pipelines.rs` holds streaming runs
 /// to the synchronous rows at k = 0, and the runtime's tests hold each
@@ -28,9 +29,11 @@ use super::*;
 const PERFORMANCE: &[&str] = &[
     "generate.max_inflight",
     "generate.on_new_weights",
+    "generate.backend",
     "run.threads",
     "placement.workers",
     "algorithm.micro_batch",
+    "algorithm.micro_batch_tokens",
     "algorithm.gradient_checkpointing",
     "algorithm.logprob_chunk",
     "eval.batch",
@@ -43,6 +46,7 @@ const TIMING: &[&str] = &[
     names::WEIGHTS_TRANSFER_S,
     names::DONE_UNIX_S,
     names::QUEUE_PEAK,
+    "row_latency_s",
     names::BATCHES_IN,
     names::IN_FLIGHT_STEPS,
 ];
@@ -116,7 +120,7 @@ fn rows_of(batches: &[RecordBatch]) -> Vec<(String, Values)> {
                 .fields()
                 .iter()
                 .zip(b.columns())
-                .filter(|(f, _)| f.name() != col::GENERATE_S)
+                .filter(|(f, _)| f.name() != col::GENERATE_S && f.name() != col::STARTED_UNIX_S)
                 .map(|(f, c)| {
                     let values = match numbers(c.as_ref()) {
                         Some(n) => Values::Numbers(n),
@@ -437,6 +441,7 @@ fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String
         "generate.top_k" => (&[], "3".into()),
         "generate.max_inflight" => (&[], "3".into()),
         "generate.long_tail" => (&[], "1.0".into()),
+        "generate.backend" => (&[], "\"torch\"".into()),
         "generate.on_new_weights" => (
             &["generate.max_inflight=3", "run.max_staleness=1"],
             "\"recompute\"".into(),
@@ -515,6 +520,7 @@ fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String
         "algorithm.weight_decay" => (&["algorithm.warmup_steps=0"], "0.9".into()),
         "algorithm.max_grad_norm" => (&[], "0.001".into()),
         "algorithm.micro_batch" => (&[], "1".into()),
+        "algorithm.micro_batch_tokens" => (&[], "8".into()),
         "algorithm.gradient_checkpointing" => (&[], "true".into()),
         "algorithm.logprob_chunk" => (&[], "5".into()),
         "algorithm.ppo_epochs" => (&[], "2".into()),

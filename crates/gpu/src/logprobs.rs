@@ -152,8 +152,17 @@ pub fn response_logprobs_on_cpu_kernels(
     #[cfg(target_arch = "x86_64")]
     {
         let rows = crate::cpu::run::response_logprobs(model, prompts, responses, temperature);
-        // The kernels' activations and cache are freed: give their pages back.
-        crate::device::release_freed_host_memory();
+        // The kernels' activations and cache are freed: give their pages
+        // back, when the pass's keys, values and logits were large enough to matter.
+        let c = &model.config;
+        let tokens: usize = prompts
+            .iter()
+            .zip(responses)
+            .map(|(p, r)| p.len() + r.len())
+            .sum();
+        let per_token =
+            (2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim + c.vocab_size) * 4;
+        crate::device::release_freed_host_memory_after(tokens * per_token.max(0) as usize);
         rows
     }
     #[cfg(not(target_arch = "x86_64"))]

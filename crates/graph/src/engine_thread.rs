@@ -147,6 +147,9 @@ impl StageRunner {
                 Ok(Done::Output { step, batches })
             }
             Job::EndStep { step } => {
+                if self.stage.streaming() {
+                    self.stage.input_ended(step);
+                }
                 let mut ctx = StepContext::new(
                     step,
                     self.worker,
@@ -206,6 +209,11 @@ impl StageRunner {
     /// Whether a streaming stage holds rows of `step` or earlier.
     pub(crate) fn holds(&self, step: Step) -> bool {
         self.stage.holds(step)
+    }
+
+    /// Tells a streaming stage that `step`'s input is complete.
+    pub(crate) fn input_ended(&mut self, step: Step) {
+        self.stage.input_ended(step);
     }
 
     /// One piece of a streaming stage's work; its busy time counts to the
@@ -504,6 +512,7 @@ fn stream_jobs(
         };
         let results = match job {
             Some(Job::EndStep { step }) => {
+                runner.input_ended(step);
                 ending.push_back(step);
                 Vec::new()
             }

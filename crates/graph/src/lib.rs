@@ -36,6 +36,7 @@ pub mod placement;
 pub mod run;
 pub mod stage;
 mod stage_op;
+pub mod step_fill;
 pub mod synthetic;
 pub mod tensorboard;
 pub mod weights_edge;
@@ -53,6 +54,7 @@ pub use placement::{roles, Placement};
 pub use stage::{
     Sink, Source, SourceContext, Stage, StepBuffer, StepContext, StepStage, WorkerInfo,
 };
+pub use step_fill::{Started, StepFill};
 pub use weights_edge::{
     InlineTransport, WeightsBody, WeightsMessage, WeightsPayload, WeightsTransport,
 };

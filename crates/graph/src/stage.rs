@@ -176,6 +176,13 @@ pub trait Stage {
         let _ = step;
         false
     }
+
+    /// Tells a streaming stage that every batch of `step` has reached it
+    /// (its `end_step` may still wait for [`Stage::holds`]); it may be told
+    /// more than once.
+    fn input_ended(&mut self, step: Step) {
+        let _ = step;
+    }
 }
 
 /// A boxed stage is a stage (a role whose stage type the config picks).
@@ -210,6 +217,10 @@ impl Stage for Box<dyn Stage> {
 
     fn holds(&self, step: Step) -> bool {
         (**self).holds(step)
+    }
+
+    fn input_ended(&mut self, step: Step) {
+        (**self).input_ended(step)
     }
 }
 

@@ -23,8 +23,9 @@ use arrow::datatypes::{Float32Type, UInt64Type};
 
 use crate::batch::{u64_column, with_column};
 use crate::stage::{Source, SourceContext, Stage, StepBuffer, StepContext, StepStage};
+use crate::step_fill::{Started, StepFill};
 use crate::weights_edge::{now_ns, WeightsPayload};
-use crate::{PolicyVersion, StageError};
+use crate::{PolicyVersion, StageError, Step};
 
 /// A stage's cost: a base sleep plus a seeded random jitter per call.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -68,8 +69,8 @@ fn mix(mut x: u64) -> u64 {
     x ^ (x >> 31)
 }
 
-/// Emits `rows` rows per step (split over the source role's workers), in
-/// groups of `group_size` consecutive row ids.
+/// Emits `rows` rows per step (split over the source role's workers by
+/// group), in groups of `group_size` consecutive row ids.
 #[derive(Clone, Debug)]
 pub struct SyntheticPrompts {
     rows: u64,
@@ -105,8 +106,9 @@ impl SyntheticPrompts {
 
 impl Source for SyntheticPrompts {
     fn next_step(&mut self, ctx: &SourceContext) -> Result<Option<Vec<RecordBatch>>, StageError> {
+        // A group stays on one worker, as a prompt's samples do.
         let ids: Vec<u64> = (0..self.rows)
-            .filter(|i| i % self.role_size == self.rank)
+            .filter(|i| (i / self.group_size) % self.role_size == self.rank)
             .map(|i| ctx.step * self.rows + i)
             .collect();
         let groups: Vec<u64> = ids.iter().map(|id| id / self.group_size).collect();
@@ -201,6 +203,216 @@ impl Stage for SyntheticGenerate {
         }
         self.loaded = version;
         Ok(())
+    }
+}
+
+/// A streaming generator (continuous batching without a model): a pool of
+/// `slots` sequences; each [`Stage::advance`] is one decode pass that
+/// sleeps `cost` and gives every sequence in the pool one token under the
+/// version it holds (new weights apply between passes, over the sequences
+/// in flight, as `on_new_weights = "keep"` does). A row's length is
+/// `1 + 2^(id mod 7)` tokens (2 to 65, a long tail); a group's rows leave
+/// together when its last ends, at the step a [`StepFill`] gives it. Rows
+/// get `response_len`, `gen_start_ns`, `gen_end_ns`, `token_versions`
+/// (list<u32>) and `policy_version` (the oldest token's version), and
+/// `step` becomes the step they train at.
+pub struct SyntheticStreamingGenerate {
+    cost: Cost,
+    slots: usize,
+    loaded: PolicyVersion,
+    passes: u64,
+    fill: StepFill,
+    /// Rows waiting for a slot, then rows in the pool.
+    queue: std::collections::VecDeque<SyntheticSequence>,
+    pool: Vec<SyntheticSequence>,
+    /// Groups in flight, by (arrival, group id): their rows' batch and results.
+    groups: std::collections::BTreeMap<(u64, u64), SyntheticGroup>,
+    arrivals: u64,
+}
+
+struct SyntheticSequence {
+    group: (u64, u64),
+    row: usize,
+    length: u32,
+    versions: Vec<u32>,
+}
+
+struct SyntheticGroup {
+    rows: RecordBatch,
+    started: Started,
+    start_ns: u64,
+    versions: Vec<Option<Vec<u32>>>,
+}
+
+impl SyntheticStreamingGenerate {
+    /// `slots` sequences in flight, `cost` per pass, staleness bound `max_staleness`.
+    pub fn new(cost: Cost, slots: usize, max_staleness: u64) -> Self {
+        SyntheticStreamingGenerate {
+            cost,
+            slots: slots.max(1),
+            loaded: 0,
+            passes: 0,
+            fill: StepFill::new(max_staleness, |_| false),
+            queue: Default::default(),
+            pool: Vec::new(),
+            groups: Default::default(),
+            arrivals: 0,
+        }
+    }
+
+    /// The rows of every group that has finished and found its step.
+    fn placed(&mut self) -> Result<Vec<(Step, RecordBatch)>, StageError> {
+        let done: Vec<(u64, u64)> = self
+            .groups
+            .iter()
+            .filter(|(_, g)| g.versions.iter().all(Option::is_some))
+            .map(|(k, _)| *k)
+            .collect();
+        let mut out = Vec::new();
+        for key in done {
+            let Some(step) = self.fill.finish(self.groups[&key].started) else {
+                continue;
+            };
+            let g = self.groups.remove(&key).expect("listed above");
+            let versions: Vec<Vec<u32>> = g.versions.into_iter().flatten().collect();
+            let n = g.rows.num_rows();
+            let oldest: UInt64Array = versions
+                .iter()
+                .map(|v| u64::from(*v.iter().min().expect("every row has a token")))
+                .collect();
+            let lens: UInt32Array = versions.iter().map(|v| v.len() as u32).collect();
+            let mut list = arrow::array::ListBuilder::new(arrow::array::UInt32Builder::new());
+            for v in &versions {
+                list.values().append_slice(v);
+                list.append(true);
+            }
+            let mut batch =
+                with_column(&g.rows, "step", Arc::new(UInt64Array::from_value(step, n)))?;
+            for (name, column) in [
+                ("response_len", Arc::new(lens) as ArrayRef),
+                (
+                    "gen_start_ns",
+                    Arc::new(UInt64Array::from_value(g.start_ns, n)),
+                ),
+                ("gen_end_ns", Arc::new(UInt64Array::from_value(now_ns(), n))),
+                ("token_versions", Arc::new(list.finish())),
+                ("policy_version", Arc::new(oldest)),
+            ] {
+                batch = with_column(&batch, name, column)?;
+            }
+            out.push((step, batch));
+        }
+        Ok(out)
+    }
+}
+
+impl Stage for SyntheticStreamingGenerate {
+    fn process(
+        &mut self,
+        ctx: &mut StepContext,
+        batch: RecordBatch,
+    ) -> Result<Vec<RecordBatch>, StageError> {
+        let ids = u64_column(&batch, "row_id", "generate")?.clone();
+        let groups = u64_column(&batch, "group_id", "generate")?.clone();
+        let mut seen: Vec<u64> = Vec::new();
+        for &g in groups.values() {
+            if !seen.contains(&g) {
+                seen.push(g);
+            }
+        }
+        for g in seen {
+            let rows: Vec<u32> = (0..batch.num_rows() as u32)
+                .filter(|&i| groups.value(i as usize) == g)
+                .collect();
+            let key = (self.arrivals, g);
+            let taken =
+                arrow::compute::take_record_batch(&batch, &UInt32Array::from(rows.clone()))?;
+            for (row, &i) in rows.iter().enumerate() {
+                let id = ids.value(i as usize);
+                self.queue.push_back(SyntheticSequence {
+                    group: key,
+                    row,
+                    length: 1 + (1 << (mix(id) % 7)) as u32,
+                    versions: Vec::new(),
+                });
+            }
+            self.groups.insert(
+                key,
+                SyntheticGroup {
+                    rows: taken,
+                    started: self.fill.start(ctx.step, self.loaded),
+                    start_ns: now_ns(),
+                    versions: vec![None; rows.len()],
+                },
+            );
+        }
+        self.arrivals += 1;
+        Ok(Vec::new())
+    }
+
+    fn advance(&mut self) -> Result<Vec<(Step, RecordBatch)>, StageError> {
+        while self.pool.len() < self.slots {
+            let Some(seq) = self.queue.pop_front() else {
+                break;
+            };
+            self.pool.push(seq);
+        }
+        if !self.pool.is_empty() {
+            self.cost.pay(self.passes, 0);
+            self.passes += 1;
+            let version = u32::try_from(self.loaded).map_err(|_| "version exceeds u32")?;
+            for seq in &mut self.pool {
+                seq.versions.push(version);
+            }
+            let (done, live): (Vec<_>, Vec<_>) = std::mem::take(&mut self.pool)
+                .into_iter()
+                .partition(|s| s.versions.len() as u32 >= s.length);
+            self.pool = live;
+            for seq in done {
+                let g = self
+                    .groups
+                    .get_mut(&seq.group)
+                    .expect("a sequence's group is in flight");
+                g.versions[seq.row] = Some(seq.versions);
+            }
+        }
+        self.placed()
+    }
+
+    fn load_weights(
+        &mut self,
+        version: PolicyVersion,
+        weights: &WeightsPayload,
+    ) -> Result<(), StageError> {
+        if *weights != weights_for(version, weights.len()) {
+            return Err(format!("weights payload of version {version} is corrupt").into());
+        }
+        self.loaded = version;
+        Ok(())
+    }
+
+    fn end_step(&mut self, ctx: &mut StepContext) -> Result<Vec<RecordBatch>, StageError> {
+        self.fill.input_complete(ctx.step);
+        if self.fill.holds(ctx.step) {
+            return Err(format!("step {} ended with groups still to join it", ctx.step).into());
+        }
+        self.fill.close(ctx.step);
+        Ok(Vec::new())
+    }
+
+    fn streaming(&self) -> bool {
+        true
+    }
+
+    fn holds(&self, step: Step) -> bool {
+        if step == Step::MAX {
+            return !self.pool.is_empty() || !self.queue.is_empty();
+        }
+        self.fill.holds(step)
+    }
+
+    fn input_ended(&mut self, step: Step) {
+        self.fill.input_complete(step);
     }
 }
 

@@ -61,6 +61,9 @@ pub mod col {
     /// Seconds the generator spent on the row's batch (f32); with streaming
     /// generation, from the row's admission to its last token.
     pub const GENERATE_S: &str = "generate_s";
+    /// When the row's generation started (f64, seconds since the Unix
+    /// epoch): its batch's call, or with streaming its admission to the pool.
+    pub const STARTED_UNIX_S: &str = "started_unix_s";
     /// The policy version that sampled each response token (list<u32>);
     /// `policy_version` is the oldest of them.
     pub const TOKEN_VERSIONS: &str = "token_versions";
@@ -133,6 +136,7 @@ pub fn columns() -> Vec<(&'static str, DataType, bool, Phase, bool)> {
         (col::POLICY_VERSION, UInt64, false, Phase::Generate, false),
         (col::FINISH_REASON, Utf8, false, Phase::Generate, false),
         (col::GENERATE_S, Float32, false, Phase::Generate, false),
+        (col::STARTED_UNIX_S, Float64, false, Phase::Generate, false),
         (
             col::TOKEN_VERSIONS,
             DataType::List(Arc::new(Field::new("item", UInt32, false))),
@@ -312,6 +316,7 @@ mod tests {
             Arc::new(UInt64Array::from(vec![3, 3])),
             Arc::new(StringArray::from(vec!["stop", "length"])),
             Arc::new(arrow::array::Float32Array::from(vec![0.1, 0.1])),
+            Arc::new(arrow::array::Float64Array::from(vec![1.7e9, 1.7e9])),
             crate::stages::columns::u32_list_array(&[vec![3, 3], vec![3]]),
             crate::stages::columns::bool_list_array(&[vec![false, false], vec![false]]),
         ];

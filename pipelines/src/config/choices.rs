@@ -49,6 +49,26 @@ impl Dtype {
     }
 }
 
+/// `generate.backend`: which runtime decodes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GenerateBackend {
+    /// weir's CPU kernels for a float32 model on an AVX2 CPU, libtorch otherwise.
+    Auto,
+    /// libtorch ops everywhere: on a CPU, the path a GPU runs.
+    Torch,
+}
+
+impl GenerateBackend {
+    /// The runtime's backend.
+    pub fn backend(self) -> weir_gpu::Backend {
+        match self {
+            GenerateBackend::Auto => weir_gpu::Backend::Auto,
+            GenerateBackend::Torch => weir_gpu::Backend::Torch,
+        }
+    }
+}
+
 /// `generate.on_new_weights`: what a streaming generator's in-flight
 /// sequences do when the learner's new weights arrive.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -12,8 +12,8 @@ mod scope;
 mod validate;
 
 pub use choices::{
-    AggregationChoice, CorrectionChoice, DeviceChoice, Dtype, FlavorChoice, KlChoice,
-    PolicyLossChoice, PreferenceChoice, ReferencePlacement, RewardKind, ScheduleChoice,
+    AggregationChoice, CorrectionChoice, DeviceChoice, Dtype, FlavorChoice, GenerateBackend,
+    KlChoice, PolicyLossChoice, PreferenceChoice, ReferencePlacement, RewardKind, ScheduleChoice,
     WeightUpdate,
 };
 
@@ -207,6 +207,8 @@ pub struct GenerateSection {
     /// A long-tail workload: per-response token budgets from a Pareto
     /// distribution of this shape, eos ignored (0: off).
     pub long_tail: f64,
+    /// Which runtime decodes: `auto` or `torch`.
+    pub backend: GenerateBackend,
 }
 
 impl Default for GenerateSection {
@@ -219,6 +221,7 @@ impl Default for GenerateSection {
             max_inflight: 0,
             on_new_weights: WeightUpdate::Finish,
             long_tail: 0.0,
+            backend: GenerateBackend::Auto,
         }
     }
 }
@@ -339,6 +342,8 @@ pub struct AlgorithmSection {
     pub max_grad_norm: f64,
     /// Rows per forward/backward pass.
     pub micro_batch: usize,
+    /// Padded tokens per forward/backward pass of the actor's learner, rows sorted by length (0: off).
+    pub micro_batch_tokens: usize,
     /// Recompute layer activations in the backward pass (actor learner, SFT).
     pub gradient_checkpointing: bool,
     /// Response positions the output head runs on at a time in log-prob passes (0: all at once).
@@ -420,6 +425,7 @@ impl Default for AlgorithmSection {
             weight_decay: 0.0,
             max_grad_norm: 1.0,
             micro_batch: 64,
+            micro_batch_tokens: 0,
             gradient_checkpointing: false,
             logprob_chunk: 1024,
             ppo_epochs: 1,

@@ -32,11 +32,11 @@ pub fn applies(pipeline: PipelineKind, section: &str, key: &str) -> bool {
         }
         (
             "algorithm",
-            "ppo_epochs" | "mini_batches" | "clip_low" | "clip_high" | "dual_clip" | "kl_coef"
-            | "kl_estimator" | "entropy_coef" | "aggregation" | "loss_scale_factor" | "policy_loss"
-            | "flavor" | "correction" | "correction_low" | "correction_high" | "sapo_tau_pos"
-            | "sapo_tau_neg" | "clip_cov_ratio" | "clip_cov_lb" | "clip_cov_ub" | "kl_cov_ratio"
-            | "kl_cov_coef" | "reinforce_is_cap",
+            "micro_batch_tokens" | "ppo_epochs" | "mini_batches" | "clip_low" | "clip_high"
+            | "dual_clip" | "kl_coef" | "kl_estimator" | "entropy_coef" | "aggregation"
+            | "loss_scale_factor" | "policy_loss" | "flavor" | "correction" | "correction_low"
+            | "correction_high" | "sapo_tau_pos" | "sapo_tau_neg" | "clip_cov_ratio"
+            | "clip_cov_lb" | "clip_cov_ub" | "kl_cov_ratio" | "kl_cov_coef" | "reinforce_is_cap",
         ) => rl,
         ("algorithm", "gamma") => matches!(pipeline, Ppo | ReinforcePp | ReinforcePpBaseline),
         // The adaptive controller moves the KL these pipelines put in the reward.

@@ -15,13 +15,17 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use arrow::array::AsArray;
-use arrow::array::{ArrayRef, Float32Array, RecordBatch, StringArray, UInt32Array, UInt64Array};
+use arrow::array::{
+    ArrayRef, Float32Array, Float64Array, RecordBatch, StringArray, UInt32Array, UInt64Array,
+};
 use weir_gpu::{
-    generate_with_ids, Backend, Finished, Generation, Model, OnNewWeights, Request, SamplingParams,
+    generate_on, Backend, Finished, Generation, Model, OnNewWeights, Request, SamplingParams,
     Streamer, Tokenizer,
 };
 use weir_graph::batch::with_column;
-use weir_graph::{PolicyVersion, Stage, StageError, Step, StepContext, WeightsPayload};
+use weir_graph::{
+    PolicyVersion, Stage, StageError, Started, Step, StepContext, StepFill, WeightsPayload,
+};
 
 use super::columns::{
     bool_list_array, float_list_array, token_list_array, token_lists, u32_list_array, u32s, u64s,
@@ -36,6 +40,8 @@ pub struct Generate {
     stream: Option<StreamState>,
     /// The long-tail workload's Pareto shape (`generate.long_tail`).
     tail: Option<f64>,
+    /// Which runtime decodes (`generate.backend`).
+    backend: Backend,
 }
 
 /// Settings of streaming generation.
@@ -45,6 +51,15 @@ pub struct Streaming {
     pub max_inflight: usize,
     /// What in-flight sequences do when new weights arrive.
     pub on_new_weights: OnNewWeights,
+    /// The run's staleness bound k: a group that starts under version `v`
+    /// may join any step up to `v + k` as it finishes ([`StepFill`]).
+    pub max_staleness: u64,
+    /// The first step of this segment of the run.
+    pub first_step: Step,
+    /// Checkpoint steps, which no group crosses: every this many steps (0: none) …
+    pub checkpoint_every: u64,
+    /// … and the run's last step.
+    pub last_step: Step,
 }
 
 impl Generate {
@@ -56,7 +71,16 @@ impl Generate {
             params: SamplingParams { n: 1, ..params },
             stream: None,
             tail: None,
+            backend: Backend::Auto,
         }
+    }
+
+    /// Decodes with `backend` (`Backend::Torch`: libtorch ops even where
+    /// weir's CPU kernels apply, i.e. the path a GPU runs). Call before
+    /// [`Generate::streamed`].
+    pub fn with_backend(mut self, backend: Backend) -> Self {
+        self.backend = backend;
+        self
     }
 
     /// A long-tail workload (`generate.long_tail`): each row gets its own
@@ -107,10 +131,13 @@ impl Generate {
             settings.max_inflight,
             settings.on_new_weights,
             version_u32(version)?,
-            Backend::Auto,
+            self.backend,
         )?;
+        let (every, last) = (settings.checkpoint_every, settings.last_step);
+        let barrier = move |s: Step| (every > 0 && (s + 1).is_multiple_of(every)) || s == last;
         self.stream = Some(StreamState {
             streamer,
+            fill: StepFill::new(settings.max_staleness, barrier).starting_at(settings.first_step),
             batches: BTreeMap::new(),
             next_batch: 0,
             held: None,
@@ -143,11 +170,12 @@ impl Generate {
         streams: &[u64],
     ) -> Result<Vec<Generation>, StageError> {
         if batch.column_by_name(col::GREEDY_BASELINE).is_none() {
-            return Ok(generate_with_ids(
+            return Ok(generate_on(
                 &self.model,
                 prompts,
                 streams,
                 &self.params,
+                self.backend,
             )?);
         }
         let greedy = greedy_flags(batch)?;
@@ -163,9 +191,9 @@ impl Generate {
             }
             let p: Vec<Vec<i64>> = idx.iter().map(|&i| prompts[i].clone()).collect();
             let s: Vec<u64> = idx.iter().map(|&i| streams[i]).collect();
-            for (i, g) in idx
-                .into_iter()
-                .zip(generate_with_ids(&self.model, &p, &s, params)?)
+            for (i, g) in
+                idx.into_iter()
+                    .zip(generate_on(&self.model, &p, &s, params, self.backend)?)
             {
                 out[i] = Some(g);
             }
@@ -184,6 +212,8 @@ struct Responses<'a> {
     /// A row without tokens is of this version.
     version: PolicyVersion,
     seconds: Vec<f32>,
+    /// When each row started, seconds since the Unix epoch.
+    started: Vec<f64>,
 }
 
 impl Generate {
@@ -227,7 +257,7 @@ impl Generate {
             pool,
             OnNewWeights::Finish,
             0,
-            Backend::Auto,
+            self.backend,
         )?;
         streamer.submit(&self.model, requests)?;
         let mut out: Vec<Option<Generation>> = vec![None; prompts.len()];
@@ -289,6 +319,11 @@ fn with_responses(
             col::GENERATE_S,
             Arc::new(Float32Array::from(r.seconds)) as ArrayRef,
         )?;
+        b = with_column(
+            &b,
+            col::STARTED_UNIX_S,
+            Arc::new(Float64Array::from(r.started)) as ArrayRef,
+        )?;
         b = with_column(&b, col::TOKEN_VERSIONS, u32_list_array(&r.versions))?;
         b = with_column(&b, col::KV_RECOMPUTED, bool_list_array(&r.recomputed))?;
         Ok(b)
@@ -316,7 +351,7 @@ impl Generate {
         let name = "generate";
         let prompts = token_lists(&batch, col::PROMPT_TOKENS, name)?;
         let streams = row_streams(&batch)?;
-        let started = Instant::now();
+        let (started, started_unix) = (Instant::now(), unix_now());
         let out = if workload && self.tail.is_some() {
             self.generate_with_budgets(&batch, &prompts, &streams)?
         } else {
@@ -334,6 +369,7 @@ impl Generate {
                 generations: out.iter().collect(),
                 version: ctx.version,
                 seconds: vec![seconds; n],
+                started: vec![started_unix; n],
             },
         )
     }
@@ -382,6 +418,8 @@ fn greedy_flags(batch: &RecordBatch) -> Result<Vec<bool>, StageError> {
 /// The streaming mode's state.
 struct StreamState {
     streamer: Streamer,
+    /// Which step each finished group joins.
+    fill: StepFill,
     /// Batches with rows in flight, by arrival.
     batches: BTreeMap<u64, InFlight>,
     next_batch: u64,
@@ -406,12 +444,15 @@ struct InFlight {
     step: Step,
     batch: RecordBatch,
     admitted: Instant,
+    admitted_unix: f64,
     results: Vec<Option<(Finished, f32)>>,
     /// Rows of each group not finished yet.
     open: HashMap<u64, usize>,
     groups: Vec<u64>,
     /// Rows already sent on.
     sent: Vec<bool>,
+    /// Each group's place in the step fill.
+    started: HashMap<u64, Started>,
 }
 
 /// Rows of a batch are keyed (batch << 32) | row.
@@ -428,8 +469,13 @@ impl Generate {
         state.next_batch += 1;
         state.streamer.submit(&self.model, requests)?;
         let mut open = HashMap::new();
+        let mut started = HashMap::new();
+        let version = u64::from(state.streamer.version());
         for g in &groups {
             *open.entry(*g).or_insert(0) += 1;
+            started
+                .entry(*g)
+                .or_insert_with(|| state.fill.start(ctx.step, version));
         }
         let n = batch.num_rows();
         state.batches.insert(
@@ -438,10 +484,12 @@ impl Generate {
                 step: ctx.step,
                 batch,
                 admitted: Instant::now(),
+                admitted_unix: unix_now(),
                 results: vec![None; n],
                 open,
                 groups,
                 sent: vec![false; n],
+                started,
             },
         );
         Ok(())
@@ -482,44 +530,70 @@ impl Generate {
         }
         let mut out = Vec::new();
         let ids: Vec<u64> = state.batches.keys().copied().collect();
+        // Oldest first: batches by arrival, groups by first row.
         for id in ids {
             let state = self.stream.as_mut().expect("streaming mode");
             let b = state.batches.get_mut(&id).expect("listed above");
-            let ready: Vec<usize> = (0..b.sent.len())
-                .filter(|&r| !b.sent[r] && b.open[&b.groups[r]] == 0)
-                .collect();
-            if ready.is_empty() {
-                continue;
+            let mut placed: BTreeMap<Step, Vec<usize>> = BTreeMap::new();
+            let mut decided: HashMap<u64, Option<Step>> = HashMap::new();
+            for r in 0..b.sent.len() {
+                let g = b.groups[r];
+                if b.sent[r] || b.open[&g] > 0 {
+                    continue;
+                }
+                let fill = &mut state.fill;
+                let to = *decided
+                    .entry(g)
+                    .or_insert_with(|| fill.finish(b.started[&g]));
+                if let Some(step) = to {
+                    placed.entry(step).or_default().push(r);
+                }
             }
-            for &r in &ready {
-                b.sent[r] = true;
+            for (step, ready) in placed {
+                let state = self.stream.as_mut().expect("streaming mode");
+                let b = state.batches.get_mut(&id).expect("listed above");
+                for &r in &ready {
+                    b.sent[r] = true;
+                }
+                let indices =
+                    UInt32Array::from(ready.iter().map(|&r| r as u32).collect::<Vec<_>>());
+                let rows = arrow::compute::take_record_batch(&b.batch, &indices)?;
+                let picked: Vec<&(Finished, f32)> = ready
+                    .iter()
+                    .map(|&r| b.results[r].as_ref().expect("a ready row has its result"))
+                    .collect();
+                let versions: Vec<Vec<u32>> =
+                    picked.iter().map(|(f, _)| f.versions.clone()).collect();
+                // The rows train at the step they joined.
+                let rows = if rows.column_by_name(col::STEP).is_some() {
+                    with_column(
+                        &rows,
+                        col::STEP,
+                        Arc::new(UInt64Array::from_value(step, rows.num_rows())) as ArrayRef,
+                    )?
+                } else {
+                    rows
+                };
+                let figures = state.figures.entry(step).or_default();
+                figures.rows += ready.len() as u64;
+                figures.partial += versions
+                    .iter()
+                    .filter(|v| v.iter().min() != v.iter().max())
+                    .count() as u64;
+                let responses = Responses {
+                    generations: picked.iter().map(|(f, _)| &f.generation).collect(),
+                    recomputed: picked.iter().map(|(f, _)| f.recomputed.clone()).collect(),
+                    versions,
+                    version: u64::from(state.streamer.version()),
+                    seconds: picked.iter().map(|(_, s)| *s).collect(),
+                    started: vec![b.admitted_unix; ready.len()],
+                };
+                let batch = with_responses(&self.tokenizer, rows, responses)?;
+                if b.sent.iter().all(|&s| s) {
+                    state.batches.remove(&id);
+                }
+                out.push((step, batch));
             }
-            let indices = UInt32Array::from(ready.iter().map(|&r| r as u32).collect::<Vec<_>>());
-            let rows = arrow::compute::take_record_batch(&b.batch, &indices)?;
-            let picked: Vec<&(Finished, f32)> = ready
-                .iter()
-                .map(|&r| b.results[r].as_ref().expect("a ready row has its result"))
-                .collect();
-            let versions: Vec<Vec<u32>> = picked.iter().map(|(f, _)| f.versions.clone()).collect();
-            let step = b.step;
-            let figures = state.figures.entry(step).or_default();
-            figures.rows += ready.len() as u64;
-            figures.partial += versions
-                .iter()
-                .filter(|v| v.iter().min() != v.iter().max())
-                .count() as u64;
-            let responses = Responses {
-                generations: picked.iter().map(|(f, _)| &f.generation).collect(),
-                recomputed: picked.iter().map(|(f, _)| f.recomputed.clone()).collect(),
-                versions,
-                version: u64::from(state.streamer.version()),
-                seconds: picked.iter().map(|(_, s)| *s).collect(),
-            };
-            let batch = with_responses(&self.tokenizer, rows, responses)?;
-            if b.sent.iter().all(|&s| s) {
-                state.batches.remove(&id);
-            }
-            out.push((step, batch));
         }
         Ok(out)
     }
@@ -556,6 +630,15 @@ impl Stage for Generate {
         let Some(state) = self.stream.as_mut() else {
             return Ok(Vec::new());
         };
+        state.fill.input_complete(ctx.step);
+        if state.fill.holds(ctx.step) {
+            return Err(format!(
+                "generate: step {} ended with groups still to join it (a streaming generator must run on an engine thread)",
+                ctx.step
+            )
+            .into());
+        }
+        state.fill.close(ctx.step);
         let f = state.figures.remove(&ctx.step).unwrap_or_default();
         if f.rows > 0 {
             ctx.record("partial_ratio", f.partial as f64 / f.rows as f64);
@@ -606,8 +689,27 @@ impl Stage for Generate {
     }
 
     fn holds(&self, step: Step) -> bool {
-        self.stream
-            .as_ref()
-            .is_some_and(|s| s.batches.values().any(|b| b.step <= step))
+        let Some(state) = self.stream.as_ref() else {
+            return false;
+        };
+        if step == Step::MAX {
+            // Work to do: sequences to run (finished groups waiting for a
+            // step to join move only when others start or finish).
+            return !state.streamer.is_idle();
+        }
+        state.fill.holds(step)
     }
+
+    fn input_ended(&mut self, step: Step) {
+        if let Some(state) = self.stream.as_mut() {
+            state.fill.input_complete(step);
+        }
+    }
+}
+
+/// Seconds since the Unix epoch.
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }

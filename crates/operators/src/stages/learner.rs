@@ -33,6 +33,15 @@ pub struct LearnerConfig {
     pub max_grad_norm: Option<f64>,
     /// Rows per forward/backward pass.
     pub micro_batch: usize,
+    /// A token budget per forward/backward pass (0: off): each mini-batch's
+    /// rows are sorted by length and cut into micro-batches of at most
+    /// `micro_batch` rows whose padded size (rows × the longest prompt +
+    /// response) stays within it, a single longer row alone (verl's
+    /// `use_dynamic_bsz`). Long-tailed lengths then cost their tokens, not
+    /// the longest row's width times the row count; the step's loss and
+    /// gradients are the same sums (each micro-batch is normalised by the
+    /// step's counts).
+    pub micro_batch_tokens: usize,
     /// The policy loss.
     pub policy: PolicyLossConfig,
     /// Sampling temperature the log-probs are computed at.
@@ -116,6 +125,7 @@ impl Default for LearnerConfig {
             adamw: AdamWConfig::default(),
             max_grad_norm: Some(1.0),
             micro_batch: 16,
+            micro_batch_tokens: 0,
             policy: PolicyLossConfig::default(),
             temperature: 1.0,
             kl_coef: 0.0,
@@ -215,6 +225,52 @@ impl Learner {
     }
 }
 
+/// Mean seconds from each row's `started_unix_s` to now (`None` without the column).
+fn row_latency_s(rows: &RecordBatch) -> Option<f64> {
+    let started = rows
+        .column_by_name(col::STARTED_UNIX_S)?
+        .as_any()
+        .downcast_ref::<arrow::array::Float64Array>()?;
+    if started.is_empty() {
+        return None;
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .ok()?
+        .as_secs_f64();
+    Some(started.values().iter().map(|s| now - s).sum::<f64>() / started.len() as f64)
+}
+
+/// Micro-batches `[start, end)` over rows of ascending `widths`: each at
+/// most `micro` rows whose padded size (rows × the widest) is at most
+/// `budget` tokens; a row wider than the budget goes alone.
+fn budget_cuts(widths: &[usize], micro: usize, budget: usize) -> Vec<(usize, usize)> {
+    let mut cuts = Vec::new();
+    let mut start = 0;
+    for end in 1..=widths.len() {
+        // Ascending, so the row just taken is the micro-batch's widest.
+        let over = (end - start) * widths[end - 1] > budget || end - start > micro;
+        if over && end - 1 > start {
+            cuts.push((start, end - 1));
+            start = end - 1;
+        }
+    }
+    if widths.len() > start {
+        cuts.push((start, widths.len()));
+    }
+    cuts
+}
+
+/// Reorders `values` so that entry `i` is the old entry `order[i]`.
+fn permute<T>(values: &mut Vec<T>, order: &[usize]) {
+    let mut old: Vec<Option<T>> = values.drain(..).map(Some).collect();
+    values.extend(order.iter().map(|&i| {
+        old[i]
+            .take()
+            .expect("a permutation names each row once: it is 0..rows sorted")
+    }));
+}
+
 fn padded(rows: &[Vec<f64>], width: usize, device: tch::Device) -> Tensor {
     let mut flat = Vec::with_capacity(rows.len() * width);
     for r in rows {
@@ -242,11 +298,11 @@ impl Learner {
         let rows = batch.map_or(0, RecordBatch::num_rows);
         let tokens = |name| batch.map_or(Ok(Vec::new()), |b| token_lists(b, name, "learn"));
         let floats = |name| batch.map_or(Ok(Vec::new()), |b| float_lists(b, name, "learn"));
-        let prompts = tokens(col::PROMPT_TOKENS)?;
-        let responses = tokens(col::RESPONSE_TOKENS)?;
-        let advantages = floats(col::ADVANTAGES)?;
-        let behaviour = floats(col::BEHAVIOR_LOGPROBS)?;
-        let references = if self.cfg.kl_coef > 0.0 {
+        let mut prompts = tokens(col::PROMPT_TOKENS)?;
+        let mut responses = tokens(col::RESPONSE_TOKENS)?;
+        let mut advantages = floats(col::ADVANTAGES)?;
+        let mut behaviour = floats(col::BEHAVIOR_LOGPROBS)?;
+        let mut references = if self.cfg.kl_coef > 0.0 {
             Some(floats(col::REF_LOGPROBS)?)
         } else {
             None
@@ -274,12 +330,41 @@ impl Learner {
         // Mini-batch k holds rows [k·rows/M, (k+1)·rows/M) of every rank; micro-batches lie within one.
         let minis = self.cfg.mini_batches.max(1);
         let bounds_of = |k: usize| (k * rows / minis, (k + 1) * rows / minis);
+        let budget = self.cfg.micro_batch_tokens;
+        if budget > 0 {
+            // Rows sorted by length within each mini-batch (whose rows stay
+            // its own), so a micro-batch pads to neighbours of its length.
+            let width = |i: usize| prompts[i].len() + responses[i].len().max(1);
+            let mut order: Vec<usize> = Vec::with_capacity(rows);
+            for k in 0..minis {
+                let (lo, hi) = bounds_of(k);
+                let start = order.len();
+                order.extend(lo..hi);
+                order[start..].sort_by_key(|&i| width(i));
+            }
+            permute(&mut prompts, &order);
+            permute(&mut responses, &order);
+            permute(&mut advantages, &order);
+            permute(&mut behaviour, &order);
+            if let Some(refs) = references.as_mut() {
+                permute(refs, &order);
+            }
+        }
         let ranges: Vec<Vec<(usize, usize)>> = (0..minis)
             .map(|k| {
                 let (lo, hi) = bounds_of(k);
-                (lo..hi)
-                    .step_by(micro)
-                    .map(|start| (start, (start + micro).min(hi)))
+                if budget == 0 {
+                    return (lo..hi)
+                        .step_by(micro)
+                        .map(|start| (start, (start + micro).min(hi)))
+                        .collect();
+                }
+                let widths: Vec<usize> = (lo..hi)
+                    .map(|i| prompts[i].len() + responses[i].len().max(1))
+                    .collect();
+                budget_cuts(&widths, micro, budget)
+                    .into_iter()
+                    .map(|(a, b)| (lo + a, lo + b))
                     .collect()
             })
             .collect();
@@ -439,6 +524,8 @@ impl StepStage for Learner {
         rows: Option<RecordBatch>,
     ) -> Result<Vec<RecordBatch>, StageError> {
         let mut out = Vec::new();
+        // From a row's start (its generation) to its training, on average.
+        let latency = rows.as_ref().and_then(row_latency_s);
         // A data-parallel rank without rows still joins the ranks' sums.
         if rows.is_some() || self.data_parallel.is_some() {
             self.update_rows(rows.as_ref())
@@ -481,6 +568,9 @@ impl StepStage for Learner {
                 ctx.record("reward", reward);
             }
             ctx.record("response_length", u.response_length);
+            if let Some(latency) = latency {
+                ctx.record("row_latency_s", latency);
+            }
         }
         if leads {
             // Published even when no rows reached this learner: the generators

@@ -279,6 +279,12 @@ fn every_aggregation_gives_one_step_however_it_is_split() {
     for mode in AGGREGATIONS {
         let whole = aggregation_learner(mode, 4).update(&batch).unwrap();
         let micro = aggregation_learner(mode, 1).update(&batch).unwrap();
+        // Sorted by width (3, 5, 5, 6) and cut at 10 padded tokens: {2, 0}, {1}, {3}.
+        let budgeted = {
+            let mut l = aggregation_learner(mode, 4);
+            l.cfg.micro_batch_tokens = 10;
+            l.update(&batch).unwrap()
+        };
         // Two ranks: row 0 on rank 0, rows 1–3 on rank 1 (its micro-batches of 2).
         let group = weir_gpu::collective::HostGroup::new(2);
         let ranks: Vec<_> = [batch.slice(0, 1), batch.slice(1, 3)]
@@ -294,7 +300,11 @@ fn every_aggregation_gives_one_step_however_it_is_split() {
             .collect();
         let ranks: Vec<_> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
         assert!(whole.grad_norm > 0.0);
-        for (how, other) in [("4 micro-batches", micro), ("2 ranks", ranks[0])] {
+        for (how, other) in [
+            ("4 micro-batches", micro),
+            ("a token budget", budgeted),
+            ("2 ranks", ranks[0]),
+        ] {
             for (name, a, b) in [
                 ("loss", whole.loss, other.loss),
                 ("grad_norm", whole.grad_norm, other.grad_norm),
@@ -428,4 +438,30 @@ fn schedules_warm_up_then_hold_or_decay() {
         "halfway"
     );
     assert!((cos.rate(2.0, 12) - 0.2).abs() < 1e-12 && (cos.rate(2.0, 50) - 0.2).abs() < 1e-12);
+}
+
+#[test]
+fn a_token_budget_cuts_sorted_rows_into_padded_micro_batches() {
+    // Rows of widths 3, 5, 5, 6 under 10 tokens: 2 × 5, then 1 × 5 (2 × 6 = 12), then 6.
+    assert_eq!(
+        budget_cuts(&[3, 5, 5, 6], 4, 10),
+        vec![(0, 2), (2, 3), (3, 4)]
+    );
+    // The row cap still holds under a large budget.
+    assert_eq!(
+        budget_cuts(&[1, 1, 1, 1, 1], 2, 1000),
+        vec![(0, 2), (2, 4), (4, 5)]
+    );
+    // A row wider than the budget goes alone; nothing is lost.
+    assert_eq!(
+        budget_cuts(&[2, 50, 60], 8, 10),
+        vec![(0, 1), (1, 2), (2, 3)]
+    );
+    assert_eq!(budget_cuts(&[], 8, 10), Vec::<(usize, usize)>::new());
+    // A long tail: 28 short rows and 4 long ones pad to 28 × 8 + 4 × 256, not 32 × 256.
+    let mut widths = vec![8; 28];
+    widths.extend([256; 4]);
+    let cuts = budget_cuts(&widths, 32, 1024);
+    let padded: usize = cuts.iter().map(|&(a, b)| (b - a) * widths[b - 1]).sum();
+    assert_eq!(padded, 28 * 8 + 4 * 256);
 }
