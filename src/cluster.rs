@@ -4,9 +4,11 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use weir_graph::ClusterSecret;
 use weir_pipelines::placement::Cluster;
 
-/// `--processes`, `--process-id`, `--hostfile`, `--peer-timeout-s`, `--connect-timeout-s`.
+/// `--processes`, `--process-id`, `--hostfile`, `--peer-timeout-s`,
+/// `--connect-timeout-s`, `--cluster-secret-file`.
 #[derive(Clone, Debug, PartialEq, clap::Args)]
 pub struct ClusterArgs {
     /// Processes in the run; start each with the same flags and its own --process-id.
@@ -24,7 +26,15 @@ pub struct ClusterArgs {
     /// Seconds start-up waits for every peer process to connect.
     #[arg(long = "connect-timeout-s", default_value_t = 120.0)]
     pub connect_timeout_s: f64,
+    /// A file holding the secret every process of the run must share (its
+    /// first line; overrides WEIR_CLUSTER_SECRET): a process without it is
+    /// refused, and the run stops on every process with one line.
+    #[arg(long = "cluster-secret-file")]
+    pub cluster_secret_file: Option<PathBuf>,
 }
+
+/// The environment variable holding a run's cluster secret.
+pub const SECRET_VAR: &str = "WEIR_CLUSTER_SECRET";
 
 impl Default for ClusterArgs {
     fn default() -> Self {
@@ -34,6 +44,7 @@ impl Default for ClusterArgs {
             hostfile: None,
             peer_timeout_s: 60.0,
             connect_timeout_s: 120.0,
+            cluster_secret_file: None,
         }
     }
 }
@@ -56,6 +67,36 @@ impl ClusterArgs {
             hostfile: self.hostfile.clone(),
             peer_timeout: seconds("--peer-timeout-s", self.peer_timeout_s)?,
             connect_timeout: seconds("--connect-timeout-s", self.connect_timeout_s)?,
+            secret: self.secret()?,
         })
+    }
+
+    /// The cluster secret: the first line of `--cluster-secret-file`, else
+    /// `WEIR_CLUSTER_SECRET`, else none.
+    fn secret(&self) -> anyhow::Result<Option<ClusterSecret>> {
+        let text = match &self.cluster_secret_file {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|e| {
+                    anyhow::anyhow!("--cluster-secret-file {}: {e}", path.display())
+                })?;
+                let line = text.lines().next().unwrap_or("").trim_end().to_string();
+                if line.is_empty() {
+                    anyhow::bail!(
+                        "--cluster-secret-file {}: the first line is empty",
+                        path.display()
+                    );
+                }
+                line
+            }
+            None => match std::env::var(SECRET_VAR) {
+                Ok(value) if value.is_empty() => anyhow::bail!("{SECRET_VAR} is set but empty"),
+                Ok(value) => value,
+                Err(std::env::VarError::NotPresent) => return Ok(None),
+                Err(std::env::VarError::NotUnicode(_)) => {
+                    anyhow::bail!("{SECRET_VAR} is not valid UTF-8")
+                }
+            },
+        };
+        Ok(Some(ClusterSecret::new(text.into_bytes())?))
     }
 }

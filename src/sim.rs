@@ -176,6 +176,7 @@ pub fn run_sim(args: &SimArgs) -> anyhow::Result<RunReport> {
         .steps(args.steps)
         .peer_timeout(cluster.peer_timeout)
         .connect_timeout(cluster.connect_timeout)
+        .cluster_secret(cluster.secret.clone())
         .fingerprint(fingerprint(args))
         .metrics_path(args.out.join("metrics.parquet"));
     std::fs::create_dir_all(&args.out)
@@ -188,6 +189,8 @@ fn fingerprint(args: &SimArgs) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut shared = args.clone();
     shared.cluster.process_id = 0;
+    // Each machine may keep the secret in its own file.
+    shared.cluster.cluster_secret_file = None;
     let mut h = std::collections::hash_map::DefaultHasher::new();
     format!("{shared:?}").hash(&mut h);
     h.finish()

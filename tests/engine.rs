@@ -430,7 +430,22 @@ fn bad_settings_are_reported_not_panicked() {
 // ---- Two processes on localhost ----
 
 fn spawn_peer(args: &[String], process: usize, hosts: &Path, out: &Path) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_weir"))
+    spawn_peer_with_secret(args, process, hosts, out, None)
+}
+
+fn spawn_peer_with_secret(
+    args: &[String],
+    process: usize,
+    hosts: &Path,
+    out: &Path,
+    secret: Option<&str>,
+) -> Child {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_weir"));
+    match secret {
+        Some(s) => command.env(weir::cluster::SECRET_VAR, s),
+        None => command.env_remove(weir::cluster::SECRET_VAR),
+    };
+    command
         .arg("sim")
         .args(args)
         .args([
@@ -462,6 +477,81 @@ fn run_two_processes(args: &[String], out: &Path) -> (Output, Output) {
 
 fn strings(args: &[&str]) -> Vec<String> {
     args.iter().map(|s| s.to_string()).collect()
+}
+
+#[test]
+fn only_processes_that_share_the_cluster_secret_run_together() {
+    let args = strings(&[
+        "--steps",
+        "4",
+        "--gen-ms",
+        "1",
+        "--train-ms",
+        "1",
+        "--peer-timeout-s",
+        "20",
+    ]);
+    let pair = |secrets: [Option<&str>; 2], extra: &[String]| {
+        let dir = tempfile::tempdir().unwrap();
+        let hosts = hostfile(dir.path());
+        let mut all = args.clone();
+        all.extend_from_slice(extra);
+        let children: Vec<Child> = (0..2)
+            .map(|p| spawn_peer_with_secret(&all, p, &hosts, dir.path(), secrets[p]))
+            .collect();
+        let outputs: Vec<Output> = children
+            .into_iter()
+            .rev()
+            .map(|c| wait_with_deadline(c, Duration::from_secs(60)))
+            .collect();
+        (dir, outputs)
+    };
+    // The same secret: the run goes through, every row once.
+    let (dir, outputs) = pair([Some("correct horse"), Some("correct horse")], &[]);
+    for o in &outputs {
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    check_guarantees(&read_rows(dir.path()), 1, 4, 64);
+    // One process without it, or with another: both stop with one line, and
+    // no step starts (no rollout row is written).
+    for secrets in [
+        [Some("correct horse"), None],
+        [Some("correct horse"), Some("battery")],
+    ] {
+        let (dir, outputs) = pair(secrets, &[]);
+        assert_all_failed_with(&outputs, "cluster secret");
+        for o in &outputs {
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert!(
+                !err.contains("correct horse") && !err.contains("battery"),
+                "the secret printed: {err}"
+            );
+        }
+        let rows = dir.path().join("rollouts");
+        assert!(
+            !rows.is_dir()
+                || read_parquet_dir(&rows).map_or(true, |b| b.iter().all(|b| b.num_rows() == 0)),
+            "a step ran with a process that does not belong"
+        );
+    }
+    // The secret from a file on one machine and the variable on the other.
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(file.path(), "correct horse\n").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let hosts = hostfile(dir.path());
+    let mut with_file = args.clone();
+    with_file.extend([
+        "--cluster-secret-file".to_string(),
+        file.path().display().to_string(),
+    ]);
+    let p0 = spawn_peer_with_secret(&with_file, 0, &hosts, dir.path(), None);
+    let p1 = spawn_peer_with_secret(&args, 1, &hosts, dir.path(), Some("correct horse"));
+    for o in [
+        wait_with_deadline(p1, Duration::from_secs(60)),
+        wait_with_deadline(p0, Duration::from_secs(60)),
+    ] {
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
 }
 
 #[test]

@@ -34,6 +34,8 @@ pub struct Cluster {
     pub peer_timeout: Duration,
     /// How long start-up waits for every peer to connect.
     pub connect_timeout: Duration,
+    /// The secret every process must prove (`WEIR_CLUSTER_SECRET`, `--cluster-secret-file`).
+    pub secret: Option<weir_graph::ClusterSecret>,
 }
 
 impl Default for Cluster {
@@ -44,6 +46,7 @@ impl Default for Cluster {
             hostfile: None,
             peer_timeout: Duration::from_secs(60),
             connect_timeout: Duration::from_secs(120),
+            secret: None,
         }
     }
 }

@@ -301,6 +301,7 @@ fn train(req: &RunRequest, segment: &mut Segment) -> Result<RunReport, PipelineE
         .fingerprint(fingerprint)
         .peer_timeout(cluster.peer_timeout)
         .connect_timeout(cluster.connect_timeout)
+        .cluster_secret(cluster.secret.clone())
         .max_staleness(cfg.run.max_staleness)
         .steps(cfg.run.steps - ctx.first_step)
         .resume_at(ctx.first_step, ctx.version)

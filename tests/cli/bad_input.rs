@@ -68,6 +68,7 @@ fn a_catalogue_of_bad_run_input_gets_one_line_each() {
     );
     std::fs::write(dir.join("syntax.toml"), "[run]\nsteps = 3\nthreads = \n").unwrap();
     std::fs::write(dir.join("type.toml"), "[algorithm]\nlr = \"fast\"\n").unwrap();
+    std::fs::write(dir.join("syntax.toml.empty"), "\n").unwrap();
     std::fs::write(
         dir.join("rloo.toml"),
         "pipeline = \"rloo\"\n[run]\nsteps = 3\n",
@@ -336,6 +337,20 @@ fn a_catalogue_of_bad_run_input_gets_one_line_each() {
             none(),
             args(&["--out", "foreign"]),
             "foreign",
+        ),
+        (
+            "missing cluster secret file",
+            "grpo",
+            none(),
+            args(&["--cluster-secret-file", "no-such-secret"]),
+            "no-such-secret",
+        ),
+        (
+            "empty cluster secret file",
+            "grpo",
+            none(),
+            args(&["--cluster-secret-file", "syntax.toml.empty"]),
+            "the first line is empty",
         ),
     ];
     assert!(cases.len() >= 20);

@@ -16,10 +16,13 @@ use crate::GraphError;
 /// Messages of the control side-dataflow.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub(crate) enum Control {
-    /// A process is alive; `fingerprint` is its [`crate::RunSettings::fingerprint`].
+    /// A process is alive; `fingerprint` is its [`crate::RunSettings::fingerprint`],
+    /// `proof` its proof of the cluster secret over `nonce` (none without a secret).
     Heartbeat {
         process: usize,
         fingerprint: u64,
+        nonce: u64,
+        proof: Option<crate::cluster_secret::Proof>,
     },
     Failed {
         process: usize,
@@ -32,6 +35,8 @@ pub(crate) struct RunShared {
     pub(crate) aborted: AtomicBool,
     error: Mutex<Option<GraphError>>,
     last_heard: Mutex<Vec<Instant>>,
+    /// Processes whose heartbeat has verified (settings and secret).
+    admitted: Mutex<Vec<bool>>,
 }
 
 impl RunShared {
@@ -40,7 +45,22 @@ impl RunShared {
             aborted: AtomicBool::new(false),
             error: Mutex::new(None),
             last_heard: Mutex::new(vec![Instant::now(); processes]),
+            admitted: Mutex::new(vec![false; processes]),
         }
+    }
+
+    /// `process`'s heartbeat verified.
+    pub(crate) fn admit(&self, process: usize) {
+        let mut admitted = self.admitted.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(a) = admitted.get_mut(process) {
+            *a = true;
+        }
+    }
+
+    /// Whether every process but `me` has sent a heartbeat that verified.
+    pub(crate) fn all_admitted(&self, me: usize) -> bool {
+        let admitted = self.admitted.lock().unwrap_or_else(|p| p.into_inner());
+        admitted.iter().enumerate().all(|(p, &a)| a || p == me)
     }
 
     /// Records `err` as the run's error if it is the first; aborts the run.

@@ -178,6 +178,9 @@ pub struct RunSettings {
     /// config, say): a peer whose fingerprint differs fails the run at its
     /// first heartbeat instead of running a different pipeline.
     pub fingerprint: u64,
+    /// The secret every process of a cluster must prove in its heartbeats
+    /// (see [`crate::cluster_secret`]); `None`: no admission check.
+    pub cluster_secret: Option<crate::ClusterSecret>,
 }
 
 /// A callback over live metric rows.
@@ -208,6 +211,7 @@ impl RunSettings {
             commit_points: None,
             on_commit: None,
             fingerprint: 0,
+            cluster_secret: None,
         }
     }
 
@@ -263,6 +267,12 @@ impl RunSettings {
     /// Sets the fingerprint every process must share (see [`RunSettings::fingerprint`]).
     pub fn fingerprint(mut self, fingerprint: u64) -> Self {
         self.fingerprint = fingerprint;
+        self
+    }
+
+    /// Admits only processes that prove `secret` (see [`crate::cluster_secret`]).
+    pub fn cluster_secret(mut self, secret: Option<crate::ClusterSecret>) -> Self {
+        self.cluster_secret = secret;
         self
     }
 

@@ -22,6 +22,7 @@
 
 pub mod backpressure;
 pub mod batch;
+pub mod cluster_secret;
 pub mod commit;
 mod control;
 mod edges;
@@ -43,6 +44,7 @@ pub mod weights_edge;
 
 pub use backpressure::Admission;
 pub use batch::Batch;
+pub use cluster_secret::ClusterSecret;
 pub use engine_thread::StageKind;
 pub use error::{GraphError, StageError};
 pub use execution::{Execution, MetricsObserver, RunSettings, StepObserver};

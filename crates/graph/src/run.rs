@@ -200,6 +200,7 @@ fn drive_worker(
         )?;
         let shared = shared.clone();
         let own_fingerprint = settings.fingerprint;
+        let secret = settings.cluster_secret.clone();
         scope
             .input_from(&mut control)
             .broadcast()
@@ -210,14 +211,39 @@ fn drive_worker(
                             Control::Heartbeat {
                                 process: peer,
                                 fingerprint,
+                                nonce,
+                                proof,
                             } => {
                                 shared.heard_from(peer);
-                                if fingerprint != own_fingerprint {
+                                let proven = match (&secret, &proof) {
+                                    (Some(s), Some(p)) => s.verifies(peer, fingerprint, nonce, p),
+                                    (None, None) => true,
+                                    _ => false,
+                                };
+                                if !proven {
+                                    let what = match (&secret, &proof) {
+                                        (Some(_), None) => format!(
+                                            "process {peer} has no cluster secret, this process ({process}) has one"
+                                        ),
+                                        (None, Some(_)) => format!(
+                                            "process {peer} has a cluster secret, this process ({process}) has none"
+                                        ),
+                                        _ => format!(
+                                            "process {peer} has another cluster secret than this process ({process})"
+                                        ),
+                                    };
+                                    shared.record(GraphError::Execution(format!(
+                                        "{what}: start every process with the same \
+                                         WEIR_CLUSTER_SECRET or --cluster-secret-file"
+                                    )));
+                                } else if fingerprint != own_fingerprint {
                                     shared.record(GraphError::Execution(format!(
                                         "process {peer} runs different settings than process {process} \
                                          (fingerprint {fingerprint:016x}, here {own_fingerprint:016x}): \
                                          start every process with the same config, flags and weir build"
                                     )));
+                                } else {
+                                    shared.admit(peer);
                                 }
                             }
                             Control::Failed { process, error } => {
@@ -310,9 +336,15 @@ fn drive_worker(
                 continue;
             }
             if last_heartbeat.is_none_or(|t| t.elapsed() >= heartbeat_every) {
+                let nonce = crate::cluster_secret::nonce(process);
                 control.send(Control::Heartbeat {
                     process,
                     fingerprint: settings.fingerprint,
+                    nonce,
+                    proof: settings
+                        .cluster_secret
+                        .as_ref()
+                        .map(|s| s.proof(process, settings.fingerprint, nonce)),
                 });
                 control.flush();
                 last_heartbeat = Some(Instant::now());
@@ -341,6 +373,9 @@ fn drive_worker(
                 if first_incomplete.is_none_or(|f| f >= admission.next_step()) {
                     input = None;
                 }
+            } else if settings.execution.processes() > 1 && !shared.all_admitted(process) {
+                // No step starts before every peer has shown it belongs
+                // (same settings, the cluster secret).
             } else if admission.may_admit(first_incomplete) {
                 let step = admission.next_step();
                 let ctx = SourceContext {
