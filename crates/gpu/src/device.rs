@@ -129,8 +129,9 @@ pub const RELEASE_MIN_BYTES: usize = 16 << 20;
 /// pages fault in again when reused), and small phases — a streaming
 /// pipeline's reference calls come a group at a time, many a step — leave
 /// holes the next call reuses. Measured on the streaming bench's long tail
-/// (4-row calls): trimming after each took the reference from 0.62 s to
-/// 1.25 s and the learner beside it from 5.6 s to 7.8 s over 12 steps.
+/// (4-row calls, another job sharing the machine): trimming after each
+/// took the reference from 0.62 s to 1.25 s and the learner beside it from
+/// 5.6 s to 7.8 s over 12 steps.
 pub fn release_freed_host_memory_after(bytes: usize) {
     if bytes >= RELEASE_MIN_BYTES {
         release_freed_host_memory();
