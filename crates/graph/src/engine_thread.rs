@@ -514,6 +514,12 @@ fn stream_jobs(
             Some(Job::EndStep { step }) => {
                 runner.input_ended(step);
                 ending.push_back(step);
+                // No answer comes until the step is filled: wake the operator
+                // so that it hands over the jobs behind this one (the next
+                // step's rows) now, not when the pool next emits rows.
+                if activator.activate().is_err() {
+                    return;
+                }
                 Vec::new()
             }
             Some(job) => vec![runner.run(job)],
