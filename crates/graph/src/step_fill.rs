@@ -25,7 +25,7 @@
 //! use weir_graph::StepFill;
 //!
 //! // k = 1, no barriers; input step 0 brings groups a and b, step 1 brings c.
-//! let mut fill = StepFill::new(1, |_| false);
+//! let mut fill = StepFill::new(1, |_| None);
 //! let a = fill.start(0, 0);
 //! let b = fill.start(0, 0);
 //! fill.input_complete(0);
@@ -67,7 +67,8 @@ struct Slots {
 /// The step assignment of a streaming generator (see the module docs).
 pub struct StepFill {
     max_staleness: u64,
-    barrier: Box<dyn Fn(Step) -> bool + Send>,
+    /// The first barrier step at or after a step.
+    next_barrier: Box<dyn Fn(Step) -> Option<Step> + Send>,
     /// Steps not yet closed, from the oldest.
     open: BTreeMap<Step, Slots>,
     /// Groups started and not yet placed, by deadline.
@@ -88,12 +89,16 @@ impl std::fmt::Debug for StepFill {
 }
 
 impl StepFill {
-    /// Steps under staleness bound `max_staleness`; `barrier(s)` says
-    /// whether step `s` is one that no group crosses (a checkpoint).
-    pub fn new(max_staleness: u64, barrier: impl Fn(Step) -> bool + Send + 'static) -> Self {
+    /// Steps under staleness bound `max_staleness`; `next_barrier(s)` is
+    /// the first step at or after `s` that no group crosses (a checkpoint),
+    /// if any.
+    pub fn new(
+        max_staleness: u64,
+        next_barrier: impl Fn(Step) -> Option<Step> + Send + 'static,
+    ) -> Self {
         StepFill {
             max_staleness,
-            barrier: Box::new(barrier),
+            next_barrier: Box::new(next_barrier),
             open: BTreeMap::new(),
             due: BTreeMap::new(),
             closed_below: 0,
@@ -108,9 +113,9 @@ impl StepFill {
 
     /// A group of input step `step` starts under policy `version`.
     pub fn start(&mut self, step: Step, version: PolicyVersion) -> Started {
-        let mut deadline = (version + self.max_staleness).max(step);
+        let mut deadline = version.saturating_add(self.max_staleness).max(step);
         // A barrier at or after its input step holds it.
-        if let Some(b) = (step..deadline).find(|&s| (self.barrier)(s)) {
+        if let Some(b) = (self.next_barrier)(step).filter(|&b| b < deadline) {
             deadline = b;
         }
         self.open.entry(step).or_default().quota += 1;
@@ -148,23 +153,33 @@ impl StepFill {
             return None;
         }
         // The lowest step it may join: after the last barrier before its input step.
-        let floor = (lo..group.step)
-            .rev()
-            .find(|&s| (self.barrier)(s))
-            .map_or(lo, |b| b + 1);
-        // For u in lo..=deadline: free slots of steps ≤ u and groups due by u.
+        let mut floor = lo;
+        while let Some(b) = (self.next_barrier)(floor).filter(|&b| b < group.step) {
+            floor = b + 1;
+        }
+        // Free slots and due groups change only at open steps and deadlines:
+        // walk those in lo..=deadline (a large k costs no more than a small
+        // one), with the free slots of steps ≤ u and the groups due by u.
+        let mut points: Vec<Step> = self
+            .open
+            .range(lo..=deadline)
+            .map(|(&u, _)| u)
+            .chain(self.due.range(lo..=deadline).map(|(&u, _)| u))
+            .collect();
+        points.sort_unstable();
+        points.dedup();
         let (mut free_by, mut due_by) = (0usize, 0usize);
-        let mut room: Vec<(Step, usize, bool)> = Vec::new();
-        for u in lo..=deadline {
+        let mut room: Vec<(Step, usize, bool)> = Vec::with_capacity(points.len());
+        for u in points {
             let free = self.open.get(&u).map_or(0, |s| s.quota - s.placed);
             free_by += free;
             due_by += self.due.get(&u).copied().unwrap_or(0);
-            // Taking a slot at or before u must leave one for each group due by u.
+            // Taking a slot at or before u (until the next point) must leave
+            // one for each group due by then.
             room.push((u, free, due_by < free_by));
         }
         // The lowest t with a free slot such that every u in [t, deadline) keeps room.
-        let mut fits_after = true;
-        let mut best = None;
+        let (mut fits_after, mut best) = (true, None);
         for &(u, free, spare) in room.iter().rev() {
             if u < deadline {
                 fits_after &= spare;
@@ -217,7 +232,8 @@ mod tests {
         barrier_every: u64,
         order: &[usize],
     ) -> Result<Vec<(Step, u64, Step)>, String> {
-        let barrier = move |s: Step| barrier_every > 0 && (s + 1).is_multiple_of(barrier_every);
+        let barrier =
+            move |s: Step| (barrier_every > 0).then(|| (s / barrier_every + 1) * barrier_every - 1);
         let mut fill = StepFill::new(k, barrier);
         let steps = quotas.len() as u64;
         let (mut admitted, mut closed) = (0u64, 0u64);
@@ -314,7 +330,7 @@ mod tests {
     fn a_slow_group_is_trained_in_time_and_fast_ones_fill_earlier_steps() {
         // k = 1, two groups a step. Step 0's group a is slow: step 0 takes b
         // and a group of step 1; a must be trained at step 1.
-        let mut fill = StepFill::new(1, |_| false);
+        let mut fill = StepFill::new(1, |_| None);
         let a = fill.start(0, 0);
         let b = fill.start(0, 0);
         fill.input_complete(0);
@@ -336,7 +352,7 @@ mod tests {
     fn a_group_waits_when_taking_a_slot_would_strand_a_due_one() {
         // k = 1, one group a step: b (step 1) finishes first and takes
         // step 0's slot; a, due at step 1, gets step 1.
-        let mut fill = StepFill::new(1, |_| false);
+        let mut fill = StepFill::new(1, |_| None);
         let a = fill.start(0, 0);
         fill.input_complete(0);
         let b = fill.start(1, 0);
@@ -345,7 +361,7 @@ mod tests {
         assert_eq!(fill.finish(b), Some(0));
         assert_eq!(fill.finish(a), Some(1));
         // With three groups due by step 1 and two slots, the third waits for a slot.
-        let mut fill = StepFill::new(1, |_| false);
+        let mut fill = StepFill::new(1, |_| None);
         let a = fill.start(0, 0);
         fill.input_complete(0);
         let _b = fill.start(1, 0);
@@ -357,8 +373,18 @@ mod tests {
     }
 
     #[test]
+    fn a_huge_bound_costs_no_more_than_a_small_one() {
+        let mut fill = StepFill::new(u64::MAX, |_| None);
+        let a = fill.start(0, 0);
+        assert_eq!(a.deadline, u64::MAX);
+        fill.input_complete(0);
+        assert_eq!(fill.finish(a), Some(0));
+        assert!(!fill.holds(0));
+    }
+
+    #[test]
     fn a_barrier_step_takes_exactly_the_groups_up_to_it() {
-        let mut fill = StepFill::new(2, |s| s == 0);
+        let mut fill = StepFill::new(2, |s| (s == 0).then_some(0));
         let a = fill.start(0, 0);
         assert_eq!(a.deadline, 0, "held by the barrier");
         fill.input_complete(0);

@@ -252,7 +252,7 @@ impl SyntheticStreamingGenerate {
             slots: slots.max(1),
             loaded: 0,
             passes: 0,
-            fill: StepFill::new(max_staleness, |_| false),
+            fill: StepFill::new(max_staleness, |_| None),
             queue: Default::default(),
             pool: Vec::new(),
             groups: Default::default(),

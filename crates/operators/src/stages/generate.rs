@@ -134,7 +134,12 @@ impl Generate {
             self.backend,
         )?;
         let (every, last) = (settings.checkpoint_every, settings.last_step);
-        let barrier = move |s: Step| (every > 0 && (s + 1).is_multiple_of(every)) || s == last;
+        // The next checkpoint step: every `every` steps, and the last.
+        let barrier = move |s: Step| {
+            let checkpoint = (every > 0).then(|| (s / every + 1) * every - 1);
+            let last = (s <= last).then_some(last);
+            checkpoint.into_iter().chain(last).min()
+        };
         self.stream = Some(StreamState {
             streamer,
             fill: StepFill::new(settings.max_staleness, barrier).starting_at(settings.first_step),
