@@ -333,6 +333,10 @@ impl Stage for EvaluatingGenerator {
     fn holds(&self, step: Step) -> bool {
         self.generate.holds(step)
     }
+
+    fn input_ended(&mut self, step: Step) {
+        self.generate.input_ended(step)
+    }
 }
 
 /// Evaluates the policy checkpoint in `actor` (version `version`) on all of

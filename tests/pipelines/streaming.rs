@@ -99,8 +99,23 @@ fn streaming_generation_keeps_the_synchronous_rows_at_k0_and_bounds_every_token_
         cfg.run.max_staleness = 1;
         cfg.generate.max_inflight = 5;
         cfg.generate.on_new_weights = policy;
+        if policy == WeightUpdate::Keep {
+            // Evaluation during training wraps the streaming generator, and
+            // must pass every hook on (a missing one hung the run).
+            let held = tmp.path().join("held.jsonl");
+            std::fs::write(
+                &held,
+                "{\"prompt\": \"1+1=\", \"answer\": \"2\"}\n{\"prompt\": \"2+3=\", \"answer\": \"5\"}\n",
+            )
+            .unwrap();
+            cfg.eval.prompts = held.display().to_string();
+            cfg.eval.every = 2;
+        }
         let dir = tmp.path().join(format!("k1-{policy:?}"));
         let summary = run(PipelineKind::Grpo, cfg, &dir, false);
+        if policy == WeightUpdate::Keep {
+            assert!(!metric(&dir, "eval", "reward").is_empty(), "no evaluation");
+        }
         assert!(summary["max_staleness_observed"].as_u64().unwrap() <= 1);
         let mut rows = 0;
         for b in read_parquet_dir(&dir.join("rollouts")).unwrap() {
