@@ -89,9 +89,7 @@ pub(crate) fn nonce(process: usize) -> u64 {
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_usize(process);
     h.write_u32(std::process::id());
-    if let Ok(t) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) {
-        h.write_u128(t.as_nanos());
-    }
+    h.write_u64(crate::weights_edge::now_ns());
     h.finish()
 }
 

@@ -25,7 +25,7 @@ use crate::batch::{u64_column, with_column, with_u64_column};
 use crate::error::call_user;
 use crate::metrics::{names, MetricRow};
 use crate::stage::{Stage, StageFactory, StepContext, WorkerInfo};
-use crate::weights_edge::{now_ns, WeightsBody, WeightsMessage, WeightsTransport};
+use crate::weights_edge::{now_ns, now_unix_s, WeightsBody, WeightsMessage, WeightsTransport};
 use crate::{columns, GraphError, PolicyVersion, StageError, Step};
 
 /// What the engine adds around a stage's calls.
@@ -308,13 +308,7 @@ impl StageRunner {
             row(names::BATCHES_IN, None, stats.batches_in as f64),
             row(names::ROWS_IN, None, stats.rows_in as f64),
             row(names::ROWS_OUT, None, stats.rows_out as f64),
-            row(
-                names::DONE_UNIX_S,
-                None,
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0.0, |d| d.as_secs_f64()),
-            ),
+            row(names::DONE_UNIX_S, None, now_unix_s()),
         ];
         if self.kind == StageKind::Generate {
             rows.push(row(names::POLICY_VERSION, None, self.version as f64));

@@ -205,6 +205,20 @@ impl StepFill {
         }
     }
 
+    /// Ends step `step` (its input is complete by now): an error while
+    /// groups are still to join it, which a streaming stage's engine thread
+    /// never lets happen (it waits for [`StepFill::holds`]).
+    pub fn end(&mut self, step: Step) -> Result<(), String> {
+        self.input_complete(step);
+        if self.holds(step) {
+            return Err(format!(
+                "step {step} ended with groups still to join it (a streaming stage must run on an engine thread)"
+            ));
+        }
+        self.close(step);
+        Ok(())
+    }
+
     /// Step `step` has ended: nothing joins it any more.
     pub fn close(&mut self, step: Step) {
         self.open.remove(&step);

@@ -392,11 +392,7 @@ impl Stage for SyntheticStreamingGenerate {
     }
 
     fn end_step(&mut self, ctx: &mut StepContext) -> Result<Vec<RecordBatch>, StageError> {
-        self.fill.input_complete(ctx.step);
-        if self.fill.holds(ctx.step) {
-            return Err(format!("step {} ended with groups still to join it", ctx.step).into());
-        }
-        self.fill.close(ctx.step);
+        self.fill.end(ctx.step)?;
         Ok(Vec::new())
     }
 

@@ -163,6 +163,11 @@ pub fn now_ns() -> u64 {
         .unwrap_or(0)
 }
 
+/// Seconds since the Unix epoch, as metric rows and rollout columns hold them.
+pub fn now_unix_s() -> f64 {
+    now_ns() as f64 * 1e-9
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -10,27 +10,28 @@
 //! sample ends, and new weights are applied between two passes under
 //! `generate.on_new_weights`. Each row records the version of every token.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
 use arrow::array::AsArray;
-use arrow::array::{
-    ArrayRef, Float32Array, Float64Array, RecordBatch, StringArray, UInt32Array, UInt64Array,
-};
+use arrow::array::{ArrayRef, Float32Array, Float64Array, RecordBatch, StringArray, UInt64Array};
 use weir_gpu::{
-    generate_on, Backend, Finished, Generation, Model, OnNewWeights, Request, SamplingParams,
-    Streamer, Tokenizer,
+    generate_on, Backend, Generation, Model, OnNewWeights, Request, SamplingParams, Streamer,
+    Tokenizer,
 };
 use weir_graph::batch::with_column;
-use weir_graph::{
-    PolicyVersion, Stage, StageError, Started, Step, StepContext, StepFill, WeightsPayload,
-};
+use weir_graph::weights_edge::now_unix_s;
+use weir_graph::{PolicyVersion, Stage, StageError, Step, StepContext, StepFill, WeightsPayload};
 
 use super::columns::{
     bool_list_array, float_list_array, token_list_array, token_lists, u32_list_array, u32s, u64s,
 };
 use crate::rollout::col;
+
+#[path = "generate_stream.rs"]
+mod stream;
+use stream::StreamState;
 
 /// The actor's generation stage.
 pub struct Generate {
@@ -356,7 +357,7 @@ impl Generate {
         let name = "generate";
         let prompts = token_lists(&batch, col::PROMPT_TOKENS, name)?;
         let streams = row_streams(&batch)?;
-        let (started, started_unix) = (Instant::now(), unix_now());
+        let (started, started_unix) = (Instant::now(), now_unix_s());
         let out = if workload && self.tail.is_some() {
             self.generate_with_budgets(&batch, &prompts, &streams)?
         } else {
@@ -420,204 +421,6 @@ fn greedy_flags(batch: &RecordBatch) -> Result<Vec<bool>, StageError> {
     }
 }
 
-/// The streaming mode's state.
-struct StreamState {
-    streamer: Streamer,
-    /// Which step each finished group joins.
-    fill: StepFill,
-    /// Batches with rows in flight, by arrival.
-    batches: BTreeMap<u64, InFlight>,
-    next_batch: u64,
-    /// Weights held back until the sequences in flight end (`finish`).
-    held: Option<(PolicyVersion, WeightsPayload)>,
-    /// Per step: rows out, rows spanning versions, passes, sequences in flight over them.
-    figures: BTreeMap<Step, StepFigures>,
-    /// Seconds of each weights update since the last step ended.
-    applies: Vec<f64>,
-}
-
-#[derive(Default)]
-struct StepFigures {
-    rows: u64,
-    partial: u64,
-    passes: u64,
-    inflight: u64,
-}
-
-/// A batch whose rows are being generated.
-struct InFlight {
-    step: Step,
-    batch: RecordBatch,
-    admitted: Instant,
-    admitted_unix: f64,
-    results: Vec<Option<(Finished, f32)>>,
-    /// Rows of each group not finished yet.
-    open: HashMap<u64, usize>,
-    groups: Vec<u64>,
-    /// Rows already sent on.
-    sent: Vec<bool>,
-    /// Each group's place in the step fill.
-    started: HashMap<u64, Started>,
-}
-
-/// Rows of a batch are keyed (batch << 32) | row.
-const ROW_BITS: u32 = 32;
-
-impl Generate {
-    fn admit(&mut self, ctx: &StepContext, batch: RecordBatch) -> Result<(), StageError> {
-        let prompts = token_lists(&batch, col::PROMPT_TOKENS, "generate")?;
-        let streams = row_streams(&batch)?;
-        let groups = u64s(&batch, col::GROUP_ID, "generate")?;
-        let id = self.stream.as_ref().expect("streaming mode").next_batch;
-        let requests = self.requests(&batch, prompts, &streams, id << ROW_BITS)?;
-        let state = self.stream.as_mut().expect("streaming mode");
-        state.next_batch += 1;
-        state.streamer.submit(&self.model, requests)?;
-        let mut open = HashMap::new();
-        let mut started = HashMap::new();
-        let version = u64::from(state.streamer.version());
-        for g in &groups {
-            *open.entry(*g).or_insert(0) += 1;
-            started
-                .entry(*g)
-                .or_insert_with(|| state.fill.start(ctx.step, version));
-        }
-        let n = batch.num_rows();
-        state.batches.insert(
-            id,
-            InFlight {
-                step: ctx.step,
-                batch,
-                admitted: Instant::now(),
-                admitted_unix: unix_now(),
-                results: vec![None; n],
-                open,
-                groups,
-                sent: vec![false; n],
-                started,
-            },
-        );
-        Ok(())
-    }
-
-    /// One pass of the pool; returns the rows of every group that ended.
-    fn advance_stream(&mut self) -> Result<Vec<(Step, RecordBatch)>, StageError> {
-        let state = self.stream.as_mut().expect("streaming mode");
-        if state.streamer.live() == 0 {
-            if let Some((version, weights)) = state.held.take() {
-                self.apply_held(version, &weights)?;
-            }
-        }
-        let state = self.stream.as_mut().expect("streaming mode");
-        let finished = state.streamer.advance(&self.model)?;
-        let stats = state.streamer.take_stats();
-        if let Some(oldest) = state.batches.values().next() {
-            let f = state.figures.entry(oldest.step).or_default();
-            f.passes += stats.passes;
-            f.inflight += stats.inflight;
-        }
-        for done in finished {
-            let (id, row) = (
-                done.key >> ROW_BITS,
-                (done.key & ((1 << ROW_BITS) - 1)) as usize,
-            );
-            let b = state
-                .batches
-                .get_mut(&id)
-                .expect("a key names a batch in flight");
-            let seconds = b.admitted.elapsed().as_secs_f32();
-            b.results[row] = Some((done, seconds));
-            let left = b
-                .open
-                .get_mut(&b.groups[row])
-                .expect("the row's group is open");
-            *left -= 1;
-        }
-        let mut out = Vec::new();
-        let ids: Vec<u64> = state.batches.keys().copied().collect();
-        // Oldest first: batches by arrival, groups by first row.
-        for id in ids {
-            let state = self.stream.as_mut().expect("streaming mode");
-            let b = state.batches.get_mut(&id).expect("listed above");
-            let mut placed: BTreeMap<Step, Vec<usize>> = BTreeMap::new();
-            let mut decided: HashMap<u64, Option<Step>> = HashMap::new();
-            for r in 0..b.sent.len() {
-                let g = b.groups[r];
-                if b.sent[r] || b.open[&g] > 0 {
-                    continue;
-                }
-                let fill = &mut state.fill;
-                let to = *decided
-                    .entry(g)
-                    .or_insert_with(|| fill.finish(b.started[&g]));
-                if let Some(step) = to {
-                    placed.entry(step).or_default().push(r);
-                }
-            }
-            for (step, ready) in placed {
-                let state = self.stream.as_mut().expect("streaming mode");
-                let b = state.batches.get_mut(&id).expect("listed above");
-                for &r in &ready {
-                    b.sent[r] = true;
-                }
-                let indices =
-                    UInt32Array::from(ready.iter().map(|&r| r as u32).collect::<Vec<_>>());
-                let rows = arrow::compute::take_record_batch(&b.batch, &indices)?;
-                let picked: Vec<&(Finished, f32)> = ready
-                    .iter()
-                    .map(|&r| b.results[r].as_ref().expect("a ready row has its result"))
-                    .collect();
-                let versions: Vec<Vec<u32>> =
-                    picked.iter().map(|(f, _)| f.versions.clone()).collect();
-                // The rows train at the step they joined.
-                let rows = if rows.column_by_name(col::STEP).is_some() {
-                    with_column(
-                        &rows,
-                        col::STEP,
-                        Arc::new(UInt64Array::from_value(step, rows.num_rows())) as ArrayRef,
-                    )?
-                } else {
-                    rows
-                };
-                let figures = state.figures.entry(step).or_default();
-                figures.rows += ready.len() as u64;
-                figures.partial += versions
-                    .iter()
-                    .filter(|v| v.iter().min() != v.iter().max())
-                    .count() as u64;
-                let responses = Responses {
-                    generations: picked.iter().map(|(f, _)| &f.generation).collect(),
-                    recomputed: picked.iter().map(|(f, _)| f.recomputed.clone()).collect(),
-                    versions,
-                    version: u64::from(state.streamer.version()),
-                    seconds: picked.iter().map(|(_, s)| *s).collect(),
-                    started: vec![b.admitted_unix; ready.len()],
-                };
-                let batch = with_responses(&self.tokenizer, rows, responses)?;
-                if b.sent.iter().all(|&s| s) {
-                    state.batches.remove(&id);
-                }
-                out.push((step, batch));
-            }
-        }
-        Ok(out)
-    }
-
-    fn apply_held(
-        &mut self,
-        version: PolicyVersion,
-        weights: &WeightsPayload,
-    ) -> Result<(), StageError> {
-        let started = Instant::now();
-        self.apply(version, weights)?;
-        let state = self.stream.as_mut().expect("streaming mode");
-        state.streamer.weights_changed(version_u32(version)?);
-        state.streamer.set_admitting(true);
-        state.applies.push(started.elapsed().as_secs_f64());
-        Ok(())
-    }
-}
-
 impl Stage for Generate {
     fn process(
         &mut self,
@@ -635,15 +438,10 @@ impl Stage for Generate {
         let Some(state) = self.stream.as_mut() else {
             return Ok(Vec::new());
         };
-        state.fill.input_complete(ctx.step);
-        if state.fill.holds(ctx.step) {
-            return Err(format!(
-                "generate: step {} ended with groups still to join it (a streaming generator must run on an engine thread)",
-                ctx.step
-            )
-            .into());
-        }
-        state.fill.close(ctx.step);
+        state
+            .fill
+            .end(ctx.step)
+            .map_err(|e| format!("generate: {e}"))?;
         let f = state.figures.remove(&ctx.step).unwrap_or_default();
         if f.rows > 0 {
             ctx.record("partial_ratio", f.partial as f64 / f.rows as f64);
@@ -710,11 +508,4 @@ impl Stage for Generate {
             state.fill.input_complete(step);
         }
     }
-}
-
-/// Seconds since the Unix epoch.
-fn unix_now() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
 }

@@ -234,10 +234,7 @@ fn row_latency_s(rows: &RecordBatch) -> Option<f64> {
     if started.is_empty() {
         return None;
     }
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .ok()?
-        .as_secs_f64();
+    let now = weir_graph::weights_edge::now_unix_s();
     Some(started.values().iter().map(|s| now - s).sum::<f64>() / started.len() as f64)
 }
 
