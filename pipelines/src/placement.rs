@@ -106,6 +106,7 @@ pub(crate) fn derived_cursors(
         process: cluster.process,
         rank: 0,
         role_size: 1,
+        run: 0,
     };
     let source = match kind {
         PipelineKind::Rm | PipelineKind::Dpo => crate::prompts::preference_pairs(cfg, ctx)(&probe)?,
@@ -121,11 +122,10 @@ pub(crate) fn derived_cursors(
 
 /// Refuses data-parallel trainers (several `placement.train` workers) where
 /// they cannot train like one: pipelines that normalise over the whole step,
-/// dynamic sampling, and ranks in different processes.
+/// and dynamic sampling. Ranks may sit in any processes.
 pub(crate) fn check_data_parallel(
     kind: PipelineKind,
     cfg: &RunConfig,
-    cluster: &Cluster,
 ) -> Result<(), PipelineError> {
     let train = &cfg.placement.train;
     if train.len() <= 1 {
@@ -153,16 +153,6 @@ pub(crate) fn check_data_parallel(
     if cfg.dynamic_sampling.enabled {
         return Err(format!(
             "`placement.train` = {train:?}: dynamic sampling fills a step's quota on one worker; use one train worker with `dynamic_sampling.enabled`"
-        )
-        .into());
-    }
-    let threads = (cfg.placement.workers / cluster.processes.max(1)).max(1);
-    let process = train[0] / threads;
-    if train.iter().any(|w| w / threads != process) {
-        return Err(format!(
-            "`placement.train` = {train:?}: data-parallel trainers sum their gradients in host memory, so they must share one process (process {process} runs workers {}..{})",
-            process * threads,
-            (process + 1) * threads
         )
         .into());
     }

@@ -35,7 +35,7 @@ pub fn rm(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError> 
             let mut trainer = RewardTrainer::new(model, tok, pair_config(&c))?
                 .with_checkpoints(x.checkpoint_plan(&c));
             if let Some(group) = &group {
-                trainer = trainer.with_data_parallel(group.member(w.rank))?;
+                trainer = trainer.with_data_parallel(group.member(w, "rm")?)?;
             }
             x.restore_optimizer("actor", trainer.optimizer_mut())?;
             Ok(trainer)
@@ -71,7 +71,7 @@ pub fn dpo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
                 DpoTrainer::new(policy, reference, tok, pair_config(&c), a.beta, loss)?
                     .with_checkpoints(x.checkpoint_plan(&c));
             if let Some(group) = &group {
-                trainer = trainer.with_data_parallel(group.member(w.rank))?;
+                trainer = trainer.with_data_parallel(group.member(w, "dpo")?)?;
             }
             x.restore_optimizer("actor", trainer.optimizer_mut())?;
             Ok(trainer)

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use weir_gpu::collective::HostGroup;
+use weir_gpu::collective::{GroupMember, HostGroup, HostReduce};
 use weir_gpu::optim::AdamWConfig;
 use weir_gpu::{SamplingParams, Tokenizer};
 use weir_graph::{ParquetLog, Stage, StageError, WorkerInfo};
@@ -303,9 +303,58 @@ pub fn schedule(cfg: &RunConfig) -> LrSchedule {
 }
 
 /// With several train workers, the group their trainers join as data-parallel ranks.
-pub fn data_parallel_group(cfg: &RunConfig) -> Option<Arc<HostGroup>> {
-    let ranks = cfg.placement.train.len();
-    (ranks > 1).then(|| HostGroup::new(ranks))
+pub fn data_parallel_group(cfg: &RunConfig) -> Option<DataParallel> {
+    let workers = cfg.placement.train.clone();
+    (workers.len() > 1).then(|| DataParallel {
+        host: HostGroup::new(workers.len()),
+        workers,
+    })
+}
+
+/// The data-parallel ranks of the train workers: ranks that share a process
+/// sum through a [`HostGroup`] (on their devices); ranks in several
+/// processes sum over the engine's own channels (`weir_graph::collective`,
+/// through host memory), with the same bits.
+#[derive(Clone, Debug)]
+pub struct DataParallel {
+    workers: Vec<usize>,
+    host: Arc<HostGroup>,
+}
+
+impl DataParallel {
+    /// Worker `w`'s rank of the group named `name` (a trainer's stage name:
+    /// groups of different trainers on the same workers stay apart).
+    pub fn member(&self, w: &WorkerInfo, name: &str) -> Result<GroupMember, StageError> {
+        let one_process = weir_graph::collective::local_workers(w)
+            .is_none_or(|local| self.workers.iter().all(|x| local.contains(x)));
+        if one_process {
+            return Ok(self.host.member(w.rank));
+        }
+        let handle = weir_graph::collective::join(w, name, &self.workers)?;
+        Ok(GroupMember::over(Box::new(ClusterRank(handle))))
+    }
+}
+
+/// A rank whose group spans processes: the engine's all-reduce.
+#[derive(Debug)]
+struct ClusterRank(weir_graph::collective::GroupHandle);
+
+impl HostReduce for ClusterRank {
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+
+    fn size(&self) -> usize {
+        self.0.size()
+    }
+
+    fn all_reduce(
+        &self,
+        values: Vec<f32>,
+        scalars: Vec<f64>,
+    ) -> Result<(Vec<f32>, Vec<f64>), String> {
+        self.0.all_reduce(values, scalars)
+    }
 }
 
 /// The actor's learner, restoring its optimizer on resume and saving checkpoints.
@@ -321,7 +370,7 @@ pub fn learner(
         let mut learner = Learner::new(model, learner_config(&cfg, kl_in_loss))?
             .with_checkpoints(ctx.checkpoint_plan(&cfg));
         if let Some(group) = &group {
-            learner = learner.with_data_parallel(group.member(w.rank))?;
+            learner = learner.with_data_parallel(group.member(w, "learn")?)?;
         }
         ctx.restore_optimizer("actor", learner.optimizer_mut())?;
         Ok(learner)

@@ -32,7 +32,7 @@ pub fn sft(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
             let mut trainer = SftTrainer::new(model, tok, &c.data.label_column, config)?
                 .with_checkpoints(x.checkpoint_plan(&c));
             if let Some(group) = &group {
-                trainer = trainer.with_data_parallel(group.member(w.rank))?;
+                trainer = trainer.with_data_parallel(group.member(w, "sft")?)?;
             }
             x.restore_optimizer("actor", trainer.optimizer_mut())?;
             Ok(trainer)

@@ -1,6 +1,7 @@
 //! `weir config`, `weir run` (bad input, run then resume, two processes)
 //! and `weir demo`.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use serde_json::Value;
@@ -350,19 +351,6 @@ fn a_run_over_two_processes_matches_one_process_and_resumes() {
             vec!["--out", "x", "--peer-timeout-s", "0"],
             "--peer-timeout-s",
         ),
-        (
-            vec![
-                "--out",
-                "x",
-                "--processes",
-                "2",
-                "--set",
-                "placement.workers=4",
-                "--set",
-                "placement.train=[1, 2]",
-            ],
-            "must share one process",
-        ),
     ] {
         let mut a = vec!["run", "grpo", "--set"];
         let model_set = format!("model.path={}", model.display());
@@ -378,4 +366,97 @@ fn a_run_over_two_processes_matches_one_process_and_resumes() {
         !tmp.path().join("x").exists(),
         "nothing written for bad input"
     );
+}
+
+/// Data-parallel learner ranks in two processes (one rank each) train
+/// exactly like the same ranks as two threads of one process: the same
+/// checkpoints byte for byte and the same metrics, also after a resume.
+#[test]
+fn data_parallel_ranks_in_two_processes_match_one_process_and_resume() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixtures().join("arith-sft");
+    let sets = [
+        format!("model.path={}", model.display()),
+        "run.steps=4".into(),
+        "run.max_staleness=0".into(),
+        "run.checkpoint_every=2".into(),
+        "data.prompts_per_step=4".into(),
+        "data.samples_per_prompt=4".into(),
+        "generate.max_new_tokens=6".into(),
+        "placement.workers=2".into(),
+        "placement.rollout=[0]".into(),
+        "placement.train=[0, 1]".into(),
+        "algorithm.mini_batches=2".into(),
+    ];
+    let args = |out: &str, steps: u64| -> Vec<String> {
+        let mut a: Vec<String> = ["run", "grpo", "--quiet", "--out", out]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        for s in sets.iter() {
+            a.extend(["--set".to_string(), s.clone()]);
+        }
+        a.extend(["--set".to_string(), format!("run.steps={steps}")]);
+        a
+    };
+    success(&weir(&strs(&args("one", 4)), tmp.path()));
+    let (text0, text1) = run_two(&args("two", 4), tmp.path());
+    assert!(text0.contains("steps: 4"), "{text0}");
+    assert!(text1.contains("process 1 of 2: done"), "{text1}");
+    let (one, two) = (tmp.path().join("one"), tmp.path().join("two"));
+    let same = |files: &[&str]| {
+        for file in files {
+            assert!(
+                file_bytes(&one.join(file)) == file_bytes(&two.join(file)),
+                "{file} differs between ranks in one process and in two"
+            );
+        }
+    };
+    same(&[
+        "checkpoints/step-1/actor/model.safetensors",
+        "checkpoints/step-3/actor/model.safetensors",
+        "checkpoints/step-3/actor/optimizer.safetensors",
+        "checkpoints/step-3/state.json",
+    ]);
+    let learn = |dir: &Path| -> Vec<String> {
+        metric_values(dir)
+            .into_iter()
+            .filter(|r| r.starts_with("learn "))
+            .collect()
+    };
+    assert!(learn(&one)
+        .iter()
+        .any(|r| r.starts_with("learn grad_norm 3 ")));
+    assert_eq!(metric_values(&one), metric_values(&two));
+    // Both ranks trained rows of their own in the two-process run.
+    let rows_in: BTreeMap<u32, f64> =
+        weir::graph::parquet_log::read_parquet_file(&two.join("metrics.parquet"))
+            .unwrap()
+            .iter()
+            .flat_map(|b| weir::graph::metrics::batch_to_rows(b).unwrap())
+            .filter(|r| r.stage == "learn" && r.metric == "rows_in")
+            .fold(BTreeMap::new(), |mut m, r| {
+                *m.entry(r.worker).or_insert(0.0) += r.value;
+                m
+            });
+    assert!(
+        rows_in.len() == 2 && rows_in.values().all(|&n| n > 0.0),
+        "{rows_in:?}"
+    );
+
+    // Resumed across processes: rank 1 restores the optimizer rank 0 saved.
+    let resume = |dir: &str| -> Vec<String> {
+        ["run", "--resume", dir, "--quiet", "--set", "run.steps=6"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect()
+    };
+    success(&weir(&strs(&resume("one")), tmp.path()));
+    let (text0, _) = run_two(&resume("two"), tmp.path());
+    assert!(text0.contains("steps: 6"), "{text0}");
+    same(&[
+        "checkpoints/step-5/actor/model.safetensors",
+        "checkpoints/step-5/state.json",
+    ]);
+    assert_eq!(metric_values(&one), metric_values(&two));
 }

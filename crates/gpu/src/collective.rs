@@ -1,9 +1,16 @@
-//! Data-parallel training inside one process: the ranks of a [`HostGroup`]
-//! sum their gradients (and a few statistics).
+//! Data-parallel training: the ranks of a group sum their gradients (and a
+//! few statistics). A [`GroupMember`] is one rank of either
+//! - a [`HostGroup`], whose ranks share this process: values travel as
+//!   float32 tensors and are summed on rank 0's device (on CUDA devices
+//!   device to device, by peer copies, never through host memory; on the
+//!   CPU nothing is copied but the sums); or
+//! - a group whose ranks live in several processes, reached through a
+//!   [`HostReduce`] the caller provides (weir's pipelines give one over the
+//!   engine's own channels, `weir_graph::collective`): values go through
+//!   host memory as float32.
 //!
-//! Values travel as float32 tensors and are summed on rank 0's device: on
-//! CUDA devices the gradients go device to device (peer copies), never
-//! through host memory; on the CPU nothing is copied but the sums.
+//! Both sum in rank order from rank 0's values, so the same ranks give the
+//! same bits whichever way they are connected.
 //!
 //! A round is an all-reduce: every rank hands in its values and waits; the
 //! last to arrive adds them up, in rank order, so every rank receives the
@@ -76,8 +83,10 @@ impl HostGroup {
     pub fn member(self: &Arc<Self>, rank: usize) -> GroupMember {
         assert!(rank < self.size, "rank {rank} of a group of {}", self.size);
         GroupMember {
-            group: self.clone(),
-            rank,
+            link: Link::Local {
+                group: self.clone(),
+                rank,
+            },
         }
     }
 
@@ -166,22 +175,56 @@ fn sum_in_rank_order(deposits: &mut [Option<(Tensor, Vec<f64>)>]) -> Result<Sums
     Ok((values, Arc::new(scalars)))
 }
 
-/// One rank of a [`HostGroup`]; dropping it closes the group.
+/// The all-reduce of a group whose ranks live in several processes, over
+/// host memory: every rank hands in as many values and scalars, and gets
+/// back their element-wise sums, added in rank order from rank 0's.
+pub trait HostReduce: Send + std::fmt::Debug {
+    /// This member's rank.
+    fn rank(&self) -> usize;
+    /// The number of ranks.
+    fn size(&self) -> usize;
+    /// Waits for every rank; fails when a rank is gone or lengths differ.
+    fn all_reduce(
+        &self,
+        values: Vec<f32>,
+        scalars: Vec<f64>,
+    ) -> Result<(Vec<f32>, Vec<f64>), String>;
+}
+
+/// One rank of a data-parallel group; dropping a [`HostGroup`]'s member closes that group.
 #[derive(Debug)]
 pub struct GroupMember {
-    group: Arc<HostGroup>,
-    rank: usize,
+    link: Link,
+}
+
+#[derive(Debug)]
+enum Link {
+    Local { group: Arc<HostGroup>, rank: usize },
+    Remote(Box<dyn HostReduce>),
 }
 
 impl GroupMember {
+    /// A rank of a group reached through `reduce` (ranks in several processes).
+    pub fn over(reduce: Box<dyn HostReduce>) -> Self {
+        GroupMember {
+            link: Link::Remote(reduce),
+        }
+    }
+
     /// This member's rank.
     pub fn rank(&self) -> usize {
-        self.rank
+        match &self.link {
+            Link::Local { rank, .. } => *rank,
+            Link::Remote(r) => r.rank(),
+        }
     }
 
     /// The number of ranks in the group.
     pub fn size(&self) -> usize {
-        self.group.size
+        match &self.link {
+            Link::Local { group, .. } => group.size,
+            Link::Remote(r) => r.size(),
+        }
     }
 
     /// Waits for every rank and returns the element-wise sums of their
@@ -189,16 +232,27 @@ impl GroupMember {
     /// `scalars`, the same bits on every rank. Fails when a rank has left
     /// the group or the ranks' lengths differ.
     pub fn all_reduce(&self, values: Tensor, scalars: Vec<f64>) -> Result<Sums, String> {
-        self.group
-            .all_reduce(self.rank, values, scalars)
-            .map_err(|why| format!("data-parallel group: {why}"))
+        match &self.link {
+            Link::Local { group, rank } => group
+                .all_reduce(*rank, values, scalars)
+                .map_err(|why| format!("data-parallel group: {why}")),
+            Link::Remote(reduce) => {
+                let flat = values
+                    .to_kind(Kind::Float)
+                    .to_device(tch::Device::Cpu)
+                    .reshape([-1]);
+                let host = Vec::<f32>::try_from(&flat).map_err(|e| e.to_string())?;
+                let (sums, scalars) = reduce.all_reduce(host, scalars)?;
+                Ok((Tensor::from_slice(&sums), Arc::new(scalars)))
+            }
+        }
     }
 }
 
 /// Whether a trainer with `member` (or alone, `None`) is the one that
 /// publishes, checkpoints and records: rank 0, or the only one.
 pub fn leads(member: Option<&GroupMember>) -> bool {
-    member.is_none_or(|m| m.rank == 0)
+    member.is_none_or(|m| m.rank() == 0)
 }
 
 /// Sums `scalars` over `member`'s group in place; alone (`None`), leaves them.
@@ -217,7 +271,8 @@ pub fn max_scalars(member: Option<&GroupMember>, scalars: &mut [f64]) -> Result<
         // Each rank fills its own slot of a group-wide vector; the sum holds them all.
         let n = scalars.len();
         let mut slots = vec![0.0; n * member.size()];
-        slots[member.rank * n..(member.rank + 1) * n].copy_from_slice(scalars);
+        let rank = member.rank();
+        slots[rank * n..(rank + 1) * n].copy_from_slice(scalars);
         let (_, sums) = member.all_reduce(no_values(), slots)?;
         for (i, x) in scalars.iter_mut().enumerate() {
             *x = (0..member.size())
@@ -234,7 +289,9 @@ fn no_values() -> Tensor {
 
 impl Drop for GroupMember {
     fn drop(&mut self) {
-        self.group.close(format!("rank {} left", self.rank));
+        if let Link::Local { group, rank } = &self.link {
+            group.close(format!("rank {rank} left"));
+        }
     }
 }
 

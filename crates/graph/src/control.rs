@@ -37,6 +37,8 @@ pub(crate) struct RunShared {
     last_heard: Mutex<Vec<Instant>>,
     /// Processes whose heartbeat has verified (settings and secret).
     admitted: Mutex<Vec<bool>>,
+    /// Weights this process's receiving generator keeps for the others.
+    pub(crate) weights: crate::weights_edge::WeightsShelf,
 }
 
 impl RunShared {
@@ -46,6 +48,7 @@ impl RunShared {
             error: Mutex::new(None),
             last_heard: Mutex::new(vec![Instant::now(); processes]),
             admitted: Mutex::new(vec![false; processes]),
+            weights: Default::default(),
         }
     }
 
@@ -103,6 +106,10 @@ pub(crate) struct OperatorEnv {
     pub index: usize,
     pub peers: usize,
     pub process: usize,
+    /// The run's id ([`crate::stage::WorkerInfo::run`]).
+    pub run: u64,
+    /// Workers per process.
+    pub threads: usize,
 }
 
 impl OperatorEnv {

@@ -14,6 +14,7 @@
 //! may hold thread-affine resources.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
 use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::time::Instant;
@@ -25,7 +26,7 @@ use crate::batch::{u64_column, with_column, with_u64_column};
 use crate::error::call_user;
 use crate::metrics::{names, MetricRow};
 use crate::stage::{Stage, StageFactory, StepContext, WorkerInfo};
-use crate::weights_edge::{now_ns, now_unix_s, WeightsBody, WeightsMessage, WeightsTransport};
+use crate::weights_edge::{now_unix_s, WeightsBody, WeightsMessage, WeightsTransport};
 use crate::{columns, GraphError, PolicyVersion, StageError, Step};
 
 /// What the engine adds around a stage's calls.
@@ -41,9 +42,28 @@ pub enum StageKind {
 
 /// A unit of work for a stage.
 pub(crate) enum Job {
-    Process { step: Step, batch: RecordBatch },
-    EndStep { step: Step },
-    LoadWeights { message: WeightsMessage },
+    Process {
+        step: Step,
+        batch: RecordBatch,
+    },
+    EndStep {
+        step: Step,
+    },
+    /// Load a weights version; `arrived_ns`: when it was whole at this worker.
+    LoadWeights {
+        message: WeightsMessage,
+        arrived_ns: u64,
+    },
+}
+
+/// What loading one weights version took.
+#[derive(Debug)]
+struct WeightsLoad {
+    /// From the learner's send until the payload was whole in this process.
+    transfer_s: f64,
+    /// Inside the stage's `load_weights` (the generator's pause).
+    load_s: f64,
+    bytes: usize,
 }
 
 /// Per-step figures a runner collects.
@@ -88,8 +108,9 @@ pub(crate) struct StageRunner {
     version: PolicyVersion,
     max_staleness: u64,
     transport: Arc<dyn WeightsTransport>,
+    shared: Arc<crate::control::RunShared>,
     steps: BTreeMap<Step, StepStats>,
-    transfers: Vec<f64>,
+    transfers: Vec<WeightsLoad>,
 }
 
 impl StageRunner {
@@ -102,6 +123,7 @@ impl StageRunner {
         version: PolicyVersion,
         max_staleness: u64,
         transport: Arc<dyn WeightsTransport>,
+        shared: Arc<crate::control::RunShared>,
     ) -> Result<Self, GraphError> {
         let stage = guarded(name, None, worker.index, || factory(&worker))?;
         Ok(StageRunner {
@@ -112,6 +134,7 @@ impl StageRunner {
             version,
             max_staleness,
             transport,
+            shared,
             steps: BTreeMap::new(),
             transfers: Vec::new(),
         })
@@ -184,18 +207,42 @@ impl StageRunner {
                     metrics: self.step_metrics(step, stats),
                 })
             }
-            Job::LoadWeights { message } => {
+            Job::LoadWeights {
+                message,
+                arrived_ns,
+            } => {
                 if message.version <= self.version {
                     return Ok(Done::Loaded);
                 }
-                let weights = self.transport.unpack(message.version, &message.body)?;
+                let (body, arrived_ns) = match message.body {
+                    WeightsBody::Shelved => {
+                        let stopped = || self.shared.aborted.load(Ordering::SeqCst);
+                        let (payload, at) = self
+                            .shared
+                            .weights
+                            .take(self.worker.index, message.version, stopped)
+                            .ok_or_else(|| {
+                                GraphError::Runtime(format!(
+                                    "the run stopped while worker {} waited for weights version {}",
+                                    self.worker.index, message.version
+                                ))
+                            })?;
+                        (WeightsBody::Inline(payload), at)
+                    }
+                    body => (body, arrived_ns),
+                };
+                let weights = self.transport.unpack(message.version, &body)?;
                 let step = message.step;
+                let started = Instant::now();
                 guarded(&self.name, Some(step), self.worker.index, || {
                     self.stage.load_weights(message.version, &weights)
                 })?;
                 self.version = message.version;
-                self.transfers
-                    .push(now_ns().saturating_sub(message.sent_at_ns) as f64 * 1e-9);
+                self.transfers.push(WeightsLoad {
+                    transfer_s: arrived_ns.saturating_sub(message.sent_at_ns) as f64 * 1e-9,
+                    load_s: started.elapsed().as_secs_f64(),
+                    bytes: weights.len(),
+                });
                 Ok(Done::Loaded)
             }
         }
@@ -322,15 +369,10 @@ impl StageRunner {
         for (stage, name, value) in &stats.recorded_under {
             rows.push(MetricRow::new(step, w, stage, name, None, *value));
         }
-        for t in self.transfers.drain(..) {
-            rows.push(MetricRow::new(
-                step,
-                w,
-                &self.name,
-                names::WEIGHTS_TRANSFER_S,
-                None,
-                t,
-            ));
+        for load in std::mem::take(&mut self.transfers) {
+            rows.push(row(names::WEIGHTS_TRANSFER_S, None, load.transfer_s));
+            rows.push(row(names::WEIGHTS_LOAD_S, None, load.load_s));
+            rows.push(row(names::WEIGHTS_BYTES, None, load.bytes as f64));
         }
         tracing::debug!(stage = %self.name, step, worker = w, busy_s = stats.busy_s, rows_in = stats.rows_in, rows_out = stats.rows_out, version = self.version, "step ended");
         rows
@@ -357,7 +399,7 @@ pub(crate) enum Executor {
     /// On the worker thread, one job per activation, so each job's output
     /// leaves (and other operators run) before the next job starts.
     Inline {
-        runner: StageRunner,
+        runner: Box<StageRunner>,
         slot: Option<Job>,
     },
     /// On an engine thread behind a bounded queue.
@@ -371,7 +413,10 @@ pub(crate) enum Executor {
 impl Executor {
     /// Runs jobs on the worker thread, one per activation.
     pub(crate) fn inline(runner: StageRunner) -> Self {
-        Executor::Inline { runner, slot: None }
+        Executor::Inline {
+            runner: Box::new(runner),
+            slot: None,
+        }
     }
 
     /// Starts an engine thread with a queue of `capacity` jobs that builds the

@@ -157,6 +157,9 @@ pub struct RunSettings {
     pub metrics_path: Option<PathBuf>,
     /// How weights cross the weights edge.
     pub transport: Arc<dyn WeightsTransport>,
+    /// The largest piece an inline weights payload crosses to another
+    /// process in (see [`crate::weights_edge`]).
+    pub weights_bucket_bytes: usize,
     /// Called on the metrics worker with each arriving bundle of metric rows
     /// (progress bars, live dashboards).
     pub observer: Option<MetricsObserver>,
@@ -204,6 +207,7 @@ impl RunSettings {
             connect_timeout: Duration::from_secs(120),
             metrics_path: None,
             transport: Arc::new(InlineTransport),
+            weights_bucket_bytes: 256 << 20,
             observer: None,
             step_observer: None,
             prior_metrics: Vec::new(),
@@ -213,6 +217,12 @@ impl RunSettings {
             fingerprint: 0,
             cluster_secret: None,
         }
+    }
+
+    /// Sends inline weights to other processes in buckets of at most `bytes`.
+    pub fn weights_bucket_bytes(mut self, bytes: usize) -> Self {
+        self.weights_bucket_bytes = bytes.max(1);
+        self
     }
 
     /// Starts at `first_step` with the generators and learner at `version` (a resumed run).

@@ -15,6 +15,7 @@
 //! - [`backpressure`]: at most `max_staleness + 1` steps in flight;
 //! - [`engine_thread`]: stages that run on their own thread behind a bounded queue;
 //! - [`execution`]: one thread, N threads or N processes, and the run settings;
+//! - [`collective`]: the all-reduce of data-parallel ranks in any processes, over timely;
 //! - [`run`]: the per-worker driver and the dataflow it builds; failures and lost peers (`control`);
 //! - [`metrics`]: the metrics stream and the run report;
 //! - [`parquet_log`]: rows to rolling Parquet files;
@@ -23,6 +24,7 @@
 pub mod backpressure;
 pub mod batch;
 pub mod cluster_secret;
+pub mod collective;
 pub mod commit;
 mod control;
 mod edges;

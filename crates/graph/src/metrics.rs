@@ -43,8 +43,13 @@ pub mod names {
     pub const QUEUE_PEAK: &str = "queue_peak";
     /// The policy version a generator used for the step.
     pub const POLICY_VERSION: &str = "policy_version";
-    /// Seconds from the learner's send to the generator's load of a weights version.
+    /// Seconds from the learner's send of a weights version until it is
+    /// whole at the generator's process (a row per version loaded).
     pub const WEIGHTS_TRANSFER_S: &str = "weights_transfer_s";
+    /// Seconds the generator spent applying a weights version (its pause).
+    pub const WEIGHTS_LOAD_S: &str = "weights_load_s";
+    /// Bytes of a weights version as the generator received it.
+    pub const WEIGHTS_BYTES: &str = "weights_bytes";
     /// Rows the learner consumed at each staleness (label = staleness).
     pub const STALENESS: &str = "staleness";
     /// When the stage finished the step on this worker, in seconds since the

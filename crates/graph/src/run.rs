@@ -24,6 +24,7 @@ use timely::dataflow::{InputHandle, ProbeHandle, Scope};
 use timely::worker::Worker;
 use timely::WorkerConfig;
 
+use crate::collective::{collective_path, Collectives};
 use crate::commit::{CommitHold, CommitTracker};
 use crate::control::{quiet_network_panics, runtime_panic, Control, OperatorEnv, RunShared};
 use crate::edges::{route, sink_operator};
@@ -70,14 +71,20 @@ pub fn run(pipeline: &Pipeline, settings: &RunSettings) -> Result<RunReport, Gra
 
     let (builders, others) = connect(&settings.execution, settings.connect_timeout)?;
     let shared = Arc::new(RunShared::new(settings.execution.processes()));
+    let local = settings.execution.process() * settings.execution.local_workers();
+    let collectives = Collectives::register(
+        shared.clone(),
+        local..local + settings.execution.local_workers(),
+    );
     let started = Instant::now();
     let local_workers = settings.execution.local_workers();
     let (report_tx, report_rx) = std::sync::mpsc::channel::<Result<WorkerOutcome, GraphError>>();
     let guards = {
         let (pipeline, settings, shared) = (pipeline.clone(), settings.clone(), shared.clone());
+        let collectives = collectives.clone();
         timely::execute::execute_from(builders, others, WorkerConfig::default(), move |worker| {
             let outcome = catch_unwind(AssertUnwindSafe(|| {
-                drive_worker(worker, &pipeline, &settings, &shared)
+                drive_worker(worker, &pipeline, &settings, &shared, &collectives)
             }));
             let outcome = match outcome {
                 Ok(result) => result,
@@ -163,6 +170,7 @@ fn drive_worker(
     pipeline: &Pipeline,
     settings: &RunSettings,
     shared: &Arc<RunShared>,
+    collectives: &Arc<Collectives>,
 ) -> Result<WorkerOutcome, GraphError> {
     let index = worker.index();
     let process = settings.execution.process();
@@ -172,6 +180,8 @@ fn drive_worker(
         index,
         peers: worker.peers(),
         process,
+        run: collectives.run(),
+        threads: settings.execution.local_workers(),
     };
     let metrics_worker = 0;
     let prior = if index == metrics_worker {
@@ -198,6 +208,7 @@ fn drive_worker(
             metrics_worker,
             &collected,
         )?;
+        collective_path(scope, collectives);
         let shared = shared.clone();
         let own_fingerprint = settings.fingerprint;
         let secret = settings.cluster_secret.clone();
@@ -270,6 +281,7 @@ fn drive_worker(
             process,
             rank,
             role_size: source_workers.len(),
+            run: env.run,
         };
         match call_user(|| (source_spec.factory)(&info)) {
             Ok(s) => source = Some((s, info)),
@@ -417,8 +429,10 @@ fn drive_worker(
         return Err(error);
     }
 
-    // The chain is done here; close the control input and let the peers finish.
+    // The chain is done here (every rank's last round too): close the
+    // control input and the collectives' side-path, and let the peers finish.
     drop(control);
+    collectives.close(index);
     let deadline = Instant::now() + settings.peer_timeout;
     while worker.installed_dataflows().contains(&dataflow) {
         if env.aborted() || Instant::now() > deadline {
@@ -496,6 +510,7 @@ fn build_dataflow<'scope>(
                     version: settings.initial_version,
                     max_staleness: settings.max_staleness,
                     transport: settings.transport.clone(),
+                    weights_bucket_bytes: settings.weights_bucket_bytes,
                     generators: generators.clone(),
                 };
                 let out = stage_operator(routed, weights, cfg, env.clone());
@@ -523,6 +538,7 @@ fn build_dataflow<'scope>(
                             process: env.process,
                             rank,
                             role_size: workers.len(),
+                            run: env.run,
                         };
                         match call_user(|| (spec.factory)(&info)) {
                             Ok(sink) => Some(sink),

@@ -23,6 +23,9 @@ pub struct WorkerInfo {
     pub rank: usize,
     /// Size of the role's worker set.
     pub role_size: usize,
+    /// The engine run this worker belongs to (0 outside a run): where
+    /// [`crate::collective::join`] finds the run's collectives.
+    pub run: u64,
 }
 
 impl WorkerInfo {
@@ -35,6 +38,7 @@ impl WorkerInfo {
             process: 0,
             rank: 0,
             role_size: 1,
+            run: 0,
         }
     }
 }

@@ -28,7 +28,9 @@ use crate::control::OperatorEnv;
 use crate::engine_thread::{Done, Executor, Job, StageKind, StageRunner};
 use crate::metrics::{names, MetricRow};
 use crate::stage::{StageFactory, WorkerInfo};
-use crate::weights_edge::{now_ns, WeightsMessage, WeightsTransport};
+use crate::weights_edge::{
+    self as weights_edge, now_ns, Reassembly, WeightsBody, WeightsMessage, WeightsTransport,
+};
 use crate::{Batch, PolicyVersion, Step};
 
 /// How long an inline stage may keep running queued jobs in one activation.
@@ -46,6 +48,8 @@ pub(crate) struct StageOpConfig {
     pub version: PolicyVersion,
     pub max_staleness: u64,
     pub transport: Arc<dyn WeightsTransport>,
+    /// The largest bucket of weights sent to another process.
+    pub weights_bucket_bytes: usize,
     /// Workers that receive this learner's weights.
     pub generators: Vec<usize>,
 }
@@ -121,9 +125,15 @@ pub(crate) fn stage_operator<'scope>(
             if let Some(w) = weights_in.as_mut() {
                 w.for_each(|_, data| {
                     for message in data.drain(..) {
+                        let Some(message) = state.receive(message, &cfg, &env) else {
+                            continue;
+                        };
                         if message.version > state.newest_weights {
                             state.newest_weights = message.version;
-                            state.jobs.push(Job::LoadWeights { message });
+                            state.jobs.push(Job::LoadWeights {
+                                message,
+                                arrived_ns: now_ns(),
+                            });
                         }
                     }
                 });
@@ -224,17 +234,17 @@ pub(crate) fn stage_operator<'scope>(
                                 .session(&held[1])
                                 .give_iterator(metrics.into_iter());
                             if let Some((version, body)) = published {
-                                let sent_at_ns = now_ns();
-                                let mut session = weights_session.session(&held[2]);
-                                for &dest in &cfg.generators {
-                                    session.give(WeightsMessage {
-                                        dest: dest as u32,
-                                        version,
-                                        step,
-                                        sent_at_ns,
-                                        body: body.clone(),
-                                    });
-                                }
+                                let messages = weights_edge::address(
+                                    &cfg.generators,
+                                    env.threads,
+                                    env.process,
+                                    (version, step, now_ns()),
+                                    &body,
+                                    cfg.weights_bucket_bytes,
+                                );
+                                weights_session
+                                    .session(&held[2])
+                                    .give_iterator(messages.into_iter());
                             }
                         }
                         Done::Loaded => {}
@@ -277,6 +287,8 @@ struct OpState {
     ending: BTreeMap<Step, Vec<Capability<Step>>>,
     newest_weights: PolicyVersion,
     queue_peak: u64,
+    /// Weights arriving in buckets from another process.
+    reassembly: Reassembly,
 }
 
 impl OpState {
@@ -291,7 +303,37 @@ impl OpState {
             ending: BTreeMap::new(),
             newest_weights: cfg.version,
             queue_peak: 0,
+            reassembly: Reassembly::default(),
         }
+    }
+
+    /// A weights message as this generator loads it: buckets are collected
+    /// until the payload is whole (`None` before), which is then shelved for
+    /// the process's other generators.
+    fn receive(
+        &mut self,
+        message: WeightsMessage,
+        cfg: &StageOpConfig,
+        env: &OperatorEnv,
+    ) -> Option<WeightsMessage> {
+        let WeightsBody::Bucket(bucket) = &message.body else {
+            return Some(message);
+        };
+        let payload = self.reassembly.add(message.version, bucket)?;
+        let process = self.me / env.threads.max(1);
+        let others: Vec<usize> = cfg
+            .generators
+            .iter()
+            .copied()
+            .filter(|&g| g != self.me && g / env.threads.max(1) == process)
+            .collect();
+        env.shared
+            .weights
+            .put(message.version, payload.clone(), now_ns(), others);
+        Some(WeightsMessage {
+            body: WeightsBody::Inline(payload),
+            ..message
+        })
     }
 
     fn start(
@@ -307,17 +349,20 @@ impl OpState {
             process: env.process,
             rank,
             role_size: cfg.workers.len(),
+            run: env.run,
         };
-        let (name, kind, factory, version, k, transport) = (
+        let (name, kind, factory, version, k, transport, shared) = (
             cfg.name.clone(),
             cfg.kind,
             cfg.factory.clone(),
             cfg.version,
             cfg.max_staleness,
             cfg.transport.clone(),
+            env.shared.clone(),
         );
-        let build =
-            move || StageRunner::build(&name, kind, &factory, worker, version, k, transport);
+        let build = move || {
+            StageRunner::build(&name, kind, &factory, worker, version, k, transport, shared)
+        };
         match cfg.offload {
             None => Ok(Executor::inline(build()?)),
             Some(capacity) => Executor::spawn(&cfg.name, capacity, activator, build),

@@ -10,9 +10,18 @@
 //! What travels is a [`WeightsMessage`]: the version, the send time, and a
 //! body that a [`WeightsTransport`] produced from the learner's
 //! [`WeightsPayload`]. The default [`InlineTransport`] carries the payload
-//! bytes (safetensors layout) on the edge itself, which crosses processes as
-//! bytes; a transport that moves the tensors out of band (an NCCL broadcast)
-//! sends only the version and fetches the tensors in `unpack`.
+//! bytes (safetensors layout) on the edge itself; a transport that moves the
+//! tensors out of band (an NCCL broadcast) sends only the version and
+//! fetches the tensors in `unpack`.
+//!
+//! An inline payload crosses to each other process once, whatever its
+//! number of generator workers: in [`Bucket`]s (`RunSettings::weights_bucket_bytes`,
+//! 256 MiB by default) to that process's first generator worker, which
+//! puts them back together and shelves the payload for the others (they
+//! get a [`WeightsBody::Shelved`] note). Buckets travel while the
+//! generators go on generating; the frontier lets a generator use version
+//! `v` only once all of it is there. Generators in the learner's own
+//! process share the learner's payload without a copy.
 //!
 //! # Examples
 //! ```
@@ -82,6 +91,227 @@ pub enum WeightsBody {
     Inline(WeightsPayload),
     /// Nothing: the transport moves the tensors out of band.
     External,
+    /// One bucket of an inline payload, on its way to another process's
+    /// receiving worker, which puts the buckets back together.
+    Bucket(Bucket),
+    /// The payload went to another generator worker of this process (its
+    /// receiver), which shelves it for the others: one copy per process.
+    Shelved,
+}
+
+/// Bytes `offset..offset + len` of a payload of `total` bytes. On the
+/// sending side it shares the whole payload and serialises only its range;
+/// deserialised, it holds just those bytes.
+#[derive(Clone, Debug)]
+pub struct Bucket {
+    payload: WeightsPayload,
+    range: std::ops::Range<usize>,
+    offset: u64,
+    total: u64,
+}
+
+impl Bucket {
+    /// `payload` cut into buckets of at most `size` bytes (one for an empty payload).
+    pub fn split(payload: &WeightsPayload, size: usize) -> Vec<Bucket> {
+        let (n, size) = (payload.len(), size.max(1));
+        (0..n.div_ceil(size).max(1))
+            .map(|i| {
+                let range = i * size..((i + 1) * size).min(n);
+                Bucket {
+                    payload: payload.clone(),
+                    offset: range.start as u64,
+                    total: n as u64,
+                    range,
+                }
+            })
+            .collect()
+    }
+
+    /// The bucket's bytes.
+    pub fn bytes(&self) -> &[u8] {
+        &self.payload.bytes()[self.range.clone()]
+    }
+}
+
+impl Serialize for Bucket {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        (
+            self.offset,
+            self.total,
+            serde_bytes::Bytes::new(self.bytes()),
+        )
+            .serialize(serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for Bucket {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let (offset, total, bytes): (u64, u64, serde_bytes::ByteBuf) =
+            Deserialize::deserialize(deserializer)?;
+        let len = bytes.len();
+        if offset.checked_add(len as u64).is_none_or(|end| end > total) {
+            return Err(serde::de::Error::custom(format!(
+                "a weights bucket of {len} bytes at {offset} overruns its payload of {total}"
+            )));
+        }
+        Ok(Bucket {
+            payload: WeightsPayload::from(bytes.into_vec()),
+            range: 0..len,
+            offset,
+            total,
+        })
+    }
+}
+
+/// The messages that carry `body` (version `version`, from step `step`) to
+/// every worker of `generators`, sent from a worker of process `from` when
+/// each process runs `threads` workers: generators of the sender's process
+/// share an inline payload; each other process gets it once, in buckets of
+/// at most `bucket_bytes`, at its first generator, and its other generators
+/// a [`WeightsBody::Shelved`] note. Bodies that are not inline go to every
+/// generator as they are.
+pub(crate) fn address(
+    generators: &[usize],
+    threads: usize,
+    from: usize,
+    header: (PolicyVersion, Step, u64),
+    body: &WeightsBody,
+    bucket_bytes: usize,
+) -> Vec<WeightsMessage> {
+    let (version, step, sent_at_ns) = header;
+    let message = |dest: usize, body: WeightsBody| WeightsMessage {
+        dest: dest as u32,
+        version,
+        step,
+        sent_at_ns,
+        body,
+    };
+    let process = |w: usize| w / threads.max(1);
+    let mut out = Vec::new();
+    for (i, &dest) in generators.iter().enumerate() {
+        let p = process(dest);
+        match body {
+            WeightsBody::Inline(payload) if p != from => {
+                let first = generators[..i].iter().all(|&g| process(g) != p);
+                if first {
+                    out.extend(
+                        Bucket::split(payload, bucket_bytes)
+                            .into_iter()
+                            .map(|b| message(dest, WeightsBody::Bucket(b))),
+                    );
+                } else {
+                    out.push(message(dest, WeightsBody::Shelved));
+                }
+            }
+            _ => out.push(message(dest, body.clone())),
+        }
+    }
+    out
+}
+
+/// A receiving worker's payloads under construction, by version.
+#[derive(Debug, Default)]
+pub(crate) struct Reassembly {
+    open: std::collections::BTreeMap<PolicyVersion, (Vec<u8>, u64)>,
+}
+
+impl Reassembly {
+    /// Adds `bucket` of `version`; returns the whole payload once its last bucket is in.
+    pub(crate) fn add(
+        &mut self,
+        version: PolicyVersion,
+        bucket: &Bucket,
+    ) -> Option<WeightsPayload> {
+        let (buffer, received) = self
+            .open
+            .entry(version)
+            .or_insert_with(|| (vec![0u8; bucket.total as usize], 0));
+        let at = bucket.offset as usize;
+        buffer[at..at + bucket.bytes().len()].copy_from_slice(bucket.bytes());
+        *received += bucket.bytes().len() as u64;
+        if *received < bucket.total {
+            return None;
+        }
+        let (buffer, _) = self.open.remove(&version).expect("just updated");
+        Some(WeightsPayload::from(buffer))
+    }
+}
+
+/// The payloads a process's receiving worker keeps for the other generator
+/// workers of its process, each version until all of them have taken it
+/// (or a newer one).
+#[derive(Default)]
+pub(crate) struct WeightsShelf {
+    shelved: std::sync::Mutex<std::collections::BTreeMap<PolicyVersion, Shelved>>,
+    arrived: std::sync::Condvar,
+}
+
+struct Shelved {
+    payload: WeightsPayload,
+    arrived_ns: u64,
+    /// Workers that have yet to take it.
+    takers: Vec<usize>,
+}
+
+impl WeightsShelf {
+    fn lock(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<PolicyVersion, Shelved>> {
+        self.shelved.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Shelves `payload` of `version` (whole since `arrived_ns`) for `takers`.
+    pub(crate) fn put(
+        &self,
+        version: PolicyVersion,
+        payload: WeightsPayload,
+        arrived_ns: u64,
+        takers: Vec<usize>,
+    ) {
+        if takers.is_empty() {
+            return;
+        }
+        self.lock().insert(
+            version,
+            Shelved {
+                payload,
+                arrived_ns,
+                takers,
+            },
+        );
+        self.arrived.notify_all();
+    }
+
+    /// Worker `worker` takes `version` (and gives up every older one),
+    /// waiting for it to arrive; `stopped` ends the wait with `None`.
+    pub(crate) fn take(
+        &self,
+        worker: usize,
+        version: PolicyVersion,
+        stopped: impl Fn() -> bool,
+    ) -> Option<(WeightsPayload, u64)> {
+        let mut shelved = self.lock();
+        loop {
+            if let Some(entry) = shelved.get(&version) {
+                let found = (entry.payload.clone(), entry.arrived_ns);
+                shelved.retain(|&v, e| {
+                    if v <= version {
+                        e.takers.retain(|&w| w != worker);
+                    }
+                    !e.takers.is_empty()
+                });
+                return Some(found);
+            }
+            if stopped() {
+                return None;
+            }
+            shelved = self
+                .arrived
+                .wait_timeout(shelved, std::time::Duration::from_millis(50))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
 }
 
 /// One message on the weights edge, addressed to one generator worker.
@@ -135,9 +365,11 @@ impl WeightsTransport for InlineTransport {
     ) -> Result<WeightsPayload, GraphError> {
         match body {
             WeightsBody::Inline(payload) => Ok(payload.clone()),
-            WeightsBody::External => Err(GraphError::Codec(format!(
-                "weights version {version} arrived without a payload, but the inline transport expects one"
-            ))),
+            WeightsBody::External | WeightsBody::Bucket(_) | WeightsBody::Shelved => {
+                Err(GraphError::Codec(format!(
+                    "weights version {version} arrived without a whole payload, but the inline transport expects one"
+                )))
+            }
         }
     }
 }
@@ -191,8 +423,89 @@ mod tests {
         assert_eq!(back[0].version, 4);
         match &back[0].body {
             WeightsBody::Inline(p) => assert_eq!(p.bytes(), &[7u8; 1000][..]),
-            WeightsBody::External => panic!("body lost"),
+            _ => panic!("body lost"),
         }
+    }
+
+    #[test]
+    fn each_other_process_gets_one_copy_in_buckets() {
+        let payload = WeightsPayload::from(vec![3u8; 10]);
+        let body = WeightsBody::Inline(payload);
+        // Two workers a process; generators on 0, 1 (the learner's process 0), 2, 3, 5.
+        let sent = address(&[0, 1, 2, 3, 5], 2, 0, (4, 3, 0), &body, 4);
+        let kinds: Vec<(u32, &str)> = sent
+            .iter()
+            .map(|m| {
+                let kind = match &m.body {
+                    WeightsBody::Inline(_) => "inline",
+                    WeightsBody::Bucket(_) => "bucket",
+                    WeightsBody::Shelved => "shelved",
+                    WeightsBody::External => "external",
+                };
+                (m.dest, kind)
+            })
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                (0, "inline"),
+                (1, "inline"),
+                (2, "bucket"),
+                (2, "bucket"),
+                (2, "bucket"),
+                (3, "shelved"),
+                (5, "bucket"),
+                (5, "bucket"),
+                (5, "bucket"),
+            ]
+        );
+        assert!(sent.iter().all(|m| m.version == 4 && m.step == 3));
+        let external = address(&[0, 2], 2, 0, (1, 0, 0), &WeightsBody::External, 4);
+        assert!(external
+            .iter()
+            .all(|m| matches!(m.body, WeightsBody::External)));
+    }
+
+    #[test]
+    fn buckets_serialise_their_range_only_and_reassemble() {
+        let payload = WeightsPayload::from((0..1000u32).map(|i| i as u8).collect::<Vec<_>>());
+        let buckets = Bucket::split(&payload, 300);
+        assert_eq!(buckets.len(), 4);
+        let mut again = Reassembly::default();
+        let mut whole = None;
+        // Out of order, through bincode as between processes.
+        for i in [2, 0, 3, 1] {
+            let bytes = bincode::serialize(&WeightsBody::Bucket(buckets[i].clone())).unwrap();
+            assert!(bytes.len() < 300 + 40, "bucket {i}: {} bytes", bytes.len());
+            let WeightsBody::Bucket(b) = bincode::deserialize(&bytes).unwrap() else {
+                panic!("not a bucket")
+            };
+            assert!(whole.is_none());
+            whole = again.add(7, &b);
+        }
+        assert_eq!(whole.unwrap(), payload);
+        let empty = Bucket::split(&WeightsPayload::from(Vec::new()), 300);
+        assert_eq!(empty.len(), 1);
+        let mut again = Reassembly::default();
+        assert_eq!(again.add(1, &empty[0]).unwrap().len(), 0);
+    }
+
+    #[test]
+    fn the_shelf_keeps_a_version_until_every_taker_has_it_or_a_newer_one() {
+        let shelf = std::sync::Arc::new(WeightsShelf::default());
+        let waiter = {
+            let shelf = shelf.clone();
+            std::thread::spawn(move || shelf.take(1, 2, || false).map(|(p, _)| p))
+        };
+        std::thread::sleep(std::time::Duration::from_millis(60));
+        shelf.put(1, WeightsPayload::from(vec![1u8]), 0, vec![1, 2]);
+        shelf.put(2, WeightsPayload::from(vec![2u8]), 0, vec![1, 2]);
+        assert_eq!(waiter.join().unwrap().unwrap().bytes(), &[2]);
+        // Worker 2 still needs both; once it takes 2, nothing is left.
+        assert_eq!(shelf.lock().len(), 2);
+        assert_eq!(shelf.take(2, 2, || false).unwrap().0.bytes(), &[2]);
+        assert!(shelf.lock().is_empty());
+        assert!(shelf.take(2, 3, || true).is_none());
     }
 
     #[test]

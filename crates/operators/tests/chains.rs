@@ -19,7 +19,6 @@ use weir_operators::rollout::{check, col, Phase};
 use weir_operators::stages::advantage::{GroupAdvantage, GroupEstimator};
 use weir_operators::stages::generate::Generate;
 use weir_operators::stages::learner::{Learner, LearnerConfig, LrSchedule};
-use weir_operators::stages::prompts::PromptSource;
 use weir_operators::stages::reference::RefLogprob;
 use weir_operators::tasks::arith;
 

@@ -39,6 +39,7 @@
 //!   from `RemoteExperienceMaker.compute_advantages_and_returns` (GAE,
 //!   REINFORCE++, RLOO, -baseline, group norm, Dr.GRPO), and its pairwise
 //!   loss with a margin.
+//!
 //! Clip-Cov is not recorded: verl draws its tokens at random.
 //!
 //! Every value is compared with a tolerance of 1e-6, relative to the
@@ -570,7 +571,6 @@ fn weir_matches_recorded_upstream_outputs() {
             "advantages_verl" => advantages_verl_case(&mut check, name, i, e),
             "aggregate" => aggregate_case(&mut check, name, flavor, i, e),
             "policy_loss" => policy_loss_case(&mut check, name, flavor, i, e),
-            "advantages_openrlhf" => advantages_openrlhf_case(&mut check, name, i, e),
             "value_loss" => value_loss_case(&mut check, name, flavor, i, e),
             "kl_controller" => kl_controller_case(&mut check, name, i, e),
             "overlong" => overlong_case(&mut check, name, i, e),
