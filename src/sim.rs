@@ -57,6 +57,9 @@ pub struct SimArgs {
     /// Size of the weights payload the learner publishes each step, bytes.
     #[arg(long = "weights-bytes", default_value_t = 4096)]
     pub weights_bytes: usize,
+    /// The largest bucket a weights payload crosses to another process in, bytes.
+    #[arg(long = "weights-bucket-bytes", default_value_t = 256 << 20)]
+    pub weights_bucket_bytes: usize,
     /// Roles to workers, e.g. `rollout=0-2;train=3` (default: training on the last worker, the rest generate).
     #[arg(long)]
     pub placement: Option<String>,
@@ -177,6 +180,7 @@ pub fn run_sim(args: &SimArgs) -> anyhow::Result<RunReport> {
         .peer_timeout(cluster.peer_timeout)
         .connect_timeout(cluster.connect_timeout)
         .cluster_secret(cluster.secret.clone())
+        .weights_bucket_bytes(args.weights_bucket_bytes)
         .fingerprint(fingerprint(args))
         .metrics_path(args.out.join("metrics.parquet"));
     std::fs::create_dir_all(&args.out)

@@ -35,6 +35,7 @@ fn sim_args(out: &Path) -> SimArgs {
         seed: 0,
         group_size: 4,
         weights_bytes: 256,
+        weights_bucket_bytes: 256 << 20,
         placement: None,
         generate_queue: 2,
         stream_slots: 0,
@@ -448,14 +449,13 @@ fn spawn_peer_with_secret(
     command
         .arg("sim")
         .args(args)
-        .args([
-            "--processes",
-            "2",
-            "--process-id",
-            &process.to_string(),
-            "--workers",
-            "1",
-        ])
+        .args(["--processes", "2", "--process-id", &process.to_string()])
+        .args(
+            (!args.iter().any(|a| a == "--workers"))
+                .then_some(["--workers", "1"])
+                .into_iter()
+                .flatten(),
+        )
         .arg("--hostfile")
         .arg(hosts)
         .arg("--out")
@@ -593,6 +593,71 @@ fn two_processes_keep_every_guarantee() {
         );
         check_guarantees(&read_rows(dir.path()), k, 10, 16);
     }
+}
+
+/// The weights edge between processes: the learner (worker 3, process 1)
+/// sends each version to process 0 once, in buckets, to generator 0, which
+/// shelves it for generator 1; generator 2 shares process 1's copy. Every
+/// generator checks every byte of every version it loads.
+#[test]
+fn weights_cross_to_each_process_once_in_buckets() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = strings(&[
+        "--workers",
+        "2",
+        "--steps",
+        "6",
+        "--batch-rows",
+        "12",
+        "--max-staleness",
+        "1",
+        "--gen-ms",
+        "2",
+        "--train-ms",
+        "1",
+        "--weights-bytes",
+        "10000",
+        "--weights-bucket-bytes",
+        "1024",
+    ]);
+    let (o0, o1) = run_two_processes(&args, dir.path());
+    for (i, o) in [(0, &o0), (1, &o1)] {
+        assert!(
+            o.status.success(),
+            "process {i}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    check_guarantees(&read_rows(dir.path()), 1, 6, 12);
+    let rows: Vec<_> =
+        weir::graph::parquet_log::read_parquet_file(&dir.path().join("metrics.parquet"))
+            .unwrap()
+            .iter()
+            .flat_map(|b| weir::graph::metrics::batch_to_rows(b).unwrap())
+            .collect();
+    let loads = |metric: &str| -> BTreeMap<u32, Vec<f64>> {
+        rows.iter()
+            .filter(|r| r.stage == "generate" && r.metric == metric)
+            .fold(BTreeMap::new(), |mut m, r| {
+                m.entry(r.worker).or_default().push(r.value);
+                m
+            })
+    };
+    let bytes = loads("weights_bytes");
+    assert_eq!(bytes.keys().copied().collect::<Vec<_>>(), [0, 1, 2]);
+    assert!(bytes.values().flatten().all(|&b| b == 10000.0), "{bytes:?}");
+    // Every generator loaded the late versions (each version at most once).
+    for (w, loaded) in &bytes {
+        assert!((3..=6).contains(&loaded.len()), "worker {w}: {loaded:?}");
+    }
+    assert!(loads("weights_transfer_s")
+        .values()
+        .flatten()
+        .all(|&t| t >= 0.0));
+    assert!(loads("weights_load_s")
+        .values()
+        .flatten()
+        .all(|&t| t >= 0.0));
 }
 
 #[test]

@@ -1196,8 +1196,7 @@ fn data_parallel_learners_train_like_one() {
 
     // Placements the ranks cannot serve are refused up front.
     for (kind, change, needle) in [
-        (PipelineKind::ReinforcePp, None, "whitening"),
-        (PipelineKind::Ppo, None, "critic"),
+        (PipelineKind::Gpg, None, "α counts"),
         (PipelineKind::Grpo, Some("dynamic"), "dynamic sampling"),
     ] {
         let mut bad = cfg.clone();
@@ -1211,6 +1210,60 @@ fn data_parallel_learners_train_like_one() {
         );
     }
     assert!(!tmp.path().join("refused").exists());
+}
+
+/// PPO (its critic too) and REINFORCE++ with two data-parallel ranks train
+/// like one worker: the advantages are whitened over the whole step, the
+/// in-reward KL (and so an adaptive coefficient) is the whole step's, the
+/// critic's fit sums its ranks' gradients; each rank trains rows of its own.
+#[test]
+fn ppo_and_reinforce_pp_ranks_whiten_over_the_step_and_train_like_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    for kind in [PipelineKind::Ppo, PipelineKind::ReinforcePp] {
+        let base = || {
+            let mut cfg = config(kind, 3);
+            cfg.run.max_staleness = 0;
+            cfg.data.prompts_per_step = 4;
+            cfg.algorithm.aggregation = AggregationChoice::TokenMean;
+            // An adaptive in-reward KL coefficient: it moves with the step's KL.
+            cfg.algorithm.kl_coef = 0.05;
+            cfg.algorithm.kl_target = 0.01;
+            cfg.algorithm.kl_horizon = 100.0;
+            cfg
+        };
+        let one = tmp.path().join(format!("{}-one", kind.name()));
+        run(kind, base(), &one, false);
+        let mut cfg = base();
+        cfg.placement.workers = 3;
+        cfg.placement.train = vec![1, 2];
+        let two = tmp.path().join(format!("{}-two", kind.name()));
+        run(kind, cfg, &two, false);
+        let mut curves = vec![
+            ("learn", "loss"),
+            ("learn", "grad_norm"),
+            ("advantage", "kl"),
+            ("advantage", "kl_coef"),
+        ];
+        if kind == PipelineKind::Ppo {
+            curves.push(("critic_learn", "value_loss"));
+        }
+        for (stage, name) in curves {
+            let (a, b) = (metric(&one, stage, name), metric(&two, stage, name));
+            let what = format!("{} {stage} {name}, one worker vs two ranks", kind.name());
+            assert_curves_match(&a, &b, 3, &what);
+        }
+        // Both ranks trained rows of every step.
+        let rows: BTreeMap<(u64, u32), f64> = metric_rows(&two)
+            .into_iter()
+            .filter(|r| r.stage == "learn" && r.metric == "rows_in")
+            .map(|r| ((r.step, r.worker), r.value))
+            .collect();
+        assert!(
+            rows.len() == 6 && rows.values().all(|&n| n > 0.0),
+            "{}: {rows:?}",
+            kind.name()
+        );
+    }
 }
 
 #[test]

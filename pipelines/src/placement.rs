@@ -132,12 +132,6 @@ pub(crate) fn check_data_parallel(
         return Ok(());
     }
     let why = match kind {
-        PipelineKind::Ppo => Some(
-            "it normalises over the whole step (whitening), and its critic trains on one worker",
-        ),
-        PipelineKind::ReinforcePp | PipelineKind::ReinforcePpBaseline => Some(
-            "it normalises over the whole step (whitening), so it trains on exactly one worker",
-        ),
         PipelineKind::Gpg => Some(
             "its α counts the non-zero scores of the whole step, so it trains on exactly one worker",
         ),
@@ -145,7 +139,7 @@ pub(crate) fn check_data_parallel(
     };
     if let Some(why) = why {
         return Err(format!(
-            "`placement.train` = {train:?}: {} {why}; data-parallel trainers are for grpo, dr_grpo, rloo, opo, grpo_passk, sft, rm and dpo",
+            "`placement.train` = {train:?}: {} {why}; data-parallel trainers are for every pipeline but gpg",
             kind.name()
         )
         .into());

@@ -101,12 +101,13 @@ fn reinforce(
     let flavor = roles::flavor(cfg);
     let (kl_coef, adaptive_kl) = roles::in_reward_kl(cfg, ctx);
     let greedy = baseline == ReinforceBaseline::Greedy;
+    let group = roles::data_parallel_group(cfg);
     rollouts(Pipeline::new(name), cfg, ctx, greedy)
         .stage(
             "advantage",
             TRAIN,
             Partition::ByKey(col::GROUP_ID.into()),
-            move |_| {
+            move |w| {
                 let mut advantage = ReinforceAdvantage::new(baseline, kl_coef);
                 advantage.adaptive_kl = adaptive_kl.clone();
                 advantage.gamma = a.gamma;
@@ -116,9 +117,14 @@ fn reinforce(
                     // verl's ReMax does not clip the score.
                     advantage.reward_clip = None;
                 }
+                if let Some(group) = &group {
+                    advantage = advantage.with_data_parallel(group.member(w, "advantage")?);
+                }
                 Ok(advantage)
             },
         )
+        // Ranks wait for each other in their whitening: off the worker thread.
+        .offload(roles::MODEL_QUEUE)
         .learn(
             "learn",
             TRAIN,
@@ -134,19 +140,29 @@ pub fn ppo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
     let fit = critic.clone();
     let (a, flavor) = (cfg.algorithm.clone(), roles::flavor(cfg));
     let (kl_coef, adaptive_kl) = roles::in_reward_kl(cfg, ctx);
+    let group = roles::data_parallel_group(cfg);
     Ok(rollouts(Pipeline::new("ppo"), cfg, ctx, false)
-        .stage("critic", TRAIN, Partition::RoundRobin, move |w| {
-            Critic::new(&critic, w)
-        })
+        // By group, so that data-parallel ranks each get a share of every step.
+        .stage(
+            "critic",
+            TRAIN,
+            Partition::ByKey(col::GROUP_ID.into()),
+            move |w| Critic::new(&critic, w),
+        )
         .offload(roles::MODEL_QUEUE)
-        .stage("advantage", TRAIN, Partition::Local, move |_| {
+        .stage("advantage", TRAIN, Partition::Local, move |w| {
             let mut advantage = GaeAdvantage::new(kl_coef);
             advantage.adaptive_kl = adaptive_kl.clone();
             (advantage.gamma, advantage.lambda) = (a.gamma, a.lambda);
             advantage.kl_estimator = a.kl_estimator.into();
             advantage.flavor = flavor;
+            if let Some(group) = &group {
+                advantage = advantage.with_data_parallel(group.member(w, "advantage")?);
+            }
             Ok(advantage)
         })
+        // Ranks wait for each other in their whitening: off the worker thread.
+        .offload(roles::MODEL_QUEUE)
         .learn(
             "learn",
             TRAIN,

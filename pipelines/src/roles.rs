@@ -151,6 +151,7 @@ pub fn critic_learner(
     critic: Arc<PerWorker<weir_gpu::Model>>,
 ) -> impl Fn(&WorkerInfo) -> Result<CriticLearner, StageError> + Send + Sync + 'static {
     let (cfg, ctx, checkpoints) = (cfg.clone(), ctx.clone(), ctx.checkpointer(cfg));
+    let group = data_parallel_group(&cfg);
     move |w| {
         let a = &cfg.algorithm;
         let mut learner = CriticLearner::new(
@@ -164,6 +165,9 @@ pub fn critic_learner(
         .with_epochs(a.ppo_epochs)
         .with_mini_batches(a.mini_batches)
         .with_checkpoints(checkpoints.clone());
+        if let Some(group) = &group {
+            learner = learner.with_data_parallel(group.member(w, "critic_learn")?);
+        }
         ctx.restore_optimizer("critic", learner.optimizer_mut())?;
         Ok(learner)
     }

@@ -302,6 +302,7 @@ fn train(req: &RunRequest, segment: &mut Segment) -> Result<RunReport, PipelineE
         .peer_timeout(cluster.peer_timeout)
         .connect_timeout(cluster.connect_timeout)
         .cluster_secret(cluster.secret.clone())
+        .weights_bucket_bytes(cfg.placement.weights_bucket_mib << 20)
         .max_staleness(cfg.run.max_staleness)
         .steps(cfg.run.steps - ctx.first_step)
         .resume_at(ctx.first_step, ctx.version)

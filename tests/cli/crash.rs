@@ -1,7 +1,7 @@
 //! Crash tests: a GRPO run killed with SIGKILL at seeded random moments and
 //! resumed after each kill loses nothing and doubles nothing; with two
-//! processes, killing one ends the other with an error within the peer
-//! timeout and the pair resumes.
+//! processes (learner ranks on both), killing one ends the other with an
+//! error within the peer timeout and the pair resumes.
 //!
 //! `WEIR_CRASH_SEED` and `WEIR_CRASH_KILLS` change the seed and the number of
 //! kills (defaults 7 and 10); a failure prints the seed to reproduce it.
@@ -320,7 +320,9 @@ fn killing_one_of_two_processes_ends_the_other_and_the_pair_resumes() {
             break;
         }
         let hosts = super::common::hostfile(tmp.path());
-        let args = run_args(&out);
+        // Learner ranks on both processes: killing process 1 kills a rank
+        // that process 0's rank waits for in every all-reduce.
+        let args = run_args_with(&out, &["placement.train=[0, 1]"]);
         let cluster = |id: usize| -> Vec<String> {
             [
                 "--processes".to_string(),

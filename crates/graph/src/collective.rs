@@ -341,7 +341,9 @@ impl std::fmt::Debug for GroupHandle {
 /// Joins the group of `workers` (global worker indices, in rank order) named
 /// `name` from worker `w`, which must be one of them. Every member must join
 /// under the same name and list; different names keep groups apart (a
-/// learner's and a critic's on the same workers).
+/// learner's and a critic's on the same workers). The stage that holds the
+/// handle must be offloaded (`Pipeline::offload`; learners always are): a
+/// rank waits for its peers, and must not stop its worker meanwhile.
 pub fn join(w: &WorkerInfo, name: &str, workers: &[usize]) -> Result<GroupHandle, StageError> {
     let rank = workers
         .iter()
@@ -413,6 +415,17 @@ impl GroupHandle {
         values: Vec<f32>,
         scalars: Vec<f64>,
     ) -> Result<(Vec<f32>, Vec<f64>), String> {
+        if std::thread::current()
+            .name()
+            .is_some_and(|n| n.starts_with("timely:work"))
+        {
+            // Waiting here would stop this worker's own side of the exchange.
+            return Err(format!(
+                "data-parallel group (rank {}): an all-reduce must run on an engine thread \
+                 (offload the stage), not on a timely worker",
+                self.rank
+            ));
+        }
         let round = self.round.fetch_add(1, Ordering::Relaxed);
         self.reduce(round, values, scalars)
             .map_err(|why| format!("data-parallel group (rank {}): {why}", self.rank))

@@ -94,6 +94,8 @@ pub struct PlacementSection {
     pub train: Vec<usize>,
     /// Where the reference runs: `train` or `rollout` (beside the generator).
     pub reference: ReferencePlacement,
+    /// The largest bucket, in MiB, the learner's weights cross to another process in.
+    pub weights_bucket_mib: usize,
 }
 
 impl Default for PlacementSection {
@@ -103,6 +105,7 @@ impl Default for PlacementSection {
             rollout: vec![0],
             train: vec![1],
             reference: ReferencePlacement::Train,
+            weights_bucket_mib: 256,
         }
     }
 }
@@ -621,7 +624,7 @@ impl RunConfig {
                     workers: 1,
                     rollout: vec![0],
                     train: vec![0],
-                    reference: ReferencePlacement::Train,
+                    ..PlacementSection::default()
                 };
                 c.data.prompts_per_step = 64;
                 c.data.samples_per_prompt = 1;

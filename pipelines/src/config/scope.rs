@@ -16,7 +16,7 @@ pub fn applies(pipeline: PipelineKind, section: &str, key: &str) -> bool {
     let group = pipeline.is_group();
     match (section, key) {
         ("run", "max_staleness" | "rows_per_file") => rl,
-        ("placement", "reference") => rl,
+        ("placement", "reference" | "weights_bucket_mib") => rl,
         ("model", "reference") => rl || pipeline == Dpo,
         ("model", "reward_model") => rl || pipeline == Rm,
         ("model", "critic") => pipeline == Ppo,

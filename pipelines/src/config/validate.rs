@@ -29,6 +29,13 @@ impl RunConfig {
             return bad("run.threads", "0".into(), "must be at least 1");
         }
         let p = &self.placement;
+        if p.weights_bucket_mib == 0 {
+            return bad(
+                "placement.weights_bucket_mib",
+                "0".into(),
+                "must be at least 1",
+            );
+        }
         if p.workers == 0 {
             return bad("placement.workers", "0".into(), "must be at least 1");
         }
@@ -385,13 +392,6 @@ impl RunConfig {
                 "algorithm.kl_horizon",
                 a.kl_horizon.to_string(),
                 "must be > 0",
-            );
-        }
-        if a.kl_target > 0.0 && self.placement.train.len() > 1 {
-            return bad(
-                "algorithm.kl_target",
-                a.kl_target.to_string(),
-                "the adaptive KL controller needs one train worker (each would steer on its own rows)",
             );
         }
         if self.dynamic_sampling.enabled && !pipeline.is_group() {

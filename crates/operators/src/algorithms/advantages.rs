@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use super::stats::{masked_mean, masked_var, mean_std, Tokens};
+use super::stats::{mean_std, Tokens};
 use super::Flavor;
 
 /// A group-relative estimator got a group it cannot use.
@@ -346,24 +346,74 @@ pub fn whiten_advantages(
     mean_only: bool,
     flavor: Flavor,
 ) -> Vec<Vec<f64>> {
-    let mean = masked_mean(advantages, mask);
+    let alone = |_: &mut [f64]| Ok::<(), std::convert::Infallible>(());
+    match whiten_advantages_over(advantages, mask, mean_only, flavor, alone) {
+        Ok(whitened) => whitened,
+        Err(never) => match never {},
+    }
+}
+
+/// [`whiten_advantages`] of a step whose rows are split over data-parallel
+/// ranks: `sum` adds its numbers up over every rank (in place, the same
+/// result on each), so the mean and variance are the whole step's. It is
+/// called twice (the mean's sums, then the variance's; once with
+/// `mean_only`), on every rank, whether or not the rank holds rows. On one
+/// rank (`sum` leaving its numbers as they are) it is [`whiten_advantages`].
+pub fn whiten_advantages_over<E>(
+    advantages: &Tokens,
+    mask: &Tokens,
+    mean_only: bool,
+    flavor: Flavor,
+    mut sum: impl FnMut(&mut [f64]) -> Result<(), E>,
+) -> Result<Vec<Vec<f64>>, E> {
+    // The sums of `masked_mean` and `masked_var`, in their order.
+    let mut first = [0.0, 0.0];
+    for (v, m) in advantages.iter().zip(mask) {
+        for (x, k) in v.iter().zip(m) {
+            first[0] += x * k;
+            first[1] += k;
+        }
+    }
+    sum(&mut first)?;
+    let [total, count] = first;
+    let mean = if count == 0.0 { 0.0 } else { total / count };
     let scale = if mean_only {
         1.0
     } else {
+        let mut squares = [0.0];
+        for (v, m) in advantages.iter().zip(mask) {
+            for (x, k) in v.iter().zip(m) {
+                squares[0] += (x - mean) * (x - mean) * k;
+            }
+        }
+        sum(&mut squares)?;
+        let biased = if count == 0.0 {
+            0.0
+        } else {
+            squares[0] / count
+        };
         match flavor {
-            Flavor::OpenRlhf => 1.0 / masked_var(advantages, mask, false).max(1e-8).sqrt(),
-            Flavor::Verl => 1.0 / (masked_var(advantages, mask, true) + 1e-8).sqrt(),
+            Flavor::OpenRlhf => 1.0 / biased.max(1e-8).sqrt(),
+            Flavor::Verl => {
+                let unbiased = if count > 1.0 {
+                    biased * count / (count - 1.0)
+                } else {
+                    biased
+                };
+                1.0 / (unbiased + 1e-8).sqrt()
+            }
         }
     };
-    advantages
+    Ok(advantages
         .iter()
         .map(|row| row.iter().map(|a| (a - mean) * scale).collect())
-        .collect()
+        .collect())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::algorithms::stats::{masked_mean, masked_var};
 
     #[test]
     fn remax_subtracts_the_greedy_reward_from_each_return() {
@@ -530,6 +580,77 @@ mod tests {
             &rloo(&[1.0, 2.0], &[0, 1], Flavor::Verl).unwrap(),
             &[1.0, 2.0],
         );
+    }
+
+    #[test]
+    fn whitening_over_ranks_is_whitening_of_the_whole_step() {
+        let a = vec![vec![1.0, 2.0, 3.0], vec![-4.0, 0.5], vec![7.0]];
+        let m = vec![vec![1.0, 1.0, 0.0], vec![1.0, 1.0], vec![1.0]];
+        for flavor in [Flavor::OpenRlhf, Flavor::Verl] {
+            for mean_only in [false, true] {
+                let whole = whiten_advantages(&a, &m, mean_only, flavor);
+                // The reference computation, by the masked statistics.
+                let mean = masked_mean(&a, &m);
+                let scale = match (mean_only, flavor) {
+                    (true, _) => 1.0,
+                    (false, Flavor::OpenRlhf) => 1.0 / masked_var(&a, &m, false).max(1e-8).sqrt(),
+                    (false, Flavor::Verl) => 1.0 / (masked_var(&a, &m, true) + 1e-8).sqrt(),
+                };
+                for (row, w) in a.iter().zip(&whole) {
+                    for (x, y) in row.iter().zip(w) {
+                        assert!(((x - mean) * scale - y).abs() < 1e-12);
+                    }
+                }
+                // Two ranks: rows 0..1 and 1..3, the sums exchanged by hand.
+                let parts = [(0..1), (1..3)];
+                let firsts: Vec<[f64; 2]> = parts
+                    .iter()
+                    .map(|r| {
+                        let mut s = [0.0; 2];
+                        for (v, k) in a[r.clone()].iter().zip(&m[r.clone()]) {
+                            for (x, w) in v.iter().zip(k) {
+                                s[0] += x * w;
+                                s[1] += w;
+                            }
+                        }
+                        s
+                    })
+                    .collect();
+                let total = [firsts[0][0] + firsts[1][0], firsts[0][1] + firsts[1][1]];
+                let mut squares = [0.0; 2];
+                let mean = total[0] / total[1];
+                for (i, r) in parts.iter().enumerate() {
+                    for (v, k) in a[r.clone()].iter().zip(&m[r.clone()]) {
+                        for (x, w) in v.iter().zip(k) {
+                            squares[i] += (x - mean) * (x - mean) * w;
+                        }
+                    }
+                }
+                for (i, r) in parts.iter().enumerate() {
+                    let mut round = 0;
+                    let sum = |xs: &mut [f64]| {
+                        if round == 0 {
+                            xs.copy_from_slice(&total);
+                        } else {
+                            xs[0] = squares[0] + squares[1];
+                        }
+                        round += 1;
+                        Ok::<(), ()>(())
+                    };
+                    let part = whiten_advantages_over(
+                        &a[r.clone()],
+                        &m[r.clone()],
+                        mean_only,
+                        flavor,
+                        sum,
+                    )
+                    .unwrap();
+                    for (p, w) in part.iter().flatten().zip(whole[r.clone()].iter().flatten()) {
+                        assert!((p - w).abs() < 1e-12, "rank {i}: {p} vs {w}");
+                    }
+                }
+            }
+        }
     }
 
     #[test]

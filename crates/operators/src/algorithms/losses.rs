@@ -335,6 +335,40 @@ pub fn value_loss(
     aggregation: Aggregation,
     flavor: Flavor,
 ) -> (Tensor, f64) {
+    let scale = StepScale::of(mask, None);
+    let (loss, clipped) = value_loss_in_step(
+        values,
+        old_values,
+        returns,
+        mask,
+        clip,
+        aggregation,
+        flavor,
+        &scale,
+    );
+    let fraction = if scale.tokens > 0.0 {
+        clipped / scale.tokens
+    } else {
+        0.0
+    };
+    (loss, fraction)
+}
+
+/// [`value_loss`] of one part (a micro-batch, a data-parallel rank's rows)
+/// of a step whose denominators are `scale`, so that the parts' losses add
+/// up to the step's; the second value is the number of valid tokens where
+/// the clipped branch was larger (its fraction is that over `scale.tokens`).
+#[allow(clippy::too_many_arguments)]
+pub fn value_loss_in_step(
+    values: &Tensor,
+    old_values: &Tensor,
+    returns: &Tensor,
+    mask: &Tensor,
+    clip: Option<f64>,
+    aggregation: Aggregation,
+    flavor: Flavor,
+    scale: &StepScale,
+) -> (Tensor, f64) {
     let plain = (values - returns).square();
     let (loss, clip_fraction) = match clip {
         Some(eps) => {
@@ -346,14 +380,15 @@ pub fn value_loss(
                     .maximum(&(old_values - eps)),
             };
             let clipped = (clipped_values - returns).square();
-            let fraction = masked_mean(&clipped.gt_tensor(&plain).to_kind(Kind::Float), mask)
+            let count = (clipped.gt_tensor(&plain).to_kind(Kind::Float) * mask)
+                .sum(Kind::Double)
                 .double_value(&[]);
-            (plain.maximum(&clipped), fraction)
+            (plain.maximum(&clipped), count)
         }
         None => (plain, 0.0),
     };
     (
-        aggregate(&loss, mask, aggregation, flavor) * 0.5,
+        aggregate_in_step(&loss, mask, aggregation, flavor, scale) * 0.5,
         clip_fraction,
     )
 }

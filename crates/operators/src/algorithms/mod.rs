@@ -19,13 +19,13 @@ pub mod stats;
 
 pub use advantages::{
     discounted_returns, gae, gpg, greedy_baselines, grpo, grpo_passk, opo, remax, rloo,
-    whiten_advantages, GroupError,
+    whiten_advantages, whiten_advantages_over, GroupError,
 };
 pub use kl::{kl, kl_tensor, kl_tokens, token_rewards, KlEstimator};
 pub use losses::{
     aggregate, aggregate_in_step, importance_weights, policy_loss, policy_loss_in_step, value_loss,
-    Aggregation, ImportanceCorrection, PolicyLoss, PolicyLossConfig, RatioLevel, StepScale,
-    WeightStats,
+    value_loss_in_step, Aggregation, ImportanceCorrection, PolicyLoss, PolicyLossConfig,
+    RatioLevel, StepScale, WeightStats,
 };
 pub use objectives::PolicyObjective;
 pub use shaping::{overlong_penalty, KlController};

@@ -5,6 +5,7 @@
 
 use arrow::array::{AsArray, RecordBatch};
 
+use weir_gpu::collective::{leads, sum_scalars, GroupMember};
 use weir_graph::batch::with_column;
 use weir_graph::{StageError, StepBuffer, StepContext, StepStage};
 
@@ -165,6 +166,7 @@ pub struct GaeAdvantage {
     /// Whose semantics.
     pub flavor: Flavor,
     held: StepBuffer,
+    data_parallel: Option<GroupMember>,
 }
 
 impl GaeAdvantage {
@@ -180,7 +182,33 @@ impl GaeAdvantage {
             whiten: true,
             flavor: Flavor::OpenRlhf,
             held: super::rows_in_order(),
+            data_parallel: None,
         }
+    }
+
+    /// One rank of the step's train workers: the whitening and the KL
+    /// figures (and so the adaptive coefficient) are the whole step's, and
+    /// rank 0 records them. Must run offloaded (it waits for its peers).
+    pub fn with_data_parallel(mut self, member: GroupMember) -> Self {
+        self.data_parallel = Some(member);
+        self
+    }
+
+    fn step_kl(
+        &mut self,
+        ctx: &mut StepContext,
+        kl: &[Vec<f64>],
+        mask: &[Vec<f64>],
+    ) -> Result<(), StageError> {
+        let member = self.data_parallel.as_ref();
+        record_kl(
+            ctx,
+            member,
+            &mut self.kl_coef,
+            self.adaptive_kl.as_ref(),
+            kl,
+            mask,
+        )
     }
 }
 
@@ -194,14 +222,20 @@ impl StepStage for GaeAdvantage {
         ctx: &mut StepContext,
         rows: Option<RecordBatch>,
     ) -> Result<Vec<RecordBatch>, StageError> {
-        use crate::algorithms::{gae, whiten_advantages};
+        use crate::algorithms::gae;
         let Some(batch) = rows else {
+            // A rank with no rows still joins the step's sums.
+            if self.data_parallel.is_some() {
+                self.step_kl(ctx, &[], &[])?;
+                if self.whiten {
+                    whiten(&[], &[], self.flavor, self.data_parallel.as_ref())?;
+                }
+            }
             return Ok(Vec::new());
         };
         let scores = rewards(&batch, "advantage")?;
         let values = float_lists(&batch, col::VALUES, "advantage")?;
         let (rewards, mask, kl) = kl_shaped_rewards(
-            ctx,
             &batch,
             &scores,
             self.kl_coef,
@@ -209,9 +243,7 @@ impl StepStage for GaeAdvantage {
             self.reward_clip,
             self.flavor,
         )?;
-        if let (Some(adaptive), Some(kl)) = (&self.adaptive_kl, kl) {
-            adaptive.update(ctx.step, &mut self.kl_coef, kl, batch.num_rows());
-        }
+        self.step_kl(ctx, &kl, &mask)?;
         let (advantages, returns) = gae(
             &rewards,
             &values,
@@ -221,7 +253,7 @@ impl StepStage for GaeAdvantage {
             self.flavor,
         );
         let advantages = if self.whiten {
-            whiten_advantages(&advantages, &mask, false, self.flavor)
+            whiten(&advantages, &mask, self.flavor, self.data_parallel.as_ref())?
         } else {
             advantages
         };
@@ -248,45 +280,95 @@ impl StepStage for GaeAdvantage {
 type TokenRows = Vec<Vec<f64>>;
 
 /// Per-token rewards of a batch: `scores` on each response's last token
-/// (clipped to `clip`) minus `kl_coef ·` KL(behaviour ‖ reference); and the
-/// all-ones response mask. With the KL term on, its token mean over the
-/// batch is recorded as the step's `kl` (the KL these pipelines put in the
-/// reward, not in the loss) and the coefficient as `kl_coef`; the mean over
-/// responses of each response's token-mean KL is returned (what the adaptive
-/// controller steers, as verl's `apply_kl_penalty` and OpenRLHF compute it).
+/// (clipped to `clip`) minus `kl_coef ·` KL(behaviour ‖ reference); the
+/// all-ones response mask; and the per-token KL (empty rows when the KL
+/// term is off).
 fn kl_shaped_rewards(
-    ctx: &mut StepContext,
     batch: &RecordBatch,
     scores: &[f64],
     kl_coef: f64,
     estimator: crate::algorithms::KlEstimator,
     clip: Option<(f64, f64)>,
     flavor: Flavor,
-) -> Result<(TokenRows, TokenRows, Option<f64>), StageError> {
-    use crate::algorithms::stats::masked_mean;
+) -> Result<(TokenRows, TokenRows, TokenRows), StageError> {
     use crate::algorithms::{kl_tokens, token_rewards};
     let behaviour = float_lists(batch, col::BEHAVIOR_LOGPROBS, "advantage")?;
     let mask: Vec<Vec<f64>> = behaviour.iter().map(|r| vec![1.0; r.len()]).collect();
-    let (kl, sequence_kl) = if kl_coef > 0.0 {
+    let kl = if kl_coef > 0.0 {
         let reference = float_lists(batch, col::REF_LOGPROBS, "advantage")?;
-        let kl = kl_tokens(&behaviour, &reference, estimator, flavor);
-        ctx.record("kl", masked_mean(&kl, &mask));
-        ctx.record("kl_coef", kl_coef);
-        let per_response: Vec<f64> = kl
-            .iter()
-            .zip(&mask)
-            .map(|(k, m)| masked_mean(std::slice::from_ref(k), std::slice::from_ref(m)))
-            .collect();
-        let mean = per_response.iter().sum::<f64>() / per_response.len().max(1) as f64;
-        (kl, Some(mean))
+        kl_tokens(&behaviour, &reference, estimator, flavor)
     } else {
-        (mask.iter().map(|r| vec![0.0; r.len()]).collect(), None)
+        mask.iter().map(|r| vec![0.0; r.len()]).collect()
     };
-    Ok((
-        token_rewards(scores, &kl, &mask, kl_coef, clip),
-        mask,
-        sequence_kl,
-    ))
+    Ok((token_rewards(scores, &kl, &mask, kl_coef, clip), mask, kl))
+}
+
+/// The KL figures of a step split over `member`'s ranks (or alone): the
+/// token mean of `kl` (the KL these pipelines put in the reward, not in
+/// the loss), the mean over responses of each response's token mean (what
+/// the adaptive controller steers, as verl's `apply_kl_penalty` and
+/// OpenRLHF compute it) and the number of responses. Every rank calls it,
+/// with or without rows.
+fn kl_figures(
+    member: Option<&GroupMember>,
+    kl: &[Vec<f64>],
+    mask: &[Vec<f64>],
+) -> Result<(f64, f64, f64), StageError> {
+    use crate::algorithms::stats::masked_mean;
+    // [Σ m·kl, Σ m, Σ per-response means, responses], in masked_mean's order.
+    let mut sums = [0.0; 4];
+    for (k, m) in kl.iter().zip(mask) {
+        for (x, w) in k.iter().zip(m) {
+            sums[0] += x * w;
+            sums[1] += w;
+        }
+        sums[2] += masked_mean(std::slice::from_ref(k), std::slice::from_ref(m));
+        sums[3] += 1.0;
+    }
+    sum_scalars(member, &mut sums)?;
+    let token_mean = if sums[1] == 0.0 {
+        0.0
+    } else {
+        sums[0] / sums[1]
+    };
+    Ok((token_mean, sums[2] / sums[3].max(1.0), sums[3]))
+}
+
+/// Whitening over the whole step, its rows split over `member`'s ranks (or alone).
+fn whiten(
+    advantages: &[Vec<f64>],
+    mask: &[Vec<f64>],
+    flavor: Flavor,
+    member: Option<&GroupMember>,
+) -> Result<TokenRows, StageError> {
+    crate::algorithms::whiten_advantages_over(advantages, mask, false, flavor, |xs| {
+        sum_scalars(member, xs)
+    })
+    .map_err(StageError::from)
+}
+
+/// With the KL term on: records the step's `kl` and `kl_coef` (on rank 0
+/// of a group) and moves an adaptive coefficient, from the whole step's figures.
+fn record_kl(
+    ctx: &mut StepContext,
+    member: Option<&GroupMember>,
+    kl_coef: &mut f64,
+    adaptive: Option<&AdaptiveKl>,
+    kl: &[Vec<f64>],
+    mask: &[Vec<f64>],
+) -> Result<(), StageError> {
+    if *kl_coef <= 0.0 {
+        return Ok(());
+    }
+    let (token_mean, response_mean, responses) = kl_figures(member, kl, mask)?;
+    if leads(member) {
+        ctx.record("kl", token_mean);
+        ctx.record("kl_coef", *kl_coef);
+    }
+    if let Some(adaptive) = adaptive {
+        adaptive.update(ctx.step, kl_coef, response_mean, responses as usize);
+    }
+    Ok(())
 }
 
 /// The adaptive KL controller of an in-reward KL penalty (Ziegler et al.
@@ -340,6 +422,7 @@ pub struct ReinforceAdvantage {
     /// Whose semantics.
     pub flavor: Flavor,
     held: StepBuffer,
+    data_parallel: Option<GroupMember>,
 }
 
 /// The baseline of [`ReinforceAdvantage`].
@@ -368,7 +451,33 @@ impl ReinforceAdvantage {
             reward_clip: Some((-10.0, 10.0)),
             flavor: Flavor::OpenRlhf,
             held: super::rows_in_order(),
+            data_parallel: None,
         }
+    }
+
+    /// One rank of the step's train workers: the whitening and the KL
+    /// figures (and so the adaptive coefficient) are the whole step's, and
+    /// rank 0 records them. Must run offloaded (it waits for its peers).
+    pub fn with_data_parallel(mut self, member: GroupMember) -> Self {
+        self.data_parallel = Some(member);
+        self
+    }
+
+    fn step_kl(
+        &mut self,
+        ctx: &mut StepContext,
+        kl: &[Vec<f64>],
+        mask: &[Vec<f64>],
+    ) -> Result<(), StageError> {
+        let member = self.data_parallel.as_ref();
+        record_kl(
+            ctx,
+            member,
+            &mut self.kl_coef,
+            self.adaptive_kl.as_ref(),
+            kl,
+            mask,
+        )
     }
 }
 
@@ -382,8 +491,16 @@ impl StepStage for ReinforceAdvantage {
         ctx: &mut StepContext,
         rows: Option<RecordBatch>,
     ) -> Result<Vec<RecordBatch>, StageError> {
-        use crate::algorithms::{discounted_returns, whiten_advantages};
+        use crate::algorithms::discounted_returns;
+        let whitened = self.baseline != ReinforceBaseline::Greedy;
         let Some(batch) = rows else {
+            // A rank with no rows still joins the step's sums.
+            if self.data_parallel.is_some() {
+                self.step_kl(ctx, &[], &[])?;
+                if whitened {
+                    whiten(&[], &[], self.flavor, self.data_parallel.as_ref())?;
+                }
+            }
             return Ok(Vec::new());
         };
         let (batch, greedy) = match self.baseline {
@@ -399,7 +516,6 @@ impl StepStage for ReinforceAdvantage {
             scores = grpo(&scores, &groups, false, self.flavor)?;
         }
         let (rewards, mask, kl) = kl_shaped_rewards(
-            ctx,
             &batch,
             &scores,
             self.kl_coef,
@@ -407,9 +523,7 @@ impl StepStage for ReinforceAdvantage {
             self.reward_clip,
             self.flavor,
         )?;
-        if let (Some(adaptive), Some(kl)) = (&self.adaptive_kl, kl) {
-            adaptive.update(ctx.step, &mut self.kl_coef, kl, batch.num_rows());
-        }
+        self.step_kl(ctx, &kl, &mask)?;
         let (returns, advantages) = match &greedy {
             Some(baselines) => {
                 let (advantages, returns) = remax(&rewards, &mask, baselines);
@@ -417,7 +531,8 @@ impl StepStage for ReinforceAdvantage {
             }
             None => {
                 let returns = discounted_returns(&rewards, &mask, self.gamma, self.flavor);
-                let advantages = whiten_advantages(&returns, &mask, false, self.flavor);
+                let member = self.data_parallel.as_ref();
+                let advantages = whiten(&returns, &mask, self.flavor, member)?;
                 (returns, advantages)
             }
         };

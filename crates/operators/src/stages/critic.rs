@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use arrow::array::RecordBatch;
 
 use tch::{Kind, Tensor};
+use weir_gpu::collective::{leads, GroupMember};
 use weir_gpu::optim::{AdamWConfig, Optimizer};
 use weir_gpu::Model;
 use weir_graph::batch::with_column;
@@ -16,7 +17,8 @@ use weir_graph::{Stage, StageError, StepBuffer, StepContext, StepStage, WorkerIn
 
 use super::columns::{float_list_array, float_lists, token_lists};
 use super::sequences::pack_for;
-use crate::algorithms::{value_loss, Aggregation, Flavor};
+use super::train_step::{optimizer_step, step_scale};
+use crate::algorithms::{value_loss_in_step, Aggregation, Flavor};
 use crate::rollout::col;
 
 type Maker<T> = Box<dyn Fn(&WorkerInfo) -> Result<T, StageError> + Send + Sync>;
@@ -132,6 +134,8 @@ pub struct CriticLearner {
     flavor: Flavor,
     epochs: usize,
     mini_batches: usize,
+    lr: f64,
+    data_parallel: Option<GroupMember>,
     /// The last step's value loss.
     pub last_loss: f64,
 }
@@ -146,6 +150,7 @@ impl CriticLearner {
         max_grad_norm: Option<f64>,
     ) -> Result<Self, StageError> {
         let model = handle.get(worker)?;
+        let lr = adamw.lr;
         let optimizer = Optimizer::adamw(&*lock(&model)?, adamw)?;
         Ok(CriticLearner {
             model,
@@ -158,12 +163,24 @@ impl CriticLearner {
             flavor: Flavor::OpenRlhf,
             epochs: 1,
             mini_batches: 1,
+            lr,
+            data_parallel: None,
             last_loss: f64::NAN,
         })
     }
 
+    /// One data-parallel rank of the critic's fit: each mini-batch's loss
+    /// is normalised over every rank's rows and the gradients are summed
+    /// before each optimizer step, so the ranks' critics stay equal (they
+    /// start equal: every rank loads the same critic, whose fresh value
+    /// head is seeded); rank 0 records and checkpoints. Must run offloaded.
+    pub fn with_data_parallel(mut self, member: GroupMember) -> Self {
+        self.data_parallel = Some(member);
+        self
+    }
+
     /// Aggregates the value loss with `aggregation` and `flavor`'s semantics
-    /// ([`value_loss`]; the default: token mean, OpenRLHF).
+    /// ([`crate::algorithms::value_loss`]; the default: token mean, OpenRLHF).
     pub fn with_loss(mut self, aggregation: Aggregation, flavor: Flavor) -> Self {
         (self.aggregation, self.flavor) = (aggregation, flavor);
         self
@@ -207,13 +224,20 @@ impl StepStage for CriticLearner {
         ctx: &mut StepContext,
         rows: Option<RecordBatch>,
     ) -> Result<Vec<RecordBatch>, StageError> {
-        let Some(batch) = rows else {
+        let member = self.data_parallel.as_ref();
+        if rows.is_none() && member.is_none() {
             return Ok(Vec::new());
+        }
+        // A rank with no rows still joins every mini-batch's sums.
+        let (prompts, responses, old, returns) = match &rows {
+            Some(batch) => (
+                token_lists(batch, col::PROMPT_TOKENS, "critic learner")?,
+                token_lists(batch, col::RESPONSE_TOKENS, "critic learner")?,
+                float_lists(batch, col::VALUES, "critic learner")?,
+                float_lists(batch, col::RETURNS, "critic learner")?,
+            ),
+            None => Default::default(),
         };
-        let prompts = token_lists(&batch, col::PROMPT_TOKENS, "critic learner")?;
-        let responses = token_lists(&batch, col::RESPONSE_TOKENS, "critic learner")?;
-        let old = float_lists(&batch, col::VALUES, "critic learner")?;
-        let returns = float_lists(&batch, col::RETURNS, "critic learner")?;
         let model = lock(&self.model)?;
         let device = model.device();
         let pad = |rows: &[Vec<f64>], width: usize| {
@@ -229,43 +253,66 @@ impl StepStage for CriticLearner {
                 .view([rows.len() as i64, width as i64])
                 .to_device(device)
         };
-        let (rows, minis) = (prompts.len(), self.mini_batches);
+        let (n, minis) = (prompts.len(), self.mini_batches);
         let (mut loss_sum, mut clip_fraction) = (0.0, 0.0);
         for _epoch in 0..self.epochs {
             (loss_sum, clip_fraction) = (0.0, 0.0);
             for k in 0..minis {
-                let (lo, hi) = (k * rows / minis, (k + 1) * rows / minis);
-                if lo == hi {
+                let (lo, hi) = (k * n / minis, (k + 1) * n / minis);
+                let lengths = responses[lo..hi].iter().map(Vec::len);
+                let scale = step_scale(member, lengths, None)?;
+                if scale.sequences == 0.0 {
+                    // Empty on every rank.
                     continue;
                 }
-                self.optimizer.zero_grad();
-                let (values, mask) = response_values(&model, &prompts[lo..hi], &responses[lo..hi])?;
-                let width = values.size()[1] as usize;
-                let (loss, clipped) = value_loss(
-                    &values,
-                    &pad(&old[lo..hi], width),
-                    &pad(&returns[lo..hi], width),
-                    &mask,
-                    self.clip,
-                    self.aggregation,
-                    self.flavor,
-                );
-                loss.backward();
-                self.optimizer.step(self.max_grad_norm);
-                let value = loss.double_value(&[]);
-                if !value.is_finite() {
-                    return Err(format!("step {}: the value loss is not finite", ctx.step).into());
+                // [loss, clipped tokens], summed over the ranks.
+                let mut stats = [0.0, 0.0];
+                let (clip, aggregation, flavor) = (self.clip, self.aggregation, self.flavor);
+                optimizer_step(
+                    &mut self.optimizer,
+                    member,
+                    self.lr,
+                    self.max_grad_norm,
+                    &mut stats,
+                    |stats| {
+                        if lo == hi {
+                            return Ok(());
+                        }
+                        let (values, mask) =
+                            response_values(&model, &prompts[lo..hi], &responses[lo..hi])?;
+                        let width = values.size()[1] as usize;
+                        let (loss, clipped) = value_loss_in_step(
+                            &values,
+                            &pad(&old[lo..hi], width),
+                            &pad(&returns[lo..hi], width),
+                            &mask,
+                            clip,
+                            aggregation,
+                            flavor,
+                            &scale,
+                        );
+                        loss.backward();
+                        stats[0] += loss.double_value(&[]);
+                        stats[1] += clipped;
+                        Ok(())
+                    },
+                )
+                .map_err(|e| format!("step {}: the critic's fit: {e}", ctx.step))?;
+                loss_sum += stats[0] / minis as f64;
+                if scale.tokens > 0.0 {
+                    clip_fraction += stats[1] / scale.tokens / minis as f64;
                 }
-                loss_sum += value / minis as f64;
-                clip_fraction += clipped / minis as f64;
             }
         }
         self.last_loss = loss_sum;
-        ctx.record("value_loss", self.last_loss);
-        ctx.record("value_clip_fraction", clip_fraction);
-        if let Some(ck) = self.checkpoints.as_ref().filter(|c| c.due(ctx.step)) {
-            ck.save_component(ctx.step, "critic", &model, &self.optimizer)?;
+        if leads(member) {
+            ctx.record("value_loss", self.last_loss);
+            ctx.record("value_clip_fraction", clip_fraction);
+            if let Some(ck) = self.checkpoints.as_ref().filter(|c| c.due(ctx.step)) {
+                ck.save_component(ctx.step, "critic", &model, &self.optimizer)?;
+            }
         }
-        Ok(vec![batch])
+        drop(model);
+        Ok(rows.into_iter().collect())
     }
 }
