@@ -234,17 +234,25 @@ pub(crate) fn stage_operator<'scope>(
                                 .session(&held[1])
                                 .give_iterator(metrics.into_iter());
                             if let Some((version, body)) = published {
+                                let sent_at = now_ns();
                                 let messages = weights_edge::address(
                                     &cfg.generators,
                                     env.threads,
                                     env.process,
-                                    (version, step, now_ns()),
+                                    (version, step, sent_at),
                                     &body,
                                     cfg.weights_bucket_bytes,
                                 );
+                                let count = messages.len();
                                 weights_session
                                     .session(&held[2])
                                     .give_iterator(messages.into_iter());
+                                tracing::debug!(
+                                    version,
+                                    messages = count,
+                                    handed_over_s = now_ns().saturating_sub(sent_at) as f64 * 1e-9,
+                                    "weights sent"
+                                );
                             }
                         }
                         Done::Loaded => {}
@@ -319,7 +327,28 @@ impl OpState {
         let WeightsBody::Bucket(bucket) = &message.body else {
             return Some(message);
         };
-        let payload = self.reassembly.add(message.version, bucket)?;
+        let first = self.reassembly.is_empty();
+        let payload = match self.reassembly.add(bucket) {
+            Ok(payload) => payload,
+            Err(err) => {
+                env.fail(err);
+                return None;
+            }
+        };
+        if first {
+            tracing::debug!(
+                version = message.version,
+                since_sent_s = now_ns().saturating_sub(message.sent_at_ns) as f64 * 1e-9,
+                "first weights bucket"
+            );
+        }
+        let payload = payload?;
+        tracing::debug!(
+            version = message.version,
+            bytes = payload.len(),
+            since_sent_s = now_ns().saturating_sub(message.sent_at_ns) as f64 * 1e-9,
+            "weights whole"
+        );
         let process = self.me / env.threads.max(1);
         let others: Vec<usize> = cfg
             .generators
