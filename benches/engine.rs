@@ -151,7 +151,7 @@ fn sim_steps_per_s(k: u64, queue: usize, steps: u64) -> f64 {
         seed: 0,
         group_size: 4,
         weights_bytes: 4096,
-        weights_bucket_bytes: 256 << 20,
+        weights_bucket_bytes: 64 << 20,
         placement: None,
         generate_queue: queue,
         stream_slots: 0,

@@ -9,7 +9,7 @@
 //!   the generator on process 0, publishing a payload of that size every
 //!   step at k = 0 (one version in flight at a time); its
 //!   `weights_transfer_s` is the time from the learner's send until the
-//!   payload is whole at the generator (serialised, sent in 256 MiB
+//!   payload is whole at the generator (serialised, sent in 64 MiB
 //!   buckets, landed in the generator process's buffer): the first
 //!   version's, and the steady state, the median over the versions after
 //!   the first two (whose buffers are still being mapped on both sides).

@@ -58,7 +58,7 @@ pub struct SimArgs {
     #[arg(long = "weights-bytes", default_value_t = 4096)]
     pub weights_bytes: usize,
     /// The largest bucket a weights payload crosses to another process in, bytes.
-    #[arg(long = "weights-bucket-bytes", default_value_t = 256 << 20)]
+    #[arg(long = "weights-bucket-bytes", default_value_t = 64 << 20)]
     pub weights_bucket_bytes: usize,
     /// Roles to workers, e.g. `rollout=0-2;train=3` (default: training on the last worker, the rest generate).
     #[arg(long)]

@@ -35,7 +35,7 @@ fn sim_args(out: &Path) -> SimArgs {
         seed: 0,
         group_size: 4,
         weights_bytes: 256,
-        weights_bucket_bytes: 256 << 20,
+        weights_bucket_bytes: 64 << 20,
         placement: None,
         generate_queue: 2,
         stream_slots: 0,

@@ -207,7 +207,7 @@ impl RunSettings {
             connect_timeout: Duration::from_secs(120),
             metrics_path: None,
             transport: Arc::new(InlineTransport),
-            weights_bucket_bytes: 256 << 20,
+            weights_bucket_bytes: 64 << 20,
             observer: None,
             step_observer: None,
             prior_metrics: Vec::new(),

@@ -119,6 +119,7 @@ pub(crate) fn stage_operator<'scope>(
                 }
                 caps.clear();
                 state.ending.clear();
+                state.outgoing.clear();
                 return;
             }
             // Weights first: a frontier past `s` means every message at or before `s` is here.
@@ -243,16 +244,14 @@ pub(crate) fn stage_operator<'scope>(
                                     &body,
                                     cfg.weights_bucket_bytes,
                                 );
-                                let count = messages.len();
-                                weights_session
-                                    .session(&held[2])
-                                    .give_iterator(messages.into_iter());
                                 tracing::debug!(
                                     version,
-                                    messages = count,
-                                    handed_over_s = now_ns().saturating_sub(sent_at) as f64 * 1e-9,
-                                    "weights sent"
+                                    messages = messages.len(),
+                                    "weights published"
                                 );
+                                state
+                                    .outgoing
+                                    .extend(messages.into_iter().map(|m| (held[2].clone(), m)));
                             }
                         }
                         Done::Loaded => {}
@@ -271,6 +270,20 @@ pub(crate) fn stage_operator<'scope>(
                     reschedule.activate();
                     break;
                 }
+            }
+            // Published weights leave one bucket per activation, each its own
+            // timely message: a bucket is on the wire (and being landed)
+            // while the next is serialised, and no buffer holds them all.
+            let mut sent_bucket = false;
+            while let Some((_, message)) = state.outgoing.front() {
+                let bucket = matches!(message.body, WeightsBody::Bucket(_));
+                if bucket && sent_bucket {
+                    reschedule.activate();
+                    break;
+                }
+                let (cap, message) = state.outgoing.pop_front().expect("just looked");
+                weights_session.session(&cap).give(message);
+                sent_bucket |= bucket;
             }
         }
     });
@@ -297,6 +310,8 @@ struct OpState {
     queue_peak: u64,
     /// Weights arriving in buckets from another process.
     reassembly: Reassembly,
+    /// Published weights not yet sent, with the capability they go under.
+    outgoing: VecDeque<(Capability<Step>, WeightsMessage)>,
 }
 
 impl OpState {
@@ -312,6 +327,7 @@ impl OpState {
             newest_weights: cfg.version,
             queue_peak: 0,
             reassembly: Reassembly::default(),
+            outgoing: VecDeque::new(),
         }
     }
 

@@ -16,11 +16,15 @@
 //!
 //! An inline payload crosses to each other process once, whatever its
 //! number of generator workers: in [`Bucket`]s (`RunSettings::weights_bucket_bytes`,
-//! 256 MiB by default) to that process's first generator worker, which
+//! 64 MiB by default) to that process's first generator worker, which
 //! puts them back together and shelves the payload for the others (they
-//! get a [`WeightsBody::Shelved`] note). Buckets travel while the
-//! generators go on generating; the frontier lets a generator use version
-//! `v` only once all of it is there. Generators in the learner's own
+//! get a [`WeightsBody::Shelved`] note). The learner's operator sends one
+//! bucket per activation, each its own timely message, so a bucket is on
+//! the wire and being landed while the next is serialised, and no buffer
+//! holds them all; buckets travel while the generators go on generating;
+//! the frontier lets a generator use version `v` only once all of it is
+//! there. On arrival a bucket's bytes go straight into the process's
+//! buffer for that payload, reused from version to version. Generators in the learner's own
 //! process share the learner's payload without a copy.
 //!
 //! # Examples

@@ -105,7 +105,7 @@ impl Default for PlacementSection {
             rollout: vec![0],
             train: vec![1],
             reference: ReferencePlacement::Train,
-            weights_bucket_mib: 256,
+            weights_bucket_mib: 64,
         }
     }
 }
