@@ -29,9 +29,50 @@ pub fn inspect(run_dir: &Path) -> anyhow::Result<String> {
     write_progress(&run, &mut out)?;
     write_curves(&run, &mut out)?;
     write_staleness(&run, &mut out)?;
+    write_weights(&run, &mut out)?;
     write_stages(&run, &mut out)?;
     write_folder_extras(run_dir, &mut out)?;
     Ok(out)
+}
+
+/// The weights edge: versions loaded by the generators, their size, and
+/// the medians of the transfer (send to whole in the generator's process)
+/// and of the generator's pause to apply them.
+fn write_weights(run: &RunMetrics, out: &mut String) -> std::fmt::Result {
+    use weir_graph::metrics::names;
+    let values = |metric: &str| -> Vec<f64> {
+        let mut v: Vec<f64> = run
+            .rows
+            .iter()
+            .filter(|r| r.metric == metric)
+            .map(|r| r.value)
+            .collect();
+        v.sort_by(f64::total_cmp);
+        v
+    };
+    let median = |v: &[f64]| v[v.len() / 2];
+    let (transfer, load, bytes) = (
+        values(names::WEIGHTS_TRANSFER_S),
+        values(names::WEIGHTS_LOAD_S),
+        values(names::WEIGHTS_BYTES),
+    );
+    if transfer.is_empty() {
+        return Ok(());
+    }
+    write!(
+        out,
+        "\n{:<12} {} loads by the generators, median transfer {} s",
+        "weights",
+        transfer.len(),
+        fmt_value(median(&transfer))
+    )?;
+    if !load.is_empty() {
+        write!(out, ", median apply {} s", fmt_value(median(&load)))?;
+    }
+    if !bytes.is_empty() {
+        write!(out, ", {} MB each", fmt_value(median(&bytes) / 1e6))?;
+    }
+    writeln!(out)
 }
 
 /// Steps, wall time and throughput.

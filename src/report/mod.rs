@@ -37,7 +37,7 @@ const LEARNER_METRICS: [&str; 7] = [
 ];
 
 /// Metrics the engine writes for every stage; the rest are the stages' own.
-const ENGINE_METRICS: [&str; 10] = [
+const ENGINE_METRICS: [&str; 12] = [
     names::BUSY_S,
     names::BATCHES_IN,
     names::ROWS_IN,
@@ -45,6 +45,8 @@ const ENGINE_METRICS: [&str; 10] = [
     names::QUEUE_PEAK,
     names::POLICY_VERSION,
     names::WEIGHTS_TRANSFER_S,
+    names::WEIGHTS_LOAD_S,
+    names::WEIGHTS_BYTES,
     names::STALENESS,
     names::DONE_UNIX_S,
     names::IN_FLIGHT_STEPS,

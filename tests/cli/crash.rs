@@ -205,19 +205,27 @@ fn check_run_folder(dir: &Path, seed: u64) {
         1,
         "learner versions continuous: offsets {version_offsets:?} {ctx}"
     );
-    // metrics.parquet covers every step, each once.
-    let mut learned: BTreeMap<u64, u32> = BTreeMap::new();
+    // metrics.parquet covers every step, each once per learner worker
+    // (data-parallel ranks each record their own engine figures).
+    let mut learned: BTreeMap<(u64, u32), u32> = BTreeMap::new();
     for b in read_parquet_file(&dir.join("metrics.parquet")).unwrap() {
         for r in batch_to_rows(&b).unwrap() {
             if r.stage == "learn" && r.metric == "rows_in" {
-                *learned.entry(r.step).or_default() += 1;
+                *learned.entry((r.step, r.worker)).or_default() += 1;
             }
         }
     }
+    let steps: BTreeSet<u64> = learned.keys().map(|k| k.0).collect();
     assert_eq!(
-        learned.keys().copied().collect::<Vec<_>>(),
+        steps.into_iter().collect::<Vec<_>>(),
         (0..STEPS).collect::<Vec<_>>(),
         "metrics steps {ctx}"
+    );
+    let workers: BTreeSet<u32> = learned.keys().map(|k| k.1).collect();
+    assert_eq!(
+        learned.len(),
+        STEPS as usize * workers.len(),
+        "every learner worker's figures for every step {ctx}"
     );
     assert!(
         learned.values().all(|&n| n == 1),

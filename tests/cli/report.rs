@@ -230,6 +230,9 @@ fn inspect_and_plot_read_a_sim_run() {
     for stage in ["generate", "score", "advantage", "learn"] {
         assert_eq!(fields(&text, stage).len(), 5, "{text}");
     }
+    // The weights edge: the versions the generator loaded, the sim's 4,096-byte payload.
+    let loads: u64 = fields(&text, "weights")[1].parse().unwrap();
+    assert!(loads >= 1 && text.contains("0.004096 MB each"), "{text}");
     let written = success(&weir(&["plot", "sim"], dir.path()));
     assert!(
         written.contains("staleness.png") && written.contains("throughput.png"),
