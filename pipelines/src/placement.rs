@@ -121,28 +121,12 @@ pub(crate) fn derived_cursors(
 }
 
 /// Refuses data-parallel trainers (several `placement.train` workers) where
-/// they cannot train like one: pipelines that normalise over the whole step,
-/// and dynamic sampling. Ranks may sit in any processes.
-pub(crate) fn check_data_parallel(
-    kind: PipelineKind,
-    cfg: &RunConfig,
-) -> Result<(), PipelineError> {
+/// they cannot train like one: dynamic sampling, which fills a step's quota
+/// on one worker. Ranks may sit in any processes.
+pub(crate) fn check_data_parallel(cfg: &RunConfig) -> Result<(), PipelineError> {
     let train = &cfg.placement.train;
     if train.len() <= 1 {
         return Ok(());
-    }
-    let why = match kind {
-        PipelineKind::Gpg => Some(
-            "its α counts the non-zero scores of the whole step, so it trains on exactly one worker",
-        ),
-        _ => None,
-    };
-    if let Some(why) = why {
-        return Err(format!(
-            "`placement.train` = {train:?}: {} {why}; data-parallel trainers are for every pipeline but gpg",
-            kind.name()
-        )
-        .into());
     }
     if cfg.dynamic_sampling.enabled {
         return Err(format!(

@@ -55,10 +55,23 @@ fn group(cfg: &RunConfig, ctx: &RunContext, name: &str, estimator: GroupEstimato
     let flavor = roles::flavor(cfg);
     let pipeline = rollouts(Pipeline::new(name), cfg, ctx, false);
     let (pipeline, regroup) = statistics_and_filter(pipeline, cfg, ctx);
-    pipeline
-        .stage("advantage", TRAIN, regroup, move |_| {
-            Ok(GroupAdvantage::new(estimator, flavor))
+    // GPG's α counts the whole step: its ranks sum their counts.
+    let ranks = roles::data_parallel_group(cfg).filter(|_| estimator == GroupEstimator::Gpg);
+    let offload = ranks.is_some();
+    let pipeline = pipeline.stage("advantage", TRAIN, regroup, move |w| {
+        let advantage = GroupAdvantage::new(estimator, flavor);
+        Ok(match &ranks {
+            Some(group) => advantage.with_data_parallel(group.member(w, "advantage")?),
+            None => advantage,
         })
+    });
+    let pipeline = if offload {
+        // Ranks wait for each other: off the worker thread.
+        pipeline.offload(roles::MODEL_QUEUE)
+    } else {
+        pipeline
+    };
+    pipeline
         .learn(
             "learn",
             TRAIN,

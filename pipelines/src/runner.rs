@@ -151,7 +151,7 @@ fn check_request(req: &RunRequest) -> Result<(), PipelineError> {
         }
     }
     check_heads(kind, cfg)?;
-    crate::placement::check_data_parallel(kind, cfg)?;
+    crate::placement::check_data_parallel(cfg)?;
     crate::placement::execution(cfg, &req.cluster)?;
     Ok(())
 }

@@ -45,6 +45,7 @@ const PERFORMANCE: &[&str] = &[
 const TIMING: &[&str] = &[
     names::BUSY_S,
     names::WEIGHTS_TRANSFER_S,
+    names::WEIGHTS_LOAD_S,
     names::DONE_UNIX_S,
     names::QUEUE_PEAK,
     "row_latency_s",

@@ -12,7 +12,7 @@ pub const DOCS: &[(&str, &str, &str)] = &[
     ("run", "device", "\"cpu\" or \"cuda\"."),
     ("placement", "workers", "Engine workers (threads; one per GPU on a GPU machine)."),
     ("placement", "rollout", "Workers that generate and score."),
-    ("placement", "train", "Workers that run the reference, critic, advantage and learner (may equal rollout: colocation). Several workers (in one process or in several) train as data-parallel ranks of one learner, each on its share of every step's rows, their gradients summed before each optimizer step (whitening and the in-reward KL over the whole step): every pipeline but gpg."),
+    ("placement", "train", "Workers that run the reference, critic, advantage and learner (may equal rollout: colocation). Several workers (in one process or in several) train as data-parallel ranks of one learner, each on its share of every step's rows, their gradients summed before each optimizer step (whitening, the in-reward KL and GPG's α over the whole step); dynamic sampling needs one train worker."),
     ("placement", "weights_bucket_mib", "The largest piece, in MiB, in which the learner's weights cross to another process (once per process; the buckets travel while generation goes on)."),
     ("placement", "reference", "Where the reference model runs: \"train\" (with the learner) or \"rollout\" (beside the generator, to balance a learner-bound step)."),
     ("model", "path", "The actor's HuggingFace checkpoint folder (required)."),

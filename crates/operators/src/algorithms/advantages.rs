@@ -292,8 +292,24 @@ pub fn grpo_passk(
 /// `α (s − mean_g) / f_norm` with `α = B / max(1, #{s ≠ 0})` over the `B`
 /// scores given (the step), `f_norm = 1`; a group of one sample has mean 0.
 pub fn gpg(scores: &[f64], groups: &[u64]) -> Result<Vec<f64>, GroupError> {
-    let nonzero = scores.iter().filter(|s| **s != 0.0).count().max(1);
-    let alpha = scores.len() as f64 / nonzero as f64;
+    let (total, nonzero) = gpg_counts(scores);
+    gpg_with_alpha(scores, groups, gpg_alpha(total, nonzero))
+}
+
+/// GPG's counts over `scores`: `(B, #{s ≠ 0})` (to be summed over the
+/// data-parallel ranks that share a step).
+pub fn gpg_counts(scores: &[f64]) -> (f64, f64) {
+    let nonzero = scores.iter().filter(|s| **s != 0.0).count();
+    (scores.len() as f64, nonzero as f64)
+}
+
+/// GPG's `α = B / max(1, #{s ≠ 0})` from a step's counts.
+pub fn gpg_alpha(total: f64, nonzero: f64) -> f64 {
+    total / nonzero.max(1.0)
+}
+
+/// [`gpg`] with a given `α` (the whole step's, when the step is split over ranks).
+pub fn gpg_with_alpha(scores: &[f64], groups: &[u64], alpha: f64) -> Result<Vec<f64>, GroupError> {
     let mut out = vec![0.0; scores.len()];
     for (_, idx) in members(scores, groups)? {
         let mean = if idx.len() == 1 {

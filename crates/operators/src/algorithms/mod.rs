@@ -18,8 +18,8 @@ pub mod shaping;
 pub mod stats;
 
 pub use advantages::{
-    discounted_returns, gae, gpg, greedy_baselines, grpo, grpo_passk, opo, remax, rloo,
-    whiten_advantages, whiten_advantages_over, GroupError,
+    discounted_returns, gae, gpg, gpg_alpha, gpg_counts, gpg_with_alpha, greedy_baselines, grpo,
+    grpo_passk, opo, remax, rloo, whiten_advantages, whiten_advantages_over, GroupError,
 };
 pub use kl::{kl, kl_tensor, kl_tokens, token_rewards, KlEstimator};
 pub use losses::{

@@ -10,7 +10,7 @@ use weir_graph::batch::with_column;
 use weir_graph::{StageError, StepBuffer, StepContext, StepStage};
 
 use super::columns::{float_lists, rewards, u64s};
-use crate::algorithms::{gpg, greedy_baselines, grpo, grpo_passk, opo, remax, rloo, Flavor};
+use crate::algorithms::{greedy_baselines, grpo, grpo_passk, opo, remax, rloo, Flavor};
 use crate::rollout::col;
 
 /// Which group baseline.
@@ -38,6 +38,7 @@ pub struct GroupAdvantage {
     estimator: GroupEstimator,
     flavor: Flavor,
     held: StepBuffer,
+    data_parallel: Option<GroupMember>,
 }
 
 impl GroupAdvantage {
@@ -47,7 +48,24 @@ impl GroupAdvantage {
             estimator,
             flavor,
             held: super::rows_in_order(),
+            data_parallel: None,
         }
+    }
+
+    /// One rank of the step's train workers: GPG's α counts the whole
+    /// step's scores (the other estimators need only whole groups). Must
+    /// run offloaded (it waits for its peers).
+    pub fn with_data_parallel(mut self, member: GroupMember) -> Self {
+        self.data_parallel = Some(member);
+        self
+    }
+
+    /// GPG's α over the whole step, this rank's `rewards` among them.
+    fn gpg_alpha(&self, rewards: &[f64]) -> Result<f64, StageError> {
+        let (total, nonzero) = crate::algorithms::gpg_counts(rewards);
+        let mut counts = [total, nonzero];
+        sum_scalars(self.data_parallel.as_ref(), &mut counts)?;
+        Ok(crate::algorithms::gpg_alpha(counts[0], counts[1]))
     }
 }
 
@@ -61,7 +79,12 @@ impl StepStage for GroupAdvantage {
         _ctx: &mut StepContext,
         rows: Option<RecordBatch>,
     ) -> Result<Vec<RecordBatch>, StageError> {
+        let gpg_ranks = self.estimator == GroupEstimator::Gpg && self.data_parallel.is_some();
         let Some(batch) = rows else {
+            if gpg_ranks {
+                // A rank with no rows still joins the step's counts.
+                self.gpg_alpha(&[])?;
+            }
             return Ok(Vec::new());
         };
         let rewards = rewards(&batch, "advantage")?;
@@ -76,7 +99,10 @@ impl StepStage for GroupAdvantage {
             GroupEstimator::Rloo => rloo(&rewards, &groups, self.flavor)?,
             GroupEstimator::Opo => opo(&rewards, &lengths, &groups)?,
             GroupEstimator::PassK => grpo_passk(&rewards, &groups, true)?,
-            GroupEstimator::Gpg => gpg(&rewards, &groups)?,
+            GroupEstimator::Gpg => {
+                let alpha = self.gpg_alpha(&rewards)?;
+                crate::algorithms::gpg_with_alpha(&rewards, &groups, alpha)?
+            }
         };
         let per_token: Vec<Vec<f64>> = per_response
             .iter()
