@@ -214,11 +214,15 @@ fn a_catalogue_of_bad_run_input_gets_one_line_each() {
             "placement.train",
         ),
         (
-            "too many train workers",
-            "gpg",
-            args(&["placement.train=[0, 1]", "placement.rollout=[0, 1]"]),
+            "data-parallel ranks with dynamic sampling",
+            "grpo",
+            args(&[
+                "placement.train=[0, 1]",
+                "placement.rollout=[0, 1]",
+                "dynamic_sampling.enabled=true",
+            ]),
             none(),
-            "gpg",
+            "dynamic sampling",
         ),
         (
             "missing prompt file",
