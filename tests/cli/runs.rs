@@ -231,6 +231,26 @@ fn metric_values(dir: &Path) -> Vec<String> {
     rows
 }
 
+/// `weir run grpo --quiet --out OUT` with `--set` for each of `sets`.
+fn grpo_args<'a>(out: &str, sets: impl IntoIterator<Item = &'a str>) -> Vec<String> {
+    let mut a: Vec<String> = ["run", "grpo", "--quiet", "--out", out]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    for s in sets {
+        a.extend(["--set".to_string(), s.to_string()]);
+    }
+    a
+}
+
+/// `weir run --resume DIR --quiet --set run.steps=6`.
+fn resume_to_six(dir: &str) -> Vec<String> {
+    ["run", "--resume", dir, "--quiet", "--set", "run.steps=6"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+}
+
 #[test]
 fn a_run_over_two_processes_matches_one_process_and_resumes() {
     let tmp = tempfile::tempdir().unwrap();
@@ -248,14 +268,10 @@ fn a_run_over_two_processes_matches_one_process_and_resumes() {
         "generate.max_new_tokens=6".into(),
     ];
     let args = |out: &str, extra: &[&str]| -> Vec<String> {
-        let mut a: Vec<String> = ["run", "grpo", "--quiet", "--out", out]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-        for s in sets.iter().map(String::as_str).chain(extra.iter().copied()) {
-            a.extend(["--set".to_string(), s.to_string()]);
-        }
-        a
+        grpo_args(
+            out,
+            sets.iter().map(String::as_str).chain(extra.iter().copied()),
+        )
     };
 
     let one = args("one", &[]);
@@ -295,14 +311,8 @@ fn a_run_over_two_processes_matches_one_process_and_resumes() {
     assert!(two.join("plots/reward.png").is_file());
 
     // Two more steps, resumed from step 3's checkpoint, in both layouts.
-    let resume = |dir: &str| -> Vec<String> {
-        ["run", "--resume", dir, "--quiet", "--set", "run.steps=6"]
-            .iter()
-            .map(|s| s.to_string())
-            .collect()
-    };
-    success(&weir(&strs(&resume("one")), tmp.path()));
-    let (text0, _) = run_two(&resume("two"), tmp.path());
+    success(&weir(&strs(&resume_to_six("one")), tmp.path()));
+    let (text0, _) = run_two(&resume_to_six("two"), tmp.path());
     assert!(text0.contains("steps: 6"), "{text0}");
     assert_eq!(summary(&two)["resumed_at_step"], 4);
     for file in [
@@ -388,19 +398,9 @@ fn data_parallel_ranks_in_two_processes_match_one_process_and_resume() {
         "placement.train=[0, 1]".into(),
         "algorithm.mini_batches=2".into(),
     ];
-    let args = |out: &str, steps: u64| -> Vec<String> {
-        let mut a: Vec<String> = ["run", "grpo", "--quiet", "--out", out]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-        for s in sets.iter() {
-            a.extend(["--set".to_string(), s.clone()]);
-        }
-        a.extend(["--set".to_string(), format!("run.steps={steps}")]);
-        a
-    };
-    success(&weir(&strs(&args("one", 4)), tmp.path()));
-    let (text0, text1) = run_two(&args("two", 4), tmp.path());
+    let args = |out: &str| grpo_args(out, sets.iter().map(String::as_str));
+    success(&weir(&strs(&args("one")), tmp.path()));
+    let (text0, text1) = run_two(&args("two"), tmp.path());
     assert!(text0.contains("steps: 4"), "{text0}");
     assert!(text1.contains("process 1 of 2: done"), "{text1}");
     let (one, two) = (tmp.path().join("one"), tmp.path().join("two"));
@@ -445,14 +445,8 @@ fn data_parallel_ranks_in_two_processes_match_one_process_and_resume() {
     );
 
     // Resumed across processes: rank 1 restores the optimizer rank 0 saved.
-    let resume = |dir: &str| -> Vec<String> {
-        ["run", "--resume", dir, "--quiet", "--set", "run.steps=6"]
-            .iter()
-            .map(|s| s.to_string())
-            .collect()
-    };
-    success(&weir(&strs(&resume("one")), tmp.path()));
-    let (text0, _) = run_two(&resume("two"), tmp.path());
+    success(&weir(&strs(&resume_to_six("one")), tmp.path()));
+    let (text0, _) = run_two(&resume_to_six("two"), tmp.path());
     assert!(text0.contains("steps: 6"), "{text0}");
     same(&[
         "checkpoints/step-5/actor/model.safetensors",

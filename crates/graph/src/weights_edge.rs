@@ -349,8 +349,7 @@ mod landing {
     /// Payload `id` once all its bytes are in (`None` before).
     pub(super) fn take_whole(id: u64) -> Option<WeightsPayload> {
         let mut all = landings();
-        let (_, received) = all.open.get(&id)?;
-        let (buffer, _) = all.open.get(&id).expect("just found");
+        let (buffer, received) = all.open.get(&id)?;
         if *received < buffer.len() as u64 {
             return None;
         }
