@@ -219,23 +219,6 @@ impl GaeAdvantage {
         self.data_parallel = Some(member);
         self
     }
-
-    fn step_kl(
-        &mut self,
-        ctx: &mut StepContext,
-        kl: &[Vec<f64>],
-        mask: &[Vec<f64>],
-    ) -> Result<(), StageError> {
-        let member = self.data_parallel.as_ref();
-        record_kl(
-            ctx,
-            member,
-            &mut self.kl_coef,
-            self.adaptive_kl.as_ref(),
-            kl,
-            mask,
-        )
-    }
 }
 
 impl StepStage for GaeAdvantage {
@@ -252,7 +235,14 @@ impl StepStage for GaeAdvantage {
         let Some(batch) = rows else {
             // A rank with no rows still joins the step's sums.
             if self.data_parallel.is_some() {
-                self.step_kl(ctx, &[], &[])?;
+                record_kl(
+                    ctx,
+                    self.data_parallel.as_ref(),
+                    &mut self.kl_coef,
+                    self.adaptive_kl.as_ref(),
+                    &[],
+                    &[],
+                )?;
                 if self.whiten {
                     whiten(&[], &[], self.flavor, self.data_parallel.as_ref())?;
                 }
@@ -269,7 +259,14 @@ impl StepStage for GaeAdvantage {
             self.reward_clip,
             self.flavor,
         )?;
-        self.step_kl(ctx, &kl, &mask)?;
+        record_kl(
+            ctx,
+            self.data_parallel.as_ref(),
+            &mut self.kl_coef,
+            self.adaptive_kl.as_ref(),
+            &kl,
+            &mask,
+        )?;
         let (advantages, returns) = gae(
             &rewards,
             &values,
@@ -488,23 +485,6 @@ impl ReinforceAdvantage {
         self.data_parallel = Some(member);
         self
     }
-
-    fn step_kl(
-        &mut self,
-        ctx: &mut StepContext,
-        kl: &[Vec<f64>],
-        mask: &[Vec<f64>],
-    ) -> Result<(), StageError> {
-        let member = self.data_parallel.as_ref();
-        record_kl(
-            ctx,
-            member,
-            &mut self.kl_coef,
-            self.adaptive_kl.as_ref(),
-            kl,
-            mask,
-        )
-    }
 }
 
 impl StepStage for ReinforceAdvantage {
@@ -522,7 +502,14 @@ impl StepStage for ReinforceAdvantage {
         let Some(batch) = rows else {
             // A rank with no rows still joins the step's sums.
             if self.data_parallel.is_some() {
-                self.step_kl(ctx, &[], &[])?;
+                record_kl(
+                    ctx,
+                    self.data_parallel.as_ref(),
+                    &mut self.kl_coef,
+                    self.adaptive_kl.as_ref(),
+                    &[],
+                    &[],
+                )?;
                 if whitened {
                     whiten(&[], &[], self.flavor, self.data_parallel.as_ref())?;
                 }
@@ -549,7 +536,14 @@ impl StepStage for ReinforceAdvantage {
             self.reward_clip,
             self.flavor,
         )?;
-        self.step_kl(ctx, &kl, &mask)?;
+        record_kl(
+            ctx,
+            self.data_parallel.as_ref(),
+            &mut self.kl_coef,
+            self.adaptive_kl.as_ref(),
+            &kl,
+            &mask,
+        )?;
         let (returns, advantages) = match &greedy {
             Some(baselines) => {
                 let (advantages, returns) = remax(&rewards, &mask, baselines);
