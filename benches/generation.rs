@@ -17,7 +17,8 @@ use std::time::Instant;
 use tch::{Kind, Tensor};
 use weir::gpu::optim::{AdamWConfig, Optimizer};
 use weir::gpu::{
-    generate_on, Backend, Device, Message, Model, ModelConfig, SamplingParams, Tokenizer,
+    generate_on, Backend, Device, Message, Model, ModelConfig, OnNewWeights, Request,
+    SamplingParams, Streamer, Tokenizer,
 };
 
 fn fixtures() -> PathBuf {
@@ -26,13 +27,26 @@ fn fixtures() -> PathBuf {
 
 /// The random 24.6M Llama of the TRL throughput baseline, written to `dir`.
 fn random_llama(dir: &Path) -> PathBuf {
+    random_model(dir, "random-llama-24.6m", 512, 8, 1408, 512)
+}
+
+/// A random Llama of vocabulary 1000 with 8 query and 4 key/value heads of
+/// `hidden / 8`, written to `dir/name`.
+fn random_model(
+    dir: &Path,
+    name: &str,
+    hidden: i64,
+    layers: i64,
+    intermediate: i64,
+    positions: i64,
+) -> PathBuf {
     let config = serde_json::json!({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1000, "hidden_size": 512,
-        "intermediate_size": 1408, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4,
-        "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": false,
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1000, "hidden_size": hidden,
+        "intermediate_size": intermediate, "num_hidden_layers": layers, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "max_position_embeddings": positions, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": false,
         "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 3, "hidden_act": "silu", "torch_dtype": "float32"
     });
-    let out = dir.join("random-llama-24.6m");
+    let out = dir.join(name);
     std::fs::create_dir_all(&out).unwrap();
     std::fs::write(out.join("config.json"), config.to_string()).unwrap();
     std::fs::write(
@@ -201,6 +215,82 @@ fn kernel_gflops(c: &ModelConfig) -> f64 {
     flops / seconds / 1e9
 }
 
+/// Token budgets from a heavy tail: `low · 2^(5u)`, u uniform, so the
+/// longest is 32× the shortest.
+fn long_tail_budgets(count: usize, low: usize) -> Vec<usize> {
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    (0..count)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let u = (state >> 11) as f64 / (1u64 << 53) as f64;
+            (low as f64 * (5.0 * u).exp2()).round() as usize
+        })
+        .collect()
+}
+
+/// Useful tokens/s of a long-tail workload on libtorch ops (the GPU's
+/// path): the continuous-batching pool against static batches of the same
+/// size, each run until its longest budget (what batch-level generation
+/// does); returns (pool, static).
+fn long_tail_pool(
+    model: &Model,
+    prompts: &[Vec<i64>],
+    budgets: &[usize],
+    pool: usize,
+) -> (f64, f64) {
+    let params = SamplingParams {
+        max_new_tokens: *budgets.iter().max().unwrap(),
+        ignore_eos: true,
+        seed: 1,
+        ..Default::default()
+    };
+    let useful: usize = budgets.iter().sum();
+    let requests: Vec<Request> = budgets
+        .iter()
+        .enumerate()
+        .map(|(i, &b)| Request {
+            key: i as u64,
+            prompt: prompts[i % prompts.len()].clone(),
+            stream: i as u64,
+            greedy: false,
+            max_new_tokens: Some(b),
+        })
+        .collect();
+    let t = Instant::now();
+    let mut streamer = Streamer::new(
+        model,
+        params.clone(),
+        pool,
+        OnNewWeights::Keep,
+        0,
+        Backend::Torch,
+    )
+    .unwrap();
+    streamer.submit(model, requests.clone()).unwrap();
+    let mut tokens = 0;
+    while !streamer.is_idle() {
+        for f in streamer.advance(model).unwrap() {
+            tokens += f.generation.tokens.len();
+        }
+    }
+    assert_eq!(tokens, useful, "every budget is met");
+    let pooled = useful as f64 / t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    for batch in requests.chunks(pool) {
+        let batch_prompts: Vec<Vec<i64>> = batch.iter().map(|r| r.prompt.clone()).collect();
+        let ids: Vec<u64> = batch.iter().map(|r| r.stream).collect();
+        let longest = batch.iter().filter_map(|r| r.max_new_tokens).max().unwrap();
+        let params = SamplingParams {
+            max_new_tokens: longest,
+            ..params.clone()
+        };
+        generate_on(model, &batch_prompts, &ids, &params, Backend::Torch).unwrap();
+    }
+    (pooled, useful as f64 / t.elapsed().as_secs_f64())
+}
+
 fn main() {
     let full = std::env::args().any(|a| a == "--bench");
     weir::gpu::device::set_threads(1);
@@ -209,10 +299,16 @@ fn main() {
     let random = random_llama(dir.path());
     let prompts = prompts(n_prompts);
     println!("== generation: {n_prompts} prompts × {n} samples, {new} new tokens, EOS suppressed, temperature 1, 1 thread ==");
-    for (name, path) in [
-        ("arith-sft (995k)", fixtures().join("models/arith-sft")),
-        ("random llama (24.6M)", random.clone()),
-    ] {
+    // `cargo bench --bench generation -- long_tail` runs only the long-tail pool.
+    let models = if std::env::args().any(|a| a == "long_tail") {
+        vec![]
+    } else {
+        vec![
+            ("arith-sft (995k)", fixtures().join("models/arith-sft")),
+            ("random llama (24.6M)", random.clone()),
+        ]
+    };
+    for (name, path) in models {
         let model = Model::load(&path, Device::Cpu, Kind::Float).unwrap();
         let width = prompts.iter().map(Vec::len).max().unwrap();
         // Rows through the model in transformers' run: every sample's padded
@@ -239,4 +335,33 @@ fn main() {
             None => println!("{name}: weir generate {ours:.0} tok/s (on libtorch ops {torch:.0}; set WEIR_BENCH_PYTHON for transformers' figure); weir forward+backward+AdamW {train:.0} tok/s"),
         }
     }
+    // The second setting is bound by the KV cache's memory traffic (a
+    // small model, long responses), as decode on a GPU is.
+    let small = random_model(dir.path(), "random-llama-small", 128, 2, 352, 2048);
+    let settings = if full {
+        [
+            ("random llama (24.6M)", &random, 64, 8, 16),
+            ("random llama (hidden 128, 2 layers)", &small, 48, 32, 16),
+        ]
+    } else {
+        [
+            ("random llama (24.6M)", &random, 6, 2, 3),
+            ("random llama (hidden 128, 2 layers)", &small, 6, 8, 3),
+        ]
+    };
+    let mut ratio = 0.0;
+    for (name, path, requests, low, pool) in settings {
+        let budgets = long_tail_budgets(requests, low);
+        let model = Model::load(path, Device::Cpu, Kind::Float).unwrap();
+        let (pooled, batched) = long_tail_pool(&model, &prompts, &budgets, pool);
+        println!(
+            "== long tail on libtorch ops: {requests} requests, budgets {}..{} tokens (mean {:.0}), pool {pool}, {name} ==",
+            budgets.iter().min().unwrap(),
+            budgets.iter().max().unwrap(),
+            budgets.iter().sum::<usize>() as f64 / requests as f64
+        );
+        println!("continuous batching {pooled:.0} useful tok/s, static batches of {pool} {batched:.0} useful tok/s");
+        ratio = pooled / batched;
+    }
+    println!("pool_vs_static_tokens_per_s={ratio:.3}");
 }

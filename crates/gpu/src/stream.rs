@@ -9,8 +9,8 @@
 //! The scheduler ([`Streamer`]) is the same for both backends; a backend
 //! ([`Slots`]) only runs forward passes over cache slots and picks tokens:
 //! weir's CPU kernels (one cache slot per sequence, no padding) or libtorch
-//! (`TorchSlots`: one left-padded cache, new rows joined at the front-padded
-//! width, all-padding columns dropped as rows leave).
+//! (`TorchSlots`: a slot cache, each row a sequence of its own length;
+//! rows join and leave without the others being copied).
 
 use std::collections::VecDeque;
 use std::str::FromStr;
@@ -443,13 +443,14 @@ impl Streamer {
     }
 }
 
-/// The libtorch backend: one left-padded KV cache whose rows are the
-/// sequences in flight (`rows[i]` is row i's slot).
+/// The libtorch backend: a slot cache ([`crate::decoder::KvCache::slots`])
+/// whose rows are the sequences in flight (`rows[i]` is row i's slot). A
+/// sequence that joins is prefilled beside the others (right-padded, plain
+/// causal attention) and copied into a row of its own; one that leaves
+/// gives its row to the last row. Neither copies the other rows.
 struct TorchSlots {
     layers: usize,
     cache: crate::decoder::KvCache,
-    /// `[rows, cached positions]`, 1 where a position holds a token.
-    key_mask: Option<Tensor>,
     rows: Vec<usize>,
     logits: Option<Tensor>,
 }
@@ -459,8 +460,7 @@ impl TorchSlots {
         let layers = model.decoder.num_layers();
         TorchSlots {
             layers,
-            cache: crate::decoder::KvCache::new(layers),
-            key_mask: None,
+            cache: crate::decoder::KvCache::slots(layers),
             rows: Vec::new(),
             logits: None,
         }
@@ -476,17 +476,23 @@ impl TorchSlots {
                 "a decode step must cover every sequence in the cache".into(),
             ));
         }
+        let lens = self.cache.row_lens();
+        if let Some((row, _)) = self
+            .rows
+            .iter()
+            .zip(lens)
+            .find(|&(r, &len)| steps[at[r]].2 as i64 != len)
+        {
+            return Err(ModelError::Input(format!(
+                "slot {row}'s next position is not the one after its cached context"
+            )));
+        }
         let ids: Vec<i64> = self.rows.iter().map(|r| steps[at[r]].1).collect();
-        let positions: Vec<i64> = self.rows.iter().map(|r| steps[at[r]].2 as i64).collect();
         let b = ids.len() as i64;
         let ids = Tensor::from_slice(&ids).view([b, 1]).to_device(device);
-        let positions = Tensor::from_slice(&positions)
-            .view([b, 1])
-            .to_device(device);
-        let mask = self.key_mask.as_ref().expect("rows have a mask");
-        let mask = Tensor::cat(&[mask, &mask.ones_like().narrow(1, 0, 1)], 1);
+        let (mask, positions) = self.cache.begin_step(device);
         let hidden = model.forward_cached(&ids, &mask, &positions, &mut self.cache);
-        self.key_mask = Some(mask);
+        self.cache.end_step();
         let logits = model.lm_logits(&hidden.squeeze_dim(1))?;
         // Back into the caller's order.
         let row_of: std::collections::HashMap<usize, i64> = self
@@ -499,7 +505,7 @@ impl TorchSlots {
         Ok(logits.index_select(0, &Tensor::from_slice(&back).to_device(device)))
     }
 
-    /// Runs `prefills` as one left-padded batch and joins them to the cache.
+    /// Runs `prefills` as one right-padded batch and joins them to the cache.
     fn prefill(
         &mut self,
         model: &Model,
@@ -508,45 +514,31 @@ impl TorchSlots {
         let device = model.device();
         let width = prefills.iter().map(|p| p.1.len()).max().unwrap_or(0);
         let pad = model.config.pad_token_id.unwrap_or(0).max(0);
-        let (mut ids, mut mask) = (Vec::new(), Vec::new());
+        let mut ids = Vec::with_capacity(prefills.len() * width);
         for &(_, context) in prefills {
-            let padding = width - context.len();
-            ids.extend(std::iter::repeat_n(pad, padding).chain(context.iter().copied()));
-            mask.extend(
-                std::iter::repeat_n(0i64, padding).chain(std::iter::repeat_n(1, context.len())),
+            ids.extend(
+                context
+                    .iter()
+                    .copied()
+                    .chain(std::iter::repeat_n(pad, width - context.len())),
             );
         }
         let (p, w) = (prefills.len() as i64, width as i64);
         let ids = Tensor::from_slice(&ids).view([p, w]).to_device(device);
-        let mask = Tensor::from_slice(&mask).view([p, w]).to_device(device);
-        let positions = crate::model::default_positions(&mask);
+        let positions = Tensor::arange(w, (Kind::Int64, device))
+            .view([1, w])
+            .expand([p, w], false);
+        // Padding only follows a row's tokens, so plain causal attention
+        // (no bias tensor) gives each token what an unpadded row would.
         let mut cache = crate::decoder::KvCache::new(self.layers);
-        let hidden = model.forward_cached(&ids, &mask, &positions, &mut cache);
-        let logits = model.lm_logits(&hidden.narrow(1, w - 1, 1).squeeze_dim(1))?;
-        self.key_mask = Some(match self.key_mask.take() {
-            None => mask,
-            Some(old) => {
-                let cols = old.size()[1].max(w);
-                let padded = |m: &Tensor| {
-                    let missing = cols - m.size()[1];
-                    if missing == 0 {
-                        m.shallow_clone()
-                    } else {
-                        Tensor::cat(
-                            &[
-                                m.zeros_like()
-                                    .narrow(1, 0, 1)
-                                    .expand([m.size()[0], missing], false),
-                                m.shallow_clone(),
-                            ],
-                            1,
-                        )
-                    }
-                };
-                Tensor::cat(&[padded(&old), padded(&mask)], 0)
-            }
-        });
-        self.cache.append_rows(&cache);
+        let hidden = model
+            .decoder
+            .forward(&ids, None, &positions, Some(&mut cache));
+        let lens: Vec<i64> = prefills.iter().map(|p| p.1.len() as i64).collect();
+        let last = Tensor::from_slice(&lens).to_device(device) - 1;
+        let rows = Tensor::arange(p, (Kind::Int64, device));
+        let logits = model.lm_logits(&hidden.index(&[Some(rows), Some(last)]))?;
+        self.cache.admit(&cache, &lens);
         self.rows.extend(prefills.iter().map(|p| p.0));
         Ok(logits)
     }
@@ -607,38 +599,18 @@ impl Slots for TorchSlots {
     }
 
     fn free(&mut self, slots: &[usize]) -> Result<(), ModelError> {
-        if slots.is_empty() {
-            return Ok(());
-        }
-        let kept: Vec<i64> = (0..self.rows.len() as i64)
-            .filter(|&i| !slots.contains(&self.rows[i as usize]))
+        let gone: Vec<usize> = (0..self.rows.len())
+            .filter(|&i| slots.contains(&self.rows[i]))
             .collect();
-        if kept.is_empty() {
-            self.cache = crate::decoder::KvCache::new(self.layers);
-            self.key_mask = None;
-            self.rows.clear();
-            return Ok(());
+        for (from, to) in self.cache.remove(&gone) {
+            self.rows[to] = self.rows[from];
         }
-        let mask = self.key_mask.take().expect("rows have a mask");
-        let index = Tensor::from_slice(&kept).to_device(mask.device());
-        self.cache.select_rows(&index);
-        let mask = mask.index_select(0, &index);
-        self.rows = kept.iter().map(|&i| self.rows[i as usize]).collect();
-        // Columns that only padding fills now (the ended rows were the longest) go.
-        let used = mask
-            .sum_dim_intlist(0, false, Kind::Int64)
-            .gt(0)
-            .to_kind(Kind::Int64);
-        let leading =
-            i64::try_from(used.argmax(0, false)).map_err(|e| ModelError::Torch(e.to_string()))?;
-        self.cache.drop_front(leading);
-        self.key_mask = Some(mask.narrow(1, leading, mask.size()[1] - leading));
+        self.rows.truncate(self.rows.len() - gone.len());
         Ok(())
     }
 
     fn clear(&mut self, _: &Model) {
-        self.cache = crate::decoder::KvCache::new(self.layers);
-        self.key_mask = None;
+        self.cache = crate::decoder::KvCache::slots(self.layers);
         self.rows.clear();
         self.logits = None;
     }

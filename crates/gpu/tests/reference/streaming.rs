@@ -278,3 +278,45 @@ fn a_request_budget_ends_its_sequence_and_zero_ends_it_at_once() {
         }
     }
 }
+
+#[test]
+fn the_slot_cache_keeps_every_row_through_growth_and_moves() {
+    // Budgets that end rows in a mixed order, so rows leave from the middle
+    // of the cache (the last rows move into their places) while others grow
+    // past the cache's first 64 positions.
+    let model = load("tiny-qwen3", Kind::Float);
+    let prompts: Vec<Vec<i64>> = prompts().into_iter().cycle().take(12).collect();
+    let streams: Vec<u64> = (0..prompts.len() as u64).map(|i| 50 + i).collect();
+    let budgets = [90, 7, 55, 3, 70, 1, 33, 90, 12, 64, 2, 80];
+    for greedy in [true, false] {
+        let params = SamplingParams {
+            max_new_tokens: 90,
+            greedy,
+            temperature: 0.8,
+            seed: 11,
+            ignore_eos: true,
+            ..Default::default()
+        };
+        let full = generate_on(&model, &prompts, &streams, &params, Backend::Torch).unwrap();
+        let mut requests = requests(&prompts, &streams);
+        for (r, &b) in requests.iter_mut().zip(&budgets) {
+            r.max_new_tokens = Some(b);
+        }
+        let got = stream_all(&model, &params, 4, Backend::Torch, requests);
+        for (i, (f, &b)) in got.iter().zip(&budgets).enumerate() {
+            assert_eq!(
+                f.generation.tokens,
+                full[i].tokens[..b],
+                "greedy={greedy}: row {i}"
+            );
+            let d = f
+                .generation
+                .logprobs
+                .iter()
+                .zip(&full[i].logprobs)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
+            assert!(d <= 1e-4, "greedy={greedy}: log-probs of row {i} differ by {d:e}");
+        }
+    }
+}
