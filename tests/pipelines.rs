@@ -1251,17 +1251,25 @@ fn ppo_reinforce_pp_and_gpg_ranks_train_like_one() {
             let what = format!("{} {stage} {name}, one worker vs two ranks", kind.name());
             assert_curves_match(&a, &b, 3, &what);
         }
-        // Both ranks trained rows of every step.
-        let rows: BTreeMap<(u64, u32), f64> = metric_rows(&two)
-            .into_iter()
-            .filter(|r| r.stage == "learn" && r.metric == "rows_in")
-            .map(|r| ((r.step, r.worker), r.value))
-            .collect();
-        assert!(
-            rows.len() == 6 && rows.values().all(|&n| n > 0.0),
-            "{}: {rows:?}",
-            kind.name()
-        );
+        // Both ranks trained rows of every step, and (with the KL term) both
+        // scored a share of every step's reference log-probs.
+        let stages: &[&str] = if in_reward_kl {
+            &["learn", "reference"]
+        } else {
+            &["learn"]
+        };
+        for stage in stages {
+            let rows: BTreeMap<(u64, u32), f64> = metric_rows(&two)
+                .into_iter()
+                .filter(|r| r.stage == *stage && r.metric == "rows_in")
+                .map(|r| ((r.step, r.worker), r.value))
+                .collect();
+            assert!(
+                rows.len() == 6 && rows.values().all(|&n| n > 0.0),
+                "{} {stage}: {rows:?}",
+                kind.name()
+            );
+        }
     }
 }
 

@@ -231,10 +231,12 @@ fn rollouts(pipeline: Pipeline, cfg: &RunConfig, ctx: &RunContext, greedy: bool)
         pipeline
     };
     if cfg.algorithm.kl_coef > 0.0 {
-        // Beside the generator (balancing a learner-bound step) or on the train workers.
+        // Beside the generator (balancing a learner-bound step) or on the
+        // train workers, by group: each of them scores a share of every
+        // batch (whole batches in turn would leave all but one idle).
         let (role, partition) = match cfg.placement.reference {
             ReferencePlacement::Rollout => (ROLLOUT, Partition::Local),
-            ReferencePlacement::Train => (TRAIN, Partition::RoundRobin),
+            ReferencePlacement::Train => (TRAIN, Partition::ByKey(col::GROUP_ID.into())),
         };
         pipeline
             .stage("reference", role, partition, roles::reference(cfg))

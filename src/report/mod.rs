@@ -223,6 +223,38 @@ impl RunMetrics {
             .collect()
     }
 
+    /// Per stage that records `busy_s`, in the order stages first appear:
+    /// the share of each step's wall time (since that stage completed its
+    /// previous step, × its workers) it was not busy. The first step has no
+    /// start and is left out.
+    fn idle_fractions(&self) -> Vec<(&str, Vec<(Step, f64)>)> {
+        let workers = self.busy_by_stage();
+        let mut order: Vec<&str> = Vec::new();
+        for r in &self.rows {
+            if workers.contains_key(r.stage.as_str()) && !order.contains(&r.stage.as_str()) {
+                order.push(&r.stage);
+            }
+        }
+        order
+            .into_iter()
+            .filter_map(|stage| {
+                let n = workers[stage].0 as f64;
+                let busy = self.per_step(Some(stage), names::BUSY_S, Fold::Sum);
+                let done = self.per_step(Some(stage), names::DONE_UNIX_S, Fold::Max);
+                let points: Vec<(Step, f64)> = done
+                    .iter()
+                    .zip(done.iter().skip(1))
+                    .filter_map(|((_, before), (step, end))| {
+                        let wall = (end - before) * n;
+                        let busy = busy.get(step)?;
+                        (wall > 0.0).then(|| (*step, (1.0 - busy / wall).clamp(0.0, 1.0)))
+                    })
+                    .collect();
+                (!points.is_empty()).then_some((stage, points))
+            })
+            .collect()
+    }
+
     /// Rows per step and when each step completed: the learner's `rows_in`,
     /// or with no learner the `rows_out` of the stage that finishes last.
     fn throughput(&self) -> Option<Throughput<'_>> {
@@ -352,6 +384,12 @@ mod tests {
         assert_eq!(t.rates(), vec![(1, 10.0), (2, 10.0)]);
         assert_eq!(run.wall_s(), Some(5.0));
         assert_eq!(run.busy_by_stage()["gen"], (2, 6.0));
+        // 2 busy seconds over 2 s × 2 workers per step after the first;
+        // `train` records no busy time.
+        assert_eq!(
+            run.idle_fractions(),
+            vec![("gen", vec![(1, 0.5), (2, 0.5)])]
+        );
         let curves = run.curves();
         assert_eq!(curves.len(), 1);
         assert_eq!(curves[0].0, "loss");

@@ -29,6 +29,16 @@ const GENERATOR: [(&str, &str, bool); 4] = [
     ("weights_apply_s", "seconds per weights update", true),
 ];
 
+/// Line colours, in the order of a chart's series (matplotlib's tab10).
+const PALETTE: [RGBColor; 6] = [
+    RGBColor(31, 119, 180),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+];
+
 /// Pixels of every chart.
 const CHART_SIZE: (u32, u32) = (960, 540);
 /// The family every chart's text is set in (plotters' default family).
@@ -42,8 +52,9 @@ const FONT: &[u8] = include_bytes!("../../assets/fonts/DejaVuSans-subset.ttf");
 /// streaming generator's `generate_slot_occupancy.png`,
 /// `generate_inflight.png`, `generate_partial_ratio.png` and
 /// `generate_weights_apply_s.png`, the held-out evaluation (`eval_reward.png`,
-/// `eval_pass_at_k.png`), `staleness.png` and `throughput.png` when their
-/// figures exist. Returns the paths written.
+/// `eval_pass_at_k.png`), `staleness.png`, `throughput.png` and `idle.png`
+/// (each stage's idle share of its step time) when their figures exist.
+/// Returns the paths written.
 pub fn plot(run_dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
     let run = RunMetrics::load(run_dir)?;
     register_font()?;
@@ -61,7 +72,7 @@ pub fn plot(run_dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
                 Chart::Line {
                     title: format!("{metric} per step ({stage}) — {name}"),
                     y_desc: format!("{metric} (mean over workers)"),
-                    points: series.into_iter().collect(),
+                    series: vec![(String::new(), series.into_iter().collect())],
                     from_zero: false,
                 },
             ));
@@ -75,7 +86,7 @@ pub fn plot(run_dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
                 Chart::Line {
                     title: format!("generator {metric} per step — {name}"),
                     y_desc: y_desc.into(),
-                    points: series.into_iter().collect(),
+                    series: vec![(String::new(), series.into_iter().collect())],
                     from_zero,
                 },
             ));
@@ -90,7 +101,7 @@ pub fn plot(run_dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
                 Chart::Line {
                     title: format!("held-out {metric} by step ({stage}) — {name}"),
                     y_desc: format!("eval {metric}"),
-                    points: series.into_iter().collect(),
+                    series: vec![(String::new(), series.into_iter().collect())],
                     from_zero: false,
                 },
             ));
@@ -114,11 +125,26 @@ pub fn plot(run_dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
                 Chart::Line {
                     title: format!("throughput ({} of {}) — {name}", t.metric, t.stage),
                     y_desc: "rows/s".into(),
-                    points,
+                    series: vec![(String::new(), points)],
                     from_zero: true,
                 },
             ));
         }
+    }
+    let idle = run.idle_fractions();
+    if !idle.is_empty() {
+        charts.push((
+            dir.join("idle.png"),
+            Chart::Line {
+                title: format!("idle share of each stage's step time — {name}"),
+                y_desc: "1 − busy / (wall since its last step × workers)".into(),
+                series: idle
+                    .into_iter()
+                    .map(|(stage, points)| (stage.to_string(), points))
+                    .collect(),
+                from_zero: true,
+            },
+        ));
     }
     if charts.is_empty() {
         bail!(
@@ -137,11 +163,11 @@ pub fn plot(run_dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
 
 /// One chart to draw.
 enum Chart {
-    /// A curve over steps.
+    /// Curves over steps, named in a legend when there are several.
     Line {
         title: String,
         y_desc: String,
-        points: Vec<(Step, f64)>,
+        series: Vec<(String, Vec<(Step, f64)>)>,
         /// The y axis starts at zero (rates), rather than at the data.
         from_zero: bool,
     },
@@ -160,13 +186,14 @@ impl Chart {
             Chart::Line {
                 title,
                 y_desc,
-                points,
+                series,
                 from_zero,
             } => {
-                let first = points.first().map_or(0, |p| p.0);
-                let last = points.last().map_or(0, |p| p.0);
+                let steps = series.iter().flat_map(|(_, p)| p.iter().map(|p| p.0));
+                let first = steps.clone().min().unwrap_or(0);
+                let last = steps.max().unwrap_or(0);
                 let xs = first..last.max(first + 1);
-                let values = points.iter().map(|p| p.1);
+                let values = series.iter().flat_map(|(_, p)| p.iter().map(|p| p.1));
                 let mut ys = padded_range(values.chain(from_zero.then_some(0.0)), 0.05);
                 if *from_zero {
                     ys.start = 0.0;
@@ -186,21 +213,37 @@ impl Chart {
                     .axis_desc_style((FONT_FAMILY, 17))
                     .draw()
                     .map_err(plot_error)?;
-                let colour = RGBColor(31, 119, 180);
-                chart
-                    .draw_series(LineSeries::new(
-                        points.iter().copied().filter(|p| p.1.is_finite()),
-                        colour.stroke_width(2),
-                    ))
-                    .map_err(plot_error)?;
-                if points.len() <= SPARK_WIDTH {
+                for (i, (label, points)) in series.iter().enumerate() {
+                    let colour = PALETTE[i % PALETTE.len()];
+                    let line = chart
+                        .draw_series(LineSeries::new(
+                            points.iter().copied().filter(|p| p.1.is_finite()),
+                            colour.stroke_width(2),
+                        ))
+                        .map_err(plot_error)?;
+                    if series.len() > 1 {
+                        line.label(label.as_str()).legend(move |(x, y)| {
+                            PathElement::new(vec![(x, y), (x + 20, y)], colour.stroke_width(2))
+                        });
+                    }
+                    if points.len() <= SPARK_WIDTH {
+                        chart
+                            .draw_series(
+                                points
+                                    .iter()
+                                    .filter(|p| p.1.is_finite())
+                                    .map(|p| Circle::new(*p, 3, colour.filled())),
+                            )
+                            .map_err(plot_error)?;
+                    }
+                }
+                if series.len() > 1 {
                     chart
-                        .draw_series(
-                            points
-                                .iter()
-                                .filter(|p| p.1.is_finite())
-                                .map(|p| Circle::new(*p, 3, colour.filled())),
-                        )
+                        .configure_series_labels()
+                        .background_style(WHITE.mix(0.85))
+                        .border_style(BLACK)
+                        .label_font((FONT_FAMILY, 15))
+                        .draw()
                         .map_err(plot_error)?;
                 }
             }

@@ -161,7 +161,8 @@ fn plot_writes_png_charts_of_the_recorded_metrics() {
             "row_latency_s.png",
             "generate_slot_occupancy.png",
             "staleness.png",
-            "throughput.png"
+            "throughput.png",
+            "idle.png"
         ]
     );
     for name in &names {

@@ -316,7 +316,10 @@ fn the_slot_cache_keeps_every_row_through_growth_and_moves() {
                 .zip(&full[i].logprobs)
                 .map(|(a, b)| (a - b).abs())
                 .fold(0.0f32, f32::max);
-            assert!(d <= 1e-4, "greedy={greedy}: log-probs of row {i} differ by {d:e}");
+            assert!(
+                d <= 1e-4,
+                "greedy={greedy}: log-probs of row {i} differ by {d:e}"
+            );
         }
     }
 }
