@@ -5,7 +5,8 @@
 //! Llama (hidden 512, 8 layers, 8/4 heads, vocab 1000), as in
 //! `../shared/bench/trl/grpo_throughput.py`.
 //!
-//! `cargo bench --bench generation`. transformers runs through
+//! `cargo bench --bench generation`; `WEIR_BENCH_DEVICE=cuda` runs weir's
+//! figures on that device (`scripts/gpu-check.sh` does). transformers runs through
 //! `benches/hf_generate.py` with `$WEIR_BENCH_PYTHON` (a python with torch
 //! 2.11 and transformers; see `../shared/bench/trl/README.md`); without it
 //! only weir's figures are printed. Under `cargo test` everything runs once, tiny.
@@ -119,7 +120,7 @@ fn weir_generate(
 }
 
 fn weir_train(model: &Model, batch: i64, len: i64) -> f64 {
-    let ids = Tensor::randint(1000, [batch, len], (Kind::Int64, tch::Device::Cpu)).clamp(4, 999);
+    let ids = Tensor::randint(1000, [batch, len], (Kind::Int64, model.device())).clamp(4, 999);
     let mut opt = Optimizer::adamw(model, AdamWConfig::default()).unwrap();
     let mut step = || {
         opt.zero_grad();
@@ -293,12 +294,16 @@ fn long_tail_pool(
 
 fn main() {
     let full = std::env::args().any(|a| a == "--bench");
+    let device: Device = std::env::var("WEIR_BENCH_DEVICE").map_or(Device::Cpu, |d| {
+        d.parse()
+            .unwrap_or_else(|e| panic!("WEIR_BENCH_DEVICE: {e}"))
+    });
     weir::gpu::device::set_threads(1);
     let (n_prompts, n, new) = if full { (8, 8, 64) } else { (2, 2, 4) };
     let dir = tempfile::tempdir().unwrap();
     let random = random_llama(dir.path());
     let prompts = prompts(n_prompts);
-    println!("== generation: {n_prompts} prompts × {n} samples, {new} new tokens, EOS suppressed, temperature 1, 1 thread ==");
+    println!("== generation on {device}: {n_prompts} prompts × {n} samples, {new} new tokens, EOS suppressed, temperature 1, 1 thread ==");
     // `cargo bench --bench generation -- long_tail` runs only the long-tail pool.
     let models = if std::env::args().any(|a| a == "long_tail") {
         vec![]
@@ -309,7 +314,7 @@ fn main() {
         ]
     };
     for (name, path) in models {
-        let model = Model::load(&path, Device::Cpu, Kind::Float).unwrap();
+        let model = Model::load(&path, device, Kind::Float).unwrap();
         let width = prompts.iter().map(Vec::len).max().unwrap();
         // Rows through the model in transformers' run: every sample's padded
         // prompt, then one row per sample for each further token.
@@ -346,13 +351,13 @@ fn main() {
     } else {
         [
             ("random llama (24.6M)", &random, 6, 2, 3),
-            ("random llama (hidden 128, 2 layers)", &small, 6, 8, 3),
+            ("random llama (hidden 128, 2 layers)", &small, 6, 2, 3),
         ]
     };
     let mut ratio = 0.0;
     for (name, path, requests, low, pool) in settings {
         let budgets = long_tail_budgets(requests, low);
-        let model = Model::load(path, Device::Cpu, Kind::Float).unwrap();
+        let model = Model::load(path, device, Kind::Float).unwrap();
         let (pooled, batched) = long_tail_pool(&model, &prompts, &budgets, pool);
         println!(
             "== long tail on libtorch ops: {requests} requests, budgets {}..{} tokens (mean {:.0}), pool {pool}, {name} ==",

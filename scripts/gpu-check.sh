@@ -2,11 +2,16 @@
 # GPU acceptance in one command, for a machine with a CUDA device: set-up
 # with the full CUDA torch (WEIR_TORCH=full), then, within about ten minutes,
 #   1. the model commands' parity tests on CUDA (logprobs, generate, score
-#      held to the float64 transformers references at the CPU tolerances;
+#      held to the float64 transformers references at the CPU tolerances,
+#      and bf16 / f16 log-probs within the tolerances stated in
+#      tests/cli/models.rs: bf16 ≤ 0.15 on any token and ≤ 0.03 on average;
 #      the same tests, run with WEIR_TEST_DEVICE=cuda);
 #   2. the NCCL weights edge's own test (a one-rank group broadcasts);
 #   3. generation tokens/s on CUDA (`weir generate` on the arith fixture,
-#      64 tokens per sample, end of sequence ignored);
+#      64 tokens per sample, end of sequence ignored), and the generation
+#      bench on CUDA (`WEIR_BENCH_DEVICE=cuda cargo bench --bench
+#      generation`: tokens/s of the random 24.6M Llama, forward+backward
+#      tokens/s, and a long-tail pool against static batches);
 #   4. a short `grpo` run with `run.device = "cuda"` (generator and learner
 #      on different devices when two are present, else colocated);
 #   5. the same run with LoRA adapters (`lora.rank = 8`): a PEFT folder;
@@ -78,6 +83,11 @@ PY
   python3 -c "import sys; t = float(sys.argv[2]) - float(sys.argv[1]); print(f'generation: 64 × 64 tokens in {t:.2f} s, {4096 / t:.0f} tokens/s (with model loading)')" "$started" "$(date +%s.%N)"
 }
 
+generation_bench() {
+  WEIR_BENCH_DEVICE=cuda timeout 300 cargo bench -q --bench generation 2>&1 | grep -v '^$' | tail -8
+  return "${PIPESTATUS[0]}"
+}
+
 grpo() {
   local placement=(--set placement.workers=1 --set "placement.rollout=[0]" --set "placement.train=[0]")
   if [ "$count" -ge 2 ]; then
@@ -110,6 +120,7 @@ grpo_data_parallel() {
 check "model parity on cuda" parity
 check "nccl weights edge" nccl
 check "generation tokens/s on cuda" generation
+check "generation bench on cuda (24.6M)" generation_bench
 check "grpo on cuda ($count device(s))" grpo
 check "grpo with lora on cuda" grpo_lora
 if [ "$count" -ge 2 ]; then

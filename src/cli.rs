@@ -39,7 +39,7 @@ enum Command {
         /// The run folder (holds metrics.parquet).
         run_dir: PathBuf,
     },
-    /// Write PNG charts of a run (reward, KL, entropy, loss, staleness, throughput) to RUN_DIR/plots.
+    /// Write PNG charts of a run (reward, KL, entropy, loss, staleness, throughput, idle shares) to RUN_DIR/plots.
     Plot {
         /// The run folder (holds metrics.parquet).
         run_dir: PathBuf,
