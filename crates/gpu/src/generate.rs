@@ -257,39 +257,20 @@ pub fn cpu_kernels_apply(model: &Model) -> bool {
     }
 }
 
+/// Batch-level generation on libtorch ops: every row prefilled at once
+/// into a slot cache (the streaming pool's, `stream::TorchSlots`), then one
+/// decode step per token over the rows still going; a row that ends leaves
+/// the cache without the others being copied.
 fn generate_torch(
     model: &Model,
     prompts: &[Vec<i64>],
     stream_ids: &[u64],
     params: &SamplingParams,
 ) -> Result<Vec<Generation>, ModelError> {
-    let device = model.device();
+    use crate::stream::{Slots, TorchSlots};
     let rows: Vec<(usize, usize)> = (0..prompts.len())
         .flat_map(|p| (0..params.n).map(move |s| (p, s)))
         .collect();
-    let b = rows.len() as i64;
-    let width = prompts.iter().map(Vec::len).max().unwrap_or(0) as i64;
-    let pad = model.config.pad_token_id.unwrap_or(0).max(0);
-    let mut ids = Vec::with_capacity((b * width) as usize);
-    let mut mask = Vec::with_capacity((b * width) as usize);
-    for &(p, _) in &rows {
-        let prompt = &prompts[p];
-        let padding = width as usize - prompt.len();
-        ids.extend(std::iter::repeat_n(pad, padding).chain(prompt.iter().copied()));
-        mask.extend(
-            std::iter::repeat_n(0i64, padding).chain(std::iter::repeat_n(1i64, prompt.len())),
-        );
-    }
-    let ids = Tensor::from_slice(&ids).view([b, width]).to_device(device);
-    let mut key_mask = Tensor::from_slice(&mask).view([b, width]).to_device(device);
-    let positions = crate::model::default_positions(&key_mask);
-    let mut next_position = positions.narrow(1, width - 1, 1);
-
-    let _guard = tch::no_grad_guard();
-    let mut cache = model.new_cache();
-    let hidden = model.forward_cached(&ids, &key_mask, &positions, &mut cache);
-    let mut logits = model.lm_logits(&hidden.narrow(1, width - 1, 1).squeeze_dim(1))?;
-
     let mut streams: Vec<Stream> = rows
         .iter()
         .map(|&(p, s)| Stream::new(params.seed, stream_ids[p], s as u64))
@@ -298,37 +279,34 @@ fn generate_torch(
         .iter()
         .map(|&(prompt, sample)| Generation::empty(prompt, sample))
         .collect();
-    // `active[i]` is the output row of batch row i.
+    let mut slots = TorchSlots::new(model);
+    let prefills: Vec<(usize, &[i64])> = rows
+        .iter()
+        .enumerate()
+        .map(|(r, &(p, _))| (r, prompts[p].as_slice()))
+        .collect();
+    slots.forward(model, &[], &prefills)?;
+    let both = [params.clone(), params.clone()];
+    // The rows whose logits are ready, in their order (a row's slot is its index).
     let mut active: Vec<usize> = (0..rows.len()).collect();
     loop {
         let uniforms: Vec<f32> = active.iter().map(|&r| streams[r].next_f32()).collect();
-        let (tokens, logprobs) = pick(&logits, params, &uniforms);
-        let tokens_v: Vec<i64> =
-            Vec::<i64>::try_from(&tokens).map_err(|e| ModelError::Torch(e.to_string()))?;
-        let logprobs_v: Vec<f32> = Vec::<f32>::try_from(&logprobs.to_kind(Kind::Float))
-            .map_err(|e| ModelError::Torch(e.to_string()))?;
-        let mut keep = Vec::with_capacity(active.len());
-        for (i, &r) in active.iter().enumerate() {
-            if out[r].record(tokens_v[i], logprobs_v[i], params) {
-                keep.push(i as i64);
+        let picks = slots.pick(&both, &vec![false; active.len()], &uniforms)?;
+        let (mut steps, mut ended) = (Vec::new(), Vec::new());
+        for (&r, &(token, logprob)) in active.iter().zip(&picks) {
+            if out[r].record(token, logprob, params) {
+                let position = prompts[rows[r].0].len() + out[r].tokens.len() - 1;
+                steps.push((r, token, position));
+            } else {
+                ended.push(r);
             }
         }
-        if keep.is_empty() {
+        if steps.is_empty() {
             break;
         }
-        let mut input = tokens.view([-1, 1]);
-        if keep.len() < active.len() {
-            let rows_kept = Tensor::from_slice(&keep).to_device(device);
-            cache.select_rows(&rows_kept);
-            key_mask = key_mask.index_select(0, &rows_kept);
-            next_position = next_position.index_select(0, &rows_kept);
-            input = input.index_select(0, &rows_kept);
-            active = keep.iter().map(|&i| active[i as usize]).collect();
-        }
-        next_position += 1;
-        key_mask = Tensor::cat(&[&key_mask, &key_mask.ones_like().narrow(1, 0, 1)], 1);
-        let hidden = model.forward_cached(&input, &key_mask, &next_position, &mut cache);
-        logits = model.lm_logits(&hidden.squeeze_dim(1))?;
+        slots.free(&ended)?;
+        active = steps.iter().map(|s| s.0).collect();
+        slots.forward(model, &steps, &[])?;
     }
     Ok(out)
 }

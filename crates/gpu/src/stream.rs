@@ -448,7 +448,7 @@ impl Streamer {
 /// sequence that joins is prefilled beside the others (right-padded, plain
 /// causal attention) and copied into a row of its own; one that leaves
 /// gives its row to the last row. Neither copies the other rows.
-struct TorchSlots {
+pub(crate) struct TorchSlots {
     layers: usize,
     cache: crate::decoder::KvCache,
     rows: Vec<usize>,
@@ -456,7 +456,7 @@ struct TorchSlots {
 }
 
 impl TorchSlots {
-    fn new(model: &Model) -> Self {
+    pub(crate) fn new(model: &Model) -> Self {
         let layers = model.decoder.num_layers();
         TorchSlots {
             layers,

@@ -1,6 +1,7 @@
 //! Generation: greedy against the references, sampling, eos handling.
 
 use super::*;
+use weir_gpu::{generate_on, Backend};
 
 /// Largest difference between two generations' behaviour log-probs.
 fn max_logprob_diff(a: &weir_gpu::Generation, b: &weir_gpu::Generation) -> f32 {
@@ -26,20 +27,24 @@ fn check_greedy(name: &str) {
         ignore_eos: true,
         ..Default::default()
     };
-    let out = weir_gpu::generate(&model, &prompts, &params).unwrap();
-    for (i, g) in out.iter().enumerate() {
-        assert_eq!(
-            g.tokens,
-            ints(&r["new_token_ids"][i]),
-            "{name}: greedy tokens of prompt {i}"
-        );
-        assert_eq!(g.finish_reason, weir_gpu::FinishReason::Length);
-        let reference: Vec<Option<f64>> = floats(&r["new_token_logprobs"][i]);
-        let d = max_diff(&Tensor::from_slice(&g.logprobs), &reference);
-        assert!(
-            d < 1e-4,
-            "{name}: greedy log-probs of prompt {i} differ by {d:e}"
-        );
+    let ids: Vec<u64> = (0..prompts.len() as u64).collect();
+    // The CPU kernels, and libtorch's ops (the GPU's path: a slot cache).
+    for backend in [Backend::Auto, Backend::Torch] {
+        let out = generate_on(&model, &prompts, &ids, &params, backend).unwrap();
+        for (i, g) in out.iter().enumerate() {
+            assert_eq!(
+                g.tokens,
+                ints(&r["new_token_ids"][i]),
+                "{name} {backend:?}: greedy tokens of prompt {i}"
+            );
+            assert_eq!(g.finish_reason, weir_gpu::FinishReason::Length);
+            let reference: Vec<Option<f64>> = floats(&r["new_token_logprobs"][i]);
+            let d = max_diff(&Tensor::from_slice(&g.logprobs), &reference);
+            assert!(
+                d < 1e-4,
+                "{name} {backend:?}: greedy log-probs of prompt {i} differ by {d:e}"
+            );
+        }
     }
 }
 
