@@ -443,14 +443,14 @@ impl Streamer {
     }
 }
 
-/// The libtorch backend: a slot cache ([`crate::decoder::KvCache::slots`])
+/// The libtorch backend: a slot cache ([`crate::kv_cache::KvCache::slots`])
 /// whose rows are the sequences in flight (`rows[i]` is row i's slot). A
 /// sequence that joins is prefilled beside the others (right-padded, plain
 /// causal attention) and copied into a row of its own; one that leaves
 /// gives its row to the last row. Neither copies the other rows.
 pub(crate) struct TorchSlots {
     layers: usize,
-    cache: crate::decoder::KvCache,
+    cache: crate::kv_cache::KvCache,
     rows: Vec<usize>,
     logits: Option<Tensor>,
 }
@@ -460,7 +460,7 @@ impl TorchSlots {
         let layers = model.decoder.num_layers();
         TorchSlots {
             layers,
-            cache: crate::decoder::KvCache::slots(layers),
+            cache: crate::kv_cache::KvCache::slots(layers),
             rows: Vec::new(),
             logits: None,
         }
@@ -530,7 +530,7 @@ impl TorchSlots {
             .expand([p, w], false);
         // Padding only follows a row's tokens, so plain causal attention
         // (no bias tensor) gives each token what an unpadded row would.
-        let mut cache = crate::decoder::KvCache::new(self.layers);
+        let mut cache = crate::kv_cache::KvCache::new(self.layers);
         let hidden = model
             .decoder
             .forward(&ids, None, &positions, Some(&mut cache));
@@ -610,7 +610,7 @@ impl Slots for TorchSlots {
     }
 
     fn clear(&mut self, _: &Model) {
-        self.cache = crate::decoder::KvCache::slots(self.layers);
+        self.cache = crate::kv_cache::KvCache::slots(self.layers);
         self.rows.clear();
         self.logits = None;
     }
