@@ -1,0 +1,549 @@
+//! How an inline payload crosses to another process: cut into [`Bucket`]s
+//! addressed to that process's first generator worker ([`address`]),
+//! landed on arrival straight into a buffer of the process's own (`landing`),
+//! put back together there ([`Reassembly`]) and shelved for the process's
+//! other generator workers ([`WeightsShelf`]).
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use super::{WeightsBody, WeightsMessage, WeightsPayload};
+use crate::{GraphError, PolicyVersion, Step};
+
+/// Bytes `offset..offset + len` of payload `id` (of `total` bytes). On the
+/// sending side it shares the whole payload and serialises only its range.
+/// Deserialised, its bytes go straight into the receiving process's buffer
+/// for that payload (see `landing`): the bucket keeps only their place,
+/// so a payload crosses with one copy on arrival, into memory that is
+/// reused from version to version.
+#[derive(Clone, Debug)]
+pub struct Bucket {
+    id: u64,
+    offset: u64,
+    total: u64,
+    data: BucketData,
+}
+
+#[derive(Clone, Debug)]
+enum BucketData {
+    /// The sender's payload and this bucket's range of it.
+    Shared(WeightsPayload, std::ops::Range<usize>),
+    /// `len` bytes already copied into the landing buffer of `id`.
+    Landed(usize),
+}
+
+impl Bucket {
+    /// `payload` cut into buckets of at most `size` bytes (one for an empty payload).
+    pub fn split(payload: &WeightsPayload, size: usize) -> Vec<Bucket> {
+        let (n, size) = (payload.len(), size.max(1));
+        let id = landing::fresh_id();
+        (0..n.div_ceil(size).max(1))
+            .map(|i| {
+                let range = i * size..((i + 1) * size).min(n);
+                Bucket {
+                    id,
+                    offset: range.start as u64,
+                    total: n as u64,
+                    data: BucketData::Shared(payload.clone(), range),
+                }
+            })
+            .collect()
+    }
+
+    /// How many bytes the bucket holds.
+    pub fn len(&self) -> usize {
+        match &self.data {
+            BucketData::Shared(_, range) => range.len(),
+            BucketData::Landed(len) => *len,
+        }
+    }
+
+    /// True for the empty bucket of an empty payload.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl Serialize for Bucket {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let BucketData::Shared(payload, range) = &self.data else {
+            return Err(serde::ser::Error::custom(
+                "a weights bucket that has landed is not sent on",
+            ));
+        };
+        (
+            self.id,
+            self.offset,
+            self.total,
+            serde_bytes::Bytes::new(&payload.bytes()[range.clone()]),
+        )
+            .serialize(serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for Bucket {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_tuple(4, BucketVisitor)
+    }
+}
+
+struct BucketVisitor;
+
+impl<'de> serde::de::Visitor<'de> for BucketVisitor {
+    type Value = Bucket;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a weights bucket (id, offset, total, bytes)")
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Bucket, A::Error> {
+        use serde::de::Error;
+        let mut next = |what: &str| -> Result<u64, A::Error> {
+            seq.next_element()?
+                .ok_or_else(|| A::Error::custom(format!("a weights bucket without its {what}")))
+        };
+        let (id, offset, total) = (next("id")?, next("offset")?, next("total")?);
+        let len = seq
+            .next_element_seed(Landing { id, offset, total })?
+            .ok_or_else(|| A::Error::custom("a weights bucket without its bytes"))?;
+        Ok(Bucket {
+            id,
+            offset,
+            total,
+            data: BucketData::Landed(len),
+        })
+    }
+}
+
+/// Deserialises a bucket's bytes into the landing buffer of its payload.
+struct Landing {
+    id: u64,
+    offset: u64,
+    total: u64,
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for Landing {
+    type Value = usize;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<usize, D::Error> {
+        deserializer.deserialize_bytes(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for Landing {
+    type Value = usize;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("the bytes of a weights bucket")
+    }
+
+    fn visit_bytes<E: serde::de::Error>(self, bytes: &[u8]) -> Result<usize, E> {
+        landing::write(self.id, self.offset, self.total, bytes).map_err(E::custom)?;
+        Ok(bytes.len())
+    }
+
+    fn visit_byte_buf<E: serde::de::Error>(self, bytes: Vec<u8>) -> Result<usize, E> {
+        self.visit_bytes(&bytes)
+    }
+}
+
+/// Where the buckets of payloads from other processes land in this process:
+/// one buffer per payload under construction, taken from the buffers of
+/// earlier versions once nobody holds them any more (their pages are
+/// already mapped, so a version arrives with one warm copy rather than
+/// page faults over fresh memory).
+mod landing {
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+    use super::WeightsPayload;
+
+    #[derive(Default)]
+    struct Landings {
+        /// Payloads under construction: their buffer and the bytes in so far.
+        open: HashMap<u64, (Vec<u8>, u64)>,
+        /// Payloads handed out, kept to reuse their buffers once only this holds them.
+        done: Vec<WeightsPayload>,
+    }
+
+    /// Whole payloads kept for reuse (a generator holds the newest while the next arrives).
+    const KEEP: usize = 2;
+
+    fn landings() -> MutexGuard<'static, Landings> {
+        static LANDINGS: OnceLock<Mutex<Landings>> = OnceLock::new();
+        LANDINGS
+            .get_or_init(Default::default)
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// An id for a new payload, unique across processes in practice.
+    pub(super) fn fresh_id() -> u64 {
+        use std::hash::{BuildHasher, Hasher};
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+        h.write_u64(crate::weights_edge::now_ns());
+        h.write_u32(std::process::id());
+        h.finish()
+    }
+
+    /// Copies `bytes` to `offset` of payload `id`'s buffer (`total` bytes).
+    pub(super) fn write(id: u64, offset: u64, total: u64, bytes: &[u8]) -> Result<(), String> {
+        let end = offset.checked_add(bytes.len() as u64);
+        if end.is_none_or(|end| end > total) {
+            return Err(format!(
+                "a weights bucket of {} bytes at {offset} overruns its payload of {total}",
+                bytes.len()
+            ));
+        }
+        // Take the buffer out, so the copy runs without the lock.
+        let (mut buffer, received) = {
+            let mut all = landings();
+            match all.open.remove(&id) {
+                Some(open) => open,
+                None => (reusable(&mut all, total as usize), 0),
+            }
+        };
+        if buffer.len() != total as usize {
+            return Err(format!(
+                "weights payload {id:016x}: a bucket says {total} bytes, an earlier one {}",
+                buffer.len()
+            ));
+        }
+        let at = offset as usize;
+        buffer[at..at + bytes.len()].copy_from_slice(bytes);
+        landings()
+            .open
+            .insert(id, (buffer, received + bytes.len() as u64));
+        Ok(())
+    }
+
+    /// A buffer of `len` bytes: a kept payload's that nobody else holds, or a new one.
+    fn reusable(all: &mut Landings, len: usize) -> Vec<u8> {
+        let free = all
+            .done
+            .iter()
+            .position(|p| p.len() == len && Arc::strong_count(&p.0) == 1);
+        match free.map(|i| all.done.swap_remove(i)) {
+            Some(payload) => Arc::try_unwrap(payload.0).unwrap_or_else(|shared| (*shared).clone()),
+            None => fresh(len),
+        }
+    }
+
+    /// A zeroed buffer of `len` bytes; a large one asks for huge pages
+    /// before its first touch (a 1 GiB payload then faults in 512 pieces
+    /// rather than 262,144).
+    fn fresh(len: usize) -> Vec<u8> {
+        let buffer = vec![0u8; len];
+        const HUGE: usize = 2 << 20;
+        #[cfg(target_os = "linux")]
+        if len >= 4 * HUGE {
+            let start = (buffer.as_ptr() as usize).next_multiple_of(HUGE);
+            let end = (buffer.as_ptr() as usize + len) / HUGE * HUGE;
+            if end > start {
+                // SAFETY: advice on whole pages inside this live allocation;
+                // it changes how they are backed, never their contents.
+                unsafe {
+                    libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
+                }
+            }
+        }
+        buffer
+    }
+
+    /// Payload `id` once all its bytes are in (`None` before).
+    pub(super) fn take_whole(id: u64) -> Option<WeightsPayload> {
+        let mut all = landings();
+        let (buffer, received) = all.open.get(&id)?;
+        if *received < buffer.len() as u64 {
+            return None;
+        }
+        let (buffer, _) = all.open.remove(&id).expect("just found");
+        let payload = WeightsPayload(Arc::new(buffer));
+        all.done.push(payload.clone());
+        if all.done.len() > KEEP {
+            all.done.remove(0);
+        }
+        Some(payload)
+    }
+
+    /// Drops payload `id` under construction (its receiver is gone).
+    pub(super) fn abandon(id: u64) {
+        landings().open.remove(&id);
+    }
+}
+
+/// A receiving worker's payloads under construction.
+#[derive(Debug, Default)]
+pub(crate) struct Reassembly {
+    open: std::collections::BTreeSet<u64>,
+}
+
+impl Reassembly {
+    /// True when no payload is under construction.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.open.is_empty()
+    }
+
+    /// Takes `bucket` in; returns the whole payload once its last bucket is in.
+    pub(crate) fn add(&mut self, bucket: &Bucket) -> Result<Option<WeightsPayload>, GraphError> {
+        if let BucketData::Shared(payload, range) = &bucket.data {
+            // Delivered without crossing a process: land it here.
+            landing::write(
+                bucket.id,
+                bucket.offset,
+                bucket.total,
+                &payload.bytes()[range.clone()],
+            )
+            .map_err(GraphError::Codec)?;
+        }
+        self.open.insert(bucket.id);
+        let whole = landing::take_whole(bucket.id);
+        if whole.is_some() {
+            self.open.remove(&bucket.id);
+        }
+        Ok(whole)
+    }
+}
+
+impl Drop for Reassembly {
+    fn drop(&mut self) {
+        for &id in &self.open {
+            landing::abandon(id);
+        }
+    }
+}
+
+/// The messages that carry `body` (version `version`, from step `step`) to
+/// every worker of `generators`, sent from a worker of process `from` when
+/// each process runs `threads` workers: generators of the sender's process
+/// share an inline payload; each other process gets it once, in buckets of
+/// at most `bucket_bytes`, at its first generator, and its other generators
+/// a [`WeightsBody::Shelved`] note. Bodies that are not inline go to every
+/// generator as they are.
+pub(crate) fn address(
+    generators: &[usize],
+    threads: usize,
+    from: usize,
+    header: (PolicyVersion, Step, u64),
+    body: &WeightsBody,
+    bucket_bytes: usize,
+) -> Vec<WeightsMessage> {
+    let (version, step, sent_at_ns) = header;
+    let message = |dest: usize, body: WeightsBody| WeightsMessage {
+        dest: dest as u32,
+        version,
+        step,
+        sent_at_ns,
+        body,
+    };
+    let process = |w: usize| w / threads.max(1);
+    let mut out = Vec::new();
+    for (i, &dest) in generators.iter().enumerate() {
+        let p = process(dest);
+        match body {
+            WeightsBody::Inline(payload) if p != from => {
+                let first = generators[..i].iter().all(|&g| process(g) != p);
+                if first {
+                    out.extend(
+                        Bucket::split(payload, bucket_bytes)
+                            .into_iter()
+                            .map(|b| message(dest, WeightsBody::Bucket(b))),
+                    );
+                } else {
+                    out.push(message(dest, WeightsBody::Shelved));
+                }
+            }
+            _ => out.push(message(dest, body.clone())),
+        }
+    }
+    out
+}
+
+/// The payloads a process's receiving worker keeps for the other generator
+/// workers of its process, each version until all of them have taken it
+/// (or a newer one).
+#[derive(Default)]
+pub(crate) struct WeightsShelf {
+    shelved: std::sync::Mutex<std::collections::BTreeMap<PolicyVersion, Shelved>>,
+    arrived: std::sync::Condvar,
+}
+
+struct Shelved {
+    payload: WeightsPayload,
+    arrived_ns: u64,
+    /// Workers that have yet to take it.
+    takers: Vec<usize>,
+}
+
+impl WeightsShelf {
+    fn lock(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<PolicyVersion, Shelved>> {
+        self.shelved.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Shelves `payload` of `version` (whole since `arrived_ns`) for `takers`.
+    pub(crate) fn put(
+        &self,
+        version: PolicyVersion,
+        payload: WeightsPayload,
+        arrived_ns: u64,
+        takers: Vec<usize>,
+    ) {
+        if takers.is_empty() {
+            return;
+        }
+        self.lock().insert(
+            version,
+            Shelved {
+                payload,
+                arrived_ns,
+                takers,
+            },
+        );
+        self.arrived.notify_all();
+    }
+
+    /// Worker `worker` takes `version` (and gives up every older one),
+    /// waiting for it to arrive; `stopped` ends the wait with `None`.
+    pub(crate) fn take(
+        &self,
+        worker: usize,
+        version: PolicyVersion,
+        stopped: impl Fn() -> bool,
+    ) -> Option<(WeightsPayload, u64)> {
+        let mut shelved = self.lock();
+        loop {
+            if let Some(entry) = shelved.get(&version) {
+                let found = (entry.payload.clone(), entry.arrived_ns);
+                shelved.retain(|&v, e| {
+                    if v <= version {
+                        e.takers.retain(|&w| w != worker);
+                    }
+                    !e.takers.is_empty()
+                });
+                return Some(found);
+            }
+            if stopped() {
+                return None;
+            }
+            shelved = self
+                .arrived
+                .wait_timeout(shelved, std::time::Duration::from_millis(50))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_other_process_gets_one_copy_in_buckets() {
+        let payload = WeightsPayload::from(vec![3u8; 10]);
+        let body = WeightsBody::Inline(payload);
+        // Two workers a process; generators on 0, 1 (the learner's process 0), 2, 3, 5.
+        let sent = address(&[0, 1, 2, 3, 5], 2, 0, (4, 3, 0), &body, 4);
+        let kinds: Vec<(u32, &str)> = sent
+            .iter()
+            .map(|m| {
+                let kind = match &m.body {
+                    WeightsBody::Inline(_) => "inline",
+                    WeightsBody::Bucket(_) => "bucket",
+                    WeightsBody::Shelved => "shelved",
+                    WeightsBody::External => "external",
+                };
+                (m.dest, kind)
+            })
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                (0, "inline"),
+                (1, "inline"),
+                (2, "bucket"),
+                (2, "bucket"),
+                (2, "bucket"),
+                (3, "shelved"),
+                (5, "bucket"),
+                (5, "bucket"),
+                (5, "bucket"),
+            ]
+        );
+        assert!(sent.iter().all(|m| m.version == 4 && m.step == 3));
+        let external = address(&[0, 2], 2, 0, (1, 0, 0), &WeightsBody::External, 4);
+        assert!(external
+            .iter()
+            .all(|m| matches!(m.body, WeightsBody::External)));
+    }
+
+    #[test]
+    fn buckets_serialise_their_range_only_and_land_in_one_reused_buffer() {
+        let payload = WeightsPayload::from((0..1000u32).map(|i| i as u8).collect::<Vec<_>>());
+        let cross = |buckets: &[Bucket], order: &[usize]| {
+            let mut again = Reassembly::default();
+            let mut whole = None;
+            // Out of order, through bincode as between processes.
+            for &i in order {
+                let bytes = bincode::serialize(&WeightsBody::Bucket(buckets[i].clone())).unwrap();
+                assert!(bytes.len() < 300 + 60, "bucket {i}: {} bytes", bytes.len());
+                let WeightsBody::Bucket(b) = bincode::deserialize(&bytes).unwrap() else {
+                    panic!("not a bucket")
+                };
+                assert_eq!(b.len(), buckets[i].len());
+                assert!(whole.is_none());
+                whole = again.add(&b).unwrap();
+            }
+            assert!(again.is_empty());
+            whole.unwrap()
+        };
+        let buckets = Bucket::split(&payload, 300);
+        assert_eq!(buckets.len(), 4);
+        let first = cross(&buckets, &[2, 0, 3, 1]);
+        assert_eq!(first, payload);
+        // Once nobody holds the first copy, the next payload of its size lands in its buffer.
+        let at = first.bytes().as_ptr() as usize;
+        drop(first);
+        let next = WeightsPayload::from(vec![9u8; 1000]);
+        let second = cross(&Bucket::split(&next, 300), &[0, 1, 2, 3]);
+        assert_eq!(second, next);
+        assert_eq!(
+            second.bytes().as_ptr() as usize,
+            at,
+            "the buffer was not reused"
+        );
+        // Delivered in-process, a bucket lands the same way.
+        let mut here = Reassembly::default();
+        let one = Bucket::split(&next, 2000);
+        assert_eq!(here.add(&one[0]).unwrap().unwrap(), next);
+        let empty = Bucket::split(&WeightsPayload::from(Vec::new()), 300);
+        assert_eq!(empty.len(), 1);
+        assert_eq!(cross(&empty, &[0]).len(), 0);
+        // A bucket that overruns its payload is refused.
+        let mut bad = bincode::serialize(&buckets[3]).unwrap();
+        bad[16..24].copy_from_slice(&500u64.to_le_bytes());
+        assert!(bincode::deserialize::<Bucket>(&bad).is_err());
+    }
+
+    #[test]
+    fn the_shelf_keeps_a_version_until_every_taker_has_it_or_a_newer_one() {
+        let shelf = std::sync::Arc::new(WeightsShelf::default());
+        let waiter = {
+            let shelf = shelf.clone();
+            std::thread::spawn(move || shelf.take(1, 2, || false).map(|(p, _)| p))
+        };
+        std::thread::sleep(std::time::Duration::from_millis(60));
+        shelf.put(1, WeightsPayload::from(vec![1u8]), 0, vec![1, 2]);
+        shelf.put(2, WeightsPayload::from(vec![2u8]), 0, vec![1, 2]);
+        assert_eq!(waiter.join().unwrap().unwrap().bytes(), &[2]);
+        // Worker 2 still needs both; once it takes 2, nothing is left.
+        assert_eq!(shelf.lock().len(), 2);
+        assert_eq!(shelf.take(2, 2, || false).unwrap().0.bytes(), &[2]);
+        assert!(shelf.lock().is_empty());
+        assert!(shelf.take(2, 3, || true).is_none());
+    }
+}
