@@ -390,6 +390,15 @@ impl Model {
         &self.prepared
     }
 
+    /// Frees what the CPU kernels keep between calls (the packed weights,
+    /// the KV-cache buffer) when the caller knows the weights change before
+    /// the next call, so it does not sit beside the next phase's memory.
+    /// A no-op elsewhere; the next call packs again.
+    pub fn release_cpu_packing(&self) {
+        #[cfg(target_arch = "x86_64")]
+        self.prepared.release();
+    }
+
     /// The model's rotary position tables.
     pub(crate) fn rope(&self) -> &crate::rope::Rope {
         self.decoder.rope()

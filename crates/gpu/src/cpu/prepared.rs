@@ -68,6 +68,18 @@ impl Prepared {
         Ok(packed)
     }
 
+    /// Drops a kept packing and KV-cache buffer now (a caller that knows
+    /// the weights will change before the next call: a generator at the
+    /// end of its step, a learner after its proximal pass).
+    pub(crate) fn release(&self) {
+        let packing = self.packed.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let cache = std::mem::take(&mut *self.cache.lock().unwrap_or_else(|e| e.into_inner()));
+        if packing.is_some_and(|p| p.packed.is_some()) || !cache.is_empty() {
+            drop(cache);
+            crate::device::release_freed_host_memory();
+        }
+    }
+
     /// A pool of libtorch's intra-op thread count (`None` for one thread),
     /// so `set_threads` governs the kernels too.
     pub(super) fn pool(&self) -> Result<Option<Arc<rayon::ThreadPool>>, ModelError> {
@@ -162,5 +174,8 @@ mod tests {
             "the same weights twice: kept again"
         );
         assert!(Arc::ptr_eq(&packed, &prepared.model(&model).unwrap()));
+        model.release_cpu_packing();
+        assert!(!prepared.holds_packing(), "released on request");
+        assert!(!Arc::ptr_eq(&packed, &prepared.model(&model).unwrap()));
     }
 }

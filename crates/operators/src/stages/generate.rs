@@ -436,6 +436,9 @@ impl Stage for Generate {
 
     fn end_step(&mut self, ctx: &mut StepContext) -> Result<Vec<RecordBatch>, StageError> {
         let Some(state) = self.stream.as_mut() else {
+            // The next step brings new weights (or this one's are stale by
+            // then): the packing would only sit beside the learner's update.
+            self.model.release_cpu_packing();
             return Ok(Vec::new());
         };
         state

@@ -386,6 +386,9 @@ impl Learner {
                 })
                 .collect::<Result<_, _>>()?
         };
+        // The weights change at the first optimizer step: the CPU kernels'
+        // packing of them is not needed beside the backward passes.
+        self.model.release_cpu_packing();
         // Each mini-batch's loss is normalised by its own counts over every rank.
         let scales: Vec<_> = (0..minis)
             .map(|k| {
