@@ -132,8 +132,12 @@ fn breakdown(dir: &Path, lora: bool) {
         }
     };
     let generator = part("generator_weights", || policy(1));
+    // As the pipeline's reference role: on the CPU kernels its packing alone
+    // holds its weights (with LoRA the frozen base stays, shared).
     let reference = part("reference_weights", || {
-        Model::load_shared(dir, Device::Cpu, tch::Kind::Float).unwrap()
+        let mut m = Model::load_shared(dir, Device::Cpu, tch::Kind::Float).unwrap();
+        m.keep_only_cpu_packing().unwrap();
+        m
     });
     let learner_model = part("learner_weights", || policy(1));
     let mut learner = part("learner_adamw_state", || {
@@ -160,8 +164,11 @@ fn breakdown(dir: &Path, lora: bool) {
         ..SamplingParams::default()
     };
     let ids: Vec<u64> = (0..prompts.len() as u64).collect();
-    let generations = part("generate_packed_weights_and_kv", || {
-        generate_on(&generator, &prompts, &ids, &params, Backend::Auto).unwrap()
+    // As the generate stage at its step's end: the packing is freed.
+    let generations = part("generate_then_free_packing", || {
+        let out = generate_on(&generator, &prompts, &ids, &params, Backend::Auto).unwrap();
+        generator.release_cpu_packing();
+        out
     });
     let responses: Vec<Vec<i64>> = generations.iter().map(|g| g.tokens.clone()).collect();
     let refs = part("reference_logprobs", || {

@@ -180,10 +180,11 @@ pub fn reference(
     let cfg = cfg.clone();
     move |w| {
         let dir = or_actor(&cfg.model.reference, &cfg);
-        Ok(
-            RefLogprob::new(load_frozen(&cfg, &dir, w)?, cfg.generate.temperature)
-                .with_logprob_chunk(cfg.algorithm.logprob_chunk),
-        )
+        let mut model = load_frozen(&cfg, &dir, w)?;
+        // On the CPU kernels the reference's packing alone holds its weights.
+        model.keep_only_cpu_packing()?;
+        Ok(RefLogprob::new(model, cfg.generate.temperature)
+            .with_logprob_chunk(cfg.algorithm.logprob_chunk))
     }
 }
 

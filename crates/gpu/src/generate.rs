@@ -211,6 +211,7 @@ pub fn generate_on(
         #[cfg(not(target_arch = "x86_64"))]
         unreachable!("the CPU kernels apply only on x86-64")
     } else {
+        model.check_weights_held()?;
         generate_torch(model, prompts, stream_ids, params)
     };
     // The generation's activations and KV cache are freed: give their pages back.

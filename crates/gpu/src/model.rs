@@ -37,6 +37,9 @@ pub struct Model {
     /// Packed weights for the CPU generation kernels, made on first use.
     #[cfg(target_arch = "x86_64")]
     prepared: crate::cpu::prepared::Prepared,
+    /// Only the CPU kernels' packing holds the weights
+    /// ([`Model::keep_only_cpu_packing`]).
+    weights_released: bool,
 }
 
 impl Model {
@@ -122,6 +125,7 @@ impl Model {
             shared: None,
             #[cfg(target_arch = "x86_64")]
             prepared: Default::default(),
+            weights_released: false,
         })
     }
 
@@ -220,6 +224,7 @@ impl Model {
         attention_mask: Option<&Tensor>,
         position_ids: Option<&Tensor>,
     ) -> Result<(Tensor, Option<Tensor>, Tensor), ModelError> {
+        self.check_weights_held()?;
         let ids = self.check_ids(input_ids)?;
         let mask = match attention_mask {
             Some(m) if m.size() == ids.size() => {
@@ -282,6 +287,7 @@ impl Model {
     /// The output head's weight `[vocab, hidden]` (the embedding when tied):
     /// `lm_logits(h) = h · Wᵀ`. It shares storage and gradient with the parameter.
     pub fn lm_weight(&self) -> Result<Tensor, ModelError> {
+        self.check_weights_held()?;
         match (&self.lm_head, self.config.head) {
             (Some(head), _) => Ok(head.ws.shallow_clone()),
             (None, Head::CausalLm) => Ok(self.decoder.embed.shallow_clone()),
@@ -397,6 +403,52 @@ impl Model {
     pub fn release_cpu_packing(&self) {
         #[cfg(target_arch = "x86_64")]
         self.prepared.release();
+    }
+
+    /// Keeps this frozen model's weights only in the CPU kernels' packing
+    /// and frees its own copy of them (its share of [`Model::load_shared`]'s
+    /// weights): a reference, whose every pass runs on the kernels, then
+    /// holds its weights once instead of twice. Returns whether it did: not
+    /// where the kernels do not run this model (a GPU, another dtype) or it
+    /// has adapters. Afterwards only the kernels' passes work; a libtorch
+    /// pass, a snapshot or a save of it is an error.
+    pub fn keep_only_cpu_packing(&mut self) -> Result<bool, ModelError> {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if self.weights_released {
+                return Ok(true);
+            }
+            if !crate::generate::cpu_kernels_apply(self) || self.lora.is_some() {
+                return Ok(false);
+            }
+            let packed = self.prepared.model(self)?;
+            self.prepared.pin(packed);
+            {
+                let _guard = tch::no_grad_guard();
+                for (_, mut var) in self.vs.variables() {
+                    let empty = Tensor::empty([0], (var.kind(), var.device()));
+                    var.set_data(&empty);
+                }
+            }
+            self.shared = None;
+            self.weights_released = true;
+            crate::device::release_freed_host_memory();
+            Ok(true)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        Ok(false)
+    }
+
+    /// An error once [`Model::keep_only_cpu_packing`] freed the weights.
+    pub(crate) fn check_weights_held(&self) -> Result<(), ModelError> {
+        if self.weights_released {
+            return Err(ModelError::Input(format!(
+                "{}: this copy of the model keeps its weights only packed for the CPU kernels; \
+                 it cannot run on libtorch, be saved or exchange snapshots",
+                self.source.display()
+            )));
+        }
+        Ok(())
     }
 
     /// The model's rotary position tables.

@@ -127,6 +127,7 @@ impl Model {
     /// The weights as safetensors bytes tagged with `version` (for the
     /// weights edge); a LoRA model's hold only its adapters.
     pub fn export_snapshot(&self, version: u64) -> Result<Vec<u8>, ModelError> {
+        self.check_weights_held()?;
         let metadata = HashMap::from([(VERSION_KEY.to_string(), version.to_string())]);
         to_safetensors(&self.snapshot_tensors(), None, &metadata)
     }
@@ -136,6 +137,7 @@ impl Model {
     /// is read out of the bytes and copied into place one at a time, so the
     /// transient memory is one tensor, not a second set of weights.
     pub fn apply_snapshot(&mut self, bytes: &[u8]) -> Result<u64, ModelError> {
+        self.check_weights_held()?;
         let (_, meta) = SafeTensors::read_metadata(bytes)
             .map_err(|e| ModelError::Input(format!("not safetensors bytes: {e:?}")))?;
         let version = meta
@@ -163,6 +165,7 @@ impl Model {
     /// dtype), and the tokenizer and generation files of the source folder,
     /// so that transformers (and weir) load the folder.
     pub fn save(&self, dir: &Path, kind: Option<Kind>) -> Result<(), ModelError> {
+        self.check_weights_held()?;
         self.save_sharded(dir, kind, DEFAULT_MAX_SHARD_BYTES)
     }
 

@@ -215,6 +215,7 @@ impl Streamer {
             #[cfg(not(target_arch = "x86_64"))]
             unreachable!("the CPU kernels apply only on x86-64")
         } else {
+            model.check_weights_held()?;
             Box::new(TorchSlots::new(model))
         };
         Ok(Streamer {

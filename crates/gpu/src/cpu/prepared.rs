@@ -20,6 +20,9 @@ use crate::{Model, ModelError};
 #[derive(Debug, Default)]
 pub struct Prepared {
     packed: Mutex<Option<Packing>>,
+    /// The packing that alone holds the weights once the model freed its
+    /// own copy ([`Model::keep_only_cpu_packing`]): used whatever the stamp.
+    pinned: std::sync::OnceLock<Arc<CpuModel>>,
     cache: Mutex<Vec<f32>>,
     pool: Mutex<Option<Arc<rayon::ThreadPool>>>,
 }
@@ -37,7 +40,10 @@ struct Packing {
 const KEPT_CACHE_FLOATS: usize = 64 << 20;
 
 impl Prepared {
-    pub(super) fn model(&self, model: &Model) -> Result<Arc<CpuModel>, ModelError> {
+    pub(crate) fn model(&self, model: &Model) -> Result<Arc<CpuModel>, ModelError> {
+        if let Some(pinned) = self.pinned.get() {
+            return Ok(pinned.clone());
+        }
         let stamp: Stamp = model
             .named_tensors()
             .iter()
@@ -66,6 +72,12 @@ impl Prepared {
             reused,
         });
         Ok(packed)
+    }
+
+    /// Makes `packed` the weights for good (see the field).
+    pub(crate) fn pin(&self, packed: Arc<CpuModel>) {
+        let _ = self.pinned.set(packed);
+        *self.packed.lock().unwrap_or_else(|e| e.into_inner()) = None;
     }
 
     /// Drops a kept packing and KV-cache buffer now (a caller that knows

@@ -296,6 +296,39 @@ fn cpu_kernels_agree_with_libtorch_ops() {
     )));
 }
 
+/// A frozen model that keeps its weights only in the CPU kernels' packing
+/// (the reference): the same log-probs as before, no libtorch weights left,
+/// and every libtorch use refused in one line.
+#[test]
+fn a_model_kept_only_packed_scores_alike_and_refuses_libtorch() {
+    use weir_gpu::generate::cpu_kernels_apply;
+    use weir_gpu::logprobs::response_logprobs_on_cpu_kernels;
+    let dir = fixtures().join("models").join("tiny-qwen2");
+    let mut model = Model::load_shared(&dir, Device::Cpu, Kind::Float).unwrap();
+    if !cpu_kernels_apply(&model) {
+        assert!(!model.keep_only_cpu_packing().unwrap());
+        return;
+    }
+    let prompts = vec![vec![1i64, 286, 202, 305], vec![302, 592]];
+    let responses = vec![vec![5i64, 6, 7], vec![8, 9]];
+    let before = response_logprobs_on_cpu_kernels(&model, &prompts, &responses, 1.0).unwrap();
+    assert!(model.keep_only_cpu_packing().unwrap());
+    assert!(model.named_tensors().iter().all(|(_, t)| t.numel() == 0));
+    let after = response_logprobs_on_cpu_kernels(&model, &prompts, &responses, 1.0).unwrap();
+    assert_eq!(before, after);
+    let ids = Tensor::from_slice(&[1i64, 2, 3]).view([1, 3]);
+    let err = model.hidden_states(&ids, None, None).unwrap_err().to_string();
+    assert!(err.contains("only packed for the CPU kernels"), "{err}");
+    assert!(model.export_snapshot(1).is_err());
+    let params = weir_gpu::SamplingParams::default();
+    assert!(generate_on(&model, &prompts, &[0, 1], &params, Backend::Torch).is_err());
+    // The kernels still generate from the packing.
+    assert!(generate_on(&model, &prompts, &[0, 1], &params, Backend::Auto).is_ok());
+    // Another shared load reads the weights again.
+    let again = Model::load_shared(&dir, Device::Cpu, Kind::Float).unwrap();
+    assert!(again.named_tensors().iter().all(|(_, t)| t.numel() > 0));
+}
+
 /// Response log-probs on the CPU kernels (the reference's and the learner's
 /// no-grad passes) against libtorch's `token_logprobs` on each whole
 /// sequence: repeated prompts (run once), an empty response, a temperature.
