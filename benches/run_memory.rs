@@ -12,12 +12,14 @@
 //!   (`VmHWM`), so the table says which part is weights copies, optimizer
 //!   state, the CPU kernels' packed weights and KV cache, activations.
 //! - `run`: a whole `weir run grpo` of 3 steps (k = 0, one worker): its
-//!   peak resident memory.
+//!   peak resident memory; also with gradient checkpointing
+//!   (`algorithm.gradient_checkpointing`, TRL's default).
 //!
 //! The last lines are
 //!
 //! ```text
 //! run_peak_over_fp32_weights=<ratio>        (full fine-tuning; the issue's target ≤ 8)
+//! checkpointed_run_peak_over_fp32_weights=<ratio>   (the same with gradient checkpointing)
 //! lora_run_peak_over_fp32_weights=<ratio>   (rank 16 on all seven projections)
 //! lora_peak_over_full_peak=<ratio>
 //! ```
@@ -196,8 +198,9 @@ fn breakdown(dir: &Path, lora: bool) {
     println!("part end rss_mb={:.0} peak_mb={:.0}", rss(), peak());
 }
 
-/// A whole `weir run grpo` of 3 steps on `dir`.
-fn whole_run(dir: &Path, lora: bool) {
+/// A whole `weir run grpo` of 3 steps on `dir` (with gradient
+/// checkpointing when `checkpointed`).
+fn whole_run(dir: &Path, lora: bool, checkpointed: bool) {
     let mut c = RunConfig::defaults_for(PipelineKind::Grpo);
     c.model.path = dir.display().to_string();
     c.data.prompts = "arith".into();
@@ -212,6 +215,7 @@ fn whole_run(dir: &Path, lora: bool) {
     c.placement.workers = 1;
     c.placement.rollout = vec![0];
     c.placement.train = vec![0];
+    c.algorithm.gradient_checkpointing = checkpointed;
     if lora {
         let a = adapters();
         c.lora.rank = a.rank;
@@ -265,7 +269,8 @@ fn main() {
         let (mode, lora) = what.split_once(':').unwrap();
         match mode {
             "breakdown" => breakdown(&dir, lora == "true"),
-            _ => whole_run(&dir, lora == "true"),
+            "checkpointed" => whole_run(&dir, lora == "true", true),
+            _ => whole_run(&dir, lora == "true", false),
         }
         return;
     }
@@ -290,7 +295,17 @@ fn main() {
         );
         peaks.push(p);
     }
+    let run = child("checkpointed", false, &dir, full);
+    let checkpointed = field(run.last().unwrap(), "peak_mb=");
+    println!(
+        "full, gradient checkpointing: whole run peak_mb={checkpointed:.0} ({:.2}× the float32 weights)",
+        checkpointed / weights_mb
+    );
     println!("run_peak_over_fp32_weights={:.3}", peaks[0] / weights_mb);
+    println!(
+        "checkpointed_run_peak_over_fp32_weights={:.3}",
+        checkpointed / weights_mb
+    );
     println!(
         "lora_run_peak_over_fp32_weights={:.3}",
         peaks[1] / weights_mb

@@ -450,9 +450,12 @@ impl Model {
         let config = serde_json::to_string_pretty(&lora.config.to_peft_json(&base))
             .expect("JSON values serialise");
         crate::snapshot::write_atomically(&dir.join(ADAPTER_CONFIG), config.as_bytes())?;
-        let bytes =
-            crate::snapshot::to_safetensors(&self.adapter_tensors(), Some(kind), &HashMap::new())?;
-        crate::snapshot::write_atomically(&dir.join(ADAPTER_WEIGHTS), &bytes)?;
+        crate::snapshot::save_safetensors(
+            &dir.join(ADAPTER_WEIGHTS),
+            &self.adapter_tensors(),
+            Some(kind),
+            &HashMap::new(),
+        )?;
         self.copy_side_files(dir)
     }
 

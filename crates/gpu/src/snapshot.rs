@@ -14,15 +14,15 @@ use crate::ModelError;
 /// Metadata key holding a snapshot's policy version.
 pub const VERSION_KEY: &str = "weir_policy_version";
 
-/// Serialises named tensors (in `kind` if given) with `metadata` (plus
-/// `format: pt`) in safetensors layout: the header, then each tensor's
-/// bytes copied once, straight from its device into the returned buffer
-/// (no intermediate copy of the whole set).
-pub fn to_safetensors(
+/// The safetensors header of `tensors` (in `kind` if given) with
+/// `metadata` (plus `format: pt`): its length prefix and JSON, padded so the
+/// data starts 8-byte aligned as the safetensors writers pad it; and the
+/// data's length.
+fn safetensors_header(
     tensors: &[(String, Tensor)],
     kind: Option<Kind>,
     metadata: &HashMap<String, String>,
-) -> Result<Vec<u8>, ModelError> {
+) -> Result<(Vec<u8>, usize), ModelError> {
     let mut header = serde_json::Map::new();
     let mut info: serde_json::Map<String, serde_json::Value> = metadata
         .iter()
@@ -46,27 +46,80 @@ pub fn to_safetensors(
         offset += bytes;
     }
     let mut text = serde_json::Value::Object(header).to_string();
-    // The data starts 8-byte aligned, as the safetensors writers pad it.
     while !(8 + text.len()).is_multiple_of(8) {
         text.push(' ');
     }
-    let data_start = 8 + text.len();
-    let mut out = Vec::with_capacity(data_start + offset);
+    let mut out = Vec::with_capacity(8 + text.len());
     out.extend_from_slice(&(text.len() as u64).to_le_bytes());
     out.extend_from_slice(text.as_bytes());
-    out.resize(data_start + offset, 0);
-    let mut at = data_start;
+    Ok((out, offset))
+}
+
+/// Copies `tensor` (in `kind` if given) into `out`, which has its size in bytes.
+fn copy_tensor_bytes(
+    tensor: &Tensor,
+    kind: Option<Kind>,
+    out: &mut [u8],
+) -> Result<(), ModelError> {
+    let t = match kind {
+        Some(k) if k != tensor.kind() => tensor.to_kind(k),
+        _ => tensor.shallow_clone(),
+    };
+    t.f_copy_data_u8(out, t.numel())?;
+    Ok(())
+}
+
+/// Serialises named tensors (in `kind` if given) with `metadata` (plus
+/// `format: pt`) in safetensors layout: the header, then each tensor's
+/// bytes copied once, straight from its device into the returned buffer
+/// (no intermediate copy of the whole set).
+pub fn to_safetensors(
+    tensors: &[(String, Tensor)],
+    kind: Option<Kind>,
+    metadata: &HashMap<String, String>,
+) -> Result<Vec<u8>, ModelError> {
+    let (mut out, data) = safetensors_header(tensors, kind, metadata)?;
+    let mut at = out.len();
+    out.resize(at + data, 0);
     for (_, tensor) in tensors {
-        let t = match kind {
-            Some(k) if k != tensor.kind() => tensor.to_kind(k),
-            _ => tensor.shallow_clone(),
-        };
-        let numel = t.numel();
-        let end = at + numel * t.kind().elt_size_in_bytes();
-        t.f_copy_data_u8(&mut out[at..end], numel)?;
+        let end = at + tensor.numel() * kind.unwrap_or(tensor.kind()).elt_size_in_bytes();
+        copy_tensor_bytes(tensor, kind, &mut out[at..end])?;
         at = end;
     }
     Ok(out)
+}
+
+/// Writes what [`to_safetensors`] returns to `path` one tensor at a time,
+/// so no more than the largest tensor is held in host memory beside the
+/// tensors themselves (a checkpoint of the weights or of the optimizer's
+/// moments would otherwise be a second copy of all of them). Written to a
+/// temporary file, then renamed over `path`.
+pub fn save_safetensors(
+    path: &Path,
+    tensors: &[(String, Tensor)],
+    kind: Option<Kind>,
+    metadata: &HashMap<String, String>,
+) -> Result<(), ModelError> {
+    use std::io::Write;
+    let (header, _) = safetensors_header(tensors, kind, metadata)?;
+    let tmp = path.with_extension("tmp");
+    let write = || -> std::io::Result<()> {
+        let mut file = std::io::BufWriter::new(std::fs::File::create(&tmp)?);
+        file.write_all(&header)?;
+        let mut buffer = Vec::new();
+        for (_, tensor) in tensors {
+            buffer.resize(
+                tensor.numel() * kind.unwrap_or(tensor.kind()).elt_size_in_bytes(),
+                0,
+            );
+            copy_tensor_bytes(tensor, kind, &mut buffer)
+                .map_err(|e| std::io::Error::other(e.to_string()))?;
+            file.write_all(&buffer)?;
+        }
+        file.flush()
+    };
+    write().map_err(|e| ModelError::io(&tmp, e))?;
+    std::fs::rename(&tmp, path).map_err(|e| ModelError::io(path, e))
 }
 
 /// Named tensors, sorted by name.
@@ -202,15 +255,18 @@ impl Model {
             shards[last].push((name, tensor));
         }
         if shards.len() == 1 {
-            let bytes = to_safetensors(&shards[0], Some(kind), &HashMap::new())?;
-            write_atomically(&dir.join("model.safetensors"), &bytes)?;
+            save_safetensors(
+                &dir.join("model.safetensors"),
+                &shards[0],
+                Some(kind),
+                &HashMap::new(),
+            )?;
         } else {
             let n = shards.len();
             let mut weight_map = serde_json::Map::new();
             for (i, shard) in shards.iter().enumerate() {
                 let file = format!("model-{:05}-of-{n:05}.safetensors", i + 1);
-                let bytes = to_safetensors(shard, Some(kind), &HashMap::new())?;
-                write_atomically(&dir.join(&file), &bytes)?;
+                save_safetensors(&dir.join(&file), shard, Some(kind), &HashMap::new())?;
                 for (name, _) in shard {
                     weight_map.insert(name.clone(), file.clone().into());
                 }
@@ -341,4 +397,33 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), ModelError> {
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, bytes).map_err(|e| ModelError::io(&tmp, e))?;
     std::fs::rename(&tmp, path).map_err(|e| ModelError::io(path, e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_file_written_tensor_by_tensor_holds_the_same_bytes() {
+        let tensors = vec![
+            (
+                "a".to_string(),
+                Tensor::from_slice(&[1.5f32, -2.0, 3.25]).view([3, 1]),
+            ),
+            ("b.weight".to_string(), Tensor::from_slice(&[7.0f64, 8.0])),
+            ("c".to_string(), Tensor::from_slice::<f32>(&[])),
+        ];
+        let metadata = HashMap::from([("steps".to_string(), "4".to_string())]);
+        let dir = tempfile::tempdir().unwrap();
+        for kind in [None, Some(Kind::BFloat16)] {
+            let path = dir.path().join("x.safetensors");
+            save_safetensors(&path, &tensors, kind, &metadata).unwrap();
+            let written = std::fs::read(&path).unwrap();
+            assert_eq!(written, to_safetensors(&tensors, kind, &metadata).unwrap());
+            let (back, meta) = from_safetensors(&written).unwrap();
+            assert_eq!(meta["steps"], "4");
+            assert_eq!(back.len(), 3);
+            assert!(!path.with_extension("tmp").exists());
+        }
+    }
 }

@@ -26,7 +26,7 @@ use std::sync::{Arc, Mutex};
 
 use serde_json::{json, Value};
 use weir_gpu::optim::Optimizer;
-use weir_gpu::snapshot::{from_safetensors, to_safetensors, write_atomically};
+use weir_gpu::snapshot::{from_safetensors, save_safetensors, write_atomically};
 use weir_gpu::Model;
 use weir_graph::StageError;
 
@@ -200,9 +200,7 @@ impl Checkpointer {
         model.save_sharded(&tmp, None, self.max_shard_bytes)?;
         let (tensors, steps) = optimizer.state();
         let meta = std::collections::HashMap::from([("steps".to_string(), steps.to_string())]);
-        let bytes = to_safetensors(&tensors, None, &meta)?;
-        let opt = tmp.join("optimizer.safetensors");
-        std::fs::write(&opt, bytes).map_err(|e| format!("{}: {e}", opt.display()))?;
+        save_safetensors(&tmp.join("optimizer.safetensors"), &tensors, None, &meta)?;
         let target = dir.join(component);
         let _ = std::fs::remove_dir_all(&target);
         std::fs::rename(&tmp, &target).map_err(|e| format!("{}: {e}", target.display()))?;

@@ -317,7 +317,10 @@ fn a_model_kept_only_packed_scores_alike_and_refuses_libtorch() {
     let after = response_logprobs_on_cpu_kernels(&model, &prompts, &responses, 1.0).unwrap();
     assert_eq!(before, after);
     let ids = Tensor::from_slice(&[1i64, 2, 3]).view([1, 3]);
-    let err = model.hidden_states(&ids, None, None).unwrap_err().to_string();
+    let err = model
+        .hidden_states(&ids, None, None)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("only packed for the CPU kernels"), "{err}");
     assert!(model.export_snapshot(1).is_err());
     let params = weir_gpu::SamplingParams::default();
