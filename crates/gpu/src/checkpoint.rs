@@ -1,7 +1,6 @@
 //! Reading and writing the tensors of a HuggingFace checkpoint folder:
 //! `model.safetensors`, or shards listed in `model.safetensors.index.json`.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
@@ -45,17 +44,25 @@ pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
     Ok(files)
 }
 
-/// Every tensor of the checkpoint by name, with the file it came from.
-pub fn read_tensors(dir: &Path) -> Result<BTreeMap<String, (Tensor, PathBuf)>, ModelError> {
-    let mut out = BTreeMap::new();
+/// Calls `visit(name, tensor, file)` for every tensor of the checkpoint in
+/// `dir`, reading one file at a time and making each tensor only while
+/// `visit` runs: loading holds the file's bytes and one tensor beside the
+/// model, not a second copy of every weight.
+pub fn visit_tensors(
+    dir: &Path,
+    mut visit: impl FnMut(&str, Tensor, &Path) -> Result<(), ModelError>,
+) -> Result<(), ModelError> {
     for file in weight_files(dir)? {
         if !file.is_file() {
             return Err(ModelError::io(&file, "listed in the index but missing"));
         }
-        let tensors = Tensor::read_safetensors(&file).map_err(|e| ModelError::io(&file, e))?;
-        for (name, tensor) in tensors {
-            out.insert(name, (tensor, file.clone()));
+        let bytes = std::fs::read(&file).map_err(|e| ModelError::io(&file, e))?;
+        let tensors = safetensors::SafeTensors::deserialize(&bytes)
+            .map_err(|e| ModelError::io(&file, format!("not a safetensors file: {e:?}")))?;
+        for (name, view) in tensors.tensors() {
+            let tensor = Tensor::try_from(view).map_err(|e| ModelError::io(&file, e))?;
+            visit(&name, tensor, &file)?;
         }
     }
-    Ok(out)
+    Ok(())
 }

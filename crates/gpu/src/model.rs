@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
-use crate::checkpoint::read_tensors;
+use crate::checkpoint::visit_tensors;
 use crate::config::{Head, ModelConfig};
 use crate::decoder::{zero_linear, Decoder, KvCache};
 use crate::{Device, ModelError};
@@ -154,29 +154,35 @@ impl Model {
     }
 
     fn load_weights_except(&mut self, dir: &Path, keep: &[&str]) -> Result<(), ModelError> {
-        let tensors = read_tensors(dir)?;
+        let mut vars: std::collections::BTreeMap<String, Tensor> = self
+            .vs
+            .variables()
+            .into_iter()
+            .filter(|(name, _)| !keep.contains(&name.as_str()))
+            .collect();
         let _guard = tch::no_grad_guard();
-        for (name, mut var) in self.vs.variables() {
-            if keep.contains(&name.as_str()) {
-                continue;
-            }
-            let (tensor, file) = tensors
-                .get(&name)
-                .ok_or_else(|| ModelError::MissingTensor {
-                    path: dir.display().to_string(),
-                    name: name.clone(),
-                })?;
+        visit_tensors(dir, |name, tensor, file| {
+            let Some(mut var) = vars.remove(name) else {
+                return Ok(());
+            };
             if tensor.size() != var.size() {
                 return Err(ModelError::ShapeMismatch {
                     path: file.display().to_string(),
-                    name,
+                    name: name.to_string(),
                     expected: var.size(),
                     found: tensor.size(),
                 });
             }
             var.f_copy_(&tensor.to_kind(var.kind()))?;
+            Ok(())
+        })?;
+        match vars.into_keys().next() {
+            Some(name) => Err(ModelError::MissingTensor {
+                path: dir.display().to_string(),
+                name,
+            }),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// The parameters, by HuggingFace name.
