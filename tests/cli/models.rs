@@ -1,9 +1,27 @@
 //! `weir logprobs`, `weir generate`, `weir score` against the float64 transformers references; bad lines.
 
+use std::path::Path;
+
 use arrow::array::{Array, AsArray};
 use arrow::datatypes::{Float32Type, Int64Type};
 
 use super::*;
+
+/// `weir logprobs` of the fixture `model` on `dir/in.jsonl` into `dir/output`.
+fn logprobs(dir: &Path, model: &str, output: &str, more: &[&str]) -> std::process::Output {
+    let model = fixtures().join(model);
+    let mut args = vec![
+        "logprobs",
+        "--model",
+        model.to_str().unwrap(),
+        "--input",
+        "in.jsonl",
+        "--output",
+        output,
+    ];
+    args.extend_from_slice(more);
+    weir(&args, dir)
+}
 
 #[test]
 fn logprobs_command_matches_transformers() {
@@ -11,20 +29,11 @@ fn logprobs_command_matches_transformers() {
     let r = reference("tiny-llama");
     let cases = r["single"].as_array().unwrap();
     write_input_ids(dir.path(), cases);
-    let model = fixtures().join("tiny-llama");
-    let out = weir(
-        &[
-            "logprobs",
-            "--model",
-            model.to_str().unwrap(),
-            "--input",
-            "in.jsonl",
-            "--output",
-            "out.parquet",
-            "--batch-size",
-            "2",
-        ],
+    let out = logprobs(
         dir.path(),
+        "tiny-llama",
+        "out.parquet",
+        &["--batch-size", "2"],
     );
     assert!(
         out.status.success(),
@@ -68,21 +77,9 @@ fn logprobs_in_half_precision_stay_within_stated_tolerances() {
     for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3"] {
         let cases = reference(name)["single"].as_array().unwrap().clone();
         write_input_ids(dir.path(), &cases);
-        let model = fixtures().join(name);
         for (dtype, worst, mean) in tolerances {
             let output = format!("{name}-{dtype}.parquet");
-            let args = [
-                "logprobs",
-                "--model",
-                model.to_str().unwrap(),
-                "--input",
-                "in.jsonl",
-                "--output",
-                &output,
-                "--dtype",
-                dtype,
-            ];
-            success(&weir(&args, dir.path()));
+            success(&logprobs(dir.path(), name, &output, &["--dtype", dtype]));
             let batch = read(&dir.path().join(&output));
             let lps = batch
                 .column_by_name("token_logprobs")
