@@ -233,20 +233,13 @@ impl StepStage for GaeAdvantage {
     ) -> Result<Vec<RecordBatch>, StageError> {
         use crate::algorithms::gae;
         let Some(batch) = rows else {
-            // A rank with no rows still joins the step's sums.
-            if self.data_parallel.is_some() {
-                record_kl(
-                    ctx,
-                    self.data_parallel.as_ref(),
-                    &mut self.kl_coef,
-                    self.adaptive_kl.as_ref(),
-                    &[],
-                    &[],
-                )?;
-                if self.whiten {
-                    whiten(&[], &[], self.flavor, self.data_parallel.as_ref())?;
-                }
-            }
+            join_without_rows(
+                ctx,
+                self.data_parallel.as_ref(),
+                &mut self.kl_coef,
+                self.adaptive_kl.as_ref(),
+                self.whiten.then_some(self.flavor),
+            )?;
             return Ok(Vec::new());
         };
         let scores = rewards(&batch, "advantage")?;
@@ -368,6 +361,25 @@ fn whiten(
         sum_scalars(member, xs)
     })
     .map_err(StageError::from)
+}
+
+/// A data-parallel rank with no rows this step still joins the step's
+/// sums: the KL figures, and the whitening when `whitening` names its flavor.
+fn join_without_rows(
+    ctx: &mut StepContext,
+    member: Option<&GroupMember>,
+    kl_coef: &mut f64,
+    adaptive: Option<&AdaptiveKl>,
+    whitening: Option<Flavor>,
+) -> Result<(), StageError> {
+    if member.is_none() {
+        return Ok(());
+    }
+    record_kl(ctx, member, kl_coef, adaptive, &[], &[])?;
+    if let Some(flavor) = whitening {
+        whiten(&[], &[], flavor, member)?;
+    }
+    Ok(())
 }
 
 /// With the KL term on: records the step's `kl` and `kl_coef` (on rank 0
@@ -500,20 +512,13 @@ impl StepStage for ReinforceAdvantage {
         use crate::algorithms::discounted_returns;
         let whitened = self.baseline != ReinforceBaseline::Greedy;
         let Some(batch) = rows else {
-            // A rank with no rows still joins the step's sums.
-            if self.data_parallel.is_some() {
-                record_kl(
-                    ctx,
-                    self.data_parallel.as_ref(),
-                    &mut self.kl_coef,
-                    self.adaptive_kl.as_ref(),
-                    &[],
-                    &[],
-                )?;
-                if whitened {
-                    whiten(&[], &[], self.flavor, self.data_parallel.as_ref())?;
-                }
-            }
+            join_without_rows(
+                ctx,
+                self.data_parallel.as_ref(),
+                &mut self.kl_coef,
+                self.adaptive_kl.as_ref(),
+                whitened.then_some(self.flavor),
+            )?;
             return Ok(Vec::new());
         };
         let (batch, greedy) = match self.baseline {
