@@ -35,8 +35,17 @@ struct SlotRows {
     /// Positions each row holds (after [`KvCache::begin_step`]: including
     /// the one the step writes).
     lens: Vec<i64>,
-    /// The decode step under way: the rows `0..n` and where each writes.
-    step: Option<(Tensor, Tensor)>,
+    /// The decode step under way.
+    step: Option<SlotStep>,
+}
+
+/// A slot cache's decode step: row `rows[i]` writes at position `at[i]`,
+/// and attention reads `width` positions (the longest row's, with the step's).
+#[derive(Debug)]
+struct SlotStep {
+    rows: Tensor,
+    at: Tensor,
+    width: i64,
 }
 
 /// `buffer` `[rows, H, capacity, D]` grown to at least `rows` rows and
@@ -110,14 +119,10 @@ impl LayerCache {
 
     /// A slot cache's decode step: writes `k`, `v` `[n, H, 1, D]` at row
     /// `rows[i]`, position `at[i]`; returns the first `n` rows' keys and
-    /// values up to `width` positions.
-    fn write_rows(
-        &mut self,
-        k: &Tensor,
-        v: &Tensor,
-        (rows, at): &(Tensor, Tensor),
-        width: i64,
-    ) -> (Tensor, Tensor) {
+    /// values up to the step's width.
+    fn write_rows(&mut self, k: &Tensor, v: &Tensor, step: &SlotStep) -> (Tensor, Tensor) {
+        let SlotStep { rows, at, width } = step;
+        let width = *width;
         let n = k.size()[0];
         let (keep_rows, len) = (self.rows(), self.len);
         let mut out = [k, v].map(|new| new.shallow_clone());
@@ -150,13 +155,13 @@ impl LayerCache {
 /// One layer's part of a cache during a forward pass.
 pub(crate) struct LayerSlot<'a> {
     layer: &'a mut LayerCache,
-    step: Option<(&'a (Tensor, Tensor), i64)>,
+    step: Option<&'a SlotStep>,
 }
 
 impl LayerSlot<'_> {
     pub(crate) fn append(self, k: &Tensor, v: &Tensor) -> (Tensor, Tensor) {
         match self.step {
-            Some((step, width)) => self.layer.write_rows(k, v, step, width),
+            Some(step) => self.layer.write_rows(k, v, step),
             None => self.layer.append(k, v),
         }
     }
@@ -196,19 +201,16 @@ impl KvCache {
     /// decode step counts its longest row without the step's position.
     pub(crate) fn past(&self) -> i64 {
         match &self.slots {
-            Some(s) if s.step.is_some() => self.len() - 1,
+            Some(SlotRows {
+                step: Some(step), ..
+            }) => step.width - 1,
             _ => self.len(),
         }
     }
 
     /// Layer `i`'s part, for a forward pass.
     pub(crate) fn layer(&mut self, i: usize) -> LayerSlot<'_> {
-        let width = self.len();
-        let step = self
-            .slots
-            .as_ref()
-            .and_then(|s| s.step.as_ref())
-            .map(|step| (step, width));
+        let step = self.slots.as_ref().and_then(|s| s.step.as_ref());
         LayerSlot {
             layer: &mut self.layers[i],
             step,
@@ -306,7 +308,7 @@ impl KvCache {
             .le_tensor(&at.view([n, 1]))
             .to_kind(Kind::Int64);
         let positions = at.view([n, 1]);
-        slots.step = Some((rows, at));
+        slots.step = Some(SlotStep { rows, at, width });
         (mask, positions)
     }
 
