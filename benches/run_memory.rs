@@ -133,7 +133,7 @@ fn breakdown(dir: &Path, lora: bool) {
             Model::load(dir, Device::Cpu, tch::Kind::Float).unwrap()
         }
     };
-    let generator = part("generator_weights", || policy(1));
+    let mut generator = part("generator_weights", || policy(1));
     // As the pipeline's reference role: on the CPU kernels its packing alone
     // holds its weights (with LoRA the frozen base stays, shared).
     let reference = part("reference_weights", || {
@@ -166,10 +166,14 @@ fn breakdown(dir: &Path, lora: bool) {
         ..SamplingParams::default()
     };
     let ids: Vec<u64> = (0..prompts.len() as u64).collect();
-    // As the generate stage at its step's end: the packing is freed.
-    let generations = part("generate_then_free_packing", || {
+    // As the generate stage at its step's end at k = 0: no later step can
+    // use these weights, so they are freed with their packing until the
+    // learner's next version arrives (the adapters' base stays).
+    let generations = part("generate_then_free_weights", || {
         let out = generate_on(&generator, &prompts, &ids, &params, Backend::Auto).unwrap();
-        generator.release_cpu_packing();
+        if !generator.free_weights_until_snapshot() {
+            generator.release_cpu_packing();
+        }
         out
     });
     let responses: Vec<Vec<i64>> = generations.iter().map(|g| g.tokens.clone()).collect();

@@ -197,7 +197,52 @@ proptest! {
         let rows = read_rows(dir.path());
         check_guarantees(&rows, k, 10, 16);
         prop_assert_eq!(report.staleness_histogram.values().sum::<u64>(), 160);
+        // A generator hears that its weights serve no later step only from
+        // step k on (weights that arrived early may serve the next step),
+        // and the synthetic generator fails if such weights serve one.
+        let generators = report.stages["generate"].workers as u64;
+        for (step, n) in retired_steps(dir.path()) {
+            prop_assert!(step >= k && n <= generators, "step {} retired on {} generators", step, n);
+        }
     }
+}
+
+/// At k = 0 with a slow learner, a generator ends each step well before the
+/// next version exists: it hears that its weights retire (a real one frees
+/// them through the learner's update), and the next step brings new ones.
+#[test]
+fn generators_hear_when_their_weights_serve_no_later_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = SimArgs {
+        max_staleness: 0,
+        workers: 2,
+        train_ms: 40,
+        steps: 6,
+        ..sim_args(dir.path())
+    };
+    let report = run_sim(&args).unwrap();
+    assert_eq!(report.steps, 6);
+    let retired = retired_steps(dir.path());
+    assert!(
+        retired.len() >= 4,
+        "generators heard of retired weights at steps {retired:?} only"
+    );
+}
+
+/// Per step: how many generators were told their weights retire at its end.
+fn retired_steps(out: &Path) -> BTreeMap<u64, u64> {
+    let metrics =
+        weir::graph::parquet_log::read_parquet_file(&out.join("metrics.parquet")).unwrap();
+    let mut steps = BTreeMap::new();
+    for row in metrics
+        .iter()
+        .flat_map(|b| weir::graph::metrics::batch_to_rows(b).unwrap())
+    {
+        if row.stage == "generate" && row.metric == "weights_retired" {
+            *steps.entry(row.step).or_insert(0) += 1;
+        }
+    }
+    steps
 }
 
 /// Per row of a streaming run: row id → (trained step, each token's version).

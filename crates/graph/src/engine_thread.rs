@@ -99,6 +99,33 @@ pub(crate) enum Done {
     Failed(GraphError),
 }
 
+/// The policy versions a stage instance starts from and sees.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Versions {
+    /// The version the run starts from, at `first_step`.
+    pub initial: PolicyVersion,
+    /// The run's first step.
+    pub first_step: Step,
+    /// The staleness bound.
+    pub max_staleness: u64,
+    /// A generator fed by a learner (which publishes a version every step).
+    pub fed: bool,
+}
+
+impl Versions {
+    /// For a generator fed by a learner: the oldest version it is sure to
+    /// hold when it starts the step after `step`. The learner's step `s`
+    /// publishes version `initial + (s − first_step) + 1` at time
+    /// `s + max_staleness + 1` on the weights edge, and a generator starts a
+    /// step only once the edge's frontier has passed it, so before step
+    /// `step + 1` it has the version of the learner's step `step − k`, if
+    /// that step exists. (Versions may arrive sooner; never later.)
+    pub(crate) fn held_before_next(&self, step: Step) -> Option<PolicyVersion> {
+        let from = self.first_step.checked_add(self.max_staleness)?;
+        (self.fed && step >= from).then(|| self.initial + (step - from) + 1)
+    }
+}
+
 /// One stage instance plus the engine's bookkeeping around it.
 pub(crate) struct StageRunner {
     name: String,
@@ -106,7 +133,7 @@ pub(crate) struct StageRunner {
     stage: Box<dyn Stage>,
     worker: WorkerInfo,
     version: PolicyVersion,
-    max_staleness: u64,
+    versions: Versions,
     transport: Arc<dyn WeightsTransport>,
     shared: Arc<crate::control::RunShared>,
     steps: BTreeMap<Step, StepStats>,
@@ -120,8 +147,7 @@ impl StageRunner {
         kind: StageKind,
         factory: &StageFactory,
         worker: WorkerInfo,
-        version: PolicyVersion,
-        max_staleness: u64,
+        versions: Versions,
         transport: Arc<dyn WeightsTransport>,
         shared: Arc<crate::control::RunShared>,
     ) -> Result<Self, GraphError> {
@@ -131,8 +157,8 @@ impl StageRunner {
             kind,
             stage,
             worker,
-            version,
-            max_staleness,
+            version: versions.initial,
+            versions,
             transport,
             shared,
             steps: BTreeMap::new(),
@@ -179,6 +205,10 @@ impl StageRunner {
                     self.version,
                     self.kind == StageKind::Learn,
                 );
+                ctx.weights_retired = self
+                    .versions
+                    .held_before_next(step)
+                    .is_some_and(|next| self.version < next);
                 let started = Instant::now();
                 let out = guarded(&self.name, Some(step), self.worker.index, || {
                     self.stage.end_step(&mut ctx)
@@ -300,13 +330,13 @@ impl StageRunner {
         let mut staleness = Vec::with_capacity(policy.len());
         for &pv in policy.values() {
             let s = self.version.saturating_sub(pv);
-            if s > self.max_staleness {
+            if s > self.versions.max_staleness {
                 return Err(GraphError::StalenessViolated {
                     step,
                     learner_version: self.version,
                     policy_version: pv,
                     staleness: s,
-                    max_staleness: self.max_staleness,
+                    max_staleness: self.versions.max_staleness,
                 });
             }
             staleness.push(s);

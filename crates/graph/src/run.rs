@@ -480,6 +480,10 @@ fn build_dataflow<'scope>(
         Some(role) => placement.workers(role)?,
         None => Vec::new(),
     };
+    let learns = pipeline
+        .nodes
+        .iter()
+        .any(|n| matches!(n, Node::Stage(s) if s.kind == StageKind::Learn));
     let (weights_handle, weights_stream) = weights_edge(scope, settings.max_staleness);
     let mut weights_handle = Some(weights_handle);
     let mut weights_stream = Some(weights_stream);
@@ -512,6 +516,7 @@ fn build_dataflow<'scope>(
                     transport: settings.transport.clone(),
                     weights_bucket_bytes: settings.weights_bucket_bytes,
                     generators: generators.clone(),
+                    learns,
                 };
                 let out = stage_operator(routed, weights, cfg, env.clone());
                 metric_streams.push(out.metrics);

@@ -56,6 +56,7 @@ pub struct StepContext {
     pub version: PolicyVersion,
     pub(crate) published: Option<WeightsPayload>,
     pub(crate) may_publish: bool,
+    pub(crate) weights_retired: bool,
     pub(crate) recorded: Vec<(String, f64)>,
     pub(crate) recorded_under: Vec<(String, String, f64)>,
 }
@@ -81,6 +82,7 @@ impl StepContext {
             recorded: Vec::new(),
             recorded_under: Vec::new(),
             may_publish,
+            weights_retired: false,
         }
     }
 
@@ -107,6 +109,16 @@ impl StepContext {
     /// True in a learner's `end_step`, where [`StepContext::publish_weights`] may be called.
     pub fn may_publish(&self) -> bool {
         self.may_publish
+    }
+
+    /// True in a generator's `end_step` when the weights it holds serve no
+    /// later step: the staleness bound asks for a newer version at every
+    /// later step, and the learner's next one arrives before the next call
+    /// (at `max_staleness = 0`, after every step). The stage may free its
+    /// copy of the weights until then, so that it does not sit beside the
+    /// learner's update.
+    pub fn weights_retired(&self) -> bool {
+        self.weights_retired
     }
 
     /// Publishes the learner's new weights (version `self.version + 1`) on

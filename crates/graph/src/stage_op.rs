@@ -25,7 +25,7 @@ use timely::dataflow::Stream;
 use timely::progress::frontier::{Antichain, MutableAntichain};
 
 use crate::control::OperatorEnv;
-use crate::engine_thread::{Done, Executor, Job, StageKind, StageRunner};
+use crate::engine_thread::{Done, Executor, Job, StageKind, StageRunner, Versions};
 use crate::metrics::{names, MetricRow};
 use crate::stage::{StageFactory, WorkerInfo};
 use crate::weights_edge::{
@@ -52,6 +52,8 @@ pub(crate) struct StageOpConfig {
     pub weights_bucket_bytes: usize,
     /// Workers that receive this learner's weights.
     pub generators: Vec<usize>,
+    /// Whether the pipeline has a learner (which publishes a version every step).
+    pub learns: bool,
 }
 
 /// The streams a stage operator produces.
@@ -396,18 +398,21 @@ impl OpState {
             role_size: cfg.workers.len(),
             run: env.run,
         };
-        let (name, kind, factory, version, k, transport, shared) = (
+        let versions = Versions {
+            initial: cfg.version,
+            first_step: cfg.first_step,
+            max_staleness: cfg.max_staleness,
+            fed: cfg.kind == StageKind::Generate && cfg.learns,
+        };
+        let (name, kind, factory, transport, shared) = (
             cfg.name.clone(),
             cfg.kind,
             cfg.factory.clone(),
-            cfg.version,
-            cfg.max_staleness,
             cfg.transport.clone(),
             env.shared.clone(),
         );
-        let build = move || {
-            StageRunner::build(&name, kind, &factory, worker, version, k, transport, shared)
-        };
+        let build =
+            move || StageRunner::build(&name, kind, &factory, worker, versions, transport, shared);
         match cfg.offload {
             None => Ok(Executor::inline(build()?)),
             Some(capacity) => Executor::spawn(&cfg.name, capacity, activator, build),

@@ -142,6 +142,9 @@ pub struct SyntheticGenerate {
     pub cost: Cost,
     calls: u64,
     loaded: PolicyVersion,
+    /// The version the engine said no later step may use
+    /// ([`StepContext::weights_retired`]): a real generator frees it.
+    retired: Option<PolicyVersion>,
 }
 
 impl SyntheticGenerate {
@@ -151,6 +154,7 @@ impl SyntheticGenerate {
             cost,
             calls: 0,
             loaded: 0,
+            retired: None,
         }
     }
 }
@@ -165,6 +169,13 @@ impl Stage for SyntheticGenerate {
             return Err(format!(
                 "engine says version {} but the stage loaded {}",
                 ctx.version, self.loaded
+            )
+            .into());
+        }
+        if self.retired == Some(self.loaded) {
+            return Err(format!(
+                "step {} runs on version {}, which the engine said no later step would use",
+                ctx.step, self.loaded
             )
             .into());
         }
@@ -203,6 +214,14 @@ impl Stage for SyntheticGenerate {
         }
         self.loaded = version;
         Ok(())
+    }
+
+    fn end_step(&mut self, ctx: &mut StepContext) -> Result<Vec<RecordBatch>, StageError> {
+        if ctx.weights_retired() {
+            self.retired = Some(self.loaded);
+            ctx.record("weights_retired", 1.0);
+        }
+        Ok(Vec::new())
     }
 }
 

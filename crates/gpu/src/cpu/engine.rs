@@ -32,7 +32,9 @@ pub struct CpuModel {
     pub(super) intermediate: usize,
     pub(super) vocab: usize,
     eps: f32,
-    embed: Vec<f32>,
+    /// The token embeddings; `None` when tied to the head, whose packed
+    /// panels then give each token's row (one copy of the matrix, not two).
+    embed: Option<Vec<f32>>,
     layers: Vec<Layer>,
     norm: Vec<f32>,
     lm_head: Packed,
@@ -131,10 +133,11 @@ impl CpuModel {
             });
         }
         let embed = get("model.embed_tokens.weight")?;
-        let head = if c.tie_word_embeddings {
-            embed.clone()
+        let (lm_head, embed) = if c.tie_word_embeddings {
+            (Packed::new(&embed, vocab, hidden, None), None)
         } else {
-            get("lm_head.weight")?
+            let head = get("lm_head.weight")?;
+            (Packed::new(&head, vocab, hidden, None), Some(embed))
         };
         Ok(CpuModel {
             hidden,
@@ -144,7 +147,7 @@ impl CpuModel {
             intermediate,
             vocab,
             eps: c.rms_norm_eps as f32,
-            lm_head: Packed::new(&head, vocab, hidden, None),
+            lm_head,
             embed,
             layers,
             norm: get("model.norm.weight")?,
@@ -234,7 +237,11 @@ impl CpuModel {
         s.reserve(m, self, logit_rows.len());
         for (i, &id) in ids.iter().enumerate() {
             let id = id as usize;
-            s.x[i * hd..(i + 1) * hd].copy_from_slice(&self.embed[id * hd..(id + 1) * hd]);
+            let x = &mut s.x[i * hd..(i + 1) * hd];
+            match &self.embed {
+                Some(embed) => x.copy_from_slice(&embed[id * hd..(id + 1) * hd]),
+                None => self.lm_head.row(id, x),
+            }
         }
         for (l, layer) in self.layers.iter().enumerate() {
             self.norm_rows(&s.x, &layer.input_norm, m, &mut s.xn);

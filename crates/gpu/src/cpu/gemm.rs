@@ -49,6 +49,20 @@ impl Packed {
         }
         Packed { k, n, panels, bias }
     }
+
+    /// Writes row `i` of the weight (`k` values: `W[i, ..]`) into `out`.
+    pub fn row(&self, i: usize, out: &mut [f32]) {
+        assert!(
+            i < self.n && out.len() == self.k,
+            "row {i} of [{}, {}]",
+            self.n,
+            self.k
+        );
+        let panel = &self.panels[(i / NR) * self.k * NR..];
+        for (kk, o) in out.iter_mut().enumerate() {
+            *o = panel[kk * NR + i % NR];
+        }
+    }
 }
 
 /// True when this CPU runs the kernels (x86-64 with AVX2 and FMA).
@@ -307,6 +321,12 @@ mod tests {
             let w: Vec<f32> = (0..n * k).map(|_| next()).collect();
             let bias: Vec<f32> = (0..n).map(|_| next()).collect();
             let packed = Packed::new(&w, n, k, Some(bias.clone()));
+            // Every row reads back from the panels (a tied embedding's lookup).
+            let mut row = vec![0.0f32; k];
+            for i in 0..n {
+                packed.row(i, &mut row);
+                assert_eq!(row, w[i * k..(i + 1) * k], "row {i} of {n}x{k}");
+            }
             let mut c = vec![0.0f32; m * n];
             unsafe { matmul(&a, k, m, &packed, &mut c, n, false, None) };
             let want = reference(&a, m, &w, n, k, &bias);

@@ -44,6 +44,7 @@ impl Prepared {
         if let Some(pinned) = self.pinned.get() {
             return Ok(pinned.clone());
         }
+        model.check_weights_held()?;
         let stamp: Stamp = model
             .named_tensors()
             .iter()

@@ -332,6 +332,71 @@ fn a_model_kept_only_packed_scores_alike_and_refuses_libtorch() {
     assert!(again.named_tensors().iter().all(|(_, t)| t.numel() > 0));
 }
 
+/// A generator's copy freed until the next snapshot: nothing of it left,
+/// every pass (libtorch, the CPU kernels, a snapshot, a save) refused in one
+/// line, and the snapshot brings back exactly the weights it carries.
+#[test]
+fn weights_freed_until_a_snapshot_come_back_whole_from_it() {
+    let source = load("tiny-llama", Kind::Float);
+    let bytes = source.export_snapshot(4).unwrap();
+    let mut model = load("tiny-llama", Kind::Float);
+    {
+        // Other weights than the snapshot's, so that its arrival shows.
+        let _g = tch::no_grad_guard();
+        for (_, mut t) in model.named_tensors() {
+            let _ = t.f_mul_scalar_(0.5).unwrap();
+        }
+    }
+    let prompts = vec![vec![1i64, 286, 202, 305], vec![302, 592]];
+    let params = weir_gpu::SamplingParams {
+        max_new_tokens: 6,
+        greedy: true,
+        ..Default::default()
+    };
+    assert!(model.free_weights_until_snapshot());
+    assert!(!model.free_weights_until_snapshot(), "freed twice");
+    assert!(model.named_tensors().iter().all(|(_, t)| t.numel() == 0));
+    let ids = Tensor::from_slice(&[1i64, 2, 3]).view([1, 3]);
+    let err = model
+        .hidden_states(&ids, None, None)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("until the learner's next version"), "{err}");
+    for backend in [Backend::Auto, Backend::Torch] {
+        let err = generate_on(&model, &prompts, &[0, 1], &params, backend).unwrap_err();
+        assert!(err.to_string().contains("freed its weights"), "{err}");
+    }
+    assert!(model.export_snapshot(5).is_err());
+    assert!(model
+        .save(tempfile::tempdir().unwrap().path(), None)
+        .is_err());
+    // A snapshot of another architecture leaves it refusing, not half-filled.
+    let other = load("tiny-qwen2", Kind::Float).export_snapshot(1).unwrap();
+    assert!(model.apply_snapshot(&other).is_err());
+    assert!(model.hidden_states(&ids, None, None).is_err());
+
+    assert_eq!(model.apply_snapshot(&bytes).unwrap(), 4);
+    for ((name, a), (_, b)) in source.named_tensors().iter().zip(model.named_tensors()) {
+        assert!(a.equal(&b), "{name} differs after the snapshot");
+    }
+    for backend in [Backend::Auto, Backend::Torch] {
+        assert_eq!(
+            generate_on(&model, &prompts, &[0, 1], &params, backend).unwrap(),
+            generate_on(&source, &prompts, &[0, 1], &params, backend).unwrap(),
+        );
+    }
+    // A model whose snapshots carry adapters keeps its base.
+    let mut adapted = load("tiny-llama", Kind::Float);
+    let lora = weir_gpu::lora::LoraConfig {
+        rank: 4,
+        alpha: 8.0,
+        dropout: 0.0,
+        target_modules: vec!["q_proj".into()],
+    };
+    adapted.add_lora(&lora, 3).unwrap();
+    assert!(!adapted.free_weights_until_snapshot());
+}
+
 /// Response log-probs on the CPU kernels (the reference's and the learner's
 /// no-grad passes) against libtorch's `token_logprobs` on each whole
 /// sequence: repeated prompts (run once), an empty response, a temperature.

@@ -437,8 +437,11 @@ impl Stage for Generate {
     fn end_step(&mut self, ctx: &mut StepContext) -> Result<Vec<RecordBatch>, StageError> {
         let Some(state) = self.stream.as_mut() else {
             // The next step brings new weights (or this one's are stale by
-            // then): the packing would only sit beside the learner's update.
-            self.model.release_cpu_packing();
+            // then): the packing would only sit beside the learner's update,
+            // and so would the weights, once no later step can use them.
+            if !(ctx.weights_retired() && self.model.free_weights_until_snapshot()) {
+                self.model.release_cpu_packing();
+            }
             return Ok(Vec::new());
         };
         state
