@@ -48,6 +48,10 @@ pub struct Optimizer {
     slots: Vec<Slot>,
     /// Optimizer steps taken.
     steps: u64,
+    /// libtorch's own optimizer over the same parameters, never stepped:
+    /// its `zero_grad` sets every gradient to none (freeing it), which no
+    /// other call of libtorch's C API does.
+    gradient_release: tch::COptimizer,
 }
 
 /// A parameter and its optimizer state.
@@ -85,12 +89,17 @@ impl Optimizer {
                     master,
                 }
             })
-            .collect();
+            .collect::<Vec<Slot>>();
+        let mut gradient_release = tch::COptimizer::sgd(0.0, 0.0, 0.0, 0.0, false)?;
+        for slot in &slots {
+            gradient_release.add_parameters(&slot.param, 0)?;
+        }
         Ok(Optimizer {
             config,
             lr: config.lr,
             slots,
             steps: 0,
+            gradient_release,
         })
     }
 
@@ -104,13 +113,20 @@ impl Optimizer {
         self.steps
     }
 
-    /// Clears the accumulated gradients.
+    /// Clears the accumulated gradients: sets them to none, as PyTorch's
+    /// `zero_grad()` does, so their memory is free until the next backward
+    /// pass allocates them again, layer by layer as it frees the
+    /// activations (zeroed gradients would sit beside the next forward's
+    /// activations at its peak). [`Optimizer::step`] ends with this.
     pub fn zero_grad(&mut self) {
-        for slot in &mut self.slots {
-            let mut g = slot.param.grad();
-            if g.defined() {
-                let _ = g.detach_();
-                let _ = g.zero_();
+        if self.gradient_release.zero_grad().is_err() {
+            // Never seen; zeroed gradients serve the next step alike.
+            for slot in &mut self.slots {
+                let mut g = slot.param.grad();
+                if g.defined() {
+                    let _ = g.detach_();
+                    let _ = g.zero_();
+                }
             }
         }
     }
@@ -219,7 +235,9 @@ impl Optimizer {
                 slot.param.copy_(&master.to_kind(slot.param.kind()));
             }
         }
-        // The pass's activations and the step's temporaries are freed.
+        // The gradients, the pass's activations and the step's temporaries
+        // are freed.
+        self.zero_grad();
         crate::device::release_freed_host_memory();
         norm
     }

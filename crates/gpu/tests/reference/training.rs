@@ -161,6 +161,67 @@ fn response_logits_run_each_prompt_once_with_the_same_values_and_gradients() {
     }
 }
 
+/// A step leaves no gradient behind (PyTorch's `zero_grad(set_to_none)`),
+/// so their memory is free until the next backward pass; and steps taken
+/// that way move the weights exactly as steps over gradients zeroed in
+/// place would (the same sum, accumulated over two micro-batches).
+#[test]
+fn a_step_frees_the_gradients_and_the_next_backward_makes_them_anew() {
+    use weir_gpu::optim::{AdamWConfig, Optimizer};
+    let dir = fixtures().join("models/tiny-llama");
+    let model = Model::load(&dir, Device::Cpu, Kind::Float).unwrap();
+    let mut opt = Optimizer::adamw(&model, AdamWConfig::default()).unwrap();
+    let ids = Tensor::from_slice(&[1i64, 286, 202, 305, 29]).view([1, -1]);
+    let loss = |scale: f64| {
+        model
+            .logits(&ids, None, None)
+            .unwrap()
+            .square()
+            .mean(Kind::Float)
+            * scale
+    };
+    for step in 0..3 {
+        opt.zero_grad();
+        // Two micro-batches accumulate into gradients the first one made.
+        loss(1.0).backward();
+        loss(0.5).backward();
+        let grads: Vec<Tensor> = model
+            .named_tensors()
+            .iter()
+            .map(|(_, p)| p.grad())
+            .collect();
+        assert!(
+            grads.iter().all(Tensor::defined),
+            "step {step}: a gradient is missing"
+        );
+        if step == 0 {
+            // 1.5 × the gradient of one pass, as zeroed gradients would hold.
+            opt.zero_grad();
+            assert!(model
+                .named_tensors()
+                .iter()
+                .all(|(_, p)| !p.grad().defined()));
+            loss(1.5).backward();
+            let once: Vec<Tensor> = model
+                .named_tensors()
+                .iter()
+                .map(|(_, p)| p.grad().copy())
+                .collect();
+            for (a, b) in grads.iter().zip(&once) {
+                assert!((a - b).abs().max().double_value(&[]) < 1e-5);
+            }
+        }
+        opt.step(Some(1.0));
+        assert!(
+            model
+                .named_tensors()
+                .iter()
+                .all(|(_, p)| !p.grad().defined()),
+            "step {step}: gradients kept after the step"
+        );
+    }
+}
+
 /// AdamW on a bf16 model keeps float32 master weights: a run of small
 /// updates lands where the float32 model's does, up to the final rounding
 /// to bf16, where updating the bf16 weights directly would lose each

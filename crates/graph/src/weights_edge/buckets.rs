@@ -315,11 +315,38 @@ impl Drop for Reassembly {
     }
 }
 
+/// Room a bucket leaves below a power of two for its message's framing
+/// (timely's header, the message's own fields) and for the small messages
+/// that may travel between two buckets.
+const FRAMING_ROOM: usize = 64 << 10;
+
+/// The bytes one bucket carries when the edge may send `bucket_bytes`: the
+/// largest power of two within it, less [`FRAMING_ROOM`].
+///
+/// timely's receive thread reads into a buffer that grows to the smallest
+/// power of two holding one message; when the buffer is full, the partial
+/// message at its end is copied into a fresh one. A bucket of exactly 64 MiB
+/// makes a message just over 64 MiB in a 128 MiB buffer, and that copy is
+/// most of every other bucket (a fifth copy of the payload, measured with
+/// `perf`). A message just under a power of two fills its buffer once, and
+/// what is left to copy is the next message's first few bytes.
+pub(crate) fn wire_bucket_bytes(bucket_bytes: usize) -> usize {
+    let power = match bucket_bytes {
+        0 => return 1,
+        b => 1usize << (usize::BITS - 1 - b.leading_zeros()),
+    };
+    if power >= 16 * FRAMING_ROOM {
+        power - FRAMING_ROOM
+    } else {
+        bucket_bytes
+    }
+}
+
 /// The messages that carry `body` (version `version`, from step `step`) to
 /// every worker of `generators`, sent from a worker of process `from` when
 /// each process runs `threads` workers: generators of the sender's process
 /// share an inline payload; each other process gets it once, in buckets of
-/// at most `bucket_bytes`, at its first generator, and its other generators
+/// at most `bucket_bytes` ([`wire_bucket_bytes`]), at its first generator, and its other generators
 /// a [`WeightsBody::Shelved`] note. Bodies that are not inline go to every
 /// generator as they are.
 pub(crate) fn address(
@@ -347,7 +374,7 @@ pub(crate) fn address(
                 let first = generators[..i].iter().all(|&g| process(g) != p);
                 if first {
                     out.extend(
-                        Bucket::split(payload, bucket_bytes)
+                        Bucket::split(payload, wire_bucket_bytes(bucket_bytes))
                             .into_iter()
                             .map(|b| message(dest, WeightsBody::Bucket(b))),
                     );
@@ -479,6 +506,36 @@ mod tests {
         assert!(external
             .iter()
             .all(|m| matches!(m.body, WeightsBody::External)));
+    }
+
+    /// A bucket's message, framing included, fits the power of two below
+    /// the configured size with room to spare, so timely's receive buffer
+    /// never carries most of a bucket over into the next one.
+    #[test]
+    fn a_bucket_and_its_framing_fit_just_under_a_power_of_two() {
+        const MIB: usize = 1 << 20;
+        assert_eq!(wire_bucket_bytes(64 * MIB), 64 * MIB - FRAMING_ROOM);
+        assert_eq!(wire_bucket_bytes(100 * MIB), 64 * MIB - FRAMING_ROOM);
+        assert_eq!(wire_bucket_bytes(256 * MIB), 256 * MIB - FRAMING_ROOM);
+        // Small buckets (tests, tiny payloads) are as configured.
+        assert_eq!(wire_bucket_bytes(4), 4);
+        assert_eq!(wire_bucket_bytes(0), 1);
+        let payload = WeightsPayload::from(vec![7u8; 64 * MIB + 5]);
+        let sent = address(
+            &[0, 1],
+            1,
+            0,
+            (2, 1, 0),
+            &WeightsBody::Inline(payload),
+            64 * MIB,
+        );
+        assert_eq!(sent.len(), 2, "64 MiB + 5 bytes in two buckets");
+        // timely's message header is six u64s.
+        let framed = 6 * 8 + bincode::serialize(&sent[0]).unwrap().len();
+        assert!(
+            framed <= 64 * MIB && framed > 64 * MIB - FRAMING_ROOM,
+            "{framed} bytes on the wire"
+        );
     }
 
     #[test]
