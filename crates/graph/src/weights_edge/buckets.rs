@@ -521,8 +521,9 @@ mod tests {
         assert_eq!(wire_bucket_bytes(4), 4);
         assert_eq!(wire_bucket_bytes(0), 1);
         let payload = WeightsPayload::from(vec![7u8; 64 * MIB + 5]);
+        // To generator 1, in another process than the learner's.
         let sent = address(
-            &[0, 1],
+            &[1],
             1,
             0,
             (2, 1, 0),
