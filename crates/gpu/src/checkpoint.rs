@@ -1,10 +1,12 @@
 //! Reading and writing the tensors of a HuggingFace checkpoint folder:
 //! `model.safetensors`, or shards listed in `model.safetensors.index.json`.
 
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
 use crate::ModelError;
 
@@ -45,9 +47,9 @@ pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
 }
 
 /// Calls `visit(name, tensor, file)` for every tensor of the checkpoint in
-/// `dir`, reading one file at a time and making each tensor only while
-/// `visit` runs: loading holds the file's bytes and one tensor beside the
-/// model, not a second copy of every weight.
+/// `dir`, in file order. Each tensor is read from the file straight into
+/// its own memory while `visit` runs: loading holds one tensor beside the
+/// model, neither the file's bytes nor a second copy of every weight.
 pub fn visit_tensors(
     dir: &Path,
     mut visit: impl FnMut(&str, Tensor, &Path) -> Result<(), ModelError>,
@@ -56,13 +58,135 @@ pub fn visit_tensors(
         if !file.is_file() {
             return Err(ModelError::io(&file, "listed in the index but missing"));
         }
-        let bytes = std::fs::read(&file).map_err(|e| ModelError::io(&file, e))?;
-        let tensors = safetensors::SafeTensors::deserialize(&bytes)
-            .map_err(|e| ModelError::io(&file, format!("not a safetensors file: {e:?}")))?;
-        for (name, view) in tensors.tensors() {
-            let tensor = Tensor::try_from(view).map_err(|e| ModelError::io(&file, e))?;
-            visit(&name, tensor, &file)?;
-        }
+        visit_file(&file, &mut visit)?;
     }
     Ok(())
+}
+
+/// The largest safetensors header weir reads (the format's own limit).
+const MAX_HEADER_BYTES: u64 = 100 << 20;
+
+/// One tensor's entry in a safetensors header.
+struct Entry {
+    name: String,
+    kind: Kind,
+    shape: Vec<i64>,
+    /// Its bytes, from the start of the data section.
+    range: std::ops::Range<u64>,
+}
+
+/// [`visit_tensors`] for one safetensors file: its header parsed and
+/// checked, then each tensor read into place.
+fn visit_file(
+    file: &Path,
+    visit: &mut impl FnMut(&str, Tensor, &Path) -> Result<(), ModelError>,
+) -> Result<(), ModelError> {
+    let bad = |why: String| ModelError::io(file, format!("not a safetensors file: {why}"));
+    let mut f = File::open(file).map_err(|e| ModelError::io(file, e))?;
+    let len = f.metadata().map_err(|e| ModelError::io(file, e))?.len();
+    let mut word = [0u8; 8];
+    f.read_exact(&mut word)
+        .map_err(|_| bad(format!("{len} bytes, shorter than the header's length")))?;
+    let n = u64::from_le_bytes(word);
+    if n > MAX_HEADER_BYTES || 8 + n > len {
+        return Err(bad(format!(
+            "a header of {n} bytes in a file of {len} bytes"
+        )));
+    }
+    let mut header = vec![0u8; n as usize];
+    f.read_exact(&mut header)
+        .map_err(|e| ModelError::io(file, e))?;
+    let entries = parse_header(&header, len - 8 - n).map_err(bad)?;
+    for entry in entries {
+        let tensor = Tensor::empty(entry.shape.as_slice(), (entry.kind, tch::Device::Cpu));
+        let bytes = entry.range.end - entry.range.start;
+        if bytes > 0 {
+            f.seek(SeekFrom::Start(8 + n + entry.range.start))
+                .map_err(|e| ModelError::io(file, e))?;
+            // SAFETY: `tensor` is a fresh contiguous CPU tensor of exactly
+            // `bytes` bytes (checked against its shape and dtype), owned here.
+            let place = unsafe {
+                std::slice::from_raw_parts_mut(tensor.data_ptr() as *mut u8, bytes as usize)
+            };
+            f.read_exact(place).map_err(|e| {
+                ModelError::io(file, format!("reading tensor `{}`: {e}", entry.name))
+            })?;
+        }
+        visit(&entry.name, tensor, file)?;
+    }
+    Ok(())
+}
+
+/// The tensors of a safetensors header (JSON), in data order, each checked:
+/// a dtype weir reads, a shape whose size is its byte range, a range inside
+/// the `data_len` bytes of the data section.
+fn parse_header(header: &[u8], data_len: u64) -> Result<Vec<Entry>, String> {
+    let value: serde_json::Map<String, Value> =
+        serde_json::from_slice(header).map_err(|e| format!("its header is not JSON: {e}"))?;
+    let mut entries = Vec::new();
+    for (name, info) in value {
+        if name == "__metadata__" {
+            continue;
+        }
+        let field = |key: &str| {
+            info.get(key)
+                .ok_or_else(|| format!("tensor `{name}` has no `{key}`"))
+        };
+        let dtype = field("dtype")?.as_str().unwrap_or_default().to_string();
+        let kind = kind_of(&dtype).ok_or_else(|| {
+            format!("tensor `{name}` has dtype `{dtype}`, which weir does not read")
+        })?;
+        let whole = |v: &Value| {
+            v.as_array()
+                .map(|a| a.iter().map(Value::as_u64).collect::<Option<Vec<u64>>>())
+        };
+        let shape = whole(field("shape")?)
+            .flatten()
+            .ok_or_else(|| format!("tensor `{name}`: `shape` is not a list of sizes"))?;
+        let offsets = whole(field("data_offsets")?)
+            .flatten()
+            .filter(|o| o.len() == 2 && o[0] <= o[1])
+            .ok_or_else(|| format!("tensor `{name}`: `data_offsets` is not [begin, end]"))?;
+        let numel = shape
+            .iter()
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+            .ok_or_else(|| format!("tensor `{name}`: shape {shape:?} overflows"))?;
+        let bytes = offsets[1] - offsets[0];
+        if numel.checked_mul(kind.elt_size_in_bytes() as u64) != Some(bytes) {
+            return Err(format!(
+                "tensor `{name}`: shape {shape:?} of {dtype} is not its {bytes} bytes"
+            ));
+        }
+        if offsets[1] > data_len {
+            return Err(format!(
+                "tensor `{name}` ends at byte {} of a data section of {data_len}",
+                offsets[1]
+            ));
+        }
+        entries.push(Entry {
+            name,
+            kind,
+            shape: shape.iter().map(|&d| d as i64).collect(),
+            range: offsets[0]..offsets[1],
+        });
+    }
+    entries.sort_by_key(|e| e.range.start);
+    Ok(entries)
+}
+
+/// The libtorch dtype of a safetensors dtype name.
+fn kind_of(dtype: &str) -> Option<Kind> {
+    Some(match dtype {
+        "F64" => Kind::Double,
+        "F32" => Kind::Float,
+        "F16" => Kind::Half,
+        "BF16" => Kind::BFloat16,
+        "I64" => Kind::Int64,
+        "I32" => Kind::Int,
+        "I16" => Kind::Int16,
+        "I8" => Kind::Int8,
+        "U8" => Kind::Uint8,
+        "BOOL" => Kind::Bool,
+        _ => return None,
+    })
 }

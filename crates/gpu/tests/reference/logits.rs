@@ -115,6 +115,48 @@ fn broken_checkpoints_give_errors_naming_the_file_and_tensor() {
         err.contains("model.safetensors") && err.contains("_proj.weight") && err.contains("100"),
         "{err}"
     );
+    // Damaged weights files: cut short, a header longer than the file, an
+    // unreadable header, a tensor whose bytes do not match its shape.
+    std::fs::copy(src.join("config.json"), dir.path().join("config.json")).unwrap();
+    let file = std::fs::read(src.join("model.safetensors")).unwrap();
+    let n = u64::from_le_bytes(file[..8].try_into().unwrap()) as usize;
+    let header = std::str::from_utf8(&file[8..8 + n]).unwrap().to_string();
+    let wrong_shape = {
+        // The first shape's first size, one larger (same header length).
+        let at = header.find("\"shape\":[").unwrap() + 9;
+        let digit = header.as_bytes()[at];
+        let mut h = header.clone().into_bytes();
+        h[at] = if digit == b'9' { b'1' } else { digit + 1 };
+        [&file[..8], &h[..], &file[8 + n..]].concat()
+    };
+    for (case, bytes, says) in [
+        (
+            "cut short",
+            file[..file.len() - 100].to_vec(),
+            "ends at byte",
+        ),
+        (
+            "header too long",
+            [&(1u64 << 40).to_le_bytes()[..], &file[8..]].concat(),
+            "header",
+        ),
+        (
+            "no JSON",
+            [&file[..8], &vec![b'x'; n][..], &file[8 + n..]].concat(),
+            "not JSON",
+        ),
+        ("a wrong shape", wrong_shape, "is not its"),
+        ("empty", Vec::new(), "header's length"),
+    ] {
+        std::fs::write(dir.path().join("model.safetensors"), &bytes).unwrap();
+        let err = Model::load(dir.path(), Device::Cpu, Kind::Float)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("model.safetensors") && err.contains(says),
+            "{case}: {err}"
+        );
+    }
     // Malformed JSON.
     std::fs::write(dir.path().join("config.json"), "{ not json").unwrap();
     let err = Model::load(dir.path(), Device::Cpu, Kind::Float)
