@@ -439,10 +439,12 @@ impl Model {
             if !crate::generate::cpu_kernels_apply(self) || self.lora.is_some() {
                 return Ok(false);
             }
-            let packed = self.prepared.model(self)?;
-            self.prepared.pin(packed);
-            self.drop_parameter_data();
+            // Packed tensor by tensor, each freed once packed (unless other
+            // models share it: their handles keep it), so packing needs one
+            // tensor beside the model rather than a second copy of it.
             self.shared = None;
+            self.prepared.pin_consuming(self)?;
+            self.drop_parameter_data();
             self.held = Held::PackedOnly;
             crate::device::release_freed_host_memory();
             Ok(true)

@@ -60,6 +60,18 @@ impl CpuModel {
 
     /// Copies and packs the weights of a causal LM.
     pub fn from_model(model: &Model) -> Result<Self, ModelError> {
+        CpuModel::pack(model, false)
+    }
+
+    /// Packs the weights of a causal LM that holds them alone, freeing each
+    /// of its tensors once packed, so that packing needs one tensor beside
+    /// the model rather than a second copy of it. Afterwards (or after an
+    /// error) the model's own tensors are empty.
+    pub(crate) fn from_model_consuming(model: &Model) -> Result<Self, ModelError> {
+        CpuModel::pack(model, true)
+    }
+
+    fn pack(model: &Model, consume: bool) -> Result<Self, ModelError> {
         let c = &model.config;
         let tensors: HashMap<String, Tensor> = model.named_tensors().into_iter().collect();
         let lora = model.lora().is_some();
@@ -74,8 +86,15 @@ impl CpuModel {
             } else {
                 t.shallow_clone()
             };
-            Vec::<f32>::try_from(&t.detach().to_kind(Kind::Float).contiguous().view(-1))
-                .map_err(|e| ModelError::Torch(e.to_string()))
+            let values =
+                Vec::<f32>::try_from(&t.detach().to_kind(Kind::Float).contiguous().view(-1))
+                    .map_err(|e| ModelError::Torch(e.to_string()))?;
+            if consume {
+                // Every handle of the parameter (the model's own) sees the empty data.
+                let mut held = t.shallow_clone();
+                held.set_data(&Tensor::empty([0], (t.kind(), t.device())));
+            }
+            Ok(values)
         };
         let optional = |name: &str, present: bool| present.then(|| get(name)).transpose();
         let (hidden, heads, kv_heads, head_dim) = (

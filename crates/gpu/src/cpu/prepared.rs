@@ -81,6 +81,15 @@ impl Prepared {
         *self.packed.lock().unwrap_or_else(|e| e.into_inner()) = None;
     }
 
+    /// Packs `model`'s weights for good, freeing each of its tensors once
+    /// packed (a model that holds its weights alone: see
+    /// [`CpuModel::from_model_consuming`]).
+    pub(crate) fn pin_consuming(&self, model: &Model) -> Result<(), ModelError> {
+        model.check_weights_held()?;
+        self.pin(Arc::new(CpuModel::from_model_consuming(model)?));
+        Ok(())
+    }
+
     /// Drops a kept packing and KV-cache buffer now (a caller that knows
     /// the weights will change before the next call: a generator at the
     /// end of its step, a learner after its proximal pass).

@@ -312,10 +312,26 @@ fn a_model_kept_only_packed_scores_alike_and_refuses_libtorch() {
     let prompts = vec![vec![1i64, 286, 202, 305], vec![302, 592]];
     let responses = vec![vec![5i64, 6, 7], vec![8, 9]];
     let before = response_logprobs_on_cpu_kernels(&model, &prompts, &responses, 1.0).unwrap();
+    // Another model shares the weights: they stay its.
+    let other = Model::load_shared(&dir, Device::Cpu, Kind::Float).unwrap();
     assert!(model.keep_only_cpu_packing().unwrap());
     assert!(model.named_tensors().iter().all(|(_, t)| t.numel() == 0));
     let after = response_logprobs_on_cpu_kernels(&model, &prompts, &responses, 1.0).unwrap();
     assert_eq!(before, after);
+    assert!(other.named_tensors().iter().all(|(_, t)| t.numel() > 0));
+    let ids = Tensor::from_slice(&[1i64, 286, 202]).view([1, 3]);
+    let fresh = Model::load(&dir, Device::Cpu, Kind::Float).unwrap();
+    assert!(other
+        .logits(&ids, None, None)
+        .unwrap()
+        .equal(&fresh.logits(&ids, None, None).unwrap()));
+    // Alone with its weights, a model's packing is their only copy.
+    drop(other);
+    let mut alone = Model::load_shared(&dir, Device::Cpu, Kind::Float).unwrap();
+    assert!(alone.keep_only_cpu_packing().unwrap());
+    assert!(alone.named_tensors().iter().all(|(_, t)| t.numel() == 0));
+    let packed_alone = response_logprobs_on_cpu_kernels(&alone, &prompts, &responses, 1.0).unwrap();
+    assert_eq!(before, packed_alone);
     let ids = Tensor::from_slice(&[1i64, 2, 3]).view([1, 3]);
     let err = model
         .hidden_states(&ids, None, None)
