@@ -465,21 +465,27 @@ impl Model {
     /// weights are frozen: such a model is a reference or the frozen base
     /// of a LoRA model, never trained itself.
     pub fn load_shared(dir: &Path, device: Device, kind: Kind) -> Result<Self, ModelError> {
-        let base = SharedWeights::get(dir, device, kind)?;
-        let mut model = Model::new(base.config.clone(), device, dir)?;
-        {
-            let _guard = tch::no_grad_guard();
-            for (name, mut var) in model.vs.variables() {
-                let shared = base
-                    .tensors
-                    .get(&name)
-                    .ok_or_else(|| ModelError::MissingTensor {
-                        path: dir.display().to_string(),
-                        name: name.clone(),
-                    })?;
-                var.set_data(shared);
+        let (base, loaded) = SharedWeights::get(dir, device, kind)?;
+        // The model that loaded the weights holds them already; another
+        // gets handles to them in place of its placeholders.
+        let mut model = match loaded {
+            Some(model) if model.lora.is_none() => model,
+            _ => {
+                let model = Model::new(base.config.clone(), device, dir)?;
+                let _guard = tch::no_grad_guard();
+                for (name, mut var) in model.vs.variables() {
+                    let shared = base
+                        .tensors
+                        .get(&name)
+                        .ok_or_else(|| ModelError::MissingTensor {
+                            path: dir.display().to_string(),
+                            name: name.clone(),
+                        })?;
+                    var.set_data(shared);
+                }
+                model
             }
-        }
+        };
         model.vs.freeze();
         model.shared = Some(base);
         // The placeholder tensors `set_data` replaced are freed.
@@ -522,14 +528,20 @@ fn shared_registry() -> &'static Mutex<HashMap<SharedKey, Weak<SharedWeights>>> 
 }
 
 impl SharedWeights {
-    fn get(dir: &Path, device: Device, kind: Kind) -> Result<Arc<Self>, ModelError> {
+    /// The weights of `dir` on `device` in `kind`, and the model that
+    /// loaded them when this call did (its tensors are the shared ones).
+    fn get(
+        dir: &Path,
+        device: Device,
+        kind: Kind,
+    ) -> Result<(Arc<Self>, Option<Model>), ModelError> {
         let canonical = std::fs::canonicalize(dir).map_err(|e| ModelError::io(dir, e))?;
         let key = (canonical, format!("{device:?}"), format!("{kind:?}"));
         // Held while loading: two roles asking at once load once.
         let mut registry = shared_registry().lock().unwrap_or_else(|e| e.into_inner());
         registry.retain(|_, weak| weak.strong_count() > 0);
         if let Some(found) = registry.get(&key).and_then(Weak::upgrade) {
-            return Ok(found);
+            return Ok((found, None));
         }
         let model = Model::load(dir, device, kind)?;
         let tensors = model
@@ -542,6 +554,6 @@ impl SharedWeights {
             tensors,
         });
         registry.insert(key, Arc::downgrade(&shared));
-        Ok(shared)
+        Ok((shared, Some(model)))
     }
 }
