@@ -218,8 +218,11 @@ fn inspect_and_plot_read_a_sim_run() {
         text.contains("rows/s") && text.contains("(rows_in of `learn`)"),
         "{text}"
     );
-    // The sim records no learner curves; every row of every step reaches the learner once.
-    assert!(!text.contains("per-step metrics"), "{text}");
+    // The sim records no learner curves (its generator records only when
+    // the engine retired its weights); every row of every step reaches the
+    // learner once.
+    assert!(!text.contains(" learn/"), "{text}");
+    assert!(text.contains("generate/weights_retired"), "{text}");
     let staleness_rows: u64 = text
         .lines()
         .skip_while(|l| !l.starts_with("staleness"))
