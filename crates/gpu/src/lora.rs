@@ -474,13 +474,13 @@ impl Model {
                 let model = Model::new(base.config.clone(), device, dir)?;
                 let _guard = tch::no_grad_guard();
                 for (name, mut var) in model.vs.variables() {
-                    let shared = base
-                        .tensors
-                        .get(&name)
-                        .ok_or_else(|| ModelError::MissingTensor {
-                            path: dir.display().to_string(),
-                            name: name.clone(),
-                        })?;
+                    let shared =
+                        base.tensors
+                            .get(&name)
+                            .ok_or_else(|| ModelError::MissingTensor {
+                                path: dir.display().to_string(),
+                                name: name.clone(),
+                            })?;
                     var.set_data(shared);
                 }
                 model
