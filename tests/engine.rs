@@ -229,15 +229,19 @@ fn generators_hear_when_their_weights_serve_no_later_step() {
     );
 }
 
-/// Per step: how many generators were told their weights retire at its end.
-fn retired_steps(out: &Path) -> BTreeMap<u64, u64> {
-    let metrics =
-        weir::graph::parquet_log::read_parquet_file(&out.join("metrics.parquet")).unwrap();
-    let mut steps = BTreeMap::new();
-    for row in metrics
+/// Every row of a finished run's `metrics.parquet`.
+fn metric_rows(out: &Path) -> Vec<weir::graph::metrics::MetricRow> {
+    weir::graph::parquet_log::read_parquet_file(&out.join("metrics.parquet"))
+        .expect("metrics.parquet readable")
         .iter()
         .flat_map(|b| weir::graph::metrics::batch_to_rows(b).unwrap())
-    {
+        .collect()
+}
+
+/// Per step: how many generators were told their weights retire at its end.
+fn retired_steps(out: &Path) -> BTreeMap<u64, u64> {
+    let mut steps = BTreeMap::new();
+    for row in metric_rows(out) {
         if row.stage == "generate" && row.metric == "weights_retired" {
             *steps.entry(row.step).or_insert(0) += 1;
         }
@@ -397,12 +401,7 @@ fn metrics_parquet_has_every_stage_and_the_weights_edge() {
         ..sim_args(dir.path())
     };
     let report = run_sim(&args).unwrap();
-    let metrics =
-        weir::graph::parquet_log::read_parquet_file(&dir.path().join("metrics.parquet")).unwrap();
-    let rows: Vec<_> = metrics
-        .iter()
-        .flat_map(|b| weir::graph::metrics::batch_to_rows(b).unwrap())
-        .collect();
+    let rows = metric_rows(dir.path());
     let stages: BTreeSet<&str> = rows.iter().map(|r| r.stage.as_str()).collect();
     assert_eq!(
         stages,
@@ -674,12 +673,7 @@ fn weights_cross_to_each_process_once_in_buckets() {
         );
     }
     check_guarantees(&read_rows(dir.path()), 1, 6, 12);
-    let rows: Vec<_> =
-        weir::graph::parquet_log::read_parquet_file(&dir.path().join("metrics.parquet"))
-            .unwrap()
-            .iter()
-            .flat_map(|b| weir::graph::metrics::batch_to_rows(b).unwrap())
-            .collect();
+    let rows = metric_rows(dir.path());
     let loads = |metric: &str| -> BTreeMap<u32, Vec<f64>> {
         rows.iter()
             .filter(|r| r.stage == "generate" && r.metric == metric)

@@ -17,6 +17,7 @@ pub mod decoder;
 pub mod device;
 mod error;
 pub mod generate;
+mod held;
 pub mod kv_cache;
 pub mod logprobs;
 pub mod lora;

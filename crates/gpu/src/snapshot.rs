@@ -8,7 +8,8 @@ use std::path::Path;
 use safetensors::tensor::{Dtype, SafeTensors};
 use tch::{Kind, Tensor};
 
-use crate::model::{Held, Model};
+use crate::held::Held;
+use crate::model::Model;
 use crate::ModelError;
 
 /// Metadata key holding a snapshot's policy version.
@@ -190,12 +191,7 @@ impl Model {
     /// is read out of the bytes and copied into place one at a time, so the
     /// transient memory is one tensor, not a second set of weights.
     pub fn apply_snapshot(&mut self, bytes: &[u8]) -> Result<u64, ModelError> {
-        if self.held != Held::PackedOnly {
-            // Weights freed until this snapshot get their shapes back.
-            self.reallocate_for_snapshot();
-        } else {
-            self.check_weights_held()?;
-        }
+        self.ready_for_snapshot()?;
         let (_, meta) = SafeTensors::read_metadata(bytes)
             .map_err(|e| ModelError::Input(format!("not safetensors bytes: {e:?}")))?;
         let version = meta

@@ -90,9 +90,9 @@ impl CpuModel {
                 Vec::<f32>::try_from(&t.detach().to_kind(Kind::Float).contiguous().view(-1))
                     .map_err(|e| ModelError::Torch(e.to_string()))?;
             if consume {
-                // Every handle of the parameter (the model's own) sees the empty data.
-                let mut held = t.shallow_clone();
-                held.set_data(&Tensor::empty([0], (t.kind(), t.device())));
+                // The parameter itself (every handle of it sees the empty data).
+                let mut param = tensors[name].shallow_clone();
+                param.set_data(&Tensor::empty([0], (param.kind(), param.device())));
             }
             Ok(values)
         };

@@ -85,7 +85,6 @@ impl Prepared {
     /// packed (a model that holds its weights alone: see
     /// [`CpuModel::from_model_consuming`]).
     pub(crate) fn pin_consuming(&self, model: &Model) -> Result<(), ModelError> {
-        model.check_weights_held()?;
         self.pin(Arc::new(CpuModel::from_model_consuming(model)?));
         Ok(())
     }

@@ -296,6 +296,15 @@ fn cpu_kernels_agree_with_libtorch_ops() {
     )));
 }
 
+/// The error a libtorch pass of `model` gives (it must give one).
+fn libtorch_refusal(model: &Model) -> String {
+    let ids = Tensor::from_slice(&[1i64, 2, 3]).view([1, 3]);
+    model
+        .hidden_states(&ids, None, None)
+        .unwrap_err()
+        .to_string()
+}
+
 /// A frozen model that keeps its weights only in the CPU kernels' packing
 /// (the reference): the same log-probs as before, no libtorch weights left,
 /// and every libtorch use refused in one line.
@@ -332,11 +341,7 @@ fn a_model_kept_only_packed_scores_alike_and_refuses_libtorch() {
     assert!(alone.named_tensors().iter().all(|(_, t)| t.numel() == 0));
     let packed_alone = response_logprobs_on_cpu_kernels(&alone, &prompts, &responses, 1.0).unwrap();
     assert_eq!(before, packed_alone);
-    let ids = Tensor::from_slice(&[1i64, 2, 3]).view([1, 3]);
-    let err = model
-        .hidden_states(&ids, None, None)
-        .unwrap_err()
-        .to_string();
+    let err = libtorch_refusal(&model);
     assert!(err.contains("only packed for the CPU kernels"), "{err}");
     assert!(model.export_snapshot(1).is_err());
     let params = weir_gpu::SamplingParams::default();
@@ -372,11 +377,7 @@ fn weights_freed_until_a_snapshot_come_back_whole_from_it() {
     assert!(model.free_weights_until_snapshot());
     assert!(!model.free_weights_until_snapshot(), "freed twice");
     assert!(model.named_tensors().iter().all(|(_, t)| t.numel() == 0));
-    let ids = Tensor::from_slice(&[1i64, 2, 3]).view([1, 3]);
-    let err = model
-        .hidden_states(&ids, None, None)
-        .unwrap_err()
-        .to_string();
+    let err = libtorch_refusal(&model);
     assert!(err.contains("until the learner's next version"), "{err}");
     for backend in [Backend::Auto, Backend::Torch] {
         let err = generate_on(&model, &prompts, &[0, 1], &params, backend).unwrap_err();
@@ -389,7 +390,7 @@ fn weights_freed_until_a_snapshot_come_back_whole_from_it() {
     // A snapshot of another architecture leaves it refusing, not half-filled.
     let other = load("tiny-qwen2", Kind::Float).export_snapshot(1).unwrap();
     assert!(model.apply_snapshot(&other).is_err());
-    assert!(model.hidden_states(&ids, None, None).is_err());
+    libtorch_refusal(&model);
 
     assert_eq!(model.apply_snapshot(&bytes).unwrap(), 4);
     for ((name, a), (_, b)) in source.named_tensors().iter().zip(model.named_tensors()) {

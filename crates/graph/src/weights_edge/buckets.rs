@@ -331,14 +331,11 @@ const FRAMING_ROOM: usize = 64 << 10;
 /// `perf`). A message just under a power of two fills its buffer once, and
 /// what is left to copy is the next message's first few bytes.
 pub(crate) fn wire_bucket_bytes(bucket_bytes: usize) -> usize {
-    let power = match bucket_bytes {
-        0 => return 1,
-        b => 1usize << (usize::BITS - 1 - b.leading_zeros()),
-    };
+    let power = 1usize << bucket_bytes.max(1).ilog2();
     if power >= 16 * FRAMING_ROOM {
         power - FRAMING_ROOM
     } else {
-        bucket_bytes
+        bucket_bytes.max(1)
     }
 }
 

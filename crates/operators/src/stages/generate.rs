@@ -439,7 +439,8 @@ impl Stage for Generate {
             // The next step brings new weights (or this one's are stale by
             // then): the packing would only sit beside the learner's update,
             // and so would the weights, once no later step can use them.
-            if !(ctx.weights_retired() && self.model.free_weights_until_snapshot()) {
+            let freed = ctx.weights_retired() && self.model.free_weights_until_snapshot();
+            if !freed {
                 self.model.release_cpu_packing();
             }
             return Ok(Vec::new());

@@ -1,0 +1,122 @@
+//! Where a [`Model`]'s weights are: in its parameters, only in the CPU
+//! kernels' packing (a reference), or nowhere until the next snapshot (a
+//! generator between two versions); and the one-line refusal of whatever
+//! needs weights a model freed.
+
+use tch::Tensor;
+
+use crate::model::Model;
+use crate::ModelError;
+
+/// Whether a [`Model`] holds its weights.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Held {
+    /// In its parameters, as loaded or updated.
+    Weights,
+    /// Only in the CPU kernels' packing ([`Model::keep_only_cpu_packing`]).
+    PackedOnly,
+    /// Nowhere until the next snapshot arrives
+    /// ([`Model::free_weights_until_snapshot`]); each parameter's name and shape.
+    UntilSnapshot(Vec<(String, Vec<i64>)>),
+}
+
+impl Model {
+    /// Keeps this frozen model's weights only in the CPU kernels' packing
+    /// and frees its own copy of them (its share of [`Model::load_shared`]'s
+    /// weights): a reference, whose every pass runs on the kernels, then
+    /// holds its weights once instead of twice. Returns whether it did: not
+    /// where the kernels do not run this model (a GPU, another dtype) or it
+    /// has adapters. Afterwards only the kernels' passes work; a libtorch
+    /// pass, a snapshot or a save of it is an error.
+    pub fn keep_only_cpu_packing(&mut self) -> Result<bool, ModelError> {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if self.held == Held::PackedOnly {
+                return Ok(true);
+            }
+            self.check_weights_held()?;
+            if !crate::generate::cpu_kernels_apply(self) || self.lora.is_some() {
+                return Ok(false);
+            }
+            // Packed tensor by tensor, each freed once packed (unless other
+            // models share it: their handles keep it), so packing needs one
+            // tensor beside the model rather than a second copy of it.
+            self.shared = None;
+            self.prepared.pin_consuming(self)?;
+            self.drop_parameter_data();
+            self.held = Held::PackedOnly;
+            crate::device::release_freed_host_memory();
+            Ok(true)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        Ok(false)
+    }
+
+    /// Frees the weights until [`Model::apply_snapshot`] brings new ones:
+    /// a generator whose next step needs a newer version than it holds
+    /// (`StepContext::weights_retired`), so that its copy does not sit
+    /// beside the learner's update. Returns whether it did: not for a model
+    /// whose snapshots carry only adapters (its base stays), one that shares
+    /// its weights, or one already freed. Until the next snapshot every pass,
+    /// save and export is an error.
+    pub fn free_weights_until_snapshot(&mut self) -> bool {
+        if self.held != Held::Weights || self.lora.is_some() || self.shared.is_some() {
+            return false;
+        }
+        self.release_cpu_packing();
+        let shapes = self.drop_parameter_data();
+        self.held = Held::UntilSnapshot(shapes);
+        crate::device::release_freed_host_memory();
+        true
+    }
+
+    /// Replaces every parameter's data with an empty tensor of its dtype on
+    /// its device (its handles elsewhere see the same); returns each one's
+    /// name and former shape.
+    fn drop_parameter_data(&mut self) -> Vec<(String, Vec<i64>)> {
+        let _guard = tch::no_grad_guard();
+        let mut shapes = Vec::new();
+        for (name, mut var) in self.vs.variables() {
+            shapes.push((name, var.size()));
+            let empty = Tensor::empty([0], (var.kind(), var.device()));
+            var.set_data(&empty);
+        }
+        shapes
+    }
+
+    /// Readies the parameters for a snapshot: weights freed until one
+    /// ([`Model::free_weights_until_snapshot`]) get their shapes back,
+    /// uninitialised (the snapshot fills each one); a model kept only
+    /// packed refuses it.
+    pub(crate) fn ready_for_snapshot(&mut self) -> Result<(), ModelError> {
+        let Held::UntilSnapshot(shapes) = &self.held else {
+            return self.check_weights_held();
+        };
+        let _guard = tch::no_grad_guard();
+        let mut vars = self.vs.variables();
+        for (name, shape) in shapes {
+            if let Some(var) = vars.get_mut(name) {
+                let fresh = Tensor::empty(shape.as_slice(), (var.kind(), var.device()));
+                var.set_data(&fresh);
+            }
+        }
+        Ok(())
+    }
+
+    /// An error once the weights were freed ([`Model::keep_only_cpu_packing`],
+    /// [`Model::free_weights_until_snapshot`]).
+    pub(crate) fn check_weights_held(&self) -> Result<(), ModelError> {
+        let source = self.source.display();
+        match self.held {
+            Held::Weights => Ok(()),
+            Held::PackedOnly => Err(ModelError::Input(format!(
+                "{source}: this copy of the model keeps its weights only packed for the CPU kernels; \
+                 it cannot run on libtorch, be saved or exchange snapshots"
+            ))),
+            Held::UntilSnapshot(_) => Err(ModelError::Input(format!(
+                "{source}: this generator freed its weights until the learner's next version, \
+                 and none arrived (a learner must publish weights at every step)"
+            ))),
+        }
+    }
+}
