@@ -16,6 +16,9 @@ use std::process::Command;
 use std::time::Instant;
 
 use tch::{Kind, Tensor};
+#[path = "support/random_llama.rs"]
+mod random_llama;
+use random_llama::{random_llama, random_model};
 use weir::gpu::optim::{AdamWConfig, Optimizer};
 use weir::gpu::{
     generate_on, Backend, Device, Message, Model, ModelConfig, OnNewWeights, Request,
@@ -24,50 +27,6 @@ use weir::gpu::{
 
 fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures")
-}
-
-/// The random 24.6M Llama of the TRL throughput baseline, written to `dir`.
-fn random_llama(dir: &Path) -> PathBuf {
-    random_model(dir, "random-llama-24.6m", 512, 8, 1408, 512)
-}
-
-/// A random Llama of vocabulary 1000 with 8 query and 4 key/value heads of
-/// `hidden / 8`, written to `dir/name`.
-fn random_model(
-    dir: &Path,
-    name: &str,
-    hidden: i64,
-    layers: i64,
-    intermediate: i64,
-    positions: i64,
-) -> PathBuf {
-    let config = serde_json::json!({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1000, "hidden_size": hidden,
-        "intermediate_size": intermediate, "num_hidden_layers": layers, "num_attention_heads": 8, "num_key_value_heads": 4,
-        "max_position_embeddings": positions, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": false,
-        "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 3, "hidden_act": "silu", "torch_dtype": "float32"
-    });
-    let out = dir.join(name);
-    std::fs::create_dir_all(&out).unwrap();
-    std::fs::write(out.join("config.json"), config.to_string()).unwrap();
-    std::fs::write(
-        out.join("generation_config.json"),
-        r#"{"bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 3}"#,
-    )
-    .unwrap();
-    let parsed = ModelConfig::load(&out).unwrap();
-    let model = Model::new(parsed, Device::Cpu, &out).unwrap();
-    tch::manual_seed(42);
-    let _g = tch::no_grad_guard();
-    for (name, mut t) in model.named_tensors() {
-        if name.ends_with("norm.weight") {
-            let _ = t.fill_(1.0);
-        } else {
-            let _ = t.normal_(0.0, 0.02);
-        }
-    }
-    model.save(&out, None).unwrap();
-    out
 }
 
 fn prompts(count: usize) -> Vec<Vec<i64>> {

@@ -22,22 +22,64 @@
 //! TRL's summary does: weir's come from the learner's `done_unix_s`, TRL's
 //! from its per-step log. Under `cargo test` a 2-step run checks that the
 //! benchmark works, without TRL.
+//!
+//! `cargo bench --bench grpo -- throughput` runs the setting of
+//! `../shared/bench/trl/grpo_throughput.py` instead: a random 24.6M Llama
+//! (hidden 512, 8 layers), 8 prompts × 8 samples of 64 new tokens with eos
+//! ignored (`generate.ignore_eos`, TRL's `suppress_tokens`), lr 1e-5,
+//! otherwise as above, 8 steps (`WEIR_BENCH_STEPS`), one worker at k = 0,
+//! once without and once with gradient checkpointing (TRL's default). Each
+//! weir run is a child process of its own, so its peak resident memory
+//! (`VmHWM`) is its own; TRL's is its summary's `peak_rss_mib_self`. Step
+//! times leave out 2 warm-up steps, as that script's summary does. The last
+//! line is `checkpointed_peak_vs_trl=<weir ÷ TRL> checkpointed_samples_per_s_vs_trl=<weir ÷ TRL>`
+//! (issue 15's target: below TRL's peak at no loss of speed). Under `cargo
+//! test` one 8-token step of each weir run checks that it works.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+#[path = "support/random_llama.rs"]
+mod random_llama;
 use weir::graph::metrics::MetricRow;
 use weir::pipelines::config::{AggregationChoice, KlChoice, ReferencePlacement, ScheduleChoice};
 use weir::pipelines::{run, PipelineKind, RunConfig, RunRequest};
 
-/// Steps left out of the step-time figures, as in TRL's summary.
-const WARMUP_STEPS: u64 = 3;
 /// Completions per step: 8 prompts × 8 samples.
 const SAMPLES_PER_STEP: f64 = 64.0;
 
 fn shared() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared")
+}
+
+/// Which of TRL's two scripts a run reproduces.
+#[derive(Clone, Copy, PartialEq)]
+enum Setting {
+    /// `grpo.py`: arith-sft, ≤ 8 new tokens, lr 1e-4.
+    Arith,
+    /// `grpo_throughput.py`: the random 24.6M Llama, 64 new tokens with eos
+    /// ignored, lr 1e-5.
+    Throughput,
+}
+
+impl Setting {
+    /// Steps left out of the step-time figures, as in the script's summary.
+    fn warmup(self) -> u64 {
+        match self {
+            Setting::Arith => 3,
+            Setting::Throughput => 2,
+        }
+    }
+
+    /// The TRL script, whose summary and step log are `<stem>_summary.json`
+    /// and `<stem>_steps.csv`.
+    fn script(self) -> &'static str {
+        match self {
+            Setting::Arith => "grpo",
+            Setting::Throughput => "grpo_throughput",
+        }
+    }
 }
 
 /// What one run measured.
@@ -55,6 +97,8 @@ struct Figures {
     measured: String,
     /// Mean completion tokens per sample.
     response_length: Option<f64>,
+    /// Peak resident memory of the whole process, MiB (when measured).
+    peak_mib: Option<f64>,
 }
 
 impl Figures {
@@ -77,7 +121,6 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
-/// TRL's settings on weir's `grpo` pipeline.
 /// The placements compared.
 #[derive(Clone, Copy, PartialEq)]
 enum Placing {
@@ -92,20 +135,39 @@ enum Placing {
     DataParallel,
 }
 
+/// TRL's settings on weir's `grpo` pipeline: `grpo.py`'s on arith-sft.
 fn config(steps: u64, placing: Placing) -> RunConfig {
+    let model = shared().join("fixtures/models/arith-sft");
+    let mut c = trl_settings(&model, steps, 8);
+    c.algorithm.lr = 1e-4;
+    place(&mut c, placing);
+    c
+}
+
+/// `grpo_throughput.py`'s settings on `model` (one worker, k = 0), with
+/// `new_tokens` tokens a response.
+fn throughput_config(model: &Path, steps: u64, new_tokens: usize, checkpointed: bool) -> RunConfig {
+    let mut c = trl_settings(model, steps, new_tokens);
+    c.generate.ignore_eos = true;
+    c.algorithm.lr = 1e-5;
+    c.algorithm.gradient_checkpointing = checkpointed;
+    place(&mut c, Placing::Synchronous);
+    c
+}
+
+/// What TRL's two scripts share: 8 prompts × 8 samples, temperature 1, a
+/// constant schedule, β 0.04 (k3), clip 0.2, per-sequence token-mean loss,
+/// 1 thread, no evaluation, no checkpoints.
+fn trl_settings(model: &Path, steps: u64, new_tokens: usize) -> RunConfig {
     let mut c = RunConfig::defaults_for(PipelineKind::Grpo);
-    c.model.path = shared()
-        .join("fixtures/models/arith-sft")
-        .display()
-        .to_string();
+    c.model.path = model.display().to_string();
     c.data.prompts = "arith".into();
     c.data.prompts_per_step = 8;
     c.data.samples_per_prompt = 8;
-    c.generate.max_new_tokens = 8;
+    c.generate.max_new_tokens = new_tokens;
     c.generate.temperature = 1.0;
     c.generate.top_p = 1.0;
     c.generate.top_k = 0;
-    c.algorithm.lr = 1e-4;
     c.algorithm.schedule = ScheduleChoice::Constant;
     c.algorithm.warmup_steps = 0;
     c.algorithm.weight_decay = 0.0;
@@ -119,6 +181,10 @@ fn config(steps: u64, placing: Placing) -> RunConfig {
     c.run.steps = steps;
     c.run.threads = 1;
     c.run.checkpoint_every = 0;
+    c
+}
+
+fn place(c: &mut RunConfig, placing: Placing) {
     if placing == Placing::Synchronous {
         c.run.max_staleness = 0;
         c.placement.workers = 1;
@@ -136,7 +202,6 @@ fn config(steps: u64, placing: Placing) -> RunConfig {
             c.placement.train = vec![0, 1];
         }
     }
-    c
 }
 
 /// Per step, the value of `metric` of `stage` (summed over workers).
@@ -152,12 +217,13 @@ fn per_step(rows: &[MetricRow], stage: &str, metric: &str) -> BTreeMap<u64, f64>
 }
 
 /// Runs weir's `grpo` pipeline; returns its figures and the mean busy
-/// seconds per step of each stage after the warm-up.
-fn weir_grpo(steps: u64, placing: Placing) -> (Figures, Vec<(String, f64)>) {
+/// seconds per step of each stage after `warmup` steps.
+fn weir_grpo(config: RunConfig, warmup: u64) -> (Figures, Vec<(String, f64)>) {
+    let steps = config.run.steps;
     let dir = tempfile::tempdir().unwrap();
     let outcome = run(&RunRequest {
         pipeline: PipelineKind::Grpo,
-        config: config(steps, placing),
+        config,
         run_dir: dir.path().join("run"),
         resume: false,
         progress: false,
@@ -176,11 +242,7 @@ fn weir_grpo(steps: u64, placing: Placing) -> (Figures, Vec<(String, f64)>) {
     }
     assert_eq!(done.len() as u64, steps, "one learner step per step");
     let wall_s = outcome.summary["wall_s"].as_f64().unwrap();
-    let skip = if steps > WARMUP_STEPS + 1 {
-        WARMUP_STEPS
-    } else {
-        0
-    };
+    let skip = if steps > warmup + 1 { warmup } else { 0 };
     let times: Vec<f64> = done.values().copied().collect();
     let (median_step_s, mean_step_s, measured) = if skip > 0 {
         let s = skip as usize;
@@ -220,16 +282,18 @@ fn weir_grpo(steps: u64, placing: Placing) -> (Figures, Vec<(String, f64)>) {
             mean_step_s,
             measured,
             response_length,
+            peak_mib: None,
         },
         busy,
     )
 }
 
-/// Runs TRL's `grpo.py` for `steps` steps with `$WEIR_BENCH_PYTHON`.
-fn trl_grpo(steps: u64) -> Result<Figures, String> {
+/// Runs TRL's script of `setting` for `steps` steps with `$WEIR_BENCH_PYTHON`.
+fn trl_grpo(setting: Setting, steps: u64) -> Result<Figures, String> {
     let python = std::env::var("WEIR_BENCH_PYTHON").map_err(|_| "WEIR_BENCH_PYTHON is not set")?;
     let out = tempfile::tempdir().map_err(|e| e.to_string())?;
-    let script = shared().join("bench/trl/grpo.py");
+    let stem = setting.script();
+    let script = shared().join(format!("bench/trl/{stem}.py"));
     let result = Command::new(&python)
         .arg(&script)
         .current_dir(out.path())
@@ -250,13 +314,14 @@ fn trl_grpo(steps: u64) -> Result<Figures, String> {
             tail.into_iter().rev().collect::<Vec<_>>().join("\n")
         ));
     }
-    let text = std::fs::read_to_string(out.path().join("grpo_summary.json"))
-        .map_err(|e| format!("grpo_summary.json: {e}"))?;
+    let summary = format!("{stem}_summary.json");
+    let text = std::fs::read_to_string(out.path().join(&summary))
+        .map_err(|e| format!("{summary}: {e}"))?;
     let s: serde_json::Value = serde_json::from_str(&text).map_err(|e| e.to_string())?;
-    let get = |k: &str| s[k].as_f64().ok_or(format!("grpo_summary.json: no `{k}`"));
+    let get = |k: &str| s[k].as_f64().ok_or(format!("{summary}: no `{k}`"));
     let median_step_s = get("median_step_wall_s")?;
     let run_steps = get("steps_run")? as u64;
-    let elapsed = csv_column(&out.path().join("grpo_steps.csv"), "elapsed_s")?;
+    let elapsed = csv_column(&out.path().join(format!("{stem}_steps.csv")), "elapsed_s")?;
     let skip = get("warmup_steps_excluded")? as usize;
     let mean_step_s = if elapsed.len() > skip + 1 && skip > 0 {
         (elapsed[elapsed.len() - 1] - elapsed[skip - 1]) / (elapsed.len() - skip) as f64
@@ -275,6 +340,7 @@ fn trl_grpo(steps: u64) -> Result<Figures, String> {
         response_length: get("median_completion_tokens_per_step")
             .ok()
             .map(|t| t / SAMPLES_PER_STEP),
+        peak_mib: get("peak_rss_mib_self").ok(),
     })
 }
 
@@ -297,9 +363,29 @@ fn csv_column(path: &Path, name: &str) -> Result<Vec<f64>, String> {
         .collect()
 }
 
+fn header() {
+    println!(
+        "| {:<38} | {:>5} | {:>7} | {:>9} | {:>9} | {:>9} | {:>9} | {:>6} | {:>8} |",
+        "run",
+        "steps",
+        "wall s",
+        "s/step md",
+        "s/step mn",
+        "samples/s",
+        "smp/s mn",
+        "tokens",
+        "peak MiB"
+    );
+    let dashes: Vec<String> = [40, 7, 9, 11, 11, 11, 11, 8, 10]
+        .iter()
+        .map(|&n| "-".repeat(n))
+        .collect();
+    println!("|{}|", dashes.join("|"));
+}
+
 fn row(name: &str, f: &Figures) {
     println!(
-        "| {name:<38} | {:>5} | {:>7.1} | {:>9.4} | {:>9.4} | {:>9.1} | {:>9.1} | {:>6} |",
+        "| {name:<38} | {:>5} | {:>7.1} | {:>9.4} | {:>9.4} | {:>9.1} | {:>9.1} | {:>6} | {:>8} |",
         f.steps,
         f.wall_s,
         f.median_step_s,
@@ -308,48 +394,181 @@ fn row(name: &str, f: &Figures) {
         f.samples_per_s_mean(),
         f.response_length
             .map_or("-".to_string(), |l| format!("{l:.2}")),
+        f.peak_mib.map_or("-".to_string(), |m| format!("{m:.0}")),
     );
 }
 
-fn main() {
-    let full = std::env::args().any(|a| a == "--bench");
-    let steps: u64 = if full {
-        std::env::var("WEIR_BENCH_STEPS")
-            .ok()
-            .map(|s| s.parse().expect("WEIR_BENCH_STEPS: a number of steps"))
-            .unwrap_or(60)
-    } else {
-        2
-    };
+/// The steps of a full run: `WEIR_BENCH_STEPS`, else `default`.
+fn bench_steps(default: u64) -> u64 {
+    let steps = std::env::var("WEIR_BENCH_STEPS")
+        .ok()
+        .map(|s| s.parse().expect("WEIR_BENCH_STEPS: a number of steps"))
+        .unwrap_or(default);
     assert!(steps > 0, "WEIR_BENCH_STEPS must be at least 1");
+    steps
+}
+
+/// Set in a child that runs one throughput-setting run: `steps:new_tokens:checkpointed`.
+const CHILD: &str = "WEIR_GRPO_BENCH_CHILD";
+/// Set beside [`CHILD`]: the random model's folder.
+const CHILD_MODEL: &str = "WEIR_GRPO_BENCH_MODEL";
+
+/// In the child: one run of the throughput setting, its figures printed as
+/// `key=value` fields with the process's peak resident memory.
+fn throughput_child(spec: &str, model: &Path) {
+    let mut parts = spec.split(':');
+    let mut next = || parts.next().expect("steps:new_tokens:checkpointed");
+    let steps: u64 = next().parse().unwrap();
+    let new_tokens: usize = next().parse().unwrap();
+    let checkpointed: bool = next().parse().unwrap();
+    let config = throughput_config(model, steps, new_tokens, checkpointed);
+    let (f, _) = weir_grpo(config, Setting::Throughput.warmup());
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let peak_kib: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(f64::NAN);
+    println!(
+        "figures steps={} wall_s={} median_step_s={} mean_step_s={} response_length={} peak_mib={}",
+        f.steps,
+        f.wall_s,
+        f.median_step_s,
+        f.mean_step_s,
+        f.response_length.unwrap_or(f64::NAN),
+        peak_kib / 1024.0
+    );
+    println!("measured {}", f.measured);
+}
+
+/// Runs [`throughput_child`] in a child process of this bench.
+fn weir_throughput(model: &Path, steps: u64, new_tokens: usize, checkpointed: bool) -> Figures {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    if std::env::args().any(|a| a == "--bench") {
+        cmd.arg("--bench");
+    }
+    let out = cmd
+        .env(CHILD, format!("{steps}:{new_tokens}:{checkpointed}"))
+        .env(CHILD_MODEL, model)
+        .output()
+        .expect("the bench runs itself");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "weir run (checkpointed: {checkpointed}) failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("figures "))
+        .expect("the child prints its figures");
+    let field = |key: &str| -> f64 {
+        line.split_whitespace()
+            .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(f64::NAN)
+    };
+    Figures {
+        steps: field("steps") as u64,
+        wall_s: field("wall_s"),
+        median_step_s: field("median_step_s"),
+        mean_step_s: field("mean_step_s"),
+        measured: stdout
+            .lines()
+            .find_map(|l| l.strip_prefix("measured "))
+            .unwrap_or("-")
+            .to_string(),
+        response_length: Some(field("response_length")).filter(|l| l.is_finite()),
+        peak_mib: Some(field("peak_mib")),
+    }
+}
+
+/// `grpo_throughput.py`'s setting: weir without and with gradient
+/// checkpointing against TRL, speed and peak memory.
+fn throughput(full: bool) {
+    let (steps, new_tokens) = if full { (bench_steps(8), 64) } else { (1, 8) };
+    println!(
+        "== GRPO at grpo_throughput.py's setting: random 24.6M Llama, 8 prompts × 8 samples, {new_tokens} new tokens (eos ignored), lr 1e-5, β 0.04 (k3), clip 0.2, 1 thread, {steps} steps =="
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let model = random_llama::random_llama(dir.path());
+    let plain = weir_throughput(&model, steps, new_tokens, false);
+    let checkpointed = weir_throughput(&model, steps, new_tokens, true);
+    let trl = if full {
+        trl_grpo(Setting::Throughput, steps)
+    } else {
+        Err("not run under `cargo test`".into())
+    };
+    header();
+    row("weir, k=0, 1 worker, 1 thread", &plain);
+    row("weir, gradient checkpointing", &checkpointed);
+    match &trl {
+        Ok(t) => row("TRL grpo_throughput.py (checkpointing)", t),
+        Err(why) => println!("TRL skipped: {why}"),
+    }
+    println!("(peak MiB: the whole process's peak resident memory; weir's wall time includes loading and the final checkpoint)");
+    println!("weir measured: {}", checkpointed.measured);
+    assert!(plain.peak_mib.is_some_and(|m| m > 0.0), "no peak measured");
+    if let Ok(t) = &trl {
+        println!("TRL measured: {}", t.measured);
+        for (name, w) in [
+            ("without checkpointing", &plain),
+            ("checkpointed", &checkpointed),
+        ] {
+            println!(
+                "weir {name} / TRL: samples/s {:.2} (median-based), {:.2} (mean-based); peak {:.2}",
+                w.samples_per_s() / t.samples_per_s(),
+                w.samples_per_s_mean() / t.samples_per_s_mean(),
+                w.peak_mib.unwrap_or(f64::NAN) / t.peak_mib.unwrap_or(f64::NAN)
+            );
+        }
+        println!(
+            "checkpointed_peak_vs_trl={:.3} checkpointed_samples_per_s_vs_trl={:.3}",
+            checkpointed.peak_mib.unwrap_or(f64::NAN) / t.peak_mib.unwrap_or(f64::NAN),
+            checkpointed.samples_per_s() / t.samples_per_s()
+        );
+    }
+}
+
+fn main() {
+    if let (Ok(spec), Ok(model)) = (std::env::var(CHILD), std::env::var(CHILD_MODEL)) {
+        throughput_child(&spec, Path::new(&model));
+        return;
+    }
+    let full = std::env::args().any(|a| a == "--bench");
+    if std::env::args().any(|a| a == "throughput") {
+        throughput(full);
+        return;
+    }
+    arith(full);
+    if !full {
+        throughput(full);
+    }
+}
+
+/// `grpo.py`'s setting in four placements against TRL.
+fn arith(full: bool) {
+    let steps = if full { bench_steps(60) } else { 2 };
     println!(
         "== GRPO end to end: arith-sft, 8 prompts × 8 samples, ≤ 8 new tokens, temperature 1, lr 1e-4, β 0.04 (k3), clip 0.2, {steps} steps =="
     );
-    let (sync, sync_busy) = weir_grpo(steps, Placing::Synchronous);
-    let (stale, stale_busy) = weir_grpo(steps, Placing::Async);
-    let (balanced, balanced_busy) = weir_grpo(steps, Placing::AsyncReferenceWithGenerator);
-    let (parallel, parallel_busy) = weir_grpo(steps, Placing::DataParallel);
+    let (sync, sync_busy) = weir_grpo(config(steps, Placing::Synchronous), Setting::Arith.warmup());
+    let (stale, stale_busy) = weir_grpo(config(steps, Placing::Async), Setting::Arith.warmup());
+    let (balanced, balanced_busy) = weir_grpo(
+        config(steps, Placing::AsyncReferenceWithGenerator),
+        Setting::Arith.warmup(),
+    );
+    let (parallel, parallel_busy) = weir_grpo(
+        config(steps, Placing::DataParallel),
+        Setting::Arith.warmup(),
+    );
     let trl = if full {
-        trl_grpo(steps)
+        trl_grpo(Setting::Arith, steps)
     } else {
         Err("not run under `cargo test`".into())
     };
 
-    println!(
-        "| {:<38} | {:>5} | {:>7} | {:>9} | {:>9} | {:>9} | {:>9} | {:>6} |",
-        "run", "steps", "wall s", "s/step md", "s/step mn", "samples/s", "smp/s mn", "tokens"
-    );
-    println!(
-        "|{}|{}|{}|{}|{}|{}|{}|{}|",
-        "-".repeat(40),
-        "-".repeat(7),
-        "-".repeat(9),
-        "-".repeat(11),
-        "-".repeat(11),
-        "-".repeat(11),
-        "-".repeat(11),
-        "-".repeat(8)
-    );
+    header();
     row("weir (a) k=0, 1 worker, 1 thread", &sync);
     row("weir (b) k=1, gen w0 / learn w1, 2 thr", &stale);
     row("weir (c) k=1, gen+ref w0 / learn w1", &balanced);

@@ -840,8 +840,14 @@ fn held_out_prompts_evaluate_the_policy_during_training_and_mark_the_best_checkp
     cfg.eval.k = 4;
     cfg.eval.every = 2;
     cfg.eval.best_checkpoint = true;
+    // Training rows run past the end tokens; evaluations still stop at them
+    // (the accuracies below are greedy answers cut at the end token).
+    cfg.generate.ignore_eos = true;
     let dir = tmp.path().join("run");
     let summary = run(kind, cfg.clone(), &dir, false);
+    let reasons = text_column(&dir, "finish_reason");
+    assert_eq!(reasons.len(), 4 * 3 * 4);
+    assert!(reasons.iter().all(|r| r == "length"), "{reasons:?}");
     // Each evaluation is the greedy accuracy, on those pairs, of the policy
     // the generators held: the start at step 0, the checkpoint of version 2
     // (after step 1) at step 2, and the final policy (version 4) after the run.

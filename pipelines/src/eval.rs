@@ -172,7 +172,11 @@ impl Evaluation {
                 .and_then(|mut b| b.pop());
             Ok(batch.filter(|b| b.num_rows() > 0))
         };
-        let sampled_params = crate::roles::sampling(cfg, &tokenizer);
+        // An evaluation measures where the policy ends its answers.
+        let sampled_params = SamplingParams {
+            ignore_eos: false,
+            ..crate::roles::sampling(cfg, &tokenizer)
+        };
         Ok(Evaluation {
             greedy: share(1)?,
             sampled: if cfg.eval.k > 1 {

@@ -43,6 +43,7 @@ pub fn sampling(cfg: &RunConfig, tok: &Tokenizer) -> SamplingParams {
         top_k: (g.top_k > 0).then_some(g.top_k),
         eos_token_ids: tok.eos_token_ids().to_vec(),
         seed: cfg.run.seed,
+        ignore_eos: g.ignore_eos,
         ..Default::default()
     }
 }

@@ -444,6 +444,7 @@ fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String
         "generate.top_k" => (&[], "3".into()),
         "generate.max_inflight" => (&[], "3".into()),
         "generate.long_tail" => (&[], "1.0".into()),
+        "generate.ignore_eos" => (&[], "true".into()),
         "generate.backend" => (&[], "\"torch\"".into()),
         "generate.on_new_weights" => (
             &["generate.max_inflight=3", "run.max_staleness=1"],

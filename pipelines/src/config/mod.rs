@@ -210,6 +210,10 @@ pub struct GenerateSection {
     /// A long-tail workload: per-response token budgets from a Pareto
     /// distribution of this shape, eos ignored (0: off).
     pub long_tail: f64,
+    /// Generate every response to `max_new_tokens`, past the end tokens (a
+    /// throughput setting, as TRL's `suppress_tokens` of the eos id;
+    /// evaluation still stops at them).
+    pub ignore_eos: bool,
     /// Which runtime decodes: `auto` or `torch`.
     pub backend: GenerateBackend,
 }
@@ -224,6 +228,7 @@ impl Default for GenerateSection {
             max_inflight: 0,
             on_new_weights: WeightUpdate::Finish,
             long_tail: 0.0,
+            ignore_eos: false,
             backend: GenerateBackend::Auto,
         }
     }

@@ -3,7 +3,8 @@
 //! accumulation, then the next weights version published on the weights edge.
 //!
 //! Log-probs: the proximal ("old") log-probs are the learner's own, computed
-//! before the update; the behaviour log-probs (the generator's, possibly
+//! before the update (by a no-grad pass when the step makes several
+//! optimizer steps; else the training forward's own, detached); the behaviour log-probs (the generator's, possibly
 //! from an older version) enter only through the importance correction, if
 //! one is configured — the decoupled PPO objective.
 
@@ -173,6 +174,9 @@ pub struct Learner {
     checkpoints: Option<CheckpointPlan>,
     /// This learner's rank among data-parallel learners, if there are several.
     data_parallel: Option<GroupMember>,
+    /// Run the proximal pass even where the training forward's log-probs
+    /// serve (tests hold the two alike).
+    proximal_pass_always: bool,
 }
 
 impl Learner {
@@ -188,6 +192,7 @@ impl Learner {
             updates: 0,
             checkpoints: None,
             data_parallel: None,
+            proximal_pass_always: false,
         })
     }
 
@@ -366,25 +371,34 @@ impl Learner {
             })
             .collect();
         // The proximal policy: log-probs before this step's first update.
-        let proximal: Vec<Vec<Tensor>> = {
+        // With one optimizer step over the step's rows (one pass, one
+        // mini-batch), every micro-batch's training forward runs on exactly
+        // those weights, so its own log-probs, detached, are the proximal
+        // ones (the ratio is 1 at the update, as TRL's is at
+        // `num_iterations = 1`) and no pass of their own is needed. Adapter
+        // dropout makes the training forward another policy: then the pass runs.
+        let dropout = self.model.lora().is_some_and(|l| l.dropout > 0.0);
+        let one_update =
+            self.cfg.ppo_epochs.max(1) == 1 && minis == 1 && !dropout && !self.proximal_pass_always;
+        let proximal: Option<Vec<Vec<Tensor>>> = if one_update {
+            None
+        } else {
             let _guard = tch::no_grad_guard();
-            ranges
-                .iter()
-                .map(|mini| {
-                    mini.iter()
-                        .map(|&(start, end)| {
-                            response_logprobs(
-                                &self.model,
-                                &prompts[start..end],
-                                &responses[start..end],
-                                self.cfg.temperature,
-                                self.cfg.logprob_chunk,
-                            )
-                            .map(|(lp, _)| lp)
-                        })
-                        .collect::<Result<Vec<_>, _>>()
-                })
-                .collect::<Result<_, _>>()?
+            let passes = ranges.iter().map(|mini| {
+                mini.iter()
+                    .map(|&(start, end)| {
+                        response_logprobs(
+                            &self.model,
+                            &prompts[start..end],
+                            &responses[start..end],
+                            self.cfg.temperature,
+                            self.cfg.logprob_chunk,
+                        )
+                        .map(|(lp, _)| lp)
+                    })
+                    .collect::<Result<Vec<_>, _>>()
+            });
+            Some(passes.collect::<Result<_, _>>()?)
         };
         // The weights change at the first optimizer step: the CPU kernels'
         // packing of them is not needed beside the backward passes.
@@ -408,7 +422,8 @@ impl Learner {
         for _epoch in 0..self.cfg.ppo_epochs.max(1) {
             figures = [0.0; 7];
             bounds = None;
-            for ((mini, olds), scale) in ranges.iter().zip(&proximal).zip(&scales) {
+            for (k, (mini, scale)) in ranges.iter().zip(&scales).enumerate() {
+                let olds = proximal.as_ref().map(|p| &p[k]);
                 let lr = self.cfg.schedule.rate(self.cfg.adamw.lr, self.updates);
                 let total_tokens = scale.tokens.max(1.0);
                 let mut stats = [0.0; 6];
@@ -420,16 +435,18 @@ impl Learner {
                     cfg.max_grad_norm,
                     &mut stats,
                     |stats| {
-                        for (&(start, end), old) in mini.iter().zip(olds) {
+                        for (j, &(start, end)) in mini.iter().enumerate() {
                             let micro_loss = |fwd: ResponseForward| {
                                 let (lp, mask) = (fwd.logprobs, fwd.mask);
+                                let old =
+                                    olds.map_or_else(|| lp.detach(), |o| o[j].shallow_clone());
                                 let width = lp.size()[1] as usize;
                                 let adv = padded(&advantages[start..end], width, device);
                                 let behaviour_t = padded(&behaviour[start..end], width, device);
                                 let (agg, flavor) = (cfg.policy.aggregation, cfg.policy.flavor);
                                 let out = policy_loss_in_step(
                                     &lp,
-                                    old,
+                                    &old,
                                     &adv,
                                     &mask,
                                     Some(&behaviour_t),

@@ -113,6 +113,79 @@ fn shared_prompts_gradient_checkpointing_and_a_chunked_head_give_the_same_update
 }
 
 #[test]
+fn one_update_takes_its_proximal_logprobs_from_the_training_forward() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../../shared/fixtures/models/tiny-llama");
+    let responses = vec![vec![5i64, 6, 7], vec![8, 9], vec![10, 11, 12, 13]];
+    let advantages = vec![vec![1.0; 3], vec![-0.5; 2], vec![0.25; 4]];
+    // Behaviour log-probs apart from the policy's: the correction's weights
+    // (proximal over behaviour) spread, some clamped.
+    let behaviour: Vec<Vec<f64>> = responses
+        .iter()
+        .map(|r| (0..r.len()).map(|t| -4.0 - t as f64).collect())
+        .collect();
+    let batch = RecordBatch::try_from_iter([
+        (
+            col::PROMPT_TOKENS,
+            token_list_array(&[vec![1, 2], vec![1, 3, 4], vec![1, 2]]),
+        ),
+        (col::RESPONSE_TOKENS, token_list_array(&responses)),
+        (col::ADVANTAGES, float_list_array(&advantages)),
+        (col::BEHAVIOR_LOGPROBS, float_list_array(&behaviour)),
+    ])
+    .unwrap();
+    let run = |pass: bool, checkpointed: bool, chunk: usize| {
+        let model = Model::load(&dir, weir_gpu::Device::Cpu, Kind::Float).unwrap();
+        let mut cfg = LearnerConfig {
+            micro_batch: 2,
+            gradient_checkpointing: checkpointed,
+            logprob_chunk: chunk,
+            ..LearnerConfig::default()
+        };
+        cfg.policy.correction = Some(crate::algorithms::ImportanceCorrection::Tis {
+            low: 0.5,
+            high: 2.0,
+        });
+        cfg.adamw.lr = 1e-2;
+        cfg.adamw.eps = 1e-6;
+        let mut learner = Learner::new(model, cfg).unwrap();
+        learner.proximal_pass_always = pass;
+        let stats = learner.update(&batch).unwrap();
+        (stats, learner.model().named_tensors())
+    };
+    for (checkpointed, chunk) in [(false, 0), (true, 0), (false, 2)] {
+        let (with_pass, pass_weights) = run(true, checkpointed, chunk);
+        let (reused, weights) = run(false, checkpointed, chunk);
+        assert!(with_pass.grad_norm > 0.0);
+        // The ratio is 1 at the one update: nothing is clipped.
+        assert_eq!(reused.clip_fraction, 0.0);
+        assert_eq!(with_pass.clip_fraction, 0.0);
+        let (w, v) = (
+            with_pass.importance_weights.unwrap(),
+            reused.importance_weights.unwrap(),
+        );
+        for (a, b) in [
+            (with_pass.loss, reused.loss),
+            (with_pass.grad_norm, reused.grad_norm),
+            (w.mean, v.mean),
+            (w.max, v.max),
+        ] {
+            assert!(
+                (a - b).abs() < 1e-5 * a.abs().max(1.0),
+                "checkpointed {checkpointed}, chunk {chunk}: {a} vs {b}"
+            );
+        }
+        for ((name, a), (_, b)) in pass_weights.iter().zip(&weights) {
+            let d = (a - b).abs().max().double_value(&[]);
+            assert!(
+                d < 1e-4,
+                "checkpointed {checkpointed}, chunk {chunk}: {name} differs by {d:e}"
+            );
+        }
+    }
+}
+
+#[test]
 fn data_parallel_ranks_train_like_one_learner_on_all_rows() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../../shared/fixtures/models/tiny-llama");
