@@ -422,7 +422,7 @@ fn throughput_child(spec: &str, model: &Path) {
     let new_tokens: usize = next().parse().unwrap();
     let checkpointed: bool = next().parse().unwrap();
     let config = throughput_config(model, steps, new_tokens, checkpointed);
-    let (f, _) = weir_grpo(config, Setting::Throughput.warmup());
+    let (f, busy) = weir_grpo(config, Setting::Throughput.warmup());
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     let peak_kib: f64 = status
         .lines()
@@ -439,10 +439,26 @@ fn throughput_child(spec: &str, model: &Path) {
         peak_kib / 1024.0
     );
     println!("measured {}", f.measured);
+    println!("busy {}", busy_text(&busy));
 }
 
-/// Runs [`throughput_child`] in a child process of this bench.
-fn weir_throughput(model: &Path, steps: u64, new_tokens: usize, checkpointed: bool) -> Figures {
+/// A stage's mean busy time per step, as `stage 12.3 ms, …`.
+fn busy_text(busy: &[(String, f64)]) -> String {
+    let text: Vec<String> = busy
+        .iter()
+        .map(|(stage, s)| format!("{stage} {:.1} ms", s * 1e3))
+        .collect();
+    text.join(", ")
+}
+
+/// Runs [`throughput_child`] in a child process of this bench: its figures
+/// and its stages' busy time per step.
+fn weir_throughput(
+    model: &Path,
+    steps: u64,
+    new_tokens: usize,
+    checkpointed: bool,
+) -> (Figures, String) {
     let mut cmd = Command::new(std::env::current_exe().unwrap());
     if std::env::args().any(|a| a == "--bench") {
         cmd.arg("--bench");
@@ -468,7 +484,12 @@ fn weir_throughput(model: &Path, steps: u64, new_tokens: usize, checkpointed: bo
             .and_then(|v| v.parse().ok())
             .unwrap_or(f64::NAN)
     };
-    Figures {
+    let busy = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("busy "))
+        .unwrap_or("-")
+        .to_string();
+    let figures = Figures {
         steps: field("steps") as u64,
         wall_s: field("wall_s"),
         median_step_s: field("median_step_s"),
@@ -480,7 +501,8 @@ fn weir_throughput(model: &Path, steps: u64, new_tokens: usize, checkpointed: bo
             .to_string(),
         response_length: Some(field("response_length")).filter(|l| l.is_finite()),
         peak_mib: Some(field("peak_mib")),
-    }
+    };
+    (figures, busy)
 }
 
 /// `grpo_throughput.py`'s setting: weir without and with gradient
@@ -492,8 +514,8 @@ fn throughput(full: bool) {
     );
     let dir = tempfile::tempdir().unwrap();
     let model = random_llama::random_llama(dir.path());
-    let plain = weir_throughput(&model, steps, new_tokens, false);
-    let checkpointed = weir_throughput(&model, steps, new_tokens, true);
+    let (plain, plain_busy) = weir_throughput(&model, steps, new_tokens, false);
+    let (checkpointed, checkpointed_busy) = weir_throughput(&model, steps, new_tokens, true);
     let trl = if full {
         trl_grpo(Setting::Throughput, steps)
     } else {
@@ -508,6 +530,8 @@ fn throughput(full: bool) {
     }
     println!("(peak MiB: the whole process's peak resident memory; weir's wall time includes loading and the final checkpoint)");
     println!("weir measured: {}", checkpointed.measured);
+    println!("weir mean busy per step, without checkpointing: {plain_busy}");
+    println!("weir mean busy per step, checkpointed: {checkpointed_busy}");
     assert!(plain.peak_mib.is_some_and(|m| m > 0.0), "no peak measured");
     if let Ok(t) = &trl {
         println!("TRL measured: {}", t.measured);
@@ -602,13 +626,9 @@ fn arith(full: bool) {
         ("(c)", &balanced_busy),
         ("(d)", &parallel_busy),
     ] {
-        let text: Vec<String> = busy
-            .iter()
-            .map(|(stage, s)| format!("{stage} {:.1} ms", s * 1e3))
-            .collect();
         println!(
             "weir {name} mean busy s per step, over the measured steps: {}",
-            text.join(", ")
+            busy_text(busy)
         );
     }
 }

@@ -7,7 +7,7 @@
 //! sampled it.
 //!
 //! The scheduler ([`Streamer`]) is the same for both backends; a backend
-//! ([`Slots`]) only runs forward passes over cache slots and picks tokens:
+//! (`Slots`) only runs forward passes over cache slots and picks tokens:
 //! weir's CPU kernels (one cache slot per sequence, no padding) or libtorch
 //! (`TorchSlots`: a slot cache, each row a sequence of its own length;
 //! rows join and leave without the others being copied).

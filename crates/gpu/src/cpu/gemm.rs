@@ -92,7 +92,7 @@ unsafe impl Sync for Out {}
 /// stride `lda` (≥ k), `c` row stride `ldc` (≥ n). With `accumulate` the
 /// product (and bias) is added to `c` (a residual connection), else written.
 ///
-/// The depth is cut into blocks of [`KC`] and the rows of `a` are packed six
+/// The depth is cut into blocks of `KC` (256) and the rows of `a` are packed six
 /// at a time (`[depth block][row block][k][6]`) so the kernel reads them in
 /// order. With a `pool`, large products split their weight panels among its
 /// threads; each output element is computed the same way either way.
