@@ -4,9 +4,10 @@
 //!
 //! Log-probs: the proximal ("old") log-probs are the learner's own, computed
 //! before the update (by a no-grad pass when the step makes several
-//! optimizer steps; else the training forward's own, detached); the behaviour log-probs (the generator's, possibly
-//! from an older version) enter only through the importance correction, if
-//! one is configured — the decoupled PPO objective.
+//! optimizer steps; else the training forward's own, detached); the
+//! behaviour log-probs (the generator's, possibly from an older version)
+//! enter only through the importance correction, if one is configured — the
+//! decoupled PPO objective.
 
 use arrow::array::RecordBatch;
 
