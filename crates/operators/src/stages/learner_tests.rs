@@ -46,6 +46,26 @@ fn the_entropy_bonus_moves_entropy_its_way() {
     assert!(down < before - 1e-4, "{before} → {down}");
 }
 
+/// Two updates agree: each pair of figures to 1e-5 (relative past 1), every
+/// weight to 1e-4 (a wrong gradient would move weights by ~lr = 1e-2).
+fn assert_same_update(
+    what: &str,
+    figures: &[(f64, f64)],
+    weights: &[(String, Tensor)],
+    other: &[(String, Tensor)],
+) {
+    for &(a, b) in figures {
+        assert!(
+            (a - b).abs() < 1e-5 * a.abs().max(1.0),
+            "{what}: {a} vs {b}"
+        );
+    }
+    for ((name, a), (_, b)) in weights.iter().zip(other) {
+        let d = (a - b).abs().max().double_value(&[]);
+        assert!(d < 1e-4, "{what}: {name} differs by {d:e}");
+    }
+}
+
 #[test]
 fn shared_prompts_gradient_checkpointing_and_a_chunked_head_give_the_same_updates() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -91,24 +111,16 @@ fn shared_prompts_gradient_checkpointing_and_a_chunked_head_give_the_same_update
     // and without checkpointing.
     for (checkpointed, chunk) in [(true, 0), (false, 2), (true, 2), (false, 1)] {
         let (other, weights) = run(checkpointed, chunk);
-        for (a, b) in [
-            (plain.loss, other.loss),
-            (plain.grad_norm, other.grad_norm),
-            (plain.entropy, other.entropy),
-        ] {
-            assert!(
-                (a - b).abs() < 1e-5 * a.abs().max(1.0),
-                "checkpointed {checkpointed}, chunk {chunk}: {a} vs {b}"
-            );
-        }
-        // A wrong gradient would move weights by ~lr = 1e-2.
-        for ((name, a), (_, b)) in plain_weights.iter().zip(&weights) {
-            let d = (a - b).abs().max().double_value(&[]);
-            assert!(
-                d < 1e-4,
-                "checkpointed {checkpointed}, chunk {chunk}: {name} differs by {d:e}"
-            );
-        }
+        assert_same_update(
+            &format!("checkpointed {checkpointed}, chunk {chunk}"),
+            &[
+                (plain.loss, other.loss),
+                (plain.grad_norm, other.grad_norm),
+                (plain.entropy, other.entropy),
+            ],
+            &plain_weights,
+            &weights,
+        );
     }
 }
 
@@ -164,24 +176,17 @@ fn one_update_takes_its_proximal_logprobs_from_the_training_forward() {
             with_pass.importance_weights.unwrap(),
             reused.importance_weights.unwrap(),
         );
-        for (a, b) in [
-            (with_pass.loss, reused.loss),
-            (with_pass.grad_norm, reused.grad_norm),
-            (w.mean, v.mean),
-            (w.max, v.max),
-        ] {
-            assert!(
-                (a - b).abs() < 1e-5 * a.abs().max(1.0),
-                "checkpointed {checkpointed}, chunk {chunk}: {a} vs {b}"
-            );
-        }
-        for ((name, a), (_, b)) in pass_weights.iter().zip(&weights) {
-            let d = (a - b).abs().max().double_value(&[]);
-            assert!(
-                d < 1e-4,
-                "checkpointed {checkpointed}, chunk {chunk}: {name} differs by {d:e}"
-            );
-        }
+        assert_same_update(
+            &format!("checkpointed {checkpointed}, chunk {chunk}"),
+            &[
+                (with_pass.loss, reused.loss),
+                (with_pass.grad_norm, reused.grad_norm),
+                (w.mean, v.mean),
+                (w.max, v.max),
+            ],
+            &pass_weights,
+            &weights,
+        );
     }
 }
 
