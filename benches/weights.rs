@@ -9,15 +9,18 @@
 //!   the generator on process 0, publishing a payload of that size every
 //!   step at k = 0 (one version in flight at a time); its
 //!   `weights_transfer_s` is the time from the learner's send until the
-//!   payload is whole at the generator (serialised, sent in 64 MiB
-//!   buckets, landed in the generator process's buffer): the first
-//!   version's, and the steady state, the median over the versions after
-//!   the first two (whose buffers are still being mapped on both sides).
+//!   payload is whole at the generator's process: the first version's, and
+//!   the steady state, the median over the versions after the first two
+//!   (whose buffers are still being mapped on both sides). Over each
+//!   channel: `direct` (the default: a note on the edge, the payload
+//!   fetched over a connection of its own straight into the landing
+//!   buffer) and `timely` (64 MiB buckets on timely's connections).
 //!
 //! Two sizes: a 24.6M-parameter model's float32 weights (98.4 MB) and a
 //! synthetic 1 GiB snapshot. The last line is `weights_edge_vs_floor=<1 GiB
-//! steady-state edge ÷ floor>`. `cargo bench --bench weights`; under `cargo
-//! test`, 1 and 8 MiB check that it works.
+//! steady-state direct edge ÷ floor> timely_vs_floor=<the same over timely's
+//! channel>`. `cargo bench --bench weights`; under `cargo test`, 1 and 8 MiB
+//! check that it works.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -52,20 +55,33 @@ fn main() {
         "== the weights edge between two processes on this machine, against a raw TCP copy =="
     );
     println!(
-        "{:<24} {:>12} {:>9} {:>10} {:>9} {:>9} {:>11}",
-        "payload", "bytes", "floor s", "floor GB/s", "first s", "steady s", "steady/floor"
+        "{:<24} {:>12} {:>9} {:>10} {:>8} {:>9} {:>9} {:>11}",
+        "payload",
+        "bytes",
+        "floor s",
+        "floor GB/s",
+        "channel",
+        "first s",
+        "steady s",
+        "steady/floor"
     );
-    let mut last = 0.0;
+    let mut last = [0.0; 2];
     for (label, bytes) in sizes {
         let floor = tcp_floor(bytes);
-        let (first, steady) = edge_transfer(bytes, steps);
-        last = steady / floor;
-        println!(
-            "{label:<24} {bytes:>12} {floor:>9.3} {:>10.2} {first:>9.3} {steady:>9.3} {last:>11.2}",
-            bytes as f64 / floor / 1e9
-        );
+        for (i, channel) in ["direct", "timely"].into_iter().enumerate() {
+            let (first, steady) = edge_transfer(bytes, steps, channel);
+            last[i] = steady / floor;
+            println!(
+                "{label:<24} {bytes:>12} {floor:>9.3} {:>10.2} {channel:>8} {first:>9.3} {steady:>9.3} {:>11.2}",
+                bytes as f64 / floor / 1e9,
+                last[i]
+            );
+        }
     }
-    println!("weights_edge_vs_floor={last:.3}");
+    println!(
+        "weights_edge_vs_floor={:.3} timely_vs_floor={:.3}",
+        last[0], last[1]
+    );
 }
 
 /// Seconds to copy `bytes` to another process over loopback TCP (best of [`COPIES`]).
@@ -135,8 +151,9 @@ fn hostfile(dir: &Path) -> std::path::PathBuf {
 }
 
 /// The first and the steady-state (median after the first two)
-/// `weights_transfer_s` of a two-process `weir sim` publishing `bytes` a step.
-fn edge_transfer(bytes: usize, steps: u64) -> (f64, f64) {
+/// `weights_transfer_s` of a two-process `weir sim` publishing `bytes` a
+/// step over `channel`.
+fn edge_transfer(bytes: usize, steps: u64, channel: &str) -> (f64, f64) {
     let dir = tempfile::tempdir().expect("a temporary folder");
     let hosts = hostfile(dir.path());
     let spawn = |process: usize| {
@@ -156,6 +173,7 @@ fn edge_transfer(bytes: usize, steps: u64) -> (f64, f64) {
             ])
             .args(["--gen-ms", "0", "--train-ms", "0"])
             .args(["--weights-bytes", &bytes.to_string()])
+            .args(["--weights-channel", channel])
             .arg("--out")
             .arg(dir.path())
             .stdout(Stdio::null())

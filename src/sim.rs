@@ -16,7 +16,16 @@ use weir_graph::synthetic::{
 };
 use weir_graph::{
     roles, Execution, ParquetLog, Partition, Pipeline, Placement, RunReport, RunSettings, Stage,
+    WeightsChannel,
 };
+
+fn parse_channel(text: &str) -> Result<WeightsChannel, String> {
+    match text {
+        "direct" => Ok(WeightsChannel::Direct),
+        "timely" => Ok(WeightsChannel::Timely),
+        other => Err(format!("`{other}`: expected `direct` or `timely`")),
+    }
+}
 
 /// Flags of `weir sim` and of the `engine_sim` example.
 #[derive(Clone, Debug, clap::Args)]
@@ -60,6 +69,10 @@ pub struct SimArgs {
     /// The largest bucket a weights payload crosses to another process in, bytes.
     #[arg(long = "weights-bucket-bytes", default_value_t = 64 << 20)]
     pub weights_bucket_bytes: usize,
+    /// How weights cross to another process: `direct` (a TCP connection of
+    /// their own) or `timely` (in buckets on timely's connections).
+    #[arg(long = "weights-channel", default_value = "direct", value_parser = parse_channel)]
+    pub weights_channel: WeightsChannel,
     /// Roles to workers, e.g. `rollout=0-2;train=3` (default: training on the last worker, the rest generate).
     #[arg(long)]
     pub placement: Option<String>,
@@ -181,6 +194,7 @@ pub fn run_sim(args: &SimArgs) -> anyhow::Result<RunReport> {
         .connect_timeout(cluster.connect_timeout)
         .cluster_secret(cluster.secret.clone())
         .weights_bucket_bytes(args.weights_bucket_bytes)
+        .weights_channel(args.weights_channel, 0)
         .fingerprint(fingerprint(args))
         .metrics_path(args.out.join("metrics.parquet"));
     std::fs::create_dir_all(&args.out)

@@ -36,6 +36,7 @@ fn sim_args(out: &Path) -> SimArgs {
         group_size: 4,
         weights_bytes: 256,
         weights_bucket_bytes: 64 << 20,
+        weights_channel: weir::graph::WeightsChannel::Direct,
         placement: None,
         generate_queue: 2,
         stream_slots: 0,
@@ -639,64 +640,76 @@ fn two_processes_keep_every_guarantee() {
     }
 }
 
-/// The weights edge between processes: the learner (worker 3, process 1)
-/// sends each version to process 0 once, in buckets, to generator 0, which
-/// shelves it for generator 1; generator 2 shares process 1's copy. Every
-/// generator checks every byte of every version it loads.
+/// The weights edge between processes, over each channel: the learner
+/// (worker 3, process 1) sends each version to process 0 once (over the
+/// direct channel, a note its worker 0 fetches the payload by; over
+/// timely's, in buckets to worker 0), and worker 0's copy is shelved for
+/// generator 1; generator 2 shares process 1's copy. Every generator checks
+/// every byte of every version it loads.
 #[test]
-fn weights_cross_to_each_process_once_in_buckets() {
-    let dir = tempfile::tempdir().unwrap();
-    let args = strings(&[
-        "--workers",
-        "2",
-        "--steps",
-        "6",
-        "--batch-rows",
-        "12",
-        "--max-staleness",
-        "1",
-        "--gen-ms",
-        "2",
-        "--train-ms",
-        "1",
-        "--weights-bytes",
-        "10000",
-        "--weights-bucket-bytes",
-        "1024",
-    ]);
-    let (o0, o1) = run_two_processes(&args, dir.path());
-    for (i, o) in [(0, &o0), (1, &o1)] {
+fn weights_cross_to_each_process_once_over_either_channel() {
+    for channel in ["direct", "timely"] {
+        let dir = tempfile::tempdir().unwrap();
+        let args = strings(&[
+            "--workers",
+            "2",
+            "--steps",
+            "6",
+            "--batch-rows",
+            "12",
+            "--max-staleness",
+            "1",
+            "--gen-ms",
+            "2",
+            "--train-ms",
+            "1",
+            "--weights-bytes",
+            "10000",
+            "--weights-bucket-bytes",
+            "1024",
+            "--weights-channel",
+            channel,
+        ]);
+        let (o0, o1) = run_two_processes(&args, dir.path());
+        for (i, o) in [(0, &o0), (1, &o1)] {
+            assert!(
+                o.status.success(),
+                "{channel}: process {i}: {}",
+                String::from_utf8_lossy(&o.stderr)
+            );
+        }
+        check_guarantees(&read_rows(dir.path()), 1, 6, 12);
+        let rows = metric_rows(dir.path());
+        let loads = |metric: &str| -> BTreeMap<u32, Vec<f64>> {
+            rows.iter()
+                .filter(|r| r.stage == "generate" && r.metric == metric)
+                .fold(BTreeMap::new(), |mut m, r| {
+                    m.entry(r.worker).or_default().push(r.value);
+                    m
+                })
+        };
+        let bytes = loads("weights_bytes");
+        assert_eq!(bytes.keys().copied().collect::<Vec<_>>(), [0, 1, 2]);
         assert!(
-            o.status.success(),
-            "process {i}: {}",
-            String::from_utf8_lossy(&o.stderr)
+            bytes.values().flatten().all(|&b| b == 10000.0),
+            "{channel}: {bytes:?}"
         );
+        // Every generator loaded the late versions (each version at most once).
+        for (w, loaded) in &bytes {
+            assert!(
+                (3..=6).contains(&loaded.len()),
+                "{channel}: worker {w}: {loaded:?}"
+            );
+        }
+        assert!(loads("weights_transfer_s")
+            .values()
+            .flatten()
+            .all(|&t| t >= 0.0));
+        assert!(loads("weights_load_s")
+            .values()
+            .flatten()
+            .all(|&t| t >= 0.0));
     }
-    check_guarantees(&read_rows(dir.path()), 1, 6, 12);
-    let rows = metric_rows(dir.path());
-    let loads = |metric: &str| -> BTreeMap<u32, Vec<f64>> {
-        rows.iter()
-            .filter(|r| r.stage == "generate" && r.metric == metric)
-            .fold(BTreeMap::new(), |mut m, r| {
-                m.entry(r.worker).or_default().push(r.value);
-                m
-            })
-    };
-    let bytes = loads("weights_bytes");
-    assert_eq!(bytes.keys().copied().collect::<Vec<_>>(), [0, 1, 2]);
-    assert!(bytes.values().flatten().all(|&b| b == 10000.0), "{bytes:?}");
-    // Every generator loaded the late versions (each version at most once).
-    for (w, loaded) in &bytes {
-        assert!((3..=6).contains(&loaded.len()), "worker {w}: {loaded:?}");
-    }
-    assert!(loads("weights_transfer_s")
-        .values()
-        .flatten()
-        .all(|&t| t >= 0.0));
-    assert!(loads("weights_load_s")
-        .values()
-        .flatten()
-        .all(|&t| t >= 0.0));
 }
 
 #[test]

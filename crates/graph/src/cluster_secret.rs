@@ -57,19 +57,20 @@ impl ClusterSecret {
         Ok(ClusterSecret(bytes))
     }
 
-    fn mac(&self, process: usize, fingerprint: u64, nonce: u64) -> Hmac<Sha256> {
+    /// The HMAC of `purpose` (a label no other use shares) over `words`.
+    fn mac(&self, purpose: &[u8], words: &[u64]) -> Hmac<Sha256> {
         let mut mac =
             Hmac::<Sha256>::new_from_slice(&self.0).expect("HMAC takes a key of any length");
-        mac.update(b"weir heartbeat v1");
-        mac.update(&(process as u64).to_le_bytes());
-        mac.update(&fingerprint.to_le_bytes());
-        mac.update(&nonce.to_le_bytes());
+        mac.update(purpose);
+        for word in words {
+            mac.update(&word.to_le_bytes());
+        }
         mac
     }
 
     /// The proof a heartbeat of `process` with `fingerprint` and `nonce` carries.
     pub fn proof(&self, process: usize, fingerprint: u64, nonce: u64) -> Proof {
-        self.mac(process, fingerprint, nonce)
+        self.mac(HEARTBEAT, &[process as u64, fingerprint, nonce])
             .finalize()
             .into_bytes()
             .into()
@@ -77,11 +78,45 @@ impl ClusterSecret {
 
     /// Whether `proof` is that of this secret (compared in constant time).
     pub fn verifies(&self, process: usize, fingerprint: u64, nonce: u64, proof: &Proof) -> bool {
-        self.mac(process, fingerprint, nonce)
+        self.mac(HEARTBEAT, &[process as u64, fingerprint, nonce])
+            .verify_slice(proof)
+            .is_ok()
+    }
+
+    /// The proof with which `process` fetches weights payload `payload` over
+    /// the direct weights channel, answering the server's `nonce`: bound to
+    /// the run's settings, the request and the connection, and never equal
+    /// to a heartbeat's (another label).
+    pub(crate) fn wire_proof(
+        &self,
+        process: usize,
+        fingerprint: u64,
+        nonce: u64,
+        payload: u64,
+    ) -> Proof {
+        self.mac(WIRE, &[process as u64, fingerprint, nonce, payload])
+            .finalize()
+            .into_bytes()
+            .into()
+    }
+
+    /// Whether `proof` is [`ClusterSecret::wire_proof`]'s under this secret.
+    pub(crate) fn verifies_wire(
+        &self,
+        process: usize,
+        fingerprint: u64,
+        nonce: u64,
+        payload: u64,
+        proof: &Proof,
+    ) -> bool {
+        self.mac(WIRE, &[process as u64, fingerprint, nonce, payload])
             .verify_slice(proof)
             .is_ok()
     }
 }
+
+const HEARTBEAT: &[u8] = b"weir heartbeat v1";
+const WIRE: &[u8] = b"weir weights fetch v1";
 
 /// A fresh nonce: the process id, the time and std's per-process random keys, hashed.
 pub(crate) fn nonce(process: usize) -> u64 {

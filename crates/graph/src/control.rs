@@ -39,6 +39,8 @@ pub(crate) struct RunShared {
     admitted: Mutex<Vec<bool>>,
     /// Weights this process's receiving generator keeps for the others.
     pub(crate) weights: crate::weights_edge::WeightsShelf,
+    /// This process's end of the direct weights channel.
+    pub(crate) wire: crate::weights_edge::Wire,
 }
 
 impl RunShared {
@@ -49,6 +51,7 @@ impl RunShared {
             last_heard: Mutex::new(vec![Instant::now(); processes]),
             admitted: Mutex::new(vec![false; processes]),
             weights: Default::default(),
+            wire: Default::default(),
         }
     }
 

@@ -14,7 +14,6 @@
 //! may hold thread-affine resources.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::Ordering;
 use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::time::Instant;
@@ -135,13 +134,11 @@ pub(crate) struct StageRunner {
     version: PolicyVersion,
     versions: Versions,
     transport: Arc<dyn WeightsTransport>,
-    shared: Arc<crate::control::RunShared>,
     steps: BTreeMap<Step, StepStats>,
     transfers: Vec<WeightsLoad>,
 }
 
 impl StageRunner {
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn build(
         name: &str,
         kind: StageKind,
@@ -149,7 +146,6 @@ impl StageRunner {
         worker: WorkerInfo,
         versions: Versions,
         transport: Arc<dyn WeightsTransport>,
-        shared: Arc<crate::control::RunShared>,
     ) -> Result<Self, GraphError> {
         let stage = guarded(name, None, worker.index, || factory(&worker))?;
         Ok(StageRunner {
@@ -160,7 +156,6 @@ impl StageRunner {
             version: versions.initial,
             versions,
             transport,
-            shared,
             steps: BTreeMap::new(),
             transfers: Vec::new(),
         })
@@ -244,24 +239,7 @@ impl StageRunner {
                 if message.version <= self.version {
                     return Ok(Done::Loaded);
                 }
-                let (body, arrived_ns) = match message.body {
-                    WeightsBody::Shelved => {
-                        let stopped = || self.shared.aborted.load(Ordering::SeqCst);
-                        let (payload, at) = self
-                            .shared
-                            .weights
-                            .take(self.worker.index, message.version, stopped)
-                            .ok_or_else(|| {
-                                GraphError::Runtime(format!(
-                                    "the run stopped while worker {} waited for weights version {}",
-                                    self.worker.index, message.version
-                                ))
-                            })?;
-                        (WeightsBody::Inline(payload), at)
-                    }
-                    body => (body, arrived_ns),
-                };
-                let weights = self.transport.unpack(message.version, &body)?;
+                let weights = self.transport.unpack(message.version, &message.body)?;
                 let step = message.step;
                 let started = Instant::now();
                 guarded(&self.name, Some(step), self.worker.index, || {

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use timely::communication::Config as CommunicationConfig;
 
-use crate::weights_edge::{InlineTransport, WeightsTransport};
+use crate::weights_edge::{InlineTransport, WeightsChannel, WeightsTransport};
 use crate::{GraphError, Placement, PolicyVersion, Step};
 
 /// How many workers, and where.
@@ -107,6 +107,16 @@ impl Execution {
         }
     }
 
+    /// This process's host, as the hostfile names it (`None` outside a cluster).
+    pub(crate) fn host(&self) -> Option<&str> {
+        match self {
+            Execution::Threads(_) => None,
+            Execution::Cluster { process, hosts, .. } => hosts
+                .get(*process)
+                .map(|h| h.rsplit_once(':').map_or(h.as_str(), |(host, _)| host)),
+        }
+    }
+
     pub(crate) fn processes(&self) -> usize {
         match self {
             Execution::Threads(_) => 1,
@@ -160,6 +170,11 @@ pub struct RunSettings {
     /// The largest piece an inline weights payload crosses to another
     /// process in (see [`crate::weights_edge`]).
     pub weights_bucket_bytes: usize,
+    /// How an inline weights payload crosses to another process.
+    pub weights_channel: WeightsChannel,
+    /// The port this process's weights server listens on for the direct
+    /// channel (0: any free port; each fetch learns it from the edge).
+    pub weights_port: u16,
     /// Called on the metrics worker with each arriving bundle of metric rows
     /// (progress bars, live dashboards).
     pub observer: Option<MetricsObserver>,
@@ -208,6 +223,8 @@ impl RunSettings {
             metrics_path: None,
             transport: Arc::new(InlineTransport),
             weights_bucket_bytes: 64 << 20,
+            weights_channel: WeightsChannel::default(),
+            weights_port: 0,
             observer: None,
             step_observer: None,
             prior_metrics: Vec::new(),
@@ -222,6 +239,14 @@ impl RunSettings {
     /// Sends inline weights to other processes in buckets of at most `bytes`.
     pub fn weights_bucket_bytes(mut self, bytes: usize) -> Self {
         self.weights_bucket_bytes = bytes.max(1);
+        self
+    }
+
+    /// Sends inline weights to other processes over `channel`, the direct
+    /// channel's server listening on `port` (0: any free one).
+    pub fn weights_channel(mut self, channel: WeightsChannel, port: u16) -> Self {
+        self.weights_channel = channel;
+        self.weights_port = port;
         self
     }
 

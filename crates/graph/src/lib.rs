@@ -60,7 +60,8 @@ pub use stage::{
 };
 pub use step_fill::{Started, StepFill};
 pub use weights_edge::{
-    InlineTransport, WeightsBody, WeightsMessage, WeightsPayload, WeightsTransport,
+    InlineTransport, WeightsBody, WeightsChannel, WeightsMessage, WeightsPayload, WeightsTransport,
+    WireNote,
 };
 
 /// A step: one rollout batch, and the timely timestamp it travels under.

@@ -71,6 +71,16 @@ pub fn run(pipeline: &Pipeline, settings: &RunSettings) -> Result<RunReport, Gra
 
     let (builders, others) = connect(&settings.execution, settings.connect_timeout)?;
     let shared = Arc::new(RunShared::new(settings.execution.processes()));
+    if let Some(host) = settings.execution.host() {
+        shared.wire.configure(crate::weights_edge::WireConfig {
+            host: host.to_string(),
+            port: settings.weights_port,
+            process: settings.execution.process(),
+            fingerprint: settings.fingerprint,
+            secret: settings.cluster_secret.clone(),
+            timeout: settings.peer_timeout,
+        });
+    }
     let local = settings.execution.process() * settings.execution.local_workers();
     let collectives = Collectives::register(
         shared.clone(),
@@ -515,6 +525,7 @@ fn build_dataflow<'scope>(
                     max_staleness: settings.max_staleness,
                     transport: settings.transport.clone(),
                     weights_bucket_bytes: settings.weights_bucket_bytes,
+                    weights_channel: settings.weights_channel,
                     generators: generators.clone(),
                     learns,
                 };

@@ -29,7 +29,8 @@ use crate::engine_thread::{Done, Executor, Job, StageKind, StageRunner, Versions
 use crate::metrics::{names, MetricRow};
 use crate::stage::{StageFactory, WorkerInfo};
 use crate::weights_edge::{
-    self as weights_edge, now_ns, Reassembly, WeightsBody, WeightsMessage, WeightsTransport,
+    self as weights_edge, now_ns, Across, Reassembly, WeightsBody, WeightsChannel, WeightsMessage,
+    WeightsTransport,
 };
 use crate::{Batch, PolicyVersion, Step};
 
@@ -50,6 +51,8 @@ pub(crate) struct StageOpConfig {
     pub transport: Arc<dyn WeightsTransport>,
     /// The largest bucket of weights sent to another process.
     pub weights_bucket_bytes: usize,
+    /// How weights cross to another process.
+    pub weights_channel: WeightsChannel,
     /// Workers that receive this learner's weights.
     pub generators: Vec<usize>,
     /// Whether the pipeline has a learner (which publishes a version every step).
@@ -95,6 +98,7 @@ pub(crate) fn stage_operator<'scope>(
     let me = scope.index();
     let address = builder.operator_info().address.to_vec();
     let activator = scope.worker().sync_activator_for(address.clone());
+    let wake_on_weights = scope.worker().sync_activator_for(address.clone());
     let reschedule = scope.activator_for(address.into());
     let hosts = cfg.workers.contains(&me);
     let is_learner = cfg.kind == StageKind::Learn;
@@ -102,6 +106,9 @@ pub(crate) fn stage_operator<'scope>(
     builder.build(move |mut caps: Vec<Capability<Step>>| {
         let mut state = OpState::new(&cfg, me);
         if hosts {
+            if cfg.kind == StageKind::Generate {
+                env.shared.weights.watch(me, wake_on_weights);
+            }
             for cap in caps.iter_mut() {
                 cap.downgrade(&cfg.first_step);
             }
@@ -122,24 +129,22 @@ pub(crate) fn stage_operator<'scope>(
                 caps.clear();
                 state.ending.clear();
                 state.outgoing.clear();
+                state.awaiting.clear();
                 return;
             }
-            // Weights first: a frontier past `s` means every message at or before `s` is here.
+            // Weights first: a frontier past `s` means every message at or
+            // before `s` is here (the bytes of a payload fetched or shelved
+            // for this worker maybe not yet: `awaiting` holds those back).
             if let Some(w) = weights_in.as_mut() {
-                w.for_each(|_, data| {
+                w.for_each(|cap, data| {
+                    let Some(&time) = cap.least() else { return };
                     for message in data.drain(..) {
-                        let Some(message) = state.receive(message, &cfg, &env) else {
-                            continue;
-                        };
-                        if message.version > state.newest_weights {
-                            state.newest_weights = message.version;
-                            state.jobs.push(Job::LoadWeights {
-                                message,
-                                arrived_ns: now_ns(),
-                            });
+                        if let Some(message) = state.receive(message, time, &cfg, &env) {
+                            state.load(message, now_ns());
                         }
                     }
                 });
+                state.take_awaited(&env);
             }
             data_in.for_each(|cap, data| {
                 let Some(&step) = cap.least() else { return };
@@ -238,13 +243,20 @@ pub(crate) fn stage_operator<'scope>(
                                 .give_iterator(metrics.into_iter());
                             if let Some((version, body)) = published {
                                 let sent_at = now_ns();
+                                let across = match across(&cfg, &env, &body) {
+                                    Ok(across) => across,
+                                    Err(err) => {
+                                        env.fail(err);
+                                        continue;
+                                    }
+                                };
                                 let messages = weights_edge::address(
                                     &cfg.generators,
                                     env.threads,
                                     env.process,
                                     (version, step, sent_at),
                                     &body,
-                                    cfg.weights_bucket_bytes,
+                                    &across,
                                 );
                                 tracing::debug!(
                                     version,
@@ -299,6 +311,51 @@ pub(crate) fn stage_operator<'scope>(
     }
 }
 
+/// How a learner's published `body` crosses to the other processes: over
+/// the direct channel when it is inline and another process receives it
+/// (offered once for all of them), else in buckets.
+fn across(
+    cfg: &StageOpConfig,
+    env: &OperatorEnv,
+    body: &WeightsBody,
+) -> Result<Across, crate::GraphError> {
+    let buckets = Across::Buckets(cfg.weights_bucket_bytes);
+    let receivers = weights_edge::receiving_processes(&cfg.generators, env.threads, env.process);
+    match body {
+        WeightsBody::Inline(payload)
+            if cfg.weights_channel == WeightsChannel::Direct && receivers > 0 =>
+        {
+            Ok(Across::Wire(env.shared.wire.offer(payload, receivers)?))
+        }
+        _ => Ok(buckets),
+    }
+}
+
+/// Fetches the payload `note` names for the generators `takers` of this
+/// process (shelved for them once whole, or the reason it will not come).
+fn fetch_for_process(
+    note: &weights_edge::WireNote,
+    message: &WeightsMessage,
+    takers: Vec<usize>,
+    env: &OperatorEnv,
+) {
+    let (shared, version, sent_at_ns) = (env.shared.clone(), message.version, message.sent_at_ns);
+    env.shared
+        .wire
+        .fetch(note.clone(), move |fetched| match fetched {
+            Ok(payload) => {
+                tracing::debug!(
+                    version,
+                    bytes = payload.len(),
+                    since_sent_s = now_ns().saturating_sub(sent_at_ns) as f64 * 1e-9,
+                    "weights whole"
+                );
+                shared.weights.put(version, payload, now_ns(), takers);
+            }
+            Err(why) => shared.weights.fail(version, why, &takers),
+        });
+}
+
 /// The operator's bookkeeping between activations.
 struct OpState {
     me: usize,
@@ -312,6 +369,10 @@ struct OpState {
     queue_peak: u64,
     /// Weights arriving in buckets from another process.
     reassembly: Reassembly,
+    /// Versions announced to this generator whose payload it takes from its
+    /// process's shelf once whole, with the time they arrived at: no batch
+    /// of a step at or after that time is handed over before.
+    awaiting: BTreeMap<PolicyVersion, (Step, WeightsMessage)>,
     /// Published weights not yet sent, with the capability they go under.
     outgoing: VecDeque<(Capability<Step>, WeightsMessage)>,
 }
@@ -329,21 +390,86 @@ impl OpState {
             newest_weights: cfg.version,
             queue_peak: 0,
             reassembly: Reassembly::default(),
+            awaiting: BTreeMap::new(),
             outgoing: VecDeque::new(),
         }
     }
 
-    /// A weights message as this generator loads it: buckets are collected
-    /// until the payload is whole (`None` before), which is then shelved for
-    /// the process's other generators.
+    /// Queues `message` (whole since `arrived_ns`) to be loaded, unless a
+    /// version as new is loaded or queued already.
+    fn load(&mut self, message: WeightsMessage, arrived_ns: u64) {
+        if message.version > self.newest_weights {
+            self.newest_weights = message.version;
+            self.awaiting.retain(|&v, _| v > message.version);
+            self.jobs.push(Job::LoadWeights {
+                message,
+                arrived_ns,
+            });
+        }
+    }
+
+    /// Queues the awaited versions that are whole on the shelf now. A
+    /// version that will not come fails the run once a batch waits for it.
+    fn take_awaited(&mut self, env: &OperatorEnv) {
+        let versions: Vec<PolicyVersion> = self.awaiting.keys().copied().collect();
+        for version in versions {
+            let Some(&(time, _)) = self.awaiting.get(&version) else {
+                continue;
+            };
+            match env.shared.weights.try_take(self.me, version) {
+                None => {}
+                Some(Ok((payload, arrived_ns))) => {
+                    let (_, message) = self.awaiting.remove(&version).expect("just found");
+                    let message = WeightsMessage {
+                        body: WeightsBody::Inline(payload),
+                        ..message
+                    };
+                    self.load(message, arrived_ns);
+                }
+                Some(Err(why)) => {
+                    if self.pending.range(time..).next().is_some() {
+                        self.awaiting.remove(&version);
+                        env.fail(crate::GraphError::Runtime(format!(
+                            "worker {} needs weights version {version}: {why}",
+                            self.me
+                        )));
+                    }
+                }
+            }
+        }
+    }
+
+    /// A weights message, arrived at `time`, as this generator loads it
+    /// (`None`: not yet). Buckets are collected until the payload is whole,
+    /// which is then shelved for the process's other generators; a note of
+    /// where to fetch the payload starts the fetch for the whole process; a
+    /// fetched or shelved payload is awaited ([`OpState::take_awaited`]).
     fn receive(
         &mut self,
         message: WeightsMessage,
+        time: Step,
         cfg: &StageOpConfig,
         env: &OperatorEnv,
     ) -> Option<WeightsMessage> {
-        let WeightsBody::Bucket(bucket) = &message.body else {
-            return Some(message);
+        let process = self.me / env.threads.max(1);
+        let local: Vec<usize> = cfg
+            .generators
+            .iter()
+            .copied()
+            .filter(|&g| g / env.threads.max(1) == process)
+            .collect();
+        let bucket = match &message.body {
+            WeightsBody::Bucket(bucket) => bucket,
+            WeightsBody::Inline(_) | WeightsBody::External => return Some(message),
+            WeightsBody::Shelved | WeightsBody::Wire(_) => {
+                if let WeightsBody::Wire(note) = &message.body {
+                    fetch_for_process(note, &message, local, env);
+                }
+                if message.version > self.newest_weights {
+                    self.awaiting.insert(message.version, (time, message));
+                }
+                return None;
+            }
         };
         let first = self.reassembly.is_empty();
         let payload = match self.reassembly.add(bucket) {
@@ -367,13 +493,7 @@ impl OpState {
             since_sent_s = now_ns().saturating_sub(message.sent_at_ns) as f64 * 1e-9,
             "weights whole"
         );
-        let process = self.me / env.threads.max(1);
-        let others: Vec<usize> = cfg
-            .generators
-            .iter()
-            .copied()
-            .filter(|&g| g != self.me && g / env.threads.max(1) == process)
-            .collect();
+        let others = local.into_iter().filter(|&g| g != self.me).collect();
         env.shared
             .weights
             .put(message.version, payload.clone(), now_ns(), others);
@@ -404,15 +524,13 @@ impl OpState {
             max_staleness: cfg.max_staleness,
             fed: cfg.kind == StageKind::Generate && cfg.learns,
         };
-        let (name, kind, factory, transport, shared) = (
+        let (name, kind, factory, transport) = (
             cfg.name.clone(),
             cfg.kind,
             cfg.factory.clone(),
             cfg.transport.clone(),
-            env.shared.clone(),
         );
-        let build =
-            move || StageRunner::build(&name, kind, &factory, worker, versions, transport, shared);
+        let build = move || StageRunner::build(&name, kind, &factory, worker, versions, transport);
         match cfg.offload {
             None => Ok(Executor::inline(build()?)),
             Some(capacity) => Executor::spawn(&cfg.name, capacity, activator, build),
@@ -424,7 +542,10 @@ impl OpState {
         while let Some((&step, _)) = self.pending.first_key_value() {
             let ready = match kind {
                 StageKind::Plain => true,
-                StageKind::Generate => weights_frontier.is_some_and(|w| !w.less_equal(&step)),
+                StageKind::Generate => {
+                    weights_frontier.is_some_and(|w| !w.less_equal(&step))
+                        && self.awaiting.values().all(|&(time, _)| time > step)
+                }
                 StageKind::Learn => step <= self.next_end,
             };
             if !ready {

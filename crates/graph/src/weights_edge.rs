@@ -15,17 +15,21 @@
 //! fetches the tensors in `unpack`.
 //!
 //! An inline payload crosses to each other process once, whatever its
-//! number of generator workers: in [`Bucket`]s (`RunSettings::weights_bucket_bytes`,
-//! 64 MiB by default) to that process's first generator worker, which
-//! puts them back together and shelves the payload for the others (they
-//! get a [`WeightsBody::Shelved`] note). The learner's operator sends one
-//! bucket per activation, each its own timely message, so a bucket is on
-//! the wire and being landed while the next is serialised, and no buffer
-//! holds them all; buckets travel while the generators go on generating;
-//! the frontier lets a generator use version `v` only once all of it is
-//! there. On arrival a bucket's bytes go straight into the process's
-//! buffer for that payload, reused from version to version. Generators in the learner's own
-//! process share the learner's payload without a copy.
+//! number of generator workers, to that process's first generator worker,
+//! which shelves it for the others (they get a [`WeightsBody::Shelved`]
+//! note). By default ([`WeightsChannel::Direct`]) only a [`WireNote`]
+//! travels on the edge and the receiving process fetches the bytes over a
+//! TCP connection of its own, straight into its buffer for that payload
+//! (see `wire`). With [`WeightsChannel::Timely`] the payload travels on the
+//! edge itself in [`Bucket`]s (`RunSettings::weights_bucket_bytes`, 64 MiB
+//! by default), one bucket per activation of the learner's operator, each
+//! its own timely message, so a bucket is on the wire and being landed
+//! while the next is serialised; on arrival a bucket's bytes go straight
+//! into the buffer. Either way the bytes travel while the generators go on
+//! generating, the buffer is reused from version to version, and a
+//! generator hands over no batch of a step at or after the time a version
+//! arrived at until that version is whole and loaded. Generators in the
+//! learner's own process share the learner's payload without a copy.
 //!
 //! # Examples
 //! ```
@@ -47,9 +51,26 @@ use timely::dataflow::{Scope, Stream};
 use crate::{GraphError, PolicyVersion, Step};
 
 mod buckets;
+mod landing;
+mod wire;
 
 pub use buckets::Bucket;
-pub(crate) use buckets::{address, Reassembly, WeightsShelf};
+pub(crate) use buckets::{address, receiving_processes, Across, Reassembly, WeightsShelf};
+pub use wire::WireNote;
+pub(crate) use wire::{Wire, WireConfig};
+
+/// How an inline payload crosses to another process.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WeightsChannel {
+    /// Over a TCP connection of its own, straight from the learner's
+    /// payload into the receiving process's buffer (see `wire`): the
+    /// kernel's two copies only.
+    #[default]
+    Direct,
+    /// In buckets on timely's own connections (for networks where only the
+    /// hostfile's ports are open): two more copies, through timely's buffers.
+    Timely,
+}
 
 /// A learner's weights, opaque to the engine: by convention the bytes of a
 /// safetensors file (a JSON header then the named tensors' data). Cloning is
@@ -106,6 +127,9 @@ pub enum WeightsBody {
     /// The payload went to another generator worker of this process (its
     /// receiver), which shelves it for the others: one copy per process.
     Shelved,
+    /// Where to fetch the payload over the direct channel; the receiving
+    /// worker fetches it for its process and shelves it.
+    Wire(WireNote),
 }
 
 /// One message on the weights edge, addressed to one generator worker.
@@ -159,7 +183,10 @@ impl WeightsTransport for InlineTransport {
     ) -> Result<WeightsPayload, GraphError> {
         match body {
             WeightsBody::Inline(payload) => Ok(payload.clone()),
-            WeightsBody::External | WeightsBody::Bucket(_) | WeightsBody::Shelved => {
+            WeightsBody::External
+            | WeightsBody::Bucket(_)
+            | WeightsBody::Shelved
+            | WeightsBody::Wire(_) => {
                 Err(GraphError::Codec(format!(
                     "weights version {version} arrived without a whole payload, but the inline transport expects one"
                 )))

@@ -26,6 +26,26 @@ pub enum ReferencePlacement {
     Rollout,
 }
 
+/// `placement.weights_channel`: how the learner's weights cross to another process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WeightsChannelChoice {
+    /// A TCP connection of their own, straight into the receiving process's buffer.
+    Direct,
+    /// In buckets on timely's connections (only the hostfile's ports open).
+    Timely,
+}
+
+impl WeightsChannelChoice {
+    /// The engine's setting.
+    pub fn channel(self) -> weir_graph::WeightsChannel {
+        match self {
+            WeightsChannelChoice::Direct => weir_graph::WeightsChannel::Direct,
+            WeightsChannelChoice::Timely => weir_graph::WeightsChannel::Timely,
+        }
+    }
+}
+
 /// `model.dtype`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

@@ -14,7 +14,7 @@ mod validate;
 pub use choices::{
     AggregationChoice, CorrectionChoice, DeviceChoice, Dtype, FlavorChoice, GenerateBackend,
     KlChoice, PolicyLossChoice, PreferenceChoice, ReferencePlacement, RewardKind, ScheduleChoice,
-    WeightUpdate,
+    WeightUpdate, WeightsChannelChoice,
 };
 
 /// A whole run config.
@@ -94,7 +94,12 @@ pub struct PlacementSection {
     pub train: Vec<usize>,
     /// Where the reference runs: `train` or `rollout` (beside the generator).
     pub reference: ReferencePlacement,
-    /// The largest bucket, in MiB, the learner's weights cross to another process in.
+    /// How the learner's weights cross to another process.
+    pub weights_channel: WeightsChannelChoice,
+    /// The port the direct channel's server listens on (0: any free one).
+    pub weights_port: u16,
+    /// The largest bucket, in MiB, the learner's weights cross to another
+    /// process in over timely's channel.
     pub weights_bucket_mib: usize,
 }
 
@@ -105,6 +110,8 @@ impl Default for PlacementSection {
             rollout: vec![0],
             train: vec![1],
             reference: ReferencePlacement::Train,
+            weights_channel: WeightsChannelChoice::Direct,
+            weights_port: 0,
             weights_bucket_mib: 64,
         }
     }

@@ -5,7 +5,7 @@
 
 use super::{
     AggregationChoice, ConfigError, CorrectionChoice, PolicyLossChoice, PreferenceChoice,
-    RewardKind, RunConfig, ScheduleChoice,
+    RewardKind, RunConfig, ScheduleChoice, WeightsChannelChoice,
 };
 use crate::PipelineKind;
 
@@ -16,7 +16,9 @@ pub fn applies(pipeline: PipelineKind, section: &str, key: &str) -> bool {
     let group = pipeline.is_group();
     match (section, key) {
         ("run", "max_staleness" | "rows_per_file") => rl,
-        ("placement", "reference" | "weights_bucket_mib") => rl,
+        ("placement", "reference" | "weights_channel" | "weights_port" | "weights_bucket_mib") => {
+            rl
+        }
         ("model", "reference") => rl || pipeline == Dpo,
         ("model", "reward_model") => rl || pipeline == Rm,
         ("model", "critic") => pipeline == Ppo,
@@ -72,6 +74,19 @@ fn inert(cfg: &RunConfig, pipeline: PipelineKind) -> Vec<(&'static str, &'static
         "generate",
         &["on_new_weights"],
         "generate.max_inflight > 0 and run.max_staleness > 0 (weights reach a generator mid-flight only then)",
+    );
+    let timely = cfg.placement.weights_channel == WeightsChannelChoice::Timely;
+    unless(
+        timely,
+        "placement",
+        &["weights_bucket_mib"],
+        "placement.weights_channel = \"timely\"",
+    );
+    unless(
+        !timely,
+        "placement",
+        &["weights_port"],
+        "placement.weights_channel = \"direct\"",
     );
     unless(
         cfg.lora.rank > 0,

@@ -6,7 +6,7 @@
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::{WeightsBody, WeightsMessage, WeightsPayload};
+use super::{landing, WeightsBody, WeightsMessage, WeightsPayload};
 use crate::{GraphError, PolicyVersion, Step};
 
 /// Bytes `offset..offset + len` of payload `id` (of `total` bytes). On the
@@ -146,134 +146,6 @@ impl<'de> serde::de::Visitor<'de> for Landing {
     }
 }
 
-/// Where the buckets of payloads from other processes land in this process:
-/// one buffer per payload under construction, taken from the buffers of
-/// earlier versions once nobody holds them any more (their pages are
-/// already mapped, so a version arrives with one warm copy rather than
-/// page faults over fresh memory).
-mod landing {
-    use std::collections::HashMap;
-    use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
-
-    use super::WeightsPayload;
-
-    #[derive(Default)]
-    struct Landings {
-        /// Payloads under construction: their buffer and the bytes in so far.
-        open: HashMap<u64, (Vec<u8>, u64)>,
-        /// Payloads handed out, kept to reuse their buffers once only this holds them.
-        done: Vec<WeightsPayload>,
-    }
-
-    /// Whole payloads kept for reuse (a generator holds the newest while the next arrives).
-    const KEEP: usize = 2;
-
-    fn landings() -> MutexGuard<'static, Landings> {
-        static LANDINGS: OnceLock<Mutex<Landings>> = OnceLock::new();
-        LANDINGS
-            .get_or_init(Default::default)
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// An id for a new payload, unique across processes in practice.
-    pub(super) fn fresh_id() -> u64 {
-        use std::hash::{BuildHasher, Hasher};
-        use std::sync::atomic::{AtomicU64, Ordering};
-        static COUNTER: AtomicU64 = AtomicU64::new(0);
-        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-        h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
-        h.write_u64(crate::weights_edge::now_ns());
-        h.write_u32(std::process::id());
-        h.finish()
-    }
-
-    /// Copies `bytes` to `offset` of payload `id`'s buffer (`total` bytes).
-    pub(super) fn write(id: u64, offset: u64, total: u64, bytes: &[u8]) -> Result<(), String> {
-        let end = offset.checked_add(bytes.len() as u64);
-        if end.is_none_or(|end| end > total) {
-            return Err(format!(
-                "a weights bucket of {} bytes at {offset} overruns its payload of {total}",
-                bytes.len()
-            ));
-        }
-        // Take the buffer out, so the copy runs without the lock.
-        let (mut buffer, received) = {
-            let mut all = landings();
-            match all.open.remove(&id) {
-                Some(open) => open,
-                None => (reusable(&mut all, total as usize), 0),
-            }
-        };
-        if buffer.len() != total as usize {
-            return Err(format!(
-                "weights payload {id:016x}: a bucket says {total} bytes, an earlier one {}",
-                buffer.len()
-            ));
-        }
-        let at = offset as usize;
-        buffer[at..at + bytes.len()].copy_from_slice(bytes);
-        landings()
-            .open
-            .insert(id, (buffer, received + bytes.len() as u64));
-        Ok(())
-    }
-
-    /// A buffer of `len` bytes: a kept payload's that nobody else holds, or a new one.
-    fn reusable(all: &mut Landings, len: usize) -> Vec<u8> {
-        let free = all
-            .done
-            .iter()
-            .position(|p| p.len() == len && Arc::strong_count(&p.0) == 1);
-        match free.map(|i| all.done.swap_remove(i)) {
-            Some(payload) => Arc::try_unwrap(payload.0).unwrap_or_else(|shared| (*shared).clone()),
-            None => fresh(len),
-        }
-    }
-
-    /// A zeroed buffer of `len` bytes; a large one asks for huge pages
-    /// before its first touch (a 1 GiB payload then faults in 512 pieces
-    /// rather than 262,144).
-    fn fresh(len: usize) -> Vec<u8> {
-        let buffer = vec![0u8; len];
-        const HUGE: usize = 2 << 20;
-        #[cfg(target_os = "linux")]
-        if len >= 4 * HUGE {
-            let start = (buffer.as_ptr() as usize).next_multiple_of(HUGE);
-            let end = (buffer.as_ptr() as usize + len) / HUGE * HUGE;
-            if end > start {
-                // SAFETY: advice on whole pages inside this live allocation;
-                // it changes how they are backed, never their contents.
-                unsafe {
-                    libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
-                }
-            }
-        }
-        buffer
-    }
-
-    /// Payload `id` once all its bytes are in (`None` before).
-    pub(super) fn take_whole(id: u64) -> Option<WeightsPayload> {
-        let mut all = landings();
-        let (buffer, received) = all.open.get(&id)?;
-        if *received < buffer.len() as u64 {
-            return None;
-        }
-        let (buffer, _) = all.open.remove(&id).expect("just found");
-        let payload = WeightsPayload(Arc::new(buffer));
-        all.done.push(payload.clone());
-        if all.done.len() > KEEP {
-            all.done.remove(0);
-        }
-        Some(payload)
-    }
-
-    /// Drops payload `id` under construction (its receiver is gone).
-    pub(super) fn abandon(id: u64) {
-        landings().open.remove(&id);
-    }
-}
-
 /// A receiving worker's payloads under construction.
 #[derive(Debug, Default)]
 pub(crate) struct Reassembly {
@@ -339,12 +211,34 @@ pub(crate) fn wire_bucket_bytes(bucket_bytes: usize) -> usize {
     }
 }
 
+/// How an inline payload crosses to the other processes.
+#[derive(Clone, Debug)]
+pub(crate) enum Across {
+    /// In buckets of at most this many bytes ([`wire_bucket_bytes`]) on the edge.
+    Buckets(usize),
+    /// As a note of where to fetch it over the direct channel.
+    Wire(super::WireNote),
+}
+
+/// How many processes other than `from` host a worker of `generators`
+/// (each `threads` workers).
+pub(crate) fn receiving_processes(generators: &[usize], threads: usize, from: usize) -> usize {
+    let mut processes: Vec<usize> = generators
+        .iter()
+        .map(|&g| g / threads.max(1))
+        .filter(|&p| p != from)
+        .collect();
+    processes.sort_unstable();
+    processes.dedup();
+    processes.len()
+}
+
 /// The messages that carry `body` (version `version`, from step `step`) to
 /// every worker of `generators`, sent from a worker of process `from` when
 /// each process runs `threads` workers: generators of the sender's process
-/// share an inline payload; each other process gets it once, in buckets of
-/// at most `bucket_bytes` ([`wire_bucket_bytes`]), at its first generator, and its other generators
-/// a [`WeightsBody::Shelved`] note. Bodies that are not inline go to every
+/// share an inline payload; each other process gets it once, as `across`
+/// says, at its first generator, and its other generators a
+/// [`WeightsBody::Shelved`] note. Bodies that are not inline go to every
 /// generator as they are.
 pub(crate) fn address(
     generators: &[usize],
@@ -352,7 +246,7 @@ pub(crate) fn address(
     from: usize,
     header: (PolicyVersion, Step, u64),
     body: &WeightsBody,
-    bucket_bytes: usize,
+    across: &Across,
 ) -> Vec<WeightsMessage> {
     let (version, step, sent_at_ns) = header;
     let message = |dest: usize, body: WeightsBody| WeightsMessage {
@@ -369,14 +263,14 @@ pub(crate) fn address(
         match body {
             WeightsBody::Inline(payload) if p != from => {
                 let first = generators[..i].iter().all(|&g| process(g) != p);
-                if first {
-                    out.extend(
-                        Bucket::split(payload, wire_bucket_bytes(bucket_bytes))
+                match across {
+                    _ if !first => out.push(message(dest, WeightsBody::Shelved)),
+                    Across::Buckets(bucket_bytes) => out.extend(
+                        Bucket::split(payload, wire_bucket_bytes(*bucket_bytes))
                             .into_iter()
                             .map(|b| message(dest, WeightsBody::Bucket(b))),
-                    );
-                } else {
-                    out.push(message(dest, WeightsBody::Shelved));
+                    ),
+                    Across::Wire(note) => out.push(message(dest, WeightsBody::Wire(note.clone()))),
                 }
             }
             _ => out.push(message(dest, body.clone())),
@@ -385,13 +279,23 @@ pub(crate) fn address(
     out
 }
 
-/// The payloads a process's receiving worker keeps for the other generator
-/// workers of its process, each version until all of them have taken it
-/// (or a newer one).
+/// The payloads a process's receiving worker keeps for the generator
+/// workers of its process (itself too, when a fetch thread brought the
+/// payload), each version until all of them have taken it (or a newer
+/// one). A generator polls it ([`WeightsShelf::try_take`]); a payload put
+/// on it wakes its takers' operators.
 #[derive(Default)]
 pub(crate) struct WeightsShelf {
-    shelved: std::sync::Mutex<std::collections::BTreeMap<PolicyVersion, Shelved>>,
-    arrived: std::sync::Condvar,
+    state: std::sync::Mutex<ShelfState>,
+}
+
+#[derive(Default)]
+struct ShelfState {
+    shelved: std::collections::BTreeMap<PolicyVersion, Shelved>,
+    /// Versions whose payload could not be brought, and why.
+    failed: std::collections::BTreeMap<PolicyVersion, String>,
+    /// Each generator worker's operator, woken when something is put for it.
+    wake: std::collections::BTreeMap<usize, timely::scheduling::SyncActivator>,
 }
 
 struct Shelved {
@@ -402,10 +306,13 @@ struct Shelved {
 }
 
 impl WeightsShelf {
-    fn lock(
-        &self,
-    ) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<PolicyVersion, Shelved>> {
-        self.shelved.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> std::sync::MutexGuard<'_, ShelfState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Wakes `worker`'s operator (through `activator`) whenever a version is put for it.
+    pub(crate) fn watch(&self, worker: usize, activator: timely::scheduling::SyncActivator) {
+        self.lock().wake.insert(worker, activator);
     }
 
     /// Shelves `payload` of `version` (whole since `arrived_ns`) for `takers`.
@@ -419,7 +326,9 @@ impl WeightsShelf {
         if takers.is_empty() {
             return;
         }
-        self.lock().insert(
+        let mut state = self.lock();
+        wake(&state.wake, &takers);
+        state.shelved.insert(
             version,
             Shelved {
                 payload,
@@ -427,37 +336,45 @@ impl WeightsShelf {
                 takers,
             },
         );
-        self.arrived.notify_all();
     }
 
-    /// Worker `worker` takes `version` (and gives up every older one),
-    /// waiting for it to arrive; `stopped` ends the wait with `None`.
-    pub(crate) fn take(
+    /// `version` will not arrive, for `why`; `takers` are told when they look.
+    pub(crate) fn fail(&self, version: PolicyVersion, why: String, takers: &[usize]) {
+        let mut state = self.lock();
+        wake(&state.wake, takers);
+        state.failed.insert(version, why);
+    }
+
+    /// Worker `worker` takes `version` if it is here (giving up every older
+    /// one): `None` while it is not, an error if it will not come.
+    pub(crate) fn try_take(
         &self,
         worker: usize,
         version: PolicyVersion,
-        stopped: impl Fn() -> bool,
-    ) -> Option<(WeightsPayload, u64)> {
-        let mut shelved = self.lock();
-        loop {
-            if let Some(entry) = shelved.get(&version) {
-                let found = (entry.payload.clone(), entry.arrived_ns);
-                shelved.retain(|&v, e| {
-                    if v <= version {
-                        e.takers.retain(|&w| w != worker);
-                    }
-                    !e.takers.is_empty()
-                });
-                return Some(found);
-            }
-            if stopped() {
-                return None;
-            }
-            shelved = self
-                .arrived
-                .wait_timeout(shelved, std::time::Duration::from_millis(50))
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+    ) -> Option<Result<(WeightsPayload, u64), String>> {
+        let mut state = self.lock();
+        if let Some(entry) = state.shelved.get(&version) {
+            let found = (entry.payload.clone(), entry.arrived_ns);
+            state.shelved.retain(|&v, e| {
+                if v <= version {
+                    e.takers.retain(|&w| w != worker);
+                }
+                !e.takers.is_empty()
+            });
+            return Some(Ok(found));
+        }
+        state.failed.get(&version).map(|why| Err(why.clone()))
+    }
+}
+
+fn wake(
+    activators: &std::collections::BTreeMap<usize, timely::scheduling::SyncActivator>,
+    takers: &[usize],
+) {
+    for worker in takers {
+        if let Some(activator) = activators.get(worker) {
+            // A worker that has ended is past needing weights.
+            let _ = activator.activate();
         }
     }
 }
@@ -471,7 +388,14 @@ mod tests {
         let payload = WeightsPayload::from(vec![3u8; 10]);
         let body = WeightsBody::Inline(payload);
         // Two workers a process; generators on 0, 1 (the learner's process 0), 2, 3, 5.
-        let sent = address(&[0, 1, 2, 3, 5], 2, 0, (4, 3, 0), &body, 4);
+        let sent = address(
+            &[0, 1, 2, 3, 5],
+            2,
+            0,
+            (4, 3, 0),
+            &body,
+            &Across::Buckets(4),
+        );
         let kinds: Vec<(u32, &str)> = sent
             .iter()
             .map(|m| {
@@ -480,6 +404,7 @@ mod tests {
                     WeightsBody::Bucket(_) => "bucket",
                     WeightsBody::Shelved => "shelved",
                     WeightsBody::External => "external",
+                    WeightsBody::Wire(_) => "wire",
                 };
                 (m.dest, kind)
             })
@@ -499,7 +424,14 @@ mod tests {
             ]
         );
         assert!(sent.iter().all(|m| m.version == 4 && m.step == 3));
-        let external = address(&[0, 2], 2, 0, (1, 0, 0), &WeightsBody::External, 4);
+        let external = address(
+            &[0, 2],
+            2,
+            0,
+            (1, 0, 0),
+            &WeightsBody::External,
+            &Across::Buckets(4),
+        );
         assert!(external
             .iter()
             .all(|m| matches!(m.body, WeightsBody::External)));
@@ -525,7 +457,7 @@ mod tests {
             0,
             (2, 1, 0),
             &WeightsBody::Inline(payload),
-            64 * MIB,
+            &Across::Buckets(64 * MIB),
         );
         assert_eq!(sent.len(), 2, "64 MiB + 5 bytes in two buckets");
         // timely's message header is six u64s.
@@ -586,19 +518,29 @@ mod tests {
 
     #[test]
     fn the_shelf_keeps_a_version_until_every_taker_has_it_or_a_newer_one() {
-        let shelf = std::sync::Arc::new(WeightsShelf::default());
-        let waiter = {
-            let shelf = shelf.clone();
-            std::thread::spawn(move || shelf.take(1, 2, || false).map(|(p, _)| p))
-        };
-        std::thread::sleep(std::time::Duration::from_millis(60));
+        let shelf = WeightsShelf::default();
+        assert!(shelf.try_take(1, 2).is_none(), "not there yet");
         shelf.put(1, WeightsPayload::from(vec![1u8]), 0, vec![1, 2]);
-        shelf.put(2, WeightsPayload::from(vec![2u8]), 0, vec![1, 2]);
-        assert_eq!(waiter.join().unwrap().unwrap().bytes(), &[2]);
+        shelf.put(2, WeightsPayload::from(vec![2u8]), 5, vec![1, 2]);
+        let (payload, at) = shelf.try_take(1, 2).unwrap().unwrap();
+        assert_eq!((payload.bytes(), at), (&[2u8][..], 5));
         // Worker 2 still needs both; once it takes 2, nothing is left.
-        assert_eq!(shelf.lock().len(), 2);
-        assert_eq!(shelf.take(2, 2, || false).unwrap().0.bytes(), &[2]);
-        assert!(shelf.lock().is_empty());
-        assert!(shelf.take(2, 3, || true).is_none());
+        assert_eq!(shelf.lock().shelved.len(), 2);
+        assert_eq!(shelf.try_take(2, 2).unwrap().unwrap().0.bytes(), &[2]);
+        assert!(shelf.lock().shelved.is_empty());
+        // A version that will not come says why.
+        shelf.fail(3, "the sender died".into(), &[1]);
+        assert_eq!(
+            shelf.try_take(1, 3).unwrap().unwrap_err(),
+            "the sender died"
+        );
+    }
+
+    #[test]
+    fn only_other_processes_count_as_receivers() {
+        // Two workers a process; the learner in process 0.
+        assert_eq!(receiving_processes(&[0, 1], 2, 0), 0);
+        assert_eq!(receiving_processes(&[0, 2, 3, 5], 2, 0), 2);
+        assert_eq!(receiving_processes(&[2, 3], 2, 1), 0);
     }
 }

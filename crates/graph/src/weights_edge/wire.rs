@@ -1,0 +1,427 @@
+//! The direct weights channel: an inline payload crosses to another process
+//! over a TCP connection of its own instead of timely's.
+//!
+//! Through timely's connections a payload is copied four times: into
+//! timely's send buffer, into the kernel, out of it, and from timely's
+//! receive buffer into the landing buffer. Here the learner's process offers
+//! the payload ([`Wire::offer`]) and only a [`WireNote`] travels on the
+//! weights edge (the payload's id and size, and where to fetch it); the
+//! receiving process's first generator worker hands the note to a fetch
+//! thread ([`Wire::fetch`]) that connects to the learner's process and reads
+//! the bytes straight into the landing buffer while the generators go on
+//! generating. The sender writes from the payload itself. What is left are
+//! the kernel's two copies, the floor of a raw TCP copy.
+//!
+//! A fetch proves the cluster secret when the run has one: the server sends
+//! a fresh nonce and the fetcher answers with an HMAC over its process id,
+//! the run's fingerprint, the nonce and the payload id
+//! (`ClusterSecret::wire_proof`). Without a secret, a fetch must know the
+//! payload's id (64 random bits that travel only on the weights edge). The
+//! bytes themselves cross in clear, as timely's do. Every read and write
+//! has the peer timeout, so a learner process that dies fails the fetch,
+//! and the generator that needs that version fails the run with the error,
+//! never hangs.
+
+use std::collections::VecDeque;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::{landing, WeightsPayload};
+use crate::{ClusterSecret, GraphError};
+
+/// Where to fetch a payload the learner's process offers.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireNote {
+    /// The payload's id (random; what a fetch asks for).
+    pub id: u64,
+    /// Its size in bytes.
+    pub total: u64,
+    /// `host:port` of the offering process's weights server.
+    pub from: String,
+}
+
+/// What a process's channel needs to know of the run.
+#[derive(Clone, Debug)]
+pub(crate) struct WireConfig {
+    /// This process's host (as the hostfile names it): the server listens there.
+    pub host: String,
+    /// The port the server listens on (0: any free one).
+    pub port: u16,
+    /// This process's id.
+    pub process: usize,
+    /// The run's settings fingerprint (bound into the proofs).
+    pub fingerprint: u64,
+    /// The cluster secret, if the run has one.
+    pub secret: Option<ClusterSecret>,
+    /// How long a connect, read or write may wait.
+    pub timeout: Duration,
+}
+
+/// A process's end of the direct channel: its server (started by the first
+/// offer) and the configuration its fetches use.
+#[derive(Default)]
+pub(crate) struct Wire {
+    config: OnceLock<WireConfig>,
+    server: Mutex<Option<Server>>,
+}
+
+/// First bytes of a fetch: which protocol this is.
+const MAGIC: &[u8; 8] = b"weirwt01";
+/// Payloads a server keeps offered at once; older ones are withdrawn.
+const OFFERED: usize = 4;
+
+/// The server's answer after the proof.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[repr(u8)]
+enum Answer {
+    Sending = 0,
+    NotOffered = 1,
+    Refused = 2,
+}
+
+impl Wire {
+    /// Sets what the channel needs (once, before the run's dataflow starts).
+    pub(crate) fn configure(&self, config: WireConfig) {
+        let _ = self.config.set(config);
+    }
+
+    fn config(&self) -> Result<&WireConfig, GraphError> {
+        self.config.get().ok_or_else(|| {
+            GraphError::Execution(
+                "the direct weights channel runs between processes of a cluster only".into(),
+            )
+        })
+    }
+
+    /// Offers `payload` to `fetches` processes; the note tells them where to fetch it.
+    pub(crate) fn offer(
+        &self,
+        payload: &WeightsPayload,
+        fetches: usize,
+    ) -> Result<WireNote, GraphError> {
+        let config = self.config()?;
+        let mut server = self.server.lock().unwrap_or_else(|p| p.into_inner());
+        if server.is_none() {
+            *server = Some(Server::start(config)?);
+        }
+        let server = server.as_ref().expect("just started");
+        let id = landing::fresh_id();
+        let mut offers = server.offers.lock().unwrap_or_else(|p| p.into_inner());
+        offers.push_back(Offer {
+            id,
+            payload: payload.clone(),
+            fetches_left: fetches,
+        });
+        while offers.len() > OFFERED {
+            offers.pop_front();
+        }
+        Ok(WireNote {
+            id,
+            total: payload.len() as u64,
+            from: server.address.clone(),
+        })
+    }
+
+    /// Fetches the payload `note` names on a thread of its own, then calls
+    /// `done` with it (landed in this process's buffer for it) or with why not.
+    pub(crate) fn fetch(
+        &self,
+        note: WireNote,
+        done: impl FnOnce(Result<WeightsPayload, String>) + Send + 'static,
+    ) {
+        let config = match self.config() {
+            Ok(config) => config.clone(),
+            Err(err) => return done(Err(err.to_string())),
+        };
+        let spawned = std::thread::Builder::new()
+            .name("weir:weights-fetch".into())
+            .spawn({
+                let note = note.clone();
+                move || {
+                    let result = fetch(&config, &note).map_err(|e| {
+                        format!(
+                            "fetching weights payload {:016x} ({} bytes) from {}: {e}",
+                            note.id, note.total, note.from
+                        )
+                    });
+                    done(result)
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::error!(%e, "could not start a weights fetch thread");
+        }
+    }
+}
+
+struct Offer {
+    id: u64,
+    payload: WeightsPayload,
+    /// Processes yet to fetch it.
+    fetches_left: usize,
+}
+
+type Offers = Arc<Mutex<VecDeque<Offer>>>;
+
+/// A process's weights server: a listener and its accept thread.
+struct Server {
+    /// `host:port` fetchers connect to.
+    address: String,
+    local: SocketAddr,
+    offers: Offers,
+    stop: Arc<AtomicBool>,
+}
+
+impl Server {
+    fn start(config: &WireConfig) -> Result<Server, GraphError> {
+        let bind = |e: std::io::Error| {
+            GraphError::Execution(format!(
+                "the weights server cannot listen on {}:{}: {e} (placement.weights_port)",
+                config.host, config.port
+            ))
+        };
+        let listener = TcpListener::bind((unbracketed(&config.host), config.port)).map_err(bind)?;
+        let local = listener.local_addr().map_err(bind)?;
+        let server = Server {
+            address: format!("{}:{}", config.host, local.port()),
+            local,
+            offers: Arc::default(),
+            stop: Arc::default(),
+        };
+        let (offers, stop, config) = (server.offers.clone(), server.stop.clone(), config.clone());
+        std::thread::Builder::new()
+            .name("weir:weights-server".into())
+            .spawn(move || accept(listener, offers, stop, config))
+            .map_err(|e| GraphError::Runtime(format!("starting the weights server: {e}")))?;
+        tracing::debug!(address = %server.address, "weights server listening");
+        Ok(server)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        // Wake the accept call, which then sees the flag.
+        let _ = TcpStream::connect_timeout(&self.local, Duration::from_secs(1));
+    }
+}
+
+/// `host` without the brackets of an IPv6 literal (as `bind` wants it).
+fn unbracketed(host: &str) -> &str {
+    host.strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host)
+}
+
+fn accept(listener: TcpListener, offers: Offers, stop: Arc<AtomicBool>, config: WireConfig) {
+    for stream in listener.incoming() {
+        if stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let Ok(stream) = stream else { continue };
+        let (offers, config) = (offers.clone(), config.clone());
+        let _ = std::thread::Builder::new()
+            .name("weir:weights-send".into())
+            .spawn(move || {
+                if let Err(e) = serve(stream, &offers, &config) {
+                    tracing::warn!(%e, "a weights fetch failed on the sending side");
+                }
+            });
+    }
+}
+
+fn timeouts(stream: &TcpStream, timeout: Duration) -> std::io::Result<()> {
+    stream.set_nodelay(true)?;
+    stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))
+}
+
+fn read_u64(stream: &mut TcpStream) -> std::io::Result<u64> {
+    let mut word = [0u8; 8];
+    stream.read_exact(&mut word)?;
+    Ok(u64::from_le_bytes(word))
+}
+
+/// One fetch, on the sending side: the handshake, then the payload.
+fn serve(mut stream: TcpStream, offers: &Offers, config: &WireConfig) -> std::io::Result<()> {
+    timeouts(&stream, config.timeout)?;
+    let mut magic = [0u8; 8];
+    stream.read_exact(&mut magic)?;
+    if &magic != MAGIC {
+        return Err(std::io::Error::other(
+            "a connection that is not a weights fetch",
+        ));
+    }
+    let (process, id) = (read_u64(&mut stream)?, read_u64(&mut stream)?);
+    let nonce = crate::cluster_secret::nonce(config.process);
+    stream.write_all(&nonce.to_le_bytes())?;
+    let mut proof = [0u8; 32];
+    stream.read_exact(&mut proof)?;
+    let admitted = config.secret.as_ref().is_none_or(|secret| {
+        secret.verifies_wire(process as usize, config.fingerprint, nonce, id, &proof)
+    });
+    let payload = admitted
+        .then(|| {
+            let offers = offers.lock().unwrap_or_else(|p| p.into_inner());
+            offers
+                .iter()
+                .find(|o| o.id == id)
+                .map(|o| o.payload.clone())
+        })
+        .flatten();
+    let answer = match (&payload, admitted) {
+        (_, false) => Answer::Refused,
+        (None, true) => Answer::NotOffered,
+        (Some(_), true) => Answer::Sending,
+    };
+    stream.write_all(&[answer as u8])?;
+    let Some(payload) = payload else {
+        return Err(std::io::Error::other(format!(
+            "process {process} asked for weights payload {id:016x}: {answer:?}"
+        )));
+    };
+    stream.write_all(&(payload.len() as u64).to_le_bytes())?;
+    stream.write_all(payload.bytes())?;
+    stream.flush()?;
+    let mut offers = offers.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(at) = offers.iter().position(|o| o.id == id) {
+        offers[at].fetches_left = offers[at].fetches_left.saturating_sub(1);
+        if offers[at].fetches_left == 0 {
+            offers.remove(at);
+        }
+    }
+    Ok(())
+}
+
+/// One fetch, on the receiving side.
+fn fetch(config: &WireConfig, note: &WireNote) -> Result<WeightsPayload, String> {
+    let addresses: Vec<SocketAddr> = note
+        .from
+        .to_socket_addrs()
+        .map_err(|e| format!("resolving the address: {e}"))?
+        .collect();
+    let mut last = String::from("the address resolves to nothing");
+    let mut stream = None;
+    for address in addresses {
+        match TcpStream::connect_timeout(&address, config.timeout) {
+            Ok(s) => {
+                stream = Some(s);
+                break;
+            }
+            Err(e) => last = format!("connecting to {address}: {e}"),
+        }
+    }
+    let mut stream = stream.ok_or(last)?;
+    fn io(what: &'static str) -> impl Fn(std::io::Error) -> String {
+        move |e| format!("{what}: {e}")
+    }
+    timeouts(&stream, config.timeout).map_err(io("setting up the connection"))?;
+    let mut request = MAGIC.to_vec();
+    request.extend_from_slice(&(config.process as u64).to_le_bytes());
+    request.extend_from_slice(&note.id.to_le_bytes());
+    stream
+        .write_all(&request)
+        .map_err(io("sending the request"))?;
+    let nonce = read_u64(&mut stream).map_err(io("reading the server's nonce"))?;
+    let proof = config.secret.as_ref().map_or([0u8; 32], |secret| {
+        secret.wire_proof(config.process, config.fingerprint, nonce, note.id)
+    });
+    stream
+        .write_all(&proof)
+        .map_err(io("sending the proof of the cluster secret"))?;
+    let mut answer = [0u8; 1];
+    stream
+        .read_exact(&mut answer)
+        .map_err(io("reading the server's answer"))?;
+    match answer[0] {
+        a if a == Answer::Sending as u8 => {}
+        a if a == Answer::NotOffered as u8 => {
+            return Err("the sending process no longer offers it".into())
+        }
+        a if a == Answer::Refused as u8 => {
+            return Err("the sending process refused this process's proof of the cluster secret (do both have the same secret?)".into())
+        }
+        a => return Err(format!("an unknown answer {a}")),
+    }
+    let total = read_u64(&mut stream).map_err(io("reading the payload's size"))?;
+    if total != note.total {
+        return Err(format!(
+            "the server sends {total} bytes, the note said {}",
+            note.total
+        ));
+    }
+    landing::fill(total as usize, |buffer| stream.read_exact(buffer))
+        .map_err(io("receiving the payload"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(process: usize, secret: Option<&str>) -> WireConfig {
+        WireConfig {
+            host: "127.0.0.1".into(),
+            port: 0,
+            process,
+            fingerprint: 7,
+            secret: secret.map(|s| ClusterSecret::new(s).unwrap()),
+            timeout: Duration::from_secs(5),
+        }
+    }
+
+    fn fetched(wire: &Wire, note: WireNote) -> Result<WeightsPayload, String> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        wire.fetch(note, move |r| tx.send(r).unwrap());
+        rx.recv_timeout(Duration::from_secs(20)).unwrap()
+    }
+
+    #[test]
+    fn a_payload_crosses_once_per_offer_and_lands_whole() {
+        let (sender, receiver) = (Wire::default(), Wire::default());
+        sender.configure(config(1, Some("s")));
+        receiver.configure(config(0, Some("s")));
+        let payload = WeightsPayload::from((0..300_000u32).map(|i| i as u8).collect::<Vec<_>>());
+        let note = sender.offer(&payload, 2).unwrap();
+        assert_eq!(note.total, 300_000);
+        assert_eq!(fetched(&receiver, note.clone()).unwrap(), payload);
+        // A second process fetches it too; then it is withdrawn.
+        assert_eq!(fetched(&receiver, note.clone()).unwrap(), payload);
+        let gone = fetched(&receiver, note.clone()).unwrap_err();
+        assert!(gone.contains("no longer offers"), "{gone}");
+        assert!(gone.contains(&format!("{:016x}", note.id)), "{gone}");
+        // An empty payload crosses as well.
+        let empty = WeightsPayload::from(Vec::new());
+        let note = sender.offer(&empty, 1).unwrap();
+        assert_eq!(fetched(&receiver, note).unwrap(), empty);
+    }
+
+    #[test]
+    fn a_fetch_without_the_secret_is_refused_and_a_dead_server_is_an_error() {
+        let sender = Wire::default();
+        sender.configure(config(1, Some("right")));
+        let payload = WeightsPayload::from(vec![5u8; 1000]);
+        let note = sender.offer(&payload, 1).unwrap();
+        for secret in [Some("wrong"), None] {
+            let stranger = Wire::default();
+            stranger.configure(config(0, secret));
+            let refused = fetched(&stranger, note.clone()).unwrap_err();
+            assert!(refused.contains("refused"), "{refused}");
+        }
+        // Still offered to the process that knows the secret.
+        let member = Wire::default();
+        member.configure(config(0, Some("right")));
+        assert_eq!(fetched(&member, note.clone()).unwrap(), payload);
+        // The server gone (its process ended): the fetch fails, it does not hang.
+        let note = sender.offer(&payload, 1).unwrap();
+        drop(sender);
+        let lost = fetched(&member, note).unwrap_err();
+        assert!(lost.contains("127.0.0.1"), "{lost}");
+        // A process outside a cluster has no channel.
+        let alone = Wire::default();
+        assert!(alone.offer(&payload, 1).is_err());
+    }
+}
