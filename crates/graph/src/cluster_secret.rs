@@ -8,7 +8,10 @@
 //! a process whose heartbeat does not verify (no secret, another secret)
 //! fails the run with one line on every process, and no source feeds a
 //! step before every peer has proven the secret once, so no work starts
-//! with a process that does not belong.
+//! with a process that does not belong. A fetch over the direct weights
+//! channel proves it as well (an HMAC under another label, over the
+//! fetcher's process id, the fingerprint, the server's nonce and the
+//! payload id), so weights go to no process without it.
 //!
 //! What it does not do: the traffic itself is neither encrypted nor
 //! authenticated message by message (rows and weights cross in clear, as

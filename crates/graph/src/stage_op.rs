@@ -144,7 +144,6 @@ pub(crate) fn stage_operator<'scope>(
                         }
                     }
                 });
-                state.take_awaited(&env);
             }
             data_in.for_each(|cap, data| {
                 let Some(&step) = cap.least() else { return };
@@ -153,6 +152,9 @@ pub(crate) fn stage_operator<'scope>(
                     state.pending.entry(step).or_default().push_back(batch.data);
                 }
             });
+            if weights_in.is_some() {
+                state.take_awaited(&env);
+            }
 
             let data_frontier = &frontiers[0];
             let weights_frontier = frontiers.get(1);
@@ -417,7 +419,6 @@ impl OpState {
                 continue;
             };
             match env.shared.weights.try_take(self.me, version) {
-                None => {}
                 Some(Ok((payload, arrived_ns))) => {
                     let (_, message) = self.awaiting.remove(&version).expect("just found");
                     let message = WeightsMessage {
@@ -426,15 +427,14 @@ impl OpState {
                     };
                     self.load(message, arrived_ns);
                 }
-                Some(Err(why)) => {
-                    if self.pending.range(time..).next().is_some() {
-                        self.awaiting.remove(&version);
-                        env.fail(crate::GraphError::Runtime(format!(
-                            "worker {} needs weights version {version}: {why}",
-                            self.me
-                        )));
-                    }
+                Some(Err(why)) if self.pending.range(time..).next().is_some() => {
+                    self.awaiting.remove(&version);
+                    env.fail(crate::GraphError::Runtime(format!(
+                        "worker {} needs weights version {version}: {why}",
+                        self.me
+                    )));
                 }
+                None | Some(Err(_)) => {}
             }
         }
     }
