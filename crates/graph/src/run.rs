@@ -79,6 +79,8 @@ pub fn run(pipeline: &Pipeline, settings: &RunSettings) -> Result<RunReport, Gra
             fingerprint: settings.fingerprint,
             secret: settings.cluster_secret.clone(),
             timeout: settings.peer_timeout,
+            // Versions in flight at once: up to k + 1, and the one being sent.
+            offered: settings.max_staleness as usize + 3,
         });
     }
     let local = settings.execution.process() * settings.execution.local_workers();

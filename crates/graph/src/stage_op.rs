@@ -10,7 +10,9 @@
 //! handed to the stage, it asks for `end_step(s)` — also for steps in which no
 //! batch reached this worker, so a stage is told of every step. A generator
 //! hands a batch of step `s` over only once the weights frontier has passed
-//! `s`; a learner only once every earlier step has ended.
+//! `s` and every version that arrived at or before `s` is whole and queued
+//! to load (a note's payload may still be on its way); a learner only once
+//! every earlier step has ended.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;

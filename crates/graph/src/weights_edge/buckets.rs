@@ -296,6 +296,9 @@ struct ShelfState {
     failed: std::collections::BTreeMap<PolicyVersion, String>,
     /// Each generator worker's operator, woken when something is put for it.
     wake: std::collections::BTreeMap<usize, timely::scheduling::SyncActivator>,
+    /// The newest version each worker has taken: an older one that lands
+    /// later (two fetches in flight) is not kept for it.
+    taken: std::collections::BTreeMap<usize, PolicyVersion>,
 }
 
 struct Shelved {
@@ -323,10 +326,14 @@ impl WeightsShelf {
         arrived_ns: u64,
         takers: Vec<usize>,
     ) {
+        let mut state = self.lock();
+        let takers: Vec<usize> = takers
+            .into_iter()
+            .filter(|w| state.taken.get(w).is_none_or(|&t| t < version))
+            .collect();
         if takers.is_empty() {
             return;
         }
-        let mut state = self.lock();
         wake(&state.wake, &takers);
         state.shelved.insert(
             version,
@@ -355,6 +362,8 @@ impl WeightsShelf {
         let mut state = self.lock();
         if let Some(entry) = state.shelved.get(&version) {
             let found = (entry.payload.clone(), entry.arrived_ns);
+            let taken = state.taken.entry(worker).or_default();
+            *taken = (*taken).max(version);
             state.shelved.retain(|&v, e| {
                 if v <= version {
                     e.takers.retain(|&w| w != worker);

@@ -60,6 +60,10 @@ pub(crate) struct WireConfig {
     pub secret: Option<ClusterSecret>,
     /// How long a connect, read or write may wait.
     pub timeout: Duration,
+    /// Payloads a server keeps offered at once, older ones withdrawn (a
+    /// guard: every receiver fetches a payload as soon as its note is in,
+    /// which withdraws it).
+    pub offered: usize,
 }
 
 /// A process's end of the direct channel: its server (started by the first
@@ -72,8 +76,6 @@ pub(crate) struct Wire {
 
 /// First bytes of a fetch: which protocol this is.
 const MAGIC: &[u8; 8] = b"weirwt01";
-/// Payloads a server keeps offered at once; older ones are withdrawn.
-const OFFERED: usize = 4;
 
 /// The server's answer after the proof.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -117,7 +119,7 @@ impl Wire {
             payload: payload.clone(),
             fetches_left: fetches,
         });
-        while offers.len() > OFFERED {
+        while offers.len() > config.offered.max(1) {
             offers.pop_front();
         }
         Ok(WireNote {
@@ -370,6 +372,7 @@ mod tests {
             fingerprint: 7,
             secret: secret.map(|s| ClusterSecret::new(s).unwrap()),
             timeout: Duration::from_secs(5),
+            offered: 4,
         }
     }
 
