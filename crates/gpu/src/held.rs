@@ -24,7 +24,9 @@ impl Model {
     /// Keeps this frozen model's weights only in the CPU kernels' packing
     /// and frees its own copy of them (its share of [`Model::load_shared`]'s
     /// weights): a reference, whose every pass runs on the kernels, then
-    /// holds its weights once instead of twice. Returns whether it did: not
+    /// holds its weights once instead of twice. Models loaded shared from
+    /// one checkpoint, device and dtype share one packing (several workers'
+    /// references in one process hold the weights once). Returns whether it did: not
     /// where the kernels do not run this model (a GPU, another dtype) or it
     /// has adapters. Afterwards only the kernels' passes work; a libtorch
     /// pass, a snapshot or a save of it is an error.
@@ -40,9 +42,10 @@ impl Model {
             }
             // Packed tensor by tensor, each freed once packed (unless other
             // models share it: their handles keep it), so packing needs one
-            // tensor beside the model rather than a second copy of it.
-            self.shared = None;
-            self.prepared.pin_consuming(self)?;
+            // tensor beside the model rather than a second copy of it; or
+            // the packing of another model of the same shared weights.
+            let shared = self.shared.take().map(|shared| shared.key.clone());
+            self.prepared.pin_consuming(self, shared)?;
             self.drop_parameter_data();
             self.held = Held::PackedOnly;
             crate::device::release_freed_host_memory();
@@ -118,5 +121,45 @@ impl Model {
                  and none arrived (a learner must publish weights at every step)"
             ))),
         }
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use tch::Kind;
+
+    use crate::logprobs::response_logprobs_on_cpu_kernels;
+    use crate::{Device, Model};
+
+    /// Two workers' references of one checkpoint in one process: the second
+    /// adopts the first's packing (one copy of the weights) and scores
+    /// alike; once neither lives, a later one loads and packs again.
+    #[test]
+    fn references_of_one_checkpoint_share_one_packing() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../../shared/fixtures/models/tiny-llama");
+        let load = || Model::load_shared(&dir, Device::Cpu, Kind::Float).unwrap();
+        let (mut first, mut second) = (load(), load());
+        if !crate::generate::cpu_kernels_apply(&first) {
+            return;
+        }
+        let prompts = vec![vec![1i64, 286, 202, 305], vec![302, 592]];
+        let responses = vec![vec![5i64, 6, 7], vec![8, 9]];
+        let before = response_logprobs_on_cpu_kernels(&first, &prompts, &responses, 1.0).unwrap();
+        assert!(first.keep_only_cpu_packing().unwrap());
+        assert!(second.keep_only_cpu_packing().unwrap());
+        let packing = |m: &Model| m.prepared_for_cpu().model(m).unwrap();
+        assert!(std::sync::Arc::ptr_eq(&packing(&first), &packing(&second)));
+        for model in [&first, &second] {
+            assert!(model.named_tensors().iter().all(|(_, t)| t.numel() == 0));
+            let after = response_logprobs_on_cpu_kernels(model, &prompts, &responses, 1.0).unwrap();
+            assert_eq!(after, before);
+        }
+        drop((first, second));
+        let mut later = load();
+        assert!(later.named_tensors().iter().all(|(_, t)| t.numel() > 0));
+        assert!(later.keep_only_cpu_packing().unwrap());
+        let again = response_logprobs_on_cpu_kernels(&later, &prompts, &responses, 1.0).unwrap();
+        assert_eq!(again, before);
     }
 }

@@ -510,6 +510,8 @@ impl Drop for TrainingGuard<'_> {
 /// [`Model::load_shared`]. Never written after loading.
 #[derive(Debug)]
 pub(crate) struct SharedWeights {
+    /// The checkpoint folder (canonical), device and dtype they were loaded for.
+    pub(crate) key: SharedKey,
     config: crate::ModelConfig,
     tensors: HashMap<String, Tensor>,
 }
@@ -519,7 +521,7 @@ pub(crate) struct SharedWeights {
 // (libtorch's reference counts are atomic).
 unsafe impl Sync for SharedWeights {}
 
-type SharedKey = (PathBuf, String, String);
+pub(crate) type SharedKey = (PathBuf, String, String);
 
 fn shared_registry() -> &'static Mutex<HashMap<SharedKey, Weak<SharedWeights>>> {
     static REGISTRY: std::sync::OnceLock<Mutex<HashMap<SharedKey, Weak<SharedWeights>>>> =
@@ -550,6 +552,7 @@ impl SharedWeights {
             .map(|(name, t)| (name, t.detach()))
             .collect();
         let shared = Arc::new(SharedWeights {
+            key: key.clone(),
             config: model.config.clone(),
             tensors,
         });

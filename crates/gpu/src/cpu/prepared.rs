@@ -1,9 +1,11 @@
 //! What a [`Model`] keeps for the CPU kernels between calls: its packed
 //! weights (while they hold still), a KV-cache buffer and a thread pool.
 
-use std::sync::{Arc, Mutex};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use super::engine::CpuModel;
+use crate::lora::SharedKey;
 use crate::{Model, ModelError};
 
 /// The packed weights of one [`Model`], kept between calls while its
@@ -83,9 +85,31 @@ impl Prepared {
 
     /// Packs `model`'s weights for good, freeing each of its tensors once
     /// packed (a model that holds its weights alone: see
-    /// [`CpuModel::from_model_consuming`]).
-    pub(crate) fn pin_consuming(&self, model: &Model) -> Result<(), ModelError> {
-        self.pin(Arc::new(CpuModel::from_model_consuming(model)?));
+    /// [`CpuModel::from_model_consuming`]). A model of [`Model::load_shared`]
+    /// weights (`shared`: their checkpoint, device and dtype) takes the
+    /// packing another model of them made, while one lives: several
+    /// workers' references in one process hold the weights once.
+    pub(crate) fn pin_consuming(
+        &self,
+        model: &Model,
+        shared: Option<SharedKey>,
+    ) -> Result<(), ModelError> {
+        let Some(key) = shared else {
+            self.pin(Arc::new(CpuModel::from_model_consuming(model)?));
+            return Ok(());
+        };
+        // Held while packing, so two models packing at once pack once.
+        let mut packings = shared_packings().lock().unwrap_or_else(|e| e.into_inner());
+        packings.retain(|_, packed| packed.strong_count() > 0);
+        let packed = match packings.get(&key).and_then(Weak::upgrade) {
+            Some(packed) => packed,
+            None => {
+                let packed = Arc::new(CpuModel::from_model_consuming(model)?);
+                packings.insert(key, Arc::downgrade(&packed));
+                packed
+            }
+        };
+        self.pin(packed);
         Ok(())
     }
 
@@ -139,6 +163,14 @@ impl Prepared {
 
 /// Storage address and version of every parameter.
 type Stamp = Vec<(usize, i64)>;
+
+/// The packings that alone hold shared weights, by checkpoint, device and dtype.
+type SharedPackings = Mutex<HashMap<SharedKey, Weak<CpuModel>>>;
+
+fn shared_packings() -> &'static SharedPackings {
+    static PACKINGS: OnceLock<SharedPackings> = OnceLock::new();
+    PACKINGS.get_or_init(Default::default)
+}
 
 #[cfg(test)]
 mod tests {

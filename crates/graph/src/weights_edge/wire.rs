@@ -140,22 +140,29 @@ impl Wire {
             Ok(config) => config.clone(),
             Err(err) => return done(Err(err.to_string())),
         };
+        // `done` is called whatever happens, so a waiting generator never hangs.
+        let done = Arc::new(Mutex::new(Some(done)));
+        let call = {
+            let done = done.clone();
+            move |result: Result<WeightsPayload, String>| {
+                let taken = done.lock().unwrap_or_else(|p| p.into_inner()).take();
+                if let Some(done) = taken {
+                    done(result);
+                }
+            }
+        };
+        let what = format!(
+            "fetching weights payload {:016x} ({} bytes) from {}",
+            note.id, note.total, note.from
+        );
         let spawned = std::thread::Builder::new()
             .name("weir:weights-fetch".into())
             .spawn({
-                let note = note.clone();
-                move || {
-                    let result = fetch(&config, &note).map_err(|e| {
-                        format!(
-                            "fetching weights payload {:016x} ({} bytes) from {}: {e}",
-                            note.id, note.total, note.from
-                        )
-                    });
-                    done(result)
-                }
+                let (what, call) = (what.clone(), call.clone());
+                move || call(fetch(&config, &note).map_err(|e| format!("{what}: {e}")))
             });
         if let Err(e) = spawned {
-            tracing::error!(%e, "could not start a weights fetch thread");
+            call(Err(format!("{what}: cannot start a thread: {e}")));
         }
     }
 }
