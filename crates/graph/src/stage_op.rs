@@ -31,8 +31,8 @@ use crate::engine_thread::{Done, Executor, Job, StageKind, StageRunner, Versions
 use crate::metrics::{names, MetricRow};
 use crate::stage::{StageFactory, WorkerInfo};
 use crate::weights_edge::{
-    self as weights_edge, now_ns, Across, Reassembly, WeightsBody, WeightsChannel, WeightsMessage,
-    WeightsTransport,
+    self as weights_edge, now_ns, Across, Awaited, Reassembly, WeightsBody, WeightsChannel,
+    WeightsMessage, WeightsTransport,
 };
 use crate::{Batch, PolicyVersion, Step};
 
@@ -335,31 +335,6 @@ fn across(
     }
 }
 
-/// Fetches the payload `note` names for the generators `takers` of this
-/// process (shelved for them once whole, or the reason it will not come).
-fn fetch_for_process(
-    note: &weights_edge::WireNote,
-    message: &WeightsMessage,
-    takers: Vec<usize>,
-    env: &OperatorEnv,
-) {
-    let (shared, version, sent_at_ns) = (env.shared.clone(), message.version, message.sent_at_ns);
-    env.shared
-        .wire
-        .fetch(note.clone(), move |fetched| match fetched {
-            Ok(payload) => {
-                tracing::debug!(
-                    version,
-                    bytes = payload.len(),
-                    since_sent_s = now_ns().saturating_sub(sent_at_ns) as f64 * 1e-9,
-                    "weights whole"
-                );
-                shared.weights.put(version, payload, now_ns(), takers);
-            }
-            Err(why) => shared.weights.fail(version, why, &takers),
-        });
-}
-
 /// The operator's bookkeeping between activations.
 struct OpState {
     me: usize,
@@ -373,10 +348,8 @@ struct OpState {
     queue_peak: u64,
     /// Weights arriving in buckets from another process.
     reassembly: Reassembly,
-    /// Versions announced to this generator whose payload it takes from its
-    /// process's shelf once whole, with the time they arrived at: no batch
-    /// of a step at or after that time is handed over before.
-    awaiting: BTreeMap<PolicyVersion, (Step, WeightsMessage)>,
+    /// Versions announced to this generator whose payload is not yet whole.
+    awaiting: Awaited,
     /// Published weights not yet sent, with the capability they go under.
     outgoing: VecDeque<(Capability<Step>, WeightsMessage)>,
 }
@@ -394,7 +367,7 @@ impl OpState {
             newest_weights: cfg.version,
             queue_peak: 0,
             reassembly: Reassembly::default(),
-            awaiting: BTreeMap::new(),
+            awaiting: Awaited::default(),
             outgoing: VecDeque::new(),
         }
     }
@@ -404,7 +377,7 @@ impl OpState {
     fn load(&mut self, message: WeightsMessage, arrived_ns: u64) {
         if message.version > self.newest_weights {
             self.newest_weights = message.version;
-            self.awaiting.retain(|&v, _| v > message.version);
+            self.awaiting.settled_through(message.version);
             self.jobs.push(Job::LoadWeights {
                 message,
                 arrived_ns,
@@ -415,29 +388,15 @@ impl OpState {
     /// Queues the awaited versions that are whole on the shelf now. A
     /// version that will not come fails the run once a batch waits for it.
     fn take_awaited(&mut self, env: &OperatorEnv) {
-        let versions: Vec<PolicyVersion> = self.awaiting.keys().copied().collect();
-        for version in versions {
-            let Some(&(time, _)) = self.awaiting.get(&version) else {
-                continue;
-            };
-            match env.shared.weights.try_take(self.me, version) {
-                Some(Ok((payload, arrived_ns))) => {
-                    let (_, message) = self.awaiting.remove(&version).expect("just found");
-                    let message = WeightsMessage {
-                        body: WeightsBody::Inline(payload),
-                        ..message
-                    };
-                    self.load(message, arrived_ns);
-                }
-                Some(Err(why)) if self.pending.range(time..).next().is_some() => {
-                    self.awaiting.remove(&version);
-                    env.fail(crate::GraphError::Runtime(format!(
-                        "worker {} needs weights version {version}: {why}",
-                        self.me
-                    )));
-                }
-                None | Some(Err(_)) => {}
-            }
+        let pending = &self.pending;
+        let (whole, failed) = self.awaiting.take(&env.shared.weights, self.me, |time| {
+            pending.range(time..).next().is_some()
+        });
+        for (message, arrived_ns) in whole {
+            self.load(message, arrived_ns);
+        }
+        if let Some(why) = failed {
+            env.fail(crate::GraphError::Runtime(why));
         }
     }
 
@@ -465,10 +424,10 @@ impl OpState {
             WeightsBody::Inline(_) | WeightsBody::External => return Some(message),
             WeightsBody::Shelved | WeightsBody::Wire(_) => {
                 if let WeightsBody::Wire(note) = &message.body {
-                    fetch_for_process(note, &message, local, env);
+                    weights_edge::fetch_for_process(&env.shared, note, &message, local);
                 }
                 if message.version > self.newest_weights {
-                    self.awaiting.insert(message.version, (time, message));
+                    self.awaiting.insert(time, message);
                 }
                 return None;
             }
@@ -546,7 +505,7 @@ impl OpState {
                 StageKind::Plain => true,
                 StageKind::Generate => {
                     weights_frontier.is_some_and(|w| !w.less_equal(&step))
-                        && self.awaiting.values().all(|&(time, _)| time > step)
+                        && !self.awaiting.blocks(step)
                 }
                 StageKind::Learn => step <= self.next_end,
             };

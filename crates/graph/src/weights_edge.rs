@@ -50,10 +50,12 @@ use timely::dataflow::{Scope, Stream};
 
 use crate::{GraphError, PolicyVersion, Step};
 
+mod awaited;
 mod buckets;
 mod landing;
 mod wire;
 
+pub(crate) use awaited::{fetch_for_process, Awaited};
 pub use buckets::Bucket;
 pub(crate) use buckets::{address, receiving_processes, Across, Reassembly, WeightsShelf};
 pub use wire::WireNote;
