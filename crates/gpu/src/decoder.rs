@@ -14,20 +14,40 @@ use crate::rope::{self, Rope};
 
 /// RMSNorm as transformers computes it: normalised in float32 whatever the
 /// model dtype (also for a float64 model), then cast back and scaled.
-/// A linear layer whose parameters start at zero: loading or
-/// `Model::init_weights` sets them, so a random fill here would be wasted
-/// work (about half of loading a 200M model).
-pub(crate) fn zero_linear(vs: nn::Path, inputs: i64, outputs: i64, bias: bool) -> nn::Linear {
-    nn::linear(
-        vs,
-        inputs,
-        outputs,
-        nn::LinearConfig {
-            ws_init: nn::Init::Const(0.0),
-            bs_init: bias.then_some(nn::Init::Const(0.0)),
-            bias,
-        },
-    )
+/// What a new model's large parameters hold until their real values arrive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Fill {
+    /// Zeros: loading or `Model::init_weights` sets them, so a random fill
+    /// would be wasted work (about half of loading a 200M model); a head a
+    /// checkpoint lacks stays zero.
+    Zeros,
+    /// No data at all (zero elements), on any device: for a model whose
+    /// every parameter is then given data it shares (`Model::load_shared`),
+    /// so that no full-size placeholder is ever allocated beside the
+    /// shared weights (on a GPU, device memory it could not spare).
+    Unset,
+}
+
+/// A trainable parameter `name` of shape `dims` under `vs`, filled as `fill` says.
+fn param(vs: &nn::Path, name: &str, dims: &[i64], fill: Fill) -> Tensor {
+    match fill {
+        Fill::Zeros => vs.zeros(name, dims),
+        Fill::Unset => vs.add(name, Tensor::empty([0], (vs.kind(), vs.device())), true),
+    }
+}
+
+/// A linear layer `inputs → outputs` (weight `[outputs, inputs]`), filled as `fill` says.
+pub(crate) fn linear(
+    vs: nn::Path,
+    inputs: i64,
+    outputs: i64,
+    bias: bool,
+    fill: Fill,
+) -> nn::Linear {
+    nn::Linear {
+        ws: param(&vs, "weight", &[outputs, inputs], fill),
+        bs: bias.then(|| param(&vs, "bias", &[outputs], fill)),
+    }
 }
 
 /// A projection of a decoder layer: the checkpoint's linear layer, plus a
@@ -39,9 +59,9 @@ pub(crate) struct Proj {
 }
 
 impl Proj {
-    fn new(vs: nn::Path, inputs: i64, outputs: i64, bias: bool) -> Self {
+    fn new(vs: nn::Path, inputs: i64, outputs: i64, bias: bool, fill: Fill) -> Self {
         Proj {
-            base: zero_linear(vs, inputs, outputs, bias),
+            base: linear(vs, inputs, outputs, bias, fill),
             adapter: None,
         }
     }
@@ -93,8 +113,8 @@ struct Attention {
 }
 
 impl Attention {
-    fn new(vs: nn::Path, c: &ModelConfig) -> Self {
-        let lin = |name: &str, i: i64, o: i64, bias: bool| Proj::new(&vs / name, i, o, bias);
+    fn new(vs: nn::Path, c: &ModelConfig, fill: Fill) -> Self {
+        let lin = |name: &str, i: i64, o: i64, bias: bool| Proj::new(&vs / name, i, o, bias, fill);
         let (h, kv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         Attention {
             q: lin("q_proj", c.hidden_size, h * d, c.attention_bias),
@@ -202,12 +222,12 @@ struct Mlp {
 }
 
 impl Mlp {
-    fn new(vs: nn::Path, c: &ModelConfig) -> Self {
+    fn new(vs: nn::Path, c: &ModelConfig, fill: Fill) -> Self {
         let (h, i, bias) = (c.hidden_size, c.intermediate_size, c.mlp_bias);
         Mlp {
-            gate: Proj::new(&vs / "gate_proj", h, i, bias),
-            up: Proj::new(&vs / "up_proj", h, i, bias),
-            down: Proj::new(&vs / "down_proj", i, h, bias),
+            gate: Proj::new(&vs / "gate_proj", h, i, bias, fill),
+            up: Proj::new(&vs / "up_proj", h, i, bias, fill),
+            down: Proj::new(&vs / "down_proj", i, h, bias, fill),
         }
     }
 
@@ -236,21 +256,27 @@ pub struct Decoder {
 }
 
 impl Decoder {
-    /// Creates the parameters under `vs` (which should be the `model` path).
-    pub fn new(vs: nn::Path, c: &ModelConfig) -> Self {
-        let embed = (&vs / "embed_tokens").zeros("weight", &[c.vocab_size, c.hidden_size]);
+    /// Creates the parameters under `vs` (which should be the `model` path),
+    /// the large ones filled as `fill` says.
+    pub(crate) fn new(vs: nn::Path, c: &ModelConfig, fill: Fill) -> Self {
+        let embed = param(
+            &(&vs / "embed_tokens"),
+            "weight",
+            &[c.vocab_size, c.hidden_size],
+            fill,
+        );
         let layers = (0..c.num_hidden_layers)
             .map(|i| {
                 let l = &vs / "layers" / i;
                 Layer {
                     input_norm: RmsNorm::new(&l / "input_layernorm", c.hidden_size, c.rms_norm_eps),
-                    attention: Attention::new(&l / "self_attn", c),
+                    attention: Attention::new(&l / "self_attn", c, fill),
                     post_norm: RmsNorm::new(
                         &l / "post_attention_layernorm",
                         c.hidden_size,
                         c.rms_norm_eps,
                     ),
-                    mlp: Mlp::new(&l / "mlp", c),
+                    mlp: Mlp::new(&l / "mlp", c, fill),
                 }
             })
             .collect();

@@ -471,7 +471,13 @@ impl Model {
         let mut model = match loaded {
             Some(model) if model.lora.is_none() => model,
             _ => {
-                let model = Model::new(base.config.clone(), device, dir)?;
+                // No placeholders: every parameter gets the shared data.
+                let model = Model::filled(
+                    base.config.clone(),
+                    device,
+                    dir,
+                    crate::decoder::Fill::Unset,
+                )?;
                 let _guard = tch::no_grad_guard();
                 for (name, mut var) in model.vs.variables() {
                     let shared =

@@ -16,7 +16,7 @@ use tch::{Kind, Tensor};
 
 use crate::checkpoint::visit_tensors;
 use crate::config::{Head, ModelConfig};
-use crate::decoder::{zero_linear, Decoder, KvCache};
+use crate::decoder::{linear, Decoder, Fill, KvCache};
 use crate::{Device, ModelError};
 
 /// A decoder-only model with its head.
@@ -94,23 +94,35 @@ impl Model {
     /// A model for `config` with zero weights (norms at one), to be loaded
     /// or initialised.
     pub fn new(config: ModelConfig, device: Device, source: &Path) -> Result<Self, ModelError> {
+        Model::filled(config, device, source, Fill::Zeros)
+    }
+
+    /// A model whose large parameters are filled as `fill` says.
+    pub(crate) fn filled(
+        config: ModelConfig,
+        device: Device,
+        source: &Path,
+        fill: Fill,
+    ) -> Result<Self, ModelError> {
         let vs = nn::VarStore::new(device.to_tch()?);
         let root = vs.root();
-        let decoder = Decoder::new(&root / "model", &config);
+        let decoder = Decoder::new(&root / "model", &config, fill);
         let lm_head = (config.head == Head::CausalLm && !config.tie_word_embeddings).then(|| {
-            zero_linear(
+            linear(
                 &root / "lm_head",
                 config.hidden_size,
                 config.vocab_size,
                 false,
+                fill,
             )
         });
         let score = (config.head == Head::SequenceClassification).then(|| {
-            zero_linear(
+            linear(
                 &root / "score",
                 config.hidden_size,
                 config.num_labels,
                 false,
+                fill,
             )
         });
         Ok(Model {
