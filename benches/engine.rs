@@ -152,7 +152,7 @@ fn sim_steps_per_s(k: u64, queue: usize, steps: u64) -> f64 {
         group_size: 4,
         weights_bytes: 4096,
         weights_bucket_bytes: 64 << 20,
-        weights_channel: weir::graph::WeightsChannel::Direct,
+        weights_channel: weir::graph::WeightsChannel::default(),
         placement: None,
         generate_queue: queue,
         stream_slots: 0,

@@ -21,7 +21,7 @@ use weir_graph::{
 
 fn parse_channel(text: &str) -> Result<WeightsChannel, String> {
     match text {
-        "direct" => Ok(WeightsChannel::Direct),
+        "direct" => Ok(WeightsChannel::Direct { port: 0 }),
         "timely" => Ok(WeightsChannel::Timely),
         other => Err(format!("`{other}`: expected `direct` or `timely`")),
     }
@@ -194,7 +194,7 @@ pub fn run_sim(args: &SimArgs) -> anyhow::Result<RunReport> {
         .connect_timeout(cluster.connect_timeout)
         .cluster_secret(cluster.secret.clone())
         .weights_bucket_bytes(args.weights_bucket_bytes)
-        .weights_channel(args.weights_channel, 0)
+        .weights_channel(args.weights_channel)
         .fingerprint(fingerprint(args))
         .metrics_path(args.out.join("metrics.parquet"));
     std::fs::create_dir_all(&args.out)

@@ -36,7 +36,7 @@ fn sim_args(out: &Path) -> SimArgs {
         group_size: 4,
         weights_bytes: 256,
         weights_bucket_bytes: 64 << 20,
-        weights_channel: weir::graph::WeightsChannel::Direct,
+        weights_channel: weir::graph::WeightsChannel::default(),
         placement: None,
         generate_queue: 2,
         stream_slots: 0,

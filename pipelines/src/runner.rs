@@ -304,8 +304,9 @@ fn train(req: &RunRequest, segment: &mut Segment) -> Result<RunReport, PipelineE
         .cluster_secret(cluster.secret.clone())
         .weights_bucket_bytes(cfg.placement.weights_bucket_mib << 20)
         .weights_channel(
-            cfg.placement.weights_channel.channel(),
-            cfg.placement.weights_port,
+            cfg.placement
+                .weights_channel
+                .channel(cfg.placement.weights_port),
         )
         .max_staleness(cfg.run.max_staleness)
         .steps(cfg.run.steps - ctx.first_step)

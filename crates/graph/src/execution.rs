@@ -172,9 +172,6 @@ pub struct RunSettings {
     pub weights_bucket_bytes: usize,
     /// How an inline weights payload crosses to another process.
     pub weights_channel: WeightsChannel,
-    /// The port this process's weights server listens on for the direct
-    /// channel (0: any free port; each fetch learns it from the edge).
-    pub weights_port: u16,
     /// Called on the metrics worker with each arriving bundle of metric rows
     /// (progress bars, live dashboards).
     pub observer: Option<MetricsObserver>,
@@ -224,7 +221,6 @@ impl RunSettings {
             transport: Arc::new(InlineTransport),
             weights_bucket_bytes: 64 << 20,
             weights_channel: WeightsChannel::default(),
-            weights_port: 0,
             observer: None,
             step_observer: None,
             prior_metrics: Vec::new(),
@@ -242,11 +238,9 @@ impl RunSettings {
         self
     }
 
-    /// Sends inline weights to other processes over `channel`, the direct
-    /// channel's server listening on `port` (0: any free one).
-    pub fn weights_channel(mut self, channel: WeightsChannel, port: u16) -> Self {
+    /// Sends inline weights to other processes over `channel`.
+    pub fn weights_channel(mut self, channel: WeightsChannel) -> Self {
         self.weights_channel = channel;
-        self.weights_port = port;
         self
     }
 

@@ -71,10 +71,13 @@ pub fn run(pipeline: &Pipeline, settings: &RunSettings) -> Result<RunReport, Gra
 
     let (builders, others) = connect(&settings.execution, settings.connect_timeout)?;
     let shared = Arc::new(RunShared::new(settings.execution.processes()));
-    if let Some(host) = settings.execution.host() {
+    // The direct weights channel, between processes of a cluster only.
+    if let (Some(host), crate::WeightsChannel::Direct { port }) =
+        (settings.execution.host(), settings.weights_channel)
+    {
         shared.wire.configure(crate::weights_edge::WireConfig {
             host: host.to_string(),
-            port: settings.weights_port,
+            port,
             process: settings.execution.process(),
             fingerprint: settings.fingerprint,
             secret: settings.cluster_secret.clone(),
@@ -527,7 +530,6 @@ fn build_dataflow<'scope>(
                     max_staleness: settings.max_staleness,
                     transport: settings.transport.clone(),
                     weights_bucket_bytes: settings.weights_bucket_bytes,
-                    weights_channel: settings.weights_channel,
                     generators: generators.clone(),
                     learns,
                 };

@@ -31,8 +31,8 @@ use crate::engine_thread::{Done, Executor, Job, StageKind, StageRunner, Versions
 use crate::metrics::{names, MetricRow};
 use crate::stage::{StageFactory, WorkerInfo};
 use crate::weights_edge::{
-    self as weights_edge, now_ns, Across, Awaited, Reassembly, WeightsBody, WeightsChannel,
-    WeightsMessage, WeightsTransport,
+    self as weights_edge, now_ns, Across, Awaited, Reassembly, WeightsBody, WeightsMessage,
+    WeightsTransport,
 };
 use crate::{Batch, PolicyVersion, Step};
 
@@ -53,8 +53,6 @@ pub(crate) struct StageOpConfig {
     pub transport: Arc<dyn WeightsTransport>,
     /// The largest bucket of weights sent to another process.
     pub weights_bucket_bytes: usize,
-    /// How weights cross to another process.
-    pub weights_channel: WeightsChannel,
     /// Workers that receive this learner's weights.
     pub generators: Vec<usize>,
     /// Whether the pipeline has a learner (which publishes a version every step).
@@ -316,8 +314,9 @@ pub(crate) fn stage_operator<'scope>(
 }
 
 /// How a learner's published `body` crosses to the other processes: over
-/// the direct channel when it is inline and another process receives it
-/// (offered once for all of them), else in buckets.
+/// the direct channel (set up in a cluster unless the run chose timely's)
+/// when it is inline and another process receives it (offered once for
+/// all of them), else in buckets.
 fn across(
     cfg: &StageOpConfig,
     env: &OperatorEnv,
@@ -326,9 +325,7 @@ fn across(
     let buckets = Across::Buckets(cfg.weights_bucket_bytes);
     let receivers = weights_edge::receiving_processes(&cfg.generators, env.threads, env.process);
     match body {
-        WeightsBody::Inline(payload)
-            if cfg.weights_channel == WeightsChannel::Direct && receivers > 0 =>
-        {
+        WeightsBody::Inline(payload) if env.shared.wire.enabled() && receivers > 0 => {
             Ok(Across::Wire(env.shared.wire.offer(payload, receivers)?))
         }
         _ => Ok(buckets),

@@ -62,16 +62,26 @@ pub use wire::WireNote;
 pub(crate) use wire::{Wire, WireConfig};
 
 /// How an inline payload crosses to another process.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WeightsChannel {
     /// Over a TCP connection of its own, straight from the learner's
     /// payload into the receiving process's buffer (see `wire`): the
-    /// kernel's two copies only.
-    #[default]
-    Direct,
+    /// kernel's two copies only. The learner's process serves it on its
+    /// hostfile host at `port` (0: any free port; the receivers learn it
+    /// from the edge).
+    Direct {
+        /// The weights server's port.
+        port: u16,
+    },
     /// In buckets on timely's own connections (for networks where only the
     /// hostfile's ports are open): two more copies, through timely's buffers.
     Timely,
+}
+
+impl Default for WeightsChannel {
+    fn default() -> Self {
+        WeightsChannel::Direct { port: 0 }
+    }
 }
 
 /// A learner's weights, opaque to the engine: by convention the bytes of a

@@ -37,10 +37,10 @@ pub enum WeightsChannelChoice {
 }
 
 impl WeightsChannelChoice {
-    /// The engine's setting.
-    pub fn channel(self) -> weir_graph::WeightsChannel {
+    /// The engine's setting, the direct channel's server on `port`.
+    pub fn channel(self, port: u16) -> weir_graph::WeightsChannel {
         match self {
-            WeightsChannelChoice::Direct => weir_graph::WeightsChannel::Direct,
+            WeightsChannelChoice::Direct => weir_graph::WeightsChannel::Direct { port },
             WeightsChannelChoice::Timely => weir_graph::WeightsChannel::Timely,
         }
     }

@@ -92,6 +92,11 @@ impl Wire {
         let _ = self.config.set(config);
     }
 
+    /// Whether the run set the channel up (a cluster that did not choose timely's).
+    pub(crate) fn enabled(&self) -> bool {
+        self.config.get().is_some()
+    }
+
     fn config(&self) -> Result<&WireConfig, GraphError> {
         self.config.get().ok_or_else(|| {
             GraphError::Execution(
