@@ -55,9 +55,9 @@ mod buckets;
 mod landing;
 mod wire;
 
-pub(crate) use awaited::{fetch_for_process, Awaited};
+pub(crate) use awaited::{fetch_for_process, Awaited, WeightsShelf};
 pub use buckets::Bucket;
-pub(crate) use buckets::{address, receiving_processes, Across, Reassembly, WeightsShelf};
+pub(crate) use buckets::{address, receiving_processes, Across, Reassembly};
 pub use wire::WireNote;
 pub(crate) use wire::{Wire, WireConfig};
 

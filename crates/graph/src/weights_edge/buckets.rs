@@ -2,7 +2,7 @@
 //! addressed to that process's first generator worker ([`address`]),
 //! landed on arrival straight into a buffer of the process's own (`landing`),
 //! put back together there ([`Reassembly`]) and shelved for the process's
-//! other generator workers ([`WeightsShelf`]).
+//! other generator workers (`WeightsShelf`).
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
@@ -279,115 +279,6 @@ pub(crate) fn address(
     out
 }
 
-/// The payloads a process's receiving worker keeps for the generator
-/// workers of its process (itself too, when a fetch thread brought the
-/// payload), each version until all of them have taken it (or a newer
-/// one). A generator polls it ([`WeightsShelf::try_take`]); a payload put
-/// on it wakes its takers' operators.
-#[derive(Default)]
-pub(crate) struct WeightsShelf {
-    state: std::sync::Mutex<ShelfState>,
-}
-
-#[derive(Default)]
-struct ShelfState {
-    shelved: std::collections::BTreeMap<PolicyVersion, Shelved>,
-    /// Versions whose payload could not be brought, and why.
-    failed: std::collections::BTreeMap<PolicyVersion, String>,
-    /// Each generator worker's operator, woken when something is put for it.
-    wake: std::collections::BTreeMap<usize, timely::scheduling::SyncActivator>,
-    /// The newest version each worker has taken: an older one that lands
-    /// later (two fetches in flight) is not kept for it.
-    taken: std::collections::BTreeMap<usize, PolicyVersion>,
-}
-
-struct Shelved {
-    payload: WeightsPayload,
-    arrived_ns: u64,
-    /// Workers that have yet to take it.
-    takers: Vec<usize>,
-}
-
-impl WeightsShelf {
-    fn lock(&self) -> std::sync::MutexGuard<'_, ShelfState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Wakes `worker`'s operator (through `activator`) whenever a version is put for it.
-    pub(crate) fn watch(&self, worker: usize, activator: timely::scheduling::SyncActivator) {
-        self.lock().wake.insert(worker, activator);
-    }
-
-    /// Shelves `payload` of `version` (whole since `arrived_ns`) for `takers`.
-    pub(crate) fn put(
-        &self,
-        version: PolicyVersion,
-        payload: WeightsPayload,
-        arrived_ns: u64,
-        takers: Vec<usize>,
-    ) {
-        let mut state = self.lock();
-        let takers: Vec<usize> = takers
-            .into_iter()
-            .filter(|w| state.taken.get(w).is_none_or(|&t| t < version))
-            .collect();
-        if takers.is_empty() {
-            return;
-        }
-        wake(&state.wake, &takers);
-        state.shelved.insert(
-            version,
-            Shelved {
-                payload,
-                arrived_ns,
-                takers,
-            },
-        );
-    }
-
-    /// `version` will not arrive, for `why`; `takers` are told when they look.
-    pub(crate) fn fail(&self, version: PolicyVersion, why: String, takers: &[usize]) {
-        let mut state = self.lock();
-        wake(&state.wake, takers);
-        state.failed.insert(version, why);
-    }
-
-    /// Worker `worker` takes `version` if it is here (giving up every older
-    /// one): `None` while it is not, an error if it will not come.
-    pub(crate) fn try_take(
-        &self,
-        worker: usize,
-        version: PolicyVersion,
-    ) -> Option<Result<(WeightsPayload, u64), String>> {
-        let mut state = self.lock();
-        if let Some(entry) = state.shelved.get(&version) {
-            let found = (entry.payload.clone(), entry.arrived_ns);
-            let taken = state.taken.entry(worker).or_default();
-            *taken = (*taken).max(version);
-            state.shelved.retain(|&v, e| {
-                if v <= version {
-                    e.takers.retain(|&w| w != worker);
-                }
-                !e.takers.is_empty()
-            });
-            return Some(Ok(found));
-        }
-        state.failed.get(&version).map(|why| Err(why.clone()))
-    }
-}
-
-fn wake(
-    activators: &std::collections::BTreeMap<usize, timely::scheduling::SyncActivator>,
-    takers: &[usize],
-) {
-    for worker in takers {
-        if let Some(activator) = activators.get(worker) {
-            // A worker that has ended is past needing weights.
-            let _ = activator.activate();
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -523,26 +414,6 @@ mod tests {
         let mut bad = bincode::serialize(&buckets[3]).unwrap();
         bad[16..24].copy_from_slice(&500u64.to_le_bytes());
         assert!(bincode::deserialize::<Bucket>(&bad).is_err());
-    }
-
-    #[test]
-    fn the_shelf_keeps_a_version_until_every_taker_has_it_or_a_newer_one() {
-        let shelf = WeightsShelf::default();
-        assert!(shelf.try_take(1, 2).is_none(), "not there yet");
-        shelf.put(1, WeightsPayload::from(vec![1u8]), 0, vec![1, 2]);
-        shelf.put(2, WeightsPayload::from(vec![2u8]), 5, vec![1, 2]);
-        let (payload, at) = shelf.try_take(1, 2).unwrap().unwrap();
-        assert_eq!((payload.bytes(), at), (&[2u8][..], 5));
-        // Worker 2 still needs both; once it takes 2, nothing is left.
-        assert_eq!(shelf.lock().shelved.len(), 2);
-        assert_eq!(shelf.try_take(2, 2).unwrap().unwrap().0.bytes(), &[2]);
-        assert!(shelf.lock().shelved.is_empty());
-        // A version that will not come says why.
-        shelf.fail(3, "the sender died".into(), &[1]);
-        assert_eq!(
-            shelf.try_take(1, 3).unwrap().unwrap_err(),
-            "the sender died"
-        );
     }
 
     #[test]
