@@ -104,7 +104,7 @@ pub(crate) fn stage_operator<'scope>(
     let is_learner = cfg.kind == StageKind::Learn;
 
     builder.build(move |mut caps: Vec<Capability<Step>>| {
-        let mut state = OpState::new(&cfg, me);
+        let mut state = OpState::new(&cfg, me, env.threads);
         if hosts {
             if cfg.kind == StageKind::Generate {
                 env.shared.weights.watch(me, wake_on_weights);
@@ -139,7 +139,7 @@ pub(crate) fn stage_operator<'scope>(
                 w.for_each(|cap, data| {
                     let Some(&time) = cap.least() else { return };
                     for message in data.drain(..) {
-                        if let Some(message) = state.receive(message, time, &cfg, &env) {
+                        if let Some(message) = state.receive(message, time, &env) {
                             state.load(message, now_ns());
                         }
                     }
@@ -345,6 +345,8 @@ struct OpState {
     queue_peak: u64,
     /// Weights arriving in buckets from another process.
     reassembly: Reassembly,
+    /// The generator workers of this worker's process (itself among them).
+    local_generators: Vec<usize>,
     /// Versions announced to this generator whose payload is not yet whole.
     awaiting: Awaited,
     /// Published weights not yet sent, with the capability they go under.
@@ -352,9 +354,16 @@ struct OpState {
 }
 
 impl OpState {
-    fn new(cfg: &StageOpConfig, me: usize) -> Self {
+    fn new(cfg: &StageOpConfig, me: usize, threads: usize) -> Self {
+        let process = |w: usize| w / threads.max(1);
         OpState {
             me,
+            local_generators: cfg
+                .generators
+                .iter()
+                .copied()
+                .filter(|&g| process(g) == process(me))
+                .collect(),
             executor: None,
             pending: BTreeMap::new(),
             jobs: JobQueue::default(),
@@ -406,22 +415,15 @@ impl OpState {
         &mut self,
         message: WeightsMessage,
         time: Step,
-        cfg: &StageOpConfig,
         env: &OperatorEnv,
     ) -> Option<WeightsMessage> {
-        let process = self.me / env.threads.max(1);
-        let local: Vec<usize> = cfg
-            .generators
-            .iter()
-            .copied()
-            .filter(|&g| g / env.threads.max(1) == process)
-            .collect();
         let bucket = match &message.body {
             WeightsBody::Bucket(bucket) => bucket,
             WeightsBody::Inline(_) | WeightsBody::External => return Some(message),
             WeightsBody::Shelved | WeightsBody::Wire(_) => {
                 if let WeightsBody::Wire(note) = &message.body {
-                    weights_edge::fetch_for_process(&env.shared, note, &message, local);
+                    let takers = self.local_generators.clone();
+                    weights_edge::fetch_for_process(&env.shared, note, &message, takers);
                 }
                 if message.version > self.newest_weights {
                     self.awaiting.insert(time, message);
@@ -451,7 +453,12 @@ impl OpState {
             since_sent_s = now_ns().saturating_sub(message.sent_at_ns) as f64 * 1e-9,
             "weights whole"
         );
-        let others = local.into_iter().filter(|&g| g != self.me).collect();
+        let others = self
+            .local_generators
+            .iter()
+            .copied()
+            .filter(|&g| g != self.me)
+            .collect();
         env.shared
             .weights
             .put(message.version, payload.clone(), now_ns(), others);
