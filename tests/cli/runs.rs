@@ -310,9 +310,16 @@ fn a_run_over_two_processes_matches_one_process_and_resumes() {
     );
     assert!(two.join("plots/reward.png").is_file());
 
-    // Two more steps, resumed from step 3's checkpoint, in both layouts.
+    // Two more steps, resumed from step 3's checkpoint, in both layouts;
+    // the weights now cross on timely's connections instead of the direct
+    // channel, to the same bytes.
     success(&weir(&strs(&resume_to_six("one")), tmp.path()));
-    let (text0, _) = run_two(&resume_to_six("two"), tmp.path());
+    let mut over_timely = resume_to_six("two");
+    over_timely.extend([
+        "--set".into(),
+        "placement.weights_channel=\"timely\"".into(),
+    ]);
+    let (text0, _) = run_two(&over_timely, tmp.path());
     assert!(text0.contains("steps: 6"), "{text0}");
     assert_eq!(summary(&two)["resumed_at_step"], 4);
     for file in [
@@ -326,9 +333,25 @@ fn a_run_over_two_processes_matches_one_process_and_resumes() {
     }
     assert_eq!(metric_values(&one), metric_values(&two));
 
-    // Processes started with different configs stop with one clear error.
+    // A weights port another program holds: both processes stop with one
+    // error naming the key.
     let hosts = super::common::hostfile(tmp.path());
     let deadline = std::time::Duration::from_secs(120);
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = format!(
+        "placement.weights_port={}",
+        taken.local_addr().unwrap().port()
+    );
+    let outputs: Vec<_> = (0..2)
+        .map(|p| spawn_run(&args("taken", &[&port]), p, &hosts, tmp.path()))
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|p| super::common::wait_with_deadline(p, deadline))
+        .collect();
+    super::common::assert_all_failed_with(&outputs, "placement.weights_port");
+    drop(taken);
+
+    // Processes started with different configs stop with one clear error.
     let p0 = spawn_run(&args("mismatch", &[]), 0, &hosts, tmp.path());
     let p1 = spawn_run(&args("mismatch", &["run.steps=5"]), 1, &hosts, tmp.path());
     super::common::assert_all_failed_with(
