@@ -20,10 +20,16 @@ use weir_graph::{
 };
 
 fn parse_channel(text: &str) -> Result<WeightsChannel, String> {
-    match text {
-        "direct" => Ok(WeightsChannel::Direct { port: 0 }),
-        "timely" => Ok(WeightsChannel::Timely),
-        other => Err(format!("`{other}`: expected `direct` or `timely`")),
+    match text.split_once(':') {
+        _ if text == "direct" => Ok(WeightsChannel::Direct { port: 0 }),
+        _ if text == "timely" => Ok(WeightsChannel::Timely),
+        Some(("direct", port)) => port
+            .parse()
+            .map(|port| WeightsChannel::Direct { port })
+            .map_err(|_| format!("`{port}`: expected a port number")),
+        _ => Err(format!(
+            "`{text}`: expected `direct`, `direct:PORT` or `timely`"
+        )),
     }
 }
 
@@ -70,7 +76,8 @@ pub struct SimArgs {
     #[arg(long = "weights-bucket-bytes", default_value_t = 64 << 20)]
     pub weights_bucket_bytes: usize,
     /// How weights cross to another process: `direct` (a TCP connection of
-    /// their own) or `timely` (in buckets on timely's connections).
+    /// their own, on any free port, or `direct:PORT`) or `timely` (in
+    /// buckets on timely's connections).
     #[arg(long = "weights-channel", default_value = "direct", value_parser = parse_channel)]
     pub weights_channel: WeightsChannel,
     /// Roles to workers, e.g. `rollout=0-2;train=3` (default: training on the last worker, the rest generate).

@@ -712,6 +712,43 @@ fn weights_cross_to_each_process_once_over_either_channel() {
     }
 }
 
+/// A weights port another program holds: the learner's process cannot
+/// listen, and both processes stop with that error before any step runs,
+/// not at the first publish (a generation here takes 60 s: a run that
+/// waited for it would pass the deadline).
+#[test]
+fn a_weights_port_in_use_stops_both_processes_before_any_step() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let channel = format!("direct:{}", taken.local_addr().unwrap().port());
+    let dir = tempfile::tempdir().unwrap();
+    let args = strings(&[
+        "--steps",
+        "4",
+        "--batch-rows",
+        "8",
+        "--gen-ms",
+        "60000",
+        "--weights-channel",
+        &channel,
+    ]);
+    let hosts = hostfile(dir.path());
+    let peers: Vec<_> = (0..2)
+        .map(|p| spawn_peer(&args, p, &hosts, dir.path()))
+        .collect();
+    let outputs: Vec<_> = peers
+        .into_iter()
+        .map(|p| wait_with_deadline(p, Duration::from_secs(20)))
+        .collect();
+    assert_all_failed_with(&outputs, "placement.weights_port");
+    let rows = dir.path().join("rollouts");
+    assert!(
+        !rows.is_dir()
+            || read_parquet_dir(&rows).map_or(true, |b| b.iter().all(|b| b.num_rows() == 0)),
+        "a step ran though the learner's process could not listen"
+    );
+    drop(taken);
+}
+
 #[test]
 fn heartbeats_survive_long_calls_and_catch_mismatched_or_absent_peers() {
     // The learner (process 1's only worker) spends 5 s per step, 2.5 times

@@ -86,6 +86,14 @@ pub fn run(pipeline: &Pipeline, settings: &RunSettings) -> Result<RunReport, Gra
             offered: settings.max_staleness as usize + 3,
         });
     }
+    // The process whose learner sends weights to another listens before its
+    // first step; a port it cannot have then fails every process before any
+    // work (each worker reports it, see `drive_worker`).
+    let opening = if shared.wire.enabled() && offers_weights(pipeline, settings)? {
+        shared.wire.listen().err()
+    } else {
+        None
+    };
     let local = settings.execution.process() * settings.execution.local_workers();
     let collectives = Collectives::register(
         shared.clone(),
@@ -99,7 +107,14 @@ pub fn run(pipeline: &Pipeline, settings: &RunSettings) -> Result<RunReport, Gra
         let collectives = collectives.clone();
         timely::execute::execute_from(builders, others, WorkerConfig::default(), move |worker| {
             let outcome = catch_unwind(AssertUnwindSafe(|| {
-                drive_worker(worker, &pipeline, &settings, &shared, &collectives)
+                drive_worker(
+                    worker,
+                    &pipeline,
+                    &settings,
+                    &shared,
+                    &collectives,
+                    opening.clone(),
+                )
             }));
             let outcome = match outcome {
                 Ok(result) => result,
@@ -186,6 +201,7 @@ fn drive_worker(
     settings: &RunSettings,
     shared: &Arc<RunShared>,
     collectives: &Arc<Collectives>,
+    opening: Option<GraphError>,
 ) -> Result<WorkerOutcome, GraphError> {
     let index = worker.index();
     let process = settings.execution.process();
@@ -282,6 +298,11 @@ fn drive_worker(
             });
         Ok::<(), GraphError>(())
     })?;
+    // Sent as this worker's failure before any heartbeat, so no peer admits
+    // this process, and every one stops with this error.
+    if let Some(error) = opening {
+        env.fail(error);
+    }
 
     let source_spec = pipeline
         .source
@@ -679,4 +700,30 @@ fn build_dataflow<'scope>(
         done.probe_with(probe);
     }
     Ok(())
+}
+
+/// Whether this process holds the learner's first worker (the one that
+/// publishes, by the learners' convention: rank 0) and a generator in
+/// another process receives its weights over the direct channel. Another
+/// learner worker that publishes starts its server at its first offer.
+fn offers_weights(pipeline: &Pipeline, settings: &RunSettings) -> Result<bool, GraphError> {
+    let role = |kind: StageKind| {
+        pipeline.nodes.iter().find_map(|n| match n {
+            Node::Stage(s) if s.kind == kind => Some(&s.role),
+            _ => None,
+        })
+    };
+    let (Some(learner), Some(generator)) = (role(StageKind::Learn), role(StageKind::Generate))
+    else {
+        return Ok(false);
+    };
+    let threads = settings.execution.local_workers().max(1);
+    let process = settings.execution.process();
+    let learns_here = settings
+        .placement
+        .workers(learner)?
+        .first()
+        .is_some_and(|&w| w / threads == process);
+    let generators = settings.placement.workers(generator)?;
+    Ok(learns_here && crate::weights_edge::receiving_processes(&generators, threads, process) > 0)
 }

@@ -126,9 +126,11 @@ pub(crate) fn stage_operator<'scope>(
                 if let Some(w) = weights_in.as_mut() {
                     w.for_each(|_, data| data.clear());
                 }
-                caps.clear();
-                state.ending.clear();
-                state.outgoing.clear();
+                // The capabilities stay held until the driver drops the
+                // dataflow, after the failure's grace: a peer process hears
+                // of the failure before its frontiers pass a step this
+                // operator never finished (a generator would otherwise see
+                // a version pass without weights and report that instead).
                 state.awaiting.clear();
                 return;
             }
@@ -249,6 +251,8 @@ pub(crate) fn stage_operator<'scope>(
                                     Ok(across) => across,
                                     Err(err) => {
                                         env.fail(err);
+                                        // Held until the dataflow is dropped (see above).
+                                        state.ending.insert(step, held);
                                         continue;
                                     }
                                 };

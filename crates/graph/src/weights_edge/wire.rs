@@ -105,6 +105,18 @@ impl Wire {
         })
     }
 
+    /// Starts the server now, if it is not yet running: a process that will
+    /// offer weights listens before its first step, so a port it cannot
+    /// have fails the run before any work, not at the first publish.
+    pub(crate) fn listen(&self) -> Result<(), GraphError> {
+        let config = self.config()?;
+        let mut server = self.server.lock().unwrap_or_else(|p| p.into_inner());
+        if server.is_none() {
+            *server = Some(Server::start(config)?);
+        }
+        Ok(())
+    }
+
     /// Offers `payload` to `fetches` processes; the note tells them where to fetch it.
     pub(crate) fn offer(
         &self,
@@ -112,11 +124,9 @@ impl Wire {
         fetches: usize,
     ) -> Result<WireNote, GraphError> {
         let config = self.config()?;
-        let mut server = self.server.lock().unwrap_or_else(|p| p.into_inner());
-        if server.is_none() {
-            *server = Some(Server::start(config)?);
-        }
-        let server = server.as_ref().expect("just started");
+        self.listen()?;
+        let server = self.server.lock().unwrap_or_else(|p| p.into_inner());
+        let server = server.as_ref().expect("listening");
         let id = landing::fresh_id();
         let mut offers = server.offers.lock().unwrap_or_else(|p| p.into_inner());
         offers.push_back(Offer {
