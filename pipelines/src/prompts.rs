@@ -61,7 +61,15 @@ fn source(
                 max_staleness: cfg.run.max_staleness,
             });
         }
+        // Epochs too few for the steps fail here, before any step trains.
+        if let Some(left) = src.steps_left() {
+            let needed = (ctx.last_step + 1).saturating_sub(ctx.first_step);
+            if left < needed {
+                return Err(src.shortfall(ctx.first_step + left, ctx.last_step).into());
+            }
+        }
         Ok(src
+            .required_through(ctx.last_step)
             .cursor_log(ctx.cursors.clone())
             .shard(w.rank, w.role_size))
     }

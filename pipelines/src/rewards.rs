@@ -33,7 +33,7 @@ pub fn reward(
                 url: cfg.reward.url.clone(),
                 label_column: (!cfg.data.label_column.is_empty())
                     .then(|| cfg.data.label_column.clone()),
-                timeout: Duration::from_secs_f64(cfg.reward.timeout_s.max(0.001)),
+                timeout: Duration::from_secs_f64(cfg.reward.timeout_s),
                 attempts: cfg.reward.attempts,
                 ..Default::default()
             })?),
@@ -105,7 +105,7 @@ fn python_reward(
         function: function.to_string(),
         python: cfg.reward.python.clone(),
         workers: cfg.reward.workers,
-        timeout: Duration::from_secs_f64(cfg.reward.timeout_s.max(0.001)),
+        timeout: Duration::from_secs_f64(cfg.reward.timeout_s),
         attempts: cfg.reward.attempts,
         label_column: (!cfg.data.label_column.is_empty()).then(|| cfg.data.label_column.clone()),
         columns: reward_columns(cfg)?,

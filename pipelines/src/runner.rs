@@ -151,6 +151,9 @@ fn check_request(req: &RunRequest) -> Result<(), PipelineError> {
         }
     }
     check_heads(kind, cfg)?;
+    if kind.is_rl() {
+        check_generation(cfg)?;
+    }
     crate::placement::check_data_parallel(cfg)?;
     crate::placement::execution(cfg, &req.cluster)?;
     Ok(())
@@ -504,6 +507,37 @@ fn check_heads(kind: PipelineKind, cfg: &RunConfig) -> Result<(), PipelineError>
             )
             .into());
         }
+    }
+    Ok(())
+}
+
+/// What generation needs of the policy's checkpoint: room for the
+/// responses in its context, and a token that ends them (unless
+/// `generate.ignore_eos` lets every response run to its budget).
+fn check_generation(cfg: &RunConfig) -> Result<(), PipelineError> {
+    let path = Path::new(&cfg.model.path);
+    let config = weir_gpu::ModelConfig::load(path)?;
+    let budget = cfg.generate.max_new_tokens;
+    if let Some(context) = config.max_position_embeddings {
+        if budget as i64 >= context {
+            return Err(format!(
+                "`generate.max_new_tokens` = {budget}: {}'s context is {context} positions \
+                 (max_position_embeddings), which leaves no room for a prompt",
+                path.join("config.json").display()
+            )
+            .into());
+        }
+    }
+    let tokenizer = weir_gpu::Tokenizer::load(path)?;
+    if tokenizer.eos_token_ids().is_empty() && !cfg.generate.ignore_eos {
+        return Err(format!(
+            "{}: no end-of-sequence token (tokenizer_config.json's `eos_token`, and \
+             generation_config.json's and config.json's `eos_token_id` are unset or not in the \
+             vocabulary), so every response would run to generate.max_new_tokens: set one, or \
+             `generate.ignore_eos = true` if that is meant",
+            path.display()
+        )
+        .into());
     }
     Ok(())
 }

@@ -28,6 +28,58 @@ fn config_prints_every_key_and_run_names_bad_input() {
     let model = fixtures().join("arith-sft");
     let model = model.to_str().unwrap();
     std::fs::write(tmp.path().join("bad.toml"), "[algorithm]\nlr = \"fast\"\n").unwrap();
+    // The same checkpoint with no end-of-sequence token anywhere.
+    let endless = tmp.path().join("endless");
+    std::fs::create_dir(&endless).unwrap();
+    for file in ["model.safetensors", "tokenizer.json"] {
+        std::fs::copy(fixtures().join("arith-sft").join(file), endless.join(file)).unwrap();
+    }
+    for file in ["config.json", "tokenizer_config.json"] {
+        let mut v: Value = serde_json::from_str(
+            &std::fs::read_to_string(fixtures().join("arith-sft").join(file)).unwrap(),
+        )
+        .unwrap();
+        v["eos_token_id"] = Value::Null;
+        v["eos_token"] = Value::Null;
+        std::fs::write(endless.join(file), v.to_string()).unwrap();
+    }
+    let endless = format!("model.path={}", endless.display());
+    let with_model = |set: &str| -> Vec<String> {
+        [
+            "run",
+            "grpo",
+            "--set",
+            &format!("model.path={model}"),
+            "--set",
+            set,
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    for (args, needle) in [
+        (
+            with_model("generate.max_new_tokens=512"),
+            "`generate.max_new_tokens` = 512",
+        ),
+        (
+            with_model("generate.temperature=1e-40"),
+            "generate.temperature",
+        ),
+        (with_model("reward.timeout_s=inf"), "reward.timeout_s"),
+        (
+            ["run", "grpo", "--set", &endless]
+                .map(String::from)
+                .to_vec(),
+            "no end-of-sequence token",
+        ),
+    ] {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = weir(&args, tmp.path());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(err.contains(needle), "{args:?}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{args:?}: one line: {err}");
+    }
     for (args, needle) in [
         (vec!["run", "nope"], "unknown pipeline `nope`"),
         (vec!["run", "grpo", "--config", "bad.toml"], "bad.toml"),

@@ -582,6 +582,13 @@ fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String
         ),
         "algorithm.kl_estimator" => (&[], "\"k1\"".into()),
         "algorithm.entropy_coef" => (&[], "0.5".into()),
+        // In this short run every group's samples score alike (zero
+        // advantages), and OpenRLHF aggregates its KL and entropy terms as a
+        // token mean whatever the mode: the mode shows in verl's KL term.
+        "algorithm.aggregation" if kind.is_group() => (
+            &["algorithm.flavor=\"verl\""],
+            "\"seq-mean-token-sum\"".into(),
+        ),
         "algorithm.aggregation" => (&[], "\"seq-mean-token-sum\"".into()),
         "algorithm.loss_scale_factor" => (
             &["algorithm.aggregation=\"seq-mean-token-sum-norm\""],

@@ -158,21 +158,22 @@ impl ModelConfig {
             "ForSequenceClassification" => Head::SequenceClassification,
             _ => return Err(unknown()),
         };
-        if family == Family::Mistral
-            && v.get("sliding_window")
-                .and_then(Value::as_i64)
-                .is_some_and(|w| {
-                    w < v
-                        .get("max_position_embeddings")
-                        .and_then(Value::as_i64)
-                        .unwrap_or(i64::MAX)
-                })
-        {
+        if let Some(key) = sliding_window_in_use(v, family) {
             return Err(ModelError::config(
                 path,
-                "sliding_window",
-                "sliding-window attention is not supported",
+                key,
+                "sliding-window attention is not supported (weir attends over the whole context)",
             ));
+        }
+        match v.get("hidden_act").and_then(Value::as_str) {
+            None | Some("silu" | "swish") => {}
+            Some(other) => {
+                return Err(ModelError::config(
+                    path,
+                    "hidden_act",
+                    format!("`{other}` is not supported (the MLP runs SiLU)"),
+                ))
+            }
         }
         let int = |key: &str| -> Result<i64, ModelError> {
             v.get(key)
@@ -266,6 +267,44 @@ impl ModelConfig {
                 .map(String::from),
             max_position_embeddings: opt_int("max_position_embeddings"),
         })
+    }
+}
+
+/// The key that turns on a sliding attention window shorter than the
+/// context, if any: Mistral's `sliding_window`; Qwen2's and Qwen3's
+/// `use_sliding_window` (on the layers from `max_window_layers` on);
+/// `layer_types` naming a sliding layer (transformers ≥ 4.54 writes it).
+fn sliding_window_in_use(v: &Value, family: Family) -> Option<&'static str> {
+    let context = v
+        .get("max_position_embeddings")
+        .and_then(Value::as_i64)
+        .unwrap_or(i64::MAX);
+    let window_short = v
+        .get("sliding_window")
+        .and_then(Value::as_i64)
+        .is_some_and(|w| w < context);
+    if v.get("layer_types")
+        .and_then(Value::as_array)
+        .is_some_and(|l| l.iter().any(|t| t.as_str() == Some("sliding_attention")))
+        && window_short
+    {
+        return Some("layer_types");
+    }
+    match family {
+        Family::Mistral if window_short => Some("sliding_window"),
+        Family::Qwen2 | Family::Qwen3 => {
+            let on = v.get("use_sliding_window").and_then(Value::as_bool) == Some(true);
+            let layers = v
+                .get("num_hidden_layers")
+                .and_then(Value::as_i64)
+                .unwrap_or(0);
+            let from = v
+                .get("max_window_layers")
+                .and_then(Value::as_i64)
+                .unwrap_or(layers);
+            (on && window_short && from < layers).then_some("use_sliding_window")
+        }
+        _ => None,
     }
 }
 
@@ -379,5 +418,71 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("num_key_value_heads"));
+        let mut bad = base();
+        bad["hidden_act"] = json!("gelu");
+        let err = ModelConfig::from_json(&bad, Path::new("c"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("`hidden_act`") && err.contains("gelu"),
+            "{err}"
+        );
+    }
+
+    /// A sliding window shorter than the context is refused whichever way
+    /// the config turns it on; a window that is off, or as long as the
+    /// context, is not.
+    #[test]
+    fn sliding_windows_in_use_are_refused() {
+        let window = |arch: &str, extra: Value| {
+            let mut v = base();
+            v["architectures"] = json!([arch]);
+            v["max_position_embeddings"] = json!(4096);
+            for (k, x) in extra.as_object().unwrap() {
+                v[k] = x.clone();
+            }
+            ModelConfig::from_json(&v, Path::new("c"))
+                .err()
+                .map(|e| e.to_string())
+        };
+        for (arch, extra, key) in [
+            (
+                "MistralForCausalLM",
+                json!({"sliding_window": 1024}),
+                "sliding_window",
+            ),
+            (
+                "Qwen2ForCausalLM",
+                json!({"use_sliding_window": true, "sliding_window": 1024, "max_window_layers": 1}),
+                "use_sliding_window",
+            ),
+            (
+                "Qwen3ForCausalLM",
+                json!({"sliding_window": 1024, "layer_types": ["full_attention", "sliding_attention"]}),
+                "layer_types",
+            ),
+        ] {
+            let err = window(arch, extra).expect(arch);
+            assert!(err.contains(&format!("`{key}`")), "{err}");
+        }
+        for (arch, extra) in [
+            ("MistralForCausalLM", json!({"sliding_window": 4096})),
+            ("MistralForCausalLM", json!({"sliding_window": null})),
+            (
+                "Qwen2ForCausalLM",
+                json!({"use_sliding_window": false, "sliding_window": 1024}),
+            ),
+            // Every layer below max_window_layers: none slides.
+            (
+                "Qwen2ForCausalLM",
+                json!({"use_sliding_window": true, "sliding_window": 1024, "max_window_layers": 2}),
+            ),
+            (
+                "Qwen3ForCausalLM",
+                json!({"sliding_window": null, "layer_types": ["full_attention", "full_attention"]}),
+            ),
+        ] {
+            assert_eq!(window(arch, extra.clone()), None, "{arch} {extra}");
+        }
     }
 }

@@ -49,6 +49,18 @@ pub enum ModelError {
         /// The tensor's name.
         name: String,
     },
+    /// The checkpoint holds tensors the configuration has no place for
+    /// (more layers than `num_hidden_layers`, biases or norms it does not
+    /// declare): config.json does not describe these weights.
+    #[error("{path}: {count} tensor(s) that config.json has no place for, e.g. `{first}`: does its num_hidden_layers, attention_bias or architecture match the weights?")]
+    UnusedTensors {
+        /// The checkpoint folder.
+        path: String,
+        /// How many.
+        count: usize,
+        /// The first, by name.
+        first: String,
+    },
     /// A tensor has the wrong shape for the configuration.
     #[error("{path}: tensor `{name}` has shape {found:?}, the config implies {expected:?}")]
     ShapeMismatch {

@@ -172,8 +172,15 @@ impl Model {
             .filter(|(name, _)| !keep.contains(&name.as_str()))
             .collect();
         let _guard = tch::no_grad_guard();
+        let mut unused = std::collections::BTreeSet::new();
         visit_tensors(dir, |name, tensor, file| {
             let Some(mut var) = vars.remove(name) else {
+                // An output head beside tied embeddings or a score head, and
+                // rotary buffers older transformers saved, are no mismatch.
+                let benign = name == "lm_head.weight" || name.ends_with("rotary_emb.inv_freq");
+                if !benign && !keep.contains(&name) {
+                    unused.insert(name.to_string());
+                }
                 return Ok(());
             };
             if tensor.size() != var.size() {
@@ -187,10 +194,17 @@ impl Model {
             var.f_copy_(&tensor.to_kind(var.kind()))?;
             Ok(())
         })?;
-        match vars.into_keys().next() {
-            Some(name) => Err(ModelError::MissingTensor {
+        if let Some(name) = vars.into_keys().next() {
+            return Err(ModelError::MissingTensor {
                 path: dir.display().to_string(),
                 name,
+            });
+        }
+        match unused.iter().next() {
+            Some(first) => Err(ModelError::UnusedTensors {
+                path: dir.display().to_string(),
+                count: unused.len(),
+                first: first.clone(),
             }),
             None => Ok(()),
         }
@@ -344,22 +358,58 @@ impl Model {
     }
 
     /// Scores `[B, num_labels]` of a sequence-classification model, taken at
-    /// each row's rightmost token that is not the padding id (as transformers pools).
+    /// each row's rightmost token that is not the padding id (as transformers
+    /// pools) among those `attention_mask` keeps (all without one).
     pub fn scores(
         &self,
         input_ids: &Tensor,
         attention_mask: Option<&Tensor>,
     ) -> Result<Tensor, ModelError> {
-        let score = self.score_head()?;
         let hidden = self.hidden_states(input_ids, attention_mask, None)?;
-        let ids = input_ids.to_device(self.device()).to_kind(Kind::Int64);
+        let kept = attention_mask.map(|m| m.to_device(hidden.device()).ne(0));
+        self.pool_scores(&hidden, input_ids, kept)
+    }
+
+    /// [`Model::scores`] of right-padded rows of `lengths` real tokens each,
+    /// run without an attention mask (a real token never attends to the
+    /// padding on its right): each row is scored within its own length, so
+    /// its score does not depend on the rows beside it, whether or not the
+    /// checkpoint has a padding id.
+    pub fn scores_of_rows(
+        &self,
+        input_ids: &Tensor,
+        lengths: &[i64],
+    ) -> Result<Tensor, ModelError> {
+        let hidden = self.hidden_states(input_ids, None, None)?;
+        let t = input_ids.size()[1];
+        let device = hidden.device();
+        let lengths = Tensor::from_slice(lengths).to_device(device).unsqueeze(1);
+        let kept = Tensor::arange(t, (Kind::Int64, device))
+            .unsqueeze(0)
+            .lt_tensor(&lengths);
+        self.pool_scores(&hidden, input_ids, Some(kept))
+    }
+
+    /// The score head at each row's rightmost position that `kept` keeps
+    /// (all when `None`) and that does not hold the padding id.
+    fn pool_scores(
+        &self,
+        hidden: &Tensor,
+        input_ids: &Tensor,
+        kept: Option<Tensor>,
+    ) -> Result<Tensor, ModelError> {
+        let score = self.score_head()?;
+        let ids = input_ids.to_device(hidden.device()).to_kind(Kind::Int64);
         let t = ids.size()[1];
-        let last = match self.config.pad_token_id {
-            Some(pad) => (ids.ne(pad).to_kind(Kind::Int64)
-                * Tensor::arange(t, (Kind::Int64, ids.device())))
-            .argmax(-1, false),
-            None => Tensor::full([ids.size()[0]], t - 1, (Kind::Int64, ids.device())),
+        let mut real = match kept {
+            Some(kept) => kept,
+            None => ids.ones_like().to_kind(Kind::Bool),
         };
+        if let Some(pad) = self.config.pad_token_id {
+            real = real.logical_and(&ids.ne(pad));
+        }
+        let last = (real.to_kind(Kind::Int64) * Tensor::arange(t, (Kind::Int64, ids.device())))
+            .argmax(-1, false);
         let (b, h) = (ids.size()[0], self.config.hidden_size);
         let pooled = hidden
             .gather(1, &last.view([b, 1, 1]).expand([b, 1, h], false), false)

@@ -170,9 +170,16 @@ impl Tokenizer {
             .collect();
         let gen_path = dir.join("generation_config.json");
         let mut sampling = SamplingDefaults::default();
-        if let Some(gen) = read_json(&gen_path)? {
-            sampling = SamplingDefaults::from_json(&gen, &gen_path)?;
-            let extra: Vec<i64> = match gen.get("eos_token_id") {
+        let gen = read_json(&gen_path)?;
+        if let Some(gen) = &gen {
+            sampling = SamplingDefaults::from_json(gen, &gen_path)?;
+        }
+        // The stop ids: the tokenizer's eos token, and generation_config.json's
+        // and config.json's `eos_token_id` (transformers' generate() reads the
+        // latter when the folder has no generation config).
+        let model_config = read_json(&dir.join("config.json"))?;
+        for source in [&gen, &model_config].into_iter().flatten() {
+            let extra: Vec<i64> = match source.get("eos_token_id") {
                 Some(Value::Number(n)) => n.as_i64().into_iter().collect(),
                 Some(Value::Array(a)) => a.iter().filter_map(Value::as_i64).collect(),
                 _ => Vec::new(),
@@ -288,7 +295,8 @@ impl Tokenizer {
         &self.sampling
     }
 
-    /// Every end-of-sequence id: the tokenizer's eos token and `generation_config.json`'s list.
+    /// Every end-of-sequence id: the tokenizer's eos token and the
+    /// `eos_token_id` of `generation_config.json` and `config.json`.
     pub fn eos_token_ids(&self) -> &[i64] {
         &self.eos_token_ids
     }

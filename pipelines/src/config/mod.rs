@@ -609,6 +609,7 @@ impl RunConfig {
         match pipeline {
             PipelineKind::Ppo => {
                 c.algorithm.kl_coef = 0.01;
+                c.algorithm.kl_estimator = KlChoice::K1;
                 c.data.samples_per_prompt = 1;
                 c.data.prompts_per_step = 32;
                 c.algorithm.lr = 1e-5;
@@ -623,10 +624,12 @@ impl RunConfig {
             }
             PipelineKind::ReinforcePp | PipelineKind::ReinforcePpBaseline => {
                 c.algorithm.kl_coef = 0.01;
+                c.algorithm.kl_estimator = KlChoice::K1;
             }
             // verl's ReMax recipe: the KL in the reward, its estimator, its semantics.
             PipelineKind::Remax => {
                 c.algorithm.kl_coef = 0.001;
+                c.algorithm.kl_estimator = KlChoice::K1;
                 c.algorithm.flavor = FlavorChoice::Verl;
             }
             PipelineKind::Sft | PipelineKind::Rm | PipelineKind::Dpo => {

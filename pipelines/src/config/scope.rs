@@ -40,7 +40,9 @@ pub fn applies(pipeline: PipelineKind, section: &str, key: &str) -> bool {
             | "correction_high" | "sapo_tau_pos" | "sapo_tau_neg" | "clip_cov_ratio"
             | "clip_cov_lb" | "clip_cov_ub" | "kl_cov_ratio" | "kl_cov_coef" | "reinforce_is_cap",
         ) => rl,
-        ("algorithm", "gamma") => matches!(pipeline, Ppo | ReinforcePp | ReinforcePpBaseline),
+        // REINFORCE++-baseline's return is undiscounted in both references
+        // (OpenRLHF sets γ = 1 for it; verl puts the centred total on every token).
+        ("algorithm", "gamma") => matches!(pipeline, Ppo | ReinforcePp),
         // The adaptive controller moves the KL these pipelines put in the reward.
         ("algorithm", "kl_target" | "kl_horizon") => {
             matches!(pipeline, Ppo | ReinforcePp | ReinforcePpBaseline | Remax)

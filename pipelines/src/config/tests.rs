@@ -220,3 +220,22 @@ fn bad_keys_and_values_are_named() {
         .to_string()
         .contains("model.path"));
 }
+
+/// The KL estimator defaults to where the KL goes: k3 as a loss term (the
+/// group pipelines, as TRL's and OpenRLHF's GRPO), k1 in the reward (ppo,
+/// reinforce_pp*, remax), whose score-function gradient only k1 makes the
+/// KL's (OpenRLHF's `--kl_estimator` and verl's `kl_penalty` default).
+#[test]
+fn the_kl_estimator_defaults_to_where_the_kl_goes() {
+    for kind in PipelineKind::ALL {
+        let want = match kind {
+            PipelineKind::Ppo
+            | PipelineKind::ReinforcePp
+            | PipelineKind::ReinforcePpBaseline
+            | PipelineKind::Remax => KlChoice::K1,
+            _ => KlChoice::K3,
+        };
+        let got = RunConfig::defaults_for(*kind).algorithm.kl_estimator;
+        assert_eq!(got, want, "{}", kind.name());
+    }
+}

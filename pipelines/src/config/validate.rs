@@ -70,11 +70,13 @@ impl RunConfig {
         if self.generate.max_new_tokens == 0 {
             return bad("generate.max_new_tokens", "0".into(), "must be at least 1");
         }
-        if self.generate.temperature.is_nan() || self.generate.temperature <= 0.0 {
+        // Below 0.01 the logits divided by it overflow or the sampled
+        // distribution's log-probs lose all precision (vLLM raises it to 0.01).
+        if !(self.generate.temperature.is_finite() && self.generate.temperature >= 0.01) {
             return bad(
                 "generate.temperature",
                 self.generate.temperature.to_string(),
-                "must be > 0",
+                "must be finite and at least 0.01",
             );
         }
         if !(self.generate.long_tail.is_finite() && self.generate.long_tail >= 0.0) {
@@ -99,6 +101,13 @@ impl RunConfig {
                 "reward.rule",
                 format!("{:?}", self.reward.rule),
                 &format!("must be one of {:?}", known_rules()),
+            );
+        }
+        if !(self.reward.timeout_s > 0.0 && self.reward.timeout_s <= 86_400.0) {
+            return bad(
+                "reward.timeout_s",
+                self.reward.timeout_s.to_string(),
+                "must be seconds in (0, 86400]",
             );
         }
         if self.reward.kind == RewardKind::Model && self.model.reward_model.is_empty() {

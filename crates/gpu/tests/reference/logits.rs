@@ -115,6 +115,20 @@ fn broken_checkpoints_give_errors_naming_the_file_and_tensor() {
         err.contains("model.safetensors") && err.contains("_proj.weight") && err.contains("100"),
         "{err}"
     );
+    // A config with fewer layers than the weights hold: refused, naming a
+    // tensor it has no place for (not a model that quietly drops a layer).
+    let mut fewer: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let layers = fewer["num_hidden_layers"].as_i64().unwrap();
+    fewer["num_hidden_layers"] = (layers - 1).into();
+    std::fs::write(dir.path().join("config.json"), fewer.to_string()).unwrap();
+    let err = Model::load(dir.path(), Device::Cpu, Kind::Float)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(&format!("model.layers.{}.", layers - 1)) && err.contains("no place for"),
+        "{err}"
+    );
     // Damaged weights files: cut short, a header longer than the file, an
     // unreadable header, a tensor whose bytes do not match its shape.
     std::fs::copy(src.join("config.json"), dir.path().join("config.json")).unwrap();

@@ -51,7 +51,12 @@ impl Stage for RewardModel {
                 &prompts[start..end],
                 &responses[start..end],
             )?;
-            let s = self.model.scores(&packed.ids, None)?;
+            let lengths: Vec<i64> = prompts[start..end]
+                .iter()
+                .zip(&responses[start..end])
+                .map(|(p, r)| (p.len() + r.len()) as i64)
+                .collect();
+            let s = self.model.scores_of_rows(&packed.ids, &lengths)?;
             scores.extend(
                 Vec::<f32>::try_from(s.select(1, 0).to_kind(tch::Kind::Float))
                     .map_err(|e| e.to_string())?,
@@ -77,14 +82,26 @@ mod tests {
         weir_graph::stage::StepContext::detached(0, WorkerInfo::single(), 0)
     }
 
+    /// The fixture reward model and a copy of it without a padding id
+    /// (as many Qwen3 reward checkpoints): rows of different lengths score
+    /// alone or side by side in one micro-batch as a direct forward of each.
     #[test]
     fn reward_model_scores_match_a_direct_forward() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../../../shared/fixtures/models/tiny-llama-rm");
-        let model = weir_gpu::Model::load(&dir, weir_gpu::Device::Cpu, tch::Kind::Float).unwrap();
-        let direct = weir_gpu::Model::load(&dir, weir_gpu::Device::Cpu, tch::Kind::Float).unwrap();
-        let prompts = vec![vec![1i64, 286, 202], vec![1, 5]];
-        let responses = vec![vec![305i64, 29, 2], vec![9]];
+        let unpadded = tempfile::tempdir().unwrap();
+        let mut config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
+                .unwrap();
+        config["pad_token_id"] = serde_json::Value::Null;
+        std::fs::write(unpadded.path().join("config.json"), config.to_string()).unwrap();
+        std::fs::copy(
+            dir.join("model.safetensors"),
+            unpadded.path().join("model.safetensors"),
+        )
+        .unwrap();
+        let prompts = vec![vec![1i64, 286, 202], vec![1, 5], vec![1, 3, 7]];
+        let responses = vec![vec![305i64, 29, 2], vec![9], vec![3]];
         let schema = std::sync::Arc::new(arrow::datatypes::Schema::new(vec![
             Field::new(
                 col::PROMPT_TOKENS,
@@ -113,17 +130,32 @@ mod tests {
             ],
         )
         .unwrap();
-        let mut stage = RewardModel::new(model, 1).unwrap();
-        let out = stage.process(&mut ctx(), batch).unwrap().remove(0);
-        let got = out
-            .column_by_name(col::REWARD)
-            .unwrap()
-            .as_primitive::<Float32Type>();
-        for i in 0..2 {
-            let ids = tch::Tensor::from_slice(&[prompts[i].clone(), responses[i].clone()].concat())
-                .view([1, -1]);
-            let want = direct.scores(&ids, None).unwrap().double_value(&[0, 0]);
-            assert!((f64::from(got.value(i)) - want).abs() < 1e-5);
+        for checkpoint in [dir.as_path(), unpadded.path()] {
+            let load = || {
+                weir_gpu::Model::load(checkpoint, weir_gpu::Device::Cpu, tch::Kind::Float).unwrap()
+            };
+            let direct = load();
+            for micro_batch in [1, 3] {
+                let mut stage = RewardModel::new(load(), micro_batch).unwrap();
+                let out = stage.process(&mut ctx(), batch.clone()).unwrap().remove(0);
+                let got = out
+                    .column_by_name(col::REWARD)
+                    .unwrap()
+                    .as_primitive::<Float32Type>();
+                for i in 0..prompts.len() {
+                    let ids = tch::Tensor::from_slice(
+                        &[prompts[i].clone(), responses[i].clone()].concat(),
+                    )
+                    .view([1, -1]);
+                    let want = direct.scores(&ids, None).unwrap().double_value(&[0, 0]);
+                    let got = f64::from(got.value(i));
+                    assert!(
+                        (got - want).abs() < 1e-5,
+                        "{}, micro-batch {micro_batch}, row {i}: {got} vs {want}",
+                        checkpoint.display()
+                    );
+                }
+            }
         }
         let lm = weir_gpu::Model::load(
             &dir.join("../tiny-llama"),

@@ -462,6 +462,39 @@ mod tests {
         assert!((logs["is_a"] - 2.0 / 3.0).abs() < 1e-12, "{logs:?}");
     }
 
+    /// A reward that runs programs (their output, and any read of stdin,
+    /// stay off the protocol), loaded by a relative path (its errors still
+    /// name their line).
+    #[test]
+    fn subprocess_output_and_relative_paths_keep_the_protocol() {
+        let dir = tempfile::tempdir().unwrap();
+        let source = "import subprocess, sys\n\
+                      def reward_func(q, p, l, **k):\n    \
+                      subprocess.run(['echo', 'compiled ok'])\n    \
+                      subprocess.run(['cat'], timeout=5)\n    \
+                      assert sys.stdin.read() == ''\n    \
+                      return [float(len(l[0]) < 9)] * len(q)\n";
+        let mut cfg = config(dir.path(), source, "reward_func");
+        let (rewards, _) = score(cfg.clone()).unwrap();
+        assert_eq!(rewards, vec![1.0; 3]);
+        // The same file by a path relative to this process's folder.
+        let here = std::env::current_dir().unwrap();
+        let up = "../".repeat(here.components().count() - 1);
+        let relative = format!(
+            "{up}{}",
+            cfg.file.display().to_string().trim_start_matches('/')
+        );
+        std::fs::write(
+            &cfg.file,
+            "def reward_func(q, p, l, **k):\n    raise KeyError('label')\n",
+        )
+        .unwrap();
+        cfg.file = relative.into();
+        assert!(cfg.file.is_relative());
+        let err = score(cfg).unwrap_err();
+        assert!(err.contains("KeyError: 'label' (line 2)"), "{err}");
+    }
+
     #[test]
     fn failures_name_the_file_function_and_row() {
         let dir = tempfile::tempdir().unwrap();

@@ -1,6 +1,8 @@
 # weir's Python reward worker: loads the user's reward file, then answers one
-# JSON request per stdin line with one JSON line on stdout. The user's own
-# prints go to stderr, so they never corrupt the protocol.
+# JSON request per line of its stdin with one JSON line on its stdout. The
+# protocol runs on copies of those descriptors: descriptor 1 then points at
+# stderr and descriptor 0 at /dev/null, so the user's prints, and the output
+# of any subprocess the reward runs, go to weir's log and never corrupt it.
 #
 #   argv: FILE FUNCTION MODE   (MODE: "batch" = OpenRLHF's
 #         reward_func(queries, prompts, labels, **kwargs); "sample" = verl's
@@ -16,12 +18,20 @@
 import importlib.util
 import json
 import math
+import os
 import sys
 import traceback
 
 path, name, mode = sys.argv[1], sys.argv[2], sys.argv[3]
-out = sys.stdout
+out = os.fdopen(os.dup(1), "w", encoding="utf-8")
+requests = os.fdopen(os.dup(0), "r", encoding="utf-8")
+sys.stdout.flush()
+os.dup2(2, 1)
+devnull = os.open(os.devnull, os.O_RDONLY)
+os.dup2(devnull, 0)
+os.close(devnull)
 sys.stdout = sys.stderr
+sys.stdin = open(os.devnull, "r")
 
 
 def send(obj):
@@ -35,7 +45,10 @@ def last_line(exc):
 
 def where(exc):
     # The innermost frame in the user's file, for the error line.
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == path]
+    mine = os.path.realpath(path)
+    frames = [
+        f for f in traceback.extract_tb(exc.__traceback__) if os.path.realpath(f.filename) == mine
+    ]
     return f" (line {frames[-1].lineno})" if frames else ""
 
 
@@ -137,7 +150,7 @@ def sample(req):
     return rewards, logs({k: v for k, v in extras.items() if all(isinstance(x, (int, float)) for x in v)})
 
 
-for line in sys.stdin:
+for line in requests:
     request = json.loads(line)
     try:
         rewards, extra = (batch if mode == "batch" else sample)(request)

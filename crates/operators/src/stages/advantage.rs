@@ -37,6 +37,10 @@ pub enum GroupEstimator {
 pub struct GroupAdvantage {
     estimator: GroupEstimator,
     flavor: Flavor,
+    /// The range each advantage is clipped to: OpenRLHF clips the shaped
+    /// reward of its own group estimators (GRPO, Dr.GRPO, RLOO) to its
+    /// reward clip range, ±10 by default; verl clips nothing.
+    pub reward_clip: Option<(f64, f64)>,
     held: StepBuffer,
     data_parallel: Option<GroupMember>,
 }
@@ -44,9 +48,15 @@ pub struct GroupAdvantage {
 impl GroupAdvantage {
     /// An advantage stage.
     pub fn new(estimator: GroupEstimator, flavor: Flavor) -> Self {
+        let openrlhf_estimator = matches!(
+            estimator,
+            GroupEstimator::Grpo | GroupEstimator::DrGrpo | GroupEstimator::Rloo
+        );
         GroupAdvantage {
             estimator,
             flavor,
+            reward_clip: (flavor == Flavor::OpenRlhf && openrlhf_estimator)
+                .then_some((-10.0, 10.0)),
             held: super::rows_in_order(),
             data_parallel: None,
         }
@@ -106,8 +116,12 @@ impl StepStage for GroupAdvantage {
         };
         let per_token: Vec<Vec<f64>> = per_response
             .iter()
+            .map(|&a| match self.reward_clip {
+                Some((lo, hi)) => a.clamp(lo, hi),
+                None => a,
+            })
             .zip(&lengths)
-            .map(|(a, n)| vec![*a; *n])
+            .map(|(a, n)| vec![a; *n])
             .collect();
         let batch = with_column(
             &batch,
@@ -440,7 +454,11 @@ impl AdaptiveKl {
 /// REINFORCE++ (and, with `baseline`, REINFORCE++-baseline): scores minus
 /// their group mean when `baseline`, KL-shaped per-token rewards, discounted
 /// returns, advantages = the returns whitened over the step (OpenRLHF's
-/// order: group shaping, reward clip + KL, returns, whitening).
+/// order: group shaping, reward clip + KL, returns, whitening). In verl's
+/// flavor REINFORCE++-baseline follows verl's
+/// `compute_reinforce_plus_plus_baseline_outcome_advantage`: each
+/// response's total reward (score and KL penalty) minus its group's mean,
+/// on every token, then whitened (no discount).
 pub struct ReinforceAdvantage {
     /// The baseline (group mean and greedy need whole groups: `ByKey("group_id")`).
     pub baseline: ReinforceBaseline,
@@ -529,7 +547,11 @@ impl StepStage for ReinforceAdvantage {
             _ => (batch, None),
         };
         let mut scores = rewards(&batch, "advantage")?;
-        if self.baseline == ReinforceBaseline::GroupMean {
+        // verl's REINFORCE++-baseline centres each response's whole return
+        // (score and KL penalty) on its group's, and gives every token that.
+        let verl_baseline =
+            self.baseline == ReinforceBaseline::GroupMean && self.flavor == Flavor::Verl;
+        if self.baseline == ReinforceBaseline::GroupMean && !verl_baseline {
             let groups = u64s(&batch, col::GROUP_ID, "advantage")?;
             scores = grpo(&scores, &groups, false, self.flavor)?;
         }
@@ -552,6 +574,19 @@ impl StepStage for ReinforceAdvantage {
         let (returns, advantages) = match &greedy {
             Some(baselines) => {
                 let (advantages, returns) = remax(&rewards, &mask, baselines);
+                (returns, advantages)
+            }
+            None if verl_baseline => {
+                let groups = u64s(&batch, col::GROUP_ID, "advantage")?;
+                let totals: Vec<f64> = rewards.iter().map(|r| r.iter().sum()).collect();
+                let centred = grpo(&totals, &groups, false, self.flavor)?;
+                let returns: TokenRows = centred
+                    .iter()
+                    .zip(&mask)
+                    .map(|(&c, m)| vec![c; m.len()])
+                    .collect();
+                let member = self.data_parallel.as_ref();
+                let advantages = whiten(&returns, &mask, self.flavor, member)?;
                 (returns, advantages)
             }
             None => {
@@ -669,6 +704,75 @@ mod tests {
         assert_eq!(
             adv,
             vec![vec![0.5, 0.5], vec![-0.5], vec![0.0, 0.0, 0.0], vec![0.0]]
+        );
+    }
+
+    /// `batch()` with other rewards (and, when given, reference log-probs).
+    fn scored(rewards: [f32; 4], reference: Option<Vec<Vec<f64>>>) -> RecordBatch {
+        let good = batch();
+        let mut columns = good.columns().to_vec();
+        columns[1] = Arc::new(Float32Array::from(rewards.to_vec()));
+        let mut fields: Vec<_> = good.schema().fields().iter().cloned().collect();
+        if let Some(reference) = reference {
+            columns.push(super::super::columns::float_list_array(&reference));
+            fields.push(Arc::new(arrow::datatypes::Field::new(
+                col::REF_LOGPROBS,
+                columns.last().unwrap().data_type().clone(),
+                true,
+            )));
+        }
+        RecordBatch::try_new(Arc::new(arrow::datatypes::Schema::new(fields)), columns).unwrap()
+    }
+
+    fn run_on(stage: &mut dyn Stage, batch: RecordBatch) -> RecordBatch {
+        let mut ctx = StepContext::detached(0, WorkerInfo::single(), 0);
+        assert!(stage.process(&mut ctx, batch).unwrap().is_empty());
+        stage.end_step(&mut ctx).unwrap().remove(0)
+    }
+
+    /// OpenRLHF clips the shaped rewards of its group estimators to ±10
+    /// (`compute_reward`'s `reward_clip_range`); verl does not clip.
+    #[test]
+    fn openrlhf_group_advantages_are_clipped_to_the_reward_range() {
+        for (flavor, want) in [(Flavor::OpenRlhf, 10.0), (Flavor::Verl, 15.0)] {
+            let mut stage = GroupAdvantage::new(GroupEstimator::DrGrpo, flavor);
+            let out = run_on(&mut stage, scored([30.0, 0.0, 1.0, 1.0], None));
+            let adv = float_lists(&out, col::ADVANTAGES, "t").unwrap();
+            assert_eq!(adv[0], vec![want, want], "{flavor:?}");
+            assert_eq!(adv[1], vec![-want], "{flavor:?}");
+        }
+    }
+
+    /// verl's REINFORCE++-baseline centres each response's total reward,
+    /// KL penalty included, on its group's: two responses whose score gap
+    /// the KL penalty cancels get no advantage at all; OpenRLHF's order
+    /// (centre the scores, then add the per-token penalty) gives them one.
+    #[test]
+    fn verl_reinforce_baseline_centres_the_whole_return() {
+        // Behaviour log-probs are −1 everywhere; the reference makes row 0's
+        // k1 KL 0.5 on each of its two tokens, every other row's 0.
+        let reference = vec![
+            vec![-1.5, -1.5],
+            vec![-1.0],
+            vec![-1.0, -1.0, -1.0],
+            vec![-1.0],
+        ];
+        let advantages = |flavor| {
+            let mut stage = ReinforceAdvantage::new(ReinforceBaseline::GroupMean, 1.0);
+            stage.flavor = flavor;
+            stage.reward_clip = None;
+            let out = run_on(
+                &mut stage,
+                scored([1.0, 0.0, 1.0, 1.0], Some(reference.clone())),
+            );
+            float_lists(&out, col::ADVANTAGES, "t").unwrap()
+        };
+        let verl = advantages(Flavor::Verl);
+        assert!(verl.iter().flatten().all(|a| a.abs() < 1e-6), "{verl:?}");
+        let openrlhf = advantages(Flavor::OpenRlhf);
+        assert!(
+            openrlhf.iter().flatten().any(|a| a.abs() > 0.1),
+            "{openrlhf:?}"
         );
     }
 }

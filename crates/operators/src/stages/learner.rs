@@ -21,7 +21,8 @@ use super::columns::{float_lists, token_lists};
 use super::sequences::{response_backward, response_logprobs, ResponseForward};
 use super::train_step::{optimizer_step, step_scale};
 use crate::algorithms::{
-    aggregate_in_step, kl_tensor, policy_loss_in_step, KlEstimator, PolicyLossConfig, WeightStats,
+    aggregate_in_step, kl_tensor, policy_loss_in_step, Aggregation, Flavor, KlEstimator,
+    PolicyLossConfig, WeightStats,
 };
 use crate::checkpoint::CheckpointPlan;
 use crate::rollout::col;
@@ -445,6 +446,12 @@ impl Learner {
                                 let adv = padded(&advantages[start..end], width, device);
                                 let behaviour_t = padded(&behaviour[start..end], width, device);
                                 let (agg, flavor) = (cfg.policy.aggregation, cfg.policy.flavor);
+                                // The KL and entropy terms: verl aggregates them as the
+                                // policy loss; OpenRLHF always as a token mean.
+                                let side = match flavor {
+                                    Flavor::Verl => agg,
+                                    Flavor::OpenRlhf => Aggregation::TokenMean,
+                                };
                                 let out = policy_loss_in_step(
                                     &lp,
                                     &old,
@@ -457,19 +464,19 @@ impl Learner {
                                 let mut loss = out.loss.shallow_clone();
                                 let share = mask.sum(Kind::Double).double_value(&[]) / total_tokens;
                                 if let Some(refs) = &references {
-                                    // KL to the reference as a loss term (GRPO's β · KL), aggregated like the policy loss.
+                                    // KL to the reference as a loss term (GRPO's β · KL).
                                     let ref_t = padded(&refs[start..end], width, device);
                                     let kl = kl_tensor(&lp, &ref_t, cfg.kl_estimator, flavor);
                                     stats[2] +=
                                         (kl.detach() * &mask).sum(Kind::Double).double_value(&[])
                                             / total_tokens;
-                                    loss += aggregate_in_step(&kl, &mask, agg, flavor, scale)
+                                    loss += aggregate_in_step(&kl, &mask, side, flavor, scale)
                                         * cfg.kl_coef;
                                 }
                                 if let Some(entropy) = &fwd.entropy {
                                     if cfg.entropy_coef != 0.0 {
                                         let bonus =
-                                            aggregate_in_step(entropy, &mask, agg, flavor, scale);
+                                            aggregate_in_step(entropy, &mask, side, flavor, scale);
                                         loss -= bonus * cfg.entropy_coef;
                                     }
                                     stats[3] += (entropy.detach() * &mask)

@@ -543,3 +543,32 @@ fn a_token_budget_cuts_sorted_rows_into_padded_micro_batches() {
     let padded: usize = cuts.iter().map(|&(a, b)| (b - a) * widths[b - 1]).sum();
     assert_eq!(padded, 28 * 8 + 4 * 256);
 }
+
+/// The KL and entropy terms beside the policy loss: verl aggregates them
+/// as the policy loss (`loss_agg_mode`), OpenRLHF always as a token mean
+/// over the step (its `aggregate_loss` default). With zero advantages the
+/// loss is those terms alone.
+#[test]
+fn openrlhf_aggregates_the_kl_and_entropy_terms_as_a_token_mean() {
+    let batch = uneven_batch(1);
+    let zeros: Vec<Vec<f64>> = float_lists(&batch, col::ADVANTAGES, "t")
+        .unwrap()
+        .iter()
+        .map(|r| vec![0.0; r.len()])
+        .collect();
+    let batch =
+        weir_graph::batch::with_column(&batch, col::ADVANTAGES, float_list_array(&zeros)).unwrap();
+    let loss = |flavor, mode| {
+        let mut l = aggregation_learner(mode, 4);
+        l.cfg.policy.flavor = flavor;
+        l.update(&batch).unwrap().loss
+    };
+    use crate::algorithms::{Aggregation, Flavor};
+    let token = loss(Flavor::OpenRlhf, Aggregation::TokenMean);
+    let sequence = loss(Flavor::OpenRlhf, Aggregation::SeqMeanTokenMean);
+    assert!(token.abs() > 1e-4, "{token}");
+    assert!((token - sequence).abs() < 1e-6, "{token} vs {sequence}");
+    let token = loss(Flavor::Verl, Aggregation::TokenMean);
+    let sequence = loss(Flavor::Verl, Aggregation::SeqMeanTokenMean);
+    assert!((token - sequence).abs() > 1e-4, "{token} vs {sequence}");
+}

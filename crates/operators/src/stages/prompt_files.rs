@@ -96,9 +96,14 @@ impl PromptSource {
                 |c: &str| format!("{}: {where_}: column `{c}` is missing", path.display());
             let (text, tokens) = match prompt {
                 PromptColumn::Text(c) => {
-                    let text = field(record, c)
-                        .and_then(serde_json::Value::as_str)
-                        .ok_or_else(|| missing(c))?;
+                    let value = field(record, c).ok_or_else(|| missing(c))?;
+                    let text = value.as_str().ok_or_else(|| {
+                        format!(
+                            "{}: {where_}: column `{c}` is {}, not text",
+                            path.display(),
+                            json_kind(value)
+                        )
+                    })?;
                     format.text(text, tokenizer)?
                 }
                 PromptColumn::Messages(c) => {
@@ -129,6 +134,13 @@ impl PromptSource {
                 let v = field(record, c).ok_or_else(|| missing(c))?;
                 values.push(match v {
                     serde_json::Value::String(s) => s.clone(),
+                    serde_json::Value::Null => {
+                        return Err(format!(
+                            "{}: {where_}: column `{c}` is null (a reward needs a value)",
+                            path.display()
+                        )
+                        .into())
+                    }
                     other => other.to_string(),
                 });
             }
@@ -140,6 +152,18 @@ impl PromptSource {
         }
         PromptSource::new(rows, extra.to_vec(), prompts_per_step, samples, seed)
             .map_err(|e| format!("{}: {e}", path.display()).into())
+    }
+}
+
+/// What kind of JSON value `v` is, for an error.
+fn json_kind(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "text",
+        serde_json::Value::Array(_) => "a list",
+        serde_json::Value::Object(_) => "an object",
     }
 }
 
@@ -185,6 +209,11 @@ fn read_records(path: &std::path::Path) -> Result<Vec<Record>, StageError> {
         "jsonl" | "json" => {
             let text =
                 std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+            // A byte-order mark (as some Windows editors write) is not JSON.
+            let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
+            if text.trim_start().starts_with('[') {
+                return json_array_records(path, text);
+            }
             let mut out = Vec::new();
             for (i, line) in text.lines().enumerate() {
                 if line.trim().is_empty() {
@@ -226,11 +255,36 @@ fn read_records(path: &std::path::Path) -> Result<Vec<Record>, StageError> {
             Ok(out)
         }
         other => Err(format!(
-            "{}: prompt files must be .jsonl or .parquet, not `.{other}`",
+            "{}: prompt files must be .jsonl, .json or .parquet, not `.{other}`",
             path.display()
         )
         .into()),
     }
+}
+
+/// The records of a file holding one JSON array of objects (what
+/// `json.dump(rows, f)` writes), each named by its place in the array.
+fn json_array_records(path: &std::path::Path, text: &str) -> Result<Vec<Record>, StageError> {
+    let values: Vec<serde_json::Value> = serde_json::from_str(text).map_err(|e| {
+        format!(
+            "{}: not a JSON array of objects ({e}); a prompt file holds one JSON object per \
+             line (JSONL), or one array of objects",
+            path.display()
+        )
+    })?;
+    values
+        .into_iter()
+        .enumerate()
+        .map(|(i, value)| match value {
+            serde_json::Value::Object(map) => Ok((format!("record {}", i + 1), map)),
+            _ => Err(format!(
+                "{}: record {} of the array is not a JSON object",
+                path.display(),
+                i + 1
+            )
+            .into()),
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -397,5 +451,49 @@ mod file_tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains(".csv"), "{err}");
+        // A prompt that is not text, and a null answer: named as such.
+        let load = |path: &std::path::Path| {
+            PromptSource::from_file(
+                path,
+                &PromptColumn::Text("prompt".into()),
+                &PromptFormat::default(),
+                &["answer".into()],
+                None,
+                &tok,
+                1,
+                1,
+                0,
+            )
+        };
+        for (text, needle) in [
+            (
+                "{\"prompt\": 12, \"answer\": \"1\"}\n",
+                "line 1: column `prompt` is a number, not text",
+            ),
+            (
+                "{\"prompt\": \"a\", \"answer\": null}\n",
+                "line 1: column `answer` is null",
+            ),
+        ] {
+            std::fs::write(&path, text).unwrap();
+            let err = load(&path).unwrap_err().to_string();
+            assert!(err.contains(needle), "{err}");
+        }
+        // A .json file holding one array of objects, after a byte-order mark.
+        let array = dir.path().join("set.json");
+        std::fs::write(
+            &array,
+            "\u{feff}[{\"prompt\": \"a\", \"answer\": 1}, {\"prompt\": \"b\", \"answer\": \"2\"}]",
+        )
+        .unwrap();
+        let src = load(&array).unwrap();
+        assert_eq!(src.rows().len(), 2);
+        assert_eq!(src.rows()[0].extra, vec!["1".to_string()]);
+        std::fs::write(&array, "[{\"prompt\": \"a\", \"answer\": 1}, 3]").unwrap();
+        let err = load(&array).unwrap_err().to_string();
+        assert!(
+            err.contains("record 2 of the array is not a JSON object"),
+            "{err}"
+        );
     }
 }

@@ -48,6 +48,8 @@ pub struct PromptSource {
     curriculum: Option<super::prompt_stats::Curriculum>,
     cursor_log: Option<CursorLog>,
     greedy_baseline: bool,
+    /// The last step the run needs prompts for ([`PromptSource::required_through`]).
+    required_through: Option<u64>,
 }
 
 impl Cursor {
@@ -198,6 +200,7 @@ impl PromptSource {
             curriculum: None,
             cursor_log: None,
             greedy_baseline: false,
+            required_through: None,
         })
     }
 
@@ -225,6 +228,37 @@ impl PromptSource {
     pub fn epochs(mut self, epochs: u64) -> Self {
         self.epochs = Some(epochs);
         self
+    }
+
+    /// The steps the epochs still allow from the cursor (`None`: no limit,
+    /// or a curriculum, whose skips make it unknown).
+    pub fn steps_left(&self) -> Option<u64> {
+        let epochs = self.epochs?;
+        if self.curriculum.is_some() {
+            return None;
+        }
+        let n = self.rows.len() as u64;
+        let drawn = self.cursor.epoch * n + self.cursor.position as u64;
+        Some((epochs * n).saturating_sub(drawn) / self.prompts_per_step as u64)
+    }
+
+    /// The run needs prompts through step `last`: running out before it is
+    /// an error naming the settings, not a quiet early end.
+    pub fn required_through(mut self, last: u64) -> Self {
+        self.required_through = Some(last);
+        self
+    }
+
+    /// Why the prompts cannot reach step `last` when they end before `step`.
+    pub fn shortfall(&self, step: u64, last: u64) -> String {
+        format!(
+            "the prompts run out at step {step}, before the run's last step {last}: \
+             data.epochs = {} pass(es) over {} prompts at {} a step (data.prompts_per_step); \
+             raise data.epochs (0: as many as the steps need) or lower run.steps",
+            self.epochs.unwrap_or(0),
+            self.rows.len(),
+            self.prompts_per_step
+        )
     }
 
     /// This instance's share when the source role has `size` workers.
@@ -302,7 +336,10 @@ impl Source for PromptSource {
     fn next_step(&mut self, ctx: &SourceContext) -> Result<Option<Vec<RecordBatch>>, StageError> {
         // Every worker of the role advances the same cursor and keeps its share.
         let Some(prompts) = self.take_prompts(ctx.step) else {
-            return Ok(None);
+            return match self.required_through {
+                Some(last) if ctx.step <= last => Err(self.shortfall(ctx.step, last).into()),
+                _ => Ok(None),
+            };
         };
         if let Some(log) = &self.cursor_log {
             log.record(ctx.step, self.cursor);
@@ -426,6 +463,38 @@ mod tests {
         let mut b = PromptSource::new(rows(6), vec!["answer".into()], 3, 1, 42).unwrap();
         b.restore(saved);
         assert_eq!(b.next_step(&ctx(1)).unwrap().unwrap().remove(0), next);
+    }
+
+    /// The steps epochs allow are known up front (7 prompts, 3 a step, 2
+    /// epochs: 14 prompts, 4 whole steps), and a source the run needs for
+    /// longer fails at the step it runs out, naming the settings.
+    #[test]
+    fn epochs_count_their_steps_and_running_out_early_is_an_error() {
+        let src = PromptSource::new(rows(7), vec!["answer".into()], 3, 1, 1)
+            .unwrap()
+            .epochs(2);
+        assert_eq!(src.steps_left(), Some(4));
+        let unlimited = PromptSource::new(rows(7), vec!["answer".into()], 3, 1, 1).unwrap();
+        assert_eq!(unlimited.steps_left(), None);
+        let mut src = src.required_through(5);
+        for step in 0..4 {
+            assert!(src.next_step(&ctx(step)).unwrap().is_some());
+        }
+        assert_eq!(src.steps_left(), Some(0));
+        let err = src.next_step(&ctx(4)).unwrap_err().to_string();
+        assert!(
+            err.contains("step 4") && err.contains("data.epochs = 2") && err.contains("run.steps"),
+            "{err}"
+        );
+        // A source that ends with the run's last step ends quietly after it.
+        let mut src = PromptSource::new(rows(7), vec!["answer".into()], 3, 1, 1)
+            .unwrap()
+            .epochs(2)
+            .required_through(3);
+        for step in 0..4 {
+            assert!(src.next_step(&ctx(step)).unwrap().is_some());
+        }
+        assert!(src.next_step(&ctx(4)).unwrap().is_none());
     }
 
     #[test]
