@@ -9,7 +9,8 @@ use weir_pipelines::{PipelineKind, RunConfig};
 /// `weir run`.
 #[derive(clap::Args, Debug)]
 pub struct RunArgs {
-    /// The pipeline: ppo, grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline or sft.
+    /// The pipeline: ppo, grpo, dr_grpo, rloo, opo, grpo_passk, gpg,
+    /// reinforce_pp, reinforce_pp_baseline, remax, sft, rm or dpo.
     pub pipeline: Option<String>,
     /// A TOML config (`weir config PIPELINE` prints every key with its default).
     #[arg(long)]

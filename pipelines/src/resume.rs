@@ -73,6 +73,26 @@ pub(crate) fn check_resumable(
     Ok(())
 }
 
+/// Whether a run folder holds nothing a step wrote: only the resolved
+/// config and empty folders, as a start that failed before its first step
+/// leaves it (bad input found while the pipeline was built). A new run may
+/// take such a folder over.
+pub(crate) fn holds_no_steps(dir: &Path) -> bool {
+    fn only_empty_folders(dir: &Path) -> bool {
+        std::fs::read_dir(dir).is_ok_and(|entries| {
+            entries
+                .flatten()
+                .all(|e| e.file_type().is_ok_and(|t| t.is_dir()) && only_empty_folders(&e.path()))
+        })
+    }
+    std::fs::read_dir(dir).is_ok_and(|entries| {
+        entries.flatten().all(|e| {
+            e.file_name() == RESOLVED
+                || (e.file_type().is_ok_and(|t| t.is_dir()) && only_empty_folders(&e.path()))
+        })
+    })
+}
+
 /// Refuses an existing, non-empty folder that is not a weir run (a new run
 /// would mix its files with someone else's).
 pub(crate) fn refuse_foreign_folder(dir: &Path) -> Result<(), PipelineError> {

@@ -33,6 +33,8 @@ pub fn reward(
                 url: cfg.reward.url.clone(),
                 label_column: (!cfg.data.label_column.is_empty())
                     .then(|| cfg.data.label_column.clone()),
+                label_typed: !typed_columns(&cfg, std::slice::from_ref(&cfg.data.label_column))?
+                    .is_empty(),
                 timeout: Duration::from_secs_f64(cfg.reward.timeout_s),
                 attempts: cfg.reward.attempts,
                 ..Default::default()
@@ -100,6 +102,10 @@ fn python_reward(
     file: &str,
     function: &str,
 ) -> Result<PythonRewardConfig, StageError> {
+    let columns = reward_columns(cfg)?;
+    let label = (!cfg.data.label_column.is_empty()).then(|| cfg.data.label_column.clone());
+    let named: Vec<String> = columns.iter().chain(&label).cloned().collect();
+    let typed = typed_columns(cfg, &named)?;
     Ok(PythonRewardConfig {
         file: PathBuf::from(file),
         function: function.to_string(),
@@ -107,9 +113,20 @@ fn python_reward(
         workers: cfg.reward.workers,
         timeout: Duration::from_secs_f64(cfg.reward.timeout_s),
         attempts: cfg.reward.attempts,
-        label_column: (!cfg.data.label_column.is_empty()).then(|| cfg.data.label_column.clone()),
-        columns: reward_columns(cfg)?,
+        label_column: label,
+        columns,
+        typed,
     })
+}
+
+/// Which of `names` (prompt-file columns; empty names ignored) the file
+/// holds as JSON values other than text.
+fn typed_columns(cfg: &RunConfig, names: &[String]) -> Result<Vec<String>, StageError> {
+    let names: Vec<String> = names.iter().filter(|n| !n.is_empty()).cloned().collect();
+    if names.is_empty() || crate::task::Task::of(cfg) == crate::task::Task::Arith {
+        return Ok(Vec::new());
+    }
+    weir_operators::stages::prompt_files::typed_columns(Path::new(&cfg.data.prompts), &names)
 }
 
 /// The prompt-file columns a Python reward receives besides the prompt and

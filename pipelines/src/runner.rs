@@ -166,7 +166,14 @@ fn prepare(req: &RunRequest) -> Result<Segment, PipelineError> {
     let (kind, cfg, dir, cluster) = (req.pipeline, &req.config, &req.run_dir, &req.cluster);
     let leader = cluster.is_leader();
     let resolved = dir.join(RESOLVED);
-    if leader && !req.resume && resolved.exists() {
+    let failed_start = resolved.exists() && crate::resume::holds_no_steps(dir);
+    if failed_start && leader && !req.resume {
+        tracing::info!(
+            "{}: an earlier start of a run here stopped before its first step: starting afresh",
+            dir.display()
+        );
+    }
+    if leader && !req.resume && resolved.exists() && !failed_start {
         return Err(format!(
             "{} already holds a run: resume it with `weir run --resume {}`, or pick another --out",
             dir.display(),
@@ -174,7 +181,7 @@ fn prepare(req: &RunRequest) -> Result<Segment, PipelineError> {
         )
         .into());
     }
-    if leader && !req.resume {
+    if leader && !req.resume && !failed_start {
         refuse_foreign_folder(dir)?;
     }
     let found = if req.resume {

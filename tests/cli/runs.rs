@@ -25,6 +25,16 @@ fn config_prints_every_key_and_run_names_bad_input() {
         weir::pipelines::RunConfig::defaults_for(weir::pipelines::PipelineKind::Grpo)
     );
 
+    // `weir run --help` names every pipeline.
+    let help = success(&weir(&["run", "--help"], tmp.path()));
+    for kind in weir::pipelines::PipelineKind::ALL {
+        assert!(
+            help.contains(kind.name()),
+            "{} missing from\n{help}",
+            kind.name()
+        );
+    }
+
     let model = fixtures().join("arith-sft");
     let model = model.to_str().unwrap();
     std::fs::write(tmp.path().join("bad.toml"), "[algorithm]\nlr = \"fast\"\n").unwrap();

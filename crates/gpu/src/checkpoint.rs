@@ -96,7 +96,10 @@ fn visit_file(
     let mut header = vec![0u8; n as usize];
     f.read_exact(&mut header)
         .map_err(|e| ModelError::io(file, e))?;
-    let entries = parse_header(&header, len - 8 - n).map_err(bad)?;
+    let entries = parse_header(&header, len - 8 - n).map_err(|e| match e {
+        HeaderError::Malformed(why) => bad(why),
+        HeaderError::Dtype(why) => ModelError::io(file, why),
+    })?;
     for entry in entries {
         let tensor = Tensor::empty(entry.shape.as_slice(), (entry.kind, tch::Device::Cpu));
         let bytes = entry.range.end - entry.range.start;
@@ -120,7 +123,7 @@ fn visit_file(
 /// The tensors of a safetensors header (JSON), in data order, each checked:
 /// a dtype weir reads, a shape whose size is its byte range, a range inside
 /// the `data_len` bytes of the data section.
-fn parse_header(header: &[u8], data_len: u64) -> Result<Vec<Entry>, String> {
+fn parse_header(header: &[u8], data_len: u64) -> Result<Vec<Entry>, HeaderError> {
     let value: serde_json::Map<String, Value> =
         serde_json::from_slice(header).map_err(|e| format!("its header is not JSON: {e}"))?;
     let mut entries = Vec::new();
@@ -134,7 +137,10 @@ fn parse_header(header: &[u8], data_len: u64) -> Result<Vec<Entry>, String> {
         };
         let dtype = field("dtype")?.as_str().unwrap_or_default().to_string();
         let kind = kind_of(&dtype).ok_or_else(|| {
-            format!("tensor `{name}` has dtype `{dtype}`, which weir does not read")
+            HeaderError::Dtype(format!(
+                "tensor `{name}` has dtype `{dtype}`, which weir does not read (it reads \
+                 F64, F32, F16, BF16 and integer tensors: dequantize the checkpoint first)"
+            ))
         })?;
         let whole = |v: &Value| {
             v.as_array()
@@ -155,13 +161,15 @@ fn parse_header(header: &[u8], data_len: u64) -> Result<Vec<Entry>, String> {
         if numel.checked_mul(kind.elt_size_in_bytes() as u64) != Some(bytes) {
             return Err(format!(
                 "tensor `{name}`: shape {shape:?} of {dtype} is not its {bytes} bytes"
-            ));
+            )
+            .into());
         }
         if offsets[1] > data_len {
             return Err(format!(
                 "tensor `{name}` ends at byte {} of a data section of {data_len}",
                 offsets[1]
-            ));
+            )
+            .into());
         }
         entries.push(Entry {
             name,
@@ -172,6 +180,20 @@ fn parse_header(header: &[u8], data_len: u64) -> Result<Vec<Entry>, String> {
     }
     entries.sort_by_key(|e| e.range.start);
     Ok(entries)
+}
+
+/// Why a safetensors header cannot be read.
+enum HeaderError {
+    /// It is not a well-formed header.
+    Malformed(String),
+    /// A well-formed header with a tensor of a dtype weir does not read.
+    Dtype(String),
+}
+
+impl From<String> for HeaderError {
+    fn from(why: String) -> Self {
+        HeaderError::Malformed(why)
+    }
 }
 
 /// The libtorch dtype of a safetensors dtype name.

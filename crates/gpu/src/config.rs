@@ -213,6 +213,13 @@ impl ModelConfig {
             .or_else(|| v.get("rope_theta"))
             .and_then(Value::as_f64)
             .unwrap_or(10_000.0);
+        if !(rope_theta.is_finite() && rope_theta > 1.0) {
+            return Err(ModelError::config(
+                path,
+                "rope_theta",
+                format!("{rope_theta} is not a rotary base (a number above 1)"),
+            ));
+        }
         let scaling = rope_params.or_else(|| v.get("rope_scaling").filter(|s| s.is_object()));
         let rope_scaling = parse_rope_scaling(scaling, path)?;
         let (attention_bias, o_bias) = match family {
@@ -318,13 +325,20 @@ fn parse_rope_scaling(scaling: Option<&Value>, path: &Path) -> Result<RopeScalin
         .and_then(Value::as_str)
         .unwrap_or("default");
     let num = |key: &str| {
-        s.get(key).and_then(Value::as_f64).ok_or_else(|| {
-            ModelError::config(
+        let key_name = format!("rope_scaling.{key}");
+        match s.get(key).and_then(Value::as_f64) {
+            None => Err(ModelError::config(
                 path,
-                &format!("rope_scaling.{key}"),
+                &key_name,
                 format!("missing for rope type `{kind}`"),
-            )
-        })
+            )),
+            Some(x) if !(x.is_finite() && x > 0.0) => Err(ModelError::config(
+                path,
+                &key_name,
+                format!("{x} is not a positive number"),
+            )),
+            Some(x) => Ok(x),
+        }
     };
     match kind {
         "default" => Ok(RopeScaling::None),
@@ -412,6 +426,26 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("yarn"));
+        for (key, value, says) in [
+            (
+                "rope_scaling",
+                json!({"rope_type": "linear", "factor": 0.0}),
+                "rope_scaling.factor",
+            ),
+            (
+                "rope_scaling",
+                json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": -1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+                "rope_scaling.low_freq_factor",
+            ),
+            ("rope_theta", json!(0.0), "`rope_theta`"),
+        ] {
+            let mut bad = base();
+            bad[key] = value;
+            let err = ModelConfig::from_json(&bad, Path::new("c"))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(says), "{err}");
+        }
         let mut bad = base();
         bad["num_key_value_heads"] = json!(3);
         assert!(ModelConfig::from_json(&bad, Path::new("c"))

@@ -262,6 +262,22 @@ impl Tokenizer {
                 ))
             },
         );
+        // transformers' helper for templates that date their system prompt.
+        env.add_function(
+            "strftime_now",
+            |format: String| -> Result<String, minijinja::Error> {
+                let items: Vec<_> = chrono::format::StrftimeItems::new(&format).collect();
+                if items.contains(&chrono::format::Item::Error) {
+                    return Err(minijinja::Error::new(
+                        minijinja::ErrorKind::InvalidOperation,
+                        format!("strftime_now: {format:?} is not a strftime format"),
+                    ));
+                }
+                Ok(chrono::Local::now()
+                    .format_with_items(items.into_iter())
+                    .to_string())
+            },
+        );
         let ctx = minijinja::context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,

@@ -143,6 +143,18 @@ fn broken_checkpoints_give_errors_naming_the_file_and_tensor() {
         h[at] = if digit == b'9' { b'1' } else { digit + 1 };
         [&file[..8], &h[..], &file[8 + n..]].concat()
     };
+    let fp8 = {
+        // The first tensor's dtype an FP8 one (a well-formed file weir cannot read).
+        let at = header.find("\"dtype\":\"").unwrap() + 9;
+        let end = at + header[at..].find('"').unwrap();
+        let h = format!("{}F8_E4M3{}", &header[..at], &header[end..]);
+        [
+            &(h.len() as u64).to_le_bytes()[..],
+            h.as_bytes(),
+            &file[8 + n..],
+        ]
+        .concat()
+    };
     for (case, bytes, says) in [
         (
             "cut short",
@@ -160,6 +172,11 @@ fn broken_checkpoints_give_errors_naming_the_file_and_tensor() {
             "not JSON",
         ),
         ("a wrong shape", wrong_shape, "is not its"),
+        (
+            "quantized",
+            fp8,
+            "dtype `F8_E4M3`, which weir does not read",
+        ),
         ("empty", Vec::new(), "header's length"),
     ] {
         std::fs::write(dir.path().join("model.safetensors"), &bytes).unwrap();
@@ -169,6 +186,11 @@ fn broken_checkpoints_give_errors_naming_the_file_and_tensor() {
         assert!(
             err.contains("model.safetensors") && err.contains(says),
             "{case}: {err}"
+        );
+        assert_eq!(
+            err.contains("not a safetensors file"),
+            case != "quantized",
+            "{err}"
         );
     }
     // Malformed JSON.

@@ -152,3 +152,48 @@ fn a_trained_chatml_bpe_round_trips_and_renders_chat() {
     let chat = tok.encode_chat(&messages, true).unwrap();
     assert_eq!(chat[0], 1, "<|im_start|> is one special token");
 }
+
+/// Templates that date their system prompt (Llama 3.1, Mistral) call
+/// transformers' `strftime_now`; a bad format is an error naming it.
+#[test]
+fn chat_templates_may_date_their_prompt() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = fixtures().join("tokenizer");
+    for entry in std::fs::read_dir(&src).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, tmp.path().join(path.file_name().unwrap())).unwrap();
+    }
+    let template =
+        "{%- if strftime_now is defined %}{%- set d = strftime_now(\"%Y-%m-%d|%d %b %Y\") %}\
+                    {%- else %}{%- set d = \"none\" %}{%- endif %}\
+                    Today: {{ d }}\n{% for m in messages %}{{ m.content }}{% endfor %}";
+    std::fs::write(tmp.path().join("chat_template.jinja"), template).unwrap();
+    let tok = weir_gpu::Tokenizer::load(tmp.path()).unwrap();
+    let messages = [weir_gpu::Message {
+        role: "user".into(),
+        content: "hi".into(),
+    }];
+    let rendered = tok.apply_chat_template(&messages, true).unwrap();
+    let date = rendered
+        .strip_prefix("Today: ")
+        .and_then(|r| r.strip_suffix("\nhi"))
+        .unwrap_or_else(|| panic!("{rendered:?}"));
+    let (iso, long) = date.split_once('|').unwrap();
+    assert_eq!(iso.len(), 10, "{iso}");
+    assert!(iso.starts_with("20") && iso.as_bytes()[4] == b'-', "{iso}");
+    assert_eq!(&long[long.len() - 4..], &iso[..4], "{long}");
+    std::fs::write(
+        tmp.path().join("chat_template.jinja"),
+        "{{ strftime_now(\"%Q\") }}",
+    )
+    .unwrap();
+    let tok = weir_gpu::Tokenizer::load(tmp.path()).unwrap();
+    let err = tok
+        .apply_chat_template(&messages, true)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("chat_template") && err.contains("\"%Q\" is not a strftime format"),
+        "{err}"
+    );
+}

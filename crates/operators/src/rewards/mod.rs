@@ -133,6 +133,19 @@ pub fn registered_names() -> Vec<String> {
         .collect()
 }
 
+/// A column's values as a reward function receives them: its texts, or,
+/// for a column the prompt file holds as JSON numbers, booleans, lists or
+/// objects (`typed`), the JSON values those texts hold.
+pub fn column_values(texts: &[String], typed: bool) -> serde_json::Value {
+    if !typed {
+        return serde_json::json!(texts);
+    }
+    texts
+        .iter()
+        .map(|t| serde_json::from_str(t).unwrap_or_else(|_| serde_json::Value::String(t.clone())))
+        .collect()
+}
+
 /// Checks a [`Reward`]'s answer for `rows` rows: the count, and every value finite.
 pub fn check_scores(name: &str, scores: &Scores, rows: usize) -> Result<(), StageError> {
     if scores.rewards.len() != rows {

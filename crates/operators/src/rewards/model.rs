@@ -62,6 +62,7 @@ impl Stage for RewardModel {
                     .map_err(|e| e.to_string())?,
             );
         }
+        finite_scores(&scores)?;
         Ok(vec![with_column(
             &batch,
             col::REWARD,
@@ -70,9 +71,31 @@ impl Stage for RewardModel {
     }
 }
 
+/// A reward model's scores must be numbers: NaN or an infinity (weights
+/// that overflow, or a score past f32) would poison every advantage.
+fn finite_scores(scores: &[f32]) -> Result<(), StageError> {
+    match scores.iter().position(|s| !s.is_finite()) {
+        Some(i) => Err(format!(
+            "reward model: row {i}: the score is {}: the model's output overflows (a reward must be a finite number)",
+            scores[i]
+        )
+        .into()),
+        None => Ok(()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn scores_that_are_not_numbers_name_their_row() {
+        assert!(finite_scores(&[0.5, -3.0]).is_ok());
+        let err = finite_scores(&[0.5, f32::NAN]).unwrap_err().to_string();
+        assert!(err.contains("row 1: the score is NaN"), "{err}");
+        let err = finite_scores(&[f32::INFINITY]).unwrap_err().to_string();
+        assert!(err.contains("row 0: the score is inf"), "{err}");
+    }
     use arrow::array::AsArray;
     use arrow::datatypes::{DataType, Field, Float32Type};
     use weir_graph::WorkerInfo;

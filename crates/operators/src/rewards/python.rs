@@ -57,11 +57,22 @@ pub struct PythonRewardConfig {
     pub label_column: Option<String>,
     /// Further prompt-file columns handed to the function.
     pub columns: Vec<String>,
+    /// The columns (the label's included) whose values in the prompt file
+    /// are JSON numbers, booleans, lists or objects: the rollout keeps them
+    /// as JSON text, and the function receives them decoded, as the file
+    /// holds them.
+    pub typed: Vec<String>,
 }
 
 impl PythonRewardConfig {
     fn per_sample(&self) -> bool {
         self.function == "compute_score"
+    }
+
+    /// Column `name`'s values as the function receives them: text, or,
+    /// for a typed column, the JSON values the texts hold.
+    fn values(&self, name: &str, texts: &[String]) -> Value {
+        super::column_values(texts, self.typed.iter().any(|t| t == name))
     }
 
     /// `file::function`, for messages.
@@ -317,13 +328,17 @@ fn request(
     let columns: serde_json::Map<String, Value> = rows
         .columns
         .iter()
-        .map(|(k, v)| (k.to_string(), json!(v)))
+        .map(|(k, v)| (k.to_string(), cfg.values(k, v)))
         .collect();
+    let labels = match (rows.labels, &cfg.label_column) {
+        (Some(labels), Some(name)) => cfg.values(name, labels),
+        _ => Value::Null,
+    };
     let body = json!({
         "queries": queries,
         "prompts": rows.prompts,
         "responses": rows.responses,
-        "labels": rows.labels,
+        "labels": labels,
         "columns": columns,
     });
     let span = |i: usize| format!("row {}", rows.offset + i);
@@ -425,6 +440,7 @@ mod tests {
             attempts: 2,
             label_column: Some("answer".into()),
             columns: vec!["topic".into()],
+            typed: Vec::new(),
         }
     }
 
@@ -493,6 +509,38 @@ mod tests {
         assert!(cfg.file.is_relative());
         let err = score(cfg).unwrap_err();
         assert!(err.contains("KeyError: 'label' (line 2)"), "{err}");
+    }
+
+    /// Labels and columns that the prompt file holds as numbers, lists or
+    /// objects reach the function as those values, not as their JSON text;
+    /// a text column stays text even when it looks like a number.
+    #[test]
+    fn typed_columns_arrive_as_the_file_holds_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let sample = "def compute_score(data_source, solution_str, ground_truth, extra_info):\n    \
+                      assert isinstance(extra_info['topic'], str), extra_info\n    \
+                      assert isinstance(extra_info['ok'], list), extra_info\n    \
+                      return float(ground_truth == int(solution_str) and solution_str in extra_info['ok'])\n";
+        let mut cfg = config(dir.path(), sample, "compute_score");
+        cfg.columns = vec!["topic".into(), "ok".into()];
+        cfg.typed = vec!["answer".into(), "ok".into()];
+        let mut reward = PythonReward::new(cfg).unwrap();
+        let columns = vec![
+            ("topic".to_string(), texts(&["7", "b", "a"])),
+            (
+                "ok".to_string(),
+                texts(&["[\"2\"]", "[\"5\", \"4\"]", "[]"]),
+            ),
+        ];
+        let (rewards, _) = reward
+            .score(
+                &texts(&["1+1=", "2+2=", "3+3="]),
+                &texts(&["2", "4", "6"]),
+                Some(&texts(&["2", "4", "6"])),
+                &columns,
+            )
+            .unwrap();
+        assert_eq!(rewards, vec![1.0, 1.0, 0.0]);
     }
 
     #[test]

@@ -30,6 +30,9 @@ pub struct RemoteRewardConfig {
     pub score_key: String,
     /// A dataset column sent as `labels` (a reference answer), if any.
     pub label_column: Option<String>,
+    /// Whether the prompt file holds the labels as JSON numbers, lists or
+    /// objects: they are sent as those values, not as their text.
+    pub label_typed: bool,
     /// Rows per request.
     pub batch_size: usize,
     /// Requests in flight at once.
@@ -48,6 +51,7 @@ impl Default for RemoteRewardConfig {
             url: "http://127.0.0.1:5000/get_reward".to_string(),
             score_key: "rewards".to_string(),
             label_column: None,
+            label_typed: false,
             batch_size: 64,
             concurrency: 4,
             timeout: Duration::from_secs(120),
@@ -113,7 +117,7 @@ impl RemoteReward {
                     .collect();
                 let mut body = json!({ "query": query, "prompts": &prompts[start..end] });
                 if let Some(labels) = labels {
-                    body["labels"] = json!(&labels[start..end]);
+                    body["labels"] = super::column_values(&labels[start..end], cfg.label_typed);
                 }
                 body
             })

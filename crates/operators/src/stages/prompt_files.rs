@@ -181,6 +181,24 @@ pub fn common_columns(path: &std::path::Path) -> Result<Vec<String>, StageError>
         .collect())
 }
 
+/// Which of `names` a prompt file holds as JSON numbers, booleans, lists
+/// or objects in every record (a column with any text value is text): the
+/// rollout keeps such values as their JSON text, and a reward function
+/// receives them decoded.
+pub fn typed_columns(path: &std::path::Path, names: &[String]) -> Result<Vec<String>, StageError> {
+    let records = read_records(path)?;
+    Ok(names
+        .iter()
+        .filter(|name| {
+            !records.is_empty()
+                && records.iter().all(|(_, r)| {
+                    field(r, name).is_some_and(|v| !matches!(v, serde_json::Value::String(_)))
+                })
+        })
+        .cloned()
+        .collect())
+}
+
 /// A record's column `name`: the top-level field of that name, else, for a
 /// dotted name, the nested field it names (`reward_model.ground_truth`, as
 /// verl's datasets keep the answer; a Parquet struct column reads the same).
@@ -359,6 +377,25 @@ mod file_tests {
             src.rows()[0].tokens,
             tok.encode("Compute: 1+2", true).unwrap()
         );
+        // Typed columns: every value a number, list or object (nested
+        // fields too); one text value makes a column text.
+        let typed = dir.path().join("t.jsonl");
+        std::fs::write(
+            &typed,
+            "{\"q\": \"a\", \"n\": 3, \"m\": \"3\", \"r\": {\"gt\": [1]}}\n\
+             {\"q\": \"b\", \"n\": 4.5, \"m\": 4, \"r\": {\"gt\": [2, 3]}}\n",
+        )
+        .unwrap();
+        let names: Vec<String> = ["q", "n", "m", "r.gt", "r", "absent"]
+            .map(String::from)
+            .to_vec();
+        assert_eq!(
+            typed_columns(&typed, &names).unwrap(),
+            vec!["n".to_string(), "r.gt".into(), "r".into()]
+        );
+        assert!(typed_columns(&parquet, &["answer".into()])
+            .unwrap()
+            .is_empty());
     }
 
     #[test]
