@@ -528,6 +528,50 @@ fn the_adaptive_kl_coefficient_follows_its_controller_across_a_resume() {
     );
 }
 
+/// The actor's and the critic's learning-rate schedules go on from a
+/// checkpoint where they stopped (warm-up and decay count optimizer steps,
+/// restored with the optimizer): two steps and two resumed ones train
+/// the same weights as four straight ones.
+#[test]
+fn learning_rate_schedules_continue_across_a_resume() {
+    let tmp = tempfile::tempdir().unwrap();
+    let kind = PipelineKind::Ppo;
+    let mut cfg = config(kind, 4);
+    cfg.run.max_staleness = 0;
+    cfg.run.checkpoint_every = 2;
+    cfg.algorithm.warmup_steps = 2;
+    cfg.algorithm.schedule = weir::pipelines::config::ScheduleChoice::Cosine;
+    let straight = tmp.path().join("straight");
+    run(kind, cfg.clone(), &straight, false);
+    let resumed = tmp.path().join("resumed");
+    run(kind, config_with_steps(&cfg, 2), &resumed, false);
+    run(kind, cfg.clone(), &resumed, true);
+    for (stage, base) in [
+        ("learn", cfg.algorithm.lr),
+        ("critic_learn", cfg.algorithm.critic_lr),
+    ] {
+        let lr = metric(&straight, stage, "lr");
+        // Warm-up over steps 0 and 1, then the cosine from its top.
+        let want = [0.5 * base, base, base, 0.1 * base + 0.9 * base * 0.5];
+        for (step, w) in want.iter().enumerate() {
+            let got = lr[&(step as u64)];
+            assert!(
+                (got - w).abs() < 1e-12 * base,
+                "{stage} step {step}: lr {got}, want {w}"
+            );
+        }
+        assert_eq!(metric(&resumed, stage, "lr"), lr, "{stage}");
+    }
+    for component in ["actor", "critic"] {
+        let file = format!("checkpoints/step-3/{component}/model.safetensors");
+        assert!(
+            std::fs::read(straight.join(&file)).unwrap()
+                == std::fs::read(resumed.join(&file)).unwrap(),
+            "{file} differs after a resume"
+        );
+    }
+}
+
 #[test]
 fn a_python_reward_file_scores_a_jsonl_task_with_its_columns() {
     use weir::operators::tasks::arith;

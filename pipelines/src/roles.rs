@@ -163,6 +163,7 @@ pub fn critic_learner(
             (a.max_grad_norm > 0.0).then_some(a.max_grad_norm),
         )?
         .with_loss(a.aggregation.into(), flavor(&cfg))
+        .with_schedule(schedule(&cfg))
         .with_epochs(a.ppo_epochs)
         .with_mini_batches(a.mini_batches)
         .with_checkpoints(checkpoints.clone());
@@ -200,7 +201,12 @@ pub fn learner_config(cfg: &RunConfig, kl_in_loss: bool) -> LearnerConfig {
         policy: PolicyLossConfig {
             clip_low: a.clip_low,
             clip_high: a.clip_high,
-            dual_clip: (a.dual_clip > 0.0).then_some(a.dual_clip),
+            // verl applies its dual clip (`clip_ratio_c` = 3) always.
+            dual_clip: match (a.dual_clip, flavor(cfg)) {
+                (c, _) if c > 0.0 => Some(c),
+                (_, Flavor::Verl) => Some(3.0),
+                _ => None,
+            },
             ratio_level: match a.policy_loss {
                 PolicyLossChoice::Gspo => RatioLevel::Sequence,
                 _ => RatioLevel::Token,

@@ -43,10 +43,11 @@ fn softmax_kind(kind: Kind) -> Kind {
     }
 }
 
-/// Log-probs of `targets` `[N]` (and the entropy) under the output head
-/// `weight` `[vocab, hidden]` applied to `hidden` `[N, hidden]` at
-/// `temperature`, `chunk` positions at a time: at most `chunk × vocab`
-/// logits exist at once, whatever `N`. Without gradients; the gradient is
+/// Log-probs of `targets` `[N]` under the output head `weight`
+/// `[vocab, hidden]` applied to `hidden` `[N, hidden]` at `temperature`
+/// (and the entropy at `entropy_at`, a temperature of its own), `chunk`
+/// positions at a time: at most `chunk × vocab` logits exist at once,
+/// whatever `N`. Without gradients; the gradient is
 /// [`head_backward_chunked`]'s. Equal to [`gather_logprobs`] and
 /// [`entropy`] over the full logits.
 pub fn head_forward_chunked(
@@ -54,7 +55,7 @@ pub fn head_forward_chunked(
     hidden: &Tensor,
     targets: &Tensor,
     temperature: f64,
-    with_entropy: bool,
+    entropy_at: Option<f64>,
     chunk: usize,
 ) -> (Tensor, Option<Tensor>) {
     let _guard = tch::no_grad_guard();
@@ -66,29 +67,31 @@ pub fn head_forward_chunked(
         let logits = hidden.narrow(0, start, len).matmul(&weight.tr());
         let t = targets.narrow(0, start, len);
         logprobs.push(gather_logprobs(&logits, &t, temperature));
-        if with_entropy {
-            entropies.push(entropy(&logits, temperature));
+        if let Some(at) = entropy_at {
+            entropies.push(entropy(&logits, at));
         }
     }
     (
         Tensor::cat(&logprobs, 0),
-        with_entropy.then(|| Tensor::cat(&entropies, 0)),
+        entropy_at.map(|_| Tensor::cat(&entropies, 0)),
     )
 }
 
 /// The gradient of a loss in `hidden` `[N, hidden]` and in the head's
 /// `weight` `[vocab, hidden]`, given its gradient in the log-probs
-/// `grad_logprobs` `[N]` (and in the entropy) of [`head_forward_chunked`],
-/// recomputing the logits `chunk` positions at a time. With `z = h·Wᵀ/τ`,
-/// `p = softmax(z)`: `∂/∂z = g_lp · (onehot(target) − p) − g_H · p ⊙ (log p + H)`,
-/// then `∂/∂h = ∂/∂z · W / τ` and `∂/∂W = (∂/∂z)ᵀ · h / τ`.
+/// `grad_logprobs` `[N]` (and in the entropy, with the temperature it was
+/// measured at) of [`head_forward_chunked`], recomputing the logits
+/// `chunk` positions at a time. With logits `x = h·Wᵀ`, `z = x/τ`,
+/// `p = softmax(z)`: `∂/∂x = g_lp · (onehot(target) − p) / τ`, and for the
+/// entropy at `τ_H` with `q = softmax(x/τ_H)`: `− g_H · q ⊙ (log q + H) / τ_H`;
+/// then `∂/∂h = ∂/∂x · W` and `∂/∂W = (∂/∂x)ᵀ · h`.
 pub fn head_backward_chunked(
     weight: &Tensor,
     hidden: &Tensor,
     targets: &Tensor,
     temperature: f64,
     grad_logprobs: &Tensor,
-    grad_entropy: Option<&Tensor>,
+    grad_entropy: Option<(&Tensor, f64)>,
     chunk: usize,
 ) -> (Tensor, Tensor) {
     let _guard = tch::no_grad_guard();
@@ -100,8 +103,8 @@ pub fn head_backward_chunked(
     for start in (0..n).step_by(step as usize) {
         let len = step.min(n - start);
         let h = hidden.narrow(0, start, len);
-        let z = h.matmul(&weight.tr()).to_kind(kind) / temperature;
-        let logp = z.log_softmax(-1, kind);
+        let x = h.matmul(&weight.tr()).to_kind(kind);
+        let logp = (&x / temperature).log_softmax(-1, kind);
         let p = logp.exp();
         let g = grad_logprobs
             .narrow(0, start, len)
@@ -109,12 +112,19 @@ pub fn head_backward_chunked(
             .unsqueeze(-1);
         let mut dz = -(&p * &g);
         let _ = dz.scatter_add_(-1, &targets.narrow(0, start, len).unsqueeze(-1), &g);
-        if let Some(ge) = grad_entropy {
+        let mut dx = dz / temperature;
+        if let Some((ge, at)) = grad_entropy {
             let ge = ge.narrow(0, start, len).to_kind(kind).unsqueeze(-1);
-            let h_ent = -(&p * &logp).sum_dim_intlist(-1, true, kind);
-            dz -= ge * &p * (&logp + h_ent);
+            let logq = if at == temperature {
+                logp.shallow_clone()
+            } else {
+                (&x / at).log_softmax(-1, kind)
+            };
+            let q = logq.exp();
+            let h_ent = -(&q * &logq).sum_dim_intlist(-1, true, kind);
+            dx -= ge * &q * (&logq + h_ent) / at;
         }
-        let dlogits = (dz / temperature).to_kind(weight.kind());
+        let dlogits = dx.to_kind(weight.kind());
         grad_hidden.push(dlogits.matmul(weight));
         grad_weight += dlogits.tr().matmul(&h);
     }

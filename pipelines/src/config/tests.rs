@@ -239,3 +239,19 @@ fn the_kl_estimator_defaults_to_where_the_kl_goes() {
         assert_eq!(got, want, "{}", kind.name());
     }
 }
+
+/// verl's flavor takes verl's dual clip (c = 3) unless one is set;
+/// OpenRLHF's has none unless set.
+#[test]
+fn the_dual_clip_follows_the_flavor_unless_set() {
+    let dual = |flavor, c| {
+        let mut cfg = RunConfig::defaults_for(PipelineKind::Grpo);
+        cfg.algorithm.flavor = flavor;
+        cfg.algorithm.dual_clip = c;
+        crate::roles::learner_config(&cfg, true).policy.dual_clip
+    };
+    assert_eq!(dual(FlavorChoice::Verl, 0.0), Some(3.0));
+    assert_eq!(dual(FlavorChoice::Verl, 5.0), Some(5.0));
+    assert_eq!(dual(FlavorChoice::Openrlhf, 0.0), None);
+    assert_eq!(dual(FlavorChoice::Openrlhf, 2.0), Some(2.0));
+}

@@ -135,6 +135,7 @@ pub struct CriticLearner {
     epochs: usize,
     mini_batches: usize,
     lr: f64,
+    schedule: super::learner::LrSchedule,
     data_parallel: Option<GroupMember>,
     /// The last step's value loss.
     pub last_loss: f64,
@@ -164,6 +165,7 @@ impl CriticLearner {
             epochs: 1,
             mini_batches: 1,
             lr,
+            schedule: super::learner::LrSchedule::Constant { warmup: 0 },
             data_parallel: None,
             last_loss: f64::NAN,
         })
@@ -179,10 +181,24 @@ impl CriticLearner {
         self
     }
 
-    /// Aggregates the value loss with `aggregation` and `flavor`'s semantics
-    /// ([`crate::algorithms::value_loss`]; the default: token mean, OpenRLHF).
+    /// Aggregates the value loss with `flavor`'s semantics
+    /// ([`crate::algorithms::value_loss`]; the default: token mean, OpenRLHF):
+    /// verl's critic aggregates as the actor does (`aggregation`, its
+    /// `loss_agg_mode`); OpenRLHF's always takes a token mean (its `ValueLoss`).
     pub fn with_loss(mut self, aggregation: Aggregation, flavor: Flavor) -> Self {
-        (self.aggregation, self.flavor) = (aggregation, flavor);
+        self.aggregation = match flavor {
+            Flavor::Verl => aggregation,
+            Flavor::OpenRlhf => Aggregation::TokenMean,
+        };
+        self.flavor = flavor;
+        self
+    }
+
+    /// The learning-rate schedule over the critic's optimizer steps, on its
+    /// own base rate (OpenRLHF schedules its critic as its actor, each with
+    /// its own rate); the step count is the optimizer's, restored on resume.
+    pub fn with_schedule(mut self, schedule: super::learner::LrSchedule) -> Self {
+        self.schedule = schedule;
         self
     }
 
@@ -268,10 +284,11 @@ impl StepStage for CriticLearner {
                 // [loss, clipped tokens], summed over the ranks.
                 let mut stats = [0.0, 0.0];
                 let (clip, aggregation, flavor) = (self.clip, self.aggregation, self.flavor);
+                let lr = self.schedule.rate(self.lr, self.optimizer.steps());
                 optimizer_step(
                     &mut self.optimizer,
                     member,
-                    self.lr,
+                    lr,
                     self.max_grad_norm,
                     &mut stats,
                     |stats| {
@@ -308,6 +325,11 @@ impl StepStage for CriticLearner {
         if leads(member) {
             ctx.record("value_loss", self.last_loss);
             ctx.record("value_clip_fraction", clip_fraction);
+            ctx.record(
+                "lr",
+                self.schedule
+                    .rate(self.lr, self.optimizer.steps().saturating_sub(1)),
+            );
             if let Some(ck) = self.checkpoints.as_ref().filter(|c| c.due(ctx.step)) {
                 ck.save_component(ctx.step, "critic", &model, &self.optimizer)?;
             }

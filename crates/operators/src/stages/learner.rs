@@ -172,7 +172,6 @@ pub struct Learner {
     cfg: LearnerConfig,
     held: StepBuffer,
     last: UpdateStats,
-    updates: u64,
     checkpoints: Option<CheckpointPlan>,
     /// This learner's rank among data-parallel learners, if there are several.
     data_parallel: Option<GroupMember>,
@@ -191,7 +190,6 @@ impl Learner {
             cfg,
             held: super::rows_in_order(),
             last: UpdateStats::default(),
-            updates: 0,
             checkpoints: None,
             data_parallel: None,
             proximal_pass_always: false,
@@ -426,7 +424,12 @@ impl Learner {
             bounds = None;
             for (k, (mini, scale)) in ranges.iter().zip(&scales).enumerate() {
                 let olds = proximal.as_ref().map(|p| &p[k]);
-                let lr = self.cfg.schedule.rate(self.cfg.adamw.lr, self.updates);
+                // The optimizer's own step count: restored with its state, so
+                // a resumed run continues the schedule where it stopped.
+                let lr = self
+                    .cfg
+                    .schedule
+                    .rate(self.cfg.adamw.lr, self.optimizer.steps());
                 let total_tokens = scale.tokens.max(1.0);
                 let mut stats = [0.0; 6];
                 let (model, cfg) = (&self.model, &self.cfg);
@@ -502,7 +505,12 @@ impl Learner {
                                 &prompts[start..end],
                                 &responses[start..end],
                                 cfg.temperature,
-                                true,
+                                // verl measures the entropy at the sampling
+                                // temperature, OpenRLHF on the raw logits.
+                                Some(match cfg.policy.flavor {
+                                    Flavor::Verl => cfg.temperature,
+                                    Flavor::OpenRlhf => 1.0,
+                                }),
                                 cfg.gradient_checkpointing,
                                 cfg.logprob_chunk,
                                 micro_loss,
@@ -511,7 +519,6 @@ impl Learner {
                         Ok(())
                     },
                 )?;
-                self.updates += 1;
                 for (f, x) in figures.iter_mut().zip(stats.iter().chain([&grad_norm])) {
                     *f += x / minis as f64;
                 }
@@ -570,11 +577,17 @@ impl StepStage for Learner {
                 entropy = u.entropy,
                 "policy update"
             );
+            // The rate of the step's last optimizer step.
+            let lr = self
+                .cfg
+                .schedule
+                .rate(self.cfg.adamw.lr, self.optimizer.steps().saturating_sub(1));
             for (name, value) in [
                 ("loss", u.loss),
                 ("grad_norm", u.grad_norm),
                 ("clip_fraction", u.clip_fraction),
                 ("entropy", u.entropy),
+                ("lr", lr),
             ] {
                 ctx.record(name, value);
             }

@@ -85,16 +85,18 @@ fn shared_prompts_gradient_checkpointing_and_a_chunked_head_give_the_same_update
         (col::BEHAVIOR_LOGPROBS, float_list_array(&behaviour)),
     ])
     .unwrap();
-    let run = |checkpointed: bool, chunk: usize| {
+    let run_at = |checkpointed: bool, chunk: usize, temperature: f64, flavor: Flavor, epochs| {
         let model = Model::load(&dir, weir_gpu::Device::Cpu, Kind::Float).unwrap();
         let mut cfg = LearnerConfig {
             entropy_coef: 0.1,
             micro_batch: 2,
-            ppo_epochs: 2,
+            ppo_epochs: epochs,
             gradient_checkpointing: checkpointed,
             logprob_chunk: chunk,
+            temperature,
             ..LearnerConfig::default()
         };
+        cfg.policy.flavor = flavor;
         cfg.adamw.lr = 1e-2;
         // Rounding-level gradients (a key bias's is 0 up to rounding:
         // softmax ignores a shift shared by all keys) take rounding-level
@@ -104,24 +106,40 @@ fn shared_prompts_gradient_checkpointing_and_a_chunked_head_give_the_same_update
         let stats = learner.update(&batch).unwrap();
         (stats, learner.model().named_tensors())
     };
-    let (plain, plain_weights) = run(false, 0);
-    assert!(plain.grad_norm > 0.0);
-    // Checkpointed; the output head two positions at a time (the log-probs,
-    // the entropy and their gradient through the head chunk by chunk), with
-    // and without checkpointing.
-    for (checkpointed, chunk) in [(true, 0), (false, 2), (true, 2), (false, 1)] {
-        let (other, weights) = run(checkpointed, chunk);
-        assert_same_update(
-            &format!("checkpointed {checkpointed}, chunk {chunk}"),
-            &[
-                (plain.loss, other.loss),
-                (plain.grad_norm, other.grad_norm),
-                (plain.entropy, other.entropy),
-            ],
-            &plain_weights,
-            &weights,
-        );
+    // At temperature 1, and at 0.7 under both flavors (OpenRLHF's entropy
+    // is on the raw logits, verl's at the temperature: the chunked head's
+    // gradient takes each its way).
+    for (temperature, flavor) in [
+        (1.0, Flavor::OpenRlhf),
+        (0.7, Flavor::OpenRlhf),
+        (0.7, Flavor::Verl),
+    ] {
+        let run = |checkpointed, chunk| run_at(checkpointed, chunk, temperature, flavor, 2);
+        let (plain, plain_weights) = run(false, 0);
+        assert!(plain.grad_norm > 0.0);
+        // Checkpointed; the output head two positions at a time (the log-probs,
+        // the entropy and their gradient through the head chunk by chunk), with
+        // and without checkpointing.
+        for (checkpointed, chunk) in [(true, 0), (false, 2), (true, 2), (false, 1)] {
+            let (other, weights) = run(checkpointed, chunk);
+            assert_same_update(
+                &format!("T {temperature} {flavor:?}: checkpointed {checkpointed}, chunk {chunk}"),
+                &[
+                    (plain.loss, other.loss),
+                    (plain.grad_norm, other.grad_norm),
+                    (plain.entropy, other.entropy),
+                ],
+                &plain_weights,
+                &weights,
+            );
+        }
     }
+    // One pass measures the entropy before its step: OpenRLHF's at 0.7 is
+    // the raw logits' (as at temperature 1), verl's the sharper one's.
+    let entropy = |temperature, flavor| run_at(false, 2, temperature, flavor, 1).0.entropy;
+    let raw = entropy(1.0, Flavor::Verl);
+    assert!((entropy(0.7, Flavor::OpenRlhf) - raw).abs() < 1e-9 * raw);
+    assert!(entropy(0.7, Flavor::Verl) < raw - 1e-3, "{raw}");
 }
 
 #[test]

@@ -319,7 +319,7 @@ fn sequence_logprobs(
     prompts: &[Vec<i64>],
     responses: &[Vec<i64>],
 ) -> Result<Tensor, StageError> {
-    let f = response_forward(model, prompts, responses, 1.0, false)?;
+    let f = response_forward(model, prompts, responses, 1.0, None)?;
     Ok((f.logprobs * f.mask).sum_dim_intlist(-1, false, Kind::Float))
 }
 

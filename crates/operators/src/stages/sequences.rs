@@ -98,10 +98,10 @@ pub fn response_logprobs(
         let _guard = tch::no_grad_guard();
         if chunks(responses, chunk) {
             let (hidden, targets, mask) = response_hidden(model, prompts, responses)?;
-            let f = head_in_chunks(model, &hidden, &targets, mask, temperature, false, chunk)?;
+            let f = head_in_chunks(model, &hidden, &targets, mask, temperature, None, chunk)?;
             return Ok((f.logprobs, f.mask));
         }
-        let f = response_forward(model, prompts, responses, temperature, false)?;
+        let f = response_forward(model, prompts, responses, temperature, None)?;
         return Ok((f.logprobs, f.mask));
     }
     let rows = weir_gpu::logprobs::response_logprobs_on_cpu_kernels(
@@ -145,9 +145,10 @@ pub struct ResponseForward {
     pub entropy: Option<Tensor>,
 }
 
-/// Log-probs (and optionally entropy) of each row's response tokens: the
-/// logits are gathered at the predicting positions first, so the softmax
-/// runs over `R` positions per row, not the whole sequence. When rows share
+/// Log-probs (and, at the temperature `entropy_at`, the entropy) of each
+/// row's response tokens: the logits are gathered at the predicting
+/// positions first, so the softmax runs over `R` positions per row, not
+/// the whole sequence. When rows share
 /// prompts (a group's samples), each distinct prompt runs once
 /// ([`Model::response_logits`]).
 pub fn response_forward(
@@ -155,16 +156,10 @@ pub fn response_forward(
     prompts: &[Vec<i64>],
     responses: &[Vec<i64>],
     temperature: f64,
-    with_entropy: bool,
+    entropy_at: Option<f64>,
 ) -> Result<ResponseForward, StageError> {
     let (at, targets, mask) = response_logits(model, prompts, responses)?;
-    Ok(read_responses(
-        &at,
-        &targets,
-        mask,
-        temperature,
-        with_entropy,
-    ))
+    Ok(read_responses(&at, &targets, mask, temperature, entropy_at))
 }
 
 /// Whether `chunk` splits the output head's work over these responses:
@@ -198,7 +193,7 @@ fn head_in_chunks(
     targets: &Tensor,
     mask: Tensor,
     temperature: f64,
-    with_entropy: bool,
+    entropy_at: Option<f64>,
     chunk: usize,
 ) -> Result<ResponseForward, StageError> {
     let (b, r, h) = hidden.size3().map_err(|e| e.to_string())?;
@@ -207,7 +202,7 @@ fn head_in_chunks(
         &hidden.detach().reshape([b * r, h]),
         &targets.reshape([b * r]),
         temperature,
-        with_entropy,
+        entropy_at,
         chunk,
     );
     Ok(ResponseForward {
@@ -230,7 +225,7 @@ fn chunked_loss<T>(
     targets: &Tensor,
     mask: Tensor,
     temperature: f64,
-    with_entropy: bool,
+    entropy_at: Option<f64>,
     chunk: usize,
     loss_of: impl FnOnce(ResponseForward) -> Result<(Tensor, T), StageError>,
 ) -> Result<(Tensor, T), StageError> {
@@ -243,7 +238,7 @@ fn chunked_loss<T>(
         &flat,
         &flat_targets,
         temperature,
-        with_entropy,
+        entropy_at,
         chunk,
     );
     let logprobs = logprobs.detach().view([b, r]).set_requires_grad(true);
@@ -269,7 +264,7 @@ fn chunked_loss<T>(
         &flat_targets,
         temperature,
         &grad(&logprobs),
-        grad_entropy.as_ref(),
+        grad_entropy.as_ref().zip(entropy_at),
         chunk,
     );
     let kind = hidden.kind();
@@ -314,12 +309,12 @@ fn read_responses(
     targets: &Tensor,
     mask: Tensor,
     temperature: f64,
-    with_entropy: bool,
+    entropy_at: Option<f64>,
 ) -> ResponseForward {
     ResponseForward {
         logprobs: weir_gpu::logprobs::gather_logprobs(at, targets, temperature),
         mask,
-        entropy: with_entropy.then(|| weir_gpu::logprobs::entropy(at, temperature)),
+        entropy: entropy_at.map(|t| weir_gpu::logprobs::entropy(at, t)),
     }
 }
 
@@ -337,7 +332,7 @@ pub fn response_backward<T>(
     prompts: &[Vec<i64>],
     responses: &[Vec<i64>],
     temperature: f64,
-    with_entropy: bool,
+    entropy_at: Option<f64>,
     checkpointed: bool,
     chunk: usize,
     loss_of: impl FnOnce(ResponseForward) -> Result<(Tensor, T), StageError>,
@@ -353,7 +348,7 @@ pub fn response_backward<T>(
                 targets,
                 mask,
                 temperature,
-                with_entropy,
+                entropy_at,
                 chunk,
                 loss_of,
             );
@@ -364,7 +359,7 @@ pub fn response_backward<T>(
             targets,
             mask,
             temperature,
-            with_entropy,
+            entropy_at,
         ))
     };
     if !checkpointed {

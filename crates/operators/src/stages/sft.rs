@@ -137,7 +137,7 @@ impl SftTrainer {
                         &prompts[start..end],
                         &targets[start..end],
                         1.0,
-                        false,
+                        None,
                         cfg.gradient_checkpointing,
                         cfg.logprob_chunk,
                         |f| {
