@@ -572,6 +572,55 @@ fn learning_rate_schedules_continue_across_a_resume() {
     }
 }
 
+/// The curriculum's per-prompt stats are part of a checkpoint: a run
+/// resumed from one skips the prompts the straight run skips, so it draws
+/// the same prompts and trains the same weights.
+#[test]
+fn a_curriculum_resumes_with_the_stats_it_had() {
+    use weir::operators::tasks::arith;
+    let tmp = tempfile::tempdir().unwrap();
+    let prompts = tmp.path().join("task.jsonl");
+    let lines: Vec<String> = (0..6u32)
+        .map(|i| {
+            let (a, b) = (i % 4, i / 2);
+            serde_json::json!({
+                "messages": [{"role": "user", "content": arith::user_message(a, b)}],
+                "answer": (a + b).to_string(),
+            })
+            .to_string()
+        })
+        .collect();
+    std::fs::write(&prompts, lines.join("\n")).unwrap();
+    let kind = PipelineKind::Grpo;
+    let mut cfg = config(kind, 8);
+    cfg.data.prompts = prompts.display().to_string();
+    cfg.data.messages_column = "messages".into();
+    cfg.data.prompts_per_step = 2;
+    cfg.run.max_staleness = 0;
+    cfg.run.checkpoint_every = 2;
+    cfg.curriculum.enabled = true;
+    cfg.curriculum.min_samples = 1;
+    cfg.curriculum.max_solve_rate = 0.5;
+    let straight = tmp.path().join("straight");
+    run(kind, cfg.clone(), &straight, false);
+    // The curriculum acts: without it the run draws other prompts.
+    let mut plain = cfg.clone();
+    plain.curriculum = Default::default();
+    let unskipped = tmp.path().join("plain");
+    run(kind, plain, &unskipped, false);
+    assert_ne!(prompts_by_step(&straight), prompts_by_step(&unskipped));
+
+    let resumed = tmp.path().join("resumed");
+    run(kind, config_with_steps(&cfg, 4), &resumed, false);
+    run(kind, cfg.clone(), &resumed, true);
+    assert_eq!(prompts_by_step(&resumed), prompts_by_step(&straight));
+    let file = "checkpoints/step-7/actor/model.safetensors";
+    assert!(
+        std::fs::read(straight.join(file)).unwrap() == std::fs::read(resumed.join(file)).unwrap(),
+        "{file} differs after a resume"
+    );
+}
+
 #[test]
 fn a_python_reward_file_scores_a_jsonl_task_with_its_columns() {
     use weir::operators::tasks::arith;

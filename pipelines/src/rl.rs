@@ -263,11 +263,27 @@ fn statistics_and_filter(
     let mut next = by_group.clone();
     if cfg.curriculum.enabled {
         let (view, threshold) = (ctx.stats.clone(), cfg.curriculum.solve_threshold);
+        let (checkpointer, k) = (ctx.checkpointer(cfg), cfg.run.max_staleness);
+        let resumed = ctx
+            .resumed_from
+            .clone()
+            .map(|dir| (dir, ctx.first_step.saturating_sub(1)));
         pipeline = pipeline.stage(
             "prompt_stats",
             TRAIN,
             Partition::ByKey(col::PROMPT_ID.into()),
-            move |_| Ok(PromptStats::new(view.clone(), threshold)),
+            move |w| {
+                // The stats go into checkpoints and come back on a resume.
+                let stats = PromptStats::new(view.clone(), threshold).with_checkpoints(
+                    checkpointer.clone(),
+                    w,
+                    k,
+                );
+                match &resumed {
+                    Some((dir, step)) => stats.restored_from(dir, *step, w),
+                    None => Ok(stats),
+                }
+            },
         );
         // Routed by prompt: each group is already on one worker.
         next = Partition::Local;

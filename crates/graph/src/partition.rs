@@ -142,17 +142,26 @@ impl Router {
     }
 }
 
+/// FNV-1a over `bytes`.
+fn fnv(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in bytes {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+/// Which of a role's `workers` workers a `ByKey` edge sends the unsigned
+/// integer key `key` to: its rank among them (what a stage restoring keyed
+/// state uses to keep the keys its rank receives).
+pub fn u64_key_rank(key: u64, workers: usize) -> usize {
+    (fnv(&key.to_le_bytes()) % workers.max(1) as u64) as usize
+}
+
 /// FNV-1a over the key's bytes: stable across processes and builds, unlike
 /// std's randomly seeded hashers. A null key hashes like an empty one.
 fn key_hash(keys: &dyn Array, row: usize) -> u64 {
-    fn fnv(bytes: &[u8]) -> u64 {
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        for b in bytes {
-            h ^= u64::from(*b);
-            h = h.wrapping_mul(0x0100_0000_01b3);
-        }
-        h
-    }
     if keys.is_null(row) {
         return fnv(&[]);
     }
@@ -205,6 +214,22 @@ mod tests {
             ),
         ])
         .unwrap()
+    }
+
+    #[test]
+    fn the_rank_of_a_u64_key_is_where_the_router_sends_it() {
+        let ids: Vec<u64> = (0..40).map(|i| i * 7919 + 3).collect();
+        let mut r = Router::new(Partition::ByKey("group_id".into()), vec![4, 6, 9], 0);
+        for batch in r.route(groups(ids.clone()), "s").unwrap() {
+            let keys = batch.data.column(0).as_primitive::<UInt64Type>();
+            for k in keys.values() {
+                assert_eq!(
+                    [4, 6, 9][u64_key_rank(*k, 3)],
+                    batch.dest as usize,
+                    "key {k}"
+                );
+            }
+        }
     }
 
     #[test]
