@@ -151,6 +151,7 @@ fn check_request(req: &RunRequest) -> Result<(), PipelineError> {
         }
     }
     check_heads(kind, cfg)?;
+    warn_of_a_default_rate_for_a_large_model(kind, cfg);
     if kind.is_rl() {
         check_generation(cfg)?;
     }
@@ -521,6 +522,34 @@ fn check_heads(kind: PipelineKind, cfg: &RunConfig) -> Result<(), PipelineError>
 /// What generation needs of the policy's checkpoint: room for the
 /// responses in its context, and a token that ends them (unless
 /// `generate.ignore_eos` lets every response run to its budget).
+/// The default learning rates are sized for small models (weir's demo,
+/// tests and fixtures); a large checkpoint trained at such a default would
+/// most likely diverge: say so, once, at the start.
+fn warn_of_a_default_rate_for_a_large_model(kind: PipelineKind, cfg: &RunConfig) {
+    let Ok(model) = weir_gpu::ModelConfig::load(Path::new(&cfg.model.path)) else {
+        return;
+    };
+    if let Some(warning) = default_rate_warning(kind, cfg, model.parameter_count()) {
+        tracing::warn!("{warning}");
+    }
+}
+
+/// The warning for `cfg`'s learning rate on a checkpoint of `weights`
+/// weights: past 50M weights, a rate above 1e-5 left at the pipeline's default.
+fn default_rate_warning(kind: PipelineKind, cfg: &RunConfig, weights: i64) -> Option<String> {
+    let lr = cfg.algorithm.lr;
+    let default = lr == RunConfig::defaults_for(kind).algorithm.lr;
+    (default && lr > 1e-5 && weights > 50_000_000).then(|| {
+        format!(
+            "`algorithm.lr` = {lr:e} is {}'s default, sized for small models; {} has {:.0}M \
+             weights, which RLHF frameworks train at about 1e-6 (SFT about 1e-5): set algorithm.lr",
+            kind.name(),
+            cfg.model.path,
+            weights as f64 / 1e6
+        )
+    })
+}
+
 fn check_generation(cfg: &RunConfig) -> Result<(), PipelineError> {
     let path = Path::new(&cfg.model.path);
     let config = weir_gpu::ModelConfig::load(path)?;
@@ -613,4 +642,27 @@ fn rows_this_segment(report: &RunReport, trainer: &str, first_step: u64) -> f64 
 
 fn write_text(path: &Path, text: &str) -> Result<(), PipelineError> {
     Ok(weir_gpu::snapshot::write_atomically(path, text.as_bytes())?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_default_rate_on_a_large_model_is_warned_of() {
+        let grpo = RunConfig::defaults_for(PipelineKind::Grpo);
+        let warning = default_rate_warning(PipelineKind::Grpo, &grpo, 494_000_000).unwrap();
+        assert!(
+            warning.contains("494M") && warning.contains("algorithm.lr"),
+            "{warning}"
+        );
+        assert!(default_rate_warning(PipelineKind::Grpo, &grpo, 2_000_000).is_none());
+        let mut set = grpo.clone();
+        set.algorithm.lr = 2e-4;
+        assert!(default_rate_warning(PipelineKind::Grpo, &set, 494_000_000).is_none());
+        let dpo = RunConfig::defaults_for(PipelineKind::Dpo);
+        assert!(default_rate_warning(PipelineKind::Dpo, &dpo, 494_000_000).is_none());
+        let sft = RunConfig::defaults_for(PipelineKind::Sft);
+        assert!(default_rate_warning(PipelineKind::Sft, &sft, 494_000_000).is_some());
+    }
 }

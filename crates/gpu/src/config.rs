@@ -114,6 +114,18 @@ pub struct ModelConfig {
 pub const SUPPORTED: &str = "LlamaForCausalLM, LlamaForSequenceClassification, MistralForCausalLM, MistralForSequenceClassification, Qwen2ForCausalLM, Qwen2ForSequenceClassification, Qwen3ForCausalLM, Qwen3ForSequenceClassification";
 
 impl ModelConfig {
+    /// The number of weights of the decoder (embeddings, attention, MLP,
+    /// norms and an untied output head; biases and a value head aside).
+    pub fn parameter_count(&self) -> i64 {
+        let (h, v) = (self.hidden_size, self.vocab_size);
+        let q = self.num_attention_heads * self.head_dim;
+        let kv = self.num_key_value_heads * self.head_dim;
+        let qk_norms = if self.qk_norm { 2 * self.head_dim } else { 0 };
+        let layer = 2 * h * q + 2 * h * kv + 3 * h * self.intermediate_size + 2 * h + qk_norms;
+        let head = if self.tie_word_embeddings { 0 } else { v * h };
+        v * h + head + self.num_hidden_layers * layer + h
+    }
+
     /// Reads `dir/config.json`.
     pub fn load(dir: &Path) -> Result<Self, ModelError> {
         let path = dir.join("config.json");

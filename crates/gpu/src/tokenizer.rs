@@ -149,7 +149,21 @@ impl Tokenizer {
     pub fn load(dir: &Path) -> Result<Self, ModelError> {
         let path = dir.join("tokenizer.json");
         if !path.is_file() {
-            return Err(ModelError::io(&path, "missing"));
+            let slow = ["tokenizer.model", "vocab.json"]
+                .iter()
+                .find(|f| dir.join(f).is_file());
+            return Err(ModelError::io(
+                &path,
+                match slow {
+                    // A slow (sentencepiece or BPE-files) tokenizer only.
+                    Some(f) => format!(
+                        "missing: weir reads a fast tokenizer's tokenizer.json, and this folder \
+                         has only {f}; write one with transformers: \
+                         AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)"
+                    ),
+                    None => "missing".to_string(),
+                },
+            ));
         }
         let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| ModelError::Json {
             path: path.display().to_string(),

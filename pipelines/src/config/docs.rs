@@ -56,7 +56,7 @@ pub const DOCS: &[(&str, &str, &str)] = &[
     ("reward", "terms", "reward.kind = \"terms\": rewards summed with weights, each logged as reward_<name>: [[reward.terms]] with rule = \"math\" | \"exact\" | \"contains\" | \"arith_exact_match\" | \"regex\" (pattern = full match of the completion) | \"length\" (−tokens/max_tokens), or file (+ function) of a Python reward; weight (1), name."),
     ("reward", "overlong_buffer", "DAPO's soft overlong punishment: the last N tokens below generate.max_new_tokens where a response's reward falls linearly, to −overlong_penalty_factor at the maximum (0: off; any reward kind)."),
     ("reward", "overlong_penalty_factor", "The overlong penalty at generate.max_new_tokens."),
-    ("algorithm", "lr", "Peak learning rate."),
+    ("algorithm", "lr", "Peak learning rate. The defaults suit small models (the demo's); real checkpoints train at about 1e-6 (RL) or 1e-5 (SFT), and a run warns when a default meets a checkpoint past 50M weights."),
     ("algorithm", "warmup_steps", "Linear warm-up steps."),
     ("algorithm", "schedule", "\"constant\" or \"cosine\" (decays to min_lr_ratio · lr at the last step)."),
     ("algorithm", "min_lr_ratio", "The cosine floor as a fraction of lr."),

@@ -257,3 +257,19 @@ fn checkpoint_variants_match_transformers() {
         }
     }
 }
+
+/// `ModelConfig::parameter_count` counts every weight a loaded model holds
+/// but its biases.
+#[test]
+fn the_parameter_count_is_the_weights_a_model_loads() {
+    for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "arith-sft"] {
+        let model = load(name, Kind::Float);
+        let weights: i64 = model
+            .named_tensors()
+            .iter()
+            .filter(|(n, _)| !n.ends_with("bias"))
+            .map(|(_, t)| t.numel() as i64)
+            .sum();
+        assert_eq!(model.config.parameter_count(), weights, "{name}");
+    }
+}

@@ -197,3 +197,23 @@ fn chat_templates_may_date_their_prompt() {
         "{err}"
     );
 }
+
+/// A folder with only a slow tokenizer says how to write the fast one.
+#[test]
+fn a_slow_tokenizer_alone_is_named_with_the_fix() {
+    let tmp = tempfile::tempdir().unwrap();
+    let err = weir_gpu::Tokenizer::load(tmp.path())
+        .unwrap_err()
+        .to_string();
+    assert!(err.ends_with("tokenizer.json: missing"), "{err}");
+    std::fs::write(tmp.path().join("tokenizer.model"), b"sp").unwrap();
+    let err = weir_gpu::Tokenizer::load(tmp.path())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("tokenizer.json")
+            && err.contains("only tokenizer.model")
+            && err.contains("save_pretrained"),
+        "{err}"
+    );
+}
