@@ -339,9 +339,10 @@ pub(crate) fn pick(logits: &Tensor, params: &SamplingParams, uniforms: &[f32]) -
     if let Some(p) = params.top_p.filter(|&p| p < 1.0) {
         let (sorted, order) = scaled.sort(-1, true);
         let probs = sorted.softmax(-1, kind);
-        // Drop a token when the tokens before it already reach p; the first always stays.
+        // Drop a token when the tokens before it already reach p (as HF's
+        // and vLLM's top-p: the smallest set of mass ≥ p); the first always stays.
         let before = probs.cumsum(-1, kind) - &probs;
-        let drop_sorted = before.gt(p);
+        let drop_sorted = before.ge(p);
         let drop = drop_sorted.zeros_like().scatter(-1, &order, &drop_sorted);
         scaled = scaled.masked_fill(&drop, f64::NEG_INFINITY);
     }

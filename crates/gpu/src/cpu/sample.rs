@@ -64,12 +64,13 @@ impl Picker {
                 .iter()
                 .map(|&e| e as f64)
                 .sum();
-            // Drop a token when the tokens before it already reach p; the first always stays.
+            // Drop a token when the tokens before it already reach p (as HF's
+            // and vLLM's top-p: the smallest set of mass ≥ p); the first always stays.
             let mut before = 0.0f64;
             for &i in &self.order {
                 let i = i as usize;
                 let prob = self.probs[i] as f64 / total;
-                if before > p {
+                if before >= p {
                     logits[i] = f32::NEG_INFINITY;
                 }
                 before += prob;
@@ -124,5 +125,61 @@ impl Picker {
             .map(|&e| e as f64)
             .sum();
         top + sum.ln() as f32
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Top-p keeps the smallest set of tokens whose mass reaches p (HF's
+    /// and vLLM's rule), a tie at the boundary included, on the CPU
+    /// kernels' picker and on the libtorch path alike.
+    #[test]
+    fn top_p_keeps_the_smallest_set_that_reaches_p() {
+        // (logits, top_p, how many tokens may be drawn, the first token's log-prob)
+        let cases = [
+            (vec![0.0f32; 4], 0.5, 2, (0.5f64).ln()),
+            (vec![2f32.ln(), 0.0, 0.0], 0.75, 2, (2.0f64 / 3.0).ln()),
+            (vec![2f32.ln(), 0.0, 0.0], 0.8, 3, (0.5f64).ln()),
+        ];
+        for (logits, p, kept, first) in cases {
+            let params = SamplingParams {
+                top_p: Some(p),
+                top_k: None,
+                temperature: 1.0,
+                ..Default::default()
+            };
+            let uniforms: Vec<f32> = (0..200).map(|i| i as f32 / 200.0).collect();
+            let rows = tch::Tensor::from_slice(&logits)
+                .view([1, -1])
+                .repeat([uniforms.len() as i64, 1]);
+            let (tokens, logps) = crate::generate::pick(&rows, &params, &uniforms);
+            let tokens = Vec::<i64>::try_from(tokens).unwrap();
+            let logps = Vec::<f32>::try_from(logps).unwrap();
+            let drawn: std::collections::BTreeSet<i64> = tokens.iter().copied().collect();
+            assert_eq!(drawn.len(), kept, "libtorch, p {p}: {drawn:?}");
+            let at = tokens.iter().position(|&t| t == 0).unwrap();
+            assert!(
+                (f64::from(logps[at]) - first).abs() < 1e-6,
+                "libtorch, p {p}"
+            );
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                let mut picker = Picker::default();
+                let mut drawn = std::collections::BTreeSet::new();
+                for &u in &uniforms {
+                    let mut row = logits.clone();
+                    // SAFETY: AVX2 and FMA were just detected.
+                    let (token, logp) = unsafe { picker.pick(&mut row, &params, u) };
+                    drawn.insert(token);
+                    if token == 0 {
+                        assert!((f64::from(logp) - first).abs() < 1e-6, "cpu, p {p}");
+                    }
+                }
+                assert_eq!(drawn.len(), kept, "cpu, p {p}: {drawn:?}");
+            }
+        }
     }
 }
