@@ -34,6 +34,22 @@ pub fn resume_invariants(kind: PipelineKind, cfg: &RunConfig) -> BTreeMap<String
         ("placement.workers", cfg.placement.workers.to_string()),
     ]
     .into_iter()
+    // Prompts left out for their length make the prompt set depend on
+    // the room beside the responses.
+    .chain(
+        d.skip_long_prompts
+            .then(|| {
+                [
+                    ("data.skip_long_prompts", "true".to_string()),
+                    (
+                        "generate.max_new_tokens",
+                        cfg.generate.max_new_tokens.to_string(),
+                    ),
+                ]
+            })
+            .into_iter()
+            .flatten(),
+    )
     .map(|(k, v)| (k.to_string(), v))
     .collect()
 }

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use serde_json::{json, Value};
 use weir_gpu::Tokenizer;
 use weir_graph::StageError;
-use weir_operators::stages::prompt_files::PromptFormat;
+use weir_operators::stages::prompt_files::{PromptFormat, PromptLimit};
 use weir_operators::stages::prompts::{PromptColumn, PromptSource};
 use weir_operators::tasks::arith;
 
@@ -142,12 +142,16 @@ fn prompt_file(
         chat: d.apply_chat_template,
         system: (!d.system_prompt.is_empty()).then(|| d.system_prompt.clone()),
     };
+    let limit = room.map(|tokens| PromptLimit {
+        tokens,
+        skip: d.skip_long_prompts,
+    });
     PromptSource::from_file(
         path,
         &column,
         &format,
         &extra,
-        room,
+        limit,
         tok,
         d.prompts_per_step,
         samples,

@@ -274,6 +274,13 @@ fn a_catalogue_of_bad_run_input_gets_one_line_each() {
             "long.jsonl",
         ),
         (
+            "every prompt too long to keep",
+            "grpo",
+            [prompts("long"), set("data.skip_long_prompts=true")].concat(),
+            none(),
+            "long.jsonl: every prompt is longer than",
+        ),
+        (
             "missing model",
             "grpo",
             set("model.path=no-such-model"),

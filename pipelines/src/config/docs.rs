@@ -31,6 +31,7 @@ pub const DOCS: &[(&str, &str, &str)] = &[
     ("data", "system_prompt", "A system message put before every chat prompt (needs apply_chat_template or messages_column)."),
     ("data", "prompts_per_step", "Prompts per step (the SFT batch size)."),
     ("data", "samples_per_prompt", "Samples per prompt: the group size."),
+    ("data", "skip_long_prompts", "Leave out prompts longer than the model's context leaves beside generate.max_new_tokens, with a warning counting them (verl's filter_overlong_prompts); false: such a prompt is an error naming its line."),
     ("data", "epochs", "Passes over the prompts (0: as many as the steps need)."),
     ("data", "chosen_column", "The preferred response's column (rm, dpo; \"arith\" makes pairs of the right and a wrong sum)."),
     ("data", "rejected_column", "The dispreferred response's column (rm, dpo)."),

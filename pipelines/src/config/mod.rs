@@ -175,6 +175,9 @@ pub struct DataSection {
     pub rejected_column: String,
     /// A column with each pair's reward margin (rm; empty: none).
     pub margin_column: String,
+    /// Leave out prompts too long for the context beside
+    /// `generate.max_new_tokens` (false: such a prompt is an error).
+    pub skip_long_prompts: bool,
 }
 
 impl Default for DataSection {
@@ -193,6 +196,7 @@ impl Default for DataSection {
             chosen_column: "chosen".into(),
             rejected_column: "rejected".into(),
             margin_column: String::new(),
+            skip_long_prompts: false,
         }
     }
 }

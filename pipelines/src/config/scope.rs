@@ -26,6 +26,8 @@ pub fn applies(pipeline: PipelineKind, section: &str, key: &str) -> bool {
         ("data", "samples_per_prompt") => rl,
         ("data", "chosen_column" | "rejected_column") => matches!(pipeline, Rm | Dpo),
         ("data", "margin_column") => pipeline == Rm,
+        // Preference pairs carry their responses: no room to leave.
+        ("data", "skip_long_prompts") => !matches!(pipeline, Rm | Dpo),
         ("generate" | "reward" | "curriculum" | "dynamic_sampling", _) => {
             rl && (group || !matches!(section, "curriculum" | "dynamic_sampling"))
         }
@@ -108,7 +110,12 @@ fn inert(cfg: &RunConfig, pipeline: PipelineKind) -> Vec<(&'static str, &'static
     unless(
         !no_file,
         "data",
-        &["prompt_template", "apply_chat_template", "system_prompt"],
+        &[
+            "prompt_template",
+            "apply_chat_template",
+            "system_prompt",
+            "skip_long_prompts",
+        ],
         "data.prompts or eval.prompts is a file (arith prompts have their own format)",
     );
     unless(

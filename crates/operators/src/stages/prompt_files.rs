@@ -83,7 +83,7 @@ impl PromptSource {
         prompt: &PromptColumn,
         format: &PromptFormat,
         extra: &[String],
-        max_prompt_tokens: Option<usize>,
+        limit: Option<PromptLimit>,
         tokenizer: &Tokenizer,
         prompts_per_step: usize,
         samples: usize,
@@ -91,6 +91,7 @@ impl PromptSource {
     ) -> Result<Self, StageError> {
         let records = read_records(path)?;
         let mut rows = Vec::with_capacity(records.len());
+        let mut left_out: Option<(usize, &str)> = None;
         for (where_, record) in &records {
             let missing =
                 |c: &str| format!("{}: {where_}: column `{c}` is missing", path.display());
@@ -120,12 +121,18 @@ impl PromptSource {
                 )
                 .into());
             }
-            if let Some(limit) = max_prompt_tokens.filter(|&l| tokens.len() > l) {
+            if let Some(limit) = limit.filter(|l| tokens.len() > l.tokens) {
+                if limit.skip {
+                    left_out.get_or_insert((0, where_)).0 += 1;
+                    continue;
+                }
                 return Err(format!(
-                    "{}: {where_}: the prompt is {} tokens, more than the {limit} the model's \
-                     context leaves beside generate.max_new_tokens",
+                    "{}: {where_}: the prompt is {} tokens, more than the {} the model's \
+                     context leaves beside generate.max_new_tokens (data.skip_long_prompts = \
+                     true leaves such prompts out)",
                     path.display(),
-                    tokens.len()
+                    tokens.len(),
+                    limit.tokens
                 )
                 .into());
             }
@@ -150,9 +157,37 @@ impl PromptSource {
                 extra: values,
             });
         }
+        if let (Some((n, first)), Some(limit)) = (left_out, limit) {
+            if rows.is_empty() {
+                return Err(format!(
+                    "{}: every prompt is longer than the {} tokens the model's context leaves \
+                     beside generate.max_new_tokens",
+                    path.display(),
+                    limit.tokens
+                )
+                .into());
+            }
+            tracing::warn!(
+                "{}: {n} of {} prompts are longer than {} tokens and left out \
+                 (data.skip_long_prompts; the first at {first})",
+                path.display(),
+                records.len(),
+                limit.tokens
+            );
+        }
         PromptSource::new(rows, extra.to_vec(), prompts_per_step, samples, seed)
             .map_err(|e| format!("{}: {e}", path.display()).into())
     }
+}
+
+/// How many tokens a prompt may have, and whether a longer one is left
+/// out (else it is an error naming its line).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PromptLimit {
+    /// The most tokens a prompt may have.
+    pub tokens: usize,
+    /// Leave longer prompts out (with a warning counting them).
+    pub skip: bool,
 }
 
 /// What kind of JSON value `v` is, for an error.
@@ -430,6 +465,48 @@ mod file_tests {
         let own = vec![messages[0].clone(), messages[1].clone()];
         let (again, _) = format.messages(own, &tok).unwrap();
         assert_eq!(again.matches("Be brief.").count(), 1);
+    }
+
+    /// A prompt past the limit is an error naming its line, or, with
+    /// `skip`, left out (all of them left out is an error).
+    #[test]
+    fn long_prompts_are_named_or_left_out() {
+        let dir = tempfile::tempdir().unwrap();
+        let tok = tokenizer();
+        let path = dir.path().join("p.jsonl");
+        let long = "1+1=".repeat(50);
+        std::fs::write(
+            &path,
+            format!("{{\"prompt\": \"a\"}}\n{{\"prompt\": \"{long}\"}}\n{{\"prompt\": \"b\"}}\n"),
+        )
+        .unwrap();
+        let load = |tokens, skip| {
+            PromptSource::from_file(
+                &path,
+                &PromptColumn::Text("prompt".into()),
+                &PromptFormat::default(),
+                &[],
+                Some(PromptLimit { tokens, skip }),
+                &tok,
+                1,
+                1,
+                0,
+            )
+        };
+        let err = load(20, false).unwrap_err().to_string();
+        assert!(
+            err.contains("line 2: the prompt is") && err.contains("data.skip_long_prompts"),
+            "{err}"
+        );
+        let kept = load(20, true).unwrap();
+        let prompts: Vec<&str> = kept.rows().iter().map(|r| r.prompt.as_str()).collect();
+        assert_eq!(prompts.len(), 2);
+        assert!(prompts.iter().all(|p| p.len() < 10), "{prompts:?}");
+        let err = load(0, true).unwrap_err().to_string();
+        assert!(
+            err.contains("every prompt is longer than the 0 tokens"),
+            "{err}"
+        );
     }
 
     #[test]
