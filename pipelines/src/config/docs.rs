@@ -72,7 +72,7 @@ pub const DOCS: &[(&str, &str, &str)] = &[
     ("algorithm", "clip_low", "ε_low: the ratio is clipped below at 1 − ε_low."),
     ("algorithm", "clip_high", "ε_high: clipped above at 1 + ε_high (> clip_low: DAPO's clip-higher)."),
     ("algorithm", "dual_clip", "Dual-clip c > 1 for negative advantages (0: off; under flavor = \"verl\", verl's c = 3, which verl always applies)."),
-    ("algorithm", "kl_coef", "β of the KL to the reference: in the loss for grpo / dr_grpo / rloo, in the reward for ppo / reinforce_pp*; 0 drops the reference."),
+    ("algorithm", "kl_coef", "β of the KL to the reference: in the loss for grpo / dr_grpo / rloo, in the reward for ppo / reinforce_pp* / remax, measured there on the generator's log-probs (those of the distribution it sampled from: with generate.top_p < 1 or top_k, the truncated one's, as verl's rollout log-probs in bypass mode); 0 drops the reference."),
     ("algorithm", "kl_target", "ppo / reinforce_pp*: the KL the adaptive controller steers kl_coef towards after each step, β ← β·(1 + clip(KL/target − 1, ±0.2)·n/horizon) (0: fixed)."),
     ("algorithm", "kl_horizon", "Responses over which the adaptive KL controller spreads a full adjustment."),
     ("algorithm", "kl_estimator", "The KL estimator (verl's names): \"k1\" (log-ratio), \"k2\" or \"mse\" (half its square), \"k3\" (Schulman's unbiased, non-negative one), \"abs\"; with the KL in the loss also \"k1+\" and \"k3+\" (the value of k1 / k3, the gradient of k2). Default \"k3\" with the KL in the loss (grpo and the other group pipelines, as TRL and OpenRLHF's GRPO recipes), \"k1\" with it in the reward (ppo, reinforce_pp*, remax, as OpenRLHF and verl default: only k1's expectation under the policy has the KL's gradient there)."),
