@@ -3,6 +3,7 @@
 //! sum of these.
 
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use weir_graph::{StageError, WorkerInfo};
@@ -17,12 +18,44 @@ use crate::config::RewardKind;
 use crate::context::load;
 use crate::RunConfig;
 
+/// The prompt-file columns a reward receives (besides the prompt and the
+/// label) and which of those and the label the file holds as typed JSON
+/// values: read from the file once per run, whatever the workers.
+#[derive(Clone, Debug, Default)]
+struct FileColumns {
+    columns: Vec<String>,
+    typed: Vec<String>,
+}
+
+/// [`FileColumns`], read on first use and shared by the reward stages of a process.
+#[derive(Clone, Default)]
+struct FileColumnsOnce(Arc<OnceLock<Result<FileColumns, String>>>);
+
+impl FileColumnsOnce {
+    fn get(&self, cfg: &RunConfig) -> Result<FileColumns, StageError> {
+        self.0
+            .get_or_init(|| {
+                let columns = reward_columns(cfg).map_err(|e| e.to_string())?;
+                let named: Vec<String> = columns
+                    .iter()
+                    .chain(std::iter::once(&cfg.data.label_column))
+                    .cloned()
+                    .collect();
+                let typed = typed_columns(cfg, &named).map_err(|e| e.to_string())?;
+                Ok(FileColumns { columns, typed })
+            })
+            .clone()
+            .map_err(StageError::from)
+    }
+}
+
 /// The reward stage the config names (boxed: rule, model or remote).
 pub fn reward(
     cfg: &RunConfig,
 ) -> impl Fn(&WorkerInfo) -> Result<Box<dyn weir_graph::Stage>, StageError> + Send + Sync + 'static
 {
     let cfg = cfg.clone();
+    let file_columns = FileColumnsOnce::default();
     move |w| -> Result<Box<dyn weir_graph::Stage>, StageError> {
         Ok(match cfg.reward.kind {
             RewardKind::Model => Box::new(RewardModel::new(
@@ -33,14 +66,17 @@ pub fn reward(
                 url: cfg.reward.url.clone(),
                 label_column: (!cfg.data.label_column.is_empty())
                     .then(|| cfg.data.label_column.clone()),
-                label_typed: !typed_columns(&cfg, std::slice::from_ref(&cfg.data.label_column))?
-                    .is_empty(),
+                label_typed: file_columns
+                    .get(&cfg)?
+                    .typed
+                    .contains(&cfg.data.label_column),
                 timeout: Duration::from_secs_f64(cfg.reward.timeout_s),
                 attempts: cfg.reward.attempts,
                 ..Default::default()
             })?),
             RewardKind::Python => Box::new(PythonReward::new(python_reward(
                 &cfg,
+                &file_columns.get(&cfg)?,
                 &cfg.reward.file,
                 &cfg.reward.function,
             )?)?),
@@ -50,6 +86,7 @@ pub fn reward(
                     let kind = match t.rule.as_str() {
                         "" => TermKind::Python(Box::new(PythonReward::new(python_reward(
                             &cfg,
+                            &file_columns.get(&cfg)?,
                             &t.file,
                             &t.function,
                         )?)?)),
@@ -99,13 +136,12 @@ fn rule_term(name: &str) -> Result<TermKind, StageError> {
 /// How to run the Python reward `function` of `file`.
 fn python_reward(
     cfg: &RunConfig,
+    file_columns: &FileColumns,
     file: &str,
     function: &str,
 ) -> Result<PythonRewardConfig, StageError> {
-    let columns = reward_columns(cfg)?;
+    let FileColumns { columns, typed } = file_columns.clone();
     let label = (!cfg.data.label_column.is_empty()).then(|| cfg.data.label_column.clone());
-    let named: Vec<String> = columns.iter().chain(&label).cloned().collect();
-    let typed = typed_columns(cfg, &named)?;
     Ok(PythonRewardConfig {
         file: PathBuf::from(file),
         function: function.to_string(),
