@@ -44,6 +44,10 @@ pub mod col {
     pub const FINISH_REASON: &str = "finish_reason";
     /// The response's scalar reward (f32).
     pub const REWARD: &str = "reward";
+    /// The reward before DAPO's overlong penalty (f32; only where one
+    /// applies): what the dynamic-sampling filter and the curriculum judge,
+    /// as verl's DAPO filters on `acc`, the score without the penalty.
+    pub const SCORE: &str = "score";
     /// Per-token rewards, KL penalty included (list<f32>, optional).
     pub const TOKEN_REWARDS: &str = "token_rewards";
     /// Per-token log-probs under the reference model (list<f32>).
@@ -152,6 +156,7 @@ pub fn columns() -> Vec<(&'static str, DataType, bool, Phase, bool)> {
             true,
         ),
         (col::REWARD, Float32, false, Phase::Score, false),
+        (col::SCORE, Float32, true, Phase::Score, false),
         (col::TOKEN_REWARDS, per_token(), true, Phase::Score, true),
         (col::REF_LOGPROBS, per_token(), true, Phase::Score, true),
         (col::VALUES, per_token(), true, Phase::Score, true),

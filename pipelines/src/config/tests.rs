@@ -181,6 +181,13 @@ fn bad_keys_and_values_are_named() {
             "data.samples_per_prompt",
         ),
         (&["generate.temperature=0"][..], "generate.temperature"),
+        (
+            &[
+                "dynamic_sampling.enabled=true",
+                "dynamic_sampling.target_groups=9",
+            ][..],
+            "dynamic_sampling.target_groups",
+        ),
         (&["reward.rule=nope"][..], "reward.rule"),
     ] {
         // A value outside a key's choices fails at parsing, others at validation.

@@ -407,7 +407,21 @@ impl RunConfig {
             return bad(
                 "dynamic_sampling.enabled",
                 "true".into(),
-                "needs a group estimator (grpo, dr_grpo, rloo)",
+                "needs a group estimator (grpo, dr_grpo, rloo, opo, grpo_passk, gpg)",
+            );
+        }
+        let target = self.dynamic_sampling.target_groups;
+        if self.dynamic_sampling.enabled && target > self.data.prompts_per_step {
+            // The pool only keeps a step's surplus over the target: past the
+            // prompts drawn, every step would fall short.
+            return bad(
+                "dynamic_sampling.target_groups",
+                target.to_string(),
+                &format!(
+                    "is more than data.prompts_per_step = {}: a step keeps at most the groups it \
+                     drew; oversample with more prompts per step",
+                    self.data.prompts_per_step
+                ),
             );
         }
         if a.beta.is_nan() || a.beta <= 0.0 {

@@ -12,7 +12,8 @@ use crate::rollout::col;
 /// `overlong_buffer_len` / `overlong_penalty_factor`): adds
 /// [`crate::algorithms::overlong_penalty`] of each response's length to its
 /// `reward`, 0 up to `max_len − buffer` tokens, then falling linearly to
-/// `−factor` at `max_len`. Records the step's mean penalty as `overlong_penalty`.
+/// `−factor` at `max_len`, and keeps the reward before it as `score`.
+/// Records the step's mean penalty as `overlong_penalty`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct OverlongPenalty {
     /// The longest response (the generator's `max_new_tokens`).
@@ -49,8 +50,13 @@ impl Stage for OverlongPenalty {
             .zip(&penalties)
             .map(|(r, p)| (r + p) as f32)
             .collect();
-        Ok(vec![with_column(
+        let scored = with_column(
             &batch,
+            col::SCORE,
+            Arc::new(rewards.iter().map(|&r| r as f32).collect::<Float32Array>()) as ArrayRef,
+        )?;
+        Ok(vec![with_column(
+            &scored,
             col::REWARD,
             Arc::new(shaped) as ArrayRef,
         )?])
@@ -86,5 +92,8 @@ mod overlong_tests {
         let r = crate::stages::columns::f32s(&out[0], col::REWARD, "t").unwrap();
         // Expected length 4: no penalty at 4, −0.5 at 6, −1 at 8.
         assert_eq!(r, vec![1.0, 0.5, -1.0]);
+        // The score before the penalty stays beside it.
+        let scores = crate::stages::columns::scores(&out[0], "t").unwrap();
+        assert_eq!(scores, vec![1.0, 1.0, 0.0]);
     }
 }

@@ -102,6 +102,18 @@ pub fn u32s(batch: &RecordBatch, name: &str, stage: &str) -> Result<Vec<u32>, St
         .to_vec())
 }
 
+/// Each row's score: the reward before an overlong penalty (`score`) where
+/// one applied, else the reward.
+pub fn scores(batch: &RecordBatch, stage: &str) -> Result<Vec<f64>, StageError> {
+    use crate::rollout::col;
+    let name = if batch.column_by_name(col::SCORE).is_some() {
+        col::SCORE
+    } else {
+        col::REWARD
+    };
+    f32s(batch, name, stage)
+}
+
 /// A `Float32` column as f64.
 pub fn f32s(batch: &RecordBatch, name: &str, stage: &str) -> Result<Vec<f64>, StageError> {
     let col = column(batch, name, stage)?;

@@ -21,7 +21,7 @@ use arrow::array::{RecordBatch, UInt32Array};
 use arrow::compute::{concat_batches, take_record_batch};
 use weir_graph::{StageError, StepBuffer, StepContext, StepStage};
 
-use super::columns::{f32s, u64s};
+use super::columns::{scores, u64s};
 use crate::rollout::col;
 
 /// Settings of the filter.
@@ -69,7 +69,7 @@ struct Tally {
 impl DynamicSampling {
     fn admit(&mut self, batch: &RecordBatch) -> Result<Tally, StageError> {
         let groups = u64s(batch, col::GROUP_ID, "dynamic sampling")?;
-        let rewards = f32s(batch, col::REWARD, "dynamic sampling")?;
+        let rewards = scores(batch, "dynamic sampling")?;
         let versions = u64s(batch, col::POLICY_VERSION, "dynamic sampling")?;
         let mut rows_of: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
         for (i, g) in groups.iter().enumerate() {
@@ -249,6 +249,29 @@ mod tests {
         let (out, metrics) = step(&mut stage, 6, &[(14, 0.0, 5), (14, 1.0, 5)]);
         assert_eq!(out, vec![14], "group 13 (version 3) is 3 stale at step 6");
         assert_eq!(get(&metrics, "groups_expired"), 1.0);
+    }
+
+    /// A group whose scores agree is uninformative even when an overlong
+    /// penalty made its rewards differ (verl's DAPO filters on `acc`).
+    #[test]
+    fn groups_are_judged_by_their_scores_before_an_overlong_penalty() {
+        let mut stage = DynamicSampling::new(DynamicSamplingConfig {
+            target_groups: None,
+            max_staleness: 0,
+        });
+        let rows = [(0, 1.0, 0), (0, 0.5, 0), (1, 1.0, 0), (1, 0.0, 0)];
+        let scored = weir_graph::batch::with_column(
+            &batch(&rows),
+            col::SCORE,
+            Arc::new(Float32Array::from(vec![1.0, 1.0, 1.0, 0.0])) as ArrayRef,
+        )
+        .unwrap();
+        let mut ctx = StepContext::detached(0, WorkerInfo::single(), 0);
+        assert!(stage.process(&mut ctx, scored).unwrap().is_empty());
+        let out = stage.end_step(&mut ctx).unwrap();
+        let mut groups = u64s(&out[0], col::GROUP_ID, "t").unwrap();
+        groups.dedup();
+        assert_eq!(groups, vec![1]);
     }
 
     #[test]

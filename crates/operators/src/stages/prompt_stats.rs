@@ -37,7 +37,7 @@ use timely::dataflow::ProbeHandle;
 use timely::worker::Worker;
 use weir_graph::{StageError, StepBuffer, StepContext, StepStage, WorkerInfo};
 
-use super::columns::{f32s, u64s};
+use super::columns::{scores, u64s};
 use crate::checkpoint::Checkpointer;
 use crate::rollout::col;
 
@@ -421,7 +421,7 @@ impl StepStage for PromptStats {
         let mut solved = 0usize;
         if let Some(batch) = &rows {
             let prompts = u64s(batch, col::PROMPT_ID, "prompt stats")?;
-            let rewards = f32s(batch, col::REWARD, "prompt stats")?;
+            let rewards = scores(batch, "prompt stats")?;
             for (p, r) in prompts.into_iter().zip(rewards) {
                 if !r.is_finite() {
                     return Err(format!("prompt stats: prompt {p} has reward {r}").into());
