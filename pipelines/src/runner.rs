@@ -152,6 +152,9 @@ fn check_request(req: &RunRequest) -> Result<(), PipelineError> {
     }
     check_heads(kind, cfg)?;
     warn_of_a_default_rate_for_a_large_model(kind, cfg);
+    if let Some(warning) = truncated_sampling_warning(kind, cfg) {
+        tracing::warn!("{warning}");
+    }
     if kind.is_rl() {
         check_generation(cfg)?;
     }
@@ -550,6 +553,22 @@ fn default_rate_warning(kind: PipelineKind, cfg: &RunConfig, weights: i64) -> Op
     })
 }
 
+/// Off-policy corrections weigh each token by exp(old − behaviour): with
+/// top-p or top-k the behaviour log-probs are the truncated distribution's,
+/// so the weights of on-policy tokens are the kept mass, below 1 (as in
+/// verl and OpenRLHF). Worth a line at the start.
+fn truncated_sampling_warning(kind: PipelineKind, cfg: &RunConfig) -> Option<String> {
+    let g = &cfg.generate;
+    let truncated = g.top_p < 1.0 || g.top_k > 0;
+    let correction = cfg.algorithm.correction != crate::config::CorrectionChoice::None;
+    (kind.is_rl() && truncated && correction).then(|| {
+        "generate.top_p < 1 or generate.top_k truncate the sampling distribution: \
+         algorithm.correction's weights exp(old − behaviour) then fall below 1 on \
+         on-policy tokens by the kept probability mass (verl and OpenRLHF do the same)"
+            .to_string()
+    })
+}
+
 fn check_generation(cfg: &RunConfig) -> Result<(), PipelineError> {
     let path = Path::new(&cfg.model.path);
     let config = weir_gpu::ModelConfig::load(path)?;
@@ -664,5 +683,17 @@ mod tests {
         assert!(default_rate_warning(PipelineKind::Dpo, &dpo, 494_000_000).is_none());
         let sft = RunConfig::defaults_for(PipelineKind::Sft);
         assert!(default_rate_warning(PipelineKind::Sft, &sft, 494_000_000).is_some());
+    }
+
+    #[test]
+    fn corrections_over_truncated_sampling_are_warned_of() {
+        let mut cfg = RunConfig::defaults_for(PipelineKind::Grpo);
+        let warn = |cfg: &RunConfig| truncated_sampling_warning(PipelineKind::Grpo, cfg);
+        cfg.algorithm.correction = crate::config::CorrectionChoice::Tis;
+        assert!(warn(&cfg).is_none());
+        cfg.generate.top_p = 0.9;
+        assert!(warn(&cfg).is_some_and(|w| w.contains("algorithm.correction")));
+        cfg.algorithm.correction = crate::config::CorrectionChoice::None;
+        assert!(warn(&cfg).is_none());
     }
 }
