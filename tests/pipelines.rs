@@ -301,6 +301,37 @@ fn every_rl_pipeline_runs_logs_and_checkpoints() {
     }
 }
 
+/// Writes arithmetic chat prompts as JSONL: for each pair `(a, b)`, the
+/// `messages` asking for `a + b` and the `answer`, with `more(i)`'s fields.
+fn write_arith_task(path: &Path, pairs: &[(u32, u32)], more: impl Fn(usize) -> serde_json::Value) {
+    use weir::operators::tasks::arith;
+    let lines: Vec<String> = pairs
+        .iter()
+        .enumerate()
+        .map(|(i, &(a, b))| {
+            let mut record = serde_json::json!({
+                "messages": [{"role": "user", "content": arith::user_message(a, b)}],
+                "answer": (a + b).to_string(),
+            });
+            if let serde_json::Value::Object(fields) = more(i) {
+                record.as_object_mut().unwrap().extend(fields);
+            }
+            record.to_string()
+        })
+        .collect();
+    std::fs::write(path, lines.join("\n")).unwrap();
+}
+
+/// Asserts `file` has the same bytes in run folders `a` and `b`.
+fn assert_same_file(a: &Path, b: &Path, file: &str) {
+    assert!(
+        std::fs::read(a.join(file)).unwrap() == std::fs::read(b.join(file)).unwrap(),
+        "{file} differs between {} and {}",
+        a.display(),
+        b.display()
+    );
+}
+
 /// (step → prompt ids drawn) from a run folder's rollouts.
 fn prompts_by_step(dir: &Path) -> BTreeMap<u64, Vec<u64>> {
     let mut out: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
@@ -564,11 +595,7 @@ fn learning_rate_schedules_continue_across_a_resume() {
     }
     for component in ["actor", "critic"] {
         let file = format!("checkpoints/step-3/{component}/model.safetensors");
-        assert!(
-            std::fs::read(straight.join(&file)).unwrap()
-                == std::fs::read(resumed.join(&file)).unwrap(),
-            "{file} differs after a resume"
-        );
+        assert_same_file(&straight, &resumed, &file);
     }
 }
 
@@ -577,20 +604,10 @@ fn learning_rate_schedules_continue_across_a_resume() {
 /// the same prompts and trains the same weights.
 #[test]
 fn a_curriculum_resumes_with_the_stats_it_had() {
-    use weir::operators::tasks::arith;
     let tmp = tempfile::tempdir().unwrap();
     let prompts = tmp.path().join("task.jsonl");
-    let lines: Vec<String> = (0..6u32)
-        .map(|i| {
-            let (a, b) = (i % 4, i / 2);
-            serde_json::json!({
-                "messages": [{"role": "user", "content": arith::user_message(a, b)}],
-                "answer": (a + b).to_string(),
-            })
-            .to_string()
-        })
-        .collect();
-    std::fs::write(&prompts, lines.join("\n")).unwrap();
+    let pairs: Vec<(u32, u32)> = (0..6).map(|i| (i % 4, i / 2)).collect();
+    write_arith_task(&prompts, &pairs, |_| serde_json::json!({}));
     let kind = PipelineKind::Grpo;
     let mut cfg = config(kind, 8);
     cfg.data.prompts = prompts.display().to_string();
@@ -614,10 +631,10 @@ fn a_curriculum_resumes_with_the_stats_it_had() {
     run(kind, config_with_steps(&cfg, 4), &resumed, false);
     run(kind, cfg.clone(), &resumed, true);
     assert_eq!(prompts_by_step(&resumed), prompts_by_step(&straight));
-    let file = "checkpoints/step-7/actor/model.safetensors";
-    assert!(
-        std::fs::read(straight.join(file)).unwrap() == std::fs::read(resumed.join(file)).unwrap(),
-        "{file} differs after a resume"
+    assert_same_file(
+        &straight,
+        &resumed,
+        "checkpoints/step-7/actor/model.safetensors",
     );
 }
 
@@ -626,18 +643,12 @@ fn a_python_reward_file_scores_a_jsonl_task_with_its_columns() {
     use weir::operators::tasks::arith;
     let tmp = tempfile::tempdir().unwrap();
     let prompts = tmp.path().join("task.jsonl");
-    let lines: Vec<String> = (0..12u32)
-        .map(|i| {
-            let (a, b) = (i % 5, i / 3);
-            serde_json::json!({
-                "messages": [{"role": "user", "content": arith::user_message(a, b)}],
-                "answer": (a + b).to_string(),
-                "topic": if i % 3 == 0 { "small" } else { "other" },
-            })
-            .to_string()
-        })
-        .collect();
-    std::fs::write(&prompts, lines.join("\n")).unwrap();
+    let pairs: Vec<(u32, u32)> = (0..12).map(|i| (i % 5, i / 3)).collect();
+    write_arith_task(
+        &prompts,
+        &pairs,
+        |i| serde_json::json!({"topic": if i % 3 == 0 { "small" } else { "other" }}),
+    );
     let file = tmp.path().join("my_reward.py");
     std::fs::write(
         &file,
@@ -752,16 +763,8 @@ fn weighted_reward_terms_combine_python_math_and_regex() {
     use weir::pipelines::config::{RewardKind, RewardTerm};
     let tmp = tempfile::tempdir().unwrap();
     let prompts = tmp.path().join("task.jsonl");
-    let lines: Vec<String> = (0..9u32)
-        .map(|i| {
-            serde_json::json!({
-                "messages": [{"role": "user", "content": arith::user_message(i, i + 1)}],
-                "answer": (2 * i + 1).to_string(),
-            })
-            .to_string()
-        })
-        .collect();
-    std::fs::write(&prompts, lines.join("\n")).unwrap();
+    let pairs: Vec<(u32, u32)> = (0..9).map(|i| (i, i + 1)).collect();
+    write_arith_task(&prompts, &pairs, |_| serde_json::json!({}));
     let file = tmp.path().join("exact.py");
     std::fs::write(
         &file,
@@ -903,17 +906,7 @@ fn held_out_prompts_evaluate_the_policy_during_training_and_mark_the_best_checkp
     let tmp = tempfile::tempdir().unwrap();
     let write = |name: &str, pairs: &[(u32, u32)]| -> PathBuf {
         let path = tmp.path().join(name);
-        let lines: Vec<String> = pairs
-            .iter()
-            .map(|&(a, b)| {
-                serde_json::json!({
-                    "messages": [{"role": "user", "content": arith::user_message(a, b)}],
-                    "answer": (a + b).to_string(),
-                })
-                .to_string()
-            })
-            .collect();
-        std::fs::write(&path, lines.join("\n")).unwrap();
+        write_arith_task(&path, pairs, |_| serde_json::json!({}));
         path
     };
     let train: Vec<(u32, u32)> = (0..12).map(|i| (i, 2 * i + 1)).collect();

@@ -94,19 +94,16 @@ pub(crate) fn check_resumable(
 /// leaves it (bad input found while the pipeline was built). A new run may
 /// take such a folder over.
 pub(crate) fn holds_no_steps(dir: &Path) -> bool {
-    fn only_empty_folders(dir: &Path) -> bool {
+    // Folders of folders only; the top one may also hold the config.
+    fn no_files(dir: &Path, top: bool) -> bool {
         std::fs::read_dir(dir).is_ok_and(|entries| {
-            entries
-                .flatten()
-                .all(|e| e.file_type().is_ok_and(|t| t.is_dir()) && only_empty_folders(&e.path()))
+            entries.flatten().all(|e| {
+                (top && e.file_name() == RESOLVED)
+                    || (e.file_type().is_ok_and(|t| t.is_dir()) && no_files(&e.path(), false))
+            })
         })
     }
-    std::fs::read_dir(dir).is_ok_and(|entries| {
-        entries.flatten().all(|e| {
-            e.file_name() == RESOLVED
-                || (e.file_type().is_ok_and(|t| t.is_dir()) && only_empty_folders(&e.path()))
-        })
-    })
+    no_files(dir, true)
 }
 
 /// Refuses an existing, non-empty folder that is not a weir run (a new run

@@ -13,6 +13,7 @@ use weir_operators::rewards::remote::{RemoteReward, RemoteRewardConfig};
 use weir_operators::rewards::rule_stage::RuleReward;
 use weir_operators::rewards::terms::{RewardTerms, Term, TermKind};
 use weir_operators::rewards::{rule_reward, rules};
+use weir_operators::stages::prompt_files::PromptRecords;
 
 use crate::config::RewardKind;
 use crate::context::load;
@@ -35,13 +36,23 @@ impl FileColumnsOnce {
     fn get(&self, cfg: &RunConfig) -> Result<FileColumns, StageError> {
         self.0
             .get_or_init(|| {
-                let columns = reward_columns(cfg).map_err(|e| e.to_string())?;
+                if crate::task::Task::of(cfg) == crate::task::Task::Arith {
+                    return Ok(FileColumns::default());
+                }
+                let records =
+                    PromptRecords::read(Path::new(&cfg.data.prompts)).map_err(|e| e.to_string())?;
+                let columns = if python_rewards(cfg) {
+                    other_columns(cfg, &records)
+                } else {
+                    Vec::new()
+                };
+                let label = &cfg.data.label_column;
                 let named: Vec<String> = columns
                     .iter()
-                    .chain(std::iter::once(&cfg.data.label_column))
+                    .chain((!label.is_empty()).then_some(label))
                     .cloned()
                     .collect();
-                let typed = typed_columns(cfg, &named).map_err(|e| e.to_string())?;
+                let typed = records.typed_columns(&named);
                 Ok(FileColumns { columns, typed })
             })
             .clone()
@@ -155,33 +166,32 @@ fn python_reward(
     })
 }
 
-/// Which of `names` (prompt-file columns; empty names ignored) the file
-/// holds as JSON values other than text.
-fn typed_columns(cfg: &RunConfig, names: &[String]) -> Result<Vec<String>, StageError> {
-    let names: Vec<String> = names.iter().filter(|n| !n.is_empty()).cloned().collect();
-    if names.is_empty() || crate::task::Task::of(cfg) == crate::task::Task::Arith {
-        return Ok(Vec::new());
-    }
-    weir_operators::stages::prompt_files::typed_columns(Path::new(&cfg.data.prompts), &names)
-}
-
 /// The prompt-file columns a Python reward receives besides the prompt and
 /// the label: every other column all records have.
 pub fn reward_columns(cfg: &RunConfig) -> Result<Vec<String>, StageError> {
-    let d = &cfg.data;
-    let python = match cfg.reward.kind {
+    if !python_rewards(cfg) || crate::task::Task::of(cfg) == crate::task::Task::Arith {
+        return Ok(Vec::new());
+    }
+    let records = PromptRecords::read(Path::new(&cfg.data.prompts))?;
+    Ok(other_columns(cfg, &records))
+}
+
+/// Whether a Python function computes the reward (or one of its terms).
+fn python_rewards(cfg: &RunConfig) -> bool {
+    match cfg.reward.kind {
         RewardKind::Python => true,
         RewardKind::Terms => cfg.reward.terms.iter().any(|t| !t.file.is_empty()),
         _ => false,
-    };
-    if !python || crate::task::Task::of(cfg) == crate::task::Task::Arith {
-        return Ok(Vec::new());
     }
+}
+
+/// The columns all `records` have but the prompt's and the label's.
+fn other_columns(cfg: &RunConfig, records: &PromptRecords) -> Vec<String> {
+    let d = &cfg.data;
     let own = [&d.prompt_column, &d.messages_column, &d.label_column];
-    Ok(
-        weir_operators::stages::prompt_files::common_columns(Path::new(&d.prompts))?
-            .into_iter()
-            .filter(|c| !own.contains(&c))
-            .collect(),
-    )
+    records
+        .common_columns()
+        .into_iter()
+        .filter(|c| !own.contains(&c))
+        .collect()
 }

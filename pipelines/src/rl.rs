@@ -3,7 +3,6 @@
 //! → rollout log, with the learner's weights flowing back to `generate`.
 
 use weir_graph::{Partition, Pipeline};
-use weir_operators::algorithms::Flavor;
 use weir_operators::rewards::overlong::OverlongPenalty;
 use weir_operators::rollout::col;
 use weir_operators::stages::advantage::{
@@ -127,8 +126,8 @@ fn reinforce(
                 advantage.gamma = a.gamma;
                 advantage.kl_estimator = a.kl_estimator.into();
                 advantage.flavor = flavor;
-                if greedy || flavor == Flavor::Verl {
-                    // verl (and its ReMax) does not clip the score.
+                if greedy {
+                    // verl's ReMax does not clip the score.
                     advantage.reward_clip = None;
                 }
                 if let Some(group) = &group {
@@ -170,10 +169,6 @@ pub fn ppo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
             (advantage.gamma, advantage.lambda) = (a.gamma, a.lambda);
             advantage.kl_estimator = a.kl_estimator.into();
             advantage.flavor = flavor;
-            if flavor == Flavor::Verl {
-                // verl does not clip the score.
-                advantage.reward_clip = None;
-            }
             if let Some(group) = &group {
                 advantage = advantage.with_data_parallel(group.member(w, "advantage")?);
             }

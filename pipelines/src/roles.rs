@@ -201,12 +201,9 @@ pub fn learner_config(cfg: &RunConfig, kl_in_loss: bool) -> LearnerConfig {
         policy: PolicyLossConfig {
             clip_low: a.clip_low,
             clip_high: a.clip_high,
-            // verl applies its dual clip (`clip_ratio_c` = 3) always.
-            dual_clip: match (a.dual_clip, flavor(cfg)) {
-                (c, _) if c > 0.0 => Some(c),
-                (_, Flavor::Verl) => Some(3.0),
-                _ => None,
-            },
+            dual_clip: (a.dual_clip > 0.0)
+                .then_some(a.dual_clip)
+                .or(flavor(cfg).default_dual_clip()),
             ratio_level: match a.policy_loss {
                 PolicyLossChoice::Gspo => RatioLevel::Sequence,
                 _ => RatioLevel::Token,

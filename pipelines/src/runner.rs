@@ -151,12 +151,16 @@ fn check_request(req: &RunRequest) -> Result<(), PipelineError> {
         }
     }
     check_heads(kind, cfg)?;
-    warn_of_a_default_rate_for_a_large_model(kind, cfg);
-    if let Some(warning) = truncated_sampling_warning(kind, cfg) {
+    let policy = weir_gpu::ModelConfig::load(Path::new(&cfg.model.path))?;
+    let warnings = [
+        default_rate_warning(kind, cfg, policy.parameter_count()),
+        truncated_sampling_warning(kind, cfg),
+    ];
+    for warning in warnings.into_iter().flatten() {
         tracing::warn!("{warning}");
     }
     if kind.is_rl() {
-        check_generation(cfg)?;
+        check_generation(cfg, &policy)?;
     }
     crate::placement::check_data_parallel(cfg)?;
     crate::placement::execution(cfg, &req.cluster)?;
@@ -522,23 +526,11 @@ fn check_heads(kind: PipelineKind, cfg: &RunConfig) -> Result<(), PipelineError>
     Ok(())
 }
 
-/// What generation needs of the policy's checkpoint: room for the
-/// responses in its context, and a token that ends them (unless
-/// `generate.ignore_eos` lets every response run to its budget).
 /// The default learning rates are sized for small models (weir's demo,
 /// tests and fixtures); a large checkpoint trained at such a default would
-/// most likely diverge: say so, once, at the start.
-fn warn_of_a_default_rate_for_a_large_model(kind: PipelineKind, cfg: &RunConfig) {
-    let Ok(model) = weir_gpu::ModelConfig::load(Path::new(&cfg.model.path)) else {
-        return;
-    };
-    if let Some(warning) = default_rate_warning(kind, cfg, model.parameter_count()) {
-        tracing::warn!("{warning}");
-    }
-}
-
-/// The warning for `cfg`'s learning rate on a checkpoint of `weights`
-/// weights: past 50M weights, a rate above 1e-5 left at the pipeline's default.
+/// most likely diverge: the warning for `cfg`'s learning rate on a
+/// checkpoint of `weights` weights, past 50M weights and a rate above 1e-5
+/// left at the pipeline's default.
 fn default_rate_warning(kind: PipelineKind, cfg: &RunConfig, weights: i64) -> Option<String> {
     let lr = cfg.algorithm.lr;
     let default = lr == RunConfig::defaults_for(kind).algorithm.lr;
@@ -569,9 +561,11 @@ fn truncated_sampling_warning(kind: PipelineKind, cfg: &RunConfig) -> Option<Str
     })
 }
 
-fn check_generation(cfg: &RunConfig) -> Result<(), PipelineError> {
+/// What generation needs of the policy's checkpoint (`config`): room for
+/// the responses in its context, and a token that ends them (unless
+/// `generate.ignore_eos` lets every response run to its budget).
+fn check_generation(cfg: &RunConfig, config: &weir_gpu::ModelConfig) -> Result<(), PipelineError> {
     let path = Path::new(&cfg.model.path);
-    let config = weir_gpu::ModelConfig::load(path)?;
     let budget = cfg.generate.max_new_tokens;
     if let Some(context) = config.max_position_embeddings {
         if budget as i64 >= context {

@@ -108,6 +108,11 @@ impl Optimizer {
         self.lr = lr;
     }
 
+    /// The learning rate the last step took (the one [`Optimizer::set_lr`] set).
+    pub fn lr(&self) -> f64 {
+        self.lr
+    }
+
     /// Optimizer steps taken so far.
     pub fn steps(&self) -> u64 {
         self.steps

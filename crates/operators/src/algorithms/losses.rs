@@ -93,7 +93,7 @@ impl PolicyLossConfig {
     /// verl's defaults: ε = 0.2, dual clip c = 3, token mean.
     pub fn verl() -> Self {
         PolicyLossConfig {
-            dual_clip: Some(3.0),
+            dual_clip: Flavor::Verl.default_dual_clip(),
             flavor: Flavor::Verl,
             ..Default::default()
         }

@@ -41,6 +41,43 @@ pub enum Flavor {
     Verl,
 }
 
+impl Flavor {
+    /// How the KL and entropy loss terms and the critic's value loss
+    /// aggregate, given the policy loss's `policy` aggregation: verl's as
+    /// the policy loss (`loss_agg_mode`); OpenRLHF's as a token mean.
+    pub fn term_aggregation(self, policy: Aggregation) -> Aggregation {
+        match self {
+            Flavor::Verl => policy,
+            Flavor::OpenRlhf => Aggregation::TokenMean,
+        }
+    }
+
+    /// The temperature the entropy is measured at, for sampling at
+    /// `temperature`: verl's at the sampling temperature, OpenRLHF's on the
+    /// raw logits.
+    pub fn entropy_temperature(self, temperature: f64) -> f64 {
+        match self {
+            Flavor::Verl => temperature,
+            Flavor::OpenRlhf => 1.0,
+        }
+    }
+
+    /// The dual clip c when none is set: verl always applies its
+    /// `clip_ratio_c` = 3; OpenRLHF none.
+    pub fn default_dual_clip(self) -> Option<f64> {
+        match self {
+            Flavor::Verl => Some(3.0),
+            Flavor::OpenRlhf => None,
+        }
+    }
+
+    /// Whether the score is clipped to the reward clip range before it
+    /// becomes a reward (OpenRLHF's `compute_reward`); verl clips nothing.
+    pub fn clips_scores(self) -> bool {
+        self == Flavor::OpenRlhf
+    }
+}
+
 /// A `[rows, columns]` float tensor of equal-length rows (tests).
 #[cfg(test)]
 pub(crate) fn test_rows(rows: &[&[f32]]) -> tch::Tensor {

@@ -37,9 +37,10 @@ pub enum GroupEstimator {
 pub struct GroupAdvantage {
     estimator: GroupEstimator,
     flavor: Flavor,
-    /// The range each advantage is clipped to: OpenRLHF clips the shaped
-    /// reward of its own group estimators (GRPO, Dr.GRPO, RLOO) to its
-    /// reward clip range, ±10 by default; verl clips nothing.
+    /// The range each advantage is clipped to under OpenRLHF's flavor:
+    /// OpenRLHF clips the shaped reward of its own group estimators (GRPO,
+    /// Dr.GRPO, RLOO) to its reward clip range, ±10 by default; verl clips
+    /// nothing.
     pub reward_clip: Option<(f64, f64)>,
     held: StepBuffer,
     data_parallel: Option<GroupMember>,
@@ -55,8 +56,7 @@ impl GroupAdvantage {
         GroupAdvantage {
             estimator,
             flavor,
-            reward_clip: (flavor == Flavor::OpenRlhf && openrlhf_estimator)
-                .then_some((-10.0, 10.0)),
+            reward_clip: openrlhf_estimator.then_some((-10.0, 10.0)),
             held: super::rows_in_order(),
             data_parallel: None,
         }
@@ -116,10 +116,12 @@ impl StepStage for GroupAdvantage {
         };
         let per_token: Vec<Vec<f64>> = per_response
             .iter()
-            .map(|&a| match self.reward_clip {
-                Some((lo, hi)) => a.clamp(lo, hi),
-                None => a,
-            })
+            .map(
+                |&a| match self.reward_clip.filter(|_| self.flavor.clips_scores()) {
+                    Some((lo, hi)) => a.clamp(lo, hi),
+                    None => a,
+                },
+            )
             .zip(&lengths)
             .map(|(a, n)| vec![a; *n])
             .collect();
@@ -199,7 +201,7 @@ pub struct GaeAdvantage {
     pub adaptive_kl: Option<AdaptiveKl>,
     /// The KL estimator of the penalty.
     pub kl_estimator: crate::algorithms::KlEstimator,
-    /// Clip range of the score.
+    /// Clip range of the score (under OpenRLHF's flavor; verl clips nothing).
     pub reward_clip: Option<(f64, f64)>,
     /// Whiten the advantages over the step.
     pub whiten: bool,
@@ -310,9 +312,9 @@ impl StepStage for GaeAdvantage {
 type TokenRows = Vec<Vec<f64>>;
 
 /// Per-token rewards of a batch: `scores` on each response's last token
-/// (clipped to `clip`) minus `kl_coef ·` KL(behaviour ‖ reference); the
-/// all-ones response mask; and the per-token KL (empty rows when the KL
-/// term is off).
+/// (clipped to `clip` under OpenRLHF's flavor) minus `kl_coef ·`
+/// KL(behaviour ‖ reference); the all-ones response mask; and the
+/// per-token KL (empty rows when the KL term is off).
 fn kl_shaped_rewards(
     batch: &RecordBatch,
     scores: &[f64],
@@ -322,6 +324,7 @@ fn kl_shaped_rewards(
     flavor: Flavor,
 ) -> Result<(TokenRows, TokenRows, TokenRows), StageError> {
     use crate::algorithms::{kl_tokens, token_rewards};
+    let clip = clip.filter(|_| flavor.clips_scores());
     let behaviour = float_lists(batch, col::BEHAVIOR_LOGPROBS, "advantage")?;
     let mask: Vec<Vec<f64>> = behaviour.iter().map(|r| vec![1.0; r.len()]).collect();
     let kl = if kl_coef > 0.0 {
@@ -470,7 +473,7 @@ pub struct ReinforceAdvantage {
     pub adaptive_kl: Option<AdaptiveKl>,
     /// The KL estimator.
     pub kl_estimator: crate::algorithms::KlEstimator,
-    /// Clip range of the shaped score.
+    /// Clip range of the shaped score (under OpenRLHF's flavor; verl clips nothing).
     pub reward_clip: Option<(f64, f64)>,
     /// Whose semantics.
     pub flavor: Flavor,

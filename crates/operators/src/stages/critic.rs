@@ -186,11 +186,7 @@ impl CriticLearner {
     /// verl's critic aggregates as the actor does (`aggregation`, its
     /// `loss_agg_mode`); OpenRLHF's always takes a token mean (its `ValueLoss`).
     pub fn with_loss(mut self, aggregation: Aggregation, flavor: Flavor) -> Self {
-        self.aggregation = match flavor {
-            Flavor::Verl => aggregation,
-            Flavor::OpenRlhf => Aggregation::TokenMean,
-        };
-        self.flavor = flavor;
+        (self.aggregation, self.flavor) = (flavor.term_aggregation(aggregation), flavor);
         self
     }
 
@@ -325,11 +321,7 @@ impl StepStage for CriticLearner {
         if leads(member) {
             ctx.record("value_loss", self.last_loss);
             ctx.record("value_clip_fraction", clip_fraction);
-            ctx.record(
-                "lr",
-                self.schedule
-                    .rate(self.lr, self.optimizer.steps().saturating_sub(1)),
-            );
+            ctx.record("lr", self.optimizer.lr());
             if let Some(ck) = self.checkpoints.as_ref().filter(|c| c.due(ctx.step)) {
                 ck.save_component(ctx.step, "critic", &model, &self.optimizer)?;
             }

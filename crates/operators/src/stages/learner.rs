@@ -21,8 +21,7 @@ use super::columns::{float_lists, token_lists};
 use super::sequences::{response_backward, response_logprobs, ResponseForward};
 use super::train_step::{optimizer_step, step_scale};
 use crate::algorithms::{
-    aggregate_in_step, kl_tensor, policy_loss_in_step, Aggregation, Flavor, KlEstimator,
-    PolicyLossConfig, WeightStats,
+    aggregate_in_step, kl_tensor, policy_loss_in_step, KlEstimator, PolicyLossConfig, WeightStats,
 };
 use crate::checkpoint::CheckpointPlan;
 use crate::rollout::col;
@@ -449,12 +448,7 @@ impl Learner {
                                 let adv = padded(&advantages[start..end], width, device);
                                 let behaviour_t = padded(&behaviour[start..end], width, device);
                                 let (agg, flavor) = (cfg.policy.aggregation, cfg.policy.flavor);
-                                // The KL and entropy terms: verl aggregates them as the
-                                // policy loss; OpenRLHF always as a token mean.
-                                let side = match flavor {
-                                    Flavor::Verl => agg,
-                                    Flavor::OpenRlhf => Aggregation::TokenMean,
-                                };
+                                let side = flavor.term_aggregation(agg);
                                 let out = policy_loss_in_step(
                                     &lp,
                                     &old,
@@ -505,12 +499,7 @@ impl Learner {
                                 &prompts[start..end],
                                 &responses[start..end],
                                 cfg.temperature,
-                                // verl measures the entropy at the sampling
-                                // temperature, OpenRLHF on the raw logits.
-                                Some(match cfg.policy.flavor {
-                                    Flavor::Verl => cfg.temperature,
-                                    Flavor::OpenRlhf => 1.0,
-                                }),
+                                Some(cfg.policy.flavor.entropy_temperature(cfg.temperature)),
                                 cfg.gradient_checkpointing,
                                 cfg.logprob_chunk,
                                 micro_loss,
@@ -577,17 +566,12 @@ impl StepStage for Learner {
                 entropy = u.entropy,
                 "policy update"
             );
-            // The rate of the step's last optimizer step.
-            let lr = self
-                .cfg
-                .schedule
-                .rate(self.cfg.adamw.lr, self.optimizer.steps().saturating_sub(1));
             for (name, value) in [
                 ("loss", u.loss),
                 ("grad_norm", u.grad_norm),
                 ("clip_fraction", u.clip_fraction),
                 ("entropy", u.entropy),
-                ("lr", lr),
+                ("lr", self.optimizer.lr()),
             ] {
                 ctx.record(name, value);
             }

@@ -2,6 +2,7 @@
 //! checkpointing, data-parallel ranks, schedules.
 
 use super::*;
+use crate::algorithms::Flavor;
 use crate::stages::columns::{float_list_array, token_list_array};
 
 fn entropy_after_two_updates(coef: f64) -> (f64, f64) {

@@ -202,36 +202,44 @@ fn json_kind(v: &serde_json::Value) -> &'static str {
     }
 }
 
-/// The columns every record of a prompt file has, in the order the first
-/// record lists them (what a reward function may receive besides the prompt).
-pub fn common_columns(path: &std::path::Path) -> Result<Vec<String>, StageError> {
-    let records = read_records(path)?;
-    let Some((_, first)) = records.first() else {
-        return Ok(Vec::new());
-    };
-    Ok(first
-        .keys()
-        .filter(|k| records.iter().all(|(_, r)| r.contains_key(*k)))
-        .cloned()
-        .collect())
-}
+/// A prompt file's records, read once to learn what its columns hold.
+pub struct PromptRecords(Vec<Record>);
 
-/// Which of `names` a prompt file holds as JSON numbers, booleans, lists
-/// or objects in every record (a column with any text value is text): the
-/// rollout keeps such values as their JSON text, and a reward function
-/// receives them decoded.
-pub fn typed_columns(path: &std::path::Path, names: &[String]) -> Result<Vec<String>, StageError> {
-    let records = read_records(path)?;
-    Ok(names
-        .iter()
-        .filter(|name| {
-            !records.is_empty()
-                && records.iter().all(|(_, r)| {
-                    field(r, name).is_some_and(|v| !matches!(v, serde_json::Value::String(_)))
-                })
-        })
-        .cloned()
-        .collect())
+impl PromptRecords {
+    /// Reads the records of a JSONL, JSON or Parquet prompt file.
+    pub fn read(path: &std::path::Path) -> Result<Self, StageError> {
+        Ok(PromptRecords(read_records(path)?))
+    }
+
+    /// The columns every record has, in the order the first record lists
+    /// them (what a reward function may receive besides the prompt).
+    pub fn common_columns(&self) -> Vec<String> {
+        let Some((_, first)) = self.0.first() else {
+            return Vec::new();
+        };
+        first
+            .keys()
+            .filter(|k| self.0.iter().all(|(_, r)| r.contains_key(*k)))
+            .cloned()
+            .collect()
+    }
+
+    /// Which of `names` every record holds as a JSON number, boolean, list
+    /// or object (a column with any text value is text): the rollout keeps
+    /// such values as their JSON text, and a reward function receives them
+    /// decoded.
+    pub fn typed_columns(&self, names: &[String]) -> Vec<String> {
+        names
+            .iter()
+            .filter(|name| {
+                !self.0.is_empty()
+                    && self.0.iter().all(|(_, r)| {
+                        field(r, name).is_some_and(|v| !matches!(v, serde_json::Value::String(_)))
+                    })
+            })
+            .cloned()
+            .collect()
+    }
 }
 
 /// A record's column `name`: the top-level field of that name, else, for a
@@ -425,11 +433,12 @@ mod file_tests {
             .map(String::from)
             .to_vec();
         assert_eq!(
-            typed_columns(&typed, &names).unwrap(),
+            PromptRecords::read(&typed).unwrap().typed_columns(&names),
             vec!["n".to_string(), "r.gt".into(), "r".into()]
         );
-        assert!(typed_columns(&parquet, &["answer".into()])
+        assert!(PromptRecords::read(&parquet)
             .unwrap()
+            .typed_columns(&["answer".into()])
             .is_empty());
     }
 

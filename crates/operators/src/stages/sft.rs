@@ -185,12 +185,7 @@ impl StepStage for SftTrainer {
         }
         ctx.record("loss", loss);
         ctx.record("grad_norm", grad_norm);
-        ctx.record(
-            "lr",
-            self.cfg
-                .schedule
-                .rate(self.cfg.adamw.lr, self.optimizer.steps() - 1),
-        );
+        ctx.record("lr", self.optimizer.lr());
         if let Some(plan) = &self.checkpoints {
             plan.save_actor_if_due(ctx.step, ctx.step + 1, &self.model, &self.optimizer)?;
         }
