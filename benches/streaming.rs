@@ -10,7 +10,8 @@
 //!   1,024 padded tokens, `WEIR_BENCH_MICRO_TOKENS` to change):
 //!   synchronous (k = 0), batch-level k = 1, streaming k = 1 with
 //!   `on_new_weights = "keep"` and `"recompute"` (`generate.max_inflight` =
-//!   the rows of two steps), and batch-level against streaming keep at k = 2;
+//!   the rows of the k + 1 steps the bound lets run at once), and
+//!   batch-level against streaming keep at k = 2;
 //! - the arith setting (≤ 8 tokens, eos ends responses): batch-level k = 1
 //!   against streaming k = 1 `"keep"`.
 //!
@@ -84,9 +85,10 @@ fn config(steps: u64, mode: Mode, long_tail: bool) -> RunConfig {
         Mode::Synchronous => 0,
         Mode::Batch(k) | Mode::Streaming(_, k) => k,
     };
-    if let Mode::Streaming(policy, _) = mode {
-        // Room for the rows of two steps at once.
-        c.generate.max_inflight = 2 * PROMPTS * SAMPLES;
+    if let Mode::Streaming(policy, k) = mode {
+        // Room for every row the bound lets the generator hold at once: the
+        // k + 1 steps from the oldest untrained one.
+        c.generate.max_inflight = (k as usize + 1) * PROMPTS * SAMPLES;
         c.generate.on_new_weights = policy;
     }
     c

@@ -337,6 +337,27 @@ for n in range(3):
     add(f"openrlhf011_pairwise_{n}", "pairwise_09", "openrlhf", f"openrlhf=={OPENRLHF} openrlhf/models/loss.py (PairWiseLoss)",
         dict(chosen=chosen, rejected=rejected, margin=margin), dict(loss=loss.item()))
 
+# ---- verl rejection bands whose bounds are not reciprocal ---------------------------
+# seq_mean_k1 compares the mean K1 (−log ρ) with [ln low, ln high]: on the
+# geometric-mean ratio that is [1/high, 1/low], which only a band with
+# low · high = 1 (as the cases above) cannot tell from [low, high]. A seed of
+# its own, so the cases above keep their inputs.
+band_rng = np.random.default_rng(20261203)
+for n, threshold in enumerate(["0.9_1.1", "0.5_1.05", "0.95_3.0"]):
+    B, T = 8, 6
+    m = np.zeros((B, T))
+    for r in range(B):
+        m[r, : int(band_rng.integers(1, T + 1))] = 1.0
+    m = m.tolist()
+    behaviour = (band_rng.standard_normal((B, T)) * 0.8).tolist()
+    # Per response, a shift of the log-ratio spread over both sides of 0.
+    shift = band_rng.uniform(-0.3, 0.3, size=(B, 1))
+    old = (np.array(behaviour) + shift + band_rng.standard_normal((B, T)) * 0.05).tolist()
+    w, _ = corr.compute_rollout_rejection_mask(t(old) - t(behaviour), t(m), rollout_rs="seq_mean_k1", rollout_rs_threshold=threshold)
+    add(f"verl09_correction_geo-rejection_band_{n}", "correction_09", "verl", f"{corr_src} (compute_rollout_rejection_mask)",
+        dict(correction="geo-rejection", threshold=threshold, old_logprobs=old, behaviour_logprobs=behaviour, mask=m),
+        dict(weights=(w * t(m)).tolist()))
+
 doc = dict(
     about="Recorded by scripts/record_upstream_09.py from the PyPI wheels named in `upstream`, torch float64.",
     upstream={"verl": VERL, "openrlhf": OPENRLHF},

@@ -310,9 +310,33 @@ fn tokenizer_of(model: &Path) -> anyhow::Result<Option<Tokenizer>> {
     Ok(Some(Tokenizer::load(model)?))
 }
 
+/// Refuses a nucleus mass outside (0, 1] or a temperature below 0.01 (or
+/// not finite), as `generate.top_p` and `generate.temperature` in a run's
+/// config are refused; `top_p` and `temperature` name where each value came
+/// from beside it.
+fn check_sampling_values(
+    top_p: (&str, Option<f64>),
+    temperature: (&str, Option<f64>),
+) -> anyhow::Result<()> {
+    if let (source, Some(p)) = top_p {
+        if !(p > 0.0 && p <= 1.0) {
+            anyhow::bail!("{source} = {p} is not a nucleus mass: it must be in (0, 1]");
+        }
+    }
+    if let (source, Some(t)) = temperature {
+        if !(t.is_finite() && t >= 0.01) {
+            anyhow::bail!(
+                "{source} = {t} must be a finite number ≥ 0.01 (--greedy takes the most likely token)"
+            );
+        }
+    }
+    Ok(())
+}
+
 /// `weir generate`.
 pub fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
     let m = &args.model;
+    check_sampling_values(("--top-p", args.top_p), ("--temperature", args.temperature))?;
     let lines = read_jsonl(&m.input)?;
     let model = load(m)?;
     let tokenizer = tokenizer_of(&m.model)?;
@@ -339,9 +363,30 @@ pub fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
         .map(|t| t.sampling_defaults().clone())
         .unwrap_or_default();
     let flagged = args.temperature.is_some() || args.top_p.is_some() || args.top_k.is_some();
+    let greedy = args.greedy || (!flagged && defaults.do_sample == Some(false));
+    // The checkpoint's own values are checked only where they take effect:
+    // an unset flag while sampling.
+    let config_key = |key: &str| {
+        format!(
+            "{}: `{key}`",
+            m.model.join("generation_config.json").display()
+        )
+    };
+    let sampling_default =
+        |flag: Option<f64>, default: Option<f64>| default.filter(|_| flag.is_none() && !greedy);
+    check_sampling_values(
+        (
+            &config_key("top_p"),
+            sampling_default(args.top_p, defaults.top_p),
+        ),
+        (
+            &config_key("temperature"),
+            sampling_default(args.temperature, defaults.temperature),
+        ),
+    )?;
     let params = SamplingParams {
         max_new_tokens: args.max_new_tokens,
-        greedy: args.greedy || (!flagged && defaults.do_sample == Some(false)),
+        greedy,
         temperature: args.temperature.or(defaults.temperature).unwrap_or(1.0),
         top_k: args.top_k.or(defaults.top_k).filter(|k| *k > 0),
         top_p: args.top_p.or(defaults.top_p).filter(|p| *p < 1.0),

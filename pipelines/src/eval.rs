@@ -326,6 +326,11 @@ impl Stage for EvaluatingGenerator {
         self.generate.end_step(ctx)
     }
 
+    fn policy_version(&self) -> Option<PolicyVersion> {
+        // What the evaluation runs on: `ctx.version` in `process` is this.
+        Stage::policy_version(&self.generate)
+    }
+
     fn streaming(&self) -> bool {
         Stage::streaming(&self.generate)
     }

@@ -155,6 +155,7 @@ fn check_request(req: &RunRequest) -> Result<(), PipelineError> {
     let warnings = [
         default_rate_warning(kind, cfg, policy.parameter_count()),
         truncated_sampling_warning(kind, cfg),
+        synchronous_streaming_warning(kind, cfg),
     ];
     for warning in warnings.into_iter().flatten() {
         tracing::warn!("{warning}");
@@ -561,6 +562,19 @@ fn truncated_sampling_warning(kind: PipelineKind, cfg: &RunConfig) -> Option<Str
     })
 }
 
+/// At `run.max_staleness = 0` no step's rows start before its weights, so
+/// streaming generation changes no row: the pool only caps how many
+/// sequences decode at once. A user who set `generate.max_inflight` for
+/// asynchrony should hear that at the start.
+fn synchronous_streaming_warning(kind: PipelineKind, cfg: &RunConfig) -> Option<String> {
+    let pool = cfg.generate.max_inflight;
+    (kind.is_rl() && pool > 0 && cfg.run.max_staleness == 0).then(|| {
+        format!(
+            "generate.max_inflight = {pool} at run.max_staleness = 0: every step waits for its              weights, so streaming overlaps no steps; the pool only caps the sequences decoded              at once (set run.max_staleness > 0 for asynchrony)"
+        )
+    })
+}
+
 /// What generation needs of the policy's checkpoint (`config`): room for
 /// the responses in its context, and a token that ends them (unless
 /// `generate.ignore_eos` lets every response run to its budget).
@@ -688,6 +702,18 @@ mod tests {
         cfg.generate.top_p = 0.9;
         assert!(warn(&cfg).is_some_and(|w| w.contains("algorithm.correction")));
         cfg.algorithm.correction = crate::config::CorrectionChoice::None;
+        assert!(warn(&cfg).is_none());
+    }
+
+    #[test]
+    fn a_streaming_pool_without_staleness_is_warned_of() {
+        let mut cfg = RunConfig::defaults_for(PipelineKind::Grpo);
+        let warn = |cfg: &RunConfig| synchronous_streaming_warning(PipelineKind::Grpo, cfg);
+        cfg.run.max_staleness = 0;
+        assert!(warn(&cfg).is_none());
+        cfg.generate.max_inflight = 8;
+        assert!(warn(&cfg).is_some_and(|w| w.contains("run.max_staleness")));
+        cfg.run.max_staleness = 1;
         assert!(warn(&cfg).is_none());
     }
 }

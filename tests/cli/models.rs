@@ -304,6 +304,40 @@ fn bad_lines_are_named_and_nothing_is_written() {
         !out.status.success() && stderr.contains("line 2: not JSON"),
         "{stderr}"
     );
+    // Sampling values a config would refuse are refused on the command line
+    // too, before any input is read (top-p 1.5 was once taken as no top-p).
+    for (flag, value) in [
+        ("--top-p", "1.5"),
+        ("--top-p", "0"),
+        ("--temperature", "0"),
+        ("--temperature", "NaN"),
+    ] {
+        let out = weir(
+            &[
+                "generate",
+                "--model",
+                m,
+                "--input",
+                "bad.jsonl",
+                "--output",
+                "out.parquet",
+                "--max-new-tokens",
+                "2",
+                flag,
+                value,
+            ],
+            dir.path(),
+        );
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success()
+                && stderr.contains(&format!("{flag} = {value}"))
+                && !stderr.contains("line 2")
+                && stderr.trim().lines().count() == 1,
+            "{flag} {value}: {stderr}"
+        );
+    }
+    assert!(!dir.path().join("out.parquet").exists());
     let out = weir(
         &[
             "score",

@@ -1,7 +1,9 @@
 //! Continuous batching: a pool of up to `max_inflight` sequences that all
 //! advance one token per call. A finished sequence leaves at once and its
 //! slot goes to the next waiting request, which is prefilled in the same
-//! forward pass as the others' decode step. New weights may be applied to
+//! call as the others' decode step, but in a forward pass of its own on
+//! both backends (a call that admits requests reads the weights twice; a
+//! fused ragged pass is not built yet). New weights may be applied to
 //! the model between two calls; [`OnNewWeights`] says what happens to the
 //! sequences in flight, and every token records the policy version that
 //! sampled it.
@@ -190,6 +192,9 @@ pub struct Streamer {
     recompute: bool,
     admitting: bool,
     stats: StreamStats,
+    /// Requests whose first token was drawn (or that ended without one)
+    /// since the last [`Streamer::take_started`], with the version then.
+    started: Vec<(u64, u32)>,
 }
 
 impl Streamer {
@@ -240,6 +245,7 @@ impl Streamer {
             recompute: false,
             admitting: true,
             stats: StreamStats::default(),
+            started: Vec::new(),
         })
     }
 
@@ -311,6 +317,13 @@ impl Streamer {
         std::mem::take(&mut self.stats)
     }
 
+    /// The requests whose first token was drawn since the last call, each
+    /// with the policy version that drew it (a request with no token budget
+    /// ends at once: the version then), in the order they started.
+    pub fn take_started(&mut self) -> Vec<(u64, u32)> {
+        std::mem::take(&mut self.started)
+    }
+
     /// One forward pass: waiting requests start in free slots, every
     /// sequence in flight gets one token; returns the sequences that ended.
     pub fn advance(&mut self, model: &Model) -> Result<Vec<Finished>, ModelError> {
@@ -329,6 +342,7 @@ impl Streamer {
                 break;
             };
             if request.limit(&self.params[0]) == 0 {
+                self.started.push((request.key, self.version));
                 empty.push(Finished {
                     key: request.key,
                     generation: Generation::empty(0, 0),
@@ -418,6 +432,9 @@ impl Streamer {
             let s = &mut self.live[i];
             let params = &self.params[usize::from(s.request.greedy)];
             s.cached = true;
+            if s.versions.is_empty() {
+                self.started.push((s.request.key, self.version));
+            }
             s.versions.push(self.version);
             s.recomputed.push(s.context_recomputed);
             let more = s.generation.record(token, logprob, params);

@@ -178,7 +178,9 @@ impl StageRunner {
                     StageKind::Learn => self.stamp_learner_input(step, batch)?,
                     _ => batch,
                 };
-                let mut ctx = StepContext::new(step, self.worker, self.version, false);
+                // A generator's context names the weights it samples with.
+                let held = self.stage.policy_version().unwrap_or(self.version);
+                let mut ctx = StepContext::new(step, self.worker, held, false);
                 let started = Instant::now();
                 let out = guarded(&self.name, Some(step), self.worker.index, || {
                     self.stage.process(&mut ctx, batch)
@@ -366,7 +368,10 @@ impl StageRunner {
             row(names::DONE_UNIX_S, None, now_unix_s()),
         ];
         if self.kind == StageKind::Generate {
-            rows.push(row(names::POLICY_VERSION, None, self.version as f64));
+            // The weights it samples with: a streaming generator may hold
+            // the last ones it was sent back until its sequences end.
+            let version = self.stage.policy_version().unwrap_or(self.version);
+            rows.push(row(names::POLICY_VERSION, None, version as f64));
         }
         for (s, n) in &stats.staleness {
             rows.push(row(names::STALENESS, Some(s.to_string()), *n as f64));

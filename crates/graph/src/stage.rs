@@ -171,6 +171,15 @@ pub trait Stage {
         Err("this stage does not take weights".into())
     }
 
+    /// The policy version of the weights the stage samples with now, where
+    /// it differs from the last version handed to [`Stage::load_weights`]:
+    /// a streaming generator under `on_new_weights = "finish"` holds new
+    /// weights back until its sequences in flight end. `None`: the last
+    /// version loaded.
+    fn policy_version(&self) -> Option<PolicyVersion> {
+        None
+    }
+
     /// True for a streaming stage (a continuous-batching generator):
     /// `process` only takes a batch in, and the rows leave later, from
     /// [`Stage::advance`]. The engine calls `advance` whenever the stage
@@ -221,6 +230,10 @@ impl Stage for Box<dyn Stage> {
         weights: &WeightsPayload,
     ) -> Result<(), StageError> {
         (**self).load_weights(version, weights)
+    }
+
+    fn policy_version(&self) -> Option<PolicyVersion> {
+        (**self).policy_version()
     }
 
     fn streaming(&self) -> bool {

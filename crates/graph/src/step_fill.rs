@@ -111,16 +111,49 @@ impl StepFill {
         self
     }
 
-    /// A group of input step `step` starts under policy `version`.
+    /// A group of input step `step` starts under policy `version`: it is
+    /// queued, and none of its tokens can be older than `version`.
     pub fn start(&mut self, step: Step, version: PolicyVersion) -> Started {
-        let mut deadline = version.saturating_add(self.max_staleness).max(step);
-        // A barrier at or after its input step holds it.
-        if let Some(b) = (self.next_barrier)(step).filter(|&b| b < deadline) {
-            deadline = b;
-        }
+        let deadline = self.deadline(step, version);
         self.open.entry(step).or_default().quota += 1;
         *self.due.entry(deadline).or_insert(0) += 1;
         Started { step, deadline }
+    }
+
+    /// The last step a group of input step `step` whose oldest token is of
+    /// `version` may be trained at.
+    fn deadline(&self, step: Step, version: PolicyVersion) -> Step {
+        let deadline = version.saturating_add(self.max_staleness).max(step);
+        // A barrier at or after its input step holds it.
+        match (self.next_barrier)(step) {
+            Some(b) if b < deadline => b,
+            _ => deadline,
+        }
+    }
+
+    /// Every sample of `group` (not yet finished) has drawn its first token,
+    /// the oldest of them under `version`: its deadline moves on to what
+    /// `version` allows, if that is later (a group queued behind others
+    /// while newer weights arrived gets the slack they give). Returns the
+    /// group as it now stands; pass that to [`StepFill::finish`].
+    pub fn first_tokens_under(&mut self, group: Started, version: PolicyVersion) -> Started {
+        let deadline = self.deadline(group.step, version);
+        if deadline <= group.deadline {
+            return group;
+        }
+        let due = self
+            .due
+            .get_mut(&group.deadline)
+            .expect("an unplaced group is due");
+        *due -= 1;
+        if *due == 0 {
+            self.due.remove(&group.deadline);
+        }
+        *self.due.entry(deadline).or_insert(0) += 1;
+        Started {
+            step: group.step,
+            deadline,
+        }
     }
 
     /// Input step `step` has brought all its groups.
@@ -298,8 +331,14 @@ mod tests {
                 }
                 continue;
             }
-            let i = pick.next().expect("cycle") % running.len();
-            let g = running.swap_remove(i);
+            let r = *pick.next().expect("cycle");
+            let mut g = running.swap_remove(r % running.len());
+            // Some groups waited in the queue: their first tokens are of the
+            // newest version, which moves their deadline on.
+            if r & 0x100 != 0 {
+                g.1 = fill.first_tokens_under(g.1, closed);
+                g.2 = g.2.max(closed);
+            }
             match fill.finish(g.1) {
                 Some(t) => out.push((g.1.step, g.2, t)),
                 None => waiting.push(g),
@@ -384,6 +423,57 @@ mod tests {
         // c may not take step 0 or 1 while a and b need both slots.
         assert_eq!(fill.finish(c), Some(2));
         assert_eq!(fill.finish(a), Some(0));
+    }
+
+    #[test]
+    fn a_group_queued_past_new_weights_is_due_from_its_first_token() {
+        // k = 1: a and b of step 0 are queued under version 0; by the time
+        // b's first token is drawn, version 1 is loaded, so b may wait for
+        // step 2 and a, due at step 1, keeps step 1's slot.
+        let mut fill = StepFill::new(1, |_| None);
+        let a = fill.start(0, 0);
+        let b = fill.start(0, 0);
+        fill.input_complete(0);
+        assert_eq!(b.deadline, 1);
+        let b = fill.first_tokens_under(b, 1);
+        assert_eq!(b.deadline, 2);
+        // An older version never pulls a deadline in.
+        assert_eq!(fill.first_tokens_under(a, 0), a);
+        let c = fill.start(1, 1);
+        let d = fill.start(1, 1);
+        fill.input_complete(1);
+        assert_eq!(fill.finish(c), Some(0));
+        assert_eq!(fill.finish(d), Some(0));
+        fill.close(0);
+        assert_eq!(fill.finish(a), Some(1));
+        assert!(fill.holds(1));
+        let e = fill.start(2, 1);
+        fill.input_complete(2);
+        // e (due at 2) takes step 1's last slot while b may go to step 2.
+        assert_eq!(fill.finish(e), Some(1));
+        fill.close(1);
+        assert_eq!(fill.finish(b), Some(2));
+        assert_eq!(fill.unplaced(), 0);
+        // Without the move, b stays due at step 1 and holds its last slot:
+        // step 1 could not close before b ends, and e goes to step 2.
+        let mut fill = StepFill::new(1, |_| None);
+        let a = fill.start(0, 0);
+        let b = fill.start(0, 0);
+        fill.input_complete(0);
+        for g in [fill.start(1, 1), fill.start(1, 1)] {
+            assert_eq!(fill.finish(g), Some(0));
+        }
+        fill.input_complete(1);
+        fill.close(0);
+        assert_eq!(fill.finish(a), Some(1));
+        let e = fill.start(2, 1);
+        fill.input_complete(2);
+        assert_eq!(fill.finish(e), Some(2));
+        assert_eq!(fill.finish(b), Some(1));
+        // A barrier still holds a group that moved.
+        let mut fill = StepFill::new(3, |s| (s <= 1).then_some(1));
+        let a = fill.start(0, 0);
+        assert_eq!(fill.first_tokens_under(a, 2).deadline, 1);
     }
 
     #[test]

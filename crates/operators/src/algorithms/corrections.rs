@@ -45,8 +45,11 @@ pub enum ImportanceCorrection {
         high: f64,
     },
     /// Geometric-mean rejection (verl's `rollout_rs = "seq_mean_k1"`): a
-    /// response is kept, with weight 1, iff `low ≤ exp(mean_t log ρ) ≤ high`,
-    /// else dropped (weight 0).
+    /// response is kept, with weight 1, iff its mean K1 estimate
+    /// `mean_t −log ρ` (log ρ clamped to ±20) lies in `[ln low, ln high]`,
+    /// else dropped (weight 0). On the geometric-mean ratio that is
+    /// `1/high ≤ exp(mean_t log ρ) ≤ 1/low`: the bounds are on
+    /// π_behaviour / π_old, as verl reads them.
     GeometricRejection {
         /// Lower bound.
         low: f64,
@@ -142,9 +145,10 @@ pub fn importance_weights(
         }
         ImportanceCorrection::GeometricRejection { low, high } => {
             let kind = sum_kind(&log_rho);
+            let k1 = -log_rho.clamp(-20.0, 20.0);
             let count = mask.sum_dim_intlist(-1, true, kind).clamp_min(1.0);
-            let seq = ((&log_rho * mask).sum_dim_intlist(-1, true, kind) / count).exp();
-            inside(&seq, low, high).expand_as(&rho) * mask
+            let mean = (k1 * mask).sum_dim_intlist(-1, true, kind) / count;
+            inside(&mean, low.ln(), high.ln()).expand_as(&rho) * mask
         }
         ImportanceCorrection::K3Rejection { high } => {
             let kind = sum_kind(&log_rho);
@@ -188,10 +192,27 @@ mod tests {
         );
         near(
             &w(ImportanceCorrection::GeometricRejection {
-                low: 0.5,
+                low: 0.6,
                 high: 1.5,
             }),
             &[0.0, 0.0, 0.0, 1.0, 1.0, 0.0],
+        );
+        // The band is on the mean K1 = −mean log ρ, as verl's seq_mean_k1:
+        // response 0's geometric-mean ρ of 2 is kept by [0.4, 0.6] (its
+        // K1, −ln 2, is in [ln 0.4, ln 0.6]), not by [1.9, 2.1].
+        near(
+            &w(ImportanceCorrection::GeometricRejection {
+                low: 0.4,
+                high: 0.6,
+            }),
+            &[1.0, 1.0, 0.0, 0.0, 0.0, 0.0],
+        );
+        near(
+            &w(ImportanceCorrection::GeometricRejection {
+                low: 1.9,
+                high: 2.1,
+            }),
+            &[0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
         );
         // Mean K3 of response 0: 2 − 1 − ln 2 ≈ 0.307; response 1: 0.
         near(
@@ -205,7 +226,7 @@ mod tests {
         let stats = WeightStats::of(
             &importance_weights(
                 ImportanceCorrection::GeometricRejection {
-                    low: 0.5,
+                    low: 0.6,
                     high: 1.5,
                 },
                 &old,

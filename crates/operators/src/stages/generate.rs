@@ -461,6 +461,10 @@ impl Stage for Generate {
                 mean / state.streamer.max_inflight() as f64,
             );
             ctx.record("passes", f.passes as f64);
+            ctx.record("tokens", f.tokens as f64);
+        }
+        if state.streamer.on_new_weights() == OnNewWeights::Recompute {
+            ctx.record("recomputed", f.recomputed as f64);
         }
         for s in state.applies.drain(..) {
             ctx.record("weights_apply_s", s);
@@ -485,6 +489,13 @@ impl Stage for Generate {
         }
         state.held = None;
         self.apply_held(version, weights)
+    }
+
+    fn policy_version(&self) -> Option<PolicyVersion> {
+        // Under `finish`, weights sent while sequences are in flight wait
+        // in `held`; the streamer samples with the version it was last given.
+        let state = self.stream.as_ref()?;
+        Some(PolicyVersion::from(state.streamer.version()))
     }
 
     fn streaming(&self) -> bool {

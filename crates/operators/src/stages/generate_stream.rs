@@ -25,18 +25,23 @@ pub(super) struct StreamState {
     pub(super) next_batch: u64,
     /// Weights held back until the sequences in flight end (`finish`).
     pub(super) held: Option<(PolicyVersion, WeightsPayload)>,
-    /// Per step: rows out, rows spanning versions, passes, sequences in flight over them.
+    /// Per step: rows out, rows spanning versions, and what the passes did.
     pub(super) figures: BTreeMap<Step, StepFigures>,
     /// Seconds of each weights update since the last step ended.
     pub(super) applies: Vec<f64>,
 }
 
+/// A step's figures: its rows and, for the passes run while it was the
+/// oldest step in flight, their count, the sequences in flight over them,
+/// the tokens sampled and the sequences prefilled again under new weights.
 #[derive(Default)]
 pub(super) struct StepFigures {
     pub(super) rows: u64,
     pub(super) partial: u64,
     pub(super) passes: u64,
     pub(super) inflight: u64,
+    pub(super) tokens: u64,
+    pub(super) recomputed: u64,
 }
 
 /// A batch whose rows are being generated.
@@ -53,10 +58,20 @@ pub(super) struct InFlight {
     pub(super) sent: Vec<bool>,
     /// Each group's place in the step fill.
     pub(super) started: HashMap<u64, Started>,
+    /// Per group: its rows whose first token is drawn, and the oldest
+    /// version among those tokens.
+    pub(super) first_tokens: HashMap<u64, (usize, u32)>,
+    /// Rows per group.
+    pub(super) sizes: HashMap<u64, usize>,
 }
 
 /// Rows of a batch are keyed (batch << 32) | row.
 pub(super) const ROW_BITS: u32 = 32;
+
+/// A request's batch and row.
+fn split_key(key: u64) -> (u64, usize) {
+    (key >> ROW_BITS, (key & ((1 << ROW_BITS) - 1)) as usize)
+}
 
 impl Generate {
     pub(super) fn admit(
@@ -90,10 +105,12 @@ impl Generate {
                 admitted: Instant::now(),
                 admitted_unix: now_unix_s(),
                 results: vec![None; n],
+                sizes: open.clone(),
                 open,
                 groups,
                 sent: vec![false; n],
                 started,
+                first_tokens: HashMap::new(),
             },
         );
         Ok(())
@@ -109,17 +126,33 @@ impl Generate {
         }
         let state = self.stream.as_mut().expect("streaming mode");
         let finished = state.streamer.advance(&self.model)?;
+        // A group's deadline counts from its first tokens, not from when it
+        // was queued: those drawn under newer weights give it more time.
+        for (key, version) in state.streamer.take_started() {
+            let (id, row) = split_key(key);
+            let b = state
+                .batches
+                .get_mut(&id)
+                .expect("a key names a batch in flight");
+            let g = b.groups[row];
+            let first = b.first_tokens.entry(g).or_insert((0, version));
+            first.0 += 1;
+            first.1 = first.1.min(version);
+            if first.0 == b.sizes[&g] {
+                let group = b.started.get_mut(&g).expect("every group started");
+                *group = state.fill.first_tokens_under(*group, u64::from(first.1));
+            }
+        }
         let stats = state.streamer.take_stats();
         if let Some(oldest) = state.batches.values().next() {
             let f = state.figures.entry(oldest.step).or_default();
             f.passes += stats.passes;
             f.inflight += stats.inflight;
+            f.tokens += stats.tokens;
+            f.recomputed += stats.recomputed;
         }
         for done in finished {
-            let (id, row) = (
-                done.key >> ROW_BITS,
-                (done.key & ((1 << ROW_BITS) - 1)) as usize,
-            );
+            let (id, row) = split_key(done.key);
             let b = state
                 .batches
                 .get_mut(&id)
@@ -214,5 +247,132 @@ impl Generate {
         state.streamer.set_admitting(true);
         state.applies.push(started.elapsed().as_secs_f64());
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::stages::columns::token_list_array;
+    use tch::Kind;
+    use weir_gpu::{Model, OnNewWeights, SamplingParams, Tokenizer};
+    use weir_graph::{Stage, WorkerInfo};
+
+    use crate::stages::generate::Streaming;
+
+    /// A streaming generator on the tiny Llama: a pool of `pool`, bound k = 1,
+    /// four tokens a response, and the weights it holds as version 1.
+    fn generator(pool: usize, policy: OnNewWeights) -> (Generate, WeightsPayload) {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../../shared/fixtures/models/tiny-llama");
+        let model = Model::load(&dir, weir_gpu::Device::Cpu, Kind::Float).unwrap();
+        let newer = WeightsPayload::from(model.export_snapshot(1).unwrap());
+        let params = SamplingParams {
+            max_new_tokens: 4,
+            ignore_eos: true,
+            ..SamplingParams::default()
+        };
+        let generate = Generate::new(model, Tokenizer::load(&dir).unwrap(), params)
+            .streamed(
+                Streaming {
+                    max_inflight: pool,
+                    on_new_weights: policy,
+                    max_staleness: 1,
+                    first_step: 0,
+                    checkpoint_every: 0,
+                    last_step: 10,
+                },
+                0,
+            )
+            .unwrap();
+        (generate, newer)
+    }
+
+    /// `groups` groups of one row each, of input step 0.
+    fn rows(groups: u64) -> RecordBatch {
+        let prompts: Vec<Vec<i64>> = (0..groups).map(|g| vec![1, 2 + g as i64]).collect();
+        RecordBatch::try_from_iter([
+            (col::PROMPT_TOKENS, token_list_array(&prompts)),
+            (
+                col::GROUP_ID,
+                Arc::new(UInt64Array::from_iter_values(0..groups)) as ArrayRef,
+            ),
+            (
+                col::SAMPLE_IDX,
+                Arc::new(UInt32Array::from(vec![0u32; groups as usize])) as ArrayRef,
+            ),
+        ])
+        .unwrap()
+    }
+
+    fn deadlines(generate: &Generate) -> Vec<Step> {
+        let state = generate.stream.as_ref().unwrap();
+        let b = state.batches.values().next().unwrap();
+        (0..b.groups.len() as u64)
+            .map(|g| b.started[&g].deadline)
+            .collect()
+    }
+
+    #[test]
+    fn held_weights_are_not_named_until_applied_and_every_pass_is_counted() {
+        let (mut generate, newer) = generator(2, OnNewWeights::Finish);
+        let mut ctx = StepContext::detached(0, WorkerInfo::single(), 0);
+        assert!(generate.process(&mut ctx, rows(2)).unwrap().is_empty());
+        generate.advance().unwrap();
+        // Under `finish` the new weights wait for the two sequences in flight.
+        generate.load_weights(1, &newer).unwrap();
+        assert_eq!(generate.policy_version(), Some(0), "held, not loaded");
+        let mut out = Vec::new();
+        while generate.holds(Step::MAX) {
+            out.extend(generate.advance().unwrap());
+        }
+        assert_eq!(generate.policy_version(), Some(0));
+        // The next pass applies them.
+        generate.advance().unwrap();
+        assert_eq!(generate.policy_version(), Some(1));
+        let rows: usize = out.iter().map(|(_, b)| b.num_rows()).sum();
+        assert_eq!(rows, 2);
+        generate.end_step(&mut ctx).unwrap();
+        let recorded: BTreeMap<&str, f64> = ctx
+            .recorded()
+            .iter()
+            .map(|(n, v)| (n.as_str(), *v))
+            .collect();
+        assert_eq!(recorded["passes"], 4.0, "{recorded:?}");
+        assert_eq!(recorded["tokens"], 8.0, "{recorded:?}");
+        assert!(!recorded.contains_key("recomputed"), "only under recompute");
+    }
+
+    #[test]
+    fn a_queued_group_is_due_from_its_first_token_and_recomputes_are_counted() {
+        // One slot, three groups: under `recompute`, version 1 arrives after
+        // the first pass, so group 0 is prefilled again and groups 1 and 2
+        // draw their first tokens under version 1.
+        let (mut generate, newer) = generator(1, OnNewWeights::Recompute);
+        let mut ctx = StepContext::detached(0, WorkerInfo::single(), 0);
+        generate.process(&mut ctx, rows(3)).unwrap();
+        generate.input_ended(0);
+        assert_eq!(deadlines(&generate), [1, 1, 1], "v0 + k while queued");
+        generate.advance().unwrap();
+        generate.load_weights(1, &newer).unwrap();
+        assert_eq!(generate.policy_version(), Some(1));
+        let mut out = Vec::new();
+        // Until group 2 is under way (group 0 has ended by then).
+        while generate.stream.as_ref().unwrap().streamer.waiting() > 0 {
+            out.extend(generate.advance().unwrap());
+        }
+        generate.advance().unwrap();
+        assert_eq!(deadlines(&generate), [1, 2, 2]);
+        while generate.holds(Step::MAX) {
+            out.extend(generate.advance().unwrap());
+        }
+        generate.end_step(&mut ctx).unwrap();
+        let recorded: BTreeMap<&str, f64> = ctx
+            .recorded()
+            .iter()
+            .map(|(n, v)| (n.as_str(), *v))
+            .collect();
+        assert_eq!(recorded["recomputed"], 1.0, "{recorded:?}");
+        assert_eq!(recorded["tokens"], 12.0, "{recorded:?}");
     }
 }
