@@ -434,8 +434,10 @@ fn a_failing_stage_ends_the_run_with_its_name_and_step() {
         err.contains("`score`") && err.contains("step 3") && err.contains("injected failure"),
         "{err}"
     );
+    // The failure travels with the dataflow: well within the peer timeout.
+    let peer_timeout = Duration::from_secs_f64(sim_args(dir.path()).cluster.peer_timeout_s);
     assert!(
-        started.elapsed() < Duration::from_secs(10),
+        started.elapsed() < peer_timeout / 2,
         "took {:?}",
         started.elapsed()
     );
@@ -801,6 +803,7 @@ fn heartbeats_survive_long_calls_and_catch_mismatched_or_absent_peers() {
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success());
     assert!(stderr.contains("did not connect within 1.0 s"), "{stderr}");
+    // Ten times the connect timeout: start-up included, on a loaded machine.
     assert!(started.elapsed() < Duration::from_secs(10));
 }
 
@@ -868,10 +871,12 @@ fn a_failing_stage_stops_both_processes_with_one_error() {
         "--peer-timeout-s",
         "30",
     ]);
+    let peer_timeout = Duration::from_secs(30);
     let started = Instant::now();
     let (o0, o1) = run_two_processes(&args, dir.path());
+    // The failure reaches the other process as a message, not by the timeout.
     assert!(
-        started.elapsed() < Duration::from_secs(20),
+        started.elapsed() < peer_timeout,
         "took {:?}",
         started.elapsed()
     );
@@ -904,6 +909,7 @@ fn a_killed_peer_ends_the_run_with_an_error_within_the_timeout() {
         "--peer-timeout-s",
         "5",
     ]);
+    let peer_timeout = Duration::from_secs(5);
     let hosts = hostfile(dir.path());
     let p0 = spawn_peer(&args, 0, &hosts, dir.path());
     let mut p1 = spawn_peer(&args, 1, &hosts, dir.path());
@@ -917,7 +923,7 @@ fn a_killed_peer_ends_the_run_with_an_error_within_the_timeout() {
     assert!(stderr.contains("lost"), "{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert!(
-        killed_at.elapsed() < Duration::from_secs(5 + 5),
+        killed_at.elapsed() < 2 * peer_timeout,
         "took {:?} after the kill",
         killed_at.elapsed()
     );
@@ -938,6 +944,7 @@ fn a_hung_peer_ends_the_run_with_an_error_after_the_peer_timeout() {
         "--peer-timeout-s",
         "2",
     ]);
+    let peer_timeout = Duration::from_secs(2);
     let hosts = hostfile(dir.path());
     let p0 = spawn_peer(&args, 0, &hosts, dir.path());
     let mut p1 = spawn_peer(&args, 1, &hosts, dir.path());
@@ -959,8 +966,10 @@ fn a_hung_peer_ends_the_run_with_an_error_after_the_peer_timeout() {
         stderr.contains("process 1 lost") && stderr.contains("no heartbeat"),
         "{stderr}"
     );
+    // Not before the timeout (the last heartbeat may be up to a beat old),
+    // and within a few timeouts of it.
     assert!(
-        waited >= Duration::from_millis(1500) && waited < Duration::from_secs(8),
+        waited >= peer_timeout * 3 / 4 && waited < peer_timeout * 4,
         "ended {waited:?} after the stop"
     );
 }

@@ -279,6 +279,11 @@ fn every_rl_pipeline_runs_logs_and_checkpoints() {
             }
         }
 
+        // The advantages are the pipeline's own estimator's: recomputed from
+        // each step's logged rewards and groups (an estimator wired to the
+        // wrong pipeline would run as well as the right one).
+        check_group_advantages(kind, &batches);
+
         // The final checkpoint: HF layout plus optimizer state, and the run state.
         let last = dir.join(format!("checkpoints/step-{}", steps - 1));
         for file in [
@@ -298,6 +303,58 @@ fn every_rl_pipeline_runs_logs_and_checkpoints() {
         }
         let (back, resolved) = read_resolved(&dir).unwrap();
         assert_eq!((back, resolved), (kind, cfg));
+    }
+}
+
+/// For a group pipeline, recomputes every logged row's advantage from its
+/// step's logged rewards, groups and response lengths with the estimator's
+/// function (held to verl's and OpenRLHF's outputs by the operators'
+/// tests), and compares: each row's tokens carry the response's advantage.
+fn check_group_advantages(kind: PipelineKind, batches: &[RecordBatch]) {
+    use weir::operators::algorithms::{self as alg, Flavor};
+    type Rows = (Vec<f64>, Vec<u64>, Vec<usize>, Vec<Vec<f32>>);
+    let mut steps: BTreeMap<u64, Rows> = BTreeMap::new();
+    for b in batches {
+        let rewards = b
+            .column_by_name(col::REWARD)
+            .unwrap()
+            .as_primitive::<Float32Type>();
+        let advantages = b.column_by_name(col::ADVANTAGES).unwrap().as_list::<i32>();
+        for (i, (step, group)) in u64s(b, col::STEP)
+            .into_iter()
+            .zip(u64s(b, col::GROUP_ID))
+            .enumerate()
+        {
+            let a = advantages.value(i);
+            let a = a.as_primitive::<Float32Type>().values().to_vec();
+            let rows = steps.entry(step).or_default();
+            rows.0.push(f64::from(rewards.value(i)));
+            rows.1.push(group);
+            rows.2.push(a.len());
+            rows.3.push(a);
+        }
+    }
+    let name = kind.name();
+    let flavor = Flavor::default();
+    for (step, (rewards, groups, lengths, logged)) in &steps {
+        let expected = match kind {
+            PipelineKind::Grpo => alg::grpo(rewards, groups, true, flavor),
+            PipelineKind::DrGrpo => alg::grpo(rewards, groups, false, flavor),
+            PipelineKind::Rloo => alg::rloo(rewards, groups, flavor),
+            PipelineKind::Opo => alg::opo(rewards, lengths, groups),
+            PipelineKind::GrpoPassk => alg::grpo_passk(rewards, groups, true),
+            PipelineKind::Gpg => alg::gpg(rewards, groups),
+            _ => return,
+        }
+        .unwrap();
+        for (i, (want, got)) in expected.iter().zip(logged).enumerate() {
+            for a in got {
+                assert!(
+                    (f64::from(*a) - want).abs() <= 1e-5 * want.abs().max(1.0),
+                    "{name}: step {step} row {i}: advantage {a}, the estimator gives {want}"
+                );
+            }
+        }
     }
 }
 
@@ -679,9 +736,78 @@ fn a_python_reward_file_scores_a_jsonl_task_with_its_columns() {
         .iter()
         .all(|t| ["small", "other"].contains(&t.as_str())));
     assert_eq!(rows.len(), 2 * 3 * 4);
+    // A reward that scored nothing would pass the check above on a model
+    // that answers nothing right: the SFT model answers about half.
+    assert!(rows.iter().any(|r| r.2 == 2.0), "no row scored: {rows:?}");
+    // The extra figure is the mean of the step's rows' flags.
     let small = metric(&dir, "reward", "small_topic");
+    let flags = step_means(&dir, |b, i| {
+        f64::from(u8::from(
+            b.column_by_name("topic")
+                .unwrap()
+                .as_string::<i32>()
+                .value(i)
+                == "small",
+        ))
+    });
     assert_eq!(small.len(), 2, "{small:?}");
-    assert!(small.values().all(|v| (0.0..=1.0).contains(v)));
+    for (step, mean) in &flags {
+        assert!(
+            (small[step] - mean).abs() < 1e-6,
+            "step {step}: {small:?} vs {flags:?}"
+        );
+    }
+}
+
+/// Per step, the mean over the rollout rows of `value(batch, row)`.
+fn step_means(dir: &Path, value: impl Fn(&RecordBatch, usize) -> f64) -> BTreeMap<u64, f64> {
+    let mut sums: BTreeMap<u64, (f64, f64)> = BTreeMap::new();
+    for b in read_parquet_dir(&dir.join("rollouts")).unwrap() {
+        for (i, step) in u64s(&b, col::STEP).into_iter().enumerate() {
+            let s = sums.entry(step).or_default();
+            s.0 += value(&b, i);
+            s.1 += 1.0;
+        }
+    }
+    sums.into_iter().map(|(k, (sum, n))| (k, sum / n)).collect()
+}
+
+#[test]
+fn a_remote_reward_server_scores_every_row_through_a_run() {
+    // The server (see `keys::reward_server`) scores a query, prompt +
+    // response, by its length / 1000, and refuses every first copy of a
+    // request with 503, so the run also retries.
+    let tmp = tempfile::tempdir().unwrap();
+    let kind = PipelineKind::Grpo;
+    let mut cfg = config(kind, 2);
+    cfg.reward.kind = RewardKind::Remote;
+    cfg.reward.url = format!("{}/value-check", keys::reward_server());
+    cfg.reward.attempts = 3;
+    let dir = tmp.path().join("run");
+    run(kind, cfg, &dir, false);
+    let (prompts, responses) = (
+        text_column(&dir, col::PROMPT),
+        text_column(&dir, col::RESPONSE),
+    );
+    let rewards: Vec<f64> = read_parquet_dir(&dir.join("rollouts"))
+        .unwrap()
+        .iter()
+        .flat_map(|b| {
+            let c = b
+                .column_by_name(col::REWARD)
+                .unwrap()
+                .as_primitive::<Float32Type>();
+            c.values().iter().map(|v| f64::from(*v)).collect::<Vec<_>>()
+        })
+        .collect();
+    assert_eq!(rewards.len(), 2 * 3 * 4);
+    for ((p, r), reward) in prompts.iter().zip(&responses).zip(&rewards) {
+        let want = (p.len() + r.len()) as f64 * 1e-3;
+        assert!(
+            (reward - want).abs() < 1e-6,
+            "{p:?} + {r:?}: {reward} vs {want}"
+        );
+    }
 }
 
 #[test]
@@ -751,9 +877,18 @@ fn a_verl_dataset_in_parquet_and_its_compute_score_load_unchanged() {
     for ((r, a), reward) in responses.iter().zip(&answers).zip(&rewards) {
         assert_eq!(*reward, arith::exact_match(r, a), "{r:?} {a}");
     }
+    assert!(rewards.contains(&1.0), "no row scored: {rewards:?}");
+    // The extra figure is the mean of the step's rows' `index`, their
+    // line in the file.
     let index = metric(&dir, "reward", "index");
+    let lines = step_means(&dir, |b, i| u64s(b, col::PROMPT_ID)[i] as f64);
     assert_eq!(index.len(), 2, "{index:?}");
-    assert!(index.values().all(|v| (0.0..8.0).contains(v)));
+    for (step, mean) in &lines {
+        assert!(
+            (index[step] - mean).abs() < 1e-6,
+            "step {step}: {index:?} vs {lines:?}"
+        );
+    }
 }
 
 #[test]
@@ -1207,13 +1342,25 @@ fn sft_lowers_its_loss_and_evaluates() {
     assert_eq!(loss.len(), 6);
     assert!(loss[&5] < loss[&0] - 0.5, "SFT loss {loss:?}");
 
-    // The arith evaluation on the arith-sft fixture reproduces its recorded accuracy.
+    // The arith evaluation on the arith-sft fixture reproduces the greedy
+    // accuracy transformers recorded for it on the same 500 held-out
+    // prompts, up to two answers (a near-tie between two tokens' logits may
+    // resolve the other way on another host's float32 sums).
     let mut cfg = config(PipelineKind::Grpo, 1);
     cfg.eval.arith = true;
     let (acc, samples) =
         weir::pipelines::task::arith_accuracy(&cfg, &fixture("arith-sft")).unwrap();
-    assert!((acc - 0.472).abs() < 1e-9, "greedy accuracy {acc}");
-    assert_eq!(samples[0].0, "93+34");
+    let info: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture("arith-sft").join("sft_info.json")).unwrap(),
+    )
+    .unwrap();
+    let recorded = info["greedy_acc_500_heldout"].as_f64().unwrap();
+    assert!(
+        (acc - recorded).abs() <= 2.0 / 500.0 + 1e-12,
+        "greedy accuracy {acc}, recorded {recorded}"
+    );
+    let first = info["samples"][0][0].as_str().unwrap();
+    assert_eq!(samples[0].0, first);
 }
 
 #[test]

@@ -230,14 +230,9 @@ impl Evaluation {
                 .as_primitive::<UInt64Type>()
                 .values()
                 .to_vec();
-            let mut best: BTreeMap<u64, f64> = BTreeMap::new();
-            for (g, r) in groups.iter().zip(&rewards) {
-                let b = best.entry(*g).or_insert(f64::NEG_INFINITY);
-                *b = b.max(*r);
-            }
-            result.mean_at_k = Some(mean(&rewards));
-            result.pass_at_k =
-                Some(best.values().filter(|r| **r > 0.0).count() as f64 / best.len().max(1) as f64);
+            let (mean_at_k, pass_at_k) = sampled_figures(&groups, &rewards);
+            result.mean_at_k = Some(mean_at_k);
+            result.pass_at_k = Some(pass_at_k);
         }
         Ok(Some(result))
     }
@@ -264,6 +259,20 @@ impl Evaluation {
             .ok_or("eval: nothing scored")?;
         Ok(arrow::compute::concat_batches(&schema, &out).map_err(|e| e.to_string())?)
     }
+}
+
+/// `mean_at_k` and `pass_at_k` of k sampled responses per prompt: the mean
+/// reward over every response, and the share of prompts (`groups`, one id
+/// per response) whose best response has a positive reward.
+fn sampled_figures(groups: &[u64], rewards: &[f64]) -> (f64, f64) {
+    let mut best: BTreeMap<u64, f64> = BTreeMap::new();
+    for (g, r) in groups.iter().zip(rewards) {
+        let b = best.entry(*g).or_insert(f64::NEG_INFINITY);
+        *b = b.max(*r);
+    }
+    let mean = rewards.iter().sum::<f64>() / rewards.len().max(1) as f64;
+    let passed = best.values().filter(|r| **r > 0.0).count();
+    (mean, passed as f64 / best.len().max(1) as f64)
 }
 
 /// The generator with `eval.every`: before the rollouts of every
@@ -460,5 +469,23 @@ mod tests {
         assert!((r.reward - 0.75).abs() < 1e-12);
         assert!((r.mean_at_k.unwrap() - 0.4).abs() < 1e-12);
         assert!((r.pass_at_k.unwrap() - 0.75).abs() < 1e-12);
+    }
+
+    #[test]
+    fn mean_and_pass_at_k_follow_their_definitions() {
+        // Three prompts, k = 4: prompt 7 solved once, prompt 3 never
+        // (negative and zero rewards), prompt 5 solved by every response,
+        // responses interleaved.
+        let groups = [7, 3, 5, 7, 3, 5, 7, 3, 5, 7, 3, 5];
+        let rewards = [0.0, -1.0, 1.0, 0.0, 0.0, 1.0, 1.0, -0.5, 1.0, 0.0, 0.0, 1.0];
+        let (mean, pass) = sampled_figures(&groups, &rewards);
+        assert!((mean - 3.5 / 12.0).abs() < 1e-12, "{mean}");
+        assert!((pass - 2.0 / 3.0).abs() < 1e-12, "{pass}");
+        // A best reward of exactly 0 does not pass; one response in k does.
+        assert_eq!(sampled_figures(&[1, 1], &[0.0, 0.0]), (0.0, 0.0));
+        assert_eq!(
+            sampled_figures(&[1, 1, 2, 2], &[0.0, 0.25, 0.0, 0.0]),
+            (0.0625, 0.5)
+        );
     }
 }

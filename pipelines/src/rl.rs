@@ -288,10 +288,18 @@ fn statistics_and_filter(
             target_groups: (cfg.dynamic_sampling.target_groups > 0)
                 .then_some(cfg.dynamic_sampling.target_groups),
             max_staleness: cfg.run.max_staleness,
+            max_extra_steps: cfg.dynamic_sampling.max_extra_batches,
+            checkpoint_every: cfg.run.checkpoint_every,
+            last_step: ctx.last_step,
         };
         pipeline = pipeline.stage("dynamic_sampling", TRAIN, next, move |_| {
             Ok(DynamicSampling::new(filter))
         });
+        if filter.max_extra_steps > 0 && filter.target_groups.is_some() {
+            // A step that waits for later steps' groups ends on an engine
+            // thread, once they have come.
+            pipeline = pipeline.offload(2);
+        }
         next = Partition::Local;
     }
     (pipeline, next)

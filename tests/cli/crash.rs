@@ -19,7 +19,9 @@ use weir::graph::parquet_log::read_parquet_file;
 use super::runs::strs;
 use super::*;
 
-const STEPS: u64 = 90;
+/// Long enough that kills (20–1,500 ms after a start) land in start-up,
+/// in steps and in checkpoint writes alike.
+const STEPS: u64 = 24;
 const PROMPTS: u64 = 2;
 const SAMPLES: u64 = 4;
 const K: u64 = 1;
@@ -257,22 +259,52 @@ fn a_streaming_run_killed_with_sequences_in_flight_resumes_with_every_step_once(
     );
 }
 
+/// At k = 0 a run's result does not depend on timing: killed and resumed
+/// over and over, it trains exactly the weights of a run left alone.
+#[test]
+fn a_synchronous_run_killed_at_random_moments_trains_the_uninterrupted_weights() {
+    let seed = env_u64("WEIR_CRASH_SEED", 7) + 2;
+    let more = ["run.max_staleness=0"];
+    let tmp = tempfile::tempdir().unwrap();
+    let straight = tmp.path().join("straight");
+    success(&weir(&strs(&run_args_with(&straight, &more)), tmp.path()));
+    let last = format!("checkpoints/step-{}/actor/model.safetensors", STEPS - 1);
+    let want = std::fs::read(straight.join(&last)).unwrap();
+    let kills = env_u64("WEIR_CRASH_KILLS", 10).div_ceil(2);
+    let runs = kill_and_resume_in(tmp.path(), seed, kills, &more);
+    assert!(!runs.is_empty());
+    for run in runs {
+        assert!(
+            std::fs::read(run.join(&last)).unwrap() == want,
+            "WEIR_CRASH_SEED={seed}: {} trained other weights than the run left alone",
+            run.display()
+        );
+    }
+}
+
 /// Kills `weir run grpo` (with `more` settings) `kills` times at seeded
 /// random moments, resuming after each, and checks every finished run folder.
 fn kill_and_resume(seed: u64, kills: u64, more: &[&str]) {
     let tmp = tempfile::tempdir().unwrap();
+    kill_and_resume_in(tmp.path(), seed, kills, more);
+}
+
+/// [`kill_and_resume`] with run folders under `root`; returns them.
+fn kill_and_resume_in(root: &Path, seed: u64, kills: u64, more: &[&str]) -> Vec<PathBuf> {
     let mut delays = Delays(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
     // Kills land anywhere: in start-up, between steps, in a checkpoint's
     // writes. A run that gets to its end before all kills are spent is
     // checked, and the rest go to a new run.
     let mut landed: Vec<Vec<Option<u64>>> = Vec::new();
+    let mut runs = Vec::new();
     while (landed.iter().map(Vec::len).sum::<usize>() as u64) < kills {
-        let out = tmp.path().join(format!("run-{}", landed.len()));
+        let out = root.join(format!("run-{}", landed.len()));
+        runs.push(out.clone());
         let done = out.join(format!("checkpoints/step-{}/state.json", STEPS - 1));
         let mut these = Vec::new();
         let mut spent = landed.iter().map(Vec::len).sum::<usize>() as u64;
         while spent < kills && !done.is_file() {
-            let mut child = spawn(&run_args_with(&out, more), tmp.path(), &[]);
+            let mut child = spawn(&run_args_with(&out, more), root, &[]);
             if kill_after(&mut child, Duration::from_millis(delays.next_ms(20, 1500))) {
                 these.push(latest_checkpoint(&out));
                 spent += 1;
@@ -282,7 +314,7 @@ fn kill_and_resume(seed: u64, kills: u64, more: &[&str]) {
             }
         }
         let args = run_args_with(&out, more);
-        let text = success(&weir(&strs(&args), tmp.path()));
+        let text = success(&weir(&strs(&args), root));
         assert!(
             text.lines()
                 .next()
@@ -295,7 +327,7 @@ fn kill_and_resume(seed: u64, kills: u64, more: &[&str]) {
         // Resuming a finished run, twice: nothing to do, nothing changed.
         let before = std::fs::read(out.join("summary.json")).unwrap();
         for _ in 0..2 {
-            let text = success(&weir(&strs(&args), tmp.path()));
+            let text = success(&weir(&strs(&args), root));
             assert!(text.contains("already complete"), "{text}");
         }
         assert_eq!(std::fs::read(out.join("summary.json")).unwrap(), before);
@@ -304,7 +336,7 @@ fn kill_and_resume(seed: u64, kills: u64, more: &[&str]) {
         // the state is not. The resume redoes the steps after the one before.
         let last = out.join(format!("checkpoints/step-{}", STEPS - 1));
         std::fs::remove_file(last.join("state.json")).unwrap();
-        let text = success(&weir(&strs(&args), tmp.path()));
+        let text = success(&weir(&strs(&args), root));
         assert!(
             text.contains(&format!("resuming at step {}", STEPS - 3)),
             "{text}"
@@ -313,6 +345,7 @@ fn kill_and_resume(seed: u64, kills: u64, more: &[&str]) {
         landed.push(these);
     }
     eprintln!("seed {seed}: newest checkpoint after each kill, per run: {landed:?}");
+    runs
 }
 
 #[test]

@@ -1,9 +1,12 @@
 //! Every key that `weir config PIPELINE` prints changes what a run of that
 //! pipeline does (its rows, metrics, files or weights) or is refused with
-//! an error; none is silently ignored.
+//! an error naming it; none is silently ignored, and a run that fails for
+//! another reason does not count.
 //!
-//! For each pipeline, a small deterministic base run (two steps, k = 0) is
-//! compared with a run that changes one key. Some keys only act under
+//! For each pipeline, a small deterministic base run (one step, k = 0; two
+//! steps for a key that does not act on the first) is compared with a run
+//! that changes one key. Pipelines built by the same function walk the
+//! `algorithm` keys each, the rest once. Some keys only act under
 //! another setting (a bound of the correction needs a correction): those
 //! are changed on top of that setting, compared with a base that has it.
 //! A few keys are speed and memory knobs by design (threads, idle workers,
@@ -47,6 +50,12 @@ const PERFORMANCE: &[&str] = &[
 /// an error naming the key): the run with the key must run, the one
 /// without it must fail so.
 const RESCUES: &[&str] = &["data.skip_long_prompts"];
+
+/// Changes that make a run fail with an error that does not name the key
+/// (it names what went wrong instead), with a part of that error: any
+/// other failure must name its key, so that a run that fails for an
+/// unrelated reason never counts as the key changing the run.
+const REFUSALS: &[(&str, &str)] = &[];
 
 /// Metrics that depend on timing, not on what the run computed.
 const TIMING: &[&str] = &[
@@ -232,7 +241,7 @@ fn outcome(kind: PipelineKind, cfg: RunConfig, dir: &Path) -> Outcome {
 /// and scores a query by its length, scaled by 1/1000, or by 2/1000 on a
 /// path ending in `/other`. Each pipeline's walk uses a path of its own, so
 /// walks running side by side do not share request counts.
-fn reward_server() -> String {
+pub(crate) fn reward_server() -> String {
     use std::io::{BufRead, BufReader, Read, Write};
     static URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     URL.get_or_init(|| {
@@ -732,6 +741,16 @@ fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String
             ],
             "1".into(),
         ),
+        // Every group of six in a step must be informative, or the step waits.
+        "dynamic_sampling.max_extra_batches" => (
+            &[
+                "dynamic_sampling.enabled=true",
+                "dynamic_sampling.target_groups=6",
+                "data.prompts_per_step=6",
+                "data.samples_per_prompt=4",
+            ],
+            "1".into(),
+        ),
         "curriculum.enabled" => (&[], "true".into()),
         // The curriculum judges prompts seen before: six prompts, six steps of two.
         "curriculum.min_samples"
@@ -805,9 +824,9 @@ fn more_values(key: &str) -> &'static [&'static str] {
     }
 }
 
-/// The small base run of `kind`: two steps, k = 0, one thread.
-fn base(kind: PipelineKind) -> RunConfig {
-    let mut c = config(kind, 2);
+/// The small base run of `kind`: `steps` steps, k = 0, one thread.
+fn base(kind: PipelineKind, steps: u64) -> RunConfig {
+    let mut c = config(kind, steps);
     c.data.prompts_per_step = 2;
     c.run.threads = 1;
     if kind.is_rl() {
@@ -822,26 +841,87 @@ fn base(kind: PipelineKind) -> RunConfig {
     c
 }
 
-fn walk(kind: PipelineKind) {
+/// Which keys a walk changes.
+#[derive(Clone, Copy, PartialEq)]
+enum Keys {
+    /// Every key the pipeline reads.
+    All,
+    /// `algorithm.*` only: the pipeline is built by the same function as
+    /// one whose walk covers the other keys (the group pipelines share
+    /// grpo's chain, reinforce_pp_baseline reinforce_pp's), and differs
+    /// from it in its estimator alone.
+    Algorithm,
+}
+
+/// Runs of one pipeline's walk: the base outcome of each setting (the
+/// other keys a changed key needs) and of each step count, run once.
+struct Trials<'a> {
+    kind: PipelineKind,
+    root: &'a Path,
+    baselines: BTreeMap<(Vec<String>, u64), Outcome>,
+    runs: usize,
+}
+
+impl Trials<'_> {
+    /// The outcome of the base run of `steps` steps with `items`.
+    fn outcome(&mut self, items: &[String], steps: u64) -> Outcome {
+        self.runs += 1;
+        let dir = self.root.join(format!("run-{}", self.runs));
+        match base(self.kind, steps).with_overrides(items) {
+            Ok(cfg) => outcome(self.kind, cfg, &dir),
+            Err(e) => Outcome::Failed(e.to_string()),
+        }
+    }
+
+    /// The base outcome with `setting`, and the outcome with `change` on top.
+    fn compare(&mut self, setting: &[String], change: &str, steps: u64) -> (&Outcome, Outcome) {
+        let mut items = setting.to_vec();
+        items.push(change.to_string());
+        let after = self.outcome(&items, steps);
+        let key = (setting.to_vec(), steps);
+        if !self.baselines.contains_key(&key) {
+            let o = self.outcome(setting, steps);
+            self.baselines.insert(key.clone(), o);
+        }
+        (&self.baselines[&key], after)
+    }
+}
+
+fn walk(kind: PipelineKind, keys: Keys) {
     let tmp = tempfile::tempdir().unwrap();
     let prompts = tmp.path().join("prompts.jsonl");
     write_prompts(&prompts);
-    let mut baselines: BTreeMap<Vec<String>, Outcome> = BTreeMap::new();
-    let mut runs = 0;
-    // The comparison means something only if the same config gives the same outcome.
-    let again = outcome(kind, base(kind), &tmp.path().join("base-again"));
-    let first = outcome(kind, base(kind), &tmp.path().join("base-first"));
-    assert!(
-        matches!(first, Outcome::Ran { .. }),
-        "{}: {first:?}",
-        kind.name()
-    );
-    if let Some(d) = difference(&first, &again) {
-        panic!("{}: two runs of one config differ: {d}", kind.name());
+    // The comparison means something only if the same config gives the
+    // same outcome, at either length of the base run.
+    for steps in [1, 2] {
+        let again = outcome(
+            kind,
+            base(kind, steps),
+            &tmp.path().join(format!("again-{steps}")),
+        );
+        let first = outcome(
+            kind,
+            base(kind, steps),
+            &tmp.path().join(format!("first-{steps}")),
+        );
+        assert!(
+            matches!(first, Outcome::Ran { .. }),
+            "{}: {first:?}",
+            kind.name()
+        );
+        if let Some(d) = difference(&first, &again) {
+            panic!("{}: two runs of one config differ: {d}", kind.name());
+        }
     }
-    let mut silent = Vec::new();
+    let mut trials = Trials {
+        kind,
+        root: tmp.path(),
+        baselines: BTreeMap::new(),
+        runs: 0,
+    };
+    let (mut silent, mut unnamed) = (Vec::new(), Vec::new());
     for (section, key, _) in DOCS {
-        if !applies(kind, section, key) {
+        if !applies(kind, section, key) || (keys == Keys::Algorithm && *section != "algorithm") {
             continue;
         }
         let name = format!("{section}.{key}");
@@ -850,31 +930,15 @@ fn walk(kind: PipelineKind) {
         {
             // A value that is already the base's changes nothing by definition.
             let base_doc =
-                serde_json::to_value(base(kind).with_overrides(&setting).unwrap()).unwrap();
+                serde_json::to_value(base(kind, 1).with_overrides(&setting).unwrap()).unwrap();
             let current = serde_json::to_string(&base_doc[*section][*key]).unwrap();
             if current == value {
                 continue;
             }
-            if !baselines.contains_key(&setting) {
-                runs += 1;
-                let cfg = base(kind).with_overrides(&setting).unwrap();
-                let o = outcome(kind, cfg, &tmp.path().join(format!("base-{runs}")));
-                assert!(
-                    matches!(o, Outcome::Ran { .. }) || RESCUES.contains(&name.as_str()),
-                    "{}: the base run with {setting:?} fails: {o:?}",
-                    kind.name()
-                );
-                baselines.insert(setting.clone(), o);
-            }
-            let before = &baselines[&setting];
-            let mut items = setting.clone();
-            items.push(format!("{name}={value}"));
-            runs += 1;
-            let dir = tmp.path().join(format!("run-{runs}"));
-            let after = match base(kind).with_overrides(&items) {
-                Ok(cfg) => outcome(kind, cfg, &dir),
-                Err(e) => Outcome::Failed(e.to_string()),
-            };
+            let change = format!("{name}={value}");
+            // Most keys act on the first step; the rest (a schedule, a KL
+            // controller, staleness) show on the second.
+            let (before, after) = trials.compare(&setting, &change, 1);
             // Which worker reads the prompts of sft, rm and dpo shows nowhere but in speed.
             let placement_only = !kind.is_rl() && name == "placement.rollout";
             if RESCUES.contains(&name.as_str()) {
@@ -885,57 +949,87 @@ fn walk(kind: PipelineKind) {
                     "{}: {name} = {value}: {before:?} → {after:?}",
                     kind.name()
                 );
-            } else if PERFORMANCE.contains(&name.as_str()) || placement_only {
+                continue;
+            }
+            assert!(
+                matches!(before, Outcome::Ran { .. }),
+                "{}: the base run with {setting:?} fails: {before:?}",
+                kind.name()
+            );
+            if PERFORMANCE.contains(&name.as_str()) || placement_only {
                 assert!(
                     matches!(after, Outcome::Ran { .. }),
                     "{}: {name} = {value} fails: {after:?}",
                     kind.name()
                 );
-            } else if difference(&after, before).is_none() {
-                silent.push(format!("{name} = {value}"));
+                continue;
+            }
+            let (before, after) = if difference(&after, before).is_none() {
+                let (before, after) = trials.compare(&setting, &change, 2);
+                if difference(&after, before).is_none() {
+                    silent.push(format!("{name} = {value}"));
+                    continue;
+                }
+                (before, after)
+            } else {
+                (before, after)
+            };
+            if let (Outcome::Failed(e), Outcome::Ran { .. }) = (&after, before) {
+                let expected = REFUSALS
+                    .iter()
+                    .any(|(key, part)| *key == name && e.contains(part));
+                if !e.contains(&name) && !expected {
+                    unnamed.push(format!("{name} = {value}: {e}"));
+                }
             }
         }
     }
     assert!(
-        silent.is_empty(),
-        "{}: these keys changed nothing: {silent:?}",
+        silent.is_empty() && unnamed.is_empty(),
+        "{}: these keys changed nothing: {silent:?}; these failed without naming their key \
+         (name it, or list the change in REFUSALS): {unnamed:#?}",
         kind.name()
     );
 }
 
 #[test]
 fn every_grpo_key_changes_the_run_or_is_refused() {
-    walk(PipelineKind::Grpo);
+    walk(PipelineKind::Grpo, Keys::All);
 }
 
 #[test]
-fn every_dr_grpo_and_rloo_key_changes_the_run_or_is_refused() {
-    walk(PipelineKind::DrGrpo);
-    walk(PipelineKind::Rloo);
-}
-
-#[test]
-fn every_opo_grpo_passk_and_gpg_key_changes_the_run_or_is_refused() {
-    walk(PipelineKind::Opo);
-    walk(PipelineKind::GrpoPassk);
-    walk(PipelineKind::Gpg);
+fn every_algorithm_key_of_the_other_group_pipelines_changes_the_run_or_is_refused() {
+    for kind in [
+        PipelineKind::DrGrpo,
+        PipelineKind::Rloo,
+        PipelineKind::Opo,
+        PipelineKind::GrpoPassk,
+        PipelineKind::Gpg,
+    ] {
+        walk(kind, Keys::Algorithm);
+    }
 }
 
 #[test]
 fn every_ppo_key_changes_the_run_or_is_refused() {
-    walk(PipelineKind::Ppo);
+    walk(PipelineKind::Ppo, Keys::All);
 }
 
 #[test]
-fn every_reinforce_pp_and_remax_key_changes_the_run_or_is_refused() {
-    walk(PipelineKind::ReinforcePp);
-    walk(PipelineKind::ReinforcePpBaseline);
-    walk(PipelineKind::Remax);
+fn every_reinforce_key_changes_the_run_or_is_refused() {
+    walk(PipelineKind::ReinforcePp, Keys::All);
+    walk(PipelineKind::ReinforcePpBaseline, Keys::Algorithm);
+    // ReMax's rollouts have greedy rows of their own: every key.
+    walk(PipelineKind::Remax, Keys::All);
 }
 
 #[test]
-fn every_sft_rm_and_dpo_key_changes_the_run_or_is_refused() {
-    walk(PipelineKind::Sft);
-    walk(PipelineKind::Rm);
-    walk(PipelineKind::Dpo);
+fn every_sft_key_changes_the_run_or_is_refused() {
+    walk(PipelineKind::Sft, Keys::All);
+}
+
+#[test]
+fn every_rm_and_dpo_key_changes_the_run_or_is_refused() {
+    walk(PipelineKind::Rm, Keys::All);
+    walk(PipelineKind::Dpo, Keys::All);
 }

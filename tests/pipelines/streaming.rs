@@ -160,3 +160,101 @@ fn streaming_generation_keeps_the_synchronous_rows_at_k0_and_bounds_every_token_
         assert_eq!(metric(&dir, "learn", "loss").len(), 4);
     }
 }
+
+#[test]
+fn dynamic_sampling_waits_for_later_steps_up_to_its_bound_and_never_across_a_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let prompts = tmp.path().join("task.jsonl");
+    let pairs: Vec<(u32, u32)> = (0..18).map(|i| (i % 5, i % 7)).collect();
+    // Two prompts of every three are `uniform`: the reward gives all their
+    // samples 0, so they are dropped; the `mixed` ones' samples get random
+    // rewards, so they are always informative. A step's input thus brings
+    // as many informative groups as it drew mixed prompts, often below the
+    // target of two.
+    write_arith_task(
+        &prompts,
+        &pairs,
+        |i| serde_json::json!({"kind": if i % 3 < 2 { "uniform" } else { "mixed" }}),
+    );
+    let reward = tmp.path().join("reward.py");
+    std::fs::write(
+        &reward,
+        "import random\n\
+         def reward_func(queries, prompts, labels, kind, **rest):\n    \
+         return [random.random() if k == 'mixed' else 0.0 for k in kind]\n",
+    )
+    .unwrap();
+    let kind = PipelineKind::Grpo;
+    let mut cfg = config(kind, 6);
+    cfg.data.prompts = prompts.display().to_string();
+    cfg.data.messages_column = "messages".into();
+    cfg.reward.kind = RewardKind::Python;
+    cfg.reward.file = reward.display().to_string();
+    cfg.run.max_staleness = 1;
+    cfg.run.checkpoint_every = 3;
+    cfg.dynamic_sampling.enabled = true;
+    cfg.dynamic_sampling.target_groups = 2;
+    cfg.dynamic_sampling.max_extra_batches = 1;
+    let dir = tmp.path().join("run");
+    run(kind, cfg.clone(), &dir, false);
+    let extra = metric(&dir, "dynamic_sampling", "extra_steps");
+    let emitted = metric(&dir, "dynamic_sampling", "groups_emitted");
+    assert_eq!(extra.len(), 6);
+    // (step → input steps of its groups), from the rows: a group's id is its
+    // input step × prompts per step + its place.
+    let mut inputs: BTreeMap<u64, BTreeMap<u64, u64>> = BTreeMap::new();
+    for b in read_parquet_dir(&dir.join("rollouts")).unwrap() {
+        let ids = u64s(&b, col::PROMPT_ID);
+        for (i, (step, group)) in u64s(&b, col::STEP)
+            .into_iter()
+            .zip(u64s(&b, col::GROUP_ID))
+            .enumerate()
+        {
+            assert_eq!(
+                ids[i] % 3,
+                2,
+                "a uniform prompt's group trained at step {step}"
+            );
+            *inputs.entry(step).or_default().entry(group).or_default() = group / 3;
+        }
+    }
+    let barrier = |s: u64| s % 3 == 2;
+    let mut from_later = 0;
+    for step in 0..6u64 {
+        let groups = inputs.remove(&step).unwrap_or_default();
+        assert_eq!(groups.len() as f64, emitted[&step], "step {step}");
+        assert!(groups.len() <= 2, "step {step}: {groups:?}");
+        let latest = groups.values().copied().max();
+        if barrier(step) {
+            // A checkpoint step (2, 5) takes no later step's groups.
+            assert_eq!(extra[&step], 0.0, "step {step}");
+            assert!(latest.is_none_or(|l| l <= step), "step {step}: {groups:?}");
+        } else if extra[&step] == 0.0 {
+            // It had its target without waiting.
+            assert_eq!(groups.len(), 2, "step {step}: {groups:?}");
+            assert!(latest.is_none_or(|l| l <= step), "step {step}: {groups:?}");
+        } else {
+            // It waited for one more input step, and no further.
+            assert_eq!(extra[&step], 1.0, "step {step}");
+            assert!(
+                latest.is_none_or(|l| l <= step + 1),
+                "step {step}: {groups:?}"
+            );
+            from_later += usize::from(latest == Some(step + 1));
+        }
+    }
+    assert!(
+        from_later > 0,
+        "no step took a later step's group: {extra:?}"
+    );
+    // Without waiting a step trains on its own and earlier input steps.
+    cfg.dynamic_sampling.max_extra_batches = 0;
+    let plain = tmp.path().join("plain");
+    run(kind, cfg, &plain, false);
+    assert!(metric(&plain, "dynamic_sampling", "extra_steps").is_empty());
+    for b in read_parquet_dir(&plain.join("rollouts")).unwrap() {
+        for (step, group) in u64s(&b, col::STEP).into_iter().zip(u64s(&b, col::GROUP_ID)) {
+            assert!(group / 3 <= step);
+        }
+    }
+}

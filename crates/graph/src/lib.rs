@@ -58,7 +58,7 @@ pub use placement::{roles, Placement};
 pub use stage::{
     Sink, Source, SourceContext, Stage, StepBuffer, StepContext, StepStage, WorkerInfo,
 };
-pub use step_fill::{Started, StepFill};
+pub use step_fill::{checkpoint_barriers, Started, StepFill};
 pub use weights_edge::{
     InlineTransport, WeightsBody, WeightsChannel, WeightsMessage, WeightsPayload, WeightsTransport,
     WireNote,

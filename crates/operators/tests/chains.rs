@@ -357,6 +357,7 @@ fn dapo_filters_groups_and_feeds_prompt_stats_through_the_engine() {
             Ok(DynamicSampling::new(DynamicSamplingConfig {
                 target_groups: Some(target),
                 max_staleness: 1,
+                ..DynamicSamplingConfig::default()
             }))
         })
         .stage("advantage", "train", Partition::Local, |_| {

@@ -492,6 +492,10 @@ pub struct DynamicSamplingSection {
     /// Groups per step for the learner (0: every informative group); set
     /// `data.prompts_per_step` above it to oversample.
     pub target_groups: usize,
+    /// How many later steps' prompts a step short of `target_groups` waits
+    /// for (verl's extra generation batches; 0: it trains short), at most
+    /// `run.max_staleness`.
+    pub max_extra_batches: u64,
 }
 
 /// `[curriculum]`.

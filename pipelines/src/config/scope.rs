@@ -305,6 +305,12 @@ fn inert(cfg: &RunConfig, pipeline: PipelineKind) -> Vec<(&'static str, &'static
         "dynamic_sampling.enabled",
     );
     unless(
+        cfg.dynamic_sampling.enabled && cfg.dynamic_sampling.target_groups > 0,
+        "dynamic_sampling",
+        &["max_extra_batches"],
+        "dynamic_sampling.enabled and dynamic_sampling.target_groups > 0 (a step waits for its target)",
+    );
+    unless(
         !no_file,
         "data",
         &["prompt_column", "messages_column"],

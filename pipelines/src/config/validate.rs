@@ -410,16 +410,37 @@ impl RunConfig {
                 "needs a group estimator (grpo, dr_grpo, rloo, opo, grpo_passk, gpg)",
             );
         }
-        let target = self.dynamic_sampling.target_groups;
-        if self.dynamic_sampling.enabled && target > self.data.prompts_per_step {
+        let (target, extra) = (
+            self.dynamic_sampling.target_groups,
+            self.dynamic_sampling.max_extra_batches,
+        );
+        if self.dynamic_sampling.enabled && extra > self.run.max_staleness {
+            // The steps it waits for are generated before it trains only
+            // as far as the bound lets generation run ahead.
+            return bad(
+                "dynamic_sampling.max_extra_batches",
+                extra.to_string(),
+                &format!(
+                    "is more than run.max_staleness = {}: a step can wait only for the steps \
+                     generated before it trains",
+                    self.run.max_staleness
+                ),
+            );
+        }
+        let reach = self
+            .data
+            .prompts_per_step
+            .saturating_mul(1 + extra as usize);
+        if self.dynamic_sampling.enabled && target > reach {
             // The pool only keeps a step's surplus over the target: past the
-            // prompts drawn, every step would fall short.
+            // prompts it may draw on, every step would fall short.
             return bad(
                 "dynamic_sampling.target_groups",
                 target.to_string(),
                 &format!(
-                    "is more than data.prompts_per_step = {}: a step keeps at most the groups it \
-                     drew; oversample with more prompts per step",
+                    "is more than the {reach} prompts a step may draw on (data.prompts_per_step = \
+                     {} × (1 + dynamic_sampling.max_extra_batches)); oversample with more prompts \
+                     per step",
                     self.data.prompts_per_step
                 ),
             );

@@ -134,13 +134,8 @@ impl Generate {
             version_u32(version)?,
             self.backend,
         )?;
-        let (every, last) = (settings.checkpoint_every, settings.last_step);
-        // The next checkpoint step: every `every` steps, and the last.
-        let barrier = move |s: Step| {
-            let checkpoint = (every > 0).then(|| (s / every + 1) * every - 1);
-            let last = (s <= last).then_some(last);
-            checkpoint.into_iter().chain(last).min()
-        };
+        let barrier =
+            weir_graph::checkpoint_barriers(settings.checkpoint_every, settings.last_step);
         self.stream = Some(StreamState {
             streamer,
             fill: StepFill::new(settings.max_staleness, barrier).starting_at(settings.first_step),
