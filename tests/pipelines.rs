@@ -1712,6 +1712,133 @@ fn every_policy_loss_and_correction_trains_through_grpo() {
     }
 }
 
+/// Each `algorithm.policy_loss` trains its own objective: one step's logged
+/// loss equals the objective function (held to verl's outputs by the
+/// operators' tests) on the logged rows, with the step's log-probs from an
+/// independent forward pass of the starting checkpoint. At the first update
+/// the ratio is 1, so the objectives fall into classes that this tells
+/// apart: PPO's −A (GSPO and GMPO coincide with it there), −A·log π (CISPO
+/// and GPG), SAPO's gate and REINFORCE's weight π / π_behaviour.
+#[test]
+fn each_policy_loss_trains_its_own_objective() {
+    use tch::{Kind, Tensor};
+    use weir::operators::algorithms::{
+        policy_loss, Aggregation, PolicyLossConfig, PolicyObjective,
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let model =
+        weir::gpu::Model::load(&fixture("arith-sft"), weir::gpu::Device::Cpu, Kind::Float).unwrap();
+    for (name, objective, aggregation) in [
+        ("ppo", PolicyObjective::Clipped, Aggregation::TokenMean),
+        ("cispo", PolicyObjective::Cispo, Aggregation::TokenMean),
+        (
+            "sapo",
+            PolicyObjective::Sapo {
+                tau_pos: 1.0,
+                tau_neg: 1.05,
+            },
+            Aggregation::SeqMeanTokenMean,
+        ),
+        (
+            "gpg",
+            PolicyObjective::PolicyGradient,
+            Aggregation::TokenMean,
+        ),
+        (
+            "reinforce",
+            PolicyObjective::Reinforce { cap: 2.0 },
+            Aggregation::TokenMean,
+        ),
+    ] {
+        let mut cfg = config(PipelineKind::Grpo, 1);
+        cfg.algorithm.kl_coef = 0.0;
+        cfg.algorithm.micro_batch = 64;
+        let mut items = vec![format!("algorithm.policy_loss={name}")];
+        if aggregation == Aggregation::SeqMeanTokenMean {
+            items.push("algorithm.aggregation=\"seq-mean-token-mean\"".into());
+        }
+        let cfg = cfg.with_overrides(&items).unwrap();
+        let dir = tmp.path().join(name);
+        run(PipelineKind::Grpo, cfg.clone(), &dir, false);
+        let logged = metric(&dir, "learn", "loss")[&0];
+        // The step's rows, padded to the longest response.
+        let (mut contexts, mut responses, mut behaviour, mut advantages) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for b in read_parquet_dir(&dir.join("rollouts")).unwrap() {
+            let list = |c: &str| b.column_by_name(c).unwrap().as_list::<i32>().clone();
+            let (p, r, h, a) = (
+                list(col::PROMPT_TOKENS),
+                list(col::RESPONSE_TOKENS),
+                list(col::BEHAVIOR_LOGPROBS),
+                list(col::ADVANTAGES),
+            );
+            for i in 0..b.num_rows() {
+                let ints = |x: arrow::array::ArrayRef| {
+                    x.as_primitive::<arrow::datatypes::Int64Type>()
+                        .values()
+                        .to_vec()
+                };
+                let floats =
+                    |x: arrow::array::ArrayRef| x.as_primitive::<Float32Type>().values().to_vec();
+                contexts.push(ints(p.value(i)));
+                responses.push(ints(r.value(i)));
+                behaviour.push(floats(h.value(i)));
+                advantages.push(floats(a.value(i)));
+            }
+        }
+        let width = responses.iter().map(Vec::len).max().unwrap();
+        let padded = |rows: Vec<Vec<f32>>| {
+            let flat: Vec<f32> = rows
+                .into_iter()
+                .flat_map(|mut r| {
+                    r.resize(width, 0.0);
+                    r
+                })
+                .collect();
+            Tensor::from_slice(&flat)
+                .view([-1, width as i64])
+                .to_kind(Kind::Double)
+        };
+        let current: Vec<Vec<f32>> = contexts
+            .iter()
+            .zip(&responses)
+            .map(|(prompt, response)| {
+                let ids: Vec<i64> = prompt.iter().chain(response).copied().collect();
+                let n = ids.len() as i64;
+                let lp = model
+                    .token_logprobs(
+                        &Tensor::from_slice(&ids).view([1, n]),
+                        None,
+                        cfg.generate.temperature,
+                    )
+                    .unwrap()
+                    .get(0)
+                    .narrow(0, n - 1 - response.len() as i64, response.len() as i64);
+                Vec::<f32>::try_from(lp.to_kind(Kind::Float)).unwrap()
+            })
+            .collect();
+        let mask = padded(responses.iter().map(|r| vec![1.0; r.len()]).collect());
+        let logprobs = padded(current);
+        let out = policy_loss(
+            &logprobs,
+            &logprobs.detach(),
+            &padded(advantages),
+            &mask,
+            Some(&padded(behaviour)),
+            &PolicyLossConfig {
+                objective,
+                aggregation,
+                ..PolicyLossConfig::default()
+            },
+        );
+        let want = out.loss_value();
+        assert!(
+            (logged - want).abs() <= 1e-4 * want.abs().max(1e-2),
+            "{name}: the learner's loss {logged}, the objective's {want}"
+        );
+    }
+}
+
 #[path = "pipelines/keys.rs"]
 mod keys;
 #[path = "pipelines/streaming.rs"]

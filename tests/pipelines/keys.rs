@@ -1016,9 +1016,13 @@ fn every_ppo_key_changes_the_run_or_is_refused() {
 }
 
 #[test]
-fn every_reinforce_key_changes_the_run_or_is_refused() {
+fn every_reinforce_pp_key_changes_the_run_or_is_refused() {
     walk(PipelineKind::ReinforcePp, Keys::All);
     walk(PipelineKind::ReinforcePpBaseline, Keys::Algorithm);
+}
+
+#[test]
+fn every_remax_key_changes_the_run_or_is_refused() {
     // ReMax's rollouts have greedy rows of their own: every key.
     walk(PipelineKind::Remax, Keys::All);
 }

@@ -17,7 +17,10 @@
 //! itself (group shaping, `compute_reward`, GAE or cumulative returns, batch
 //! whitening), called with stand-in experience objects. No upstream code is
 //! kept in this repository. To regenerate, rerun such a script and replace
-//! the JSON file.
+//! the JSON file. Cases whose recorded function changed in the releases
+//! below (verl's `seq-mean-token-sum-norm` aggregation, REINFORCE++'s
+//! returns over masked spans) were dropped from it rather than adjusted:
+//! the release recordings hold those.
 //!
 //! `data/upstream_09_cases.json` adds cases recorded from the releases
 //! verl 0.9.1 and OpenRLHF 0.11.2 by `scripts/record_upstream_09.py` (it
@@ -333,11 +336,6 @@ fn advantages_verl_case(c: &mut Check, name: &str, i: &Value, e: &Value) {
             let a = broadcast(&rloo(&scores, &groups(), flavor).unwrap(), &mask);
             (a.clone(), a)
         }
-        "reinforce_plus_plus" => {
-            let r = discounted_returns(&tlr, &mask, num(&i["gamma"]), flavor);
-            let a = times_mask(&whiten_advantages(&r, &mask, false, flavor), &mask);
-            return reinforce_pp_since_verl_09(c, name, &mask, (&a, &r), e);
-        }
         "reinforce_plus_plus_baseline" => {
             let a = broadcast(&grpo(&scores, &groups(), false, flavor).unwrap(), &mask);
             let a = times_mask(&whiten_advantages(&a, &mask, false, flavor), &mask);
@@ -349,63 +347,6 @@ fn advantages_verl_case(c: &mut Check, name: &str, i: &Value, e: &Value) {
     c.matrix(name, "returns", &ret, &matrix(&e["returns"]));
 }
 
-/// The recorded REINFORCE++ cases predate verl 0.9's change (PR 7280:
-/// returns are updated on unmasked tokens only, 0 at masked ones, the running
-/// return passing through a masked span). Where a mask has no interior
-/// gap the unmasked returns, and so the whitened advantages, are the same
-/// as recorded, and the masked returns are now 0; rows with interior gaps
-/// are held to the new rule by the unit tests of `discounted_returns`.
-fn reinforce_pp_since_verl_09(
-    c: &mut Check,
-    name: &str,
-    mask: &Matrix,
-    (adv, ret): (&Matrix, &Matrix),
-    e: &Value,
-) {
-    let gap = |m: &Vec<f64>| {
-        let last = m.iter().rposition(|x| *x > 0.0).unwrap_or(0);
-        m[..last].contains(&0.0)
-    };
-    let (want_adv, want_ret) = (matrix(&e["advantages"]), matrix(&e["returns"]));
-    let gaps = mask.iter().any(gap);
-    for (row, m) in mask.iter().enumerate() {
-        let masked: Vec<f64> = ret[row]
-            .iter()
-            .zip(m)
-            .filter(|(_, m)| **m == 0.0)
-            .map(|(r, _)| *r)
-            .collect();
-        c.vector(
-            name,
-            &format!("returns[{row}] at masked tokens"),
-            &masked,
-            &vec![0.0; masked.len()],
-        );
-        if !gap(m) {
-            let got = times_mask(&vec![ret[row].clone()], &vec![m.clone()]);
-            let want = times_mask(&vec![want_ret[row].clone()], &vec![m.clone()]);
-            c.matrix(name, &format!("returns[{row}]"), &got, &want);
-        }
-    }
-    if !gaps {
-        c.matrix(name, "advantages", adv, &want_adv);
-    }
-}
-
-/// The recorded verl cases of `seq-mean-token-sum-norm` come from verl@b178a3cd
-/// (0.8.0.dev), whose `agg_loss` divided by `T` only; verl 0.9 also divides by
-/// the number of responses (`seq_denominator`), as Dr.GRPO does. The recorded
-/// value over the non-empty responses of `mask` is verl 0.9's.
-fn verl_09(flavor: Flavor, mode: &str, mask: &Matrix, recorded: f64) -> f64 {
-    match (flavor, mode) {
-        (Flavor::Verl, "seq-mean-token-sum-norm") => {
-            let nonempty = mask.iter().filter(|m| m.iter().any(|x| *x > 0.0)).count();
-            recorded / nonempty.max(1) as f64
-        }
-        _ => recorded,
-    }
-}
-
 fn aggregate_case(c: &mut Check, name: &str, flavor: Flavor, i: &Value, e: &Value) {
     let mask = matrix(&i["mask"]);
     let got = aggregate(
@@ -414,8 +355,7 @@ fn aggregate_case(c: &mut Check, name: &str, flavor: Flavor, i: &Value, e: &Valu
         aggregation(string(&i["mode"])),
         flavor,
     );
-    let want = verl_09(flavor, string(&i["mode"]), &mask, num(&e["loss"]));
-    c.close(name, "loss", scalar(&got), want);
+    c.close(name, "loss", scalar(&got), num(&e["loss"]));
 }
 
 fn policy_loss_case(c: &mut Check, name: &str, flavor: Flavor, i: &Value, e: &Value) {
@@ -466,13 +406,7 @@ fn policy_loss_case(c: &mut Check, name: &str, flavor: Flavor, i: &Value, e: &Va
         behaviour.as_ref(),
         &cfg,
     );
-    let mode = if flavor == Flavor::Verl && !gspo {
-        string(&i["mode"])
-    } else {
-        ""
-    };
-    let want = verl_09(flavor, mode, &matrix(&i["mask"]), num(&e["loss"]));
-    c.close(name, "loss", out.loss_value(), want);
+    c.close(name, "loss", out.loss_value(), num(&e["loss"]));
     c.close(
         name,
         "clip_fraction",
@@ -502,9 +436,7 @@ fn value_loss_case(c: &mut Check, name: &str, flavor: Flavor, i: &Value, e: &Val
         aggregation(string(&i["mode"])),
         flavor,
     );
-    let mask = matrix(&i["mask"]);
-    let want = verl_09(flavor, string(&i["mode"]), &mask, num(&e["loss"]));
-    c.close(name, "loss", scalar(&loss), want);
+    c.close(name, "loss", scalar(&loss), num(&e["loss"]));
     if !e["clip_fraction"].is_null() {
         c.close(name, "clip_fraction", fraction, num(&e["clip_fraction"]));
     }

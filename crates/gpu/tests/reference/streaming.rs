@@ -189,7 +189,10 @@ fn weights_applied_in_flight_are_recorded_per_token_and_recompute_matches_a_fres
             backend,
         )
         .unwrap();
+        // Per policy, each row's first log-prob under the new weights.
+        let mut first_after: Vec<Vec<f32>> = Vec::new();
         for policy in [OnNewWeights::Keep, OnNewWeights::Recompute] {
+            let mut firsts = Vec::new();
             let mut model = load(name, Kind::Float);
             let mut streamer =
                 Streamer::new(&model, params.clone(), 16, policy, 0, backend).unwrap();
@@ -216,6 +219,20 @@ fn weights_applied_in_flight_are_recorded_per_token_and_recompute_matches_a_fres
                     old[i].tokens[..before],
                     "{label}: row {i} before the update"
                 );
+                let close = |a: &[f32], b: &[f32], what: &str| {
+                    assert_eq!(a.len(), b.len(), "{label}: row {i} {what}");
+                    for (x, y) in a.iter().zip(b) {
+                        assert!(
+                            (x - y).abs() < 1e-4,
+                            "{label}: row {i} {what}: {a:?} vs {b:?}"
+                        );
+                    }
+                };
+                close(
+                    &f.generation.logprobs[..before],
+                    &old[i].logprobs[..before],
+                    "log-probs before the update",
+                );
                 let mut versions = vec![0u32; before];
                 versions.resize(12, 1);
                 assert_eq!(f.versions, versions, "{label}: row {i}");
@@ -237,14 +254,31 @@ fn weights_applied_in_flight_are_recorded_per_token_and_recompute_matches_a_fres
                         expected[0].tokens[..],
                         "{label}: row {i} after the update"
                     );
+                    // The behaviour log-probs are the new weights' on the recomputed context.
+                    close(
+                        &f.generation.logprobs[before..],
+                        &expected[0].logprobs,
+                        "log-probs after the update",
+                    );
                 }
+                firsts.push(f.generation.logprobs[before]);
             }
             assert!(
                 got.iter()
                     .any(|f| f.generation.tokens != old[f.key as usize].tokens),
                 "{label}: the new weights changed no token"
             );
+            first_after.push(firsts);
         }
+        // `keep` goes on over the old weights' cache: its first token under
+        // the new weights is scored on another context than `recompute`'s.
+        assert!(
+            first_after[0]
+                .iter()
+                .zip(&first_after[1])
+                .any(|(k, r)| (k - r).abs() > 1e-3),
+            "{backend:?}: keep and recompute scored alike: {first_after:?}"
+        );
     }
 }
 

@@ -213,9 +213,11 @@ async fn request(
         return parse_rewards(&answer, &cfg.score_key, expected)
             .map_err(|e| format!("reward server {}: {e}", cfg.url));
     }
+    // The run's keys that govern this, so that a user knows what to raise.
     Err(format!(
-        "reward server {} failed after {} attempt(s): {last}",
-        cfg.url, cfg.attempts
+        "reward server {} failed after {} attempt(s) (reward.attempts; each may take {:?}, \
+         reward.timeout_s): {last}",
+        cfg.url, cfg.attempts, cfg.timeout
     ))
 }
 
