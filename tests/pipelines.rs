@@ -104,6 +104,21 @@ fn text_column(dir: &Path, name: &str) -> Vec<String> {
         .collect()
 }
 
+/// Every rollout row's reward.
+fn reward_column(dir: &Path) -> Vec<f64> {
+    read_parquet_dir(&dir.join("rollouts"))
+        .unwrap()
+        .iter()
+        .flat_map(|b| {
+            let c = b
+                .column_by_name(col::REWARD)
+                .unwrap()
+                .as_primitive::<Float32Type>();
+            c.values().iter().map(|v| f64::from(*v)).collect::<Vec<_>>()
+        })
+        .collect()
+}
+
 /// Every rollout row's response, answer and reward.
 fn scored_rows(dir: &Path) -> Vec<(String, String, f64)> {
     let rewards = read_parquet_dir(&dir.join("rollouts"))
@@ -789,17 +804,7 @@ fn a_remote_reward_server_scores_every_row_through_a_run() {
         text_column(&dir, col::PROMPT),
         text_column(&dir, col::RESPONSE),
     );
-    let rewards: Vec<f64> = read_parquet_dir(&dir.join("rollouts"))
-        .unwrap()
-        .iter()
-        .flat_map(|b| {
-            let c = b
-                .column_by_name(col::REWARD)
-                .unwrap()
-                .as_primitive::<Float32Type>();
-            c.values().iter().map(|v| f64::from(*v)).collect::<Vec<_>>()
-        })
-        .collect();
+    let rewards = reward_column(&dir);
     assert_eq!(rewards.len(), 2 * 3 * 4);
     for ((p, r), reward) in prompts.iter().zip(&responses).zip(&rewards) {
         let want = (p.len() + r.len()) as f64 * 1e-3;
@@ -862,17 +867,7 @@ fn a_verl_dataset_in_parquet_and_its_compute_score_load_unchanged() {
         text_column(&dir, col::RESPONSE),
         text_column(&dir, "reward_model.ground_truth"),
     );
-    let rewards: Vec<f64> = read_parquet_dir(&dir.join("rollouts"))
-        .unwrap()
-        .iter()
-        .flat_map(|b| {
-            let c = b
-                .column_by_name(col::REWARD)
-                .unwrap()
-                .as_primitive::<Float32Type>();
-            c.values().iter().map(|v| f64::from(*v)).collect::<Vec<_>>()
-        })
-        .collect();
+    let rewards = reward_column(&dir);
     assert_eq!(rewards.len(), 2 * 3 * 4);
     for ((r, a), reward) in responses.iter().zip(&answers).zip(&rewards) {
         assert_eq!(*reward, arith::exact_match(r, a), "{r:?} {a}");

@@ -305,6 +305,14 @@ mod tests {
         .unwrap()
     }
 
+    /// The metrics recorded in `ctx`, by name.
+    fn recorded(ctx: &StepContext) -> BTreeMap<&str, f64> {
+        ctx.recorded()
+            .iter()
+            .map(|(n, v)| (n.as_str(), *v))
+            .collect()
+    }
+
     fn deadlines(generate: &Generate) -> Vec<Step> {
         let state = generate.stream.as_ref().unwrap();
         let b = state.batches.values().next().unwrap();
@@ -333,11 +341,7 @@ mod tests {
         let rows: usize = out.iter().map(|(_, b)| b.num_rows()).sum();
         assert_eq!(rows, 2);
         generate.end_step(&mut ctx).unwrap();
-        let recorded: BTreeMap<&str, f64> = ctx
-            .recorded()
-            .iter()
-            .map(|(n, v)| (n.as_str(), *v))
-            .collect();
+        let recorded = recorded(&ctx);
         assert_eq!(recorded["passes"], 4.0, "{recorded:?}");
         assert_eq!(recorded["tokens"], 8.0, "{recorded:?}");
         assert!(!recorded.contains_key("recomputed"), "only under recompute");
@@ -367,11 +371,7 @@ mod tests {
             out.extend(generate.advance().unwrap());
         }
         generate.end_step(&mut ctx).unwrap();
-        let recorded: BTreeMap<&str, f64> = ctx
-            .recorded()
-            .iter()
-            .map(|(n, v)| (n.as_str(), *v))
-            .collect();
+        let recorded = recorded(&ctx);
         assert_eq!(recorded["recomputed"], 1.0, "{recorded:?}");
         assert_eq!(recorded["tokens"], 12.0, "{recorded:?}");
     }
