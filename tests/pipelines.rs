@@ -12,50 +12,12 @@ use weir::operators::rollout::{check, col, Phase};
 use weir::pipelines::config::{
     AggregationChoice, CorrectionChoice, PreferenceChoice, ReferencePlacement, RewardKind,
 };
-use weir::pipelines::runner::{read_resolved, RunRequest};
+use weir::pipelines::runner::read_resolved;
 use weir::pipelines::{PipelineKind, RunConfig};
 
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../shared/fixtures/models")
-        .join(name)
-}
-
-/// A small config of `kind` on the arith-sft checkpoint.
-fn config(kind: PipelineKind, steps: u64) -> RunConfig {
-    let mut c = RunConfig::defaults_for(kind);
-    c.model.path = fixture("arith-sft").display().to_string();
-    c.run.steps = steps;
-    c.data.prompts_per_step = 3;
-    if kind.is_rl() {
-        c.data.samples_per_prompt = 4;
-        c.generate.max_new_tokens = 6;
-    }
-    if kind.is_rl() || kind == PipelineKind::Sft {
-        c.algorithm.micro_batch = 8;
-    }
-    if kind != PipelineKind::Rm {
-        c.eval.arith = false;
-    }
-    c
-}
-
-fn request(kind: PipelineKind, cfg: RunConfig, dir: &Path, resume: bool) -> RunRequest {
-    RunRequest {
-        pipeline: kind,
-        config: cfg,
-        run_dir: dir.to_path_buf(),
-        resume,
-        progress: false,
-        cluster: Default::default(),
-    }
-}
-
-fn run(kind: PipelineKind, cfg: RunConfig, dir: &Path, resume: bool) -> serde_json::Value {
-    weir::pipelines::run(&request(kind, cfg, dir, resume))
-        .unwrap_or_else(|e| panic!("{}: {e}", kind.name()))
-        .summary
-}
+#[path = "pipelines/support.rs"]
+mod support;
+use support::{config, fixture, request, reward_server, run};
 
 /// The error of a run that must fail.
 fn run_err(kind: PipelineKind, cfg: RunConfig, dir: &Path) -> String {
@@ -789,14 +751,14 @@ fn step_means(dir: &Path, value: impl Fn(&RecordBatch, usize) -> f64) -> BTreeMa
 
 #[test]
 fn a_remote_reward_server_scores_every_row_through_a_run() {
-    // The server (see `keys::reward_server`) scores a query, prompt +
+    // The server (see `support::reward_server`) scores a query, prompt +
     // response, by its length / 1000, and refuses every first copy of a
     // request with 503, so the run also retries.
     let tmp = tempfile::tempdir().unwrap();
     let kind = PipelineKind::Grpo;
     let mut cfg = config(kind, 2);
     cfg.reward.kind = RewardKind::Remote;
-    cfg.reward.url = format!("{}/value-check", keys::reward_server());
+    cfg.reward.url = format!("{}/value-check", reward_server());
     cfg.reward.attempts = 3;
     let dir = tmp.path().join("run");
     run(kind, cfg, &dir, false);
@@ -1834,7 +1796,5 @@ fn each_policy_loss_trains_its_own_objective() {
     }
 }
 
-#[path = "pipelines/keys.rs"]
-mod keys;
 #[path = "pipelines/streaming.rs"]
 mod streaming;

@@ -1,0 +1,123 @@
+//! What the pipeline tests and the key walk share: the fixtures, a small
+//! config per pipeline, running it through the runner `weir run` uses, and
+//! a reward server. Each test binary that includes it uses a part.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+use weir::pipelines::runner::RunRequest;
+use weir::pipelines::{PipelineKind, RunConfig};
+
+/// A fixture checkpoint's folder.
+pub fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../shared/fixtures/models")
+        .join(name)
+}
+
+/// A small config of `kind` on the arith-sft checkpoint.
+pub fn config(kind: PipelineKind, steps: u64) -> RunConfig {
+    let mut c = RunConfig::defaults_for(kind);
+    c.model.path = fixture("arith-sft").display().to_string();
+    c.run.steps = steps;
+    c.data.prompts_per_step = 3;
+    if kind.is_rl() {
+        c.data.samples_per_prompt = 4;
+        c.generate.max_new_tokens = 6;
+    }
+    if kind.is_rl() || kind == PipelineKind::Sft {
+        c.algorithm.micro_batch = 8;
+    }
+    if kind != PipelineKind::Rm {
+        c.eval.arith = false;
+    }
+    c
+}
+
+/// The runner's request for a run of `kind` with `cfg` in `dir`.
+pub fn request(kind: PipelineKind, cfg: RunConfig, dir: &Path, resume: bool) -> RunRequest {
+    RunRequest {
+        pipeline: kind,
+        config: cfg,
+        run_dir: dir.to_path_buf(),
+        resume,
+        progress: false,
+        cluster: Default::default(),
+    }
+}
+
+/// Runs `kind` with `cfg` in `dir`; its summary.
+pub fn run(kind: PipelineKind, cfg: RunConfig, dir: &Path, resume: bool) -> serde_json::Value {
+    weir::pipelines::run(&request(kind, cfg, dir, resume))
+        .unwrap_or_else(|e| panic!("{}: {e}", kind.name()))
+        .summary
+}
+
+/// The URL of a reward server (OpenRLHF's protocol) for this test process:
+/// it refuses every other copy of a request with 503 (the first, third, …:
+/// so a client needs a retry), answers after 0.5 s (so a short timeout fails),
+/// and scores a query by its length, scaled by 1/1000, or by 2/1000 on a
+/// path ending in `/other`. Each pipeline's walk uses a path of its own, so
+/// walks running side by side do not share request counts.
+pub fn reward_server() -> String {
+    use std::io::{BufRead, BufReader, Read, Write};
+    static URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    URL.get_or_init(|| {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(std::collections::HashMap::new()));
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { return };
+                let seen = seen.clone();
+                std::thread::spawn(move || {
+                    let mut reader = BufReader::new(stream.try_clone().unwrap());
+                    let (mut length, mut path) = (0, String::new());
+                    loop {
+                        let mut line = String::new();
+                        if reader.read_line(&mut line).unwrap_or(0) == 0 || line.trim().is_empty() {
+                            break;
+                        }
+                        if path.is_empty() {
+                            path = line.split_whitespace().nth(1).unwrap_or("").to_string();
+                        }
+                        if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                            length = v.trim().parse().unwrap();
+                        }
+                    }
+                    let mut body = vec![0; length];
+                    if reader.read_exact(&mut body).is_err() {
+                        return;
+                    }
+                    let copies = {
+                        let mut seen = seen.lock().unwrap();
+                        let n = seen.entry((path.clone(), body.clone())).or_insert(0u32);
+                        *n += 1;
+                        *n
+                    };
+                    let (status, text) = if copies % 2 == 1 {
+                        (503, "{}".to_string())
+                    } else {
+                        std::thread::sleep(std::time::Duration::from_millis(500));
+                        let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+                        let scale = if path.ends_with("/other") { 2e-3 } else { 1e-3 };
+                        let rewards: Vec<f64> = body["query"]
+                            .as_array()
+                            .unwrap()
+                            .iter()
+                            .map(|q| q.as_str().unwrap().len() as f64 * scale)
+                            .collect();
+                        (200, serde_json::json!({ "rewards": rewards }).to_string())
+                    };
+                    let _ = write!(
+                        stream,
+                        "HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{text}",
+                        text.len()
+                    );
+                });
+            }
+        });
+        url
+    })
+    .clone()
+}
