@@ -310,24 +310,21 @@ fn tokenizer_of(model: &Path) -> anyhow::Result<Option<Tokenizer>> {
     Ok(Some(Tokenizer::load(model)?))
 }
 
-/// Refuses a nucleus mass outside (0, 1] or a temperature below 0.01 (or
-/// not finite), as `generate.top_p` and `generate.temperature` in a run's
-/// config are refused; `top_p` and `temperature` name where each value came
-/// from beside it.
+/// Refuses a nucleus mass or a temperature that a run's config would
+/// refuse (`weir_gpu::top_p_error`, `weir_gpu::temperature_error`); each
+/// value comes with where it came from.
 fn check_sampling_values(
     top_p: (&str, Option<f64>),
     temperature: (&str, Option<f64>),
 ) -> anyhow::Result<()> {
     if let (source, Some(p)) = top_p {
-        if !(p > 0.0 && p <= 1.0) {
-            anyhow::bail!("{source} = {p} is not a nucleus mass: it must be in (0, 1]");
+        if let Some(why) = weir_gpu::top_p_error(p) {
+            anyhow::bail!("{source} = {p} {why}: it is a nucleus mass");
         }
     }
     if let (source, Some(t)) = temperature {
-        if !(t.is_finite() && t >= 0.01) {
-            anyhow::bail!(
-                "{source} = {t} must be a finite number ≥ 0.01 (--greedy takes the most likely token)"
-            );
+        if let Some(why) = weir_gpu::temperature_error(t) {
+            anyhow::bail!("{source} = {t} {why} (--greedy takes the most likely token)");
         }
     }
     Ok(())

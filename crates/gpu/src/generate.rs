@@ -52,21 +52,32 @@ impl Default for SamplingParams {
     }
 }
 
+/// Why sampling cannot use `temperature`, if it cannot: below 0.01 the
+/// logits divided by it overflow or the sampled distribution's log-probs
+/// lose all precision (vLLM raises it to 0.01). Every place that takes a
+/// temperature from a user checks it here.
+pub fn temperature_error(temperature: f64) -> Option<&'static str> {
+    (!(temperature.is_finite() && temperature >= 0.01))
+        .then_some("must be finite and at least 0.01")
+}
+
+/// Why `top_p` is not a nucleus mass, if it is not: it must lie in (0, 1]
+/// (1: no nucleus filter). Every place that takes a top-p from a user
+/// checks it here.
+pub fn top_p_error(top_p: f64) -> Option<&'static str> {
+    (!(top_p > 0.0 && top_p <= 1.0)).then_some("must be in (0, 1]")
+}
+
 impl SamplingParams {
     pub(crate) fn validate(&self) -> Result<(), ModelError> {
-        let usable_temperature = self.temperature > 0.0 && self.temperature.is_finite();
-        if !self.greedy && !usable_temperature {
+        if let Some(why) = temperature_error(self.temperature).filter(|_| !self.greedy) {
             return Err(ModelError::Input(format!(
-                "temperature must be positive, got {}",
+                "temperature {}: {why}",
                 self.temperature
             )));
         }
-        if let Some(p) = self.top_p {
-            if !(p > 0.0 && p <= 1.0) {
-                return Err(ModelError::Input(format!(
-                    "top_p must lie in (0, 1], got {p}"
-                )));
-            }
+        if let Some((p, why)) = self.top_p.and_then(|p| Some((p, top_p_error(p)?))) {
+            return Err(ModelError::Input(format!("top_p {p}: {why}")));
         }
         if self.top_k == Some(0) {
             return Err(ModelError::Input("top_k must be at least 1".into()));

@@ -35,7 +35,8 @@ pub use config::{Family, Head, ModelConfig};
 pub use device::{Device, DeviceError};
 pub use error::ModelError;
 pub use generate::{
-    generate, generate_on, generate_with_ids, Backend, FinishReason, Generation, SamplingParams,
+    generate, generate_on, generate_with_ids, temperature_error, top_p_error, Backend,
+    FinishReason, Generation, SamplingParams,
 };
 pub use model::Model;
 pub use stream::{Finished, OnNewWeights, Request, StreamStats, Streamer};

@@ -178,9 +178,7 @@ impl StageRunner {
                     StageKind::Learn => self.stamp_learner_input(step, batch)?,
                     _ => batch,
                 };
-                // A generator's context names the weights it samples with.
-                let held = self.stage.policy_version().unwrap_or(self.version);
-                let mut ctx = StepContext::new(step, self.worker, held, false);
+                let mut ctx = StepContext::new(step, self.worker, self.sampling_version(), false);
                 let started = Instant::now();
                 let out = guarded(&self.name, Some(step), self.worker.index, || {
                     self.stage.process(&mut ctx, batch)
@@ -256,6 +254,13 @@ impl StageRunner {
                 Ok(Done::Loaded)
             }
         }
+    }
+
+    /// The version of the weights the stage works with: for a generator,
+    /// the one it samples with, which a streaming one may hold back from the
+    /// last it was sent until its sequences end ([`Stage::policy_version`]).
+    fn sampling_version(&self) -> PolicyVersion {
+        self.stage.policy_version().unwrap_or(self.version)
     }
 
     /// True when the stage streams ([`Stage::streaming`]).
@@ -368,10 +373,11 @@ impl StageRunner {
             row(names::DONE_UNIX_S, None, now_unix_s()),
         ];
         if self.kind == StageKind::Generate {
-            // The weights it samples with: a streaming generator may hold
-            // the last ones it was sent back until its sequences end.
-            let version = self.stage.policy_version().unwrap_or(self.version);
-            rows.push(row(names::POLICY_VERSION, None, version as f64));
+            rows.push(row(
+                names::POLICY_VERSION,
+                None,
+                self.sampling_version() as f64,
+            ));
         }
         for (s, n) in &stats.staleness {
             rows.push(row(names::STALENESS, Some(s.to_string()), *n as f64));

@@ -70,13 +70,11 @@ impl RunConfig {
         if self.generate.max_new_tokens == 0 {
             return bad("generate.max_new_tokens", "0".into(), "must be at least 1");
         }
-        // Below 0.01 the logits divided by it overflow or the sampled
-        // distribution's log-probs lose all precision (vLLM raises it to 0.01).
-        if !(self.generate.temperature.is_finite() && self.generate.temperature >= 0.01) {
+        if let Some(why) = weir_gpu::temperature_error(self.generate.temperature) {
             return bad(
                 "generate.temperature",
                 self.generate.temperature.to_string(),
-                "must be finite and at least 0.01",
+                why,
             );
         }
         if !(self.generate.long_tail.is_finite() && self.generate.long_tail >= 0.0) {
@@ -86,12 +84,8 @@ impl RunConfig {
                 "must be ≥ 0 (0: off)",
             );
         }
-        if !(self.generate.top_p > 0.0 && self.generate.top_p <= 1.0) {
-            return bad(
-                "generate.top_p",
-                self.generate.top_p.to_string(),
-                "must be in (0, 1]",
-            );
+        if let Some(why) = weir_gpu::top_p_error(self.generate.top_p) {
+            return bad("generate.top_p", self.generate.top_p.to_string(), why);
         }
         if self.reward.kind == RewardKind::Rule
             && weir_operators::rewards::rule_reward(&self.reward.rule).is_none()

@@ -124,17 +124,23 @@ pub fn importance_weights(
     let rho = log_rho.exp();
     let inside =
         |x: &Tensor, low: f64, high: f64| x.ge(low).logical_and(&x.le(high)).to_kind(rho.kind());
+    let kind = sum_kind(&log_rho);
+    // verl's rejection statistics: per response, the mean over its tokens
+    // of an estimator of log ρ clamped to ±20 (a response without tokens: 0).
+    let response_mean = |estimate: Tensor| {
+        let count = mask.sum_dim_intlist(-1, true, kind).clamp_min(1.0);
+        (estimate * mask).sum_dim_intlist(-1, true, kind) / count
+    };
+    let safe = || log_rho.clamp(-20.0, 20.0);
     match correction {
         ImportanceCorrection::Tis { low, high } => rho.clamp(low, high),
         ImportanceCorrection::IcePop { low, high } => &rho * inside(&rho, low, high),
         ImportanceCorrection::SequenceMask { low, high } => {
-            let kind = sum_kind(&log_rho);
             let count = mask.sum_dim_intlist(-1, true, kind);
             let seq = ((&log_rho * mask).sum_dim_intlist(-1, true, kind) / count).exp();
             &rho * inside(&seq, low, high)
         }
         ImportanceCorrection::SequenceTis { low, high } => {
-            let kind = sum_kind(&log_rho);
             let total = (&log_rho * mask).sum_dim_intlist(-1, true, kind);
             total
                 .clamp(-20.0, 20.0)
@@ -144,18 +150,14 @@ pub fn importance_weights(
                 * mask
         }
         ImportanceCorrection::GeometricRejection { low, high } => {
-            let kind = sum_kind(&log_rho);
-            let k1 = -log_rho.clamp(-20.0, 20.0);
-            let count = mask.sum_dim_intlist(-1, true, kind).clamp_min(1.0);
-            let mean = (k1 * mask).sum_dim_intlist(-1, true, kind) / count;
+            // K1 = −log ρ.
+            let mean = response_mean(-safe());
             inside(&mean, low.ln(), high.ln()).expand_as(&rho) * mask
         }
         ImportanceCorrection::K3Rejection { high } => {
-            let kind = sum_kind(&log_rho);
-            let safe = log_rho.clamp(-20.0, 20.0);
-            let k3 = safe.exp() - 1.0 - &safe;
-            let count = mask.sum_dim_intlist(-1, true, kind).clamp_min(1.0);
-            let mean = (k3 * mask).sum_dim_intlist(-1, true, kind) / count;
+            // K3 = ρ − 1 − log ρ.
+            let log_rho = safe();
+            let mean = response_mean(log_rho.exp() - 1.0 - &log_rho);
             mean.le(high).to_kind(rho.kind()).expand_as(&rho) * mask
         }
     }

@@ -141,6 +141,19 @@ pub fn with_rewards(batch: &RecordBatch, rewards: &[f64]) -> Result<RecordBatch,
     )?)
 }
 
+/// `rows` moved to training step `step`: their `step` column (where they
+/// have one) says the step that trains them, not the one that brought them.
+pub fn trained_at(rows: &RecordBatch, step: u64) -> Result<RecordBatch, StageError> {
+    if rows.column_by_name(crate::rollout::col::STEP).is_none() {
+        return Ok(rows.clone());
+    }
+    Ok(weir_graph::batch::with_u64_column(
+        rows,
+        crate::rollout::col::STEP,
+        step,
+    )?)
+}
+
 /// The `reward` column, every value finite; a NaN or infinite reward is an
 /// error naming its row (never trained on, never silently zeroed).
 pub fn rewards(batch: &RecordBatch, stage: &str) -> Result<Vec<f64>, StageError> {

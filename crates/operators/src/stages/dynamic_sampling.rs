@@ -29,14 +29,12 @@
 //! Whole groups must reach one instance: route by `group_id` or `prompt_id`.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Arc;
 
-use arrow::array::{ArrayRef, RecordBatch, UInt32Array, UInt64Array};
+use arrow::array::{RecordBatch, UInt32Array};
 use arrow::compute::{concat_batches, take_record_batch};
-use weir_graph::batch::with_column;
 use weir_graph::{Stage, StageError, Step, StepBuffer, StepContext};
 
-use super::columns::{scores, u64s};
+use super::columns::{scores, trained_at, u64s};
 use crate::rollout::col;
 
 /// Settings of the filter.
@@ -92,8 +90,8 @@ pub struct DynamicSampling {
     pool: Vec<Pooled>,
     held: StepBuffer,
     /// Input steps whose rows have all joined the pool (from the next step
-    /// to end on), with what each brought until its step reports it.
-    admitted: BTreeMap<Step, Option<Tally>>,
+    /// to end on), with what each brought.
+    admitted: BTreeMap<Step, Tally>,
     /// The first step not ended yet.
     next_end: Step,
     /// An input step that could not join the pool, reported at the next `end_step`.
@@ -158,7 +156,7 @@ impl DynamicSampling {
                 tally.kept += 1;
             }
         }
-        self.admitted.insert(step, Some(tally));
+        self.admitted.insert(step, tally);
         Ok(())
     }
 
@@ -230,29 +228,16 @@ impl Stage for DynamicSampling {
         });
         order.truncate(self.cfg.target_groups.unwrap_or(usize::MAX));
         let taken: BTreeSet<usize> = order.iter().copied().collect();
-        let mut emitted = Vec::with_capacity(order.len());
-        for &i in &order {
-            let rows = &self.pool[i].rows;
-            emitted.push(if rows.column_by_name(col::STEP).is_some() {
-                with_column(
-                    rows,
-                    col::STEP,
-                    Arc::new(UInt64Array::from_value(step, rows.num_rows())) as ArrayRef,
-                )?
-            } else {
-                rows.clone()
-            });
-        }
+        let emitted = order
+            .iter()
+            .map(|&i| trained_at(&self.pool[i].rows, step))
+            .collect::<Result<Vec<_>, _>>()?;
         let mut i = 0;
         self.pool.retain(|_| {
             i += 1;
             !taken.contains(&(i - 1))
         });
-        let tally = self
-            .admitted
-            .get_mut(&step)
-            .and_then(Option::take)
-            .unwrap_or_default();
+        let tally = self.admitted[&step];
         for (name, value) in [
             ("groups_kept", tally.kept),
             ("groups_dropped", tally.dropped),
@@ -297,7 +282,8 @@ impl Stage for DynamicSampling {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use arrow::array::Float32Array;
+    use arrow::array::{ArrayRef, Float32Array, UInt64Array};
+    use std::sync::Arc;
     use weir_graph::WorkerInfo;
 
     /// Rows of (group, reward, policy version).
@@ -430,12 +416,7 @@ mod tests {
     /// Rows of (group, reward, policy version) of input step `step`, with
     /// the `step` column.
     fn batch_at(step: u64, rows: &[(u64, f32, u64)]) -> RecordBatch {
-        with_column(
-            &batch(rows),
-            col::STEP,
-            Arc::new(UInt64Array::from_value(step, rows.len())) as ArrayRef,
-        )
-        .unwrap()
+        weir_graph::batch::with_u64_column(&batch(rows), col::STEP, step).unwrap()
     }
 
     /// Ends `step`: the emitted groups (one per group), their `step`

@@ -2,18 +2,16 @@
 //! one pass, the groups that finished and the steps they join.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
 use std::time::Instant;
 
-use arrow::array::{ArrayRef, RecordBatch, UInt32Array, UInt64Array};
+use arrow::array::{RecordBatch, UInt32Array};
 use weir_gpu::{Finished, Streamer};
-use weir_graph::batch::with_column;
 use weir_graph::weights_edge::now_unix_s;
 use weir_graph::{PolicyVersion, StageError, Started, Step, StepContext, StepFill, WeightsPayload};
 
 use super::{row_streams, version_u32, with_responses, Generate, Responses};
 use crate::rollout::col;
-use crate::stages::columns::{token_lists, u64s};
+use crate::stages::columns::{token_lists, trained_at, u64s};
 
 /// The streaming mode's state.
 pub(super) struct StreamState {
@@ -202,15 +200,7 @@ impl Generate {
                 let versions: Vec<Vec<u32>> =
                     picked.iter().map(|(f, _)| f.versions.clone()).collect();
                 // The rows train at the step they joined.
-                let rows = if rows.column_by_name(col::STEP).is_some() {
-                    with_column(
-                        &rows,
-                        col::STEP,
-                        Arc::new(UInt64Array::from_value(step, rows.num_rows())) as ArrayRef,
-                    )?
-                } else {
-                    rows
-                };
+                let rows = trained_at(&rows, step)?;
                 let figures = state.figures.entry(step).or_default();
                 figures.rows += ready.len() as u64;
                 figures.partial += versions
@@ -254,6 +244,8 @@ impl Generate {
 mod tests {
     use super::*;
     use crate::stages::columns::token_list_array;
+    use arrow::array::{ArrayRef, UInt64Array};
+    use std::sync::Arc;
     use tch::Kind;
     use weir_gpu::{Model, OnNewWeights, SamplingParams, Tokenizer};
     use weir_graph::{Stage, WorkerInfo};
