@@ -175,7 +175,7 @@ impl Evaluation {
         // An evaluation measures where the policy ends its answers.
         let sampled_params = SamplingParams {
             ignore_eos: false,
-            ..crate::roles::sampling(cfg, &tokenizer)
+            ..cfg.generate.sampling(&tokenizer, cfg.run.seed)
         };
         Ok(Evaluation {
             greedy: share(1)?,
@@ -368,7 +368,7 @@ pub fn evaluate(
     let mut evaluation = Evaluation::new(cfg, &worker)?;
     let model = crate::context::load(cfg, actor, &worker)?;
     let tokenizer = Tokenizer::load(Path::new(&cfg.model.path))?;
-    let training = crate::roles::sampling(cfg, &tokenizer);
+    let training = cfg.generate.sampling(&tokenizer, cfg.run.seed);
     let mut generate = Generate::new(model, tokenizer, training.clone());
     Ok(evaluation
         .run(&mut generate, version, &training)?

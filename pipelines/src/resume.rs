@@ -13,8 +13,10 @@ use weir_graph::metrics::{batch_to_rows, MetricRow};
 use weir_graph::parquet_log::{read_parquet_file, write_parquet_atomically};
 use weir_operators::rollout::col;
 
-use crate::runner::RESOLVED;
 use crate::{PipelineError, PipelineKind, RunConfig};
+
+/// The file holding a run's resolved config.
+pub const RESOLVED: &str = "config.resolved.toml";
 
 /// The config values a resumed run must keep: the checkpoint's weights,
 /// prompt cursor and components mean something only under them. Other keys

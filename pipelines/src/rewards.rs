@@ -15,7 +15,7 @@ use weir_operators::rewards::terms::{RewardTerms, Term, TermKind};
 use weir_operators::rewards::{rule_reward, rules};
 use weir_operators::stages::prompt_files::PromptRecords;
 
-use crate::config::RewardKind;
+use crate::config::{RewardKind, Task};
 use crate::context::load;
 use crate::RunConfig;
 
@@ -36,7 +36,7 @@ impl FileColumnsOnce {
     fn get(&self, cfg: &RunConfig) -> Result<FileColumns, StageError> {
         self.0
             .get_or_init(|| {
-                if crate::task::Task::of(cfg) == crate::task::Task::Arith {
+                if cfg.data.task() == Task::Arith {
                     return Ok(FileColumns::default());
                 }
                 let records =
@@ -169,7 +169,7 @@ fn python_reward(
 /// The prompt-file columns a Python reward receives besides the prompt and
 /// the label: every other column all records have.
 pub fn reward_columns(cfg: &RunConfig) -> Result<Vec<String>, StageError> {
-    if !python_rewards(cfg) || crate::task::Task::of(cfg) == crate::task::Task::Arith {
+    if !python_rewards(cfg) || cfg.data.task() == Task::Arith {
         return Ok(Vec::new());
     }
     let records = PromptRecords::read(Path::new(&cfg.data.prompts))?;

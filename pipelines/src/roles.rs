@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use weir_gpu::collective::{GroupMember, HostGroup, HostReduce};
 use weir_gpu::optim::AdamWConfig;
-use weir_gpu::{SamplingParams, Tokenizer};
+use weir_gpu::Tokenizer;
 use weir_graph::{ParquetLog, Stage, StageError, WorkerInfo};
 use weir_operators::algorithms::{
     Flavor, ImportanceCorrection, PolicyLossConfig, PolicyObjective, RatioLevel,
@@ -32,21 +32,6 @@ pub const TRAIN: &str = "train";
 /// to drive its other operators and to send the heartbeats that tell peer
 /// processes it is alive. (Learners are always offloaded by the engine.)
 pub const MODEL_QUEUE: usize = 1;
-
-/// How the generator samples: `[generate]` with the tokenizer's end tokens.
-pub fn sampling(cfg: &RunConfig, tok: &Tokenizer) -> SamplingParams {
-    let g = &cfg.generate;
-    SamplingParams {
-        max_new_tokens: g.max_new_tokens,
-        temperature: g.temperature,
-        top_p: (g.top_p < 1.0).then_some(g.top_p),
-        top_k: (g.top_k > 0).then_some(g.top_k),
-        eos_token_ids: tok.eos_token_ids().to_vec(),
-        seed: cfg.run.seed,
-        ignore_eos: g.ignore_eos,
-        ..Default::default()
-    }
-}
 
 /// The adaptive KL controller of the in-reward KL penalty, if
 /// `algorithm.kl_target` sets one, and the coefficient to start from (a
@@ -91,7 +76,7 @@ pub fn actor(
     move |w| -> Result<Box<dyn Stage>, StageError> {
         let model = load_policy(&cfg, &actor, w)?;
         let tok = Tokenizer::load(Path::new(&cfg.model.path))?;
-        let params = sampling(&cfg, &tok);
+        let params = cfg.generate.sampling(&tok, cfg.run.seed);
         let mut generate =
             Generate::new(model, tok, params.clone()).with_backend(cfg.generate.backend.backend());
         if cfg.generate.long_tail > 0.0 {

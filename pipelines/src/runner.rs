@@ -79,8 +79,7 @@ pub struct RunOutcome {
     pub note: Option<String>,
 }
 
-/// The file holding a run's resolved config.
-pub const RESOLVED: &str = "config.resolved.toml";
+pub use crate::resume::RESOLVED;
 
 /// Writes the resolved config: `pipeline = "…"` then every section.
 pub fn resolved_config_text(kind: PipelineKind, cfg: &RunConfig) -> String {

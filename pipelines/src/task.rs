@@ -13,7 +13,7 @@
 //! A new built-in task is a variant here and its module in
 //! `weir_operators::tasks`.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde_json::{json, Value};
 use weir_gpu::Tokenizer;
@@ -28,22 +28,12 @@ use crate::{PipelineError, PipelineKind, RunConfig};
 /// An accuracy and the (prompt, response) samples it was measured on.
 pub type Accuracy = (f64, Vec<(String, String)>);
 
-/// A task.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Task {
-    /// The built-in arith task.
-    Arith,
-    /// A prompt file.
-    File(PathBuf),
-}
+pub use crate::config::Task;
 
 impl Task {
     /// The task `data.prompts` names.
     pub fn of(cfg: &RunConfig) -> Task {
-        match cfg.data.prompts.as_str() {
-            "arith" => Task::Arith,
-            path => Task::File(PathBuf::from(path)),
-        }
+        cfg.data.task()
     }
 
     /// The prompt set, `samples` rows per prompt, with the label and the

@@ -29,7 +29,7 @@ use std::sync::Arc;
 use crate::engine_thread::StageKind;
 use crate::partition::check_local;
 use crate::stage::{Sink, SinkFactory, Source, SourceFactory, Stage, StageFactory, WorkerInfo};
-use crate::{GraphError, Partition, Placement, RunReport, RunSettings, StageError};
+use crate::{GraphError, Partition, Placement, StageError};
 
 /// A stage in the chain.
 #[derive(Clone)]
@@ -235,10 +235,5 @@ impl Pipeline {
             )));
         }
         Ok(())
-    }
-
-    /// Runs the pipeline to completion; see [`crate::run`].
-    pub fn run(&self, settings: &RunSettings) -> Result<RunReport, GraphError> {
-        crate::run::run(self, settings)
     }
 }

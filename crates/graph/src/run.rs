@@ -51,6 +51,13 @@ const PARK: Duration = Duration::from_millis(20);
 /// After a failure, how long a worker keeps stepping so the news reaches its peers.
 const FAILURE_GRACE: Duration = Duration::from_millis(300);
 
+impl Pipeline {
+    /// Runs the pipeline with `settings` to completion; see [`run`].
+    pub fn run(&self, settings: &RunSettings) -> Result<RunReport, GraphError> {
+        run(self, settings)
+    }
+}
+
 /// Runs `pipeline` with `settings` to completion. Returns the run's report
 /// or its first error; never hangs on a failed stage or a lost peer.
 pub fn run(pipeline: &Pipeline, settings: &RunSettings) -> Result<RunReport, GraphError> {

@@ -30,7 +30,7 @@ use weir_gpu::snapshot::{from_safetensors, save_safetensors, write_atomically};
 use weir_gpu::Model;
 use weir_graph::StageError;
 
-use crate::stages::prompts::{Cursor, CursorLog};
+use crate::stages::cursor::{Cursor, CursorLog};
 
 /// The run state stored beside the weights.
 #[derive(Clone, Debug, PartialEq)]

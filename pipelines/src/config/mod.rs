@@ -2,7 +2,10 @@
 //! for every key (the [`DOCS`] table, which `weir config` prints), and
 //! validation that names the key and the bad value.
 
+use std::path::PathBuf;
+
 use serde::{Deserialize, Serialize};
+use weir_gpu::{SamplingParams, Tokenizer};
 
 use crate::PipelineKind;
 
@@ -201,6 +204,26 @@ impl Default for DataSection {
     }
 }
 
+impl DataSection {
+    /// The task `prompts` names: the built-in arith task or a prompt file.
+    pub fn task(&self) -> Task {
+        match self.prompts.as_str() {
+            "arith" => Task::Arith,
+            path => Task::File(PathBuf::from(path)),
+        }
+    }
+}
+
+/// A task: what `data.prompts` names (its prompt sets and measures live in
+/// `crate::task`).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Task {
+    /// The built-in arith task.
+    Arith,
+    /// A prompt file.
+    File(PathBuf),
+}
+
 /// `[generate]`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -241,6 +264,23 @@ impl Default for GenerateSection {
             long_tail: 0.0,
             ignore_eos: false,
             backend: GenerateBackend::Auto,
+        }
+    }
+}
+
+impl GenerateSection {
+    /// How the generator samples: these keys with the tokenizer's end tokens
+    /// and the run's seed.
+    pub fn sampling(&self, tok: &Tokenizer, seed: u64) -> SamplingParams {
+        SamplingParams {
+            max_new_tokens: self.max_new_tokens,
+            temperature: self.temperature,
+            top_p: (self.top_p < 1.0).then_some(self.top_p),
+            top_k: (self.top_k > 0).then_some(self.top_k),
+            eos_token_ids: tok.eos_token_ids().to_vec(),
+            seed,
+            ignore_eos: self.ignore_eos,
+            ..Default::default()
         }
     }
 }

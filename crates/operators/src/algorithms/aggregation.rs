@@ -1,9 +1,24 @@
 //! How a `[B, T]` loss matrix becomes a scalar: the aggregation modes of
-//! OpenRLHF and verl, normalised over the whole optimizer step.
+//! OpenRLHF and verl, normalised over the whole optimizer step, and the
+//! masked reductions the losses, objectives and corrections share.
 
 use tch::{Kind, Tensor};
 
 use super::Flavor;
+
+/// `Σ m·x / Σ m` (0 for an empty mask).
+pub(super) fn masked_mean(x: &Tensor, mask: &Tensor) -> Tensor {
+    (x * mask).sum(Kind::Double) / mask.sum(Kind::Double).clamp_min(1.0)
+}
+
+/// The kind to accumulate per-response sums of `x` in: at least float32,
+/// double for double inputs.
+pub(super) fn sum_kind(x: &Tensor) -> Kind {
+    match x.kind() {
+        Kind::Double => Kind::Double,
+        _ => Kind::Float,
+    }
+}
 
 /// How a `[B, T]` loss matrix becomes a scalar.
 ///

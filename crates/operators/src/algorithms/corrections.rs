@@ -4,7 +4,7 @@
 
 use tch::{Kind, Tensor};
 
-use super::losses::sum_kind;
+use super::aggregation::sum_kind;
 
 /// Truncated importance weights for samples whose behaviour policy (the
 /// generator's, `behaviour_logprobs`) differs from the proximal one

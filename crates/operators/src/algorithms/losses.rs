@@ -8,22 +8,9 @@ use tch::{Kind, Tensor};
 pub use super::aggregation::{aggregate, aggregate_in_step, Aggregation, StepScale};
 pub use super::corrections::{importance_weights, ImportanceCorrection, WeightStats};
 pub use super::objectives::PolicyObjective;
+use super::aggregation::{masked_mean, sum_kind};
 use super::objectives::{objective_loss, ObjectiveLoss};
 use super::Flavor;
-
-/// `Σ m·x / Σ m` (0 for an empty mask).
-pub(super) fn masked_mean(x: &Tensor, mask: &Tensor) -> Tensor {
-    (x * mask).sum(Kind::Double) / mask.sum(Kind::Double).clamp_min(1.0)
-}
-
-/// The kind to accumulate per-response sums of `x` in: at least float32,
-/// double for double inputs.
-pub(super) fn sum_kind(x: &Tensor) -> Kind {
-    match x.kind() {
-        Kind::Double => Kind::Double,
-        _ => Kind::Float,
-    }
-}
 
 /// The ratio's granularity.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

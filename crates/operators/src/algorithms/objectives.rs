@@ -7,7 +7,7 @@
 
 use tch::{Kind, Tensor};
 
-use super::losses::masked_mean;
+use super::aggregation::masked_mean;
 
 /// Which objective [`super::policy_loss`] optimises.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]

@@ -15,6 +15,7 @@
 pub mod advantage;
 pub mod columns;
 pub mod critic;
+pub mod cursor;
 pub mod dynamic_sampling;
 pub mod generate;
 pub mod learner;
