@@ -266,14 +266,14 @@ pub fn logprobs(args: &ModelArgs) -> anyhow::Result<()> {
     let _guard = tch::no_grad_guard();
     // A float32 model on an AVX2 CPU runs on weir's CPU kernels (each
     // sequence as a one-token prompt and the rest as its response).
-    let kernels = weir_gpu::generate::cpu_kernels_apply(&model);
+    let kernels = model.runs_on_cpu_kernels();
     for chunk in inputs.chunks(args.batch_size.max(1)) {
         if kernels {
             let (firsts, rests): (Vec<Vec<i64>>, Vec<Vec<i64>>) = chunk
                 .iter()
                 .map(|ids| (ids[..1].to_vec(), ids[1..].to_vec()))
                 .unzip();
-            out.extend(weir_gpu::logprobs::response_logprobs_on_cpu_kernels(
+            out.extend(weir_gpu::generate::response_logprobs_on_cpu_kernels(
                 &model, &firsts, &rests, 1.0,
             )?);
             bar.inc(chunk.len() as u64);

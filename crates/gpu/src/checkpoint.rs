@@ -212,3 +212,22 @@ fn kind_of(dtype: &str) -> Option<Kind> {
         _ => return None,
     })
 }
+
+/// One checkpoint's weights, loaded once and shared by the models of
+/// [`Model::load_shared`](crate::Model::load_shared). Never written after loading.
+#[derive(Debug)]
+pub(crate) struct SharedWeights {
+    /// The checkpoint folder (canonical), device and dtype they were loaded for.
+    pub(crate) key: SharedKey,
+    pub(crate) config: crate::ModelConfig,
+    pub(crate) tensors: std::collections::HashMap<String, Tensor>,
+}
+
+// SAFETY: the tensors are written only while loading, before the value is
+// shared; afterwards threads only read them and take shallow clones
+// (libtorch's reference counts are atomic).
+unsafe impl Sync for SharedWeights {}
+
+/// What one [`SharedWeights`] was loaded for: the checkpoint folder
+/// (canonical), the device and the dtype.
+pub(crate) type SharedKey = (PathBuf, String, String);

@@ -55,7 +55,7 @@ pub(crate) fn linear(
 #[derive(Debug)]
 pub(crate) struct Proj {
     pub(crate) base: nn::Linear,
-    pub(crate) adapter: Option<crate::lora::Adapter>,
+    pub(crate) adapter: Option<crate::adapter::Adapter>,
 }
 
 impl Proj {

@@ -5,20 +5,8 @@
 
 use tch::Tensor;
 
-use crate::model::Model;
+use crate::model::{Held, Model};
 use crate::ModelError;
-
-/// Whether a [`Model`] holds its weights.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) enum Held {
-    /// In its parameters, as loaded or updated.
-    Weights,
-    /// Only in the CPU kernels' packing ([`Model::keep_only_cpu_packing`]).
-    PackedOnly,
-    /// Nowhere until the next snapshot arrives
-    /// ([`Model::free_weights_until_snapshot`]); each parameter's name and shape.
-    UntilSnapshot(Vec<(String, Vec<i64>)>),
-}
 
 impl Model {
     /// Keeps this frozen model's weights only in the CPU kernels' packing
@@ -37,7 +25,7 @@ impl Model {
                 return Ok(true);
             }
             self.check_weights_held()?;
-            if !crate::generate::cpu_kernels_apply(self) || self.lora.is_some() {
+            if !self.runs_on_cpu_kernels() || self.lora.is_some() {
                 return Ok(false);
             }
             // Packed tensor by tensor, each freed once packed (unless other
@@ -45,7 +33,7 @@ impl Model {
             // tensor beside the model rather than a second copy of it; or
             // the packing of another model of the same shared weights.
             let shared = self.shared.take().map(|shared| shared.key.clone());
-            self.prepared.pin_consuming(self, shared)?;
+            crate::cpu::pack::pin_consuming(self, shared)?;
             self.drop_parameter_data();
             self.held = Held::PackedOnly;
             crate::device::release_freed_host_memory();
@@ -128,7 +116,7 @@ impl Model {
 mod tests {
     use tch::Kind;
 
-    use crate::logprobs::response_logprobs_on_cpu_kernels;
+    use crate::generate::response_logprobs_on_cpu_kernels;
     use crate::{Device, Model};
 
     /// Two workers' references of one checkpoint in one process: the second
@@ -140,7 +128,7 @@ mod tests {
             .join("../../../shared/fixtures/models/tiny-llama");
         let load = || Model::load_shared(&dir, Device::Cpu, Kind::Float).unwrap();
         let (mut first, mut second) = (load(), load());
-        if !crate::generate::cpu_kernels_apply(&first) {
+        if !first.runs_on_cpu_kernels() {
             return;
         }
         let prompts = vec![vec![1i64, 286, 202, 305], vec![302, 592]];
@@ -148,7 +136,7 @@ mod tests {
         let before = response_logprobs_on_cpu_kernels(&first, &prompts, &responses, 1.0).unwrap();
         assert!(first.keep_only_cpu_packing().unwrap());
         assert!(second.keep_only_cpu_packing().unwrap());
-        let packing = |m: &Model| m.prepared_for_cpu().model(m).unwrap();
+        let packing = |m: &Model| crate::cpu::pack::packed(m).unwrap();
         assert!(std::sync::Arc::ptr_eq(&packing(&first), &packing(&second)));
         for model in [&first, &second] {
             assert!(model.named_tensors().iter().all(|(_, t)| t.numel() == 0));

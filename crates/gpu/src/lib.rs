@@ -6,6 +6,7 @@
 //! sequence-classification heads, log-probs, and devices. This crate knows
 //! nothing of timely or pipelines.
 
+pub mod adapter;
 pub mod checkpoint;
 pub mod collective;
 pub mod config;
@@ -27,6 +28,8 @@ pub mod nccl;
 pub mod optim;
 pub mod responses;
 pub mod rope;
+pub mod sampling;
+pub mod slots;
 pub mod snapshot;
 pub mod stream;
 pub mod tokenizer;
@@ -34,10 +37,10 @@ pub mod tokenizer;
 pub use config::{Family, Head, ModelConfig};
 pub use device::{Device, DeviceError};
 pub use error::ModelError;
-pub use generate::{
-    generate, generate_on, generate_with_ids, temperature_error, top_p_error, Backend,
-    FinishReason, Generation, SamplingParams,
-};
+pub use generate::{generate, generate_on, generate_with_ids};
 pub use model::Model;
+pub use sampling::{
+    temperature_error, top_p_error, Backend, FinishReason, Generation, SamplingParams,
+};
 pub use stream::{Finished, OnNewWeights, Request, StreamStats, Streamer};
 pub use tokenizer::{Message, Tokenizer};

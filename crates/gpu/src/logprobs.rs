@@ -1,9 +1,7 @@
-//! Log-probabilities and entropy from logits, and response log-probs on
-//! weir's CPU kernels.
+//! Log-probabilities and entropy from logits, and the language-model head
+//! run in chunks (forward and backward).
 
 use tch::{Kind, Tensor};
-
-use crate::{Model, ModelError};
 
 /// `log_softmax(logits / temperature)` at `targets`: `[.., V]` and `[..]` → `[..]`, in float32 or better.
 pub fn gather_logprobs(logits: &Tensor, targets: &Tensor, temperature: f64) -> Tensor {
@@ -129,54 +127,6 @@ pub fn head_backward_chunked(
         grad_weight += dlogits.tr().matmul(&h);
     }
     (Tensor::cat(&grad_hidden, 0), grad_weight)
-}
-
-/// `log p(responses[r][j] | prompts[r] ++ responses[r][..j])` at
-/// `temperature` for every response token, without gradients, on weir's CPU
-/// kernels (equal prompts run once). An error where they do not apply
-/// ([`cpu_kernels_apply`](crate::generate::cpu_kernels_apply)): use `Model::logits` there.
-pub fn response_logprobs_on_cpu_kernels(
-    model: &Model,
-    prompts: &[Vec<i64>],
-    responses: &[Vec<i64>],
-    temperature: f64,
-) -> Result<Vec<Vec<f32>>, ModelError> {
-    if prompts.len() != responses.len() {
-        return Err(ModelError::Input(format!(
-            "{} prompts for {} responses",
-            prompts.len(),
-            responses.len()
-        )));
-    }
-    if !(temperature > 0.0 && temperature.is_finite()) {
-        return Err(ModelError::Input(format!(
-            "temperature must be positive, got {temperature}"
-        )));
-    }
-    crate::generate::check_prompts(model, prompts, responses)?;
-    if !crate::generate::cpu_kernels_apply(model) {
-        return Err(ModelError::Input(
-            "the CPU kernels need a float32 causal LM on an x86-64 CPU with AVX2 and FMA".into(),
-        ));
-    }
-    #[cfg(target_arch = "x86_64")]
-    {
-        let rows = crate::cpu::run::response_logprobs(model, prompts, responses, temperature);
-        // The kernels' activations and cache are freed: give their pages
-        // back, when the pass's keys, values and logits were large enough to matter.
-        let c = &model.config;
-        let tokens: usize = prompts
-            .iter()
-            .zip(responses)
-            .map(|(p, r)| p.len() + r.len())
-            .sum();
-        let per_token =
-            (2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim + c.vocab_size) * 4;
-        crate::device::release_freed_host_memory_after(tokens * per_token.max(0) as usize);
-        rows
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    unreachable!("cpu_kernels_apply is false off x86-64")
 }
 
 #[cfg(test)]

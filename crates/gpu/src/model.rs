@@ -31,14 +31,26 @@ pub struct Model {
     lm_head: Option<nn::Linear>,
     score: Option<nn::Linear>,
     /// LoRA adapters, once attached ([`Model::add_lora`]).
-    pub(crate) lora: Option<crate::lora::Lora>,
+    pub(crate) lora: Option<crate::adapter::Lora>,
     /// The weights this model shares with others ([`Model::load_shared`]).
-    pub(crate) shared: Option<std::sync::Arc<crate::lora::SharedWeights>>,
+    pub(crate) shared: Option<std::sync::Arc<crate::checkpoint::SharedWeights>>,
     /// Packed weights for the CPU generation kernels, made on first use.
     #[cfg(target_arch = "x86_64")]
     pub(crate) prepared: crate::cpu::prepared::Prepared,
     /// Where the weights are: here, or freed (see [`Held`]).
-    pub(crate) held: crate::held::Held,
+    pub(crate) held: Held,
+}
+
+/// Whether a [`Model`] holds its weights.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Held {
+    /// In its parameters, as loaded or updated.
+    Weights,
+    /// Only in the CPU kernels' packing ([`Model::keep_only_cpu_packing`]).
+    PackedOnly,
+    /// Nowhere until the next snapshot arrives
+    /// ([`Model::free_weights_until_snapshot`]); each parameter's name and shape.
+    UntilSnapshot(Vec<(String, Vec<i64>)>),
 }
 
 impl Model {
@@ -46,7 +58,8 @@ impl Model {
     /// A PEFT adapter folder (`adapter_config.json`, no `config.json`)
     /// loads as its base model with the adapters attached.
     pub fn load(dir: &Path, device: Device, kind: Kind) -> Result<Self, ModelError> {
-        if dir.join(crate::lora::ADAPTER_CONFIG).is_file() && !dir.join("config.json").is_file() {
+        if dir.join(crate::adapter::ADAPTER_CONFIG).is_file() && !dir.join("config.json").is_file()
+        {
             return Model::load_adapter_folder(dir, device, kind);
         }
         let config = ModelConfig::load(dir)?;
@@ -136,7 +149,7 @@ impl Model {
             shared: None,
             #[cfg(target_arch = "x86_64")]
             prepared: Default::default(),
-            held: crate::held::Held::Weights,
+            held: Held::Weights,
         })
     }
 
@@ -480,6 +493,43 @@ impl Model {
     /// An empty KV cache for this model.
     pub fn new_cache(&self) -> KvCache {
         KvCache::new(self.decoder.num_layers())
+    }
+
+    /// True when `Backend::Auto` runs this model on weir's CPU kernels: a
+    /// float32 causal LM on an x86-64 CPU with AVX2 and FMA.
+    pub fn runs_on_cpu_kernels(&self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            self.device() == tch::Device::Cpu
+                && self.kind() == Kind::Float
+                && self.config.head == Head::CausalLm
+                && crate::cpu::gemm::supported()
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    }
+
+    /// Every prompt non-empty, and every id of `prompts` and `more` in the vocabulary.
+    pub(crate) fn check_token_ids(
+        &self,
+        prompts: &[Vec<i64>],
+        more: &[Vec<i64>],
+    ) -> Result<(), ModelError> {
+        if let Some(i) = prompts.iter().position(Vec::is_empty) {
+            return Err(ModelError::Input(format!("prompt {i} is empty")));
+        }
+        let vocab = self.config.vocab_size;
+        match prompts
+            .iter()
+            .chain(more)
+            .flatten()
+            .find(|&&id| id < 0 || id >= vocab)
+        {
+            Some(id) => Err(ModelError::Input(format!(
+                "the token id {id} lies outside the vocabulary 0..{vocab}"
+            ))),
+            None => Ok(()),
+        }
     }
 
     fn check_ids(&self, input_ids: &Tensor) -> Result<Tensor, ModelError> {

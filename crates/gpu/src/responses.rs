@@ -56,7 +56,7 @@ impl Model {
                 responses.len()
             )));
         }
-        crate::generate::check_prompts(self, prompts, responses)?;
+        self.check_token_ids(prompts, responses)?;
         let device = self.device();
         let pad = self.config.pad_token_id.unwrap_or(0).max(0);
         let mut seen: HashMap<&[i64], i64> = HashMap::new();

@@ -8,8 +8,7 @@ use std::path::Path;
 use safetensors::tensor::{Dtype, SafeTensors};
 use tch::{Kind, Tensor};
 
-use crate::held::Held;
-use crate::model::Model;
+use crate::model::{Held, Model};
 use crate::ModelError;
 
 /// Metadata key holding a snapshot's policy version.

@@ -7,15 +7,13 @@
 //! residual) plus the LM head; RMSNorm, RoPE, the q/k norms, attention over
 //! the cache and the gated SiLU are AVX2 loops over the rows.
 
-use std::collections::HashMap;
-
 use rayon::prelude::*;
-use tch::{Kind, Tensor};
 
 use super::gemm::{self, Packed};
 use super::math;
-use super::state::{Cache, RopeTables, Row, Scratch};
-use crate::{Model, ModelError};
+use super::state::{Cache, RopeTables, Row, Scratch, Shape};
+use crate::config::ModelConfig;
+use crate::ModelError;
 
 thread_local! {
     /// Attention scores of one head, per kernel thread.
@@ -53,49 +51,25 @@ struct Layer {
 }
 
 impl CpuModel {
-    /// Decoder layers.
-    pub(super) fn num_layers(&self) -> usize {
-        self.layers.len()
+    /// The sizes a call's cache and activations are laid out by.
+    pub(super) fn shape(&self) -> Shape {
+        Shape {
+            layers: self.layers.len(),
+            hidden: self.hidden,
+            heads: self.heads,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            intermediate: self.intermediate,
+            vocab: self.vocab,
+        }
     }
 
-    /// Copies and packs the weights of a causal LM.
-    pub fn from_model(model: &Model) -> Result<Self, ModelError> {
-        CpuModel::pack(model, false)
-    }
-
-    /// Packs the weights of a causal LM that holds them alone, freeing each
-    /// of its tensors once packed, so that packing needs one tensor beside
-    /// the model rather than a second copy of it. Afterwards (or after an
-    /// error) the model's own tensors are empty.
-    pub(crate) fn from_model_consuming(model: &Model) -> Result<Self, ModelError> {
-        CpuModel::pack(model, true)
-    }
-
-    fn pack(model: &Model, consume: bool) -> Result<Self, ModelError> {
-        let c = &model.config;
-        let tensors: HashMap<String, Tensor> = model.named_tensors().into_iter().collect();
-        let lora = model.lora().is_some();
-        let get = |name: &str| -> Result<Vec<f32>, ModelError> {
-            let t = tensors
-                .get(name)
-                .ok_or_else(|| ModelError::Input(format!("the model has no tensor `{name}`")))?;
-            // A LoRA model runs on its weights with the adapters folded in,
-            // merged one tensor at a time.
-            let t = if lora {
-                model.merged_tensor(name, t)
-            } else {
-                t.shallow_clone()
-            };
-            let values =
-                Vec::<f32>::try_from(&t.detach().to_kind(Kind::Float).contiguous().view(-1))
-                    .map_err(|e| ModelError::Torch(e.to_string()))?;
-            if consume {
-                // The parameter itself (every handle of it sees the empty data).
-                let mut param = tensors[name].shallow_clone();
-                param.set_data(&Tensor::empty([0], (param.kind(), param.device())));
-            }
-            Ok(values)
-        };
+    /// Packs the weights of a causal LM of config `c`, each read by `get`
+    /// from its checkpoint name as float32 values.
+    pub(super) fn pack(
+        c: &ModelConfig,
+        get: &dyn Fn(&str) -> Result<Vec<f32>, ModelError>,
+    ) -> Result<Self, ModelError> {
         let optional = |name: &str, present: bool| present.then(|| get(name)).transpose();
         let (hidden, heads, kv_heads, head_dim) = (
             c.hidden_size as usize,
@@ -253,7 +227,7 @@ impl CpuModel {
         let (q_width, kv_width) = (self.heads * d, self.kv_heads * d);
         let qkv_width = q_width + 2 * kv_width;
         let s = scratch;
-        s.reserve(m, self, logit_rows.len());
+        s.reserve(m, self.shape(), logit_rows.len());
         for (i, &id) in ids.iter().enumerate() {
             let id = id as usize;
             let x = &mut s.x[i * hd..(i + 1) * hd];

@@ -1,12 +1,14 @@
-//! What a [`Model`] keeps for the CPU kernels between calls: its packed
-//! weights (while they hold still), a KV-cache buffer and a thread pool.
+//! What a [`Model`](crate::Model) keeps for the CPU kernels between calls:
+//! its packed weights (while they hold still), a KV-cache buffer and a
+//! thread pool. It knows the model only by what `cpu::pack` hands it: the
+//! parameters' stamp and a way to pack them.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use super::engine::CpuModel;
-use crate::lora::SharedKey;
-use crate::{Model, ModelError};
+use crate::checkpoint::SharedKey;
+use crate::ModelError;
 
 /// The packed weights of one [`Model`], kept between calls while its
 /// parameters are unchanged, and a KV-cache buffer to reuse.
@@ -42,17 +44,17 @@ struct Packing {
 const KEPT_CACHE_FLOATS: usize = 64 << 20;
 
 impl Prepared {
-    pub(crate) fn model(&self, model: &Model) -> Result<Arc<CpuModel>, ModelError> {
+    /// The packing of the weights `stamp` describes: the kept one while
+    /// they are unchanged, else `build`'s (kept or not as the type says).
+    pub(crate) fn model(
+        &self,
+        stamp: impl FnOnce() -> Result<Stamp, ModelError>,
+        build: impl FnOnce() -> Result<CpuModel, ModelError>,
+    ) -> Result<Arc<CpuModel>, ModelError> {
         if let Some(pinned) = self.pinned.get() {
             return Ok(pinned.clone());
         }
-        model.check_weights_held()?;
-        let stamp: Stamp = model
-            .named_tensors()
-            .iter()
-            .chain(&model.adapter_tensors())
-            .map(|(_, t)| (t.data_ptr() as usize, t.internal_version()))
-            .collect();
+        let stamp = stamp()?;
         let mut slot = self.packed.lock().unwrap_or_else(|e| e.into_inner());
         let (keep, reused) = match slot.as_mut() {
             Some(entry) if entry.stamp == stamp => {
@@ -68,7 +70,7 @@ impl Prepared {
             None => (true, false),
         };
         *slot = None; // free a stale packing before building the new one
-        let packed = Arc::new(CpuModel::from_model(model)?);
+        let packed = Arc::new(build()?);
         *slot = Some(Packing {
             stamp,
             packed: keep.then(|| packed.clone()),
@@ -83,19 +85,18 @@ impl Prepared {
         *self.packed.lock().unwrap_or_else(|e| e.into_inner()) = None;
     }
 
-    /// Packs `model`'s weights for good, freeing each of its tensors once
-    /// packed (a model that holds its weights alone: see
-    /// [`CpuModel::from_model_consuming`]). A model of [`Model::load_shared`]
-    /// weights (`shared`: their checkpoint, device and dtype) takes the
-    /// packing another model of them made, while one lives: several
-    /// workers' references in one process hold the weights once.
+    /// Makes `build`'s packing the weights for good. A model of
+    /// [`Model::load_shared`](crate::Model::load_shared) weights (`shared`:
+    /// their checkpoint, device and dtype) takes the packing another model
+    /// of them made, while one lives: several workers' references in one
+    /// process hold the weights once.
     pub(crate) fn pin_consuming(
         &self,
-        model: &Model,
         shared: Option<SharedKey>,
+        build: impl FnOnce() -> Result<CpuModel, ModelError>,
     ) -> Result<(), ModelError> {
         let Some(key) = shared else {
-            self.pin(Arc::new(CpuModel::from_model_consuming(model)?));
+            self.pin(Arc::new(build()?));
             return Ok(());
         };
         // Held while packing, so two models packing at once pack once.
@@ -104,7 +105,7 @@ impl Prepared {
         let packed = match packings.get(&key).and_then(Weak::upgrade) {
             Some(packed) => packed,
             None => {
-                let packed = Arc::new(CpuModel::from_model_consuming(model)?);
+                let packed = Arc::new(build()?);
                 packings.insert(key, Arc::downgrade(&packed));
                 packed
             }
@@ -162,7 +163,7 @@ impl Prepared {
 }
 
 /// Storage address and version of every parameter.
-type Stamp = Vec<(usize, i64)>;
+pub(crate) type Stamp = Vec<(usize, i64)>;
 
 /// The packings that alone hold shared weights, by checkpoint, device and dtype.
 type SharedPackings = Mutex<HashMap<SharedKey, Weak<CpuModel>>>;
@@ -173,62 +174,13 @@ fn shared_packings() -> &'static SharedPackings {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::cpu::gemm;
-    use tch::Kind;
-
-    impl Prepared {
-        fn holds_packing(&self) -> bool {
-            self.packed
-                .lock()
-                .unwrap()
-                .as_ref()
-                .is_some_and(|p| p.packed.is_some())
-        }
-    }
-
-    #[test]
-    fn a_packing_is_kept_only_while_the_weights_hold_still() {
-        if !gemm::supported() {
-            return;
-        }
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../../shared/fixtures/models/tiny-llama");
-        let model = Model::load(&dir, crate::Device::Cpu, Kind::Float).unwrap();
-        let prepared = model.prepared_for_cpu();
-        let step = || {
-            let _guard = tch::no_grad_guard();
-            for (_, mut t) in model.named_tensors() {
-                let _ = t.g_mul_scalar_(1.0001);
-            }
-        };
-        prepared.model(&model).unwrap();
-        assert!(prepared.holds_packing(), "the first packing is kept");
-        prepared.model(&model).unwrap();
-        step();
-        prepared.model(&model).unwrap();
-        assert!(
-            prepared.holds_packing(),
-            "the last packing was reused: keep the new one"
-        );
-        step();
-        prepared.model(&model).unwrap();
-        assert!(
-            !prepared.holds_packing(),
-            "changed before any reuse: dropped after use"
-        );
-        step();
-        prepared.model(&model).unwrap();
-        assert!(!prepared.holds_packing(), "still changing every call");
-        let packed = prepared.model(&model).unwrap();
-        assert!(
-            prepared.holds_packing(),
-            "the same weights twice: kept again"
-        );
-        assert!(Arc::ptr_eq(&packed, &prepared.model(&model).unwrap()));
-        model.release_cpu_packing();
-        assert!(!prepared.holds_packing(), "released on request");
-        assert!(!Arc::ptr_eq(&packed, &prepared.model(&model).unwrap()));
+impl Prepared {
+    /// Whether a packing is kept for the next call.
+    pub(super) fn holds_packing(&self) -> bool {
+        self.packed
+            .lock()
+            .unwrap()
+            .as_ref()
+            .is_some_and(|p| p.packed.is_some())
     }
 }

@@ -9,10 +9,11 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::engine::CpuModel;
+use super::pack::packed;
 use super::sample::Picker;
 use super::state::{Cache, RopeTables, Row, Scratch};
-use crate::generate::{Generation, SamplingParams, Stream};
-use crate::stream::Slots;
+use crate::sampling::{Generation, SamplingParams, Stream};
+use crate::slots::Slots;
 use crate::{Model, ModelError};
 
 /// Prompt tokens run through the model at once during prefill.
@@ -33,10 +34,10 @@ impl Run {
     /// `slots` sequences of up to `capacity` positions on `model`.
     pub(super) fn start(model: &Model, slots: usize, capacity: usize) -> Result<Self, ModelError> {
         let prepared = model.prepared_for_cpu();
-        let cpu = prepared.model(model)?;
-        let cache = Cache::new(prepared.take_cache(), slots, &cpu, capacity);
+        let cpu = packed(model)?;
+        let cache = Cache::new(prepared.take_cache(), slots, cpu.shape(), capacity);
         Ok(Run {
-            rope: RopeTables::new(model, capacity)?,
+            rope: rope_tables(model, capacity)?,
             cache,
             scratch: Scratch::default(),
             pool: prepared.pool()?,
@@ -46,7 +47,7 @@ impl Run {
 
     /// Packs `model`'s current weights (after new ones were applied).
     pub(super) fn repack(&mut self, model: &Model) -> Result<(), ModelError> {
-        self.cpu = model.prepared_for_cpu().model(model)?;
+        self.cpu = packed(model)?;
         Ok(())
     }
 
@@ -62,12 +63,12 @@ impl Run {
             return Ok(());
         }
         let slots = self.cache.slots();
-        let mut cache = Cache::new(Vec::new(), slots, &self.cpu, capacity);
+        let mut cache = Cache::new(Vec::new(), slots, self.cpu.shape(), capacity);
         for &(slot, len) in keep {
             self.cache.copy_slot_into(slot, len, &mut cache);
         }
         self.cache = cache;
-        self.rope = RopeTables::new(model, capacity)?;
+        self.rope = rope_tables(model, capacity)?;
         Ok(())
     }
 
@@ -148,6 +149,11 @@ impl Run {
     pub(super) fn finish(self, model: &Model) {
         model.prepared_for_cpu().give_back_cache(self.cache.data);
     }
+}
+
+/// `model`'s RoPE tables for positions `0..len`.
+fn rope_tables(model: &Model, len: usize) -> Result<RopeTables, ModelError> {
+    RopeTables::new(model.rope(), model.config.head_dim as usize, len)
 }
 
 /// For each context, the index of the first context equal to it.
@@ -302,7 +308,7 @@ pub fn response_logprobs(
     Ok(out)
 }
 
-/// The CPU kernels as a [`crate::stream::Streamer`]'s backend: one cache
+/// The CPU kernels as a [`Slots`] backend (a [`crate::stream::Streamer`]'s): one cache
 /// slot per sequence, the run kept across calls.
 pub(crate) struct CpuSlots {
     slots: usize,

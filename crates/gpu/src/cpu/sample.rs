@@ -1,9 +1,9 @@
 //! Picking one token from a row of logits, the same processors in the same
-//! order as the libtorch path (`generate::pick`): temperature, top-k, top-p,
+//! order as the libtorch path (`sampling::pick`): temperature, top-k, top-p,
 //! then an inverse-CDF draw with the sequence's own uniform number.
 
 use super::math;
-use crate::generate::SamplingParams;
+use crate::sampling::SamplingParams;
 
 /// Reusable buffers for [`pick`].
 #[derive(Debug, Default)]
@@ -154,7 +154,7 @@ mod tests {
             let rows = tch::Tensor::from_slice(&logits)
                 .view([1, -1])
                 .repeat([uniforms.len() as i64, 1]);
-            let (tokens, logps) = crate::generate::pick(&rows, &params, &uniforms);
+            let (tokens, logps) = crate::sampling::pick(&rows, &params, &uniforms);
             let tokens = Vec::<i64>::try_from(tokens).unwrap();
             let logps = Vec::<f32>::try_from(logps).unwrap();
             let drawn: std::collections::BTreeSet<i64> = tokens.iter().copied().collect();

@@ -3,8 +3,21 @@
 
 use tch::{Kind, Tensor};
 
-use super::engine::CpuModel;
-use crate::{Model, ModelError};
+use crate::rope::Rope;
+use crate::ModelError;
+
+/// The sizes of a packed model that a call's cache and activations are
+/// laid out by.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Shape {
+    pub(super) layers: usize,
+    pub(super) hidden: usize,
+    pub(super) heads: usize,
+    pub(super) kv_heads: usize,
+    pub(super) head_dim: usize,
+    pub(super) intermediate: usize,
+    pub(super) vocab: usize,
+}
 
 /// A token's cache slot (its sequence) and position.
 #[derive(Clone, Copy, Debug)]
@@ -21,9 +34,10 @@ pub(super) struct RopeTables {
 }
 
 impl RopeTables {
-    pub(super) fn new(model: &Model, len: usize) -> Result<Self, ModelError> {
+    /// The tables of `rope` (heads of `dim`) for positions `0..len`.
+    pub(super) fn new(rope: &Rope, dim: usize, len: usize) -> Result<Self, ModelError> {
         let positions = Tensor::arange(len as i64, (Kind::Int64, tch::Device::Cpu)).view([1, -1]);
-        let (cos, sin) = model.rope().tables(&positions, Kind::Float);
+        let (cos, sin) = rope.tables(&positions, Kind::Float);
         let flat = |t: Tensor| {
             Vec::<f32>::try_from(&t.contiguous().view(-1))
                 .map_err(|e| ModelError::Torch(e.to_string()))
@@ -31,7 +45,7 @@ impl RopeTables {
         Ok(RopeTables {
             cos: flat(cos)?,
             sin: flat(sin)?,
-            dim: model.config.head_dim as usize,
+            dim,
         })
     }
 
@@ -56,8 +70,8 @@ pub(super) struct Cache {
 
 impl Cache {
     /// A cache in `data` (resized; every position is written before it is read).
-    pub(super) fn new(mut data: Vec<f32>, slots: usize, model: &CpuModel, capacity: usize) -> Self {
-        let layers = model.num_layers();
+    pub(super) fn new(mut data: Vec<f32>, slots: usize, model: Shape, capacity: usize) -> Self {
+        let layers = model.layers;
         data.resize(
             slots * layers * 2 * model.kv_heads * capacity * model.head_dim,
             0.0,
@@ -174,7 +188,7 @@ pub(super) struct Scratch {
 }
 
 impl Scratch {
-    pub(super) fn reserve(&mut self, m: usize, model: &CpuModel, logit_rows: usize) {
+    pub(super) fn reserve(&mut self, m: usize, model: Shape, logit_rows: usize) {
         let d = model.head_dim;
         let grow = |v: &mut Vec<f32>, len: usize| {
             if v.len() < len {

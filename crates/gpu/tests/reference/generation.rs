@@ -263,7 +263,7 @@ fn cpu_kernels_agree_with_libtorch_ops() {
     };
     for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "arith-sft"] {
         let model = load(name, Kind::Float);
-        assert_eq!(weir_gpu::generate::cpu_kernels_apply(&model), avx2);
+        assert_eq!(model.runs_on_cpu_kernels(), avx2);
         for params in [&greedy, &sampled, &plain] {
             let ours = generate_on(&model, &prompts, &ids, params, Backend::Auto).unwrap();
             let torch = generate_on(&model, &prompts, &ids, params, Backend::Torch).unwrap();
@@ -317,10 +317,7 @@ fn cpu_kernels_agree_with_libtorch_ops() {
     tch::set_num_threads(threads);
     assert_eq!(runs[0], runs[1], "1 thread and 3 threads differ");
     // Other dtypes stay on libtorch.
-    assert!(!weir_gpu::generate::cpu_kernels_apply(&load(
-        "tiny-llama",
-        Kind::BFloat16
-    )));
+    assert!(!load("tiny-llama", Kind::BFloat16).runs_on_cpu_kernels());
 }
 
 /// The error a libtorch pass of `model` gives (it must give one).
@@ -337,11 +334,10 @@ fn libtorch_refusal(model: &Model) -> String {
 /// and every libtorch use refused in one line.
 #[test]
 fn a_model_kept_only_packed_scores_alike_and_refuses_libtorch() {
-    use weir_gpu::generate::cpu_kernels_apply;
-    use weir_gpu::logprobs::response_logprobs_on_cpu_kernels;
+    use weir_gpu::generate::response_logprobs_on_cpu_kernels;
     let dir = fixtures().join("models").join("tiny-qwen2");
     let mut model = Model::load_shared(&dir, Device::Cpu, Kind::Float).unwrap();
-    if !cpu_kernels_apply(&model) {
+    if !model.runs_on_cpu_kernels() {
         assert!(!model.keep_only_cpu_packing().unwrap());
         return;
     }
@@ -450,8 +446,7 @@ fn weights_freed_until_a_snapshot_come_back_whole_from_it() {
 /// sequence: repeated prompts (run once), an empty response, a temperature.
 #[test]
 fn cpu_kernels_score_responses_like_libtorch() {
-    use weir_gpu::generate::cpu_kernels_apply;
-    use weir_gpu::logprobs::response_logprobs_on_cpu_kernels;
+    use weir_gpu::generate::response_logprobs_on_cpu_kernels;
     let prompts = vec![
         vec![1i64, 286, 202, 305],
         vec![302, 592],
@@ -462,7 +457,7 @@ fn cpu_kernels_score_responses_like_libtorch() {
     let responses = vec![vec![5i64, 6, 7], vec![8], long, vec![]];
     for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3"] {
         let model = load(name, Kind::Float);
-        if !cpu_kernels_apply(&model) {
+        if !model.runs_on_cpu_kernels() {
             assert!(response_logprobs_on_cpu_kernels(&model, &prompts, &responses, 1.0).is_err());
             continue;
         }
@@ -537,10 +532,7 @@ fn cpu_kernels_handle_shapes_no_fixture_has() {
             }
         }
     }
-    assert!(
-        weir_gpu::generate::cpu_kernels_apply(&model)
-            || !std::arch::is_x86_feature_detected!("avx2")
-    );
+    assert!(model.runs_on_cpu_kernels() || !std::arch::is_x86_feature_detected!("avx2"));
     let prompts: Vec<Vec<i64>> = vec![(2..30).collect(), vec![5, 9], vec![33, 34, 35, 36, 2]];
     let ids: Vec<u64> = (0..3).collect();
     for params in [

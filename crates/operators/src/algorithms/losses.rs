@@ -6,9 +6,9 @@
 use tch::{Kind, Tensor};
 
 pub use super::aggregation::{aggregate, aggregate_in_step, Aggregation, StepScale};
+use super::aggregation::{masked_mean, sum_kind};
 pub use super::corrections::{importance_weights, ImportanceCorrection, WeightStats};
 pub use super::objectives::PolicyObjective;
-use super::aggregation::{masked_mean, sum_kind};
 use super::objectives::{objective_loss, ObjectiveLoss};
 use super::Flavor;
 

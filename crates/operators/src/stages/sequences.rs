@@ -94,7 +94,7 @@ pub fn response_logprobs(
     temperature: f64,
     chunk: usize,
 ) -> Result<(Tensor, Tensor), StageError> {
-    if !weir_gpu::generate::cpu_kernels_apply(model) {
+    if !model.runs_on_cpu_kernels() {
         let _guard = tch::no_grad_guard();
         if chunks(responses, chunk) {
             let (hidden, targets, mask) = response_hidden(model, prompts, responses)?;
@@ -104,7 +104,7 @@ pub fn response_logprobs(
         let f = response_forward(model, prompts, responses, temperature, None)?;
         return Ok((f.logprobs, f.mask));
     }
-    let rows = weir_gpu::logprobs::response_logprobs_on_cpu_kernels(
+    let rows = weir_gpu::generate::response_logprobs_on_cpu_kernels(
         model,
         prompts,
         responses,

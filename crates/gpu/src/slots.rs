@@ -1,0 +1,227 @@
+//! The decoder backends' common face ([`Slots`]: cache slots, forward
+//! passes, token picks), and its libtorch implementation ([`TorchSlots`]);
+//! weir's CPU kernels implement it in `cpu::run`.
+
+use tch::{Kind, Tensor};
+
+use crate::sampling::{pick, SamplingParams};
+use crate::{Model, ModelError};
+
+/// A decoder backend: cache slots, forward passes over them, and the pick
+/// of the next tokens. The [`Streamer`](crate::stream::Streamer) and batch
+/// generation drive either backend through it.
+pub(crate) trait Slots {
+    /// Makes room for sequences of `positions` positions, keeping the first
+    /// `len` positions of every `(slot, len)` in `live`.
+    fn reserve(
+        &mut self,
+        model: &Model,
+        positions: usize,
+        live: &[(usize, usize)],
+    ) -> Result<(), ModelError>;
+
+    /// Runs `steps` (slot, token, position: one token each, after what the
+    /// slot holds) and `prefills` (slot, context: a whole context into an
+    /// empty slot); afterwards the next-token logits of those slots are
+    /// ready, steps first, in the order given.
+    fn forward(
+        &mut self,
+        model: &Model,
+        steps: &[(usize, i64, usize)],
+        prefills: &[(usize, &[i64])],
+    ) -> Result<(), ModelError>;
+
+    /// Picks one token per ready row with the row's uniform number, under
+    /// `params[0]` (the sampling settings), or `params[1]` (greedy) where
+    /// `greedy[i]`.
+    fn pick(
+        &mut self,
+        params: &[SamplingParams; 2],
+        greedy: &[bool],
+        uniforms: &[f32],
+    ) -> Result<Vec<(i64, f32)>, ModelError>;
+
+    /// The sequences of `slots` ended.
+    fn free(&mut self, slots: &[usize]) -> Result<(), ModelError>;
+
+    /// Forgets every cached position and hands memory back (nothing in flight).
+    fn clear(&mut self, model: &Model);
+
+    /// The model's weights changed: repack what was packed from them.
+    fn weights_changed(&mut self);
+}
+
+/// The libtorch backend: a slot cache ([`crate::kv_cache::KvCache::slots`])
+/// whose rows are the sequences in flight (`rows[i]` is row i's slot). A
+/// sequence that joins is prefilled beside the others (right-padded, plain
+/// causal attention) and copied into a row of its own; one that leaves
+/// gives its row to the last row. Neither copies the other rows.
+pub(crate) struct TorchSlots {
+    layers: usize,
+    cache: crate::kv_cache::KvCache,
+    rows: Vec<usize>,
+    logits: Option<Tensor>,
+}
+
+impl TorchSlots {
+    pub(crate) fn new(model: &Model) -> Self {
+        let layers = model.decoder.num_layers();
+        TorchSlots {
+            layers,
+            cache: crate::kv_cache::KvCache::slots(layers),
+            rows: Vec::new(),
+            logits: None,
+        }
+    }
+
+    /// One token for every row, in `steps`' order; returns their logits.
+    fn step(&mut self, model: &Model, steps: &[(usize, i64, usize)]) -> Result<Tensor, ModelError> {
+        let device = model.device();
+        let at: std::collections::HashMap<usize, usize> =
+            steps.iter().enumerate().map(|(i, s)| (s.0, i)).collect();
+        if at.len() != self.rows.len() || self.rows.iter().any(|r| !at.contains_key(r)) {
+            return Err(ModelError::Input(
+                "a decode step must cover every sequence in the cache".into(),
+            ));
+        }
+        let lens = self.cache.row_lens();
+        if let Some((row, _)) = self
+            .rows
+            .iter()
+            .zip(lens)
+            .find(|&(r, &len)| steps[at[r]].2 as i64 != len)
+        {
+            return Err(ModelError::Input(format!(
+                "slot {row}'s next position is not the one after its cached context"
+            )));
+        }
+        let ids: Vec<i64> = self.rows.iter().map(|r| steps[at[r]].1).collect();
+        let b = ids.len() as i64;
+        let ids = Tensor::from_slice(&ids).view([b, 1]).to_device(device);
+        let (mask, positions) = self.cache.begin_step(device);
+        let hidden = model.forward_cached(&ids, &mask, &positions, &mut self.cache);
+        self.cache.end_step();
+        let logits = model.lm_logits(&hidden.squeeze_dim(1))?;
+        // Back into the caller's order.
+        let row_of: std::collections::HashMap<usize, i64> = self
+            .rows
+            .iter()
+            .enumerate()
+            .map(|(i, &r)| (r, i as i64))
+            .collect();
+        let back: Vec<i64> = steps.iter().map(|s| row_of[&s.0]).collect();
+        Ok(logits.index_select(0, &Tensor::from_slice(&back).to_device(device)))
+    }
+
+    /// Runs `prefills` as one right-padded batch and joins them to the cache.
+    fn prefill(
+        &mut self,
+        model: &Model,
+        prefills: &[(usize, &[i64])],
+    ) -> Result<Tensor, ModelError> {
+        let device = model.device();
+        let width = prefills.iter().map(|p| p.1.len()).max().unwrap_or(0);
+        let pad = model.config.pad_token_id.unwrap_or(0).max(0);
+        let mut ids = Vec::with_capacity(prefills.len() * width);
+        for &(_, context) in prefills {
+            ids.extend(
+                context
+                    .iter()
+                    .copied()
+                    .chain(std::iter::repeat_n(pad, width - context.len())),
+            );
+        }
+        let (p, w) = (prefills.len() as i64, width as i64);
+        let ids = Tensor::from_slice(&ids).view([p, w]).to_device(device);
+        let positions = Tensor::arange(w, (Kind::Int64, device))
+            .view([1, w])
+            .expand([p, w], false);
+        // Padding only follows a row's tokens, so plain causal attention
+        // (no bias tensor) gives each token what an unpadded row would.
+        let mut cache = crate::kv_cache::KvCache::new(self.layers);
+        let hidden = model
+            .decoder
+            .forward(&ids, None, &positions, Some(&mut cache));
+        let lens: Vec<i64> = prefills.iter().map(|p| p.1.len() as i64).collect();
+        let last = Tensor::from_slice(&lens).to_device(device) - 1;
+        let rows = Tensor::arange(p, (Kind::Int64, device));
+        let logits = model.lm_logits(&hidden.index(&[Some(rows), Some(last)]))?;
+        self.cache.admit(&cache, &lens);
+        self.rows.extend(prefills.iter().map(|p| p.0));
+        Ok(logits)
+    }
+}
+
+impl Slots for TorchSlots {
+    fn reserve(&mut self, _: &Model, _: usize, _: &[(usize, usize)]) -> Result<(), ModelError> {
+        // The cache grows as it goes.
+        Ok(())
+    }
+
+    fn forward(
+        &mut self,
+        model: &Model,
+        steps: &[(usize, i64, usize)],
+        prefills: &[(usize, &[i64])],
+    ) -> Result<(), ModelError> {
+        let _guard = tch::no_grad_guard();
+        let mut parts = Vec::new();
+        if !steps.is_empty() {
+            parts.push(self.step(model, steps)?);
+        }
+        if !prefills.is_empty() {
+            parts.push(self.prefill(model, prefills)?);
+        }
+        self.logits = Some(Tensor::cat(&parts, 0));
+        Ok(())
+    }
+
+    fn pick(
+        &mut self,
+        params: &[SamplingParams; 2],
+        greedy: &[bool],
+        uniforms: &[f32],
+    ) -> Result<Vec<(i64, f32)>, ModelError> {
+        let _guard = tch::no_grad_guard();
+        let logits = self.logits.take().expect("forward ran before pick");
+        let mut out = vec![(0i64, 0f32); greedy.len()];
+        for (want, params) in [false, true].into_iter().zip(params) {
+            let idx: Vec<i64> = (0..greedy.len() as i64)
+                .filter(|&i| greedy[i as usize] == want)
+                .collect();
+            if idx.is_empty() {
+                continue;
+            }
+            let rows = Tensor::from_slice(&idx).to_device(logits.device());
+            let u: Vec<f32> = idx.iter().map(|&i| uniforms[i as usize]).collect();
+            let (tokens, logprobs) = pick(&logits.index_select(0, &rows), params, &u);
+            let tokens =
+                Vec::<i64>::try_from(&tokens).map_err(|e| ModelError::Torch(e.to_string()))?;
+            let logprobs = Vec::<f32>::try_from(&logprobs.to_kind(Kind::Float))
+                .map_err(|e| ModelError::Torch(e.to_string()))?;
+            for ((&i, t), l) in idx.iter().zip(tokens).zip(logprobs) {
+                out[i as usize] = (t, l);
+            }
+        }
+        Ok(out)
+    }
+
+    fn free(&mut self, slots: &[usize]) -> Result<(), ModelError> {
+        let gone: Vec<usize> = (0..self.rows.len())
+            .filter(|&i| slots.contains(&self.rows[i]))
+            .collect();
+        for (from, to) in self.cache.remove(&gone) {
+            self.rows[to] = self.rows[from];
+        }
+        self.rows.truncate(self.rows.len() - gone.len());
+        Ok(())
+    }
+
+    fn clear(&mut self, _: &Model) {
+        self.cache = crate::kv_cache::KvCache::slots(self.layers);
+        self.rows.clear();
+        self.logits = None;
+    }
+
+    fn weights_changed(&mut self) {}
+}
