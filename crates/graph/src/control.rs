@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use crate::cluster_secret::ClusterSecret;
 use crate::error::panic_message;
 use crate::GraphError;
 
@@ -44,6 +45,64 @@ pub(crate) struct RunShared {
 }
 
 impl RunShared {
+    /// Takes one control message on process `process`, whose settings have
+    /// `fingerprint` and whose cluster secret is `secret`: a heartbeat
+    /// admits its peer once the peer's fingerprint and proof of the secret
+    /// match this process's, else ends the run saying which differs; a
+    /// failure ends the run with it.
+    pub(crate) fn receive(
+        &self,
+        message: Control,
+        process: usize,
+        fingerprint: u64,
+        secret: Option<&ClusterSecret>,
+    ) {
+        match message {
+            Control::Heartbeat {
+                process: peer,
+                fingerprint: theirs,
+                nonce,
+                proof,
+            } => {
+                self.heard_from(peer);
+                let proven = match (secret, &proof) {
+                    (Some(s), Some(p)) => s.verifies(peer, theirs, nonce, p),
+                    (None, None) => true,
+                    _ => false,
+                };
+                if !proven {
+                    let what = match (secret, &proof) {
+                        (Some(_), None) => format!(
+                            "process {peer} has no cluster secret, this process ({process}) has one"
+                        ),
+                        (None, Some(_)) => format!(
+                            "process {peer} has a cluster secret, this process ({process}) has none"
+                        ),
+                        _ => format!(
+                            "process {peer} has another cluster secret than this process ({process})"
+                        ),
+                    };
+                    self.record(GraphError::Execution(format!(
+                        "{what}: start every process with the same \
+                         WEIR_CLUSTER_SECRET or --cluster-secret-file"
+                    )));
+                } else if theirs != fingerprint {
+                    self.record(GraphError::Execution(format!(
+                        "process {peer} runs different settings than process {process} \
+                         (fingerprint {theirs:016x}, here {fingerprint:016x}): \
+                         start every process with the same config, flags and weir build"
+                    )));
+                } else {
+                    self.admit(peer);
+                }
+            }
+            Control::Failed { process, error } => {
+                self.heard_from(process);
+                self.record(error);
+            }
+        }
+    }
+
     pub(crate) fn new(processes: usize) -> Self {
         RunShared {
             aborted: AtomicBool::new(false),

@@ -27,6 +27,7 @@ pub mod cluster_secret;
 pub mod collective;
 pub mod commit;
 mod control;
+mod dataflow;
 mod edges;
 pub mod engine_thread;
 mod error;

@@ -17,27 +17,26 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use timely::dataflow::channels::pact::{Exchange, Pipeline as LocalPact};
+use timely::container::CapacityContainerBuilder;
+use timely::dataflow::channels::pact::Pipeline as LocalPact;
 use timely::dataflow::operators::vec::Broadcast;
-use timely::dataflow::operators::{Concatenate, ConnectLoop, Input, Operator, Probe};
-use timely::dataflow::{InputHandle, ProbeHandle, Scope};
+use timely::dataflow::operators::{Input, Operator};
+use timely::dataflow::{InputHandle, ProbeHandle};
 use timely::worker::Worker;
 use timely::WorkerConfig;
 
 use crate::collective::{collective_path, Collectives};
-use crate::commit::{CommitHold, CommitTracker};
+use crate::commit::CommitTracker;
 use crate::control::{quiet_network_panics, runtime_panic, Control, OperatorEnv, RunShared};
-use crate::edges::{route, sink_operator};
+use crate::dataflow::{build_dataflow, BatchInput, METRICS_WORKER};
 use crate::engine_thread::StageKind;
 use crate::error::{call_user, panic_message};
 use crate::execution::connect;
 pub use crate::execution::{Execution, RunSettings};
 use crate::metrics::MetricRow;
 use crate::pipeline::Node;
-use crate::stage::{SourceContext, WorkerInfo};
-use crate::stage_op::{stage_operator, StageOpConfig};
-use crate::weights_edge::weights_edge;
-use crate::{Admission, Batch, GraphError, Pipeline, Router, RunReport, Step};
+use crate::stage::{Source, SourceContext, WorkerInfo};
+use crate::{Admission, Batch, GraphError, Pipeline, RunReport, Step};
 
 /// What one worker hands back.
 struct WorkerOutcome {
@@ -221,34 +220,22 @@ fn drive_worker(
         run: collectives.run(),
         threads: settings.execution.local_workers(),
     };
-    let metrics_worker = 0;
-    let prior = if index == metrics_worker {
+    let prior = if index == METRICS_WORKER {
         settings.prior_metrics.clone()
     } else {
         Vec::new()
     };
     let collected: Rc<RefCell<Vec<MetricRow>>> = Rc::new(RefCell::new(prior));
-
-    let mut input =
-        InputHandle::<Step, timely::container::CapacityContainerBuilder<Vec<Batch>>>::new();
-    let mut control =
-        InputHandle::<Step, timely::container::CapacityContainerBuilder<Vec<Control>>>::new();
+    let mut input = BatchInput::new();
+    let mut control = ControlInput::new();
     let probe = ProbeHandle::<Step>::new();
     let dataflow = worker.next_dataflow_index();
     worker.dataflow::<Step, _, _>(|scope| {
         build_dataflow(
-            scope,
-            pipeline,
-            settings,
-            &env,
-            &mut input,
-            &probe,
-            metrics_worker,
-            &collected,
+            scope, pipeline, settings, &env, &mut input, &probe, &collected,
         )?;
         collective_path(scope, collectives);
-        let shared = shared.clone();
-        let own_fingerprint = settings.fingerprint;
+        let (shared, fingerprint) = (shared.clone(), settings.fingerprint);
         let secret = settings.cluster_secret.clone();
         scope
             .input_from(&mut control)
@@ -256,50 +243,7 @@ fn drive_worker(
             .sink(LocalPact, "Control", move |(input, _)| {
                 input.for_each(|_, data| {
                     for message in data.drain(..) {
-                        match message {
-                            Control::Heartbeat {
-                                process: peer,
-                                fingerprint,
-                                nonce,
-                                proof,
-                            } => {
-                                shared.heard_from(peer);
-                                let proven = match (&secret, &proof) {
-                                    (Some(s), Some(p)) => s.verifies(peer, fingerprint, nonce, p),
-                                    (None, None) => true,
-                                    _ => false,
-                                };
-                                if !proven {
-                                    let what = match (&secret, &proof) {
-                                        (Some(_), None) => format!(
-                                            "process {peer} has no cluster secret, this process ({process}) has one"
-                                        ),
-                                        (None, Some(_)) => format!(
-                                            "process {peer} has a cluster secret, this process ({process}) has none"
-                                        ),
-                                        _ => format!(
-                                            "process {peer} has another cluster secret than this process ({process})"
-                                        ),
-                                    };
-                                    shared.record(GraphError::Execution(format!(
-                                        "{what}: start every process with the same \
-                                         WEIR_CLUSTER_SECRET or --cluster-secret-file"
-                                    )));
-                                } else if fingerprint != own_fingerprint {
-                                    shared.record(GraphError::Execution(format!(
-                                        "process {peer} runs different settings than process {process} \
-                                         (fingerprint {fingerprint:016x}, here {own_fingerprint:016x}): \
-                                         start every process with the same config, flags and weir build"
-                                    )));
-                                } else {
-                                    shared.admit(peer);
-                                }
-                            }
-                            Control::Failed { process, error } => {
-                                shared.heard_from(process);
-                                shared.record(error);
-                            }
-                        }
+                        shared.receive(message, process, fingerprint, secret.as_ref());
                     }
                 });
             });
@@ -310,176 +254,295 @@ fn drive_worker(
     if let Some(error) = opening {
         env.fail(error);
     }
-
-    let source_spec = pipeline
-        .source
-        .as_ref()
-        .expect("validated: the pipeline has a source");
-    let source_workers = settings.placement.workers(&source_spec.role)?;
-    let mut source = None;
-    if let Some(rank) = source_workers.iter().position(|&w| w == index) {
-        let info = WorkerInfo {
-            index,
-            peers: worker.peers(),
-            process,
-            rank,
-            role_size: source_workers.len(),
-            run: env.run,
-        };
-        match call_user(|| (source_spec.factory)(&info)) {
-            Ok(s) => source = Some((s, info)),
-            Err(message) => env.fail(GraphError::Stage {
-                stage: "source".into(),
-                step: None,
-                worker: index,
-                message,
-            }),
-        }
-    }
-    let mut input = Some(input);
-    input
-        .as_mut()
-        .expect("just set")
-        .advance_to(settings.first_step);
-    if source.is_none() {
-        input = None;
-    }
-
-    let mut admission = Admission::new(settings.first_step, settings.steps, settings.max_staleness);
-    let mut commits = match (&settings.commit_points, &settings.on_commit) {
-        (Some(points), Some(on_commit)) => Some(CommitTracker::new(
-            points.clone(),
-            on_commit.clone(),
-            settings.first_step,
-        )),
-        _ => None,
+    input.advance_to(settings.first_step);
+    let source = open_source(worker, pipeline, settings, &env)?;
+    let mut driver = Driver {
+        settings,
+        env: &env,
+        control,
+        fed: source.map(|source| (input, source)),
+        admission: Admission::new(settings.first_step, settings.steps, settings.max_staleness),
+        commits: match (&settings.commit_points, &settings.on_commit) {
+            (Some(points), Some(on_commit)) => Some(CommitTracker::new(
+                points.clone(),
+                on_commit.clone(),
+                settings.first_step,
+            )),
+            _ => None,
+        },
+        last_heartbeat: None,
+        failure: None,
+        source_done: false,
     };
-    let heartbeat_every =
-        (settings.peer_timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
-    let mut last_heartbeat: Option<Instant> = None;
-    let mut failure: Option<(GraphError, Instant)> = None;
-    // The source has no more steps (its input closes once they are complete).
-    let mut source_done = false;
-
-    loop {
-        // Failures raised here go to every worker of every process.
-        for error in env.outbox.borrow_mut().drain(..) {
-            control.send(Control::Failed { process, error });
-        }
-        if env.aborted() {
-            let error = shared
-                .error()
-                .unwrap_or_else(|| GraphError::Runtime("aborted".into()));
-            let since = failure.get_or_insert_with(|| (error, Instant::now())).1;
-            control.flush();
-            if since.elapsed() >= FAILURE_GRACE {
-                break;
-            }
-            worker.step_or_park(Some(PARK));
-            continue;
-        }
-        if settings.execution.processes() > 1 {
-            if let Some((peer, silent)) = shared.silent_peer(process, settings.peer_timeout) {
-                env.fail(GraphError::PeerLost {
-                    peer: format!("process {peer}"),
-                    reason: format!(
-                        "no heartbeat for {:.1} s (peer timeout {:.1} s)",
-                        silent.as_secs_f64(),
-                        settings.peer_timeout.as_secs_f64()
-                    ),
-                });
-                continue;
-            }
-            if last_heartbeat.is_none_or(|t| t.elapsed() >= heartbeat_every) {
-                let nonce = crate::cluster_secret::nonce(process);
-                control.send(Control::Heartbeat {
-                    process,
-                    fingerprint: settings.fingerprint,
-                    nonce,
-                    proof: settings
-                        .cluster_secret
-                        .as_ref()
-                        .map(|s| s.proof(process, settings.fingerprint, nonce)),
-                });
-                control.flush();
-                last_heartbeat = Some(Instant::now());
-            }
-        }
-
-        let first_incomplete = probe.with_frontier(|f| f.first().copied());
-        if let Some(tracker) = commits.as_mut() {
-            if let Err(message) = tracker.reached(first_incomplete) {
-                env.fail(GraphError::Stage {
-                    stage: "commit".into(),
-                    step: None,
-                    worker: index,
-                    message,
-                });
-                continue;
-            }
-        }
-        if let (Some(handle), Some((src, info))) = (input.as_mut(), source.as_mut()) {
-            if source_done || admission.exhausted() {
-                // The input stays at the step after the last until every step
-                // is complete, so each operator's frontier passes each step
-                // before the input closes: a worker that saw no data of the
-                // last steps still ends them (data-parallel ranks end every
-                // step together).
-                if first_incomplete.is_none_or(|f| f >= admission.next_step()) {
-                    input = None;
-                }
-            } else if settings.execution.processes() > 1 && !shared.all_admitted(process) {
-                // No step starts before every peer has shown it belongs
-                // (same settings, the cluster secret).
-            } else if admission.may_admit(first_incomplete) {
-                let step = admission.next_step();
-                let ctx = SourceContext {
-                    step,
-                    worker: *info,
-                };
-                match call_user(|| src.next_step(&ctx)) {
-                    Ok(Some(batches)) => {
-                        admission.admit(first_incomplete);
-                        for data in batches {
-                            handle.send(Batch {
-                                dest: index as u32,
-                                data,
-                            });
-                        }
-                        handle.advance_to(step + 1);
-                    }
-                    Ok(None) => source_done = true,
-                    Err(message) => env.fail(GraphError::Stage {
-                        stage: "source".into(),
-                        step: Some(step),
-                        worker: index,
-                        message,
-                    }),
-                }
-                continue;
-            }
-        }
-        if input.is_none() && first_incomplete.is_none() {
-            break;
-        }
-        worker.step_or_park(Some(PARK));
-    }
-
+    driver.drive(worker, &probe);
+    let Driver {
+        control,
+        fed,
+        admission,
+        failure,
+        ..
+    } = driver;
     if let Some((error, _)) = failure {
-        drop(input);
+        drop(fed);
         drop(control);
         worker.drop_dataflow(dataflow);
         return Err(error);
     }
-
     // The chain is done here (every rank's last round too): close the
     // control input and the collectives' side-path, and let the peers finish.
     drop(control);
     collectives.close(index);
+    await_peers(worker, dataflow, &env, settings)?;
+    let steps = admission.next_step() - settings.first_step;
+    let metrics = std::mem::take(&mut *collected.borrow_mut());
+    Ok(WorkerOutcome {
+        steps,
+        peak_in_flight: admission.peak_in_flight(),
+        metrics,
+    })
+}
+
+/// A source on its worker, with the worker's place in the source's role.
+type OpenSource = (Box<dyn Source>, WorkerInfo);
+
+/// The input of the control side-dataflow.
+type ControlInput = InputHandle<Step, CapacityContainerBuilder<Vec<Control>>>;
+
+/// The pipeline's source on this worker, with the worker's place in the
+/// source's role, if the role holds this worker; a factory's error fails
+/// the run and leaves no source.
+fn open_source(
+    worker: &Worker,
+    pipeline: &Pipeline,
+    settings: &RunSettings,
+    env: &OperatorEnv,
+) -> Result<Option<OpenSource>, GraphError> {
+    let spec = pipeline
+        .source
+        .as_ref()
+        .expect("validated: the pipeline has a source");
+    let workers = settings.placement.workers(&spec.role)?;
+    let Some(rank) = workers.iter().position(|&w| w == env.index) else {
+        return Ok(None);
+    };
+    let info = WorkerInfo {
+        index: env.index,
+        peers: worker.peers(),
+        process: env.process,
+        rank,
+        role_size: workers.len(),
+        run: env.run,
+    };
+    match call_user(|| (spec.factory)(&info)) {
+        Ok(source) => Ok(Some((source, info))),
+        Err(message) => {
+            env.fail(GraphError::Stage {
+                stage: "source".into(),
+                step: None,
+                worker: env.index,
+                message,
+            });
+            Ok(None)
+        }
+    }
+}
+
+/// One worker's driver loop: feeding the source under backpressure, the
+/// commit points, heartbeats to and from the peer processes, and spreading
+/// a failure before stopping.
+struct Driver<'a> {
+    settings: &'a RunSettings,
+    env: &'a OperatorEnv,
+    control: ControlInput,
+    /// The chain's input and the source that feeds it, on a worker of the
+    /// source's role until every step is complete.
+    fed: Option<(BatchInput, OpenSource)>,
+    admission: Admission,
+    commits: Option<CommitTracker>,
+    last_heartbeat: Option<Instant>,
+    /// The failure being spread, and since when.
+    failure: Option<(GraphError, Instant)>,
+    /// The source has no more steps (its input closes once they are complete).
+    source_done: bool,
+}
+
+impl Driver<'_> {
+    /// Steps `worker` until every step is complete, or until a failure has
+    /// had its grace period to reach the peers.
+    fn drive(&mut self, worker: &mut Worker, probe: &ProbeHandle<Step>) {
+        loop {
+            self.relay_failures();
+            if self.env.aborted() {
+                if self.failure_spread() {
+                    break;
+                }
+                worker.step_or_park(Some(PARK));
+                continue;
+            }
+            if !self.keep_in_touch() {
+                continue;
+            }
+            let first_incomplete = probe.with_frontier(|f| f.first().copied());
+            if !self.commit(first_incomplete) || self.feed(first_incomplete) {
+                continue;
+            }
+            if self.fed.is_none() && first_incomplete.is_none() {
+                break;
+            }
+            worker.step_or_park(Some(PARK));
+        }
+    }
+
+    /// Sends the failures raised here to every worker of every process.
+    fn relay_failures(&mut self) {
+        let process = self.env.process;
+        for error in self.env.outbox.borrow_mut().drain(..) {
+            self.control.send(Control::Failed { process, error });
+        }
+    }
+
+    /// After an abort: holds the run's error while it spreads; true once
+    /// `FAILURE_GRACE` has passed.
+    fn failure_spread(&mut self) -> bool {
+        let error = self
+            .env
+            .shared
+            .error()
+            .unwrap_or_else(|| GraphError::Runtime("aborted".into()));
+        let since = self
+            .failure
+            .get_or_insert_with(|| (error, Instant::now()))
+            .1;
+        self.control.flush();
+        since.elapsed() >= FAILURE_GRACE
+    }
+
+    /// With several processes: fails the run when a peer fell silent
+    /// (false), and sends this process's heartbeat when one is due.
+    fn keep_in_touch(&mut self) -> bool {
+        let (settings, process) = (self.settings, self.env.process);
+        if settings.execution.processes() <= 1 {
+            return true;
+        }
+        if let Some((peer, silent)) = self.env.shared.silent_peer(process, settings.peer_timeout) {
+            self.env.fail(GraphError::PeerLost {
+                peer: format!("process {peer}"),
+                reason: format!(
+                    "no heartbeat for {:.1} s (peer timeout {:.1} s)",
+                    silent.as_secs_f64(),
+                    settings.peer_timeout.as_secs_f64()
+                ),
+            });
+            return false;
+        }
+        let every =
+            (settings.peer_timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
+        if self.last_heartbeat.is_none_or(|t| t.elapsed() >= every) {
+            let nonce = crate::cluster_secret::nonce(process);
+            self.control.send(Control::Heartbeat {
+                process,
+                fingerprint: settings.fingerprint,
+                nonce,
+                proof: settings
+                    .cluster_secret
+                    .as_ref()
+                    .map(|s| s.proof(process, settings.fingerprint, nonce)),
+            });
+            self.control.flush();
+            self.last_heartbeat = Some(Instant::now());
+        }
+        true
+    }
+
+    /// Tells the commit tracker how far the steps are complete; false when
+    /// its callback failed the run.
+    fn commit(&mut self, first_incomplete: Option<Step>) -> bool {
+        let Some(tracker) = self.commits.as_mut() else {
+            return true;
+        };
+        match tracker.reached(first_incomplete) {
+            Ok(()) => true,
+            Err(message) => {
+                self.env.fail(GraphError::Stage {
+                    stage: "commit".into(),
+                    step: None,
+                    worker: self.env.index,
+                    message,
+                });
+                false
+            }
+        }
+    }
+
+    /// Asks the source for the next step when backpressure admits one (true:
+    /// it asked), or closes the input once the source's steps are complete.
+    fn feed(&mut self, first_incomplete: Option<Step>) -> bool {
+        if self.fed.is_none() {
+            return false;
+        }
+        if self.source_done || self.admission.exhausted() {
+            // The input stays at the step after the last until every step
+            // is complete, so each operator's frontier passes each step
+            // before the input closes: a worker that saw no data of the
+            // last steps still ends them (data-parallel ranks end every
+            // step together).
+            if first_incomplete.is_none_or(|f| f >= self.admission.next_step()) {
+                self.fed = None;
+            }
+            return false;
+        }
+        let (settings, process) = (self.settings, self.env.process);
+        if settings.execution.processes() > 1 && !self.env.shared.all_admitted(process) {
+            // No step starts before every peer has shown it belongs (same
+            // settings, the cluster secret).
+            return false;
+        }
+        if !self.admission.may_admit(first_incomplete) {
+            return false;
+        }
+        let Some((input, (source, info))) = self.fed.as_mut() else {
+            return false;
+        };
+        let step = self.admission.next_step();
+        let ctx = SourceContext {
+            step,
+            worker: *info,
+        };
+        match call_user(|| source.next_step(&ctx)) {
+            Ok(Some(batches)) => {
+                self.admission.admit(first_incomplete);
+                for data in batches {
+                    input.send(Batch {
+                        dest: self.env.index as u32,
+                        data,
+                    });
+                }
+                input.advance_to(step + 1);
+            }
+            Ok(None) => self.source_done = true,
+            Err(message) => self.env.fail(GraphError::Stage {
+                stage: "source".into(),
+                step: Some(step),
+                worker: self.env.index,
+                message,
+            }),
+        }
+        true
+    }
+}
+
+/// Steps `worker` until its `dataflow` ends, every peer done too; a failure
+/// or a peer that does not finish within the peer timeout is the error.
+fn await_peers(
+    worker: &mut Worker,
+    dataflow: usize,
+    env: &OperatorEnv,
+    settings: &RunSettings,
+) -> Result<(), GraphError> {
     let deadline = Instant::now() + settings.peer_timeout;
     while worker.installed_dataflows().contains(&dataflow) {
         if env.aborted() || Instant::now() > deadline {
-            let error = shared.error().unwrap_or_else(|| GraphError::PeerLost {
+            let error = env.shared.error().unwrap_or_else(|| GraphError::PeerLost {
                 peer: "some peer process".into(),
                 reason: format!(
                     "did not finish within {:.0} s of this process finishing",
@@ -490,221 +553,6 @@ fn drive_worker(
             return Err(error);
         }
         worker.step_or_park(Some(PARK));
-    }
-    let steps = admission.next_step() - settings.first_step;
-    let metrics = std::mem::take(&mut *collected.borrow_mut());
-    Ok(WorkerOutcome {
-        steps,
-        peak_in_flight: admission.peak_in_flight(),
-        metrics,
-    })
-}
-
-/// Builds the chain: route → stage for every stage, sinks where declared,
-/// the weights edge from the learner to the generator, the probe, and the
-/// metrics collector.
-#[allow(clippy::too_many_arguments)]
-fn build_dataflow<'scope>(
-    scope: Scope<'scope, Step>,
-    pipeline: &Pipeline,
-    settings: &RunSettings,
-    env: &OperatorEnv,
-    input: &mut InputHandle<Step, timely::container::CapacityContainerBuilder<Vec<Batch>>>,
-    probe: &ProbeHandle<Step>,
-    metrics_worker: usize,
-    collected: &Rc<RefCell<Vec<MetricRow>>>,
-) -> Result<(), GraphError> {
-    let index = scope.index();
-    let placement = &settings.placement;
-    let generators = match pipeline.nodes.iter().find_map(|n| match n {
-        Node::Stage(s) if s.kind == StageKind::Generate => Some(&s.role),
-        _ => None,
-    }) {
-        Some(role) => placement.workers(role)?,
-        None => Vec::new(),
-    };
-    let learns = pipeline
-        .nodes
-        .iter()
-        .any(|n| matches!(n, Node::Stage(s) if s.kind == StageKind::Learn));
-    let (weights_handle, weights_stream) = weights_edge(scope, settings.max_staleness);
-    let mut weights_handle = Some(weights_handle);
-    let mut weights_stream = Some(weights_stream);
-    let mut metric_streams = Vec::new();
-    let mut commit_streams = Vec::new();
-    let mut stream = scope.input_from(input);
-
-    for node in &pipeline.nodes {
-        match node {
-            Node::Stage(spec) => {
-                let workers = placement.workers(&spec.role)?;
-                let routed = route(
-                    stream,
-                    &spec.name,
-                    Router::new(spec.partition.clone(), workers.clone(), index),
-                    env.clone(),
-                );
-                let weights = (spec.kind == StageKind::Generate)
-                    .then(|| weights_stream.take())
-                    .flatten();
-                let cfg = StageOpConfig {
-                    name: spec.name.clone(),
-                    kind: spec.kind,
-                    factory: spec.factory.clone(),
-                    workers,
-                    offload: spec.offload,
-                    first_step: settings.first_step,
-                    version: settings.initial_version,
-                    max_staleness: settings.max_staleness,
-                    transport: settings.transport.clone(),
-                    weights_bucket_bytes: settings.weights_bucket_bytes,
-                    generators: generators.clone(),
-                    learns,
-                };
-                let out = stage_operator(routed, weights, cfg, env.clone());
-                metric_streams.push(out.metrics);
-                if let Some(w) = out.weights {
-                    if let Some(handle) = weights_handle.take() {
-                        w.connect_loop(handle);
-                    }
-                }
-                stream = out.data;
-            }
-            Node::Sink(spec) => {
-                let workers = placement.workers(&spec.role)?;
-                let routed = route(
-                    stream.clone(),
-                    &spec.name,
-                    Router::new(spec.partition.clone(), workers.clone(), index),
-                    env.clone(),
-                );
-                let sink = match workers.iter().position(|&w| w == index) {
-                    Some(rank) => {
-                        let info = WorkerInfo {
-                            index,
-                            peers: env.peers,
-                            process: env.process,
-                            rank,
-                            role_size: workers.len(),
-                            run: env.run,
-                        };
-                        match call_user(|| (spec.factory)(&info)) {
-                            Ok(sink) => Some(sink),
-                            Err(message) => {
-                                env.fail(GraphError::Stage {
-                                    stage: spec.name.clone(),
-                                    step: None,
-                                    worker: index,
-                                    message,
-                                });
-                                None
-                            }
-                        }
-                    }
-                    None => None,
-                };
-                commit_streams.push(sink_operator(
-                    routed,
-                    &spec.name,
-                    sink,
-                    env.clone(),
-                    settings.commit_points.clone(),
-                    settings.first_step,
-                ));
-            }
-        }
-    }
-    if let Some(handle) = weights_handle.take() {
-        // No learner: the weights edge carries nothing, but timely needs it closed.
-        timely::dataflow::operators::generic::operator::empty::<Step, Vec<crate::WeightsMessage>>(
-            scope,
-        )
-        .connect_loop(handle);
-    }
-    stream.probe_with(probe);
-
-    // Every metric row goes to the metrics worker, which keeps them for the
-    // report and writes the file at every commit point (and now and then
-    // between them, for live readers).
-    let collected = collected.clone();
-    let observer = settings.observer.clone();
-    let flush_to = settings.metrics_path.clone();
-    let flush_every = settings.metrics_flush;
-    let writes = index == metrics_worker && flush_to.is_some();
-    let step_observer = settings
-        .step_observer
-        .clone()
-        .filter(|_| index == metrics_worker);
-    let mut by_step: std::collections::BTreeMap<Step, Vec<MetricRow>> = Default::default();
-    let (commits, first_step) = (settings.commit_points.clone(), settings.first_step);
-    let env = env.clone();
-    let metrics_done = scope
-        .concatenate(metric_streams)
-        .unary_frontier::<timely::container::CapacityContainerBuilder<Vec<()>>, _, _, _>(
-            Exchange::new(move |_: &MetricRow| metrics_worker as u64),
-            "Metrics",
-            move |cap, _| {
-                let mut hold = if writes {
-                    CommitHold::new(cap, commits, first_step)
-                } else {
-                    CommitHold::none()
-                };
-                let mut flushed = Instant::now();
-                let mut flush_error_logged = false;
-                move |(input, frontier), _output| {
-                    let mut arrived = false;
-                    input.for_each(|_, rows| {
-                        if let Some(observe) = &observer {
-                            observe(rows);
-                        }
-                        arrived = true;
-                        if step_observer.is_some() {
-                            for row in rows.iter() {
-                                by_step.entry(row.step).or_default().push(row.clone());
-                            }
-                        }
-                        collected.borrow_mut().append(rows);
-                    });
-                    if let Some(observe) = &step_observer {
-                        while let Some(entry) = by_step.first_entry() {
-                            if frontier.less_equal(entry.key()) {
-                                break;
-                            }
-                            let (step, rows) = entry.remove_entry();
-                            observe(step, &rows);
-                        }
-                    }
-                    let Some(path) = flush_to.as_ref().filter(|_| writes && !env.aborted()) else {
-                        return;
-                    };
-                    let write = || {
-                        crate::metrics::rows_to_batch(&collected.borrow())
-                            .and_then(|b| crate::parquet_log::write_parquet_atomically(path, &[b]))
-                    };
-                    // One write covers every commit point passed at once. A
-                    // failed write keeps the hold: no later checkpoint counts.
-                    let mut written = false;
-                    let commit = |_| match std::mem::replace(&mut written, true) {
-                        true => Ok(()),
-                        false => write(),
-                    };
-                    if let Err(err) = hold.advance(frontier, commit) {
-                        env.fail(err);
-                        return;
-                    }
-                    if arrived && flushed.elapsed() >= flush_every {
-                        flushed = Instant::now();
-                        if let (Err(e), false) = (write(), flush_error_logged) {
-                            tracing::warn!(path = %path.display(), error = %e, "writing metrics");
-                            flush_error_logged = true;
-                        }
-                    }
-                }
-            },
-        );
-    commit_streams.push(metrics_done);
-    for done in commit_streams {
-        done.probe_with(probe);
     }
     Ok(())
 }

@@ -158,139 +158,31 @@ pub(crate) fn stage_operator<'scope>(
                 state.take_awaited(&env);
             }
 
-            let data_frontier = &frontiers[0];
-            let weights_frontier = frontiers.get(1);
-            loop {
-                let before = (state.next_end, state.jobs.len());
-                state.schedule(cfg.kind, weights_frontier);
-                state.end_complete_steps(data_frontier, &caps);
-                if before == (state.next_end, state.jobs.len()) {
-                    break;
-                }
+            state.advance(cfg.kind, frontiers, &mut caps);
+            let Emitted {
+                data,
+                metrics,
+                reschedule: again,
+            } = state.run_jobs(&cfg, &env, &caps);
+            if again {
+                reschedule.activate();
             }
-            match data_frontier.frontier().first() {
-                Some(_) => {
-                    for cap in caps.iter_mut() {
-                        cap.downgrade(&state.next_end);
-                    }
-                }
-                None if state.pending.is_empty()
-                    && state.max_seen.is_none_or(|m| state.next_end > m) =>
-                {
-                    caps.clear()
-                }
-                None => {}
-            }
-
-            let executor = state
-                .executor
-                .as_mut()
-                .expect("checked above: this worker hosts the stage");
-            let inline = matches!(executor, Executor::Inline { .. });
             let mut data_session = data_out.activate();
-            let mut metrics_session = metrics_out.activate();
-            let mut weights_session = weights_out.activate();
-            let started = Instant::now();
-            let mut ended_a_step = false;
-            loop {
-                while let Some(job) = state.jobs.pop() {
-                    if let Err(job) = executor.try_submit(job) {
-                        state.jobs.push_front(job);
-                        break;
-                    }
-                }
-                let depth = state.pending.values().map(VecDeque::len).sum::<usize>()
-                    + state.jobs.len()
-                    + executor.in_flight();
-                state.queue_peak = state.queue_peak.max(depth as u64);
-                for done in executor.poll() {
-                    match done {
-                        Done::Output { step, batches } | Done::Streamed { step, batches } => {
-                            let cap = match state.ending.get(&step) {
-                                Some(held) => held[0].clone(),
-                                None => caps[0].delayed(&step),
-                            };
-                            data_session
-                                .session(&cap)
-                                .give_iterator(batches.into_iter().map(|data| Batch {
-                                    dest: me as u32,
-                                    data,
-                                }));
-                        }
-                        Done::Ended {
-                            step,
-                            batches,
-                            published,
-                            mut metrics,
-                        } => {
-                            ended_a_step = true;
-                            let Some(held) = state.ending.remove(&step) else {
-                                continue;
-                            };
-                            data_session
-                                .session(&held[0])
-                                .give_iterator(batches.into_iter().map(|data| Batch {
-                                    dest: me as u32,
-                                    data,
-                                }));
-                            metrics.push(MetricRow::new(
-                                step,
-                                me as u32,
-                                &cfg.name,
-                                names::QUEUE_PEAK,
-                                None,
-                                state.queue_peak as f64,
-                            ));
-                            state.queue_peak = depth as u64;
-                            metrics_session
-                                .session(&held[1])
-                                .give_iterator(metrics.into_iter());
-                            if let Some((version, body)) = published {
-                                let sent_at = now_ns();
-                                let across = match across(&cfg, &env, &body) {
-                                    Ok(across) => across,
-                                    Err(err) => {
-                                        env.fail(err);
-                                        // Held until the dataflow is dropped (see above).
-                                        state.ending.insert(step, held);
-                                        continue;
-                                    }
-                                };
-                                let messages = weights_edge::address(
-                                    &cfg.generators,
-                                    env.threads,
-                                    env.process,
-                                    (version, step, sent_at),
-                                    &body,
-                                    &across,
-                                );
-                                tracing::debug!(
-                                    version,
-                                    messages = messages.len(),
-                                    "weights published"
-                                );
-                                state
-                                    .outgoing
-                                    .extend(messages.into_iter().map(|m| (held[2].clone(), m)));
-                            }
-                        }
-                        Done::Loaded => {}
-                        Done::Failed(err) => env.fail(err),
-                    }
-                }
-                // An engine thread answers later and wakes us. Inline jobs run
-                // here, back to back while they are quick. After a long job, or
-                // once a step has ended, the operator yields: the output and
-                // the released step leave now, and other operators on this
-                // worker run, before the next (maybe long) job starts.
-                if !inline || state.jobs.is_empty() || env.aborted() {
-                    break;
-                }
-                if ended_a_step || started.elapsed() >= INLINE_SLICE {
-                    reschedule.activate();
-                    break;
-                }
+            for (cap, batches) in data {
+                data_session
+                    .session(&cap)
+                    .give_iterator(batches.into_iter().map(|data| Batch {
+                        dest: me as u32,
+                        data,
+                    }));
             }
+            let mut metrics_session = metrics_out.activate();
+            for (cap, rows) in metrics {
+                metrics_session
+                    .session(&cap)
+                    .give_iterator(rows.into_iter());
+            }
+            let mut weights_session = weights_out.activate();
             // Published weights leave one bucket per activation, each its own
             // timely message: a bucket is on the wire (and being landed)
             // while the next is serialised, and no buffer holds them all.
@@ -336,6 +228,15 @@ fn across(
     }
 }
 
+/// What one activation's finished jobs send: batches and metric rows
+/// under their capabilities, and whether the operator must run again soon.
+#[derive(Default)]
+struct Emitted {
+    data: Vec<(Capability<Step>, Vec<RecordBatch>)>,
+    metrics: Vec<(Capability<Step>, Vec<MetricRow>)>,
+    reschedule: bool,
+}
+
 /// The operator's bookkeeping between activations.
 struct OpState {
     me: usize,
@@ -358,6 +259,158 @@ struct OpState {
 }
 
 impl OpState {
+    /// Schedules what the frontiers allow and ends the steps they passed,
+    /// until nothing changes; then holds the capabilities at the first step
+    /// not ended, or drops them once the data input is closed and drained.
+    fn advance(
+        &mut self,
+        kind: StageKind,
+        frontiers: &[MutableAntichain<Step>],
+        caps: &mut Vec<Capability<Step>>,
+    ) {
+        let data_frontier = &frontiers[0];
+        let weights_frontier = frontiers.get(1);
+        loop {
+            let before = (self.next_end, self.jobs.len());
+            self.schedule(kind, weights_frontier);
+            self.end_complete_steps(data_frontier, caps);
+            if before == (self.next_end, self.jobs.len()) {
+                break;
+            }
+        }
+        match data_frontier.frontier().first() {
+            Some(_) => {
+                for cap in caps.iter_mut() {
+                    cap.downgrade(&self.next_end);
+                }
+            }
+            None if self.pending.is_empty() && self.max_seen.is_none_or(|m| self.next_end > m) => {
+                caps.clear()
+            }
+            None => {}
+        }
+    }
+
+    /// Hands the queued jobs to the executor and takes what it finished:
+    /// the batches and metric rows to send, under their capabilities, and
+    /// the weights a learner published (queued in `outgoing`).
+    ///
+    /// An engine thread answers later and wakes the operator. Inline jobs
+    /// run here, back to back while they are quick. After a long job, or
+    /// once a step has ended, the operator yields (`reschedule`): the output
+    /// and the released step leave now, and other operators on this worker
+    /// run, before the next (maybe long) job starts.
+    fn run_jobs(
+        &mut self,
+        cfg: &StageOpConfig,
+        env: &OperatorEnv,
+        caps: &[Capability<Step>],
+    ) -> Emitted {
+        let mut out = Emitted::default();
+        let started = Instant::now();
+        let mut ended_a_step = false;
+        let inline = matches!(self.executor, Some(Executor::Inline { .. }));
+        loop {
+            let executor = self
+                .executor
+                .as_mut()
+                .expect("checked by the caller: this worker hosts the stage");
+            while let Some(job) = self.jobs.pop() {
+                if let Err(job) = executor.try_submit(job) {
+                    self.jobs.push_front(job);
+                    break;
+                }
+            }
+            let depth = self.pending.values().map(VecDeque::len).sum::<usize>()
+                + self.jobs.len()
+                + executor.in_flight();
+            self.queue_peak = self.queue_peak.max(depth as u64);
+            for done in executor.poll() {
+                ended_a_step |= self.finished(done, depth, cfg, env, caps, &mut out);
+            }
+            if !inline || self.jobs.is_empty() || env.aborted() {
+                break;
+            }
+            if ended_a_step || started.elapsed() >= INLINE_SLICE {
+                out.reschedule = true;
+                break;
+            }
+        }
+        out
+    }
+
+    /// Takes one finished job into `out`; true when it ended a step.
+    fn finished(
+        &mut self,
+        done: Done,
+        depth: usize,
+        cfg: &StageOpConfig,
+        env: &OperatorEnv,
+        caps: &[Capability<Step>],
+        out: &mut Emitted,
+    ) -> bool {
+        match done {
+            Done::Output { step, batches } | Done::Streamed { step, batches } => {
+                let cap = match self.ending.get(&step) {
+                    Some(held) => held[0].clone(),
+                    None => caps[0].delayed(&step),
+                };
+                out.data.push((cap, batches));
+                false
+            }
+            Done::Ended {
+                step,
+                batches,
+                published,
+                mut metrics,
+            } => {
+                let Some(held) = self.ending.remove(&step) else {
+                    return true;
+                };
+                out.data.push((held[0].clone(), batches));
+                metrics.push(MetricRow::new(
+                    step,
+                    self.me as u32,
+                    &cfg.name,
+                    names::QUEUE_PEAK,
+                    None,
+                    self.queue_peak as f64,
+                ));
+                self.queue_peak = depth as u64;
+                out.metrics.push((held[1].clone(), metrics));
+                if let Some((version, body)) = published {
+                    let sent_at = now_ns();
+                    let across = match across(cfg, env, &body) {
+                        Ok(across) => across,
+                        Err(err) => {
+                            env.fail(err);
+                            // Held until the dataflow is dropped (see `stage_operator`).
+                            self.ending.insert(step, held);
+                            return true;
+                        }
+                    };
+                    let messages = weights_edge::address(
+                        &cfg.generators,
+                        env.threads,
+                        env.process,
+                        (version, step, sent_at),
+                        &body,
+                        &across,
+                    );
+                    tracing::debug!(version, messages = messages.len(), "weights published");
+                    self.outgoing
+                        .extend(messages.into_iter().map(|m| (held[2].clone(), m)));
+                }
+                true
+            }
+            Done::Loaded => false,
+            Done::Failed(err) => {
+                env.fail(err);
+                false
+            }
+        }
+    }
+
     fn new(cfg: &StageOpConfig, me: usize, threads: usize) -> Self {
         let process = |w: usize| w / threads.max(1);
         OpState {

@@ -5,7 +5,7 @@
 
 use super::{
     AggregationChoice, ConfigError, CorrectionChoice, PolicyLossChoice, PreferenceChoice,
-    RewardKind, RunConfig, ScheduleChoice, WeightsChannelChoice,
+    RewardKind, RunConfig, ScheduleChoice, Task, WeightsChannelChoice,
 };
 use crate::PipelineKind;
 
@@ -63,51 +63,73 @@ pub fn applies(pipeline: PipelineKind, section: &str, key: &str) -> bool {
 /// The keys that `pipeline` reads but that `cfg`'s other values make
 /// inert, each with the condition under which it would act.
 fn inert(cfg: &RunConfig, pipeline: PipelineKind) -> Vec<(&'static str, &'static str, String)> {
-    let (a, r) = (&cfg.algorithm, &cfg.reward);
-    let mut out = Vec::new();
-    // `keys` of `section` act only when `on`: otherwise they are inert, for `why`.
-    let mut unless = |on: bool, section, keys: &[&'static str], why: &str| {
+    let mut found = Inert::default();
+    weights_and_adapters(cfg, &mut found);
+    prompts(cfg, &mut found);
+    rewards(cfg, pipeline, &mut found);
+    kl(cfg, pipeline, &mut found);
+    policy_loss(cfg, pipeline, &mut found);
+    prompt_selection(cfg, &mut found);
+    found.0
+}
+
+/// Inert keys found so far, each with the condition under which it would act.
+#[derive(Default)]
+struct Inert(Vec<(&'static str, &'static str, String)>);
+
+impl Inert {
+    /// `keys` of `section` act only when `on`: otherwise they are inert, for `why`.
+    fn unless(&mut self, on: bool, section: &'static str, keys: &[&'static str], why: &str) {
         if !on {
             for key in keys {
-                out.push((section, *key, format!("has no effect unless {why}")));
+                self.0
+                    .push((section, *key, format!("has no effect unless {why}")));
             }
         }
-    };
-    unless(
+    }
+}
+
+/// How weights reach the generator, and the adapters.
+fn weights_and_adapters(cfg: &RunConfig, found: &mut Inert) {
+    found.unless(
         cfg.generate.max_inflight > 0 && cfg.run.max_staleness > 0,
         "generate",
         &["on_new_weights"],
         "generate.max_inflight > 0 and run.max_staleness > 0 (weights reach a generator mid-flight only then)",
     );
     let timely = cfg.placement.weights_channel == WeightsChannelChoice::Timely;
-    unless(
+    found.unless(
         timely,
         "placement",
         &["weights_bucket_mib"],
         "placement.weights_channel = \"timely\"",
     );
-    unless(
+    found.unless(
         !timely,
         "placement",
         &["weights_port"],
         "placement.weights_channel = \"direct\"",
     );
-    unless(
+    found.unless(
         cfg.lora.rank > 0,
         "lora",
         &["alpha", "dropout", "target_modules"],
         "lora.rank > 0",
     );
+}
+
+/// How prompt files are read (`[data]`: the training set, or the eval set) and evaluated.
+fn prompts(cfg: &RunConfig, found: &mut Inert) {
     // Prompt files are read as `[data]` says: the training set, or the eval set.
-    let arith_data = cfg.data.prompts == "arith";
+    let arith_data = cfg.data.task() == Task::Arith;
     let no_file = arith_data && cfg.eval.prompts.is_empty();
-    unless(
+    found.unless(
         !cfg.eval.prompts.is_empty(),
         "eval",
         &["k", "every", "best_checkpoint"],
         "eval.prompts names a file",
     );
-    unless(
+    found.unless(
         !no_file,
         "data",
         &[
@@ -118,31 +140,54 @@ fn inert(cfg: &RunConfig, pipeline: PipelineKind) -> Vec<(&'static str, &'static
         ],
         "data.prompts or eval.prompts is a file (arith prompts have their own format)",
     );
-    unless(
+    found.unless(
         no_file || cfg.data.messages_column.is_empty(),
         "data",
         &["prompt_template", "apply_chat_template"],
         "the prompts are plain text (data.messages_column is empty)",
     );
-    unless(
+    found.unless(
         no_file || cfg.data.apply_chat_template || !cfg.data.messages_column.is_empty(),
         "data",
         &["system_prompt"],
         "the prompts are chats (data.apply_chat_template, or data.messages_column)",
     );
-    unless(
+    found.unless(
+        !no_file,
+        "data",
+        &["prompt_column", "messages_column"],
+        "data.prompts or eval.prompts is a prompt file",
+    );
+    found.unless(
+        !arith_data,
+        "data",
+        &["chosen_column", "rejected_column", "margin_column"],
+        "data.prompts is a prompt file (arith makes its own pairs)",
+    );
+    found.unless(
+        (arith_data && cfg.eval.arith) || !cfg.eval.prompts.is_empty(),
+        "eval",
+        &["batch"],
+        "an evaluation runs (eval.prompts, or eval.arith with data.prompts = \"arith\")",
+    );
+}
+
+/// The reward's keys, each read by some kinds of reward only.
+fn rewards(cfg: &RunConfig, pipeline: PipelineKind, found: &mut Inert) {
+    let r = &cfg.reward;
+    found.unless(
         r.overlong_buffer > 0,
         "reward",
         &["overlong_penalty_factor"],
         "reward.overlong_buffer > 0",
     );
-    unless(
+    found.unless(
         r.kind == RewardKind::Rule,
         "reward",
         &["rule"],
         "reward.kind = \"rule\"",
     );
-    unless(
+    found.unless(
         r.kind == RewardKind::Remote,
         "reward",
         &["url"],
@@ -150,53 +195,63 @@ fn inert(cfg: &RunConfig, pipeline: PipelineKind) -> Vec<(&'static str, &'static
     );
     let python_terms = r.kind == RewardKind::Terms && r.terms.iter().any(|t| !t.file.is_empty());
     let python = r.kind == RewardKind::Python || python_terms;
-    unless(
+    found.unless(
         r.kind == RewardKind::Remote || python,
         "reward",
         &["timeout_s", "attempts"],
         "reward.kind = \"remote\" or a Python reward",
     );
-    unless(
+    found.unless(
         r.kind == RewardKind::Python,
         "reward",
         &["file", "function"],
         "reward.kind = \"python\"",
     );
-    unless(
+    found.unless(
         python,
         "reward",
         &["python", "workers"],
         "a Python reward (reward.kind = \"python\", or a term with a file)",
     );
-    unless(
+    found.unless(
         r.kind == RewardKind::Terms,
         "reward",
         &["terms"],
         "reward.kind = \"terms\"",
     );
     if pipeline.is_rl() && pipeline != PipelineKind::Ppo {
-        unless(
+        found.unless(
             r.kind == RewardKind::Model,
             "model",
             &["reward_model"],
             "reward.kind = \"model\" (or in ppo, whose critic starts from it)",
         );
     }
+}
+
+/// The reference and the KL penalty, read only with a KL coefficient.
+fn kl(cfg: &RunConfig, pipeline: PipelineKind, found: &mut Inert) {
+    let a = &cfg.algorithm;
     if pipeline.is_rl() {
         let kl = a.kl_coef > 0.0;
-        unless(kl, "placement", &["reference"], "algorithm.kl_coef > 0");
-        unless(kl, "model", &["reference"], "algorithm.kl_coef > 0");
-        unless(kl, "algorithm", &["kl_estimator"], "algorithm.kl_coef > 0");
-        unless(kl, "algorithm", &["kl_target"], "algorithm.kl_coef > 0");
-        unless(
+        found.unless(kl, "placement", &["reference"], "algorithm.kl_coef > 0");
+        found.unless(kl, "model", &["reference"], "algorithm.kl_coef > 0");
+        found.unless(kl, "algorithm", &["kl_estimator"], "algorithm.kl_coef > 0");
+        found.unless(kl, "algorithm", &["kl_target"], "algorithm.kl_coef > 0");
+        found.unless(
             kl && a.kl_target > 0.0,
             "algorithm",
             &["kl_horizon"],
             "algorithm.kl_target > 0",
         );
     }
+}
+
+/// The policy loss's keys, each read by some losses, corrections or schedules only.
+fn policy_loss(cfg: &RunConfig, pipeline: PipelineKind, found: &mut Inert) {
+    let a = &cfg.algorithm;
     // These act on negative advantages only.
-    unless(
+    found.unless(
         pipeline != PipelineKind::GrpoPassk,
         "algorithm",
         &["clip_low", "dual_clip", "sapo_tau_neg"],
@@ -205,62 +260,62 @@ fn inert(cfg: &RunConfig, pipeline: PipelineKind) -> Vec<(&'static str, &'static
     let loss = a.policy_loss;
     use PolicyLossChoice as L;
     let clipping = matches!(loss, L::Ppo | L::Gspo | L::Cispo | L::Gmpo | L::ClipCov);
-    unless(
+    found.unless(
         clipping,
         "algorithm",
         &["clip_low", "clip_high"],
         "algorithm.policy_loss clips (ppo, gspo, cispo, gmpo, clip_cov)",
     );
-    unless(
+    found.unless(
         matches!(loss, L::Ppo | L::Gspo),
         "algorithm",
         &["dual_clip"],
         "algorithm.policy_loss = \"ppo\" or \"gspo\"",
     );
-    unless(
+    found.unless(
         loss != L::Gmpo,
         "algorithm",
         &["aggregation"],
         "algorithm.policy_loss is not \"gmpo\" (which averages per response)",
     );
-    unless(
+    found.unless(
         loss == L::Sapo,
         "algorithm",
         &["sapo_tau_pos", "sapo_tau_neg"],
         "algorithm.policy_loss = \"sapo\"",
     );
-    unless(
+    found.unless(
         loss == L::ClipCov,
         "algorithm",
         &["clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"],
         "algorithm.policy_loss = \"clip_cov\"",
     );
-    unless(
+    found.unless(
         loss == L::Reinforce,
         "algorithm",
         &["reinforce_is_cap"],
         "algorithm.policy_loss = \"reinforce\"",
     );
-    unless(
+    found.unless(
         loss == L::KlCov,
         "algorithm",
         &["kl_cov_ratio", "kl_cov_coef"],
         "algorithm.policy_loss = \"kl_cov\"",
     );
     // A step's first optimizer step starts at the proximal policy: ratio 1, nothing to clip.
-    unless(
+    found.unless(
         a.ppo_epochs > 1 || a.mini_batches > 1,
         "algorithm",
         &["clip_low", "clip_high", "dual_clip", "value_clip"],
         "algorithm.ppo_epochs > 1 or algorithm.mini_batches > 1 (a step's first optimizer step starts where the ratio is 1 and the values are the old ones)",
     );
-    unless(
+    found.unless(
         a.correction != CorrectionChoice::None,
         "algorithm",
         &["correction_high"],
         "algorithm.correction is set",
     );
-    unless(
+    found.unless(
         !matches!(
             a.correction,
             CorrectionChoice::None | CorrectionChoice::K3Rejection
@@ -269,25 +324,29 @@ fn inert(cfg: &RunConfig, pipeline: PipelineKind) -> Vec<(&'static str, &'static
         &["correction_low"],
         "algorithm.correction has a lower bound (all but \"k3-rejection\")",
     );
-    unless(
+    found.unless(
         a.aggregation == AggregationChoice::SeqMeanTokenSumNorm,
         "algorithm",
         &["loss_scale_factor"],
         "algorithm.aggregation = \"seq-mean-token-sum-norm\"",
     );
-    unless(
+    found.unless(
         a.preference_loss == PreferenceChoice::Cdpo,
         "algorithm",
         &["label_smoothing"],
         "algorithm.preference_loss = \"cdpo\"",
     );
-    unless(
+    found.unless(
         a.schedule == ScheduleChoice::Cosine,
         "algorithm",
         &["min_lr_ratio"],
         "algorithm.schedule = \"cosine\"",
     );
-    unless(
+}
+
+/// The curriculum and dynamic sampling, read only when enabled.
+fn prompt_selection(cfg: &RunConfig, found: &mut Inert) {
+    found.unless(
         cfg.curriculum.enabled,
         "curriculum",
         &[
@@ -298,37 +357,18 @@ fn inert(cfg: &RunConfig, pipeline: PipelineKind) -> Vec<(&'static str, &'static
         ],
         "curriculum.enabled",
     );
-    unless(
+    found.unless(
         cfg.dynamic_sampling.enabled,
         "dynamic_sampling",
         &["target_groups"],
         "dynamic_sampling.enabled",
     );
-    unless(
+    found.unless(
         cfg.dynamic_sampling.enabled && cfg.dynamic_sampling.target_groups > 0,
         "dynamic_sampling",
         &["max_extra_batches"],
         "dynamic_sampling.enabled and dynamic_sampling.target_groups > 0 (a step waits for its target)",
     );
-    unless(
-        !no_file,
-        "data",
-        &["prompt_column", "messages_column"],
-        "data.prompts or eval.prompts is a prompt file",
-    );
-    unless(
-        !arith_data,
-        "data",
-        &["chosen_column", "rejected_column", "margin_column"],
-        "data.prompts is a prompt file (arith makes its own pairs)",
-    );
-    unless(
-        (arith_data && cfg.eval.arith) || !cfg.eval.prompts.is_empty(),
-        "eval",
-        &["batch"],
-        "an evaluation runs (eval.prompts, or eval.arith with data.prompts = \"arith\")",
-    );
-    out
 }
 
 impl RunConfig {

@@ -1,4 +1,6 @@
-//! Checks of values that parse but make no sense, each naming its key.
+//! Checks of values that parse but make no sense, each naming its key:
+//! one check per section, in the order the sections are documented, then
+//! which keys the pipeline reads (`scope.rs`).
 
 use super::{
     AggregationChoice, ConfigError, CorrectionChoice, KlChoice, PolicyLossChoice, PreferenceChoice,
@@ -6,15 +8,32 @@ use super::{
 };
 use crate::PipelineKind;
 
+/// The error for `key` = `value`, saying `why` it makes no sense.
+fn bad(key: &str, value: String, why: &str) -> Result<(), ConfigError> {
+    Err(ConfigError {
+        source_name: "config".into(),
+        message: format!("`{key}` = {value}: {why}"),
+    })
+}
+
 impl RunConfig {
     /// Checks values that parse but make no sense, naming the key.
     pub fn validate(&self, pipeline: PipelineKind) -> Result<(), ConfigError> {
-        let bad = |key: &str, value: String, why: &str| {
-            Err(ConfigError {
-                source_name: "config".into(),
-                message: format!("`{key}` = {value}: {why}"),
-            })
-        };
+        self.check_run()?;
+        self.check_placement()?;
+        self.check_data(pipeline)?;
+        self.check_generate()?;
+        self.check_reward(pipeline)?;
+        self.check_eval(pipeline)?;
+        self.check_lora()?;
+        self.check_policy_loss()?;
+        self.check_updates(pipeline)?;
+        self.check_dynamic_sampling(pipeline)?;
+        self.check_scope(pipeline)
+    }
+
+    /// `model.path` and `[run]`.
+    fn check_run(&self) -> Result<(), ConfigError> {
         if self.model.path.is_empty() {
             return bad(
                 "model.path",
@@ -28,6 +47,18 @@ impl RunConfig {
         if self.run.threads == 0 {
             return bad("run.threads", "0".into(), "must be at least 1");
         }
+        if weir_gpu::snapshot::parse_size(&self.run.max_shard_size).is_none() {
+            return bad(
+                "run.max_shard_size",
+                format!("{:?}", self.run.max_shard_size),
+                "a size such as \"5GB\", \"500MB\" or \"2GiB\"",
+            );
+        }
+        Ok(())
+    }
+
+    /// `[placement]`.
+    fn check_placement(&self) -> Result<(), ConfigError> {
         let p = &self.placement;
         if p.weights_bucket_mib == 0 {
             return bad(
@@ -54,6 +85,11 @@ impl RunConfig {
                 );
             }
         }
+        Ok(())
+    }
+
+    /// `[data]`.
+    fn check_data(&self, pipeline: PipelineKind) -> Result<(), ConfigError> {
         if self.data.prompts_per_step == 0 {
             return bad("data.prompts_per_step", "0".into(), "must be at least 1");
         }
@@ -67,6 +103,19 @@ impl RunConfig {
                 "group estimators need at least 2 samples per prompt",
             );
         }
+        let template = &self.data.prompt_template;
+        if !template.is_empty() && !template.contains("{prompt}") {
+            return bad(
+                "data.prompt_template",
+                format!("{template:?}"),
+                "must contain {prompt}, where each prompt goes",
+            );
+        }
+        Ok(())
+    }
+
+    /// `[generate]`.
+    fn check_generate(&self) -> Result<(), ConfigError> {
         if self.generate.max_new_tokens == 0 {
             return bad("generate.max_new_tokens", "0".into(), "must be at least 1");
         }
@@ -87,6 +136,12 @@ impl RunConfig {
         if let Some(why) = weir_gpu::top_p_error(self.generate.top_p) {
             return bad("generate.top_p", self.generate.top_p.to_string(), why);
         }
+        Ok(())
+    }
+
+    /// `[reward]` and the reward model it needs.
+    fn check_reward(&self, pipeline: PipelineKind) -> Result<(), ConfigError> {
+        self.check_reward_terms()?;
         if self.reward.kind == RewardKind::Rule
             && weir_operators::rewards::rule_reward(&self.reward.rule).is_none()
             && weir_operators::rewards::registered(&self.reward.rule).is_none()
@@ -124,68 +179,28 @@ impl RunConfig {
                 return bad("reward.workers", "0".into(), "must be ≥ 1");
             }
         }
-        if weir_gpu::snapshot::parse_size(&self.run.max_shard_size).is_none() {
+        if self.reward.kind == RewardKind::Remote && self.reward.url.is_empty() {
             return bad(
-                "run.max_shard_size",
-                format!("{:?}", self.run.max_shard_size),
-                "a size such as \"5GB\", \"500MB\" or \"2GiB\"",
+                "reward.url",
+                "\"\"".into(),
+                "reward.kind = \"remote\" needs a server URL",
             );
         }
-        let eval = &self.eval.prompts;
-        if !eval.is_empty() {
-            if !std::path::Path::new(eval).is_file() {
-                return bad("eval.prompts", format!("{eval:?}"), "no such file");
-            }
-            if pipeline == PipelineKind::Rm {
-                return bad(
-                    "eval.prompts",
-                    format!("{eval:?}"),
-                    "a reward model has no policy to evaluate",
-                );
-            }
-        }
-        let (every, saves) = (self.eval.every, self.run.checkpoint_every);
-        if self.eval.best_checkpoint && (saves == 0 || !every.is_multiple_of(saves)) {
+        if self.reward.overlong_buffer >= self.generate.max_new_tokens && pipeline.is_rl() {
             return bad(
-                "eval.best_checkpoint",
-                "true".into(),
+                "reward.overlong_buffer",
+                self.reward.overlong_buffer.to_string(),
                 &format!(
-                    "eval.every = {every} must be a multiple of run.checkpoint_every = {saves} (> 0), so that the evaluated policies are saved"
+                    "must be below generate.max_new_tokens = {}",
+                    self.generate.max_new_tokens
                 ),
             );
         }
-        if self.eval.k == 0 {
-            return bad("eval.k", "0".into(), "must be ≥ 1");
-        }
-        if self.lora.rank < 0 {
-            return bad("lora.rank", self.lora.rank.to_string(), "must be ≥ 0");
-        }
-        if let Some(adapters) = self.lora.adapters() {
-            if let Err((field, why)) = adapters.check() {
-                let value = match field {
-                    "rank" => self.lora.rank.to_string(),
-                    "alpha" => self.lora.alpha.to_string(),
-                    "dropout" => self.lora.dropout.to_string(),
-                    _ => format!("{:?}", self.lora.target_modules),
-                };
-                return bad(&format!("lora.{field}"), value, &why);
-            }
-            if adapters.dropout > 0.0 && self.algorithm.gradient_checkpointing {
-                return bad(
-                    "lora.dropout",
-                    adapters.dropout.to_string(),
-                    "needs algorithm.gradient_checkpointing = false (a recomputed layer would draw other dropout masks)",
-                );
-            }
-        }
-        let template = &self.data.prompt_template;
-        if !template.is_empty() && !template.contains("{prompt}") {
-            return bad(
-                "data.prompt_template",
-                format!("{template:?}"),
-                "must contain {prompt}, where each prompt goes",
-            );
-        }
+        Ok(())
+    }
+
+    /// `[[reward.terms]]`.
+    fn check_reward_terms(&self) -> Result<(), ConfigError> {
         if self.reward.kind == RewardKind::Terms {
             if self.reward.terms.is_empty() {
                 return bad(
@@ -257,23 +272,71 @@ impl RunConfig {
                 }
             }
         }
-        if self.reward.kind == RewardKind::Remote && self.reward.url.is_empty() {
-            return bad(
-                "reward.url",
-                "\"\"".into(),
-                "reward.kind = \"remote\" needs a server URL",
-            );
+        Ok(())
+    }
+
+    /// `[eval]`.
+    fn check_eval(&self, pipeline: PipelineKind) -> Result<(), ConfigError> {
+        let eval = &self.eval.prompts;
+        if !eval.is_empty() {
+            if !std::path::Path::new(eval).is_file() {
+                return bad("eval.prompts", format!("{eval:?}"), "no such file");
+            }
+            if pipeline == PipelineKind::Rm {
+                return bad(
+                    "eval.prompts",
+                    format!("{eval:?}"),
+                    "a reward model has no policy to evaluate",
+                );
+            }
         }
-        if self.reward.overlong_buffer >= self.generate.max_new_tokens && pipeline.is_rl() {
+        let (every, saves) = (self.eval.every, self.run.checkpoint_every);
+        if self.eval.best_checkpoint && (saves == 0 || !every.is_multiple_of(saves)) {
             return bad(
-                "reward.overlong_buffer",
-                self.reward.overlong_buffer.to_string(),
+                "eval.best_checkpoint",
+                "true".into(),
                 &format!(
-                    "must be below generate.max_new_tokens = {}",
-                    self.generate.max_new_tokens
+                    "eval.every = {every} must be a multiple of run.checkpoint_every = {saves} (> 0), so that the evaluated policies are saved"
                 ),
             );
         }
+        if self.eval.k == 0 {
+            return bad("eval.k", "0".into(), "must be ≥ 1");
+        }
+        if self.eval.batch == 0 {
+            return bad("eval.batch", "0".into(), "must be at least 1");
+        }
+        Ok(())
+    }
+
+    /// `[lora]`.
+    fn check_lora(&self) -> Result<(), ConfigError> {
+        if self.lora.rank < 0 {
+            return bad("lora.rank", self.lora.rank.to_string(), "must be ≥ 0");
+        }
+        if let Some(adapters) = self.lora.adapters() {
+            if let Err((field, why)) = adapters.check() {
+                let value = match field {
+                    "rank" => self.lora.rank.to_string(),
+                    "alpha" => self.lora.alpha.to_string(),
+                    "dropout" => self.lora.dropout.to_string(),
+                    _ => format!("{:?}", self.lora.target_modules),
+                };
+                return bad(&format!("lora.{field}"), value, &why);
+            }
+            if adapters.dropout > 0.0 && self.algorithm.gradient_checkpointing {
+                return bad(
+                    "lora.dropout",
+                    adapters.dropout.to_string(),
+                    "needs algorithm.gradient_checkpointing = false (a recomputed layer would draw other dropout masks)",
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// `[algorithm]`: the policy loss, its objective and corrections.
+    fn check_policy_loss(&self) -> Result<(), ConfigError> {
         let a = &self.algorithm;
         if !(a.lr > 0.0 && a.lr.is_finite()) {
             return bad(
@@ -345,6 +408,13 @@ impl RunConfig {
                 ),
             );
         }
+        Ok(())
+    }
+
+    /// `[algorithm]`: the updates (batches, epochs, clipping, KL, the
+    /// preference losses).
+    fn check_updates(&self, pipeline: PipelineKind) -> Result<(), ConfigError> {
+        let a = &self.algorithm;
         if a.micro_batch == 0 {
             return bad("algorithm.micro_batch", "0".into(), "must be at least 1");
         }
@@ -397,6 +467,35 @@ impl RunConfig {
                 "must be > 0",
             );
         }
+        if a.beta.is_nan() || a.beta <= 0.0 {
+            return bad("algorithm.beta", a.beta.to_string(), "must be > 0");
+        }
+        if matches!(a.kl_estimator, KlChoice::K1Plus | KlChoice::K3Plus) && !pipeline.is_group() {
+            return bad(
+                "algorithm.kl_estimator",
+                format!("{:?}", a.kl_estimator),
+                "a straight-through estimator differs from its plain one only in its gradient: it needs the KL in the loss (grpo, dr_grpo, rloo), not in the reward",
+            );
+        }
+        if a.preference_loss == PreferenceChoice::Cdpo && a.label_smoothing == 0.0 {
+            return bad(
+                "algorithm.preference_loss",
+                "\"cdpo\"".into(),
+                "with algorithm.label_smoothing = 0, cDPO is DPO: set label_smoothing in (0, 0.5)",
+            );
+        }
+        if !(0.0..0.5).contains(&a.label_smoothing) {
+            return bad(
+                "algorithm.label_smoothing",
+                a.label_smoothing.to_string(),
+                "must be in [0, 0.5)",
+            );
+        }
+        Ok(())
+    }
+
+    /// `[dynamic_sampling]`.
+    fn check_dynamic_sampling(&self, pipeline: PipelineKind) -> Result<(), ConfigError> {
         if self.dynamic_sampling.enabled && !pipeline.is_group() {
             return bad(
                 "dynamic_sampling.enabled",
@@ -439,34 +538,7 @@ impl RunConfig {
                 ),
             );
         }
-        if a.beta.is_nan() || a.beta <= 0.0 {
-            return bad("algorithm.beta", a.beta.to_string(), "must be > 0");
-        }
-        if matches!(a.kl_estimator, KlChoice::K1Plus | KlChoice::K3Plus) && !pipeline.is_group() {
-            return bad(
-                "algorithm.kl_estimator",
-                format!("{:?}", a.kl_estimator),
-                "a straight-through estimator differs from its plain one only in its gradient: it needs the KL in the loss (grpo, dr_grpo, rloo), not in the reward",
-            );
-        }
-        if a.preference_loss == PreferenceChoice::Cdpo && a.label_smoothing == 0.0 {
-            return bad(
-                "algorithm.preference_loss",
-                "\"cdpo\"".into(),
-                "with algorithm.label_smoothing = 0, cDPO is DPO: set label_smoothing in (0, 0.5)",
-            );
-        }
-        if !(0.0..0.5).contains(&a.label_smoothing) {
-            return bad(
-                "algorithm.label_smoothing",
-                a.label_smoothing.to_string(),
-                "must be in [0, 0.5)",
-            );
-        }
-        if self.eval.batch == 0 {
-            return bad("eval.batch", "0".into(), "must be at least 1");
-        }
-        self.check_scope(pipeline)
+        Ok(())
     }
 }
 

@@ -21,7 +21,8 @@ use super::columns::{float_lists, token_lists};
 use super::sequences::{response_backward, response_logprobs, ResponseForward};
 use super::train_step::{optimizer_step, step_scale};
 use crate::algorithms::{
-    aggregate_in_step, kl_tensor, policy_loss_in_step, KlEstimator, PolicyLossConfig, WeightStats,
+    aggregate_in_step, kl_tensor, policy_loss_in_step, KlEstimator, PolicyLossConfig, StepScale,
+    WeightStats,
 };
 use crate::checkpoint::CheckpointPlan;
 use crate::rollout::col;
@@ -296,18 +297,188 @@ impl Learner {
     /// [`Learner::update`]; a data-parallel rank that got no rows this step
     /// passes `None` and still takes part in the ranks' sums.
     fn update_rows(&mut self, batch: Option<&RecordBatch>) -> Result<UpdateStats, StageError> {
-        let rows = batch.map_or(0, RecordBatch::num_rows);
+        let mut rows = LearnRows::read(batch, self.cfg.kl_coef > 0.0)?;
+        // Over every rank: rows, the rewards' sum and how many there were.
+        let mut step_totals = [
+            rows.len() as f64,
+            rows.rewards.as_ref().map_or(0.0, |r| r.iter().sum()),
+            rows.rewards.as_ref().map_or(0, Vec::len) as f64,
+        ];
+        let member = self.data_parallel.as_ref();
+        sum_scalars(member, &mut step_totals)?;
+        let minis = self.cfg.mini_batches.max(1);
+        let ranges = rows.micro_batches(minis, self.cfg.micro_batch, self.cfg.micro_batch_tokens);
+        let proximal = self.proximal_logprobs(&rows, &ranges)?;
+        // The weights change at the first optimizer step: the CPU kernels'
+        // packing of them is not needed beside the backward passes.
+        self.model.release_cpu_packing();
+        // Each mini-batch's loss is normalised by its own counts over every rank.
+        let scales: Vec<_> = (0..minis)
+            .map(|k| {
+                let (lo, hi) = rows.mini_batch(k, minis);
+                step_scale(
+                    member,
+                    rows.responses[lo..hi].iter().map(Vec::len),
+                    self.cfg.policy.loss_scale_factor,
+                )
+            })
+            .collect::<Result<_, _>>()?;
+        let step_tokens: f64 = scales.iter().map(|s| s.tokens).sum();
+        // The last pass's figures, averaged over its mini-batches.
+        let mut pass = PassFigures::default();
+        for _epoch in 0..self.cfg.ppo_epochs.max(1) {
+            pass = PassFigures::default();
+            for (k, (mini, scale)) in ranges.iter().zip(&scales).enumerate() {
+                let olds = proximal.as_ref().map(|p| p[k].as_slice());
+                let figures = self.mini_batch_step(&rows, mini, olds, scale)?;
+                pass.add(&figures, minis);
+            }
+        }
+        // The weights' mean is over every rank; min and max stay this rank's.
+        let weights = pass.bounds.map(|(min, max)| WeightStats {
+            mean: pass.weight_mean,
+            min,
+            max,
+            masked: pass.masked,
+        });
+        self.last = UpdateStats {
+            loss: pass.loss,
+            grad_norm: pass.grad_norm,
+            clip_fraction: pass.clip_fraction,
+            kl: pass.kl,
+            entropy: pass.entropy,
+            response_length: step_tokens / step_totals[0].max(1.0),
+            reward: (step_totals[2] > 0.0).then(|| step_totals[1] / step_totals[2]),
+            importance_weights: weights,
+        };
+        Ok(self.last)
+    }
+
+    /// The proximal policy: log-probs before this step's first update, per
+    /// mini-batch and micro-batch; `None` where the training forward's own
+    /// serve. With one optimizer step over the step's rows (one pass, one
+    /// mini-batch), every micro-batch's training forward runs on exactly
+    /// those weights, so its own log-probs, detached, are the proximal ones
+    /// (the ratio is 1 at the update, as TRL's is at `num_iterations = 1`)
+    /// and no pass of their own is needed. Adapter dropout makes the
+    /// training forward another policy: then the pass runs.
+    fn proximal_logprobs(
+        &self,
+        rows: &LearnRows,
+        ranges: &[Vec<(usize, usize)>],
+    ) -> Result<Option<Vec<Vec<Tensor>>>, StageError> {
+        let dropout = self.model.lora().is_some_and(|l| l.dropout > 0.0);
+        let one_update = self.cfg.ppo_epochs.max(1) == 1
+            && ranges.len() == 1
+            && !dropout
+            && !self.proximal_pass_always;
+        if one_update {
+            return Ok(None);
+        }
+        let _guard = tch::no_grad_guard();
+        let passes = ranges.iter().map(|mini| {
+            mini.iter()
+                .map(|&(start, end)| {
+                    response_logprobs(
+                        &self.model,
+                        &rows.prompts[start..end],
+                        &rows.responses[start..end],
+                        self.cfg.temperature,
+                        self.cfg.logprob_chunk,
+                    )
+                    .map(|(lp, _)| lp)
+                })
+                .collect::<Result<Vec<_>, _>>()
+        });
+        Ok(Some(passes.collect::<Result<_, _>>()?))
+    }
+
+    /// One optimizer step on the micro-batches `mini` of `rows`, the loss
+    /// normalised by `scale`; `olds` are their proximal log-probs (`None`:
+    /// the training forward's own). Returns what the step measured, summed
+    /// over the ranks.
+    fn mini_batch_step(
+        &mut self,
+        rows: &LearnRows,
+        mini: &[(usize, usize)],
+        olds: Option<&[Tensor]>,
+        scale: &StepScale,
+    ) -> Result<PassFigures, StageError> {
+        // The optimizer's own step count: restored with its state, so a
+        // resumed run continues the schedule where it stopped.
+        let lr = self
+            .cfg
+            .schedule
+            .rate(self.cfg.adamw.lr, self.optimizer.steps());
+        let mut figures = PassFigures::default();
+        let mut stats = [0.0; 6];
+        let (model, cfg) = (&self.model, &self.cfg);
+        let member = self.data_parallel.as_ref();
+        let grad_norm = optimizer_step(
+            &mut self.optimizer,
+            member,
+            lr,
+            cfg.max_grad_norm,
+            &mut stats,
+            |stats| {
+                for (j, &(start, end)) in mini.iter().enumerate() {
+                    let terms = MicroBatch {
+                        cfg,
+                        rows,
+                        range: (start, end),
+                        old: olds.map(|o| &o[j]),
+                        scale,
+                        device: model.device(),
+                    };
+                    let micro_loss = |fwd: ResponseForward| {
+                        Ok((terms.loss(fwd, stats, &mut figures.bounds), ()))
+                    };
+                    response_backward(
+                        model,
+                        &rows.prompts[start..end],
+                        &rows.responses[start..end],
+                        cfg.temperature,
+                        Some(cfg.policy.flavor.entropy_temperature(cfg.temperature)),
+                        cfg.gradient_checkpointing,
+                        cfg.logprob_chunk,
+                        micro_loss,
+                    )?;
+                }
+                Ok(())
+            },
+        )?;
+        let [loss, clip_fraction, kl, entropy, weight_mean, masked] = stats;
+        Ok(PassFigures {
+            loss,
+            clip_fraction,
+            kl,
+            entropy,
+            weight_mean,
+            masked,
+            grad_norm,
+            bounds: figures.bounds,
+        })
+    }
+}
+
+/// A step's rows as the learner reads them, in the order it trains them.
+struct LearnRows {
+    prompts: Vec<Vec<i64>>,
+    responses: Vec<Vec<i64>>,
+    advantages: Vec<Vec<f64>>,
+    behaviour: Vec<Vec<f64>>,
+    /// The reference's log-probs, when the KL to it is a loss term.
+    references: Option<Vec<Vec<f64>>>,
+    /// Each row's reward, when the rows carry one.
+    rewards: Option<Vec<f64>>,
+}
+
+impl LearnRows {
+    /// `batch`'s rows (none for a rank without rows), with the reference's
+    /// log-probs if `references`.
+    fn read(batch: Option<&RecordBatch>, references: bool) -> Result<Self, StageError> {
         let tokens = |name| batch.map_or(Ok(Vec::new()), |b| token_lists(b, name, "learn"));
         let floats = |name| batch.map_or(Ok(Vec::new()), |b| float_lists(b, name, "learn"));
-        let mut prompts = tokens(col::PROMPT_TOKENS)?;
-        let mut responses = tokens(col::RESPONSE_TOKENS)?;
-        let mut advantages = floats(col::ADVANTAGES)?;
-        let mut behaviour = floats(col::BEHAVIOR_LOGPROBS)?;
-        let mut references = if self.cfg.kl_coef > 0.0 {
-            Some(floats(col::REF_LOGPROBS)?)
-        } else {
-            None
-        };
         let rewards = batch
             .map(|b| super::columns::f32s(b, col::REWARD, "learn"))
             .transpose()
@@ -318,219 +489,187 @@ impl Learner {
                     None => Ok(None),
                 }
             })?;
-        // Over every rank: rows, the rewards' sum and how many there were.
-        let mut step_totals = [
-            rows as f64,
-            rewards.as_ref().map_or(0.0, |r| r.iter().sum()),
-            rewards.as_ref().map_or(0, Vec::len) as f64,
-        ];
-        let member = self.data_parallel.as_ref();
-        sum_scalars(member, &mut step_totals)?;
-        let device = self.model.device();
-        let micro = self.cfg.micro_batch.max(1);
-        // Mini-batch k holds rows [k·rows/M, (k+1)·rows/M) of every rank; micro-batches lie within one.
-        let minis = self.cfg.mini_batches.max(1);
-        let bounds_of = |k: usize| (k * rows / minis, (k + 1) * rows / minis);
-        let budget = self.cfg.micro_batch_tokens;
+        Ok(LearnRows {
+            prompts: tokens(col::PROMPT_TOKENS)?,
+            responses: tokens(col::RESPONSE_TOKENS)?,
+            advantages: floats(col::ADVANTAGES)?,
+            behaviour: floats(col::BEHAVIOR_LOGPROBS)?,
+            references: if references {
+                Some(floats(col::REF_LOGPROBS)?)
+            } else {
+                None
+            },
+            rewards,
+        })
+    }
+
+    fn len(&self) -> usize {
+        self.prompts.len()
+    }
+
+    /// The padded width of row `i` in a forward pass.
+    fn width(&self, i: usize) -> usize {
+        self.prompts[i].len() + self.responses[i].len().max(1)
+    }
+
+    /// Mini-batch `k` of `minis`: rows `[k·rows/M, (k+1)·rows/M)` of every
+    /// rank (micro-batches lie within one).
+    fn mini_batch(&self, k: usize, minis: usize) -> (usize, usize) {
+        (k * self.len() / minis, (k + 1) * self.len() / minis)
+    }
+
+    /// The micro-batches of each of `minis` mini-batches: `micro` rows at a
+    /// time, or under a token `budget` (> 0) rows sorted by width within
+    /// their mini-batch (whose rows stay its own), so a micro-batch pads to
+    /// neighbours of its length, and cut where the budget is reached.
+    fn micro_batches(
+        &mut self,
+        minis: usize,
+        micro: usize,
+        budget: usize,
+    ) -> Vec<Vec<(usize, usize)>> {
+        let micro = micro.max(1);
         if budget > 0 {
-            // Rows sorted by length within each mini-batch (whose rows stay
-            // its own), so a micro-batch pads to neighbours of its length.
-            let width = |i: usize| prompts[i].len() + responses[i].len().max(1);
-            let mut order: Vec<usize> = Vec::with_capacity(rows);
-            for k in 0..minis {
-                let (lo, hi) = bounds_of(k);
-                let start = order.len();
-                order.extend(lo..hi);
-                order[start..].sort_by_key(|&i| width(i));
-            }
-            permute(&mut prompts, &order);
-            permute(&mut responses, &order);
-            permute(&mut advantages, &order);
-            permute(&mut behaviour, &order);
-            if let Some(refs) = references.as_mut() {
-                permute(refs, &order);
-            }
+            self.sort_by_width_within(minis);
         }
-        let ranges: Vec<Vec<(usize, usize)>> = (0..minis)
+        (0..minis)
             .map(|k| {
-                let (lo, hi) = bounds_of(k);
+                let (lo, hi) = self.mini_batch(k, minis);
                 if budget == 0 {
                     return (lo..hi)
                         .step_by(micro)
                         .map(|start| (start, (start + micro).min(hi)))
                         .collect();
                 }
-                let widths: Vec<usize> = (lo..hi)
-                    .map(|i| prompts[i].len() + responses[i].len().max(1))
-                    .collect();
+                let widths: Vec<usize> = (lo..hi).map(|i| self.width(i)).collect();
                 budget_cuts(&widths, micro, budget)
                     .into_iter()
                     .map(|(a, b)| (lo + a, lo + b))
                     .collect()
             })
-            .collect();
-        // The proximal policy: log-probs before this step's first update.
-        // With one optimizer step over the step's rows (one pass, one
-        // mini-batch), every micro-batch's training forward runs on exactly
-        // those weights, so its own log-probs, detached, are the proximal
-        // ones (the ratio is 1 at the update, as TRL's is at
-        // `num_iterations = 1`) and no pass of their own is needed. Adapter
-        // dropout makes the training forward another policy: then the pass runs.
-        let dropout = self.model.lora().is_some_and(|l| l.dropout > 0.0);
-        let one_update =
-            self.cfg.ppo_epochs.max(1) == 1 && minis == 1 && !dropout && !self.proximal_pass_always;
-        let proximal: Option<Vec<Vec<Tensor>>> = if one_update {
-            None
-        } else {
-            let _guard = tch::no_grad_guard();
-            let passes = ranges.iter().map(|mini| {
-                mini.iter()
-                    .map(|&(start, end)| {
-                        response_logprobs(
-                            &self.model,
-                            &prompts[start..end],
-                            &responses[start..end],
-                            self.cfg.temperature,
-                            self.cfg.logprob_chunk,
-                        )
-                        .map(|(lp, _)| lp)
-                    })
-                    .collect::<Result<Vec<_>, _>>()
-            });
-            Some(passes.collect::<Result<_, _>>()?)
-        };
-        // The weights change at the first optimizer step: the CPU kernels'
-        // packing of them is not needed beside the backward passes.
-        self.model.release_cpu_packing();
-        // Each mini-batch's loss is normalised by its own counts over every rank.
-        let scales: Vec<_> = (0..minis)
-            .map(|k| {
-                let (lo, hi) = bounds_of(k);
-                step_scale(
-                    member,
-                    responses[lo..hi].iter().map(Vec::len),
-                    self.cfg.policy.loss_scale_factor,
-                )
-            })
-            .collect::<Result<_, _>>()?;
-        let step_tokens: f64 = scales.iter().map(|s| s.tokens).sum();
-        // The last pass's figures, averaged over its mini-batches: loss, clip
-        // fraction, KL, entropy, mean importance weight, dropped fraction, grad norm.
-        let mut figures = [0.0; 7];
-        let mut bounds: Option<(f64, f64)> = None;
-        for _epoch in 0..self.cfg.ppo_epochs.max(1) {
-            figures = [0.0; 7];
-            bounds = None;
-            for (k, (mini, scale)) in ranges.iter().zip(&scales).enumerate() {
-                let olds = proximal.as_ref().map(|p| &p[k]);
-                // The optimizer's own step count: restored with its state, so
-                // a resumed run continues the schedule where it stopped.
-                let lr = self
-                    .cfg
-                    .schedule
-                    .rate(self.cfg.adamw.lr, self.optimizer.steps());
-                let total_tokens = scale.tokens.max(1.0);
-                let mut stats = [0.0; 6];
-                let (model, cfg) = (&self.model, &self.cfg);
-                let grad_norm = optimizer_step(
-                    &mut self.optimizer,
-                    member,
-                    lr,
-                    cfg.max_grad_norm,
-                    &mut stats,
-                    |stats| {
-                        for (j, &(start, end)) in mini.iter().enumerate() {
-                            let micro_loss = |fwd: ResponseForward| {
-                                let (lp, mask) = (fwd.logprobs, fwd.mask);
-                                let old =
-                                    olds.map_or_else(|| lp.detach(), |o| o[j].shallow_clone());
-                                let width = lp.size()[1] as usize;
-                                let adv = padded(&advantages[start..end], width, device);
-                                let behaviour_t = padded(&behaviour[start..end], width, device);
-                                let (agg, flavor) = (cfg.policy.aggregation, cfg.policy.flavor);
-                                let side = flavor.term_aggregation(agg);
-                                let out = policy_loss_in_step(
-                                    &lp,
-                                    &old,
-                                    &adv,
-                                    &mask,
-                                    Some(&behaviour_t),
-                                    &cfg.policy,
-                                    scale,
-                                );
-                                let mut loss = out.loss.shallow_clone();
-                                let share = mask.sum(Kind::Double).double_value(&[]) / total_tokens;
-                                if let Some(refs) = &references {
-                                    // KL to the reference as a loss term (GRPO's β · KL).
-                                    let ref_t = padded(&refs[start..end], width, device);
-                                    let kl = kl_tensor(&lp, &ref_t, cfg.kl_estimator, flavor);
-                                    stats[2] +=
-                                        (kl.detach() * &mask).sum(Kind::Double).double_value(&[])
-                                            / total_tokens;
-                                    loss += aggregate_in_step(&kl, &mask, side, flavor, scale)
-                                        * cfg.kl_coef;
-                                }
-                                if let Some(entropy) = &fwd.entropy {
-                                    if cfg.entropy_coef != 0.0 {
-                                        let bonus =
-                                            aggregate_in_step(entropy, &mask, side, flavor, scale);
-                                        loss -= bonus * cfg.entropy_coef;
-                                    }
-                                    stats[3] += (entropy.detach() * &mask)
-                                        .sum(Kind::Double)
-                                        .double_value(&[])
-                                        / total_tokens;
-                                }
-                                stats[0] += loss.double_value(&[]);
-                                stats[1] += out.clip_fraction * share;
-                                if cfg.policy.correction.is_some() {
-                                    let w = out.weight_stats;
-                                    stats[4] += w.mean * share;
-                                    stats[5] += w.masked * share;
-                                    bounds = Some(match bounds {
-                                        None => (w.min, w.max),
-                                        Some((l, h)) => (l.min(w.min), h.max(w.max)),
-                                    });
-                                }
-                                Ok((loss, ()))
-                            };
-                            response_backward(
-                                model,
-                                &prompts[start..end],
-                                &responses[start..end],
-                                cfg.temperature,
-                                Some(cfg.policy.flavor.entropy_temperature(cfg.temperature)),
-                                cfg.gradient_checkpointing,
-                                cfg.logprob_chunk,
-                                micro_loss,
-                            )?;
-                        }
-                        Ok(())
-                    },
-                )?;
-                for (f, x) in figures.iter_mut().zip(stats.iter().chain([&grad_norm])) {
-                    *f += x / minis as f64;
-                }
-            }
+            .collect()
+    }
+
+    /// Sorts the rows of each of `minis` mini-batches by width.
+    fn sort_by_width_within(&mut self, minis: usize) {
+        let mut order: Vec<usize> = Vec::with_capacity(self.len());
+        for k in 0..minis {
+            let (lo, hi) = self.mini_batch(k, minis);
+            let start = order.len();
+            order.extend(lo..hi);
+            order[start..].sort_by_key(|&i| self.width(i));
         }
-        // The weights' mean is over every rank; min and max stay this rank's.
-        let weights = bounds.map(|(min, max)| WeightStats {
-            mean: figures[4],
-            min,
-            max,
-            masked: figures[5],
-        });
-        self.last = UpdateStats {
-            loss: figures[0],
-            grad_norm: figures[6],
-            clip_fraction: figures[1],
-            kl: figures[2],
-            entropy: figures[3],
-            response_length: step_tokens / step_totals[0].max(1.0),
-            reward: (step_totals[2] > 0.0).then(|| step_totals[1] / step_totals[2]),
-            importance_weights: weights,
-        };
-        Ok(self.last)
+        permute(&mut self.prompts, &order);
+        permute(&mut self.responses, &order);
+        permute(&mut self.advantages, &order);
+        permute(&mut self.behaviour, &order);
+        if let Some(refs) = self.references.as_mut() {
+            permute(refs, &order);
+        }
+    }
+}
+
+/// What an optimizer step measured, or their mean over a pass's
+/// mini-batches: the loss, the clip fraction, the KL to the reference, the
+/// entropy, the mean importance weight and the fraction it masked, the
+/// gradient norm, and the importance weights' bounds on this rank.
+#[derive(Clone, Copy, Debug, Default)]
+struct PassFigures {
+    loss: f64,
+    clip_fraction: f64,
+    kl: f64,
+    entropy: f64,
+    weight_mean: f64,
+    masked: f64,
+    grad_norm: f64,
+    bounds: Option<(f64, f64)>,
+}
+
+impl PassFigures {
+    /// Adds one of `minis` mini-batches' figures to the pass's mean.
+    fn add(&mut self, step: &PassFigures, minis: usize) {
+        let m = minis as f64;
+        self.loss += step.loss / m;
+        self.clip_fraction += step.clip_fraction / m;
+        self.kl += step.kl / m;
+        self.entropy += step.entropy / m;
+        self.weight_mean += step.weight_mean / m;
+        self.masked += step.masked / m;
+        self.grad_norm += step.grad_norm / m;
+        self.bounds = widen(self.bounds, step.bounds);
+    }
+}
+
+/// The hull of two optional ranges.
+fn widen(a: Option<(f64, f64)>, b: Option<(f64, f64)>) -> Option<(f64, f64)> {
+    match (a, b) {
+        (None, b) => b,
+        (a, None) => a,
+        (Some((l, h)), Some((m, k))) => Some((l.min(m), h.max(k))),
+    }
+}
+
+/// One micro-batch's rows and what its loss is normalised by.
+struct MicroBatch<'a> {
+    cfg: &'a LearnerConfig,
+    rows: &'a LearnRows,
+    range: (usize, usize),
+    /// Its proximal log-probs (`None`: the training forward's, detached).
+    old: Option<&'a Tensor>,
+    scale: &'a StepScale,
+    device: tch::Device,
+}
+
+impl MicroBatch<'_> {
+    /// The micro-batch's share of the step's loss from its training forward
+    /// `fwd`: the policy loss, the KL to the reference (GRPO's β · KL) and
+    /// the entropy bonus. Adds its figures to `stats` (loss, clip fraction,
+    /// KL, entropy, mean importance weight, masked fraction: each a share
+    /// of the step's) and widens the importance weights' `bounds`.
+    fn loss(
+        &self,
+        fwd: ResponseForward,
+        stats: &mut [f64],
+        bounds: &mut Option<(f64, f64)>,
+    ) -> Tensor {
+        let (cfg, scale, (start, end)) = (self.cfg, self.scale, self.range);
+        let total_tokens = scale.tokens.max(1.0);
+        let (lp, mask) = (fwd.logprobs, fwd.mask);
+        let old = self.old.map_or_else(|| lp.detach(), Tensor::shallow_clone);
+        let width = lp.size()[1] as usize;
+        let adv = padded(&self.rows.advantages[start..end], width, self.device);
+        let behaviour = padded(&self.rows.behaviour[start..end], width, self.device);
+        let (agg, flavor) = (cfg.policy.aggregation, cfg.policy.flavor);
+        let side = flavor.term_aggregation(agg);
+        let out = policy_loss_in_step(&lp, &old, &adv, &mask, Some(&behaviour), &cfg.policy, scale);
+        let mut loss = out.loss.shallow_clone();
+        let share = mask.sum(Kind::Double).double_value(&[]) / total_tokens;
+        if let Some(refs) = &self.rows.references {
+            // KL to the reference as a loss term (GRPO's β · KL).
+            let ref_t = padded(&refs[start..end], width, self.device);
+            let kl = kl_tensor(&lp, &ref_t, cfg.kl_estimator, flavor);
+            stats[2] += (kl.detach() * &mask).sum(Kind::Double).double_value(&[]) / total_tokens;
+            loss += aggregate_in_step(&kl, &mask, side, flavor, scale) * cfg.kl_coef;
+        }
+        if let Some(entropy) = &fwd.entropy {
+            if cfg.entropy_coef != 0.0 {
+                let bonus = aggregate_in_step(entropy, &mask, side, flavor, scale);
+                loss -= bonus * cfg.entropy_coef;
+            }
+            stats[3] += (entropy.detach() * &mask)
+                .sum(Kind::Double)
+                .double_value(&[])
+                / total_tokens;
+        }
+        stats[0] += loss.double_value(&[]);
+        stats[1] += out.clip_fraction * share;
+        if cfg.policy.correction.is_some() {
+            let w = out.weight_stats;
+            stats[4] += w.mean * share;
+            stats[5] += w.masked * share;
+            *bounds = widen(*bounds, Some((w.min, w.max)));
+        }
+        loss
     }
 }
 
