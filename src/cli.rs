@@ -76,7 +76,41 @@ pub fn main() {
         }),
     };
     if let Err(err) = result {
-        eprintln!("error: {err:#}");
+        eprintln!("error: {}", one_line(&err));
         std::process::exit(1);
+    }
+}
+
+/// `err` and its causes on one line, each said once: a cause whose text
+/// the errors before it already hold (a stage's error inside the engine's
+/// message about that stage) is not repeated.
+pub fn one_line(err: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in err.chain() {
+        let text = cause.to_string();
+        if line.contains(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line
+}
+
+#[cfg(test)]
+mod tests {
+    use super::one_line;
+
+    #[test]
+    fn an_error_and_its_causes_make_one_line_each_said_once() {
+        let missing = std::io::Error::new(std::io::ErrorKind::NotFound, "reward.json is missing");
+        let stage = weir_graph::GraphError::stage("score", Some(3), 0, Box::new(missing));
+        let err = anyhow::Error::new(weir_pipelines::PipelineError::from(stage));
+        let said = "stage `score` failed at step 3 on worker 0: reward.json is missing";
+        assert_eq!(one_line(&err), said);
+        let err = err.context("run folder runs/a");
+        assert_eq!(one_line(&err), format!("run folder runs/a: {said}"));
     }
 }

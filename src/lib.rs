@@ -4,6 +4,8 @@
 //! [`graph`] (the timely dataflow engine), [`gpu`] (the model runtime),
 //! [`operators`] (RLHF stages and algorithms) and [`pipelines`].
 
+#![deny(missing_docs)]
+
 pub use weir_gpu as gpu;
 pub use weir_graph as graph;
 pub use weir_operators as operators;
@@ -16,3 +18,8 @@ pub mod model_cli;
 pub mod report;
 pub mod run_cli;
 pub mod sim;
+
+/// The README's code, compiled by `cargo test --doc` so that it stays true.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

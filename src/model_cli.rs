@@ -43,6 +43,7 @@ pub struct ModelArgs {
 /// Flags of `weir generate` beyond the model's.
 #[derive(Clone, Debug, clap::Args)]
 pub struct GenerateArgs {
+    /// The model and its device.
     #[command(flatten)]
     pub model: ModelArgs,
     /// Tokens to generate at most.

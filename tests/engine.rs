@@ -1015,7 +1015,7 @@ fn a_commit_point_is_announced_only_once_its_rows_and_metrics_are_on_disk() {
         .max_staleness(2)
         .steps(12)
         .metrics_path(args.out.join("metrics.parquet"))
-        .commits(commit::every(4, Some(11)), on_commit);
+        .commits(4, on_commit);
     weir::sim::sim_pipeline(&args).run(&settings).unwrap();
     assert_eq!(
         *seen.lock().unwrap(),

@@ -11,6 +11,8 @@
 //! folder: resolved config, rollouts, metrics, checkpoints, summary — and
 //! resumes one.
 
+#![deny(missing_docs)]
+
 pub mod config;
 pub mod context;
 pub mod eval;
@@ -151,6 +153,13 @@ pub enum PipelineError {
     /// The engine failed.
     #[error(transparent)]
     Graph(#[from] weir_graph::GraphError),
+    /// The model runtime failed.
+    #[error(transparent)]
+    Model(#[from] weir_gpu::ModelError),
+    /// A stage's or a role's own error (a bad prompt file, a reward that
+    /// cannot start, …), its cause kept.
+    #[error(transparent)]
+    Stage(weir_graph::StageError),
     /// Anything else, described.
     #[error("{0}")]
     Other(String),
@@ -164,12 +173,6 @@ impl From<String> for PipelineError {
 
 impl From<weir_graph::StageError> for PipelineError {
     fn from(e: weir_graph::StageError) -> Self {
-        PipelineError::Other(e.to_string())
-    }
-}
-
-impl From<weir_gpu::ModelError> for PipelineError {
-    fn from(e: weir_gpu::ModelError) -> Self {
-        PipelineError::Other(e.to_string())
+        PipelineError::Stage(e)
     }
 }

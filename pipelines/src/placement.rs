@@ -107,6 +107,12 @@ pub(crate) fn derived_cursors(
         rank: 0,
         role_size: 1,
         run: 0,
+        steps: weir_graph::RunSteps {
+            first: ctx.first_step,
+            last: Some(ctx.last_step),
+            max_staleness: cfg.run.max_staleness,
+            commit_every: Some(cfg.run.checkpoint_every),
+        },
     };
     let source = match kind {
         PipelineKind::Rm | PipelineKind::Dpo => crate::prompts::preference_pairs(cfg, ctx)(&probe)?,

@@ -58,18 +58,21 @@ fn source(
                 min_samples: cfg.curriculum.min_samples,
                 max_solve_rate: cfg.curriculum.max_solve_rate,
                 min_solve_rate: cfg.curriculum.min_solve_rate,
-                max_staleness: cfg.run.max_staleness,
+                max_staleness: w.steps.max_staleness,
             });
         }
-        // Epochs too few for the steps fail here, before any step trains.
-        if let Some(left) = src.steps_left() {
-            let needed = (ctx.last_step + 1).saturating_sub(ctx.first_step);
-            if left < needed {
-                return Err(src.shortfall(ctx.first_step + left, ctx.last_step).into());
+        let (first, last) = (w.steps.first, w.steps.last);
+        if let Some(last) = last {
+            // Epochs too few for the steps fail here, before any step trains.
+            if let Some(left) = src.steps_left() {
+                let needed = (last + 1).saturating_sub(first);
+                if left < needed {
+                    return Err(src.shortfall(first + left, last).into());
+                }
             }
+            src = src.required_through(last);
         }
         Ok(src
-            .required_through(ctx.last_step)
             .cursor_log(ctx.cursors.clone())
             .shard(w.rank, w.role_size))
     }

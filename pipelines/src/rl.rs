@@ -258,7 +258,7 @@ fn statistics_and_filter(
     let mut next = by_group.clone();
     if cfg.curriculum.enabled {
         let (view, threshold) = (ctx.stats.clone(), cfg.curriculum.solve_threshold);
-        let (checkpointer, k) = (ctx.checkpointer(cfg), cfg.run.max_staleness);
+        let checkpointer = ctx.checkpointer(cfg);
         let resumed = ctx
             .resumed_from
             .clone()
@@ -269,11 +269,8 @@ fn statistics_and_filter(
             Partition::ByKey(col::PROMPT_ID.into()),
             move |w| {
                 // The stats go into checkpoints and come back on a resume.
-                let stats = PromptStats::new(view.clone(), threshold).with_checkpoints(
-                    checkpointer.clone(),
-                    w,
-                    k,
-                );
+                let stats = PromptStats::new(view.clone(), threshold)
+                    .with_checkpoints(checkpointer.clone(), w);
                 match &resumed {
                     Some((dir, step)) => stats.restored_from(dir, *step, w),
                     None => Ok(stats),
@@ -287,13 +284,10 @@ fn statistics_and_filter(
         let filter = DynamicSamplingConfig {
             target_groups: (cfg.dynamic_sampling.target_groups > 0)
                 .then_some(cfg.dynamic_sampling.target_groups),
-            max_staleness: cfg.run.max_staleness,
             max_extra_steps: cfg.dynamic_sampling.max_extra_batches,
-            checkpoint_every: cfg.run.checkpoint_every,
-            last_step: ctx.last_step,
         };
-        pipeline = pipeline.stage("dynamic_sampling", TRAIN, next, move |_| {
-            Ok(DynamicSampling::new(filter))
+        pipeline = pipeline.stage("dynamic_sampling", TRAIN, next, move |w| {
+            Ok(DynamicSampling::new(filter, w.steps))
         });
         if filter.max_extra_steps > 0 && filter.target_groups.is_some() {
             // A step that waits for later steps' groups ends on an engine

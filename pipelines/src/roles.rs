@@ -72,7 +72,6 @@ pub fn actor(
     ctx: &RunContext,
 ) -> impl Fn(&WorkerInfo) -> Result<Box<dyn Stage>, StageError> + Send + Sync + 'static {
     let (cfg, actor, version) = (cfg.clone(), ctx.actor.clone(), ctx.version);
-    let (first_step, last_step) = (ctx.first_step, ctx.last_step);
     move |w| -> Result<Box<dyn Stage>, StageError> {
         let model = load_policy(&cfg, &actor, w)?;
         let tok = Tokenizer::load(Path::new(&cfg.model.path))?;
@@ -86,12 +85,8 @@ pub fn actor(
             let streaming = Streaming {
                 max_inflight: cfg.generate.max_inflight,
                 on_new_weights: cfg.generate.on_new_weights.policy(),
-                max_staleness: cfg.run.max_staleness,
-                first_step,
-                checkpoint_every: cfg.run.checkpoint_every,
-                last_step,
             };
-            generate = generate.streamed(streaming, version)?;
+            generate = generate.streamed(streaming, w.steps, version)?;
         }
         if cfg.eval.every == 0 || cfg.eval.prompts.is_empty() {
             return Ok(Box::new(generate));

@@ -330,7 +330,7 @@ fn train(req: &RunRequest, segment: &mut Segment) -> Result<RunReport, PipelineE
         .steps(cfg.run.steps - ctx.first_step)
         .resume_at(ctx.first_step, ctx.version)
         .metrics_path(dir.join("metrics.parquet"))
-        .commits(ctx.checkpointer(cfg).commit_points(), {
+        .commits(cfg.run.checkpoint_every, {
             let commits = ctx.commits.clone();
             let trimmed = Arc::new(std::sync::atomic::AtomicU64::new(0));
             Arc::new(move |at| {

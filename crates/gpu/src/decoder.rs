@@ -75,6 +75,8 @@ impl Proj {
     }
 }
 
+/// RMSNorm with a learned scale, normalising in float32 or better (as
+/// transformers does).
 #[derive(Debug)]
 pub struct RmsNorm {
     weight: Tensor,

@@ -6,6 +6,8 @@
 //! sequence-classification heads, log-probs, and devices. This crate knows
 //! nothing of timely or pipelines.
 
+#![deny(missing_docs)]
+
 pub mod adapter;
 pub mod checkpoint;
 pub mod collective;

@@ -589,6 +589,7 @@ mod tests {
             rank: index,
             role_size: 3,
             run: c.run(),
+            steps: crate::RunSteps::default(),
         };
         let handles: Vec<_> = (0..3)
             .map(|i| {
@@ -631,6 +632,7 @@ mod tests {
             rank: index,
             role_size: 2,
             run: c.run(),
+            steps: crate::RunSteps::default(),
         };
         let (a, b) = (
             join(&w(0), "g", &[0, 1]).unwrap(),

@@ -34,16 +34,19 @@ pub type OnCommit = Arc<dyn Fn(Step) -> Result<(), String> + Send + Sync>;
 /// Commit points every `every` steps (after steps `every − 1`, `2·every − 1`,
 /// …; none for 0) and at `last`, the run's last step (none after it).
 pub fn every(every: u64, last: Option<Step>) -> NextCommit {
-    Arc::new(move |from: Step| {
-        let periodic = (every > 0)
-            .then(|| (from + 1).div_ceil(every) * every - 1)
-            .filter(|&p| last.is_none_or(|l| p <= l));
-        let last = last.filter(|&l| l >= from);
-        match (periodic, last) {
-            (Some(p), Some(l)) => Some(p.min(l)),
-            (p, l) => p.or(l),
-        }
-    })
+    Arc::new(move |from: Step| next(every, last, from))
+}
+
+/// The first of [`every`]'s commit points at or after step `from`.
+pub fn next(every: u64, last: Option<Step>, from: Step) -> Option<Step> {
+    let periodic = (every > 0)
+        .then(|| (from + 1).div_ceil(every) * every - 1)
+        .filter(|&p| last.is_none_or(|l| p <= l));
+    let last = last.filter(|&l| l >= from);
+    match (periodic, last) {
+        (Some(p), Some(l)) => Some(p.min(l)),
+        (p, l) => p.or(l),
+    }
 }
 
 /// A capability held at the next commit point.

@@ -170,6 +170,8 @@ pub(crate) struct OperatorEnv {
     pub process: usize,
     /// The run's id ([`crate::stage::WorkerInfo::run`]).
     pub run: u64,
+    /// The run's steps ([`crate::stage::WorkerInfo::steps`]).
+    pub steps: crate::RunSteps,
     /// Workers per process.
     pub threads: usize,
 }

@@ -143,7 +143,7 @@ fn stage_chain<'scope>(
                     &spec.name,
                     sink,
                     env.clone(),
-                    settings.commit_points.clone(),
+                    settings.commit_points(),
                     settings.first_step,
                 ));
             }
@@ -170,16 +170,12 @@ fn open_sink(spec: &SinkSpec, workers: &[usize], env: &OperatorEnv) -> Option<Bo
         rank,
         role_size: workers.len(),
         run: env.run,
+        steps: env.steps,
     };
     match call_user(|| (spec.factory)(&info)) {
         Ok(sink) => Some(sink),
-        Err(message) => {
-            env.fail(GraphError::Stage {
-                stage: spec.name.clone(),
-                step: None,
-                worker: env.index,
-                message,
-            });
+        Err(cause) => {
+            env.fail(GraphError::stage(spec.name.clone(), None, env.index, cause));
             None
         }
     }
@@ -208,7 +204,7 @@ fn metrics_collector<'scope>(
         .clone()
         .filter(|_| index == metrics_worker);
     let mut by_step: std::collections::BTreeMap<Step, Vec<MetricRow>> = Default::default();
-    let (commits, first_step) = (settings.commit_points.clone(), settings.first_step);
+    let (commits, first_step) = (settings.commit_points(), settings.first_step);
     let env = env.clone();
     scope
         .concatenate(metric_streams)

@@ -17,6 +17,7 @@ use crate::commit::{CommitHold, NextCommit};
 use crate::control::OperatorEnv;
 use crate::error::call_user;
 use crate::stage::Sink;
+use crate::StageError;
 use crate::{Batch, GraphError, Router, Step};
 
 /// Re-addresses every batch of `stream` with `router`, for consumer `consumer`.
@@ -80,11 +81,8 @@ pub(crate) fn sink_operator<'scope>(
                     input.for_each(|_, data| data.clear());
                     return;
                 };
-                let fail = |step: Option<Step>, message: String| GraphError::Stage {
-                    stage: name.clone(),
-                    step,
-                    worker: env.index,
-                    message,
+                let fail = |step: Option<Step>, cause: StageError| {
+                    GraphError::stage(name.clone(), step, env.index, cause)
                 };
                 let mut failed = None;
                 input.for_each(|cap, data| {
@@ -92,8 +90,8 @@ pub(crate) fn sink_operator<'scope>(
                     open_steps.insert(step);
                     for batch in data.drain(..) {
                         if failed.is_none() {
-                            if let Err(message) = call_user(|| target.write(step, &batch.data)) {
-                                failed = Some(fail(Some(step), message));
+                            if let Err(cause) = call_user(|| target.write(step, &batch.data)) {
+                                failed = Some(fail(Some(step), cause));
                             }
                         }
                     }
@@ -103,8 +101,8 @@ pub(crate) fn sink_operator<'scope>(
                         break;
                     }
                     open_steps.remove(&step);
-                    if let Err(message) = call_user(|| target.end_step(step)) {
-                        failed = Some(fail(Some(step), message));
+                    if let Err(cause) = call_user(|| target.end_step(step)) {
+                        failed = Some(fail(Some(step), cause));
                     }
                 }
                 if failed.is_none() {
@@ -115,8 +113,8 @@ pub(crate) fn sink_operator<'scope>(
                     }
                 }
                 if failed.is_none() && frontier.is_empty() && open_steps.is_empty() {
-                    if let Err(message) = call_user(|| target.finish()) {
-                        failed = Some(fail(None, message));
+                    if let Err(cause) = call_user(|| target.finish()) {
+                        failed = Some(fail(None, cause));
                     }
                     sink = None;
                 }

@@ -405,12 +405,7 @@ fn guarded<R>(
     worker: usize,
     call: impl FnOnce() -> Result<R, StageError>,
 ) -> Result<R, GraphError> {
-    call_user(call).map_err(|message| GraphError::Stage {
-        stage: stage.to_string(),
-        step,
-        worker,
-        message,
-    })
+    call_user(call).map_err(|cause| GraphError::stage(stage, step, worker, cause))
 }
 
 /// Runs a runner's jobs inline or on an engine thread.

@@ -1,17 +1,21 @@
 //! The engine's error type: one variant per failure kind, each naming the
 //! stage, step, worker, column or value at fault.
 
+use std::sync::Arc;
+
 use crate::Step;
 
 /// What a stage returns when it fails: any error from any crate. The engine
 /// wraps it in [`GraphError::Stage`] with the stage's name and the step.
 pub type StageError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
+/// A stage's own error, kept as [`GraphError::Stage`]'s source.
+pub type StageCause = Arc<dyn std::error::Error + Send + Sync + 'static>;
+
 /// Errors of the dataflow engine.
-#[derive(Debug, Clone, thiserror::Error, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub enum GraphError {
     /// A stage, source or sink failed (returned an error or panicked).
-    #[error("stage `{stage}` failed{} on worker {worker}: {message}", step.map(|s| format!(" at step {s}")).unwrap_or_default())]
     Stage {
         /// The stage's name in the pipeline.
         stage: String,
@@ -21,15 +25,17 @@ pub enum GraphError {
         worker: usize,
         /// The stage's own error message.
         message: String,
+        /// The stage's own error, in the process where it failed (a peer
+        /// process's failure arrives as its message alone): match on it
+        /// with `downcast_ref`.
+        #[serde(skip)]
+        source: Option<StageCause>,
     },
     /// The pipeline description is inconsistent (unknown role, empty worker set, …).
-    #[error("invalid pipeline: {0}")]
     Pipeline(String),
     /// The execution settings are invalid (process id out of range, bad hostfile, …).
-    #[error("invalid execution settings: {0}")]
     Execution(String),
     /// A batch lacks a column the engine needs, or has it with the wrong type.
-    #[error("stage `{stage}`: column `{column}`: {problem}")]
     Column {
         /// The stage whose input or output was checked.
         stage: String,
@@ -39,7 +45,6 @@ pub enum GraphError {
         problem: String,
     },
     /// A row's staleness exceeded the bound; this is an engine bug, never a user error.
-    #[error("staleness {staleness} exceeds max_staleness {max_staleness} at step {step} (learner version {learner_version}, policy version {policy_version})")]
     StalenessViolated {
         /// The step the learner consumed.
         step: Step,
@@ -53,7 +58,6 @@ pub enum GraphError {
         max_staleness: u64,
     },
     /// A peer process stopped answering or its connection broke.
-    #[error("{peer} lost: {reason}")]
     PeerLost {
         /// Which peer (`process 1`), as far as it is known.
         peer: String,
@@ -61,10 +65,8 @@ pub enum GraphError {
         reason: String,
     },
     /// Encoding or decoding an Arrow batch or a weights payload failed.
-    #[error("codec: {0}")]
     Codec(String),
     /// A file could not be written or read.
-    #[error("{path}: {message}")]
     Io {
         /// The file or folder.
         path: String,
@@ -72,11 +74,83 @@ pub enum GraphError {
         message: String,
     },
     /// timely itself failed (a worker thread panicked outside any stage, a connection could not be set up).
-    #[error("dataflow runtime: {0}")]
     Runtime(String),
 }
 
+impl std::fmt::Display for GraphError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            GraphError::Stage {
+                stage,
+                step,
+                worker,
+                message,
+                ..
+            } => {
+                let at = step.map(|s| format!(" at step {s}")).unwrap_or_default();
+                write!(
+                    f,
+                    "stage `{stage}` failed{at} on worker {worker}: {message}"
+                )
+            }
+            GraphError::Pipeline(why) => write!(f, "invalid pipeline: {why}"),
+            GraphError::Execution(why) => write!(f, "invalid execution settings: {why}"),
+            GraphError::Column {
+                stage,
+                column,
+                problem,
+            } => write!(f, "stage `{stage}`: column `{column}`: {problem}"),
+            GraphError::StalenessViolated {
+                step,
+                learner_version,
+                policy_version,
+                staleness,
+                max_staleness,
+            } => write!(
+                f,
+                "staleness {staleness} exceeds max_staleness {max_staleness} at step {step} \
+                 (learner version {learner_version}, policy version {policy_version})"
+            ),
+            GraphError::PeerLost { peer, reason } => write!(f, "{peer} lost: {reason}"),
+            GraphError::Codec(why) => write!(f, "codec: {why}"),
+            GraphError::Io { path, message } => write!(f, "{path}: {message}"),
+            GraphError::Runtime(why) => write!(f, "dataflow runtime: {why}"),
+        }
+    }
+}
+
+impl std::error::Error for GraphError {
+    /// A stage's own error, itself (not its `Arc`), so that a caller can
+    /// `downcast_ref` it to its type.
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            GraphError::Stage {
+                source: Some(cause),
+                ..
+            } => Some(&**cause),
+            _ => None,
+        }
+    }
+}
+
 impl GraphError {
+    /// Stage `stage` failed (at `step`, on `worker`) with `cause`, kept as
+    /// the source.
+    pub fn stage(
+        stage: impl Into<String>,
+        step: Option<Step>,
+        worker: usize,
+        cause: StageError,
+    ) -> Self {
+        GraphError::Stage {
+            stage: stage.into(),
+            step,
+            worker,
+            message: cause.to_string(),
+            source: Some(Arc::from(cause)),
+        }
+    }
+
     pub(crate) fn io(path: impl AsRef<std::path::Path>, err: impl std::fmt::Display) -> Self {
         GraphError::Io {
             path: path.as_ref().display().to_string(),
@@ -85,13 +159,12 @@ impl GraphError {
     }
 }
 
-/// Calls user code (a stage, source, sink or factory), turning its error or
-/// its panic into a message: user code must never take a worker down.
-pub(crate) fn call_user<R>(call: impl FnOnce() -> Result<R, StageError>) -> Result<R, String> {
+/// Calls user code (a stage, source, sink or factory), turning its panic
+/// into an error: user code must never take a worker down.
+pub(crate) fn call_user<R>(call: impl FnOnce() -> Result<R, StageError>) -> Result<R, StageError> {
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(call)) {
-        Ok(Ok(value)) => Ok(value),
-        Ok(Err(err)) => Err(err.to_string()),
-        Err(payload) => Err(format!("panicked: {}", panic_message(payload.as_ref()))),
+        Ok(result) => result,
+        Err(payload) => Err(format!("panicked: {}", panic_message(payload.as_ref())).into()),
     }
 }
 

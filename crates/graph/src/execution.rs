@@ -184,9 +184,10 @@ pub struct RunSettings {
     /// How often the metrics file is also rewritten between commit points
     /// (for live readers; durability comes from the commit points).
     pub metrics_flush: Duration,
-    /// Where the run commits (see [`crate::commit`]): sinks and the metrics
-    /// file are made durable there before [`RunSettings::on_commit`] runs.
-    pub commit_points: Option<crate::commit::NextCommit>,
+    /// Commit points after every this many steps and at the last (0: at the
+    /// last only; `None`: none; see [`crate::commit`]): sinks and the
+    /// metrics file are made durable there before [`RunSettings::on_commit`] runs.
+    pub commit_every: Option<u64>,
     /// Called once the whole run has passed a commit point.
     pub on_commit: Option<crate::commit::OnCommit>,
     /// What every process of a cluster must agree on, hashed (the caller's
@@ -225,7 +226,7 @@ impl RunSettings {
             step_observer: None,
             prior_metrics: Vec::new(),
             metrics_flush: Duration::from_secs(10),
-            commit_points: None,
+            commit_every: None,
             on_commit: None,
             fingerprint: 0,
             cluster_secret: None,
@@ -305,15 +306,32 @@ impl RunSettings {
         self
     }
 
-    /// Commits at `points`, then calls `on_commit` (see [`crate::commit`]).
-    pub fn commits(
-        mut self,
-        points: crate::commit::NextCommit,
-        on_commit: crate::commit::OnCommit,
-    ) -> Self {
-        self.commit_points = Some(points);
+    /// Commits after every `every` steps and the last (0: the last only),
+    /// then calls `on_commit` (see [`crate::commit`]).
+    pub fn commits(mut self, every: u64, on_commit: crate::commit::OnCommit) -> Self {
+        self.commit_every = Some(every);
         self.on_commit = Some(on_commit);
         self
+    }
+
+    /// The run's steps as the stages see them ([`crate::WorkerInfo::steps`]).
+    pub fn run_steps(&self) -> crate::RunSteps {
+        crate::RunSteps {
+            first: self.first_step,
+            last: self
+                .steps
+                .and_then(|n| (self.first_step + n).checked_sub(1)),
+            max_staleness: self.max_staleness,
+            commit_every: self.commit_every,
+        }
+    }
+
+    /// Where the run commits: [`crate::RunSteps::next_commit`] as the sinks
+    /// and the driver hold it (`None`: nowhere).
+    pub(crate) fn commit_points(&self) -> Option<crate::commit::NextCommit> {
+        let steps = self.run_steps();
+        steps.commit_every?;
+        Some(std::sync::Arc::new(move |from| steps.next_commit(from)))
     }
 
     /// Sets where metrics are written.

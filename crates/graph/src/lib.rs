@@ -21,6 +21,8 @@
 //! - [`parquet_log`]: rows to rolling Parquet files;
 //! - [`synthetic`]: sleep-for-a-cost stages that emit real rows, for tests and benchmarks.
 
+#![deny(missing_docs)]
+
 pub mod backpressure;
 pub mod batch;
 pub mod cluster_secret;
@@ -49,7 +51,7 @@ pub use backpressure::Admission;
 pub use batch::Batch;
 pub use cluster_secret::ClusterSecret;
 pub use engine_thread::StageKind;
-pub use error::{GraphError, StageError};
+pub use error::{GraphError, StageCause, StageError};
 pub use execution::{Execution, MetricsObserver, RunSettings, StepObserver};
 pub use metrics::{MetricRow, RunReport};
 pub use parquet_log::ParquetLog;
@@ -57,9 +59,9 @@ pub use partition::{Partition, Router};
 pub use pipeline::Pipeline;
 pub use placement::{roles, Placement};
 pub use stage::{
-    Sink, Source, SourceContext, Stage, StepBuffer, StepContext, StepStage, WorkerInfo,
+    RunSteps, Sink, Source, SourceContext, Stage, StepBuffer, StepContext, StepStage, WorkerInfo,
 };
-pub use step_fill::{checkpoint_barriers, Started, StepFill};
+pub use step_fill::{Started, StepFill};
 pub use weights_edge::{
     InlineTransport, WeightsBody, WeightsChannel, WeightsMessage, WeightsPayload, WeightsTransport,
     WireNote,

@@ -218,6 +218,7 @@ fn drive_worker(
         peers: worker.peers(),
         process,
         run: collectives.run(),
+        steps: settings.run_steps(),
         threads: settings.execution.local_workers(),
     };
     let prior = if index == METRICS_WORKER {
@@ -262,9 +263,9 @@ fn drive_worker(
         control,
         fed: source.map(|source| (input, source)),
         admission: Admission::new(settings.first_step, settings.steps, settings.max_staleness),
-        commits: match (&settings.commit_points, &settings.on_commit) {
+        commits: match (settings.commit_points(), &settings.on_commit) {
             (Some(points), Some(on_commit)) => Some(CommitTracker::new(
-                points.clone(),
+                points,
                 on_commit.clone(),
                 settings.first_step,
             )),
@@ -332,16 +333,12 @@ fn open_source(
         rank,
         role_size: workers.len(),
         run: env.run,
+        steps: env.steps,
     };
     match call_user(|| (spec.factory)(&info)) {
         Ok(source) => Ok(Some((source, info))),
-        Err(message) => {
-            env.fail(GraphError::Stage {
-                stage: "source".into(),
-                step: None,
-                worker: env.index,
-                message,
-            });
+        Err(cause) => {
+            env.fail(GraphError::stage("source", None, env.index, cause));
             Ok(None)
         }
     }
@@ -463,12 +460,12 @@ impl Driver<'_> {
         match tracker.reached(first_incomplete) {
             Ok(()) => true,
             Err(message) => {
-                self.env.fail(GraphError::Stage {
-                    stage: "commit".into(),
-                    step: None,
-                    worker: self.env.index,
-                    message,
-                });
+                self.env.fail(GraphError::stage(
+                    "commit",
+                    None,
+                    self.env.index,
+                    message.into(),
+                ));
                 false
             }
         }
@@ -520,12 +517,12 @@ impl Driver<'_> {
                 input.advance_to(step + 1);
             }
             Ok(None) => self.source_done = true,
-            Err(message) => self.env.fail(GraphError::Stage {
-                stage: "source".into(),
-                step: Some(step),
-                worker: self.env.index,
-                message,
-            }),
+            Err(cause) => self.env.fail(GraphError::stage(
+                "source",
+                Some(step),
+                self.env.index,
+                cause,
+            )),
         }
         true
     }
@@ -581,4 +578,60 @@ fn offers_weights(pipeline: &Pipeline, settings: &RunSettings) -> Result<bool, G
         .is_some_and(|&w| w / threads == process);
     let generators = settings.placement.workers(generator)?;
     Ok(learns_here && crate::weights_edge::receiving_processes(&generators, threads, process) > 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::error::Error;
+
+    use arrow::array::RecordBatch;
+
+    use super::*;
+    use crate::synthetic::SyntheticPrompts;
+    use crate::{Partition, Placement, StepContext};
+
+    /// A stage whose every batch fails with an I/O error.
+    struct Failing;
+
+    impl crate::Stage for Failing {
+        fn process(
+            &mut self,
+            _: &mut StepContext,
+            _: RecordBatch,
+        ) -> Result<Vec<RecordBatch>, crate::StageError> {
+            Err(Box::new(std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "reward.json is missing",
+            )))
+        }
+    }
+
+    #[test]
+    fn a_stage_error_stays_the_run_error_source() {
+        let pipeline = Pipeline::new("failing")
+            .source("rollout", |_| Ok(SyntheticPrompts::new(2)))
+            .stage("score", "rollout", Partition::RoundRobin, |_| Ok(Failing));
+        let settings = RunSettings::new(
+            Execution::Threads(1),
+            Placement::new(1).assign("rollout", [0]),
+        )
+        .steps(2);
+        let err = pipeline.run(&settings).unwrap_err();
+        let GraphError::Stage {
+            stage,
+            step,
+            message,
+            ..
+        } = &err
+        else {
+            panic!("not a stage error: {err}");
+        };
+        assert_eq!((stage.as_str(), *step), ("score", Some(0)));
+        assert_eq!(message, "reward.json is missing");
+        let cause = err.source().expect("the stage's error is the source");
+        let io = cause
+            .downcast_ref::<std::io::Error>()
+            .expect("the source is the stage's own error, by type");
+        assert_eq!(io.kind(), std::io::ErrorKind::NotFound);
+    }
 }

@@ -26,6 +26,34 @@ pub struct WorkerInfo {
     /// The engine run this worker belongs to (0 outside a run): where
     /// [`crate::collective::join`] finds the run's collectives.
     pub run: u64,
+    /// The run's steps, staleness bound and commit points.
+    pub steps: RunSteps,
+}
+
+/// The run's steps as a stage may need them: where they start and end, the
+/// staleness bound, and the commit points (where checkpoints are taken).
+/// The engine hands them to every factory ([`WorkerInfo::steps`]), from
+/// the [`crate::RunSettings`] it runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RunSteps {
+    /// The first step (a resumed run continues its counter).
+    pub first: Step,
+    /// The last step (`None`: until the source runs dry).
+    pub last: Option<Step>,
+    /// k: a row trains at most k versions after the policy that sampled it.
+    pub max_staleness: u64,
+    /// Commit points after every this many steps and at the last (0: at
+    /// the last only); `None`: the run commits nothing.
+    pub commit_every: Option<u64>,
+}
+
+impl RunSteps {
+    /// The first commit point at or after step `from` (`None`: no more).
+    /// A stage that moves rows between steps moves none across one, so a
+    /// resume from its checkpoint regenerates exactly the steps after it.
+    pub fn next_commit(&self, from: Step) -> Option<Step> {
+        crate::commit::next(self.commit_every?, self.last, from)
+    }
 }
 
 impl WorkerInfo {
@@ -39,6 +67,7 @@ impl WorkerInfo {
             rank: 0,
             role_size: 1,
             run: 0,
+            steps: RunSteps::default(),
         }
     }
 }

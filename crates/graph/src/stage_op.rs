@@ -539,6 +539,7 @@ impl OpState {
             rank,
             role_size: cfg.workers.len(),
             run: env.run,
+            steps: env.steps,
         };
         let versions = Versions {
             initial: cfg.version,

@@ -44,20 +44,6 @@ use std::collections::BTreeMap;
 
 use crate::{PolicyVersion, Step};
 
-/// The barrier steps of a run that checkpoints every `every` steps (0:
-/// never) and ends at `last`: `barrier(s)` is the first checkpoint step at
-/// or after `s`, or `last`, whichever comes first (`None` past `last`
-/// without checkpoints). A stage that moves rows between steps moves none
-/// across a barrier, so a resume from its checkpoint regenerates exactly
-/// the steps after it.
-pub fn checkpoint_barriers(every: u64, last: Step) -> impl Fn(Step) -> Option<Step> + Send + Copy {
-    move |s: Step| {
-        let checkpoint = (every > 0).then(|| (s / every + 1) * every - 1);
-        let last = (s <= last).then_some(last);
-        checkpoint.into_iter().chain(last).min()
-    }
-}
-
 /// A group started in a [`StepFill`]: its input step and deadline.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Started {

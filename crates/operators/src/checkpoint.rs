@@ -30,6 +30,7 @@ use weir_gpu::snapshot::{from_safetensors, save_safetensors, write_atomically};
 use weir_gpu::Model;
 use weir_graph::StageError;
 
+use crate::error::OperatorError;
 use crate::stages::cursor::{Cursor, CursorLog};
 
 /// The run state stored beside the weights.
@@ -176,11 +177,6 @@ impl Checkpointer {
         (self.every > 0 && (step + 1).is_multiple_of(self.every)) || self.last_step == Some(step)
     }
 
-    /// The steps [`Checkpointer::due`] names, as the engine's commit points.
-    pub fn commit_points(&self) -> weir_graph::commit::NextCommit {
-        weir_graph::commit::every(self.every, self.last_step)
-    }
-
     /// The folder of step `step`'s checkpoint.
     pub fn dir(&self, step: u64) -> PathBuf {
         self.root.join(format!("step-{step}"))
@@ -203,14 +199,14 @@ impl Checkpointer {
         save_safetensors(&tmp.join("optimizer.safetensors"), &tensors, None, &meta)?;
         let target = dir.join(component);
         let _ = std::fs::remove_dir_all(&target);
-        std::fs::rename(&tmp, &target).map_err(|e| format!("{}: {e}", target.display()))?;
+        std::fs::rename(&tmp, &target).map_err(|e| OperatorError::file(&target, e))?;
         Ok(target)
     }
 
     /// Writes step `state.step`'s `state.json` (after its components).
     pub fn save_state(&self, state: &CheckpointState) -> Result<(), StageError> {
         let dir = self.dir(state.step);
-        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        std::fs::create_dir_all(&dir).map_err(|e| OperatorError::file(&dir, e))?;
         let text = serde_json::to_string_pretty(&state.to_json()).map_err(|e| e.to_string())?;
         write_atomically(&dir.join("state.json"), text.as_bytes())?;
         Ok(())
@@ -318,16 +314,15 @@ impl CheckpointPlan {
 /// Restores `optimizer` from `component_dir/optimizer.safetensors`.
 pub fn load_optimizer(component_dir: &Path, optimizer: &mut Optimizer) -> Result<(), StageError> {
     let path = component_dir.join("optimizer.safetensors");
-    let bytes = std::fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let (tensors, meta) =
-        from_safetensors(&bytes).map_err(|e| format!("{}: {e}", path.display()))?;
+    let bytes = std::fs::read(&path).map_err(|e| OperatorError::file(&path, e))?;
+    let (tensors, meta) = from_safetensors(&bytes).map_err(|e| OperatorError::file(&path, e))?;
     let steps = meta
         .get("steps")
         .and_then(|s| s.parse().ok())
         .ok_or_else(|| format!("{}: no `steps` in the metadata", path.display()))?;
     optimizer
         .load_state(&tensors, steps)
-        .map_err(|e| format!("{}: {e}", path.display()).into())
+        .map_err(|e| OperatorError::file(&path, e).into())
 }
 
 /// The newest complete checkpoint under `root`: its folder and state.
@@ -375,8 +370,7 @@ fn complete_state(dir: &Path) -> Result<Option<CheckpointState>, StageError> {
     let Ok(text) = std::fs::read_to_string(&path) else {
         return Ok(None);
     };
-    let value: Value =
-        serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let value: Value = serde_json::from_str(&text).map_err(|e| OperatorError::file(&path, e))?;
     let state = CheckpointState::from_json(&value, &path)?;
     Ok(state
         .components

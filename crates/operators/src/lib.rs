@@ -7,11 +7,15 @@
 //! and verl's semantics. The engine's own column names live in
 //! `weir_graph::columns`.
 
+#![deny(missing_docs)]
+
 pub mod algorithms;
 pub mod checkpoint;
+pub mod error;
 pub mod rewards;
 pub mod rollout;
 pub mod stages;
 pub mod tasks;
 
+pub use error::OperatorError;
 pub use weir_graph::columns;

@@ -353,12 +353,14 @@ fn dapo_filters_groups_and_feeds_prompt_stats_through_the_engine() {
             Partition::ByKey(col::PROMPT_ID.into()),
             move |_| Ok(PromptStats::new(stats_view.clone(), 1.0)),
         )
-        .stage("filter", "train", Partition::Local, move |_| {
-            Ok(DynamicSampling::new(DynamicSamplingConfig {
-                target_groups: Some(target),
-                max_staleness: 1,
-                ..DynamicSamplingConfig::default()
-            }))
+        .stage("filter", "train", Partition::Local, move |w| {
+            Ok(DynamicSampling::new(
+                DynamicSamplingConfig {
+                    target_groups: Some(target),
+                    ..DynamicSamplingConfig::default()
+                },
+                w.steps,
+            ))
         })
         .stage("advantage", "train", Partition::Local, |_| {
             Ok(GroupAdvantage::new(GroupEstimator::Grpo, Flavor::OpenRlhf))

@@ -32,6 +32,7 @@ use arrow::array::RecordBatch;
 use serde_json::{json, Value};
 use weir_graph::{Stage, StageError, StepContext};
 
+use crate::error::OperatorError;
 use crate::rollout::col;
 use crate::stages::columns::{strings, with_rewards};
 
@@ -226,7 +227,7 @@ impl PythonReward {
         let workers = (0..cfg.workers.max(1))
             .map(|_| Worker::start(&cfg).map(Some))
             .collect::<Result<Vec<_>, String>>()
-            .map_err(|e| format!("reward {}: {e}", cfg.name()))?;
+            .map_err(|e| OperatorError::reward(cfg.name(), e))?;
         Ok(PythonReward { cfg, workers })
     }
 
@@ -292,7 +293,7 @@ impl PythonReward {
         let mut rewards = Vec::with_capacity(n);
         let mut logs: BTreeMap<String, (f64, usize)> = BTreeMap::new();
         for result in results {
-            let (r, l) = result.map_err(|e| format!("reward {}: {e}", self.cfg.name()))?;
+            let (r, l) = result.map_err(|e| OperatorError::reward(self.cfg.name(), e))?;
             let rows = r.len();
             rewards.extend(r);
             for (k, v) in l {

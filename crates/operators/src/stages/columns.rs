@@ -8,10 +8,26 @@ use arrow::array::{
 use arrow::datatypes::{DataType, Field, Float32Type, Int64Type, UInt32Type, UInt64Type};
 use weir_graph::StageError;
 
+use crate::rollout::SchemaError;
+
 fn column<'a>(batch: &'a RecordBatch, name: &str, stage: &str) -> Result<&'a ArrayRef, StageError> {
-    batch
-        .column_by_name(name)
-        .ok_or_else(|| format!("stage `{stage}`: column `{name}` is missing").into())
+    batch.column_by_name(name).ok_or_else(|| {
+        SchemaError::Missing {
+            stage: stage.into(),
+            column: name.into(),
+        }
+        .into()
+    })
+}
+
+/// Column `name` of `stage` holds `found` where `expected` belongs.
+fn wrong_type(stage: &str, name: &str, expected: &str, found: String) -> SchemaError {
+    SchemaError::WrongType {
+        stage: stage.into(),
+        column: name.into(),
+        expected: expected.into(),
+        found,
+    }
 }
 
 /// A `List<Int64>` column as rows of ids.
@@ -21,21 +37,20 @@ pub fn token_lists(
     stage: &str,
 ) -> Result<Vec<Vec<i64>>, StageError> {
     let col = column(batch, name, stage)?;
-    let list = col.as_list_opt::<i32>().ok_or_else(|| {
-        format!(
-            "stage `{stage}`: column `{name}` is {}, expected list<int64>",
-            col.data_type()
-        )
-    })?;
+    let list = col
+        .as_list_opt::<i32>()
+        .ok_or_else(|| wrong_type(stage, name, "list<int64>", col.data_type().to_string()))?;
     (0..list.len())
         .map(|i| {
             let v = list.value(i);
             v.as_primitive_opt::<Int64Type>()
                 .map(|p| p.values().to_vec())
                 .ok_or_else(|| {
-                    format!(
-                        "stage `{stage}`: column `{name}` holds {}, expected int64",
-                        v.data_type()
+                    wrong_type(
+                        stage,
+                        name,
+                        "list<int64>",
+                        format!("list<{}>", v.data_type()),
                     )
                     .into()
                 })
@@ -50,21 +65,20 @@ pub fn float_lists(
     stage: &str,
 ) -> Result<Vec<Vec<f64>>, StageError> {
     let col = column(batch, name, stage)?;
-    let list = col.as_list_opt::<i32>().ok_or_else(|| {
-        format!(
-            "stage `{stage}`: column `{name}` is {}, expected list<float32>",
-            col.data_type()
-        )
-    })?;
+    let list = col
+        .as_list_opt::<i32>()
+        .ok_or_else(|| wrong_type(stage, name, "list<float32>", col.data_type().to_string()))?;
     (0..list.len())
         .map(|i| {
             let v = list.value(i);
             v.as_primitive_opt::<Float32Type>()
                 .map(|p| p.values().iter().map(|x| f64::from(*x)).collect())
                 .ok_or_else(|| {
-                    format!(
-                        "stage `{stage}`: column `{name}` holds {}, expected float32",
-                        v.data_type()
+                    wrong_type(
+                        stage,
+                        name,
+                        "list<float32>",
+                        format!("list<{}>", v.data_type()),
                     )
                     .into()
                 })
@@ -77,12 +91,7 @@ pub fn u64s(batch: &RecordBatch, name: &str, stage: &str) -> Result<Vec<u64>, St
     let col = column(batch, name, stage)?;
     Ok(col
         .as_primitive_opt::<UInt64Type>()
-        .ok_or_else(|| {
-            format!(
-                "stage `{stage}`: column `{name}` is {}, expected uint64",
-                col.data_type()
-            )
-        })?
+        .ok_or_else(|| wrong_type(stage, name, "uint64", col.data_type().to_string()))?
         .values()
         .to_vec())
 }
@@ -92,12 +101,7 @@ pub fn u32s(batch: &RecordBatch, name: &str, stage: &str) -> Result<Vec<u32>, St
     let col = column(batch, name, stage)?;
     Ok(col
         .as_primitive_opt::<UInt32Type>()
-        .ok_or_else(|| {
-            format!(
-                "stage `{stage}`: column `{name}` is {}, expected uint32",
-                col.data_type()
-            )
-        })?
+        .ok_or_else(|| wrong_type(stage, name, "uint32", col.data_type().to_string()))?
         .values()
         .to_vec())
 }
@@ -119,12 +123,7 @@ pub fn f32s(batch: &RecordBatch, name: &str, stage: &str) -> Result<Vec<f64>, St
     let col = column(batch, name, stage)?;
     Ok(col
         .as_primitive_opt::<Float32Type>()
-        .ok_or_else(|| {
-            format!(
-                "stage `{stage}`: column `{name}` is {}, expected float32",
-                col.data_type()
-            )
-        })?
+        .ok_or_else(|| wrong_type(stage, name, "float32", col.data_type().to_string()))?
         .values()
         .iter()
         .map(|x| f64::from(*x))
@@ -174,12 +173,9 @@ pub fn rewards(batch: &RecordBatch, stage: &str) -> Result<Vec<f64>, StageError>
 /// A `Utf8` column.
 pub fn strings(batch: &RecordBatch, name: &str, stage: &str) -> Result<Vec<String>, StageError> {
     let col = column(batch, name, stage)?;
-    let s = col.as_string_opt::<i32>().ok_or_else(|| {
-        format!(
-            "stage `{stage}`: column `{name}` is {}, expected utf8",
-            col.data_type()
-        )
-    })?;
+    let s = col
+        .as_string_opt::<i32>()
+        .ok_or_else(|| wrong_type(stage, name, "utf8", col.data_type().to_string()))?;
     Ok((0..s.len()).map(|i| s.value(i).to_string()).collect())
 }
 
@@ -235,4 +231,53 @@ pub fn bool_list_array(rows: &[Vec<bool>]) -> ArrayRef {
         b.append(true);
     }
     Arc::new(b.finish())
+}
+
+#[cfg(test)]
+mod tests {
+    use arrow::array::Float32Array;
+    use arrow::datatypes::Schema;
+
+    use super::*;
+    use crate::error::OperatorError;
+
+    #[test]
+    fn a_bad_column_is_a_schema_error_naming_stage_and_column() {
+        let schema = Schema::new(vec![Field::new("reward", DataType::Float32, false)]);
+        let batch = RecordBatch::try_new(
+            Arc::new(schema),
+            vec![Arc::new(Float32Array::from(vec![1.0f32])) as ArrayRef],
+        )
+        .unwrap();
+        let missing = u64s(&batch, "prompt_id", "advantage").unwrap_err();
+        assert_eq!(
+            missing.downcast_ref::<SchemaError>(),
+            Some(&SchemaError::Missing {
+                stage: "advantage".into(),
+                column: "prompt_id".into(),
+            })
+        );
+        let wrong = token_lists(&batch, "reward", "learn").unwrap_err();
+        assert_eq!(
+            wrong.to_string(),
+            "stage `learn`: column `reward` is Float32, expected list<int64>"
+        );
+        assert!(matches!(
+            wrong.downcast_ref::<SchemaError>(),
+            Some(SchemaError::WrongType { expected, .. }) if expected == "list<int64>"
+        ));
+    }
+
+    #[test]
+    fn an_operator_error_keeps_its_cause() {
+        use std::error::Error;
+        let io = std::io::Error::new(std::io::ErrorKind::PermissionDenied, "denied");
+        let err = OperatorError::file("/runs/a/state.json", io);
+        assert_eq!(err.to_string(), "/runs/a/state.json: denied");
+        let cause = err.source().expect("the I/O error is the source");
+        assert_eq!(
+            cause.downcast_ref::<std::io::Error>().map(|e| e.kind()),
+            Some(std::io::ErrorKind::PermissionDenied)
+        );
+    }
 }

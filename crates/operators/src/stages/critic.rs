@@ -19,6 +19,7 @@ use super::columns::{float_list_array, float_lists, token_lists};
 use super::sequences::pack_for;
 use super::train_step::{optimizer_step, step_scale};
 use crate::algorithms::{value_loss_in_step, Aggregation, Flavor};
+use crate::error::OperatorError;
 use crate::rollout::col;
 
 type Maker<T> = Box<dyn Fn(&WorkerInfo) -> Result<T, StageError> + Send + Sync>;
@@ -310,7 +311,7 @@ impl StepStage for CriticLearner {
                         Ok(())
                     },
                 )
-                .map_err(|e| format!("step {}: the critic's fit: {e}", ctx.step))?;
+                .map_err(|e| OperatorError::step(ctx.step, format!("the critic's fit: {e}")))?;
                 loss_sum += stats[0] / minis as f64;
                 if scale.tokens > 0.0 {
                     clip_fraction += stats[1] / scale.tokens / minis as f64;

@@ -32,7 +32,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use arrow::array::{RecordBatch, UInt32Array};
 use arrow::compute::{concat_batches, take_record_batch};
-use weir_graph::{Stage, StageError, Step, StepBuffer, StepContext};
+use weir_graph::{RunSteps, Stage, StageError, Step, StepBuffer, StepContext};
 
 use super::columns::{scores, trained_at, u64s};
 use crate::rollout::col;
@@ -42,16 +42,10 @@ use crate::rollout::col;
 pub struct DynamicSamplingConfig {
     /// Groups per step sent on (`None`: every informative group).
     pub target_groups: Option<usize>,
-    /// The run's `max_staleness`: how long a group may wait in the pool.
-    pub max_staleness: u64,
     /// How many later input steps a step short of its target waits for
-    /// (0: none; at most `max_staleness`, and only with a target).
+    /// (0: none; at most the run's `max_staleness`, and only with a
+    /// target). No group crosses a commit point backwards.
     pub max_extra_steps: u64,
-    /// Checkpoint steps, which no group crosses backwards: every this many
-    /// steps (0: none) …
-    pub checkpoint_every: u64,
-    /// … and the run's last step.
-    pub last_step: Step,
 }
 
 impl Default for DynamicSamplingConfig {
@@ -59,10 +53,7 @@ impl Default for DynamicSamplingConfig {
     fn default() -> Self {
         DynamicSamplingConfig {
             target_groups: None,
-            max_staleness: 0,
             max_extra_steps: 0,
-            checkpoint_every: 0,
-            last_step: Step::MAX,
         }
     }
 }
@@ -87,6 +78,9 @@ struct Tally {
 /// The filter stage.
 pub struct DynamicSampling {
     cfg: DynamicSamplingConfig,
+    /// The run's steps: how long a group may wait in the pool (k), and
+    /// the commit points no group crosses backwards.
+    steps: RunSteps,
     pool: Vec<Pooled>,
     held: StepBuffer,
     /// Input steps whose rows have all joined the pool (from the next step
@@ -100,9 +94,10 @@ pub struct DynamicSampling {
 
 impl DynamicSampling {
     /// A filter with `cfg`.
-    pub fn new(cfg: DynamicSamplingConfig) -> Self {
+    pub fn new(cfg: DynamicSamplingConfig, steps: RunSteps) -> Self {
         DynamicSampling {
             cfg,
+            steps,
             pool: Vec::new(),
             held: super::rows_in_order(),
             admitted: BTreeMap::new(),
@@ -168,11 +163,9 @@ impl DynamicSampling {
             Some(target) if self.waits() => target,
             _ => return admitted(step).then_some(step),
         };
-        let barrier =
-            weir_graph::checkpoint_barriers(self.cfg.checkpoint_every, self.cfg.last_step)(step)
-                .unwrap_or(Step::MAX);
+        let barrier = self.steps.next_commit(step).unwrap_or(Step::MAX);
         let limit = step.saturating_add(self.cfg.max_extra_steps).min(barrier);
-        let k = self.cfg.max_staleness;
+        let k = self.steps.max_staleness;
         let mut j = step;
         loop {
             if !admitted(j) {
@@ -214,7 +207,7 @@ impl Stage for DynamicSampling {
             )
         })?;
         let before = self.pool.len();
-        let k = self.cfg.max_staleness;
+        let k = self.steps.max_staleness;
         self.pool.retain(|p| p.version + k >= step);
         let expired = before - self.pool.len();
         // The oldest first: by version, then input step and group (the
@@ -325,11 +318,16 @@ mod tests {
 
     #[test]
     fn uniform_groups_are_dropped_and_the_rest_fill_later_steps() {
-        let mut stage = DynamicSampling::new(DynamicSamplingConfig {
-            target_groups: Some(2),
-            max_staleness: 1,
-            ..DynamicSamplingConfig::default()
-        });
+        let mut stage = DynamicSampling::new(
+            DynamicSamplingConfig {
+                target_groups: Some(2),
+                ..DynamicSamplingConfig::default()
+            },
+            RunSteps {
+                max_staleness: 1,
+                ..RunSteps::default()
+            },
+        );
         // Step 0: group 1 all solved, group 2 all failed: dropped; 0, 3, 4 informative.
         let (out, metrics) = step(
             &mut stage,
@@ -397,7 +395,7 @@ mod tests {
     /// penalty made its rewards differ (verl's DAPO filters on `acc`).
     #[test]
     fn groups_are_judged_by_their_scores_before_an_overlong_penalty() {
-        let mut stage = DynamicSampling::new(DynamicSamplingConfig::default());
+        let mut stage = DynamicSampling::new(DynamicSamplingConfig::default(), RunSteps::default());
         let rows = [(0, 1.0, 0), (0, 0.5, 0), (1, 1.0, 0), (1, 0.0, 0)];
         let scored = weir_graph::batch::with_column(
             &batch(&rows),
@@ -449,12 +447,16 @@ mod tests {
 
     #[test]
     fn a_short_step_waits_for_the_next_input_steps_as_verl_generates_more_batches() {
-        let mut stage = DynamicSampling::new(DynamicSamplingConfig {
-            target_groups: Some(2),
-            max_staleness: 1,
-            max_extra_steps: 1,
-            ..DynamicSamplingConfig::default()
-        });
+        let mut stage = DynamicSampling::new(
+            DynamicSamplingConfig {
+                target_groups: Some(2),
+                max_extra_steps: 1,
+            },
+            RunSteps {
+                max_staleness: 1,
+                ..RunSteps::default()
+            },
+        );
         assert!(stage.streaming());
         // Input step 0 has one informative group of two: step 0 waits for input step 1.
         arrive(
@@ -516,13 +518,17 @@ mod tests {
     fn a_checkpoint_step_takes_no_later_input_step_and_order_of_arrival_does_not_matter() {
         // Checkpoints every 2 steps: step 1 is a barrier and trains short
         // rather than take input step 2's group.
-        let mut stage = DynamicSampling::new(DynamicSamplingConfig {
-            target_groups: Some(2),
-            max_staleness: 2,
-            max_extra_steps: 2,
-            checkpoint_every: 2,
-            ..DynamicSamplingConfig::default()
-        });
+        let mut stage = DynamicSampling::new(
+            DynamicSamplingConfig {
+                target_groups: Some(2),
+                max_extra_steps: 2,
+            },
+            RunSteps {
+                max_staleness: 2,
+                commit_every: Some(2),
+                ..RunSteps::default()
+            },
+        );
         arrive(&mut stage, 0, &[(0, 1.0, 0), (0, 0.0, 0)]);
         stage.input_ended(0);
         arrive(
@@ -540,11 +546,16 @@ mod tests {
         assert_eq!(metrics["extra_steps"], 0.0);
         // Without waiting, rows of the next input step that arrive early
         // are left to it: a step takes its own input steps only.
-        let mut stage = DynamicSampling::new(DynamicSamplingConfig {
-            target_groups: Some(2),
-            max_staleness: 1,
-            ..DynamicSamplingConfig::default()
-        });
+        let mut stage = DynamicSampling::new(
+            DynamicSamplingConfig {
+                target_groups: Some(2),
+                ..DynamicSamplingConfig::default()
+            },
+            RunSteps {
+                max_staleness: 1,
+                ..RunSteps::default()
+            },
+        );
         assert!(!stage.streaming());
         arrive(&mut stage, 0, &[(0, 1.0, 0), (0, 0.0, 0)]);
         arrive(&mut stage, 1, &[(1, 1.0, 0), (1, 0.0, 0)]);
@@ -554,7 +565,7 @@ mod tests {
 
     #[test]
     fn without_a_target_every_informative_group_passes() {
-        let mut stage = DynamicSampling::new(DynamicSamplingConfig::default());
+        let mut stage = DynamicSampling::new(DynamicSamplingConfig::default(), RunSteps::default());
         let (out, _) = step(
             &mut stage,
             0,

@@ -22,7 +22,9 @@ use weir_gpu::{
 };
 use weir_graph::batch::with_column;
 use weir_graph::weights_edge::now_unix_s;
-use weir_graph::{PolicyVersion, Stage, StageError, Step, StepContext, StepFill, WeightsPayload};
+use weir_graph::{
+    PolicyVersion, RunSteps, Stage, StageError, Step, StepContext, StepFill, WeightsPayload,
+};
 
 use super::columns::{
     bool_list_array, float_list_array, token_list_array, token_lists, u32_list_array, u32s, u64s,
@@ -52,15 +54,6 @@ pub struct Streaming {
     pub max_inflight: usize,
     /// What in-flight sequences do when new weights arrive.
     pub on_new_weights: OnNewWeights,
-    /// The run's staleness bound k: a group that starts under version `v`
-    /// may join any step up to `v + k` as it finishes ([`StepFill`]).
-    pub max_staleness: u64,
-    /// The first step of this segment of the run.
-    pub first_step: Step,
-    /// Checkpoint steps, which no group crosses: every this many steps (0: none) …
-    pub checkpoint_every: u64,
-    /// … and the run's last step.
-    pub last_step: Step,
 }
 
 impl Generate {
@@ -120,10 +113,13 @@ impl Generate {
     }
 
     /// Streams instead: rows join a pool of `settings.max_inflight`
-    /// sequences; the model holds policy `version`.
+    /// sequences; the model holds policy `version`. A group that starts
+    /// under version `v` may join any step up to `v + k` of the run's
+    /// `steps` as it finishes ([`StepFill`]), never across a commit point.
     pub fn streamed(
         mut self,
         settings: Streaming,
+        steps: RunSteps,
         version: PolicyVersion,
     ) -> Result<Self, StageError> {
         let streamer = Streamer::new(
@@ -134,11 +130,10 @@ impl Generate {
             version_u32(version)?,
             self.backend,
         )?;
-        let barrier =
-            weir_graph::checkpoint_barriers(settings.checkpoint_every, settings.last_step);
+        let barrier = move |s| steps.next_commit(s);
         self.stream = Some(StreamState {
             streamer,
-            fill: StepFill::new(settings.max_staleness, barrier).starting_at(settings.first_step),
+            fill: StepFill::new(steps.max_staleness, barrier).starting_at(steps.first),
             batches: BTreeMap::new(),
             next_batch: 0,
             held: None,

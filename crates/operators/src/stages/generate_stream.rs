@@ -248,7 +248,7 @@ mod tests {
     use std::sync::Arc;
     use tch::Kind;
     use weir_gpu::{Model, OnNewWeights, SamplingParams, Tokenizer};
-    use weir_graph::{Stage, WorkerInfo};
+    use weir_graph::{RunSteps, Stage, WorkerInfo};
 
     use crate::stages::generate::Streaming;
 
@@ -269,10 +269,11 @@ mod tests {
                 Streaming {
                     max_inflight: pool,
                     on_new_weights: policy,
+                },
+                RunSteps {
+                    last: Some(10),
                     max_staleness: 1,
-                    first_step: 0,
-                    checkpoint_every: 0,
-                    last_step: 10,
+                    ..RunSteps::default()
                 },
                 0,
             )

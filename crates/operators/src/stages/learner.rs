@@ -25,6 +25,7 @@ use crate::algorithms::{
     WeightStats,
 };
 use crate::checkpoint::CheckpointPlan;
+use crate::error::OperatorError;
 use crate::rollout::col;
 
 /// Learner settings.
@@ -689,7 +690,7 @@ impl StepStage for Learner {
         // A data-parallel rank without rows still joins the ranks' sums.
         if rows.is_some() || self.data_parallel.is_some() {
             self.update_rows(rows.as_ref())
-                .map_err(|e| format!("step {}: {e}", ctx.step))?;
+                .map_err(|e| OperatorError::step(ctx.step, e))?;
             if let Some(batch) = rows {
                 out.push(batch);
             }

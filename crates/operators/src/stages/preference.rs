@@ -24,6 +24,7 @@ use super::learner::LrSchedule;
 use super::sequences::response_forward;
 use super::sequences::{pack_for, response_targets};
 use crate::checkpoint::CheckpointPlan;
+use crate::error::OperatorError;
 use crate::rollout::col;
 
 /// Settings shared by the preference trainers.
@@ -257,7 +258,7 @@ impl StepStage for RewardTrainer {
         ];
         let norm = t
             .step(loss.as_ref(), &mut sums)
-            .map_err(|e| format!("step {}: {e}", ctx.step))?;
+            .map_err(|e| OperatorError::step(ctx.step, e))?;
         let metrics = [
             ("loss", sums[0]),
             ("accuracy", sums[1]),
@@ -402,7 +403,7 @@ impl StepStage for DpoTrainer {
         let mut sums = [value(loss.as_ref()), stats[0], stats[1], stats[2], stats[3]];
         let norm = t
             .step(loss.as_ref(), &mut sums)
-            .map_err(|e| format!("step {}: {e}", ctx.step))?;
+            .map_err(|e| OperatorError::step(ctx.step, e))?;
         let metrics = [
             ("loss", sums[0]),
             ("grad_norm", norm),

@@ -3,6 +3,7 @@
 //! errors name the file, the line or row, and the column.
 
 use super::prompts::{PromptRow, PromptSource};
+use crate::error::OperatorError;
 use weir_gpu::{Message, Tokenizer};
 use weir_graph::StageError;
 
@@ -109,8 +110,10 @@ impl PromptSource {
                 }
                 PromptColumn::Messages(c) => {
                     let value = field(record, c).ok_or_else(|| missing(c))?;
-                    let messages: Vec<Message> = serde_json::from_value(value.clone())
-                        .map_err(|e| format!("{}: {where_}: column `{c}`: {e}", path.display()))?;
+                    let messages: Vec<Message> =
+                        serde_json::from_value(value.clone()).map_err(|e| {
+                            OperatorError::file(path, format!("{where_}: column `{c}`: {e}"))
+                        })?;
                     format.messages(messages, tokenizer)?
                 }
             };
@@ -176,7 +179,7 @@ impl PromptSource {
             );
         }
         PromptSource::new(rows, extra.to_vec(), prompts_per_step, samples, seed)
-            .map_err(|e| format!("{}: {e}", path.display()).into())
+            .map_err(|e| OperatorError::file(path, e).into())
     }
 }
 
@@ -268,8 +271,7 @@ fn read_records(path: &std::path::Path) -> Result<Vec<Record>, StageError> {
     let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
     match ext {
         "jsonl" | "json" => {
-            let text =
-                std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+            let text = std::fs::read_to_string(path).map_err(|e| OperatorError::file(path, e))?;
             // A byte-order mark (as some Windows editors write) is not JSON.
             let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
             if text.trim_start().starts_with('[') {
@@ -280,8 +282,9 @@ fn read_records(path: &std::path::Path) -> Result<Vec<Record>, StageError> {
                 if line.trim().is_empty() {
                     continue;
                 }
-                let value: serde_json::Value = serde_json::from_str(line)
-                    .map_err(|e| format!("{}: line {}: not JSON: {e}", path.display(), i + 1))?;
+                let value: serde_json::Value = serde_json::from_str(line).map_err(|e| {
+                    OperatorError::file(path, format!("line {}: not JSON: {e}", i + 1))
+                })?;
                 let serde_json::Value::Object(map) = value else {
                     return Err(
                         format!("{}: line {}: not a JSON object", path.display(), i + 1).into(),
@@ -299,13 +302,10 @@ fn read_records(path: &std::path::Path) -> Result<Vec<Record>, StageError> {
                 let mut writer = arrow::json::ArrayWriter::new(Vec::new());
                 writer
                     .write(&batch)
-                    .map_err(|e| format!("{}: {e}", path.display()))?;
-                writer
-                    .finish()
-                    .map_err(|e| format!("{}: {e}", path.display()))?;
-                let values: Vec<serde_json::Value> =
-                    serde_json::from_slice(&writer.into_inner())
-                        .map_err(|e| format!("{}: {e}", path.display()))?;
+                    .map_err(|e| OperatorError::file(path, e))?;
+                writer.finish().map_err(|e| OperatorError::file(path, e))?;
+                let values: Vec<serde_json::Value> = serde_json::from_slice(&writer.into_inner())
+                    .map_err(|e| OperatorError::file(path, e))?;
                 for v in values {
                     if let serde_json::Value::Object(map) = v {
                         out.push((format!("row {row}"), map));

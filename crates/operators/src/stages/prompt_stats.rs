@@ -39,6 +39,7 @@ use weir_graph::{StageError, StepBuffer, StepContext, StepStage, WorkerInfo};
 
 use super::columns::{scores, u64s};
 use crate::checkpoint::Checkpointer;
+use crate::error::OperatorError;
 use crate::rollout::col;
 
 /// Rewards enter the dataflow as integers in these units (exact sums, an `Ord` value).
@@ -299,18 +300,13 @@ impl PromptStats {
     }
 
     /// Saves this instance's state on `worker` with each checkpoint of
-    /// `checkpointer` (a run whose curriculum reads the stats `max_staleness`
-    /// steps back).
-    pub fn with_checkpoints(
-        mut self,
-        checkpointer: Checkpointer,
-        worker: &WorkerInfo,
-        max_staleness: u64,
-    ) -> Self {
+    /// `checkpointer` (a curriculum reads the stats the run's
+    /// `max_staleness` steps back).
+    pub fn with_checkpoints(mut self, checkpointer: Checkpointer, worker: &WorkerInfo) -> Self {
         self.saves = Some(StatsSaves {
             checkpointer,
             worker: worker.index,
-            max_staleness,
+            max_staleness: worker.steps.max_staleness,
         });
         self
     }
@@ -387,7 +383,7 @@ impl PromptStats {
             })
             .collect();
         let dir = saves.checkpointer.dir(step).join(SAVED_DIR);
-        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        std::fs::create_dir_all(&dir).map_err(|e| OperatorError::file(&dir, e))?;
         let text = serde_json::json!({ "step": step, "prompts": prompts }).to_string();
         weir_gpu::snapshot::write_atomically(
             &dir.join(format!("worker-{}.json", saves.worker)),
@@ -481,10 +477,15 @@ mod tests {
             last_step: None,
             max_shard_bytes: u64::MAX,
         };
+        let k = 1;
         let rank = |r| WorkerInfo {
             index: 3 + r,
             rank: r,
             role_size: 2,
+            steps: weir_graph::RunSteps {
+                max_staleness: k,
+                ..Default::default()
+            },
             ..WorkerInfo::single()
         };
         // Steps' rows: (prompt, reward); prompts split over the ranks as a ByKey edge would.
@@ -501,15 +502,11 @@ mod tests {
                 .filter(|(p, _)| weir_graph::partition::u64_key_rank(*p, 2) == r)
                 .collect()
         };
-        let k = 1;
         let straight = StatsView::new();
         let mut stages: Vec<PromptStats> = (0..2)
             .map(|r| {
-                PromptStats::new(straight.clone(), 0.5).with_checkpoints(
-                    checkpointer.clone(),
-                    &rank(r),
-                    k,
-                )
+                PromptStats::new(straight.clone(), 0.5)
+                    .with_checkpoints(checkpointer.clone(), &rank(r))
             })
             .collect();
         for (s, rows) in steps.iter().enumerate() {

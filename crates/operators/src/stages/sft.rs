@@ -16,6 +16,7 @@ use super::sequences::response_targets;
 use super::train_step::{optimizer_step, step_scale};
 use crate::algorithms::{aggregate_in_step, Aggregation, Flavor};
 use crate::checkpoint::CheckpointPlan;
+use crate::error::OperatorError;
 use crate::rollout::col;
 
 /// SFT settings.
@@ -179,7 +180,7 @@ impl StepStage for SftTrainer {
         }
         let (loss, grad_norm) = self
             .train_rows(rows.as_ref())
-            .map_err(|e| format!("step {}: {e}", ctx.step))?;
+            .map_err(|e| OperatorError::step(ctx.step, e))?;
         if !leads(self.data_parallel.as_ref()) {
             return Ok(rows.into_iter().collect());
         }
