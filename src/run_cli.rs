@@ -37,12 +37,21 @@ pub struct RunArgs {
 #[derive(clap::Args, Debug)]
 pub struct ConfigArgs {
     /// The pipeline whose default config to print.
-    pub pipeline: String,
+    #[arg(required_unless_present = "reference")]
+    pub pipeline: Option<String>,
+    /// Print the configuration reference instead: every key of every
+    /// pipeline, in Markdown (docs/configuration.md).
+    #[arg(long, conflicts_with = "pipeline")]
+    pub reference: bool,
 }
 
-/// Prints the commented default config of a pipeline.
+/// Prints the commented default config of a pipeline, or the reference.
 pub fn config(args: &ConfigArgs) -> anyhow::Result<()> {
-    let kind = PipelineKind::parse(&args.pipeline).map_err(anyhow::Error::msg)?;
+    let Some(name) = args.pipeline.as_deref().filter(|_| !args.reference) else {
+        print!("{}", weir_pipelines::config::reference_page());
+        return Ok(());
+    };
+    let kind = PipelineKind::parse(name).map_err(anyhow::Error::msg)?;
     print!("{}", RunConfig::defaults_for(kind).to_commented_toml(kind));
     Ok(())
 }

@@ -1,4 +1,9 @@
-//! What every config key means: the comments `weir config` prints.
+//! What every config key means: the comments `weir config` prints, and
+//! the configuration reference (`docs/configuration.md`, printed by
+//! `weir config --reference`).
+
+use super::{applies, RunConfig};
+use crate::PipelineKind;
 
 /// Every key with its meaning, in file order: what `weir config` prints as comments.
 pub const DOCS: &[(&str, &str, &str)] = &[
@@ -118,3 +123,99 @@ pub const DOCS: &[(&str, &str, &str)] = &[
     ("lora", "dropout", "Dropout on the adapters' input while the learner trains (needs algorithm.gradient_checkpointing = false)."),
     ("lora", "target_modules", "The projections that get adapters: any of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj."),
 ];
+
+/// The configuration reference in Markdown: every key by section, with its
+/// default, the pipelines that read it and what it means; made from the
+/// same table and defaults as `weir config PIPELINE`, so it cannot drift.
+pub fn reference_page() -> String {
+    let defaults: Vec<(PipelineKind, toml::Value)> = PipelineKind::ALL
+        .iter()
+        .map(|&kind| {
+            let value = toml::Value::try_from(RunConfig::defaults_for(kind));
+            (kind, value.expect("a config serialises"))
+        })
+        .collect();
+    let mut out = String::from(
+        "# Configuration reference\n\n\
+         Every key of a run config, by section: its default, the pipelines that\n\
+         read it, and what it means. `weir config PIPELINE` prints the keys one\n\
+         pipeline reads as a commented TOML file; a key set where it would\n\
+         change nothing is refused with one line naming it. This page is\n\
+         `weir config --reference`, and a test holds it to that.\n",
+    );
+    let mut section = "";
+    for (s, key, help) in DOCS {
+        if *s != section {
+            out.push_str(&format!(
+                "\n## `[{s}]`\n\n| key | default | read by | meaning |\n|---|---|---|---|\n"
+            ));
+            section = s;
+        }
+        let readers: Vec<(PipelineKind, String)> = defaults
+            .iter()
+            .filter(|(kind, _)| applies(*kind, s, key))
+            .map(|(kind, doc)| (*kind, doc[*s][*key].to_string()))
+            .collect();
+        let kinds: Vec<PipelineKind> = readers.iter().map(|(k, _)| *k).collect();
+        let read_by = readers_cell(&kinds);
+        out.push_str(&format!(
+            "| `{key}` | {} | {read_by} | {} |\n",
+            default_cell(&readers),
+            help.replace('|', "\\|")
+        ));
+    }
+    out
+}
+
+/// Who reads a key: `all`, `RL pipelines` (with any others named), or
+/// the pipelines by name.
+fn readers_cell(kinds: &[PipelineKind]) -> String {
+    if kinds.len() == PipelineKind::ALL.len() {
+        return "all".into();
+    }
+    let rl = PipelineKind::ALL.iter().filter(|k| k.is_rl());
+    let all_rl = rl.clone().all(|k| kinds.contains(k));
+    let mut names: Vec<&str> = Vec::new();
+    if all_rl {
+        names.push(RL_PIPELINES);
+    }
+    names.extend(
+        kinds
+            .iter()
+            .filter(|k| !(all_rl && k.is_rl()))
+            .map(|k| k.name()),
+    );
+    names.join(", ")
+}
+
+/// What [`readers_cell`] calls every RL pipeline.
+pub(super) const RL_PIPELINES: &str = "RL pipelines";
+
+/// A key's default as its readers have it: one value, or the value of each
+/// group of pipelines where they differ (the largest group as `others`).
+fn default_cell(readers: &[(PipelineKind, String)]) -> String {
+    let mut groups: Vec<(&str, Vec<&str>)> = Vec::new();
+    for (kind, value) in readers {
+        match groups.iter_mut().find(|(v, _)| v == value) {
+            Some((_, kinds)) => kinds.push(kind.name()),
+            None => groups.push((value, vec![kind.name()])),
+        }
+    }
+    let cell = match groups.len() {
+        0 => String::new(),
+        1 => format!("`{}`", groups[0].0),
+        _ => {
+            let largest = (0..groups.len())
+                .max_by_key(|&i| (groups[i].1.len(), std::cmp::Reverse(i)))
+                .expect("two groups or more");
+            let (common, _) = groups.remove(largest);
+            let mut parts: Vec<String> = groups
+                .iter()
+                .map(|(v, kinds)| format!("{}: `{v}`", kinds.join(", ")))
+                .collect();
+            parts.push(format!("others: `{common}`"));
+            parts.join("; ")
+        }
+    };
+    cell.replace('|', "\\|")
+}

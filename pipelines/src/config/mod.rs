@@ -637,7 +637,7 @@ impl LoraSection {
     }
 }
 
-pub use docs::DOCS;
+pub use docs::{reference_page, DOCS};
 pub use scope::applies;
 
 /// A config error: the key and what is wrong with its value.

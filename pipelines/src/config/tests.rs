@@ -262,3 +262,57 @@ fn the_dual_clip_follows_the_flavor_unless_set() {
     assert_eq!(dual(FlavorChoice::Openrlhf, 0.0), None);
     assert_eq!(dual(FlavorChoice::Openrlhf, 2.0), Some(2.0));
 }
+
+#[test]
+fn the_configuration_reference_is_what_weir_config_prints() {
+    let page = super::reference_page();
+    // The page's line of each key, by section.
+    let mut lines = std::collections::HashMap::new();
+    let mut section = "";
+    for line in page.lines() {
+        if let Some(s) = line
+            .strip_prefix("## `[")
+            .and_then(|l| l.strip_suffix("]`"))
+        {
+            section = s;
+        } else if let Some(key) = line.strip_prefix("| `").and_then(|l| l.split('`').next()) {
+            lines.insert((section, key), line);
+        }
+    }
+    assert_eq!(lines.len(), super::DOCS.len(), "one line a key");
+    // Every key of every pipeline, its default as that pipeline has it.
+    for &kind in PipelineKind::ALL {
+        let toml = RunConfig::defaults_for(kind).to_commented_toml(kind);
+        let doc: toml::Value = toml::from_str(&toml).unwrap();
+        for (section, key, help) in super::DOCS {
+            let line = lines[&(*section, *key)];
+            let cells: Vec<&str> = line.split(" | ").collect();
+            let read_by = cells[2] == "all"
+                || cells[2]
+                    .split(", ")
+                    .any(|k| k == kind.name() || (k == super::docs::RL_PIPELINES && kind.is_rl()));
+            assert_eq!(
+                read_by,
+                super::applies(kind, section, key),
+                "{section}.{key}: {line}"
+            );
+            assert!(line.contains(&help.replace('|', "\\|")), "{line}");
+            if read_by {
+                let value = doc[*section][*key].to_string().replace('|', "\\|");
+                assert!(
+                    line.contains(&format!("`{value}`")),
+                    "{section}.{key} of {}: the reference says {line}, weir config {value}",
+                    kind.name()
+                );
+            }
+        }
+    }
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/configuration.md");
+    let written = std::fs::read_to_string(&path).unwrap_or_default();
+    assert!(
+        written == page,
+        "{} is not `weir config --reference`: regenerate it with \
+         cargo run -- config --reference > docs/configuration.md",
+        path.display()
+    );
+}
