@@ -33,7 +33,7 @@ use weir_graph::{
     WorkerInfo,
 };
 use weir_operators::checkpoint::CheckpointState;
-use weir_operators::stages::generate::Generate;
+use weir_operators::stages::generate::{Generate, Generator};
 
 use crate::{PipelineError, RunConfig};
 
@@ -278,22 +278,17 @@ fn sampled_figures(groups: &[u64], rewards: &[f64]) -> (f64, f64) {
 /// The generator with `eval.every`: before the rollouts of every
 /// `every`-th step it evaluates the policy it holds on its share of the
 /// eval prompts, and records the figures as stage `eval`.
-pub struct EvaluatingGenerator {
-    generate: Generate,
+pub struct EvaluatingGenerator<G> {
+    generate: G,
     evaluation: Evaluation,
     training: SamplingParams,
     every: Step,
     evaluated: Option<Step>,
 }
 
-impl EvaluatingGenerator {
+impl<G: Generator> EvaluatingGenerator<G> {
     /// Wraps `generate` (which samples with `training`).
-    pub fn new(
-        generate: Generate,
-        evaluation: Evaluation,
-        training: SamplingParams,
-        every: Step,
-    ) -> Self {
+    pub fn new(generate: G, evaluation: Evaluation, training: SamplingParams, every: Step) -> Self {
         EvaluatingGenerator {
             generate,
             evaluation,
@@ -304,7 +299,7 @@ impl EvaluatingGenerator {
     }
 }
 
-impl Stage for EvaluatingGenerator {
+impl<G: Generator> Stage for EvaluatingGenerator<G> {
     fn process(
         &mut self,
         ctx: &mut StepContext,
@@ -313,9 +308,9 @@ impl Stage for EvaluatingGenerator {
         let due = ctx.step.is_multiple_of(self.every);
         if due && self.evaluated.is_none_or(|s| s < ctx.step) {
             self.evaluated = Some(ctx.step);
-            let result = self
-                .evaluation
-                .run(&mut self.generate, ctx.version, &self.training)?;
+            let result =
+                self.evaluation
+                    .run(self.generate.generate(), ctx.version, &self.training)?;
             for (metric, value) in result.iter().flat_map(EvalResult::figures) {
                 ctx.record_under(STAGE, metric, value);
             }

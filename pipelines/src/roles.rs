@@ -8,13 +8,13 @@ use std::sync::Arc;
 
 use weir_gpu::collective::{GroupMember, HostGroup, HostReduce};
 use weir_gpu::optim::AdamWConfig;
-use weir_gpu::Tokenizer;
+use weir_gpu::{SamplingParams, Tokenizer};
 use weir_graph::{ParquetLog, Stage, StageError, WorkerInfo};
 use weir_operators::algorithms::{
     Flavor, ImportanceCorrection, PolicyLossConfig, PolicyObjective, RatioLevel,
 };
 use weir_operators::stages::critic::{CriticLearner, PerWorker};
-use weir_operators::stages::generate::{Generate, Streaming};
+use weir_operators::stages::generate::{Generate, Generator, Streaming};
 use weir_operators::stages::learner::{Learner, LearnerConfig, LrSchedule};
 use weir_operators::stages::reference::RefLogprob;
 
@@ -86,19 +86,31 @@ pub fn actor(
                 max_inflight: cfg.generate.max_inflight,
                 on_new_weights: cfg.generate.on_new_weights.policy(),
             };
-            generate = generate.streamed(streaming, w.steps, version)?;
+            let streamed = generate.streamed(streaming, w.steps, version)?;
+            return evaluating(streamed, &cfg, w, params);
         }
-        if cfg.eval.every == 0 || cfg.eval.prompts.is_empty() {
-            return Ok(Box::new(generate));
-        }
-        let evaluation = crate::eval::Evaluation::new(&cfg, w)?;
-        Ok(Box::new(crate::eval::EvaluatingGenerator::new(
-            generate,
-            evaluation,
-            params,
-            cfg.eval.every,
-        )))
+        evaluating(generate, &cfg, w, params)
     }
+}
+
+/// `generate`, evaluating the policy it holds every `eval.every` steps when
+/// the config asks for it.
+fn evaluating<G: Generator + 'static>(
+    generate: G,
+    cfg: &RunConfig,
+    w: &WorkerInfo,
+    params: SamplingParams,
+) -> Result<Box<dyn Stage>, StageError> {
+    if cfg.eval.every == 0 || cfg.eval.prompts.is_empty() {
+        return Ok(Box::new(generate));
+    }
+    let evaluation = crate::eval::Evaluation::new(cfg, w)?;
+    Ok(Box::new(crate::eval::EvaluatingGenerator::new(
+        generate,
+        evaluation,
+        params,
+        cfg.eval.every,
+    )))
 }
 
 /// PPO's critic, one model per worker shared by the stage that scores

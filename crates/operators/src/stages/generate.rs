@@ -1,14 +1,15 @@
-//! `Generate`: the actor. Samples one response per row (the source already
-//! expanded prompts × n), writes the response columns, and loads new
-//! weights from the weights edge (safetensors snapshots).
+//! The actor's two generator stages. Each samples one response per row
+//! (the source already expanded prompts × n), writes the response columns,
+//! and loads new weights from the weights edge (safetensors snapshots).
 //!
-//! Two modes. Batch by batch (the default): a batch is generated in one
-//! call and leaves whole, and new weights load between calls. Streaming
-//! (`generate.max_inflight` > 0, [`Generate::streamed`]): the rows join a
-//! [`Streamer`]'s pool of sequences that advances one token per pass across
-//! batches and steps; a group's rows leave together as soon as its last
-//! sample ends, and new weights are applied between two passes under
-//! `generate.on_new_weights`. Each row records the version of every token.
+//! [`Generate`], batch by batch (the default): a batch is generated in one
+//! call and leaves whole, and new weights load between calls.
+//! [`StreamingGenerate`] (`generate.max_inflight` > 0, made by
+//! [`Generate::streamed`]): the rows join a [`Streamer`]'s pool of
+//! sequences that advances one token per pass across batches and steps; a
+//! group's rows leave together as soon as its last sample ends, and new
+//! weights are applied between two passes under `generate.on_new_weights`.
+//! Each row records the version of every token.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -23,7 +24,7 @@ use weir_gpu::{
 use weir_graph::batch::with_column;
 use weir_graph::weights_edge::now_unix_s;
 use weir_graph::{
-    PolicyVersion, RunSteps, Stage, StageError, Step, StepContext, StepFill, WeightsPayload,
+    PolicyVersion, RunSteps, Stage, StageError, StepContext, StepFill, WeightsPayload,
 };
 
 use super::columns::{
@@ -34,13 +35,13 @@ use crate::rollout::col;
 #[path = "generate_stream.rs"]
 mod stream;
 use stream::StreamState;
+pub use stream::StreamingGenerate;
 
-/// The actor's generation stage.
+/// The actor's batch generator, and the sampling core of the streaming one.
 pub struct Generate {
     model: Model,
     tokenizer: Tokenizer,
     params: SamplingParams,
-    stream: Option<StreamState>,
     /// The long-tail workload's Pareto shape (`generate.long_tail`).
     tail: Option<f64>,
     /// Which runtime decodes (`generate.backend`).
@@ -63,7 +64,6 @@ impl Generate {
             model,
             tokenizer,
             params: SamplingParams { n: 1, ..params },
-            stream: None,
             tail: None,
             backend: Backend::Auto,
         }
@@ -112,16 +112,17 @@ impl Generate {
         Some((length as usize).clamp(low as usize, max))
     }
 
-    /// Streams instead: rows join a pool of `settings.max_inflight`
-    /// sequences; the model holds policy `version`. A group that starts
-    /// under version `v` may join any step up to `v + k` of the run's
-    /// `steps` as it finishes ([`StepFill`]), never across a commit point.
+    /// A streaming generator instead: rows join a pool of
+    /// `settings.max_inflight` sequences; the model holds policy `version`.
+    /// A group that starts under version `v` may join any step up to
+    /// `v + k` of the run's `steps` as it finishes ([`StepFill`]), never
+    /// across a commit point.
     pub fn streamed(
-        mut self,
+        self,
         settings: Streaming,
         steps: RunSteps,
         version: PolicyVersion,
-    ) -> Result<Self, StageError> {
+    ) -> Result<StreamingGenerate, StageError> {
         let streamer = Streamer::new(
             &self.model,
             self.workload_params(),
@@ -131,7 +132,7 @@ impl Generate {
             self.backend,
         )?;
         let barrier = move |s| steps.next_commit(s);
-        self.stream = Some(StreamState {
+        let state = StreamState {
             streamer,
             fill: StepFill::new(steps.max_staleness, barrier).starting_at(steps.first),
             batches: BTreeMap::new(),
@@ -139,8 +140,8 @@ impl Generate {
             held: None,
             figures: BTreeMap::new(),
             applies: Vec::new(),
-        });
-        Ok(self)
+        };
+        Ok(StreamingGenerate { core: self, state })
     }
 }
 
@@ -417,47 +418,16 @@ impl Stage for Generate {
         ctx: &mut StepContext,
         batch: RecordBatch,
     ) -> Result<Vec<RecordBatch>, StageError> {
-        if self.stream.is_some() {
-            self.admit(ctx, batch)?;
-            return Ok(Vec::new());
-        }
         Ok(vec![self.generate_batch(ctx, batch, true)?])
     }
 
     fn end_step(&mut self, ctx: &mut StepContext) -> Result<Vec<RecordBatch>, StageError> {
-        let Some(state) = self.stream.as_mut() else {
-            // The next step brings new weights (or this one's are stale by
-            // then): the packing would only sit beside the learner's update,
-            // and so would the weights, once no later step can use them.
-            let freed = ctx.weights_retired() && self.model.free_weights_until_snapshot();
-            if !freed {
-                self.model.release_cpu_packing();
-            }
-            return Ok(Vec::new());
-        };
-        state
-            .fill
-            .end(ctx.step)
-            .map_err(|e| format!("generate: {e}"))?;
-        let f = state.figures.remove(&ctx.step).unwrap_or_default();
-        if f.rows > 0 {
-            ctx.record("partial_ratio", f.partial as f64 / f.rows as f64);
-        }
-        if f.passes > 0 {
-            let mean = f.inflight as f64 / f.passes as f64;
-            ctx.record("inflight", mean);
-            ctx.record(
-                "slot_occupancy",
-                mean / state.streamer.max_inflight() as f64,
-            );
-            ctx.record("passes", f.passes as f64);
-            ctx.record("tokens", f.tokens as f64);
-        }
-        if state.streamer.on_new_weights() == OnNewWeights::Recompute {
-            ctx.record("recomputed", f.recomputed as f64);
-        }
-        for s in state.applies.drain(..) {
-            ctx.record("weights_apply_s", s);
+        // The next step brings new weights (or this one's are stale by
+        // then): the packing would only sit beside the learner's update,
+        // and so would the weights, once no later step can use them.
+        let freed = ctx.weights_retired() && self.model.free_weights_until_snapshot();
+        if !freed {
+            self.model.release_cpu_packing();
         }
         Ok(Vec::new())
     }
@@ -467,53 +437,20 @@ impl Stage for Generate {
         version: PolicyVersion,
         weights: &WeightsPayload,
     ) -> Result<(), StageError> {
-        let Some(state) = self.stream.as_mut() else {
-            return self.apply(version, weights);
-        };
-        if state.streamer.on_new_weights() == OnNewWeights::Finish && state.streamer.live() > 0 {
-            // The sequences in flight finish on the weights they started
-            // with; nothing new starts until then.
-            state.held = Some((version, weights.clone()));
-            state.streamer.set_admitting(false);
-            return Ok(());
-        }
-        state.held = None;
-        self.apply_held(version, weights)
+        self.apply(version, weights)
     }
+}
 
-    fn policy_version(&self) -> Option<PolicyVersion> {
-        // Under `finish`, weights sent while sequences are in flight wait
-        // in `held`; the streamer samples with the version it was last given.
-        let state = self.stream.as_ref()?;
-        Some(PolicyVersion::from(state.streamer.version()))
-    }
+/// A generator stage, batch ([`Generate`]) or streaming
+/// ([`StreamingGenerate`]), and the batch generator at its core, which an
+/// evaluation samples with between steps.
+pub trait Generator: Stage {
+    /// The batch generator this stage samples with.
+    fn generate(&mut self) -> &mut Generate;
+}
 
-    fn streaming(&self) -> bool {
-        self.stream.is_some()
-    }
-
-    fn advance(&mut self) -> Result<Vec<(Step, RecordBatch)>, StageError> {
-        if self.stream.is_none() {
-            return Ok(Vec::new());
-        }
-        self.advance_stream()
-    }
-
-    fn holds(&self, step: Step) -> bool {
-        let Some(state) = self.stream.as_ref() else {
-            return false;
-        };
-        if step == Step::MAX {
-            // Work to do: sequences to run (finished groups waiting for a
-            // step to join move only when others start or finish).
-            return !state.streamer.is_idle();
-        }
-        state.fill.holds(step)
-    }
-
-    fn input_ended(&mut self, step: Step) {
-        if let Some(state) = self.stream.as_mut() {
-            state.fill.input_complete(step);
-        }
+impl Generator for Generate {
+    fn generate(&mut self) -> &mut Generate {
+        self
     }
 }

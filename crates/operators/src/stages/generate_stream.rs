@@ -1,5 +1,5 @@
-//! The streaming mode of [`Generate`]: the pool's state, rows joining it,
-//! one pass, the groups that finished and the steps they join.
+//! [`StreamingGenerate`], generation as a stream: the pool's state, rows
+//! joining it, one pass, the groups that finished and the steps they join.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
@@ -9,11 +9,24 @@ use weir_gpu::{Finished, Streamer};
 use weir_graph::weights_edge::now_unix_s;
 use weir_graph::{PolicyVersion, StageError, Started, Step, StepContext, StepFill, WeightsPayload};
 
-use super::{row_streams, version_u32, with_responses, Generate, Responses};
+use weir_gpu::OnNewWeights;
+use weir_graph::Stage;
+
+use super::{row_streams, version_u32, with_responses, Generate, Generator, Responses};
 use crate::rollout::col;
 use crate::stages::columns::{token_lists, trained_at, u64s};
 
-/// The streaming mode's state.
+/// A generator whose rows join a pool of sequences that all advance one
+/// token per pass (continuous batching): a finished sequence's slot goes to
+/// the next row at once, and a group's rows leave as soon as its last
+/// sample ends, for the step it joins ([`StepFill`]). Made by
+/// [`Generate::streamed`]; [`Generate`] samples for it.
+pub struct StreamingGenerate {
+    pub(super) core: Generate,
+    pub(super) state: StreamState,
+}
+
+/// The pool and what it has in flight.
 pub(super) struct StreamState {
     pub(super) streamer: Streamer,
     /// Which step each finished group joins.
@@ -71,20 +84,19 @@ fn split_key(key: u64) -> (u64, usize) {
     (key >> ROW_BITS, (key & ((1 << ROW_BITS) - 1)) as usize)
 }
 
-impl Generate {
-    pub(super) fn admit(
-        &mut self,
-        ctx: &StepContext,
-        batch: RecordBatch,
-    ) -> Result<(), StageError> {
+impl StreamingGenerate {
+    /// Queues `batch`'s rows (of step `ctx.step`) in the pool.
+    fn admit(&mut self, ctx: &StepContext, batch: RecordBatch) -> Result<(), StageError> {
         let prompts = token_lists(&batch, col::PROMPT_TOKENS, "generate")?;
         let streams = row_streams(&batch)?;
         let groups = u64s(&batch, col::GROUP_ID, "generate")?;
-        let id = self.stream.as_ref().expect("streaming mode").next_batch;
-        let requests = self.requests(&batch, prompts, &streams, id << ROW_BITS)?;
-        let state = self.stream.as_mut().expect("streaming mode");
+        let id = self.state.next_batch;
+        let requests = self
+            .core
+            .requests(&batch, prompts, &streams, id << ROW_BITS)?;
+        let state = &mut self.state;
         state.next_batch += 1;
-        state.streamer.submit(&self.model, requests)?;
+        state.streamer.submit(&self.core.model, requests)?;
         let mut open = HashMap::new();
         let mut started = HashMap::new();
         let version = u64::from(state.streamer.version());
@@ -115,15 +127,14 @@ impl Generate {
     }
 
     /// One pass of the pool; returns the rows of every group that ended.
-    pub(super) fn advance_stream(&mut self) -> Result<Vec<(Step, RecordBatch)>, StageError> {
-        let state = self.stream.as_mut().expect("streaming mode");
-        if state.streamer.live() == 0 {
-            if let Some((version, weights)) = state.held.take() {
+    fn advance_stream(&mut self) -> Result<Vec<(Step, RecordBatch)>, StageError> {
+        if self.state.streamer.live() == 0 {
+            if let Some((version, weights)) = self.state.held.take() {
                 self.apply_held(version, &weights)?;
             }
         }
-        let state = self.stream.as_mut().expect("streaming mode");
-        let finished = state.streamer.advance(&self.model)?;
+        let state = &mut self.state;
+        let finished = state.streamer.advance(&self.core.model)?;
         // A group's deadline counts from its first tokens, not from when it
         // was queued: those drawn under newer weights give it more time.
         for (key, version) in state.streamer.take_started() {
@@ -167,7 +178,7 @@ impl Generate {
         let ids: Vec<u64> = state.batches.keys().copied().collect();
         // Oldest first: batches by arrival, groups by first row.
         for id in ids {
-            let state = self.stream.as_mut().expect("streaming mode");
+            let state = &mut self.state;
             let b = state.batches.get_mut(&id).expect("listed above");
             let mut placed: BTreeMap<Step, Vec<usize>> = BTreeMap::new();
             let mut decided: HashMap<u64, Option<Step>> = HashMap::new();
@@ -185,7 +196,7 @@ impl Generate {
                 }
             }
             for (step, ready) in placed {
-                let state = self.stream.as_mut().expect("streaming mode");
+                let state = &mut self.state;
                 let b = state.batches.get_mut(&id).expect("listed above");
                 for &r in &ready {
                     b.sent[r] = true;
@@ -215,7 +226,7 @@ impl Generate {
                     seconds: picked.iter().map(|(_, s)| *s).collect(),
                     started: vec![b.admitted_unix; ready.len()],
                 };
-                let batch = with_responses(&self.tokenizer, rows, responses)?;
+                let batch = with_responses(&self.core.tokenizer, rows, responses)?;
                 if b.sent.iter().all(|&s| s) {
                     state.batches.remove(&id);
                 }
@@ -225,18 +236,109 @@ impl Generate {
         Ok(out)
     }
 
-    pub(super) fn apply_held(
+    /// Applies `weights` (policy `version`) to the model between passes.
+    fn apply_held(
         &mut self,
         version: PolicyVersion,
         weights: &WeightsPayload,
     ) -> Result<(), StageError> {
         let started = Instant::now();
-        self.apply(version, weights)?;
-        let state = self.stream.as_mut().expect("streaming mode");
+        self.core.apply(version, weights)?;
+        let state = &mut self.state;
         state.streamer.weights_changed(version_u32(version)?);
         state.streamer.set_admitting(true);
         state.applies.push(started.elapsed().as_secs_f64());
         Ok(())
+    }
+}
+
+impl Generator for StreamingGenerate {
+    fn generate(&mut self) -> &mut Generate {
+        &mut self.core
+    }
+}
+
+impl Stage for StreamingGenerate {
+    fn process(
+        &mut self,
+        ctx: &mut StepContext,
+        batch: RecordBatch,
+    ) -> Result<Vec<RecordBatch>, StageError> {
+        self.admit(ctx, batch)?;
+        Ok(Vec::new())
+    }
+
+    fn end_step(&mut self, ctx: &mut StepContext) -> Result<Vec<RecordBatch>, StageError> {
+        let state = &mut self.state;
+        state
+            .fill
+            .end(ctx.step)
+            .map_err(|e| format!("generate: {e}"))?;
+        let f = state.figures.remove(&ctx.step).unwrap_or_default();
+        if f.rows > 0 {
+            ctx.record("partial_ratio", f.partial as f64 / f.rows as f64);
+        }
+        if f.passes > 0 {
+            let mean = f.inflight as f64 / f.passes as f64;
+            ctx.record("inflight", mean);
+            ctx.record(
+                "slot_occupancy",
+                mean / state.streamer.max_inflight() as f64,
+            );
+            ctx.record("passes", f.passes as f64);
+            ctx.record("tokens", f.tokens as f64);
+        }
+        if state.streamer.on_new_weights() == OnNewWeights::Recompute {
+            ctx.record("recomputed", f.recomputed as f64);
+        }
+        for s in state.applies.drain(..) {
+            ctx.record("weights_apply_s", s);
+        }
+        Ok(Vec::new())
+    }
+
+    fn load_weights(
+        &mut self,
+        version: PolicyVersion,
+        weights: &WeightsPayload,
+    ) -> Result<(), StageError> {
+        let state = &mut self.state;
+        if state.streamer.on_new_weights() == OnNewWeights::Finish && state.streamer.live() > 0 {
+            // The sequences in flight finish on the weights they started
+            // with; nothing new starts until then.
+            state.held = Some((version, weights.clone()));
+            state.streamer.set_admitting(false);
+            return Ok(());
+        }
+        state.held = None;
+        self.apply_held(version, weights)
+    }
+
+    fn policy_version(&self) -> Option<PolicyVersion> {
+        // Under `finish`, weights sent while sequences are in flight wait
+        // in `held`; the streamer samples with the version it was last given.
+        Some(PolicyVersion::from(self.state.streamer.version()))
+    }
+
+    fn streaming(&self) -> bool {
+        true
+    }
+
+    fn advance(&mut self) -> Result<Vec<(Step, RecordBatch)>, StageError> {
+        self.advance_stream()
+    }
+
+    fn holds(&self, step: Step) -> bool {
+        if step == Step::MAX {
+            // Work to do: sequences to run (finished groups waiting for a
+            // step to join move only when others start or finish).
+            return !self.state.streamer.is_idle();
+        }
+        self.state.fill.holds(step)
+    }
+
+    fn input_ended(&mut self, step: Step) {
+        self.state.fill.input_complete(step);
     }
 }
 
@@ -254,7 +356,7 @@ mod tests {
 
     /// A streaming generator on the tiny Llama: a pool of `pool`, bound k = 1,
     /// four tokens a response, and the weights it holds as version 1.
-    fn generator(pool: usize, policy: OnNewWeights) -> (Generate, WeightsPayload) {
+    fn generator(pool: usize, policy: OnNewWeights) -> (StreamingGenerate, WeightsPayload) {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../../../shared/fixtures/models/tiny-llama");
         let model = Model::load(&dir, weir_gpu::Device::Cpu, Kind::Float).unwrap();
@@ -306,8 +408,8 @@ mod tests {
             .collect()
     }
 
-    fn deadlines(generate: &Generate) -> Vec<Step> {
-        let state = generate.stream.as_ref().unwrap();
+    fn deadlines(generate: &StreamingGenerate) -> Vec<Step> {
+        let state = &generate.state;
         let b = state.batches.values().next().unwrap();
         (0..b.groups.len() as u64)
             .map(|g| b.started[&g].deadline)
@@ -355,7 +457,7 @@ mod tests {
         assert_eq!(generate.policy_version(), Some(1));
         let mut out = Vec::new();
         // Until group 2 is under way (group 0 has ended by then).
-        while generate.stream.as_ref().unwrap().streamer.waiting() > 0 {
+        while generate.state.streamer.waiting() > 0 {
             out.extend(generate.advance().unwrap());
         }
         generate.advance().unwrap();
