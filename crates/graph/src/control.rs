@@ -184,6 +184,19 @@ impl OperatorEnv {
         self.outbox.borrow_mut().push(err);
     }
 
+    /// This worker's place in a role of `workers`, if the role holds it.
+    pub(crate) fn worker_info(&self, workers: &[usize]) -> Option<crate::WorkerInfo> {
+        Some(crate::WorkerInfo {
+            index: self.index,
+            peers: self.peers,
+            process: self.process,
+            rank: workers.iter().position(|&w| w == self.index)?,
+            role_size: workers.len(),
+            run: self.run,
+            steps: self.steps,
+        })
+    }
+
     pub(crate) fn aborted(&self) -> bool {
         self.shared.aborted.load(Ordering::Relaxed)
     }

@@ -20,7 +20,7 @@ use crate::error::call_user;
 use crate::execution::RunSettings;
 use crate::metrics::MetricRow;
 use crate::pipeline::{Node, SinkSpec};
-use crate::stage::{Sink, WorkerInfo};
+use crate::stage::Sink;
 use crate::stage_op::{stage_operator, StageOpConfig};
 use crate::weights_edge::weights_edge;
 use crate::{Batch, GraphError, Pipeline, Router, Step};
@@ -162,16 +162,7 @@ fn stage_chain<'scope>(
 /// The sink of `spec` on this worker, if `workers` (its role's) hold it; a
 /// factory's error fails the run and leaves no sink.
 fn open_sink(spec: &SinkSpec, workers: &[usize], env: &OperatorEnv) -> Option<Box<dyn Sink>> {
-    let rank = workers.iter().position(|&w| w == env.index)?;
-    let info = WorkerInfo {
-        index: env.index,
-        peers: env.peers,
-        process: env.process,
-        rank,
-        role_size: workers.len(),
-        run: env.run,
-        steps: env.steps,
-    };
+    let info = env.worker_info(workers)?;
     match call_user(|| (spec.factory)(&info)) {
         Ok(sink) => Some(sink),
         Err(cause) => {

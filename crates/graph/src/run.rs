@@ -256,7 +256,7 @@ fn drive_worker(
         env.fail(error);
     }
     input.advance_to(settings.first_step);
-    let source = open_source(worker, pipeline, settings, &env)?;
+    let source = open_source(pipeline, settings, &env)?;
     let mut driver = Driver {
         settings,
         env: &env,
@@ -313,7 +313,6 @@ type ControlInput = InputHandle<Step, CapacityContainerBuilder<Vec<Control>>>;
 /// source's role, if the role holds this worker; a factory's error fails
 /// the run and leaves no source.
 fn open_source(
-    worker: &Worker,
     pipeline: &Pipeline,
     settings: &RunSettings,
     env: &OperatorEnv,
@@ -323,17 +322,8 @@ fn open_source(
         .as_ref()
         .expect("validated: the pipeline has a source");
     let workers = settings.placement.workers(&spec.role)?;
-    let Some(rank) = workers.iter().position(|&w| w == env.index) else {
+    let Some(info) = env.worker_info(&workers) else {
         return Ok(None);
-    };
-    let info = WorkerInfo {
-        index: env.index,
-        peers: worker.peers(),
-        process: env.process,
-        rank,
-        role_size: workers.len(),
-        run: env.run,
-        steps: env.steps,
     };
     match call_user(|| (spec.factory)(&info)) {
         Ok(source) => Ok(Some((source, info))),

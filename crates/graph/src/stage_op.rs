@@ -29,7 +29,7 @@ use timely::progress::frontier::{Antichain, MutableAntichain};
 use crate::control::OperatorEnv;
 use crate::engine_thread::{Done, Executor, Job, StageKind, StageRunner, Versions};
 use crate::metrics::{names, MetricRow};
-use crate::stage::{StageFactory, WorkerInfo};
+use crate::stage::StageFactory;
 use crate::weights_edge::{
     self as weights_edge, now_ns, Across, Awaited, Reassembly, WeightsBody, WeightsMessage,
     WeightsTransport,
@@ -531,16 +531,9 @@ impl OpState {
         env: &OperatorEnv,
         activator: timely::scheduling::SyncActivator,
     ) -> Result<Executor, crate::GraphError> {
-        let rank = cfg.workers.iter().position(|&w| w == self.me).unwrap_or(0);
-        let worker = WorkerInfo {
-            index: self.me,
-            peers: env.peers,
-            process: env.process,
-            rank,
-            role_size: cfg.workers.len(),
-            run: env.run,
-            steps: env.steps,
-        };
+        let worker = env
+            .worker_info(&cfg.workers)
+            .expect("started only on the stage's workers");
         let versions = Versions {
             initial: cfg.version,
             first_step: cfg.first_step,

@@ -23,12 +23,8 @@ thread_local! {
 /// A model's weights, packed for the CPU kernels.
 #[derive(Debug)]
 pub struct CpuModel {
-    pub(super) hidden: usize,
-    pub(super) heads: usize,
-    pub(super) kv_heads: usize,
-    pub(super) head_dim: usize,
-    pub(super) intermediate: usize,
-    pub(super) vocab: usize,
+    /// Its sizes.
+    pub(super) shape: Shape,
     eps: f32,
     /// The token embeddings; `None` when tied to the head, whose packed
     /// panels then give each token's row (one copy of the matrix, not two).
@@ -53,15 +49,7 @@ struct Layer {
 impl CpuModel {
     /// The sizes a call's cache and activations are laid out by.
     pub(super) fn shape(&self) -> Shape {
-        Shape {
-            layers: self.layers.len(),
-            hidden: self.hidden,
-            heads: self.heads,
-            kv_heads: self.kv_heads,
-            head_dim: self.head_dim,
-            intermediate: self.intermediate,
-            vocab: self.vocab,
-        }
+        self.shape
     }
 
     /// Packs the weights of a causal LM of config `c`, each read by `get`
@@ -133,12 +121,15 @@ impl CpuModel {
             (Packed::new(&head, vocab, hidden, None), Some(embed))
         };
         Ok(CpuModel {
-            hidden,
-            heads,
-            kv_heads,
-            head_dim,
-            intermediate,
-            vocab,
+            shape: Shape {
+                layers: layers.len(),
+                hidden,
+                heads,
+                kv_heads,
+                head_dim,
+                intermediate,
+                vocab,
+            },
             eps: c.rms_norm_eps as f32,
             lm_head,
             embed,
@@ -152,14 +143,14 @@ impl CpuModel {
     /// The query heads of a GQA group run together (up to four at a time),
     /// so each key and value is read once per group.
     unsafe fn attend(&self, q: &[f32], cache: &Cache, l: usize, row: Row, out: &mut [f32]) {
-        let d = self.head_dim;
-        let group = self.heads / self.kv_heads;
+        let d = self.shape.head_dim;
+        let group = self.shape.heads / self.shape.kv_heads;
         let scale = 1.0 / (d as f32).sqrt();
         let len = row.pos + 1;
         SCORES.with(|scores| {
             let mut scores = scores.borrow_mut();
             scores.resize(4 * len, 0.0);
-            for g in 0..self.kv_heads {
+            for g in 0..self.shape.kv_heads {
                 let keys = cache.keys(row.slot, l, g);
                 let values = cache.values(row.slot, l, g, len);
                 let mut h = g * group;
@@ -199,7 +190,7 @@ impl CpuModel {
 
     /// RMSNorm of the first `m` rows of `x` into `out`.
     unsafe fn norm_rows(&self, x: &[f32], weight: &[f32], m: usize, out: &mut [f32]) {
-        let hd = self.hidden;
+        let hd = self.shape.hidden;
         for (x, out) in x[..m * hd].chunks_exact(hd).zip(out.chunks_exact_mut(hd)) {
             math::rms_norm(x, weight, self.eps, out);
         }
@@ -223,8 +214,8 @@ impl CpuModel {
         pool: Option<&rayon::ThreadPool>,
     ) -> &'s [f32] {
         let m = rows.len();
-        let (hd, d) = (self.hidden, self.head_dim);
-        let (q_width, kv_width) = (self.heads * d, self.kv_heads * d);
+        let (hd, d) = (self.shape.hidden, self.shape.head_dim);
+        let (q_width, kv_width) = (self.shape.heads * d, self.shape.kv_heads * d);
         let qkv_width = q_width + 2 * kv_width;
         let s = scratch;
         s.reserve(m, self.shape(), logit_rows.len());
@@ -287,7 +278,7 @@ impl CpuModel {
             }
             gemm::matmul(&s.att, q_width, m, &layer.o, &mut s.x, hd, true, pool);
             self.norm_rows(&s.x, &layer.post_norm, m, &mut s.xn);
-            let (inter, gu_width) = (self.intermediate, 2 * self.intermediate);
+            let (inter, gu_width) = (self.shape.intermediate, 2 * self.shape.intermediate);
             gemm::matmul(
                 &s.xn,
                 hd,
@@ -321,11 +312,11 @@ impl CpuModel {
             count,
             &self.lm_head,
             &mut s.logits,
-            self.vocab,
+            self.shape.vocab,
             false,
             pool,
         );
-        &s.logits[..count * self.vocab]
+        &s.logits[..count * self.shape.vocab]
     }
 }
 

@@ -101,7 +101,7 @@ impl Run {
     /// # Safety
     /// The CPU must support AVX2 and FMA.
     pub(super) unsafe fn prefill(&mut self, items: &[(usize, &[i64])]) -> Vec<f32> {
-        let vocab = self.cpu.vocab;
+        let vocab = self.cpu.shape.vocab;
         let contexts: Vec<&[i64]> = items.iter().map(|&(_, c)| c).collect();
         let owner = owners(&contexts);
         let mut first = vec![0.0f32; items.len() * vocab];
@@ -186,7 +186,7 @@ pub fn generate(
     let mut out = Generation::empty_rows(prompts.len(), n);
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let mut run = Run::start(model, out.len(), longest + params.max_new_tokens)?;
-    let vocab = run.cpu.vocab;
+    let vocab = run.cpu.shape.vocab;
     // SAFETY (all calls below): the caller checked that the CPU has AVX2 and FMA.
     let first = unsafe { run.prefill(&row_items(prompts, n)) };
     let mut streams: Vec<Stream> = (0..out.len())
@@ -259,7 +259,7 @@ pub fn response_logprobs(
         .max()
         .unwrap_or(1);
     let mut run = Run::start(model, prompts.len(), capacity)?;
-    let vocab = run.cpu.vocab;
+    let vocab = run.cpu.shape.vocab;
     let temperature = temperature as f32;
     let (mut picker, mut row) = (Picker::default(), Vec::with_capacity(vocab));
     let mut logprob = |logits: &[f32], target: i64| {
@@ -364,7 +364,7 @@ impl Slots for CpuSlots {
         prefills: &[(usize, &[i64])],
     ) -> Result<(), ModelError> {
         let run = self.run.as_mut().expect("reserve runs before forward");
-        let vocab = run.cpu.vocab;
+        let vocab = run.cpu.shape.vocab;
         self.logits.clear();
         if !steps.is_empty() {
             let ids: Vec<i64> = steps.iter().map(|s| s.1).collect();

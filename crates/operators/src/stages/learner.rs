@@ -12,14 +12,15 @@
 use arrow::array::RecordBatch;
 
 use tch::{Kind, Tensor};
-use weir_gpu::collective::{leads, sum_scalars, GroupMember};
+use weir_gpu::collective::{sum_scalars, GroupMember};
 use weir_gpu::optim::{AdamWConfig, Optimizer};
 use weir_gpu::Model;
 use weir_graph::{StageError, StepBuffer, StepContext, StepStage, WeightsPayload};
 
 use super::columns::{float_lists, token_lists};
 use super::sequences::{response_backward, response_logprobs, ResponseForward};
-use super::train_step::{optimizer_step, step_scale};
+pub use super::train_step::LrSchedule;
+use super::train_step::{step_scale, TrainerCore};
 use crate::algorithms::{
     aggregate_in_step, kl_tensor, policy_loss_in_step, KlEstimator, PolicyLossConfig, StepScale,
     WeightStats,
@@ -75,54 +76,6 @@ pub struct LearnerConfig {
     pub logprob_chunk: usize,
 }
 
-/// Learning rate over optimizer steps: linear warm-up from 0, then constant or cosine decay.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum LrSchedule {
-    /// `lr · min(1, (k + 1) / warmup)`.
-    Constant {
-        /// Warm-up steps.
-        warmup: u64,
-    },
-    /// Warm-up, then `min_lr + (lr − min_lr) · (1 + cos(π · progress)) / 2` until `total` steps.
-    Cosine {
-        /// Warm-up steps.
-        warmup: u64,
-        /// Steps over which the rate decays.
-        total: u64,
-        /// The floor, as a fraction of the base rate.
-        min_ratio: f64,
-    },
-}
-
-impl LrSchedule {
-    /// The rate of optimizer step `k` (0-based) for base rate `lr`.
-    pub fn rate(&self, lr: f64, k: u64) -> f64 {
-        let warm = |w: u64| {
-            if w == 0 {
-                1.0
-            } else {
-                ((k + 1) as f64 / w as f64).min(1.0)
-            }
-        };
-        match *self {
-            LrSchedule::Constant { warmup } => lr * warm(warmup),
-            LrSchedule::Cosine {
-                warmup,
-                total,
-                min_ratio,
-            } => {
-                if k < warmup {
-                    return lr * warm(warmup);
-                }
-                let span = total.saturating_sub(warmup).max(1) as f64;
-                let progress = ((k - warmup) as f64 / span).min(1.0);
-                let min_lr = lr * min_ratio;
-                min_lr + (lr - min_lr) * (1.0 + (std::f64::consts::PI * progress).cos()) / 2.0
-            }
-        }
-    }
-}
-
 impl Default for LearnerConfig {
     fn default() -> Self {
         LearnerConfig {
@@ -168,14 +121,10 @@ pub struct UpdateStats {
 
 /// The actor's learner.
 pub struct Learner {
-    model: Model,
-    optimizer: Optimizer,
+    core: TrainerCore,
     cfg: LearnerConfig,
     held: StepBuffer,
     last: UpdateStats,
-    checkpoints: Option<CheckpointPlan>,
-    /// This learner's rank among data-parallel learners, if there are several.
-    data_parallel: Option<GroupMember>,
     /// Run the proximal pass even where the training forward's log-probs
     /// serve (tests hold the two alike).
     proximal_pass_always: bool,
@@ -184,15 +133,11 @@ pub struct Learner {
 impl Learner {
     /// A learner training `model`.
     pub fn new(model: Model, cfg: LearnerConfig) -> Result<Self, StageError> {
-        let optimizer = Optimizer::adamw(&model, cfg.adamw)?;
         Ok(Learner {
-            model,
-            optimizer,
+            core: TrainerCore::new(model, cfg.adamw, cfg.schedule, cfg.max_grad_norm)?,
             cfg,
             held: super::rows_in_order(),
             last: UpdateStats::default(),
-            checkpoints: None,
-            data_parallel: None,
             proximal_pass_always: false,
         })
     }
@@ -204,20 +149,19 @@ impl Learner {
     /// checkpoints and records the metrics, which cover every rank's rows.
     /// Every rank calls this together: they start from rank 0's weights.
     pub fn with_data_parallel(mut self, member: GroupMember) -> Result<Self, StageError> {
-        self.optimizer.share_rank0_parameters(&member)?;
-        self.data_parallel = Some(member);
+        self.core.join_data_parallel(member)?;
         Ok(self)
     }
 
     /// Saves checkpoints as `plan` says.
     pub fn with_checkpoints(mut self, plan: CheckpointPlan) -> Self {
-        self.checkpoints = Some(plan);
+        self.core.save_with(plan);
         self
     }
 
     /// The optimizer (to restore its state on resume).
     pub fn optimizer_mut(&mut self) -> &mut Optimizer {
-        &mut self.optimizer
+        self.core.optimizer_mut()
     }
 
     /// What the last update measured.
@@ -227,7 +171,7 @@ impl Learner {
 
     /// The model being trained.
     pub fn model(&self) -> &Model {
-        &self.model
+        self.core.model()
     }
 }
 
@@ -305,14 +249,14 @@ impl Learner {
             rows.rewards.as_ref().map_or(0.0, |r| r.iter().sum()),
             rows.rewards.as_ref().map_or(0, Vec::len) as f64,
         ];
-        let member = self.data_parallel.as_ref();
+        let member = self.core.member();
         sum_scalars(member, &mut step_totals)?;
         let minis = self.cfg.mini_batches.max(1);
         let ranges = rows.micro_batches(minis, self.cfg.micro_batch, self.cfg.micro_batch_tokens);
         let proximal = self.proximal_logprobs(&rows, &ranges)?;
         // The weights change at the first optimizer step: the CPU kernels'
         // packing of them is not needed beside the backward passes.
-        self.model.release_cpu_packing();
+        self.core.model().release_cpu_packing();
         // Each mini-batch's loss is normalised by its own counts over every rank.
         let scales: Vec<_> = (0..minis)
             .map(|k| {
@@ -368,7 +312,7 @@ impl Learner {
         rows: &LearnRows,
         ranges: &[Vec<(usize, usize)>],
     ) -> Result<Option<Vec<Vec<Tensor>>>, StageError> {
-        let dropout = self.model.lora().is_some_and(|l| l.dropout > 0.0);
+        let dropout = self.core.model().lora().is_some_and(|l| l.dropout > 0.0);
         let one_update = self.cfg.ppo_epochs.max(1) == 1
             && ranges.len() == 1
             && !dropout
@@ -381,7 +325,7 @@ impl Learner {
             mini.iter()
                 .map(|&(start, end)| {
                     response_logprobs(
-                        &self.model,
+                        self.core.model(),
                         &rows.prompts[start..end],
                         &rows.responses[start..end],
                         self.cfg.temperature,
@@ -405,49 +349,34 @@ impl Learner {
         olds: Option<&[Tensor]>,
         scale: &StepScale,
     ) -> Result<PassFigures, StageError> {
-        // The optimizer's own step count: restored with its state, so a
-        // resumed run continues the schedule where it stopped.
-        let lr = self
-            .cfg
-            .schedule
-            .rate(self.cfg.adamw.lr, self.optimizer.steps());
         let mut figures = PassFigures::default();
         let mut stats = [0.0; 6];
-        let (model, cfg) = (&self.model, &self.cfg);
-        let member = self.data_parallel.as_ref();
-        let grad_norm = optimizer_step(
-            &mut self.optimizer,
-            member,
-            lr,
-            cfg.max_grad_norm,
-            &mut stats,
-            |stats| {
-                for (j, &(start, end)) in mini.iter().enumerate() {
-                    let terms = MicroBatch {
-                        cfg,
-                        rows,
-                        range: (start, end),
-                        old: olds.map(|o| &o[j]),
-                        scale,
-                        device: model.device(),
-                    };
-                    let micro_loss = |fwd: ResponseForward| {
-                        Ok((terms.loss(fwd, stats, &mut figures.bounds), ()))
-                    };
-                    response_backward(
-                        model,
-                        &rows.prompts[start..end],
-                        &rows.responses[start..end],
-                        cfg.temperature,
-                        Some(cfg.policy.flavor.entropy_temperature(cfg.temperature)),
-                        cfg.gradient_checkpointing,
-                        cfg.logprob_chunk,
-                        micro_loss,
-                    )?;
-                }
-                Ok(())
-            },
-        )?;
+        let cfg = &self.cfg;
+        let grad_norm = self.core.step(&mut stats, |model, stats| {
+            for (j, &(start, end)) in mini.iter().enumerate() {
+                let terms = MicroBatch {
+                    cfg,
+                    rows,
+                    range: (start, end),
+                    old: olds.map(|o| &o[j]),
+                    scale,
+                    device: model.device(),
+                };
+                let micro_loss =
+                    |fwd: ResponseForward| Ok((terms.loss(fwd, stats, &mut figures.bounds), ()));
+                response_backward(
+                    model,
+                    &rows.prompts[start..end],
+                    &rows.responses[start..end],
+                    cfg.temperature,
+                    Some(cfg.policy.flavor.entropy_temperature(cfg.temperature)),
+                    cfg.gradient_checkpointing,
+                    cfg.logprob_chunk,
+                    micro_loss,
+                )?;
+            }
+            Ok(())
+        })?;
         let [loss, clip_fraction, kl, entropy, weight_mean, masked] = stats;
         Ok(PassFigures {
             loss,
@@ -688,15 +617,15 @@ impl StepStage for Learner {
         // From a row's start (its generation) to its training, on average.
         let latency = rows.as_ref().and_then(row_latency_s);
         // A data-parallel rank without rows still joins the ranks' sums.
-        if rows.is_some() || self.data_parallel.is_some() {
+        if self.core.runs(rows.is_some()) {
             self.update_rows(rows.as_ref())
                 .map_err(|e| OperatorError::step(ctx.step, e))?;
             if let Some(batch) = rows {
                 out.push(batch);
             }
         }
-        let leads = leads(self.data_parallel.as_ref());
-        if leads && (!out.is_empty() || self.data_parallel.is_some()) {
+        let leads = self.core.leads();
+        if leads && (!out.is_empty() || self.core.member().is_some()) {
             let u = self.last;
             tracing::info!(
                 step = ctx.step,
@@ -711,7 +640,7 @@ impl StepStage for Learner {
                 ("grad_norm", u.grad_norm),
                 ("clip_fraction", u.clip_fraction),
                 ("entropy", u.entropy),
-                ("lr", self.optimizer.lr()),
+                ("lr", self.core.optimizer().lr()),
             ] {
                 ctx.record(name, value);
             }
@@ -737,13 +666,11 @@ impl StepStage for Learner {
         if leads {
             // Published even when no rows reached this learner: the generators
             // wait for each version.
-            let snapshot = self.model.export_snapshot(ctx.version + 1)?;
+            let snapshot = self.core.model().export_snapshot(ctx.version + 1)?;
             // What the weights edge carries (a LoRA actor's: its adapters only).
             ctx.record("weights_bytes", snapshot.len() as f64);
             ctx.publish_weights(WeightsPayload::from(snapshot))?;
-            if let Some(plan) = &self.checkpoints {
-                plan.save_actor_if_due(ctx.step, ctx.version + 1, &self.model, &self.optimizer)?;
-            }
+            self.core.save_if_due(ctx.step, ctx.version + 1)?;
         }
         Ok(out)
     }

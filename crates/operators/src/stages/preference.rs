@@ -12,9 +12,9 @@
 
 use arrow::array::RecordBatch;
 use tch::{Kind, Tensor};
-use weir_gpu::collective::{leads, sum_scalars, GroupMember};
+use weir_gpu::collective::{sum_scalars, GroupMember};
 
-use super::train_step::optimizer_step;
+use super::train_step::TrainerCore;
 use weir_gpu::optim::{AdamWConfig, Optimizer};
 use weir_gpu::{Model, Tokenizer};
 use weir_graph::{StageError, StepBuffer, StepContext, StepStage};
@@ -80,33 +80,20 @@ fn pairs(batch: &RecordBatch, tok: &Tokenizer, cfg: &PairConfig) -> Result<Pairs
 
 /// The state every pair trainer keeps.
 struct Trainer {
-    model: Model,
+    core: TrainerCore,
     tokenizer: Tokenizer,
-    optimizer: Optimizer,
     cfg: PairConfig,
     held: StepBuffer,
-    checkpoints: Option<CheckpointPlan>,
-    /// This trainer's rank among data-parallel trainers, if there are several.
-    data_parallel: Option<GroupMember>,
 }
 
 impl Trainer {
     fn new(model: Model, tokenizer: Tokenizer, cfg: PairConfig) -> Result<Self, StageError> {
         Ok(Trainer {
-            optimizer: Optimizer::adamw(&model, cfg.adamw)?,
-            model,
+            core: TrainerCore::new(model, cfg.adamw, cfg.schedule, cfg.max_grad_norm)?,
             tokenizer,
             cfg,
             held: super::rows_in_order(),
-            checkpoints: None,
-            data_parallel: None,
         })
-    }
-
-    /// Whether this step runs: with rows, or as a data-parallel rank (which
-    /// joins the ranks' sums without rows too).
-    fn runs(&self, rows: &Option<RecordBatch>) -> bool {
-        rows.is_some() || self.data_parallel.is_some()
     }
 
     /// This step's pairs, and their count over every rank.
@@ -115,7 +102,7 @@ impl Trainer {
             .map(|b| pairs(b, &self.tokenizer, &self.cfg))
             .transpose()?;
         let mut total = [pairs.as_ref().map_or(0, |p| p.prompts.len()) as f64];
-        sum_scalars(self.data_parallel.as_ref(), &mut total)?;
+        sum_scalars(self.core.member(), &mut total)?;
         Ok((pairs, total[0].max(1.0)))
     }
 
@@ -124,37 +111,23 @@ impl Trainer {
     /// first, then the statistics) come back summed over the ranks. Returns
     /// the gradient norm.
     fn step(&mut self, loss: Option<&Tensor>, sums: &mut [f64]) -> Result<f64, StageError> {
-        let lr = self
-            .cfg
-            .schedule
-            .rate(self.cfg.adamw.lr, self.optimizer.steps());
-        optimizer_step(
-            &mut self.optimizer,
-            self.data_parallel.as_ref(),
-            lr,
-            self.cfg.max_grad_norm,
-            sums,
-            |_| {
-                if let Some(loss) = loss {
-                    loss.backward();
-                }
-                Ok(())
-            },
-        )
+        self.core.step(sums, |_, _| {
+            if let Some(loss) = loss {
+                loss.backward();
+            }
+            Ok(())
+        })
     }
 
     /// Records the step's metrics and saves a due checkpoint (rank 0 of data-parallel ranks).
     fn finish(&self, ctx: &mut StepContext, metrics: &[(&str, f64)]) -> Result<(), StageError> {
-        if !leads(self.data_parallel.as_ref()) {
+        if !self.core.leads() {
             return Ok(());
         }
         for (name, value) in metrics {
             ctx.record(name, *value);
         }
-        if let Some(plan) = &self.checkpoints {
-            plan.save_actor_if_due(ctx.step, ctx.step + 1, &self.model, &self.optimizer)?;
-        }
-        Ok(())
+        self.core.save_if_due(ctx.step, ctx.step + 1)
     }
 }
 
@@ -203,19 +176,18 @@ impl RewardTrainer {
 
     /// Saves checkpoints as `plan` says.
     pub fn with_checkpoints(mut self, plan: CheckpointPlan) -> Self {
-        self.0.checkpoints = Some(plan);
+        self.0.core.save_with(plan);
         self
     }
 
     /// The optimizer (to restore on resume).
     pub fn optimizer_mut(&mut self) -> &mut Optimizer {
-        &mut self.0.optimizer
+        self.0.core.optimizer_mut()
     }
 
     /// Trains as one rank of data-parallel trainers (see `Learner::with_data_parallel`).
     pub fn with_data_parallel(mut self, member: GroupMember) -> Result<Self, StageError> {
-        self.0.optimizer.share_rank0_parameters(&member)?;
-        self.0.data_parallel = Some(member);
+        self.0.core.join_data_parallel(member)?;
         Ok(self)
     }
 }
@@ -231,15 +203,15 @@ impl StepStage for RewardTrainer {
         rows: Option<RecordBatch>,
     ) -> Result<Vec<RecordBatch>, StageError> {
         let t = &mut self.0;
-        if !t.runs(&rows) {
+        if !t.core.runs(rows.is_some()) {
             return Ok(Vec::new());
         }
         let (p, total) = t.pairs(rows.as_ref())?;
         // Sums over this rank's pairs, each divided by every rank's pair count.
         let (mut loss, mut correct, mut margins) = (None, None, None);
         if let Some(p) = &p {
-            let chosen = last_token_scores(&t.model, &p.prompts, &p.chosen)?;
-            let rejected = last_token_scores(&t.model, &p.prompts, &p.rejected)?;
+            let chosen = last_token_scores(t.core.model(), &p.prompts, &p.chosen)?;
+            let rejected = last_token_scores(t.core.model(), &p.prompts, &p.rejected)?;
             let margin = &chosen - &rejected;
             let wanted = p.margins.as_ref().map(|m| {
                 Tensor::from_slice(m)
@@ -344,19 +316,18 @@ impl DpoTrainer {
 
     /// Saves checkpoints as `plan` says.
     pub fn with_checkpoints(mut self, plan: CheckpointPlan) -> Self {
-        self.trainer.checkpoints = Some(plan);
+        self.trainer.core.save_with(plan);
         self
     }
 
     /// The optimizer (to restore on resume).
     pub fn optimizer_mut(&mut self) -> &mut Optimizer {
-        &mut self.trainer.optimizer
+        self.trainer.core.optimizer_mut()
     }
 
     /// Trains as one rank of data-parallel trainers (see `Learner::with_data_parallel`).
     pub fn with_data_parallel(mut self, member: GroupMember) -> Result<Self, StageError> {
-        self.trainer.optimizer.share_rank0_parameters(&member)?;
-        self.trainer.data_parallel = Some(member);
+        self.trainer.core.join_data_parallel(member)?;
         Ok(self)
     }
 }
@@ -372,7 +343,7 @@ impl StepStage for DpoTrainer {
         rows: Option<RecordBatch>,
     ) -> Result<Vec<RecordBatch>, StageError> {
         let t = &mut self.trainer;
-        if !t.runs(&rows) {
+        if !t.core.runs(rows.is_some()) {
             return Ok(Vec::new());
         }
         let (p, total) = t.pairs(rows.as_ref())?;
@@ -387,9 +358,9 @@ impl StepStage for DpoTrainer {
                     sequence_logprobs(&self.reference, &p.prompts, &p.rejected)?,
                 )
             };
-            let _training = t.model.training();
-            let chosen = sequence_logprobs(&t.model, &p.prompts, &p.chosen)? - ref_c;
-            let rejected = sequence_logprobs(&t.model, &p.prompts, &p.rejected)? - ref_r;
+            let _training = t.core.model().training();
+            let chosen = sequence_logprobs(t.core.model(), &p.prompts, &p.chosen)? - ref_c;
+            let rejected = sequence_logprobs(t.core.model(), &p.prompts, &p.rejected)? - ref_r;
             let h = &chosen - &rejected;
             let share = |x: &Tensor| x.sum(Kind::Float).double_value(&[]) / total;
             stats = [

@@ -4,7 +4,7 @@
 //! checkpoints. Rows pass on unchanged (with `sft_loss` per step recorded).
 
 use arrow::array::RecordBatch;
-use weir_gpu::collective::{leads, GroupMember};
+use weir_gpu::collective::GroupMember;
 use weir_gpu::optim::{AdamWConfig, Optimizer};
 use weir_gpu::{Model, Tokenizer};
 use weir_graph::{StageError, StepBuffer, StepContext, StepStage};
@@ -13,7 +13,7 @@ use super::columns::token_lists;
 use super::learner::LrSchedule;
 use super::sequences::response_backward;
 use super::sequences::response_targets;
-use super::train_step::{optimizer_step, step_scale};
+use super::train_step::{step_scale, TrainerCore};
 use crate::algorithms::{aggregate_in_step, Aggregation, Flavor};
 use crate::checkpoint::CheckpointPlan;
 use crate::error::OperatorError;
@@ -38,15 +38,11 @@ pub struct SftConfig {
 
 /// The SFT trainer stage.
 pub struct SftTrainer {
-    model: Model,
+    core: TrainerCore,
     tokenizer: Tokenizer,
-    optimizer: Optimizer,
     cfg: SftConfig,
     target_column: String,
     held: StepBuffer,
-    checkpoints: Option<CheckpointPlan>,
-    /// This trainer's rank among data-parallel trainers, if there are several.
-    data_parallel: Option<GroupMember>,
     /// The last step's loss.
     pub last_loss: f64,
 }
@@ -60,14 +56,11 @@ impl SftTrainer {
         cfg: SftConfig,
     ) -> Result<Self, StageError> {
         Ok(SftTrainer {
-            optimizer: Optimizer::adamw(&model, cfg.adamw)?,
-            model,
+            core: TrainerCore::new(model, cfg.adamw, cfg.schedule, cfg.max_grad_norm)?,
             tokenizer,
             cfg,
             target_column: target_column.to_string(),
             held: super::rows_in_order(),
-            checkpoints: None,
-            data_parallel: None,
             last_loss: f64::NAN,
         })
     }
@@ -79,25 +72,24 @@ impl SftTrainer {
     /// records the metrics. Every rank calls this together: they start from
     /// rank 0's weights.
     pub fn with_data_parallel(mut self, member: GroupMember) -> Result<Self, StageError> {
-        self.optimizer.share_rank0_parameters(&member)?;
-        self.data_parallel = Some(member);
+        self.core.join_data_parallel(member)?;
         Ok(self)
     }
 
     /// Saves checkpoints as `plan` says.
     pub fn with_checkpoints(mut self, plan: CheckpointPlan) -> Self {
-        self.checkpoints = Some(plan);
+        self.core.save_with(plan);
         self
     }
 
     /// The optimizer (to restore its state on resume).
     pub fn optimizer_mut(&mut self) -> &mut Optimizer {
-        &mut self.optimizer
+        self.core.optimizer_mut()
     }
 
     /// The model being trained.
     pub fn model(&self) -> &Model {
-        &self.model
+        self.core.model()
     }
 
     /// One optimizer step on `batch`; returns (loss, grad norm).
@@ -115,49 +107,37 @@ impl SftTrainer {
             ),
             None => (Vec::new(), Vec::new()),
         };
-        let member = self.data_parallel.as_ref();
         // Token mean over the whole step: every micro-batch and rank.
-        let scale = step_scale(member, targets.iter().map(Vec::len), None)?;
-        let lr = self
-            .cfg
-            .schedule
-            .rate(self.cfg.adamw.lr, self.optimizer.steps());
-        let (model, cfg) = (&self.model, &self.cfg);
+        let scale = step_scale(self.core.member(), targets.iter().map(Vec::len), None)?;
+        let cfg = &self.cfg;
         let mut stats = [0.0];
-        let grad_norm = optimizer_step(
-            &mut self.optimizer,
-            member,
-            lr,
-            cfg.max_grad_norm,
-            &mut stats,
-            |stats| {
-                for start in (0..prompts.len()).step_by(cfg.micro_batch.max(1)) {
-                    let end = (start + cfg.micro_batch.max(1)).min(prompts.len());
-                    stats[0] += response_backward(
-                        model,
-                        &prompts[start..end],
-                        &targets[start..end],
-                        1.0,
-                        None,
-                        cfg.gradient_checkpointing,
-                        cfg.logprob_chunk,
-                        |f| {
-                            let nll = -f.logprobs;
-                            let loss = aggregate_in_step(
-                                &nll,
-                                &f.mask,
-                                Aggregation::TokenMean,
-                                Flavor::OpenRlhf,
-                                &scale,
-                            );
-                            let value = loss.double_value(&[]);
-                            Ok((loss, value))
-                        },
-                    )?;
-                }
-                Ok(())
-            },
-        )?;
+        let grad_norm = self.core.step(&mut stats, |model, stats| {
+            for start in (0..prompts.len()).step_by(cfg.micro_batch.max(1)) {
+                let end = (start + cfg.micro_batch.max(1)).min(prompts.len());
+                stats[0] += response_backward(
+                    model,
+                    &prompts[start..end],
+                    &targets[start..end],
+                    1.0,
+                    None,
+                    cfg.gradient_checkpointing,
+                    cfg.logprob_chunk,
+                    |f| {
+                        let nll = -f.logprobs;
+                        let loss = aggregate_in_step(
+                            &nll,
+                            &f.mask,
+                            Aggregation::TokenMean,
+                            Flavor::OpenRlhf,
+                            &scale,
+                        );
+                        let value = loss.double_value(&[]);
+                        Ok((loss, value))
+                    },
+                )?;
+            }
+            Ok(())
+        })?;
         let loss_sum = stats[0];
         self.last_loss = loss_sum;
         Ok((loss_sum, grad_norm))
@@ -175,21 +155,19 @@ impl StepStage for SftTrainer {
         rows: Option<RecordBatch>,
     ) -> Result<Vec<RecordBatch>, StageError> {
         // A data-parallel rank without rows still joins the ranks' sums.
-        if rows.is_none() && self.data_parallel.is_none() {
+        if !self.core.runs(rows.is_some()) {
             return Ok(Vec::new());
         }
         let (loss, grad_norm) = self
             .train_rows(rows.as_ref())
             .map_err(|e| OperatorError::step(ctx.step, e))?;
-        if !leads(self.data_parallel.as_ref()) {
+        if !self.core.leads() {
             return Ok(rows.into_iter().collect());
         }
         ctx.record("loss", loss);
         ctx.record("grad_norm", grad_norm);
-        ctx.record("lr", self.optimizer.lr());
-        if let Some(plan) = &self.checkpoints {
-            plan.save_actor_if_due(ctx.step, ctx.step + 1, &self.model, &self.optimizer)?;
-        }
+        ctx.record("lr", self.core.optimizer().lr());
+        self.core.save_if_due(ctx.step, ctx.step + 1)?;
         Ok(rows.into_iter().collect())
     }
 }

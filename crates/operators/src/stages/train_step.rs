@@ -1,7 +1,8 @@
-//! One optimizer step over a step's rows, the same for every trainer (the
-//! actor's learner, SFT, the reward-model and DPO trainers): the step's
-//! loss denominators counted over all micro-batches and data-parallel
-//! ranks, the learning rate, the backward passes, the ranks' gradient sums,
+//! The trainers' shared core ([`TrainerCore`]) and one optimizer step over
+//! a step's rows, the same for every trainer (the actor's learner, SFT, the
+//! reward-model and DPO trainers, the critic's fit): the step's loss
+//! denominators counted over all micro-batches and data-parallel ranks, the
+//! learning-rate schedule, the backward passes, the ranks' gradient sums,
 //! clipping, and the check that the loss and gradients are finite.
 //!
 //! A loss normalised by the whole step's counts ([`StepScale`]) gives the
@@ -9,11 +10,177 @@
 //! verl 0.9 does with `batch_num_tokens` / `global_batch_size` and OpenRLHF
 //! 0.11 with its global token and sample counts.
 
-use weir_gpu::collective::{max_scalars, sum_scalars, GroupMember};
-use weir_gpu::optim::Optimizer;
+use weir_gpu::collective::{leads, max_scalars, sum_scalars, GroupMember};
+use weir_gpu::optim::{AdamWConfig, Optimizer};
+use weir_gpu::Model;
 use weir_graph::StageError;
 
 use crate::algorithms::StepScale;
+use crate::checkpoint::CheckpointPlan;
+
+/// Learning rate over optimizer steps: linear warm-up from 0, then constant or cosine decay.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum LrSchedule {
+    /// `lr · min(1, (k + 1) / warmup)`.
+    Constant {
+        /// Warm-up steps.
+        warmup: u64,
+    },
+    /// Warm-up, then `min_lr + (lr − min_lr) · (1 + cos(π · progress)) / 2` until `total` steps.
+    Cosine {
+        /// Warm-up steps.
+        warmup: u64,
+        /// Steps over which the rate decays.
+        total: u64,
+        /// The floor, as a fraction of the base rate.
+        min_ratio: f64,
+    },
+}
+
+impl LrSchedule {
+    /// The rate of optimizer step `k` (0-based) for base rate `lr`.
+    pub fn rate(&self, lr: f64, k: u64) -> f64 {
+        let warm = |w: u64| {
+            if w == 0 {
+                1.0
+            } else {
+                ((k + 1) as f64 / w as f64).min(1.0)
+            }
+        };
+        match *self {
+            LrSchedule::Constant { warmup } => lr * warm(warmup),
+            LrSchedule::Cosine {
+                warmup,
+                total,
+                min_ratio,
+            } => {
+                if k < warmup {
+                    return lr * warm(warmup);
+                }
+                let span = total.saturating_sub(warmup).max(1) as f64;
+                let progress = ((k - warmup) as f64 / span).min(1.0);
+                let min_lr = lr * min_ratio;
+                min_lr + (lr - min_lr) * (1.0 + (std::f64::consts::PI * progress).cos()) / 2.0
+            }
+        }
+    }
+}
+
+/// What every trainer (the actor's learner, SFT, the reward-model and DPO
+/// trainers) keeps around its own loss: the model it trains, its optimizer
+/// and learning-rate schedule, its rank among data-parallel trainers, and
+/// where it saves. (The critic's fit takes the same optimizer step on a
+/// model it shares with the critic's scoring stage.)
+pub struct TrainerCore {
+    model: Model,
+    optimizer: Optimizer,
+    base_lr: f64,
+    schedule: LrSchedule,
+    max_grad_norm: Option<f64>,
+    data_parallel: Option<GroupMember>,
+    checkpoints: Option<CheckpointPlan>,
+}
+
+impl TrainerCore {
+    /// Trains `model` with AdamW (`adamw`, its rate the schedule's base),
+    /// the gradient norm clipped to `max_grad_norm`.
+    pub fn new(
+        model: Model,
+        adamw: AdamWConfig,
+        schedule: LrSchedule,
+        max_grad_norm: Option<f64>,
+    ) -> Result<Self, StageError> {
+        Ok(TrainerCore {
+            optimizer: Optimizer::adamw(&model, adamw)?,
+            model,
+            base_lr: adamw.lr,
+            schedule,
+            max_grad_norm,
+            data_parallel: None,
+            checkpoints: None,
+        })
+    }
+
+    /// Trains as one rank of `member`'s group: each rank takes its share of
+    /// a step's rows and the ranks sum their gradients before every
+    /// optimizer step, so their weights stay equal; rank 0 publishes, saves
+    /// and records. Every rank calls this together: they start from rank
+    /// 0's weights.
+    pub fn join_data_parallel(&mut self, member: GroupMember) -> Result<(), StageError> {
+        self.optimizer.share_rank0_parameters(&member)?;
+        self.data_parallel = Some(member);
+        Ok(())
+    }
+
+    /// Saves checkpoints as `plan` says.
+    pub fn save_with(&mut self, plan: CheckpointPlan) {
+        self.checkpoints = Some(plan);
+    }
+
+    /// The model being trained.
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    /// The optimizer.
+    pub fn optimizer(&self) -> &Optimizer {
+        &self.optimizer
+    }
+
+    /// The optimizer (to restore its state on resume).
+    pub fn optimizer_mut(&mut self) -> &mut Optimizer {
+        &mut self.optimizer
+    }
+
+    /// This trainer's rank among data-parallel trainers, if there are several.
+    pub fn member(&self) -> Option<&GroupMember> {
+        self.data_parallel.as_ref()
+    }
+
+    /// Whether this trainer publishes, saves and records (rank 0, or the only one).
+    pub fn leads(&self) -> bool {
+        leads(self.member())
+    }
+
+    /// Whether a step trains here: with rows, or as a data-parallel rank
+    /// (which joins the ranks' sums without rows too).
+    pub fn runs(&self, has_rows: bool) -> bool {
+        has_rows || self.data_parallel.is_some()
+    }
+
+    /// One optimizer step ([`optimizer_step`]) at the schedule's rate for
+    /// the optimizer's own step count (restored with its state, so a
+    /// resumed run continues the schedule where it stopped): `backward`
+    /// runs every micro-batch's backward pass on the model, adding its
+    /// measurements to `stats`. Returns the gradient norm before clipping.
+    pub fn step(
+        &mut self,
+        stats: &mut [f64],
+        backward: impl FnOnce(&Model, &mut [f64]) -> Result<(), StageError>,
+    ) -> Result<f64, StageError> {
+        let lr = self.schedule.rate(self.base_lr, self.optimizer.steps());
+        let model = &self.model;
+        optimizer_step(
+            &mut self.optimizer,
+            self.data_parallel.as_ref(),
+            lr,
+            self.max_grad_norm,
+            stats,
+            |stats| backward(model, stats),
+        )
+    }
+
+    /// Saves the model and optimizer as policy `version` when step `step`
+    /// is due a checkpoint (only the rank that leads).
+    pub fn save_if_due(&self, step: u64, version: u64) -> Result<(), StageError> {
+        match &self.checkpoints {
+            Some(plan) if self.leads() => {
+                plan.save_actor_if_due(step, version, &self.model, &self.optimizer)
+            }
+            _ => Ok(()),
+        }
+    }
+}
 
 /// The denominators of a step whose rows (on this rank) have responses of
 /// `lengths` tokens, summed over every rank of `member`'s group. `T` of
