@@ -244,7 +244,7 @@ impl Evaluation {
         version: PolicyVersion,
         rows: &RecordBatch,
     ) -> Result<RecordBatch, StageError> {
-        let mut ctx = StepContext::detached(0, self.worker, version);
+        let mut ctx = StepContext::detached(0, self.worker, version).in_stage(STAGE);
         let mut out = Vec::new();
         let n = rows.num_rows();
         for start in (0..n).step_by(self.batch) {

@@ -127,7 +127,7 @@ impl Versions {
 
 /// One stage instance plus the engine's bookkeeping around it.
 pub(crate) struct StageRunner {
-    name: String,
+    name: Arc<str>,
     kind: StageKind,
     stage: Box<dyn Stage>,
     worker: WorkerInfo,
@@ -149,7 +149,7 @@ impl StageRunner {
     ) -> Result<Self, GraphError> {
         let stage = guarded(name, None, worker.index, || factory(&worker))?;
         Ok(StageRunner {
-            name: name.to_string(),
+            name: name.into(),
             kind,
             stage,
             worker,
@@ -178,7 +178,13 @@ impl StageRunner {
                     StageKind::Learn => self.stamp_learner_input(step, batch)?,
                     _ => batch,
                 };
-                let mut ctx = StepContext::new(step, self.worker, self.sampling_version(), false);
+                let mut ctx = StepContext::new(
+                    self.stage_name(),
+                    step,
+                    self.worker,
+                    self.sampling_version(),
+                    false,
+                );
                 let started = Instant::now();
                 let out = guarded(&self.name, Some(step), self.worker.index, || {
                     self.stage.process(&mut ctx, batch)
@@ -195,6 +201,7 @@ impl StageRunner {
                     self.stage.input_ended(step);
                 }
                 let mut ctx = StepContext::new(
+                    self.stage_name(),
                     step,
                     self.worker,
                     self.version,
@@ -254,6 +261,11 @@ impl StageRunner {
                 Ok(Done::Loaded)
             }
         }
+    }
+
+    /// The stage's name in the pipeline.
+    fn stage_name(&self) -> Arc<str> {
+        self.name.clone()
     }
 
     /// The version of the weights the stage works with: for a generator,

@@ -586,12 +586,12 @@ mod tests {
     impl crate::Stage for Failing {
         fn process(
             &mut self,
-            _: &mut StepContext,
+            ctx: &mut StepContext,
             _: RecordBatch,
         ) -> Result<Vec<RecordBatch>, crate::StageError> {
             Err(Box::new(std::io::Error::new(
                 std::io::ErrorKind::NotFound,
-                "reward.json is missing",
+                format!("{}: reward.json is missing", ctx.stage()),
             )))
         }
     }
@@ -617,7 +617,8 @@ mod tests {
             panic!("not a stage error: {err}");
         };
         assert_eq!((stage.as_str(), *step), ("score", Some(0)));
-        assert_eq!(message, "reward.json is missing");
+        // The stage knows the name the pipeline gave it.
+        assert_eq!(message, "score: reward.json is missing");
         let cause = err.source().expect("the stage's error is the source");
         let io = cause
             .downcast_ref::<std::io::Error>()

@@ -76,6 +76,8 @@ impl WorkerInfo {
 /// version, and (for a learner) the slot for publishing new weights.
 #[derive(Debug)]
 pub struct StepContext {
+    /// The stage's name in the pipeline (errors and records name it).
+    stage: std::sync::Arc<str>,
     /// The step being processed.
     pub step: Step,
     /// Where this instance runs.
@@ -93,17 +95,26 @@ pub struct StepContext {
 impl StepContext {
     /// A context outside an engine run (to call a stage directly, in tests
     /// or tools); it may not publish weights.
+    /// Its stage is named `detached` until [`StepContext::in_stage`] names it.
     pub fn detached(step: Step, worker: WorkerInfo, version: PolicyVersion) -> Self {
-        StepContext::new(step, worker, version, false)
+        StepContext::new("detached".into(), step, worker, version, false)
+    }
+
+    /// This context for the stage named `stage`.
+    pub fn in_stage(mut self, stage: &str) -> Self {
+        self.stage = stage.into();
+        self
     }
 
     pub(crate) fn new(
+        stage: std::sync::Arc<str>,
         step: Step,
         worker: WorkerInfo,
         version: PolicyVersion,
         may_publish: bool,
     ) -> Self {
         StepContext {
+            stage,
             step,
             worker,
             version,
@@ -113,6 +124,12 @@ impl StepContext {
             may_publish,
             weights_retired: false,
         }
+    }
+
+    /// The stage's name in the pipeline: what a stage calls itself in its
+    /// errors (a column it cannot read, say).
+    pub fn stage(&self) -> &str {
+        &self.stage
     }
 
     /// Records a stage-specific metric for this step (a learner's loss,

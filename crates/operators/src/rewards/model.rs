@@ -36,12 +36,12 @@ impl RewardModel {
 impl Stage for RewardModel {
     fn process(
         &mut self,
-        _ctx: &mut StepContext,
+        ctx: &mut StepContext,
         batch: RecordBatch,
     ) -> Result<Vec<RecordBatch>, StageError> {
-        let prompts = crate::stages::columns::token_lists(&batch, col::PROMPT_TOKENS, "reward")?;
-        let responses =
-            crate::stages::columns::token_lists(&batch, col::RESPONSE_TOKENS, "reward")?;
+        let stage = ctx.stage();
+        let prompts = crate::stages::columns::token_lists(&batch, col::PROMPT_TOKENS, stage)?;
+        let responses = crate::stages::columns::token_lists(&batch, col::RESPONSE_TOKENS, stage)?;
         let _guard = tch::no_grad_guard();
         let mut scores = Vec::with_capacity(batch.num_rows());
         for start in (0..prompts.len()).step_by(self.micro_batch) {

@@ -231,20 +231,20 @@ impl PythonReward {
         Ok(PythonReward { cfg, workers })
     }
 
-    /// Rewards for the rows of `batch`: its prompts, responses, labels and
-    /// the columns the function receives.
-    pub fn score_batch(&mut self, batch: &RecordBatch) -> Result<Scored, StageError> {
-        let prompts = strings(batch, col::PROMPT, "reward")?;
-        let responses = strings(batch, col::RESPONSE, "reward")?;
+    /// Rewards for the rows of `batch` (stage `stage`'s input): its
+    /// prompts, responses, labels and the columns the function receives.
+    pub fn score_batch(&mut self, batch: &RecordBatch, stage: &str) -> Result<Scored, StageError> {
+        let prompts = strings(batch, col::PROMPT, stage)?;
+        let responses = strings(batch, col::RESPONSE, stage)?;
         let labels = match &self.cfg.label_column {
-            Some(c) => Some(strings(batch, c, "reward")?),
+            Some(c) => Some(strings(batch, c, stage)?),
             None => None,
         };
         let columns = self
             .cfg
             .columns
             .iter()
-            .map(|c| Ok((c.clone(), strings(batch, c, "reward")?)))
+            .map(|c| Ok((c.clone(), strings(batch, c, stage)?)))
             .collect::<Result<Vec<_>, StageError>>()?;
         self.score(&prompts, &responses, labels.as_deref(), &columns)
     }
@@ -417,7 +417,7 @@ impl Stage for PythonReward {
         ctx: &mut StepContext,
         batch: RecordBatch,
     ) -> Result<Vec<RecordBatch>, StageError> {
-        let (rewards, logs) = self.score_batch(&batch)?;
+        let (rewards, logs) = self.score_batch(&batch, ctx.stage())?;
         for (key, value) in logs {
             ctx.record(&key, value);
         }

@@ -65,13 +65,13 @@ impl Stage for RewardTerms {
         batch: RecordBatch,
     ) -> Result<Vec<RecordBatch>, StageError> {
         let n = batch.num_rows();
-        let responses = strings(&batch, col::RESPONSE, "reward")?;
+        let responses = strings(&batch, col::RESPONSE, ctx.stage())?;
         let needs_labels = self
             .terms
             .iter()
             .any(|t| !matches!(t.kind, TermKind::Regex(_) | TermKind::Length { .. }));
         let labels = match (needs_labels, self.label_column.is_empty()) {
-            (true, false) => Some(strings(&batch, &self.label_column, "reward")?),
+            (true, false) => Some(strings(&batch, &self.label_column, ctx.stage())?),
             _ => None,
         };
         let mut total = vec![0.0; n];
@@ -94,19 +94,19 @@ impl Stage for RewardTerms {
                     .iter()
                     .map(|r| rules::regex_match(pattern, r))
                     .collect(),
-                TermKind::Length { max } => token_lists(&batch, col::RESPONSE_TOKENS, "reward")?
+                TermKind::Length { max } => token_lists(&batch, col::RESPONSE_TOKENS, ctx.stage())?
                     .iter()
                     .map(|t| rules::length_penalty(t.len(), *max))
                     .collect(),
                 TermKind::Python(python) => {
-                    let (values, logs) = python.score_batch(&batch)?;
+                    let (values, logs) = python.score_batch(&batch, ctx.stage())?;
                     for (key, value) in logs {
                         ctx.record(&format!("reward_{}_{key}", term.name), value);
                     }
                     values
                 }
                 TermKind::Custom(reward) => {
-                    let prompts = strings(&batch, col::PROMPT, "reward")?;
+                    let prompts = strings(&batch, col::PROMPT, ctx.stage())?;
                     let scores = reward.score(&RewardRows {
                         prompts: &prompts,
                         responses: &responses,

@@ -86,7 +86,7 @@ impl StepStage for GroupAdvantage {
 
     fn run_step(
         &mut self,
-        _ctx: &mut StepContext,
+        ctx: &mut StepContext,
         rows: Option<RecordBatch>,
     ) -> Result<Vec<RecordBatch>, StageError> {
         let gpg_ranks = self.estimator == GroupEstimator::Gpg && self.data_parallel.is_some();
@@ -97,9 +97,9 @@ impl StepStage for GroupAdvantage {
             }
             return Ok(Vec::new());
         };
-        let rewards = rewards(&batch, "advantage")?;
-        let groups = u64s(&batch, col::GROUP_ID, "advantage")?;
-        let lengths: Vec<usize> = float_lists(&batch, col::BEHAVIOR_LOGPROBS, "advantage")?
+        let rewards = rewards(&batch, ctx.stage())?;
+        let groups = u64s(&batch, col::GROUP_ID, ctx.stage())?;
+        let lengths: Vec<usize> = float_lists(&batch, col::BEHAVIOR_LOGPROBS, ctx.stage())?
             .iter()
             .map(Vec::len)
             .collect();
@@ -146,8 +146,8 @@ fn split_greedy(
     ctx: &mut StepContext,
     batch: &RecordBatch,
 ) -> Result<(RecordBatch, Vec<f64>), StageError> {
-    let scores = rewards(batch, "advantage")?;
-    let groups = u64s(batch, col::GROUP_ID, "advantage")?;
+    let scores = rewards(batch, ctx.stage())?;
+    let groups = u64s(batch, col::GROUP_ID, ctx.stage())?;
     let greedy: arrow::array::BooleanArray = batch
         .column_by_name(col::GREEDY_BASELINE)
         .and_then(|c| c.as_boolean_opt().cloned())
@@ -258,9 +258,10 @@ impl StepStage for GaeAdvantage {
             )?;
             return Ok(Vec::new());
         };
-        let scores = rewards(&batch, "advantage")?;
-        let values = float_lists(&batch, col::VALUES, "advantage")?;
+        let scores = rewards(&batch, ctx.stage())?;
+        let values = float_lists(&batch, col::VALUES, ctx.stage())?;
         let (rewards, mask, kl) = kl_shaped_rewards(
+            ctx.stage(),
             &batch,
             &scores,
             self.kl_coef,
@@ -316,6 +317,7 @@ type TokenRows = Vec<Vec<f64>>;
 /// KL(behaviour ‖ reference); the all-ones response mask; and the
 /// per-token KL (empty rows when the KL term is off).
 fn kl_shaped_rewards(
+    stage: &str,
     batch: &RecordBatch,
     scores: &[f64],
     kl_coef: f64,
@@ -325,10 +327,10 @@ fn kl_shaped_rewards(
 ) -> Result<(TokenRows, TokenRows, TokenRows), StageError> {
     use crate::algorithms::{kl_tokens, token_rewards};
     let clip = clip.filter(|_| flavor.clips_scores());
-    let behaviour = float_lists(batch, col::BEHAVIOR_LOGPROBS, "advantage")?;
+    let behaviour = float_lists(batch, col::BEHAVIOR_LOGPROBS, stage)?;
     let mask: Vec<Vec<f64>> = behaviour.iter().map(|r| vec![1.0; r.len()]).collect();
     let kl = if kl_coef > 0.0 {
-        let reference = float_lists(batch, col::REF_LOGPROBS, "advantage")?;
+        let reference = float_lists(batch, col::REF_LOGPROBS, stage)?;
         kl_tokens(&behaviour, &reference, estimator, flavor)
     } else {
         mask.iter().map(|r| vec![0.0; r.len()]).collect()
@@ -549,16 +551,17 @@ impl StepStage for ReinforceAdvantage {
             }
             _ => (batch, None),
         };
-        let mut scores = rewards(&batch, "advantage")?;
+        let mut scores = rewards(&batch, ctx.stage())?;
         // verl's REINFORCE++-baseline centres each response's whole return
         // (score and KL penalty) on its group's, and gives every token that.
         let verl_baseline =
             self.baseline == ReinforceBaseline::GroupMean && self.flavor == Flavor::Verl;
         if self.baseline == ReinforceBaseline::GroupMean && !verl_baseline {
-            let groups = u64s(&batch, col::GROUP_ID, "advantage")?;
+            let groups = u64s(&batch, col::GROUP_ID, ctx.stage())?;
             scores = grpo(&scores, &groups, false, self.flavor)?;
         }
         let (rewards, mask, kl) = kl_shaped_rewards(
+            ctx.stage(),
             &batch,
             &scores,
             self.kl_coef,
@@ -580,7 +583,7 @@ impl StepStage for ReinforceAdvantage {
                 (returns, advantages)
             }
             None if verl_baseline => {
-                let groups = u64s(&batch, col::GROUP_ID, "advantage")?;
+                let groups = u64s(&batch, col::GROUP_ID, ctx.stage())?;
                 let totals: Vec<f64> = rewards.iter().map(|r| r.iter().sum()).collect();
                 let centred = grpo(&totals, &groups, false, self.flavor)?;
                 let returns: TokenRows = centred

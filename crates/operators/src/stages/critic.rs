@@ -106,11 +106,11 @@ impl Critic {
 impl Stage for Critic {
     fn process(
         &mut self,
-        _ctx: &mut StepContext,
+        ctx: &mut StepContext,
         batch: RecordBatch,
     ) -> Result<Vec<RecordBatch>, StageError> {
-        let prompts = token_lists(&batch, col::PROMPT_TOKENS, "critic")?;
-        let responses = token_lists(&batch, col::RESPONSE_TOKENS, "critic")?;
+        let prompts = token_lists(&batch, col::PROMPT_TOKENS, ctx.stage())?;
+        let responses = token_lists(&batch, col::RESPONSE_TOKENS, ctx.stage())?;
         let _guard = tch::no_grad_guard();
         let model = lock(&self.model)?;
         let (values, _) = response_values(&model, &prompts, &responses)?;

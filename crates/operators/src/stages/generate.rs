@@ -345,9 +345,9 @@ impl Generate {
         batch: RecordBatch,
         workload: bool,
     ) -> Result<RecordBatch, StageError> {
-        let name = "generate";
+        let name = ctx.stage();
         let prompts = token_lists(&batch, col::PROMPT_TOKENS, name)?;
-        let streams = row_streams(&batch)?;
+        let streams = row_streams(&batch, name)?;
         let (started, started_unix) = (Instant::now(), now_unix_s());
         let out = if workload && self.tail.is_some() {
             self.generate_with_budgets(&batch, &prompts, &streams)?
@@ -388,8 +388,7 @@ impl Generate {
 }
 
 /// A row's random stream depends only on its group and sample: reproducible under any batching.
-fn row_streams(batch: &RecordBatch) -> Result<Vec<u64>, StageError> {
-    let name = "generate";
+fn row_streams(batch: &RecordBatch, name: &str) -> Result<Vec<u64>, StageError> {
     let groups = u64s(batch, col::GROUP_ID, name)?;
     let samples = u32s(batch, col::SAMPLE_IDX, name)?;
     Ok(groups

@@ -87,9 +87,9 @@ fn split_key(key: u64) -> (u64, usize) {
 impl StreamingGenerate {
     /// Queues `batch`'s rows (of step `ctx.step`) in the pool.
     fn admit(&mut self, ctx: &StepContext, batch: RecordBatch) -> Result<(), StageError> {
-        let prompts = token_lists(&batch, col::PROMPT_TOKENS, "generate")?;
-        let streams = row_streams(&batch)?;
-        let groups = u64s(&batch, col::GROUP_ID, "generate")?;
+        let prompts = token_lists(&batch, col::PROMPT_TOKENS, ctx.stage())?;
+        let streams = row_streams(&batch, ctx.stage())?;
+        let groups = u64s(&batch, col::GROUP_ID, ctx.stage())?;
         let id = self.state.next_batch;
         let requests = self
             .core

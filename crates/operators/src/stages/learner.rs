@@ -233,16 +233,21 @@ fn padded(rows: &[Vec<f64>], width: usize, device: tch::Device) -> Tensor {
 }
 
 impl Learner {
-    /// One policy update (`ppo_epochs` optimizer steps) on `batch`'s rows;
-    /// what it measured is also kept for [`Learner::last_update`].
+    /// One policy update (`ppo_epochs` optimizer steps) on `batch`'s rows,
+    /// outside a pipeline (its errors name the stage `learn`); what it
+    /// measured is also kept for [`Learner::last_update`].
     pub fn update(&mut self, batch: &RecordBatch) -> Result<UpdateStats, StageError> {
-        self.update_rows(Some(batch))
+        self.update_rows(Some(batch), "learn")
     }
 
-    /// [`Learner::update`]; a data-parallel rank that got no rows this step
-    /// passes `None` and still takes part in the ranks' sums.
-    fn update_rows(&mut self, batch: Option<&RecordBatch>) -> Result<UpdateStats, StageError> {
-        let mut rows = LearnRows::read(batch, self.cfg.kl_coef > 0.0)?;
+    /// [`Learner::update`] as stage `stage`; a data-parallel rank that got
+    /// no rows this step passes `None` and still takes part in the ranks' sums.
+    fn update_rows(
+        &mut self,
+        batch: Option<&RecordBatch>,
+        stage: &str,
+    ) -> Result<UpdateStats, StageError> {
+        let mut rows = LearnRows::read(batch, self.cfg.kl_coef > 0.0, stage)?;
         // Over every rank: rows, the rewards' sum and how many there were.
         let mut step_totals = [
             rows.len() as f64,
@@ -404,13 +409,17 @@ struct LearnRows {
 }
 
 impl LearnRows {
-    /// `batch`'s rows (none for a rank without rows), with the reference's
-    /// log-probs if `references`.
-    fn read(batch: Option<&RecordBatch>, references: bool) -> Result<Self, StageError> {
-        let tokens = |name| batch.map_or(Ok(Vec::new()), |b| token_lists(b, name, "learn"));
-        let floats = |name| batch.map_or(Ok(Vec::new()), |b| float_lists(b, name, "learn"));
+    /// `batch`'s rows (none for a rank without rows; stage `stage`'s
+    /// input), with the reference's log-probs if `references`.
+    fn read(
+        batch: Option<&RecordBatch>,
+        references: bool,
+        stage: &str,
+    ) -> Result<Self, StageError> {
+        let tokens = |name| batch.map_or(Ok(Vec::new()), |b| token_lists(b, name, stage));
+        let floats = |name| batch.map_or(Ok(Vec::new()), |b| float_lists(b, name, stage));
         let rewards = batch
-            .map(|b| super::columns::f32s(b, col::REWARD, "learn"))
+            .map(|b| super::columns::f32s(b, col::REWARD, stage))
             .transpose()
             .or_else(|e| {
                 // Rows without a reward (a pipeline that scores elsewhere) are fine; a mistyped one is not.
@@ -618,7 +627,7 @@ impl StepStage for Learner {
         let latency = rows.as_ref().and_then(row_latency_s);
         // A data-parallel rank without rows still joins the ranks' sums.
         if self.core.runs(rows.is_some()) {
-            self.update_rows(rows.as_ref())
+            self.update_rows(rows.as_ref(), ctx.stage())
                 .map_err(|e| OperatorError::step(ctx.step, e))?;
             if let Some(batch) = rows {
                 out.push(batch);

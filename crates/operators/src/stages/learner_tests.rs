@@ -258,7 +258,7 @@ fn data_parallel_ranks_train_like_one_learner_on_all_rows() {
             let (l, member) = (learner(), group.member(rank));
             std::thread::spawn(move || {
                 let mut l = l.with_data_parallel(member).unwrap();
-                let stats = l.update_rows(rows.as_ref()).unwrap();
+                let stats = l.update_rows(rows.as_ref(), "learn").unwrap();
                 let weights: Vec<Vec<f32>> = l
                     .model()
                     .named_tensors()

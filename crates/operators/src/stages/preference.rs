@@ -54,10 +54,15 @@ struct Pairs {
     margins: Option<Vec<f64>>,
 }
 
-fn pairs(batch: &RecordBatch, tok: &Tokenizer, cfg: &PairConfig) -> Result<Pairs, StageError> {
+fn pairs(
+    batch: &RecordBatch,
+    tok: &Tokenizer,
+    cfg: &PairConfig,
+    stage: &str,
+) -> Result<Pairs, StageError> {
     let margins = match &cfg.margin {
         Some(name) => Some(
-            strings(batch, name, "preference")?
+            strings(batch, name, stage)?
                 .iter()
                 .enumerate()
                 .map(|(row, text)| match text.trim().parse::<f64>() {
@@ -71,9 +76,9 @@ fn pairs(batch: &RecordBatch, tok: &Tokenizer, cfg: &PairConfig) -> Result<Pairs
         None => None,
     };
     Ok(Pairs {
-        prompts: token_lists(batch, col::PROMPT_TOKENS, "preference")?,
-        chosen: response_targets(batch, &cfg.chosen, tok, "preference")?,
-        rejected: response_targets(batch, &cfg.rejected, tok, "preference")?,
+        prompts: token_lists(batch, col::PROMPT_TOKENS, stage)?,
+        chosen: response_targets(batch, &cfg.chosen, tok, stage)?,
+        rejected: response_targets(batch, &cfg.rejected, tok, stage)?,
         margins,
     })
 }
@@ -96,10 +101,15 @@ impl Trainer {
         })
     }
 
-    /// This step's pairs, and their count over every rank.
-    fn pairs(&self, rows: Option<&RecordBatch>) -> Result<(Option<Pairs>, f64), StageError> {
+    /// This step's pairs (stage `stage`'s input), and their count over
+    /// every rank.
+    fn pairs(
+        &self,
+        rows: Option<&RecordBatch>,
+        stage: &str,
+    ) -> Result<(Option<Pairs>, f64), StageError> {
         let pairs = rows
-            .map(|b| pairs(b, &self.tokenizer, &self.cfg))
+            .map(|b| pairs(b, &self.tokenizer, &self.cfg, stage))
             .transpose()?;
         let mut total = [pairs.as_ref().map_or(0, |p| p.prompts.len()) as f64];
         sum_scalars(self.core.member(), &mut total)?;
@@ -206,7 +216,7 @@ impl StepStage for RewardTrainer {
         if !t.core.runs(rows.is_some()) {
             return Ok(Vec::new());
         }
-        let (p, total) = t.pairs(rows.as_ref())?;
+        let (p, total) = t.pairs(rows.as_ref(), ctx.stage())?;
         // Sums over this rank's pairs, each divided by every rank's pair count.
         let (mut loss, mut correct, mut margins) = (None, None, None);
         if let Some(p) = &p {
@@ -346,7 +356,7 @@ impl StepStage for DpoTrainer {
         if !t.core.runs(rows.is_some()) {
             return Ok(Vec::new());
         }
-        let (p, total) = t.pairs(rows.as_ref())?;
+        let (p, total) = t.pairs(rows.as_ref(), ctx.stage())?;
         // Sums over this rank's pairs, each divided by every rank's pair count.
         let mut loss = None;
         let mut stats = [0.0; 4];

@@ -37,11 +37,11 @@ impl RefLogprob {
 impl Stage for RefLogprob {
     fn process(
         &mut self,
-        _ctx: &mut StepContext,
+        ctx: &mut StepContext,
         batch: RecordBatch,
     ) -> Result<Vec<RecordBatch>, StageError> {
-        let prompts = token_lists(&batch, col::PROMPT_TOKENS, "reference")?;
-        let responses = token_lists(&batch, col::RESPONSE_TOKENS, "reference")?;
+        let prompts = token_lists(&batch, col::PROMPT_TOKENS, ctx.stage())?;
+        let responses = token_lists(&batch, col::RESPONSE_TOKENS, ctx.stage())?;
         let _guard = tch::no_grad_guard();
         let (lp, _) = response_logprobs(
             &self.model,

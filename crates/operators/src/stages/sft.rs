@@ -92,18 +92,24 @@ impl SftTrainer {
         self.core.model()
     }
 
-    /// One optimizer step on `batch`; returns (loss, grad norm).
+    /// One optimizer step on `batch`, outside a pipeline (its errors name
+    /// the stage `sft`); returns (loss, grad norm).
     pub fn train_step(&mut self, batch: &RecordBatch) -> Result<(f64, f64), StageError> {
-        self.train_rows(Some(batch))
+        self.train_rows(Some(batch), "sft")
     }
 
-    /// [`SftTrainer::train_step`]; a data-parallel rank that got no rows
-    /// this step passes `None` and still takes part in the ranks' sums.
-    fn train_rows(&mut self, batch: Option<&RecordBatch>) -> Result<(f64, f64), StageError> {
+    /// [`SftTrainer::train_step`] as stage `stage`; a data-parallel rank
+    /// that got no rows this step passes `None` and still takes part in the
+    /// ranks' sums.
+    fn train_rows(
+        &mut self,
+        batch: Option<&RecordBatch>,
+        stage: &str,
+    ) -> Result<(f64, f64), StageError> {
         let (prompts, targets) = match batch {
             Some(b) => (
-                token_lists(b, col::PROMPT_TOKENS, "sft")?,
-                response_targets(b, &self.target_column, &self.tokenizer, "sft")?,
+                token_lists(b, col::PROMPT_TOKENS, stage)?,
+                response_targets(b, &self.target_column, &self.tokenizer, stage)?,
             ),
             None => (Vec::new(), Vec::new()),
         };
@@ -159,7 +165,7 @@ impl StepStage for SftTrainer {
             return Ok(Vec::new());
         }
         let (loss, grad_norm) = self
-            .train_rows(rows.as_ref())
+            .train_rows(rows.as_ref(), ctx.stage())
             .map_err(|e| OperatorError::step(ctx.step, e))?;
         if !self.core.leads() {
             return Ok(rows.into_iter().collect());
