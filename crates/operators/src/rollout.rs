@@ -272,6 +272,48 @@ pub fn check(batch: &RecordBatch, phase: Phase, stage: &str) -> Result<(), Schem
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `docs/runs.md` lists every rollout column, in order, with its type
+    /// and whether it is optional.
+    #[test]
+    fn the_documented_rollout_schema_is_the_schema() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/runs.md");
+        let text = std::fs::read_to_string(&path).unwrap();
+        let documented: Vec<(String, String)> = text
+            .split("## The rollout log")
+            .nth(1)
+            .expect("a rollout log section")
+            .lines()
+            .filter_map(|l| {
+                let cells: Vec<&str> = l.split(" | ").collect();
+                let name = cells.first()?.strip_prefix("| `")?.strip_suffix('`')?;
+                Some((name.to_string(), cells.get(1)?.to_string()))
+            })
+            .collect();
+        let short = |t: &DataType| match t {
+            DataType::UInt64 => "u64".to_string(),
+            DataType::UInt32 => "u32".into(),
+            DataType::Utf8 => "utf8".into(),
+            DataType::Float32 => "f32".into(),
+            DataType::Float64 => "f64".into(),
+            DataType::List(f) => match f.data_type() {
+                DataType::Int64 => "list<i64>".into(),
+                DataType::Float32 => "list<f32>".into(),
+                DataType::UInt32 => "list<u32>".into(),
+                DataType::Boolean => "list<bool>".into(),
+                other => format!("list<{other}>"),
+            },
+            other => other.to_string(),
+        };
+        let actual: Vec<(String, String)> = columns()
+            .into_iter()
+            .map(|(name, ty, nullable, _, _)| {
+                let optional = if nullable { ", optional" } else { "" };
+                (name.to_string(), format!("{}{optional}", short(&ty)))
+            })
+            .collect();
+        assert_eq!(documented, actual, "{}", path.display());
+    }
     use arrow::array::{
         ArrayRef, Float32Builder, Int64Builder, ListBuilder, StringArray, UInt32Array, UInt64Array,
     };
