@@ -139,7 +139,16 @@ impl PipelineKind {
             PipelineKind::Sft => "sft",
             PipelineKind::Rm => "rm",
             PipelineKind::Dpo => "dpo",
-            _ => "learn",
+            PipelineKind::Ppo
+            | PipelineKind::Grpo
+            | PipelineKind::DrGrpo
+            | PipelineKind::Rloo
+            | PipelineKind::Opo
+            | PipelineKind::GrpoPassk
+            | PipelineKind::Gpg
+            | PipelineKind::ReinforcePp
+            | PipelineKind::ReinforcePpBaseline
+            | PipelineKind::Remax => "learn",
         }
     }
 }

@@ -116,7 +116,17 @@ pub(crate) fn derived_cursors(
     };
     let source = match kind {
         PipelineKind::Rm | PipelineKind::Dpo => crate::prompts::preference_pairs(cfg, ctx)(&probe)?,
-        _ => crate::prompts::prompts(cfg, ctx, 1)(&probe)?,
+        PipelineKind::Ppo
+        | PipelineKind::Grpo
+        | PipelineKind::DrGrpo
+        | PipelineKind::Rloo
+        | PipelineKind::Opo
+        | PipelineKind::GrpoPassk
+        | PipelineKind::Gpg
+        | PipelineKind::ReinforcePp
+        | PipelineKind::ReinforcePpBaseline
+        | PipelineKind::Remax
+        | PipelineKind::Sft => crate::prompts::prompts(cfg, ctx, 1)(&probe)?,
     };
     Ok(CursorLog::derived(
         ctx.first_step,

@@ -181,7 +181,7 @@ fn python_rewards(cfg: &RunConfig) -> bool {
     match cfg.reward.kind {
         RewardKind::Python => true,
         RewardKind::Terms => cfg.reward.terms.iter().any(|t| !t.file.is_empty()),
-        _ => false,
+        RewardKind::Rule | RewardKind::Model | RewardKind::Remote => false,
     }
 }
 

@@ -198,7 +198,14 @@ pub fn learner_config(cfg: &RunConfig, kl_in_loss: bool) -> LearnerConfig {
                 .or(flavor(cfg).default_dual_clip()),
             ratio_level: match a.policy_loss {
                 PolicyLossChoice::Gspo => RatioLevel::Sequence,
-                _ => RatioLevel::Token,
+                PolicyLossChoice::Ppo
+                | PolicyLossChoice::Cispo
+                | PolicyLossChoice::Sapo
+                | PolicyLossChoice::Gmpo
+                | PolicyLossChoice::Gpg
+                | PolicyLossChoice::Reinforce
+                | PolicyLossChoice::ClipCov
+                | PolicyLossChoice::KlCov => RatioLevel::Token,
             },
             objective: objective(cfg),
             aggregation: a.aggregation.into(),

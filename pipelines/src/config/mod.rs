@@ -705,7 +705,11 @@ impl RunConfig {
                     c.algorithm.warmup_steps = 10;
                 }
             }
-            _ => {}
+            // The group estimators keep the defaults above.
+            PipelineKind::Grpo
+            | PipelineKind::Rloo
+            | PipelineKind::Opo
+            | PipelineKind::GrpoPassk => {}
         }
         c
     }
