@@ -125,20 +125,10 @@ impl PipelineKind {
         )
     }
 
-    /// Whether the pipeline generates (the RL ones).
-    pub fn is_rl(self) -> bool {
-        !matches!(
-            self,
-            PipelineKind::Sft | PipelineKind::Rm | PipelineKind::Dpo
-        )
-    }
-
-    /// The name of the stage that trains (whose metrics are the run's curves).
-    pub fn trainer_stage(self) -> &'static str {
+    /// How the pipeline trains: on its own rollouts, on targets, or on
+    /// preference pairs.
+    pub fn trains_on(self) -> TrainsOn {
         match self {
-            PipelineKind::Sft => "sft",
-            PipelineKind::Rm => "rm",
-            PipelineKind::Dpo => "dpo",
             PipelineKind::Ppo
             | PipelineKind::Grpo
             | PipelineKind::DrGrpo
@@ -148,9 +138,37 @@ impl PipelineKind {
             | PipelineKind::Gpg
             | PipelineKind::ReinforcePp
             | PipelineKind::ReinforcePpBaseline
-            | PipelineKind::Remax => "learn",
+            | PipelineKind::Remax => TrainsOn::Rollouts,
+            PipelineKind::Sft => TrainsOn::Targets,
+            PipelineKind::Rm | PipelineKind::Dpo => TrainsOn::Pairs,
         }
     }
+
+    /// Whether the pipeline generates (the RL ones).
+    pub fn is_rl(self) -> bool {
+        self.trains_on() == TrainsOn::Rollouts
+    }
+
+    /// The name of the stage that trains (whose metrics are the run's curves).
+    pub fn trainer_stage(self) -> &'static str {
+        match self.trains_on() {
+            TrainsOn::Rollouts => "learn",
+            TrainsOn::Targets => "sft",
+            TrainsOn::Pairs if self == PipelineKind::Rm => "rm",
+            TrainsOn::Pairs => "dpo",
+        }
+    }
+}
+
+/// What a pipeline trains on ([`PipelineKind::trains_on`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TrainsOn {
+    /// Its own rollouts, scored by a reward (the RL pipelines).
+    Rollouts,
+    /// Target texts (`sft`).
+    Targets,
+    /// Preference pairs (`rm`, `dpo`).
+    Pairs,
 }
 
 /// Why a pipeline could not be built or run.

@@ -17,7 +17,7 @@ use weir_graph::{Execution, WorkerInfo};
 use weir_operators::stages::prompts::CursorLog;
 
 use crate::context::RunContext;
-use crate::{PipelineError, PipelineKind, RunConfig};
+use crate::{PipelineError, PipelineKind, RunConfig, TrainsOn};
 
 /// The processes of a run: one (the default), or several in timely's
 /// cluster mode, each started with the same config and its own id.
@@ -114,19 +114,9 @@ pub(crate) fn derived_cursors(
             commit_every: Some(cfg.run.checkpoint_every),
         },
     };
-    let source = match kind {
-        PipelineKind::Rm | PipelineKind::Dpo => crate::prompts::preference_pairs(cfg, ctx)(&probe)?,
-        PipelineKind::Ppo
-        | PipelineKind::Grpo
-        | PipelineKind::DrGrpo
-        | PipelineKind::Rloo
-        | PipelineKind::Opo
-        | PipelineKind::GrpoPassk
-        | PipelineKind::Gpg
-        | PipelineKind::ReinforcePp
-        | PipelineKind::ReinforcePpBaseline
-        | PipelineKind::Remax
-        | PipelineKind::Sft => crate::prompts::prompts(cfg, ctx, 1)(&probe)?,
+    let source = match kind.trains_on() {
+        TrainsOn::Pairs => crate::prompts::preference_pairs(cfg, ctx)(&probe)?,
+        TrainsOn::Rollouts | TrainsOn::Targets => crate::prompts::prompts(cfg, ctx, 1)(&probe)?,
     };
     Ok(CursorLog::derived(
         ctx.first_step,
