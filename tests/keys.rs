@@ -568,26 +568,14 @@ fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String
         // and KL estimates beyond the clamps: a policy far from its reference.
         // GRPO's flavors differ otherwise only in the whitening epsilon (1e-9
         // against 1e-6), a change at rounding level in a two-step run.
-        "algorithm.flavor"
-            if matches!(
-                kind,
-                PipelineKind::Grpo
-                    | PipelineKind::DrGrpo
-                    | PipelineKind::Rloo
-                    | PipelineKind::Opo
-                    | PipelineKind::GrpoPassk
-                    | PipelineKind::Gpg
-            ) =>
-        {
-            (
-                &[
-                    "algorithm.lr=0.5",
-                    "algorithm.kl_estimator=\"k2\"",
-                    "run.steps=3",
-                ],
-                "\"verl\"".into(),
-            )
-        }
+        "algorithm.flavor" if kind.is_group() => (
+            &[
+                "algorithm.lr=0.5",
+                "algorithm.kl_estimator=\"k2\"",
+                "run.steps=3",
+            ],
+            "\"verl\"".into(),
+        ),
         "algorithm.flavor" => (&[], "\"verl\"".into()),
         "algorithm.sapo_tau_pos" | "algorithm.sapo_tau_neg" => (
             &[

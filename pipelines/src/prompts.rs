@@ -10,7 +10,6 @@ use weir_operators::stages::prompt_stats::Curriculum;
 use weir_operators::stages::prompts::PromptSource;
 
 use crate::context::RunContext;
-use crate::task::Task;
 use crate::RunConfig;
 
 /// The prompt source: the task's prompts, with the run's cursor.
@@ -40,7 +39,7 @@ fn source(
     move |w| {
         let tok = Tokenizer::load(Path::new(&cfg.model.path))?;
         let d = &cfg.data;
-        let task = Task::of(&cfg);
+        let task = cfg.data.task();
         let mut src = if pairs {
             task.pairs(&cfg, &tok)?
         } else {

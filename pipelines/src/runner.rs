@@ -44,7 +44,6 @@ use crate::resume::{
     trim_rollouts,
 };
 use crate::roles::{ROLLOUT, TRAIN};
-use crate::task::Task;
 use crate::{preference, rl, sft, PipelineError, PipelineKind, RunConfig};
 
 /// What to run.
@@ -415,7 +414,7 @@ fn finish(
         return Ok(outcome(report, summary));
     }
     // The task's own measure of the starting and the final policy (arith: accuracy).
-    let (before, after) = match Task::of(cfg).accuracy(kind, cfg, dir, &final_actor)? {
+    let (before, after) = match cfg.data.task().accuracy(kind, cfg, dir, &final_actor)? {
         Some((before, after)) => (Some(before), Some(after)),
         None => (None, None),
     };

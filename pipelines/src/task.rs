@@ -31,11 +31,6 @@ pub type Accuracy = (f64, Vec<(String, String)>);
 pub use crate::config::Task;
 
 impl Task {
-    /// The task `data.prompts` names.
-    pub fn of(cfg: &RunConfig) -> Task {
-        cfg.data.task()
-    }
-
     /// The prompt set, `samples` rows per prompt, with the label and the
     /// columns the reward reads.
     pub fn prompts(

@@ -31,13 +31,9 @@ pub type NextCommit = Arc<dyn Fn(Step) -> Option<Step> + Send + Sync>;
 /// the whole run, sinks and metrics included, has passed a commit point.
 pub type OnCommit = Arc<dyn Fn(Step) -> Result<(), String> + Send + Sync>;
 
-/// Commit points every `every` steps (after steps `every − 1`, `2·every − 1`,
-/// …; none for 0) and at `last`, the run's last step (none after it).
-pub fn every(every: u64, last: Option<Step>) -> NextCommit {
-    Arc::new(move |from: Step| next(every, last, from))
-}
-
-/// The first of [`every`]'s commit points at or after step `from`.
+/// The first commit point at or after step `from` of a run that commits
+/// every `every` steps (after steps `every − 1`, `2·every − 1`, …; none for
+/// 0) and at `last`, its last step (none after it).
 pub fn next(every: u64, last: Option<Step>, from: Step) -> Option<Step> {
     let periodic = (every > 0)
         .then(|| (from + 1).div_ceil(every) * every - 1)
@@ -134,6 +130,11 @@ impl CommitTracker {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// [`next`]'s points as a function of the step.
+    fn every(every: u64, last: Option<Step>) -> impl Fn(Step) -> Option<Step> {
+        move |from| next(every, last, from)
+    }
 
     #[test]
     fn periodic_points_and_the_last_step() {

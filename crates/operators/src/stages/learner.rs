@@ -354,7 +354,7 @@ impl Learner {
         olds: Option<&[Tensor]>,
         scale: &StepScale,
     ) -> Result<PassFigures, StageError> {
-        let mut figures = PassFigures::default();
+        let mut bounds = None;
         let mut stats = [0.0; 6];
         let cfg = &self.cfg;
         let grad_norm = self.core.step(&mut stats, |model, stats| {
@@ -368,7 +368,7 @@ impl Learner {
                     device: model.device(),
                 };
                 let micro_loss =
-                    |fwd: ResponseForward| Ok((terms.loss(fwd, stats, &mut figures.bounds), ()));
+                    |fwd: ResponseForward| Ok((terms.loss(fwd, stats, &mut bounds), ()));
                 response_backward(
                     model,
                     &rows.prompts[start..end],
@@ -391,7 +391,7 @@ impl Learner {
             weight_mean,
             masked,
             grad_norm,
-            bounds: figures.bounds,
+            bounds,
         })
     }
 }
