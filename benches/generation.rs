@@ -1,7 +1,7 @@
 //! Model-runtime throughput, weir against transformers in the same run:
 //! generation tokens/s (8 prompts × 8 samples, 64 new tokens, EOS
 //! suppressed, temperature 1, 1 thread) and forward+backward tokens/s, on
-//! `../shared/fixtures/models/arith-sft` and on a random 24.6M-parameter
+//! `tests/fixtures/models/arith-sft` and on a random 24.6M-parameter
 //! Llama (hidden 512, 8 layers, 8/4 heads, vocab 1000), as in
 //! `../shared/bench/trl/grpo_throughput.py`.
 //!
@@ -26,7 +26,7 @@ use weir::gpu::{
 };
 
 fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
 }
 
 fn prompts(count: usize) -> Vec<Vec<i64>> {

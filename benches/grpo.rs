@@ -1,5 +1,8 @@
 //! End-to-end GRPO, weir against TRL in the same run: the `grpo` pipeline
-//! from `../shared/fixtures/models/arith-sft` with the settings of
+//! from the arith-sft checkpoint TRL's runs start from
+//! (`../shared/fixtures/models/arith-sft`, beside the repository with the
+//! TRL baseline; without it, the repository's `tests/fixtures` one, and the
+//! bench says so) with the settings of
 //! `../shared/bench/trl/grpo.py` (8 prompts × 8 samples, completions ≤ 8
 //! tokens, temperature 1, lr 1e-4, β 0.04 k3 KL to the SFT model, clip 0.2,
 //! per-sequence length-normalised loss, 1 libtorch thread per worker), in
@@ -137,9 +140,20 @@ enum Placing {
     DataParallel,
 }
 
+/// The arith-sft checkpoint TRL's `grpo.py` starts from where the baseline
+/// is beside the repository, else the repository's own.
+fn arith_sft() -> PathBuf {
+    let trl = shared().join("fixtures/models/arith-sft");
+    if trl.is_dir() {
+        return trl;
+    }
+    println!("(../shared/fixtures is not here: weir starts from tests/fixtures/models/arith-sft, not TRL's checkpoint)");
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models/arith-sft")
+}
+
 /// TRL's settings on weir's `grpo` pipeline: `grpo.py`'s on arith-sft.
 fn config(steps: u64, placing: Placing) -> RunConfig {
-    let model = shared().join("fixtures/models/arith-sft");
+    let model = arith_sft();
     let mut c = trl_settings(&model, steps, 8);
     c.algorithm.lr = 1e-4;
     place(&mut c, placing);

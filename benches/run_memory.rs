@@ -61,10 +61,6 @@ fn peak() -> f64 {
     status_mb("VmHWM:")
 }
 
-fn shared() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared")
-}
-
 /// Writes the random checkpoint (and the fixtures' tokenizer) to `dir`;
 /// returns its float32 weight bytes.
 fn make_checkpoint(dir: &Path, layers: usize) -> u64 {
@@ -83,7 +79,9 @@ fn make_checkpoint(dir: &Path, layers: usize) -> u64 {
         "tokenizer_config.json",
         "special_tokens_map.json",
     ] {
-        let from = shared().join("fixtures/tokenizer").join(file);
+        let from = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/tokenizer")
+            .join(file);
         if from.is_file() {
             std::fs::copy(&from, dir.join(file)).unwrap();
         }

@@ -20,7 +20,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures/models")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models")
 }
 
 fn proc_field(pid: u32, key: &str) -> Option<u64> {

@@ -1,6 +1,6 @@
 //! Streaming generation against batch-level asynchrony, in one invocation,
 //! on 2 workers (generation on worker 0, reference and learner on worker 1),
-//! `grpo` on `../shared/fixtures/models/arith-sft`:
+//! `grpo` on `tests/fixtures/models/arith-sft`:
 //!
 //! - the long-tail setting (`generate.long_tail = 1`: per-response budgets
 //!   from a Pareto distribution between 4 and 256 tokens, eos ignored, so
@@ -53,7 +53,7 @@ enum Mode {
 fn config(steps: u64, mode: Mode, long_tail: bool) -> RunConfig {
     let mut c = RunConfig::defaults_for(PipelineKind::Grpo);
     c.model.path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../shared/fixtures/models/arith-sft")
+        .join("tests/fixtures/models/arith-sft")
         .display()
         .to_string();
     c.data.prompts_per_step = PROMPTS;

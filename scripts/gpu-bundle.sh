@@ -4,7 +4,7 @@
 # the checks run: the weir binary, the test binaries of the parity and NCCL
 # checks and the generation bench, force-linked against libtorch_cuda
 # (TCH_LINK_CUDA=1, see build/libtorch_rpath.rs) and stripped, with the
-# test fixtures, in .gpu/bundle.tar.xz (about 40 MB; .gpu/ is ignored).
+# in .gpu/bundle.tar.xz (.gpu/ is ignored; the fixtures come with the checkout).
 # It builds in a target folder of its own (target/gpu-bundle), so the
 # usual build here is not relinked; the first time takes ~12 minutes on
 # two cores. WEIR_GPU_BUNDLE_CUDA=0 makes a bundle without the CUDA link
@@ -56,9 +56,8 @@ strip -o "$stage/bin/weir" "$weir"
 strip -o "$stage/bin/cli" "$cli"
 strip -o "$stage/bin/gpu-lib" "$gpu"
 strip -o "$stage/bin/generation" "$generation"
-cp -r ../shared/fixtures "$stage/fixtures"
-# The test binaries find the weir binary and the fixtures by the paths
-# they were built at; gpu-check.sh puts both there.
+# The test binaries find the weir binary and the fixtures (tests/fixtures in
+# the checkout) by the paths they were built at; gpu-check.sh puts both there.
 pwd >"$stage/BUILD_ROOT"
 echo "$weir" >"$stage/WEIR_BIN"
 git rev-parse HEAD >"$stage/COMMIT"

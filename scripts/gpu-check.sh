@@ -79,7 +79,7 @@ else
   fi
   export LD_LIBRARY_PATH="$torchlib${nvlib:+:$nvlib}:$PWD/.gpu/links${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   # The test binaries look for the weir binary and the fixtures where they
-  # were built: put this checkout (and the bundled fixtures) there.
+  # were built: put this checkout (tests/fixtures with it) there.
   root="$(cat "$unpacked/BUILD_ROOT")"
   if [ "$(cd "$root" 2>/dev/null && pwd -P)" != "$(pwd -P)" ]; then
     if [ -e "$root" ]; then
@@ -87,9 +87,6 @@ else
       exit 1
     fi
     mkdir -p "$(dirname "$root")" && ln -s "$PWD" "$root"
-  fi
-  if [ ! -d "$(dirname "$root")/shared/fixtures" ]; then
-    mkdir -p "$(dirname "$root")/shared" && ln -sfn "$PWD/$unpacked/fixtures" "$(dirname "$root")/shared/fixtures"
   fi
   weir="$(cat "$unpacked/WEIR_BIN")"
   mkdir -p "$(dirname "$weir")" && cp "$unpacked/bin/weir" "$weir"
@@ -122,11 +119,7 @@ check() {
   fi
 }
 
-if [ "$mode" = bundle ]; then
-  fixtures="$PWD/$unpacked/fixtures/models"
-else
-  fixtures="$(cd ../shared/fixtures/models && pwd)"
-fi
+fixtures="$PWD/tests/fixtures/models"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 

@@ -4,7 +4,7 @@
     WEIR_WRITE_PEFT_CASE=/tmp/peft-case cargo test -p weir-gpu --test reference peft_loads
     python scripts/record_peft_lora.py /tmp/peft-case
 
-loads ../shared/fixtures/models/tiny-llama in float64 with transformers,
+loads tests/fixtures/models/tiny-llama in float64 with transformers,
 puts the adapter folder on it with peft (PeftModel.from_pretrained), and
 writes crates/gpu/tests/data/peft_lora_logits.json: the logits of two
 sequences, the keys peft found missing or unexpected when loading, and how
@@ -22,7 +22,7 @@ from peft.utils import load_peft_weights, set_peft_model_state_dict
 
 root = pathlib.Path(__file__).resolve().parent.parent
 adapter = pathlib.Path(sys.argv[1])
-base_dir = root.parent / "shared/fixtures/models/tiny-llama"
+base_dir = root / "tests/fixtures/models/tiny-llama"
 out = root / "crates/gpu/tests/data/peft_lora_logits.json"
 
 torch.set_grad_enabled(False)

@@ -37,7 +37,7 @@ pub fn random_model(
         r#"{"bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 3}"#,
     )
     .unwrap();
-    let tokenizer = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures/tokenizer");
+    let tokenizer = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
     for file in [
         "tokenizer.json",
         "tokenizer_config.json",

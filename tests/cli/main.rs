@@ -23,7 +23,7 @@ mod report;
 mod runs;
 
 pub(crate) fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures/models")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models")
 }
 
 pub(crate) fn reference(model: &str) -> Value {

@@ -11,7 +11,7 @@ use weir::pipelines::{PipelineKind, RunConfig};
 /// A fixture checkpoint's folder.
 pub fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../shared/fixtures/models")
+        .join("tests/fixtures/models")
         .join(name)
 }
 

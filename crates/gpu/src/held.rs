@@ -125,7 +125,7 @@ mod tests {
     #[test]
     fn references_of_one_checkpoint_share_one_packing() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../../shared/fixtures/models/tiny-llama");
+            .join("../../tests/fixtures/models/tiny-llama");
         let load = || Model::load_shared(&dir, Device::Cpu, Kind::Float).unwrap();
         let (mut first, mut second) = (load(), load());
         if !first.runs_on_cpu_kernels() {

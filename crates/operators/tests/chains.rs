@@ -23,7 +23,7 @@ use weir_operators::stages::reference::RefLogprob;
 use weir_operators::tasks::arith;
 
 fn model_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures/models/arith-sft")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/models/arith-sft")
 }
 
 #[test]

@@ -77,7 +77,7 @@ mod tests {
             return;
         }
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../../shared/fixtures/models/tiny-llama");
+            .join("../../tests/fixtures/models/tiny-llama");
         let model = Model::load(&dir, crate::Device::Cpu, Kind::Float).unwrap();
         let prepared = model.prepared_for_cpu();
         let step = || {

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Makes the checkpoint variants in this folder and their float64 transformers
 references, to check that weir handles the families in general and not only
-the shared fixtures: llama3 RoPE scaling with attention and MLP biases, MQA
+the tiny fixtures in tests/fixtures: llama3 RoPE scaling with attention and MLP biases, MQA
 with tied embeddings, Mistral, a sharded bf16 Qwen2, a Qwen3 with a wide
 head_dim and linear RoPE scaling.
 

@@ -1,5 +1,5 @@
 //! The model runtime against float64 transformers references
-//! (`../shared/fixtures/models/*/reference.json`): logits and token
+//! (`tests/fixtures/models/*/reference.json`): logits and token
 //! log-probs of single and padded batches (left, right, and the RL layout),
 //! reward scores, in fp32 (tolerance 1e-4) and in float64 (tighter).
 
@@ -20,7 +20,7 @@ use weir_gpu::{Device, Model};
 pub(crate) fn fixtures() -> PathBuf {
     match std::env::var_os("WEIR_FIXTURES") {
         Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures"),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures"),
     }
 }
 

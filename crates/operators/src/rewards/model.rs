@@ -111,7 +111,7 @@ mod tests {
     #[test]
     fn reward_model_scores_match_a_direct_forward() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../../shared/fixtures/models/tiny-llama-rm");
+            .join("../../tests/fixtures/models/tiny-llama-rm");
         let unpadded = tempfile::tempdir().unwrap();
         let mut config: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())

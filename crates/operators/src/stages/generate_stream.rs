@@ -358,7 +358,7 @@ mod tests {
     /// four tokens a response, and the weights it holds as version 1.
     fn generator(pool: usize, policy: OnNewWeights) -> (StreamingGenerate, WeightsPayload) {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../../shared/fixtures/models/tiny-llama");
+            .join("../../tests/fixtures/models/tiny-llama");
         let model = Model::load(&dir, weir_gpu::Device::Cpu, Kind::Float).unwrap();
         let newer = WeightsPayload::from(model.export_snapshot(1).unwrap());
         let params = SamplingParams {

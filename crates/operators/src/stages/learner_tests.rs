@@ -7,7 +7,7 @@ use crate::stages::columns::{float_list_array, token_list_array};
 
 fn entropy_after_two_updates(coef: f64) -> (f64, f64) {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/fixtures/models/tiny-llama");
+        .join("../../tests/fixtures/models/tiny-llama");
     let model = Model::load(&dir, weir_gpu::Device::Cpu, Kind::Float).unwrap();
     let mut cfg = LearnerConfig {
         entropy_coef: coef,
@@ -70,7 +70,7 @@ fn assert_same_update(
 #[test]
 fn shared_prompts_gradient_checkpointing_and_a_chunked_head_give_the_same_updates() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/fixtures/models/tiny-qwen2");
+        .join("../../tests/fixtures/models/tiny-qwen2");
     let responses = vec![vec![5i64, 6, 7], vec![8, 9], vec![10]];
     let advantages = vec![vec![1.0; 3], vec![-0.5; 2], vec![0.25]];
     let behaviour: Vec<Vec<f64>> = responses.iter().map(|r| vec![-2.0; r.len()]).collect();
@@ -146,7 +146,7 @@ fn shared_prompts_gradient_checkpointing_and_a_chunked_head_give_the_same_update
 #[test]
 fn one_update_takes_its_proximal_logprobs_from_the_training_forward() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/fixtures/models/tiny-llama");
+        .join("../../tests/fixtures/models/tiny-llama");
     let responses = vec![vec![5i64, 6, 7], vec![8, 9], vec![10, 11, 12, 13]];
     let advantages = vec![vec![1.0; 3], vec![-0.5; 2], vec![0.25; 4]];
     // Behaviour log-probs apart from the policy's: the correction's weights
@@ -212,7 +212,7 @@ fn one_update_takes_its_proximal_logprobs_from_the_training_forward() {
 #[test]
 fn data_parallel_ranks_train_like_one_learner_on_all_rows() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/fixtures/models/tiny-llama");
+        .join("../../tests/fixtures/models/tiny-llama");
     let responses = vec![vec![5i64, 6, 7], vec![8, 9], vec![10], vec![11, 12, 13, 14]];
     let advantages = vec![vec![1.0; 3], vec![-0.5; 2], vec![0.25], vec![-1.0; 4]];
     let behaviour: Vec<Vec<f64>> = responses.iter().map(|r| vec![-2.0; r.len()]).collect();
@@ -347,7 +347,7 @@ fn uneven_batch(copies: usize) -> RecordBatch {
 
 fn aggregation_learner(aggregation: crate::algorithms::Aggregation, micro_batch: usize) -> Learner {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/fixtures/models/tiny-llama");
+        .join("../../tests/fixtures/models/tiny-llama");
     let model = Model::load(&dir, weir_gpu::Device::Cpu, Kind::Float).unwrap();
     let mut cfg = LearnerConfig {
         entropy_coef: 0.1,

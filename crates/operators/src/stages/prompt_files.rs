@@ -357,7 +357,7 @@ mod file_tests {
     fn tokenizer() -> Tokenizer {
         Tokenizer::load(
             &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("../../../shared/fixtures/tokenizer"),
+                .join("../../tests/fixtures/tokenizer"),
         )
         .unwrap()
     }

@@ -412,7 +412,7 @@ mod tests {
     fn a_chunked_head_gives_the_same_log_probs() {
         // float64: the libtorch path (the CPU kernels take float32 only).
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../../shared/fixtures/models/tiny-llama");
+            .join("../../tests/fixtures/models/tiny-llama");
         let model = Model::load(&dir, weir_gpu::Device::Cpu, tch::Kind::Double).unwrap();
         let prompts = vec![vec![1i64, 2], vec![1, 2], vec![3, 4, 5]];
         let responses = vec![vec![5i64, 6, 7], vec![8], vec![9, 10]];

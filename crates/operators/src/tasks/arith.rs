@@ -195,7 +195,7 @@ mod tests {
         assert_eq!(&pairs[..3], &[(93, 34), (74, 48), (21, 92)]);
         // The fixtures record the same list (test data only).
         let reference = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../../shared/fixtures/models/arith-sft/reference.json");
+            .join("../../tests/fixtures/models/arith-sft/reference.json");
         let r: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(reference).unwrap()).unwrap();
         let want: Vec<(u32, u32)> = r["eval_pairs"]
