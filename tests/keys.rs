@@ -24,7 +24,7 @@ use arrow::array::RecordBatch;
 use weir::graph::metrics::names;
 use weir::graph::parquet_log::{read_parquet_dir, read_parquet_file};
 use weir::operators::rollout::col;
-use weir::pipelines::config::{applies, DOCS};
+use weir::pipelines::config::{applies, Key, KEYS};
 use weir::pipelines::{PipelineKind, RunConfig};
 
 #[path = "pipelines/support.rs"]
@@ -525,13 +525,30 @@ fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String
             &["algorithm.ppo_epochs=3", "algorithm.lr=0.01"],
             "0.0".into(),
         ),
+        // The dual clip binds where a negative advantage meets a ratio above
+        // c: stale rows (k = 1) and a large rate move ratios both ways.
         "algorithm.dual_clip" => (
-            &["algorithm.ppo_epochs=3", "algorithm.lr=0.01"],
+            &[
+                "run.steps=3",
+                "run.max_staleness=1",
+                "algorithm.ppo_epochs=3",
+                "algorithm.lr=0.01",
+            ],
             "1.01".into(),
         ),
         "algorithm.kl_coef" => (&[], "0.5".into()),
-        // A target far above any KL: the coefficient shrinks by the clip after each step.
-        "algorithm.kl_target" => (&["run.steps=3"], "1000000.0".into()),
+        // A target far above any KL: the coefficient shrinks by the clip after
+        // each step, by 0.2 · n / kl_horizon: with 32 responses a step, past
+        // the rounding the comparison allows.
+        "algorithm.kl_target" => (
+            &[
+                "run.steps=3",
+                "algorithm.kl_coef=0.1",
+                "data.prompts_per_step=8",
+                "data.samples_per_prompt=4",
+            ],
+            "1000000.0".into(),
+        ),
         "algorithm.kl_horizon" => (
             &["run.steps=3", "algorithm.kl_target=1000000.0"],
             "1.0".into(),
@@ -847,8 +864,11 @@ fn walk(kind: PipelineKind, keys: Keys) {
         runs: 0,
     };
     let (mut silent, mut unnamed) = (Vec::new(), Vec::new());
-    for (section, key, _) in DOCS {
-        if !applies(kind, section, key) || (keys == Keys::Algorithm && *section != "algorithm") {
+    for &Key {
+        section, name: key, ..
+    } in KEYS
+    {
+        if !applies(kind, section, key) || (keys == Keys::Algorithm && section != "algorithm") {
             continue;
         }
         let name = format!("{section}.{key}");
@@ -858,7 +878,7 @@ fn walk(kind: PipelineKind, keys: Keys) {
             // A value that is already the base's changes nothing by definition.
             let base_doc =
                 serde_json::to_value(base(kind, 1).with_overrides(&setting).unwrap()).unwrap();
-            let current = serde_json::to_string(&base_doc[*section][*key]).unwrap();
+            let current = serde_json::to_string(&base_doc[section][key]).unwrap();
             if current == value {
                 continue;
             }
