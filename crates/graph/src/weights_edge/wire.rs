@@ -340,8 +340,16 @@ fn fetch(config: &WireConfig, note: &WireNote) -> Result<WeightsPayload, String>
         }
     }
     let mut stream = stream.ok_or(last)?;
+    // A connection that breaks mid-fetch means the sending process stopped
+    // (or its network failed): say so, not only the socket's error.
     fn io(what: &'static str) -> impl Fn(std::io::Error) -> String {
-        move |e| format!("{what}: {e}")
+        use std::io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset, UnexpectedEof};
+        move |e| match e.kind() {
+            ConnectionReset | ConnectionAborted | BrokenPipe | UnexpectedEof => {
+                format!("{what}: the connection was lost ({e}): the sending process stopped or its network failed")
+            }
+            _ => format!("{what}: {e}"),
+        }
     }
     timeouts(&stream, config.timeout).map_err(io("setting up the connection"))?;
     let mut request = MAGIC.to_vec();
