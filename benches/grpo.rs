@@ -48,7 +48,7 @@ mod random_llama;
 #[path = "support/grpo_throughput.rs"]
 mod throughput;
 use weir::graph::metrics::MetricRow;
-use weir::pipelines::config::{AggregationChoice, KlChoice, ReferencePlacement, ScheduleChoice};
+use weir::pipelines::config::{Aggregation, KlEstimator, ReferencePlacement, ScheduleChoice};
 use weir::pipelines::{run, PipelineKind, RunConfig, RunRequest};
 
 /// Completions per step: 8 prompts × 8 samples.
@@ -165,8 +165,8 @@ fn config(steps: u64, placing: Placing) -> RunConfig {
 /// 1 thread, no evaluation, no checkpoints.
 fn trl_settings(model: &Path, steps: u64, new_tokens: usize) -> RunConfig {
     let mut c = RunConfig::defaults_for(PipelineKind::Grpo);
-    c.model.path = model.display().to_string();
-    c.data.prompts = "arith".into();
+    c.model.path = model.to_path_buf();
+    c.data.prompts = weir::pipelines::config::Task::Arith;
     c.data.prompts_per_step = 8;
     c.data.samples_per_prompt = 8;
     c.generate.max_new_tokens = new_tokens;
@@ -177,11 +177,11 @@ fn trl_settings(model: &Path, steps: u64, new_tokens: usize) -> RunConfig {
     c.algorithm.warmup_steps = 0;
     c.algorithm.weight_decay = 0.0;
     c.algorithm.kl_coef = 0.04;
-    c.algorithm.kl_estimator = KlChoice::K3;
+    c.algorithm.kl_estimator = KlEstimator::K3;
     c.algorithm.clip_low = 0.2;
     c.algorithm.clip_high = 0.2;
     // TRL's loss_type = "grpo": token mean per sequence, then mean over sequences.
-    c.algorithm.aggregation = AggregationChoice::SeqMeanTokenMean;
+    c.algorithm.aggregation = Aggregation::SeqMeanTokenMean;
     c.eval.arith = false;
     c.run.steps = steps;
     c.run.threads = 1;

@@ -204,8 +204,8 @@ fn breakdown(dir: &Path, lora: bool) {
 /// checkpointing when `checkpointed`).
 fn whole_run(dir: &Path, lora: bool, checkpointed: bool) {
     let mut c = RunConfig::defaults_for(PipelineKind::Grpo);
-    c.model.path = dir.display().to_string();
-    c.data.prompts = "arith".into();
+    c.model.path = dir.to_path_buf();
+    c.data.prompts = weir::pipelines::config::Task::Arith;
     c.data.prompts_per_step = PROMPTS;
     c.data.samples_per_prompt = SAMPLES;
     c.generate.max_new_tokens = NEW_TOKENS;

@@ -34,7 +34,7 @@ use arrow::array::AsArray;
 use arrow::datatypes::{Float32Type, UInt32Type, UInt64Type};
 use weir::graph::metrics::MetricRow;
 use weir::graph::parquet_log::read_parquet_dir;
-use weir::pipelines::config::{GenerateBackend, WeightUpdate};
+use weir::pipelines::config::{Backend, OnNewWeights};
 use weir::pipelines::{run, PipelineKind, RunConfig, RunRequest};
 
 const WARMUP_STEPS: u64 = 2;
@@ -47,15 +47,12 @@ enum Mode {
     /// Batch by batch at this k.
     Batch(u64),
     /// Streaming at this k.
-    Streaming(WeightUpdate, u64),
+    Streaming(OnNewWeights, u64),
 }
 
 fn config(steps: u64, mode: Mode, long_tail: bool) -> RunConfig {
     let mut c = RunConfig::defaults_for(PipelineKind::Grpo);
-    c.model.path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/models/arith-sft")
-        .display()
-        .to_string();
+    c.model.path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models/arith-sft");
     c.data.prompts_per_step = PROMPTS;
     c.data.samples_per_prompt = SAMPLES;
     c.algorithm.micro_batch = PROMPTS * SAMPLES;
@@ -72,7 +69,7 @@ fn config(steps: u64, mode: Mode, long_tail: bool) -> RunConfig {
         // Decoding on libtorch ops, the path a GPU runs: a pass costs about
         // the same for one sequence as for a full pool, as on a GPU, so a
         // batch that waits for its longest row wastes its empty slots.
-        c.generate.backend = GenerateBackend::Torch;
+        c.generate.backend = Backend::Torch;
         // The learner pays for the tokens, not rows × the longest row.
         c.algorithm.micro_batch_tokens = std::env::var("WEIR_BENCH_MICRO_TOKENS")
             .ok()
@@ -266,10 +263,10 @@ fn main() {
     let modes = [
         Mode::Synchronous,
         Mode::Batch(1),
-        Mode::Streaming(WeightUpdate::Keep, 1),
-        Mode::Streaming(WeightUpdate::Recompute, 1),
+        Mode::Streaming(OnNewWeights::Keep, 1),
+        Mode::Streaming(OnNewWeights::Recompute, 1),
         Mode::Batch(2),
-        Mode::Streaming(WeightUpdate::Keep, 2),
+        Mode::Streaming(OnNewWeights::Keep, 2),
     ];
     let tail: Vec<Figures> = modes.iter().map(|&m| measure(steps, m, true)).collect();
     table(
@@ -281,7 +278,7 @@ fn main() {
         100.0 * (1.0 - tail[0].generator_idle),
         100.0 * (1.0 - tail[0].learner_idle)
     );
-    let arith: Vec<Figures> = [Mode::Batch(1), Mode::Streaming(WeightUpdate::Keep, 1)]
+    let arith: Vec<Figures> = [Mode::Batch(1), Mode::Streaming(OnNewWeights::Keep, 1)]
         .iter()
         .map(|&m| measure(steps, m, false))
         .collect();

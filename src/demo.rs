@@ -72,7 +72,7 @@ pub fn demo(args: &DemoArgs) -> anyhow::Result<()> {
 
     // SFT in chunks until greedy accuracy is meaningful (each chunk resumes the last).
     let mut sft = RunConfig::defaults_for(PipelineKind::Sft);
-    sft.model.path = init.display().to_string();
+    sft.model.path = init.to_path_buf();
     sft.run.seed = args.seed;
     sft.run.threads = 2;
     sft.eval.arith = false;
@@ -104,7 +104,7 @@ pub fn demo(args: &DemoArgs) -> anyhow::Result<()> {
     let sft_wall = sft_started.elapsed().as_secs_f64();
 
     let mut grpo = RunConfig::defaults_for(PipelineKind::Grpo);
-    grpo.model.path = sft_out.final_actor.display().to_string();
+    grpo.model.path = sft_out.final_actor;
     grpo.run.steps = args.grpo_steps;
     grpo.run.seed = args.seed;
     grpo.run.max_staleness = 1;

@@ -10,7 +10,7 @@ use arrow::datatypes::{Float32Type, UInt64Type};
 use weir::graph::parquet_log::{read_parquet_dir, read_parquet_file};
 use weir::operators::rollout::{check, col, Phase};
 use weir::pipelines::config::{
-    AggregationChoice, CorrectionChoice, PreferenceChoice, ReferencePlacement, RewardKind,
+    Aggregation, CorrectionChoice, PreferenceChoice, ReferencePlacement, RewardKind,
 };
 use weir::pipelines::runner::read_resolved;
 use weir::pipelines::{PipelineKind, RunConfig};
@@ -156,7 +156,7 @@ fn every_rl_pipeline_runs_logs_and_checkpoints() {
             // Rewards from a reward model (same tokenizer as the actor).
             PipelineKind::Rloo => {
                 cfg.reward.kind = RewardKind::Model;
-                cfg.model.reward_model = fixture("tiny-llama-rm").display().to_string();
+                cfg.model.reward_model = Some(fixture("tiny-llama-rm"));
             }
             // DAPO's overlong punishment on the rewards.
             PipelineKind::Opo => {
@@ -259,9 +259,9 @@ fn every_rl_pipeline_runs_logs_and_checkpoints() {
         }
 
         // The advantages are the pipeline's own estimator's: recomputed from
-        // each step's logged rewards and groups (an estimator wired to the
-        // wrong pipeline would run as well as the right one).
-        check_group_advantages(kind, &batches);
+        // each step's logged inputs (an estimator wired to the wrong
+        // pipeline would run as well as the right one).
+        check_advantages(kind, &cfg, &batches);
 
         // The final checkpoint: HF layout plus optimizer state, and the run state.
         let last = dir.join(format!("checkpoints/step-{}", steps - 1));
@@ -285,55 +285,205 @@ fn every_rl_pipeline_runs_logs_and_checkpoints() {
     }
 }
 
-/// For a group pipeline, recomputes every logged row's advantage from its
-/// step's logged rewards, groups and response lengths with the estimator's
-/// function (held to verl's and OpenRLHF's outputs by the operators'
-/// tests), and compares: each row's tokens carry the response's advantage.
-fn check_group_advantages(kind: PipelineKind, batches: &[RecordBatch]) {
-    use weir::operators::algorithms::{self as alg, Flavor};
-    type Rows = (Vec<f64>, Vec<u64>, Vec<usize>, Vec<Vec<f32>>);
-    let mut steps: BTreeMap<u64, Rows> = BTreeMap::new();
+/// A float list column of `b` as rows of f64.
+fn float_rows(b: &RecordBatch, name: &str) -> Vec<Vec<f64>> {
+    let list = b.column_by_name(name).unwrap().as_list::<i32>();
+    (0..b.num_rows())
+        .map(|i| {
+            let row = list.value(i);
+            let row = row.as_primitive::<Float32Type>();
+            row.values().iter().map(|x| f64::from(*x)).collect()
+        })
+        .collect()
+}
+
+/// A step's logged rows, in the log's order: what the advantage stage read
+/// and what it wrote.
+#[derive(Default)]
+struct StepRows {
+    rewards: Vec<f64>,
+    groups: Vec<u64>,
+    behaviour: Vec<Vec<f64>>,
+    reference: Vec<Vec<f64>>,
+    values: Vec<Vec<f64>>,
+    baselines: Vec<f64>,
+    token_rewards: Vec<Vec<f64>>,
+    returns: Vec<Vec<f64>>,
+    advantages: Vec<Vec<f64>>,
+}
+
+/// Each step's logged rows.
+fn step_rows(
+    cfg: &RunConfig,
+    kind: PipelineKind,
+    batches: &[RecordBatch],
+) -> BTreeMap<u64, StepRows> {
+    let token_level = !kind.is_group();
+    let mut steps: BTreeMap<u64, StepRows> = BTreeMap::new();
     for b in batches {
         let rewards = b
             .column_by_name(col::REWARD)
             .unwrap()
             .as_primitive::<Float32Type>();
-        let advantages = b.column_by_name(col::ADVANTAGES).unwrap().as_list::<i32>();
+        let optional = |name: &str, on: bool| on.then(|| float_rows(b, name));
+        let behaviour = optional(col::BEHAVIOR_LOGPROBS, token_level);
+        let reference = optional(
+            col::REF_LOGPROBS,
+            token_level && cfg.algorithm.kl_coef > 0.0,
+        );
+        let values = optional(col::VALUES, kind == PipelineKind::Ppo);
+        let token_rewards = optional(col::TOKEN_REWARDS, token_level);
+        let returns = optional(col::RETURNS, token_level);
+        let advantages = float_rows(b, col::ADVANTAGES);
+        let baselines = (kind == PipelineKind::Remax).then(|| {
+            let c = b.column_by_name("reward_baseline").unwrap();
+            c.as_primitive::<Float32Type>().values().to_vec()
+        });
         for (i, (step, group)) in u64s(b, col::STEP)
             .into_iter()
             .zip(u64s(b, col::GROUP_ID))
             .enumerate()
         {
-            let a = advantages.value(i);
-            let a = a.as_primitive::<Float32Type>().values().to_vec();
             let rows = steps.entry(step).or_default();
-            rows.0.push(f64::from(rewards.value(i)));
-            rows.1.push(group);
-            rows.2.push(a.len());
-            rows.3.push(a);
+            rows.rewards.push(f64::from(rewards.value(i)));
+            rows.groups.push(group);
+            rows.advantages.push(advantages[i].clone());
+            let take = |from: &Option<Vec<Vec<f64>>>, to: &mut Vec<Vec<f64>>| {
+                if let Some(from) = from {
+                    to.push(from[i].clone());
+                }
+            };
+            take(&behaviour, &mut rows.behaviour);
+            take(&reference, &mut rows.reference);
+            take(&values, &mut rows.values);
+            take(&token_rewards, &mut rows.token_rewards);
+            take(&returns, &mut rows.returns);
+            if let Some(b) = &baselines {
+                rows.baselines.push(f64::from(b[i]));
+            }
         }
     }
+    steps
+}
+
+/// Recomputes every logged row's advantages from the step's logged inputs
+/// with the pipeline's own estimator (functions held to verl's and
+/// OpenRLHF's outputs by the operators' tests) and compares. Group
+/// pipelines: each row's tokens carry the response's advantage, from the
+/// step's rewards, groups and lengths. Token-level pipelines: the token
+/// rewards (the score on the last token minus β·KL(behaviour ‖ reference)),
+/// then the returns and advantages — REINFORCE++'s discounted, whitened
+/// returns (after the group mean with the baseline), ReMax's returns minus
+/// the greedy baseline, PPO's GAE on the logged values, whitened. A
+/// pipeline wired to another's estimator would run as well as its own.
+fn check_advantages(kind: PipelineKind, cfg: &RunConfig, batches: &[RecordBatch]) {
+    use weir::operators::algorithms::{self as alg, Flavor};
     let name = kind.name();
-    let flavor = Flavor::default();
-    for (step, (rewards, groups, lengths, logged)) in &steps {
-        let expected = match kind {
-            PipelineKind::Grpo => alg::grpo(rewards, groups, true, flavor),
-            PipelineKind::DrGrpo => alg::grpo(rewards, groups, false, flavor),
-            PipelineKind::Rloo => alg::rloo(rewards, groups, flavor),
-            PipelineKind::Opo => alg::opo(rewards, lengths, groups),
-            PipelineKind::GrpoPassk => alg::grpo_passk(rewards, groups, true),
-            PipelineKind::Gpg => alg::gpg(rewards, groups),
-            _ => return,
-        }
-        .unwrap();
-        for (i, (want, got)) in expected.iter().zip(logged).enumerate() {
-            for a in got {
+    let flavor = cfg.algorithm.flavor;
+    let close = |what: &str, step: u64, got: &[Vec<f64>], want: &[Vec<f64>]| {
+        assert_eq!(got.len(), want.len(), "{name}: step {step}: {what} rows");
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert_eq!(
+                g.len(),
+                w.len(),
+                "{name}: step {step} row {i}: {what} length"
+            );
+            for (t, (g, w)) in g.iter().zip(w).enumerate() {
                 assert!(
-                    (f64::from(*a) - want).abs() <= 1e-5 * want.abs().max(1.0),
-                    "{name}: step {step} row {i}: advantage {a}, the estimator gives {want}"
+                    (g - w).abs() <= 1e-4 * w.abs().max(1.0),
+                    "{name}: step {step} row {i} token {t}: {what} {g}, the estimator gives {w}"
                 );
             }
         }
+    };
+    for (step, rows) in step_rows(cfg, kind, batches) {
+        let lengths: Vec<usize> = rows.advantages.iter().map(Vec::len).collect();
+        let per_token = |per_row: Vec<f64>| -> Vec<Vec<f64>> {
+            per_row
+                .iter()
+                .zip(&lengths)
+                .map(|(a, n)| vec![*a; *n])
+                .collect()
+        };
+        let (rewards, groups) = (&rows.rewards, &rows.groups);
+        let group = match kind {
+            PipelineKind::Grpo => Some(alg::grpo(rewards, groups, true, flavor)),
+            PipelineKind::DrGrpo => Some(alg::grpo(rewards, groups, false, flavor)),
+            PipelineKind::Rloo => Some(alg::rloo(rewards, groups, flavor)),
+            PipelineKind::Opo => Some(alg::opo(rewards, &lengths, groups)),
+            PipelineKind::GrpoPassk => Some(alg::grpo_passk(rewards, groups, true)),
+            PipelineKind::Gpg => Some(alg::gpg(rewards, groups)),
+            PipelineKind::Ppo
+            | PipelineKind::ReinforcePp
+            | PipelineKind::ReinforcePpBaseline
+            | PipelineKind::Remax => None,
+            PipelineKind::Sft | PipelineKind::Rm | PipelineKind::Dpo => return,
+        };
+        if let Some(expected) = group {
+            close(
+                "advantage",
+                step,
+                &rows.advantages,
+                &per_token(expected.unwrap()),
+            );
+            continue;
+        }
+        // The in-reward KL's coefficient is fixed here (no controller).
+        assert_eq!(cfg.algorithm.kl_target, 0.0, "{name}");
+        let kl_coef = cfg.algorithm.kl_coef;
+        let mask: Vec<Vec<f64>> = lengths.iter().map(|n| vec![1.0; *n]).collect();
+        let kl = if kl_coef > 0.0 {
+            alg::kl_tokens(
+                &rows.behaviour,
+                &rows.reference,
+                cfg.algorithm.kl_estimator,
+                flavor,
+            )
+        } else {
+            mask.iter().map(|m| vec![0.0; m.len()]).collect()
+        };
+        let scores = match kind {
+            PipelineKind::ReinforcePpBaseline => {
+                assert_eq!(
+                    flavor,
+                    Flavor::OpenRlhf,
+                    "{name}: verl centres the whole return"
+                );
+                alg::grpo(rewards, groups, false, flavor).unwrap()
+            }
+            _ => rewards.clone(),
+        };
+        // OpenRLHF clips the score to ±10; verl, and ReMax, clip nothing.
+        let clip = (flavor.clips_scores() && kind != PipelineKind::Remax).then_some((-10.0, 10.0));
+        let token_rewards = alg::token_rewards(&scores, &kl, &mask, kl_coef, clip);
+        close("token reward", step, &rows.token_rewards, &token_rewards);
+        let a = &cfg.algorithm;
+        let (advantages, returns) = match kind {
+            PipelineKind::Remax => alg::remax(&token_rewards, &mask, &rows.baselines),
+            PipelineKind::Ppo => {
+                let (advantages, returns) = alg::gae(
+                    &token_rewards,
+                    &rows.values,
+                    &mask,
+                    a.gamma,
+                    a.lambda,
+                    flavor,
+                );
+                (
+                    alg::whiten_advantages(&advantages, &mask, false, flavor),
+                    returns,
+                )
+            }
+            _ => {
+                let returns = alg::discounted_returns(&token_rewards, &mask, a.gamma, flavor);
+                (
+                    alg::whiten_advantages(&returns, &mask, false, flavor),
+                    returns,
+                )
+            }
+        };
+        close("return", step, &rows.returns, &returns);
+        close("advantage", step, &rows.advantages, &advantages);
     }
 }
 
@@ -401,8 +551,8 @@ fn resume_continues_steps_versions_and_cursor_after_a_crash() {
     std::fs::write(&held, lines.join("\n")).unwrap();
     let config = |kind, steps| {
         let mut c = config(kind, steps);
-        c.eval.prompts = held.display().to_string();
-        c.data.messages_column = "messages".into();
+        c.eval.prompts = Some(held.to_path_buf());
+        c.data.messages_column = Some("messages".into());
         c.eval.every = 2;
         c
     };
@@ -646,8 +796,8 @@ fn a_curriculum_resumes_with_the_stats_it_had() {
     write_arith_task(&prompts, &pairs, |_| serde_json::json!({}));
     let kind = PipelineKind::Grpo;
     let mut cfg = config(kind, 8);
-    cfg.data.prompts = prompts.display().to_string();
-    cfg.data.messages_column = "messages".into();
+    cfg.data.prompts = weir::pipelines::config::Task::File(prompts.to_path_buf());
+    cfg.data.messages_column = Some("messages".into());
     cfg.data.prompts_per_step = 2;
     cfg.run.max_staleness = 0;
     cfg.run.checkpoint_every = 2;
@@ -697,10 +847,10 @@ fn a_python_reward_file_scores_a_jsonl_task_with_its_columns() {
     .unwrap();
     let kind = PipelineKind::Grpo;
     let mut cfg = config(kind, 2);
-    cfg.data.prompts = prompts.display().to_string();
-    cfg.data.messages_column = "messages".into();
+    cfg.data.prompts = weir::pipelines::config::Task::File(prompts.to_path_buf());
+    cfg.data.messages_column = Some("messages".into());
     cfg.reward.kind = weir::pipelines::config::RewardKind::Python;
-    cfg.reward.file = file.display().to_string();
+    cfg.reward.file = Some(file.to_path_buf());
     let dir = tmp.path().join("run");
     run(kind, cfg, &dir, false);
     // Every row's reward is what the file computes from its own response and label.
@@ -761,7 +911,7 @@ fn a_remote_reward_server_scores_every_row_through_a_run() {
     let kind = PipelineKind::Grpo;
     let mut cfg = config(kind, 2);
     cfg.reward.kind = RewardKind::Remote;
-    cfg.reward.url = format!("{}/value-check", reward_server());
+    cfg.reward.url = Some(format!("{}/value-check", reward_server()));
     cfg.reward.attempts = 3;
     let dir = tmp.path().join("run");
     run(kind, cfg, &dir, false);
@@ -820,11 +970,11 @@ fn a_verl_dataset_in_parquet_and_its_compute_score_load_unchanged() {
     .unwrap();
     let kind = PipelineKind::Grpo;
     let mut cfg = config(kind, 2);
-    cfg.data.prompts = prompts.display().to_string();
-    cfg.data.messages_column = "prompt".into();
-    cfg.data.label_column = "reward_model.ground_truth".into();
+    cfg.data.prompts = weir::pipelines::config::Task::File(prompts.to_path_buf());
+    cfg.data.messages_column = Some("prompt".into());
+    cfg.data.label_column = Some("reward_model.ground_truth".into());
     cfg.reward.kind = weir::pipelines::config::RewardKind::Python;
-    cfg.reward.file = file.display().to_string();
+    cfg.reward.file = Some(file.to_path_buf());
     cfg.reward.function = "compute_score".into();
     let dir = tmp.path().join("run");
     run(kind, cfg, &dir, false);
@@ -869,29 +1019,29 @@ fn weighted_reward_terms_combine_python_math_and_regex() {
     .unwrap();
     let kind = PipelineKind::Grpo;
     let mut cfg = config(kind, 2);
-    cfg.data.prompts = prompts.display().to_string();
-    cfg.data.messages_column = "messages".into();
+    cfg.data.prompts = weir::pipelines::config::Task::File(prompts.to_path_buf());
+    cfg.data.messages_column = Some("messages".into());
     cfg.reward.kind = RewardKind::Terms;
     cfg.reward.terms = vec![
         RewardTerm {
-            file: file.display().to_string(),
+            file: Some(file.to_path_buf()),
             weight: 0.5,
             ..Default::default()
         },
         RewardTerm {
-            rule: "math".into(),
+            rule: Some("math".into()),
             ..Default::default()
         },
         RewardTerm {
-            rule: "regex".into(),
-            name: "digits".into(),
+            rule: Some("regex".into()),
+            name: Some("digits".into()),
             pattern: r"\d+".into(),
             weight: 0.25,
             ..Default::default()
         },
     ];
     // Evaluation every step, on the task's own prompts, with the same reward.
-    cfg.eval.prompts = prompts.display().to_string();
+    cfg.eval.prompts = Some(prompts.to_path_buf());
     cfg.eval.every = 1;
     // The resolved config, with its [[reward.terms]], reads back the same.
     let dir = tmp.path().join("run");
@@ -1015,9 +1165,9 @@ fn held_out_prompts_evaluate_the_policy_during_training_and_mark_the_best_checkp
     cfg.placement.rollout = vec![0, 1];
     cfg.placement.train = vec![2];
     cfg.algorithm.lr = 1e-4;
-    cfg.data.prompts = write("train.jsonl", &train).display().to_string();
-    cfg.data.messages_column = "messages".into();
-    cfg.eval.prompts = write("held.jsonl", &held).display().to_string();
+    cfg.data.prompts = weir::pipelines::config::Task::File(write("train.jsonl", &train));
+    cfg.data.messages_column = Some("messages".into());
+    cfg.eval.prompts = Some(write("held.jsonl", &held));
     cfg.eval.k = 4;
     cfg.eval.every = 2;
     cfg.eval.best_checkpoint = true;
@@ -1141,7 +1291,7 @@ fn a_bf16_run_follows_the_float32_run() {
     let losses = |dtype: weir::pipelines::config::Dtype, name: &str| {
         let dir = tmp.path().join(name);
         let mut cfg = config(PipelineKind::Sft, 8);
-        cfg.model.path = fixture("tiny-llama").display().to_string();
+        cfg.model.path = fixture("tiny-llama");
         cfg.model.dtype = dtype;
         cfg.data.prompts_per_step = 16;
         cfg.algorithm.warmup_steps = 0;
@@ -1292,7 +1442,7 @@ fn sft_lowers_its_loss_and_evaluates() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("sft");
     let mut cfg = config(PipelineKind::Sft, 6);
-    cfg.model.path = fixture("tiny-llama").display().to_string();
+    cfg.model.path = fixture("tiny-llama");
     cfg.data.prompts_per_step = 16;
     cfg.algorithm.warmup_steps = 0;
     cfg.algorithm.lr = 3e-3;
@@ -1330,7 +1480,7 @@ fn data_parallel_learners_train_like_one() {
         let mut cfg = config(PipelineKind::Grpo, 3);
         cfg.run.max_staleness = 0;
         cfg.data.prompts_per_step = 4;
-        cfg.algorithm.aggregation = AggregationChoice::TokenMean;
+        cfg.algorithm.aggregation = Aggregation::TokenMean;
         cfg
     };
     let one = tmp.path().join("one");
@@ -1422,7 +1572,7 @@ fn ppo_reinforce_pp_and_gpg_ranks_train_like_one() {
             let mut cfg = config(kind, 3);
             cfg.run.max_staleness = 0;
             cfg.data.prompts_per_step = 4;
-            cfg.algorithm.aggregation = AggregationChoice::TokenMean;
+            cfg.algorithm.aggregation = Aggregation::TokenMean;
             if in_reward_kl {
                 // An adaptive in-reward KL coefficient: it moves with the step's KL.
                 cfg.algorithm.kl_coef = 0.05;
@@ -1477,7 +1627,7 @@ fn bad_configs_fail_before_anything_runs() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("run");
     let mut cfg = config(PipelineKind::Grpo, 1);
-    cfg.model.path = tmp.path().join("missing").display().to_string();
+    cfg.model.path = tmp.path().join("missing");
     let err = run_err(PipelineKind::Grpo, cfg, &dir);
     assert!(
         err.contains("model.path") && err.contains("missing"),
@@ -1518,7 +1668,7 @@ fn rm_learns_its_pairs_and_dpo_grows_the_margin() {
     write_pairs(&pairs);
 
     let mut cfg = config(PipelineKind::Rm, 12);
-    cfg.data.prompts = pairs.display().to_string();
+    cfg.data.prompts = weir::pipelines::config::Task::File(pairs.to_path_buf());
     cfg.data.prompts_per_step = 16;
     cfg.algorithm.lr = 1e-3;
     cfg.algorithm.warmup_steps = 0;
@@ -1556,7 +1706,7 @@ fn rm_learns_its_pairs_and_dpo_grows_the_margin() {
     ] {
         let curves = |train: Vec<usize>| {
             let mut cfg = config(kind, 3);
-            cfg.data.prompts = pairs.display().to_string();
+            cfg.data.prompts = weir::pipelines::config::Task::File(pairs.to_path_buf());
             cfg.data.prompts_per_step = 8;
             cfg.algorithm.lr = 1e-3;
             cfg.algorithm.warmup_steps = 0;
@@ -1579,7 +1729,7 @@ fn rm_learns_its_pairs_and_dpo_grows_the_margin() {
 
     for loss_kind in [PreferenceChoice::Dpo, PreferenceChoice::Ipo] {
         let mut cfg = config(PipelineKind::Dpo, 6);
-        cfg.data.prompts = pairs.display().to_string();
+        cfg.data.prompts = weir::pipelines::config::Task::File(pairs.to_path_buf());
         cfg.data.prompts_per_step = 16;
         cfg.algorithm.lr = 1e-4;
         cfg.algorithm.warmup_steps = 0;

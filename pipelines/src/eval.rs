@@ -151,7 +151,11 @@ impl Evaluation {
     /// goes to rollout rank `i mod ranks`).
     pub fn new(cfg: &RunConfig, worker: &WorkerInfo) -> Result<Self, StageError> {
         let tokenizer = Tokenizer::load(Path::new(&cfg.model.path))?;
-        let path = Path::new(&cfg.eval.prompts);
+        let path = cfg
+            .eval
+            .prompts
+            .as_deref()
+            .ok_or("evaluation without `eval.prompts`")?;
         let prompts = crate::task::Task::File(path.to_path_buf()).prompts(cfg, 1, &tokenizer)?;
         if prompts.rows().is_empty() {
             return Err(format!("eval.prompts {}: no prompts", path.display()).into());
@@ -367,7 +371,10 @@ pub fn evaluate(
     let mut generate = Generate::new(model, tokenizer, training.clone());
     Ok(evaluation
         .run(&mut generate, version, &training)?
-        .ok_or_else(|| format!("eval.prompts {}: no prompts", cfg.eval.prompts))?)
+        .ok_or_else(|| {
+            let path = cfg.eval.prompts.as_deref().unwrap_or(Path::new(""));
+            format!("eval.prompts {}: no prompts", path.display())
+        })?)
 }
 
 /// The best evaluation (by greedy reward; the earliest of equals) whose

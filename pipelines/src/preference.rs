@@ -21,10 +21,9 @@ pub fn rm(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError> 
     Ok(Pipeline::new("rm")
         .source(ROLLOUT, crate::prompts::preference_pairs(cfg, ctx))
         .stage("rm", TRAIN, Partition::RoundRobin, move |w| {
-            let start = if x.resumed_from.is_some() || c.model.reward_model.is_empty() {
-                x.actor.clone()
-            } else {
-                c.model.reward_model.clone().into()
+            let start = match &c.model.reward_model {
+                Some(dir) if x.resumed_from.is_none() => dir.clone(),
+                _ => x.actor.clone(),
             };
             let model = Model::load_critic(
                 &start,
@@ -53,12 +52,8 @@ pub fn dpo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
         .stage("dpo", TRAIN, Partition::RoundRobin, move |w| {
             let a = &c.algorithm;
             let policy = crate::context::load_policy(&c, &x.actor, w)?;
-            let reference_dir = if c.model.reference.is_empty() {
-                &c.model.path
-            } else {
-                &c.model.reference
-            };
-            let reference = crate::context::load_frozen(&c, Path::new(reference_dir), w)?;
+            let reference_dir = c.model.reference.as_ref().unwrap_or(&c.model.path);
+            let reference = crate::context::load_frozen(&c, reference_dir, w)?;
             let loss = match a.preference_loss {
                 PreferenceChoice::Ipo => PreferenceLoss::Ipo,
                 PreferenceChoice::Cdpo => PreferenceLoss::Cdpo {
@@ -87,6 +82,6 @@ fn pair_config(c: &RunConfig) -> PairConfig {
         max_grad_norm: (a.max_grad_norm > 0.0).then_some(a.max_grad_norm),
         chosen: c.data.chosen_column.clone(),
         rejected: c.data.rejected_column.clone(),
-        margin: (!c.data.margin_column.is_empty()).then(|| c.data.margin_column.clone()),
+        margin: c.data.margin_column.clone(),
     }
 }

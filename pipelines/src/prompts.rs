@@ -39,7 +39,7 @@ fn source(
     move |w| {
         let tok = Tokenizer::load(Path::new(&cfg.model.path))?;
         let d = &cfg.data;
-        let task = cfg.data.task();
+        let task = &cfg.data.prompts;
         let mut src = if pairs {
             task.pairs(&cfg, &tok)?
         } else {

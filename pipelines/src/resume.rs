@@ -23,15 +23,31 @@ pub const RESOLVED: &str = "config.resolved.toml";
 /// (the number of steps, learning rate, logging, threads) may change.
 pub fn resume_invariants(kind: PipelineKind, cfg: &RunConfig) -> BTreeMap<String, String> {
     let (m, d) = (&cfg.model, &cfg.data);
+    // As the file spells them ("" for none).
+    let text = |value: Option<&std::ffi::OsStr>| {
+        value.map_or(String::new(), |v| v.to_string_lossy().into_owned())
+    };
     [
         ("pipeline", kind.name().to_string()),
-        ("model.path", m.path.clone()),
-        ("model.reference", m.reference.clone()),
-        ("model.reward_model", m.reward_model.clone()),
-        ("model.critic", m.critic.clone()),
-        ("data.prompts", d.prompts.clone()),
+        ("model.path", text(Some(m.path.as_os_str()))),
+        (
+            "model.reference",
+            text(m.reference.as_deref().map(|p| p.as_os_str())),
+        ),
+        (
+            "model.reward_model",
+            text(m.reward_model.as_deref().map(|p| p.as_os_str())),
+        ),
+        (
+            "model.critic",
+            text(m.critic.as_deref().map(|p| p.as_os_str())),
+        ),
+        ("data.prompts", String::from(d.prompts.clone())),
         ("data.prompt_column", d.prompt_column.clone()),
-        ("data.messages_column", d.messages_column.clone()),
+        (
+            "data.messages_column",
+            d.messages_column.clone().unwrap_or_default(),
+        ),
         ("run.seed", cfg.run.seed.to_string()),
         ("placement.workers", cfg.placement.workers.to_string()),
     ]

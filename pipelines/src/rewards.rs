@@ -2,7 +2,7 @@
 //! a Python function, a reward the user's binary registered, or a weighted
 //! sum of these.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -36,20 +36,18 @@ impl FileColumnsOnce {
     fn get(&self, cfg: &RunConfig) -> Result<FileColumns, StageError> {
         self.0
             .get_or_init(|| {
-                if cfg.data.task() == Task::Arith {
+                let Task::File(path) = &cfg.data.prompts else {
                     return Ok(FileColumns::default());
-                }
-                let records =
-                    PromptRecords::read(Path::new(&cfg.data.prompts)).map_err(|e| e.to_string())?;
+                };
+                let records = PromptRecords::read(path).map_err(|e| e.to_string())?;
                 let columns = if python_rewards(cfg) {
                     other_columns(cfg, &records)
                 } else {
                     Vec::new()
                 };
-                let label = &cfg.data.label_column;
                 let named: Vec<String> = columns
                     .iter()
-                    .chain((!label.is_empty()).then_some(label))
+                    .chain(&cfg.data.label_column)
                     .cloned()
                     .collect();
                 let typed = records.typed_columns(&named);
@@ -70,17 +68,20 @@ pub fn reward(
     move |w| -> Result<Box<dyn weir_graph::Stage>, StageError> {
         Ok(match cfg.reward.kind {
             RewardKind::Model => Box::new(RewardModel::new(
-                load(&cfg, Path::new(&cfg.model.reward_model), w)?,
+                load(
+                    &cfg,
+                    required(&cfg.model.reward_model, "model.reward_model")?,
+                    w,
+                )?,
                 cfg.algorithm.micro_batch,
             )?),
             RewardKind::Remote => Box::new(RemoteReward::new(RemoteRewardConfig {
-                url: cfg.reward.url.clone(),
-                label_column: (!cfg.data.label_column.is_empty())
-                    .then(|| cfg.data.label_column.clone()),
-                label_typed: file_columns
-                    .get(&cfg)?
-                    .typed
-                    .contains(&cfg.data.label_column),
+                url: required(&cfg.reward.url, "reward.url")?.clone(),
+                label_column: cfg.data.label_column.clone(),
+                label_typed: match &cfg.data.label_column {
+                    Some(label) => file_columns.get(&cfg)?.typed.contains(label),
+                    None => false,
+                },
                 timeout: Duration::from_secs_f64(cfg.reward.timeout_s),
                 attempts: cfg.reward.attempts,
                 ..Default::default()
@@ -88,27 +89,29 @@ pub fn reward(
             RewardKind::Python => Box::new(PythonReward::new(python_reward(
                 &cfg,
                 &file_columns.get(&cfg)?,
-                &cfg.reward.file,
+                required(&cfg.reward.file, "reward.file")?,
                 &cfg.reward.function,
             )?)?),
             RewardKind::Terms => {
                 let mut terms = Vec::new();
                 for t in &cfg.reward.terms {
-                    let kind = match t.rule.as_str() {
-                        "" => TermKind::Python(Box::new(PythonReward::new(python_reward(
-                            &cfg,
-                            &file_columns.get(&cfg)?,
-                            &t.file,
-                            &t.function,
-                        )?)?)),
-                        "regex" => TermKind::Regex(rules::full_match(&t.pattern)?),
-                        "length" => TermKind::Length {
+                    let kind = match (t.rule.as_deref(), &t.file) {
+                        (None, file) => {
+                            TermKind::Python(Box::new(PythonReward::new(python_reward(
+                                &cfg,
+                                &file_columns.get(&cfg)?,
+                                required(file, "reward.terms.file")?,
+                                &t.function,
+                            )?)?))
+                        }
+                        (Some("regex"), _) => TermKind::Regex(rules::full_match(&t.pattern)?),
+                        (Some("length"), _) => TermKind::Length {
                             max: match t.max_tokens {
                                 0 => cfg.generate.max_new_tokens,
                                 n => n,
                             },
                         },
-                        name => rule_term(name)?,
+                        (Some(name), _) => rule_term(name)?,
                     };
                     terms.push(Term {
                         name: t.label(),
@@ -116,10 +119,10 @@ pub fn reward(
                         kind,
                     });
                 }
-                Box::new(RewardTerms::new(terms, &cfg.data.label_column)?)
+                Box::new(RewardTerms::new(terms, label(&cfg)?)?)
             }
             RewardKind::Rule => match rule_reward(&cfg.reward.rule) {
-                Some(rule) => Box::new(RuleReward::new(rule, &cfg.data.label_column)),
+                Some(rule) => Box::new(RuleReward::new(rule, label(&cfg)?)),
                 // A reward the user's binary registered: one term of weight 1.
                 None => Box::new(RewardTerms::new(
                     vec![Term {
@@ -127,7 +130,7 @@ pub fn reward(
                         weight: 1.0,
                         kind: rule_term(&cfg.reward.rule)?,
                     }],
-                    &cfg.data.label_column,
+                    label(&cfg)?,
                 )?),
             },
         })
@@ -144,17 +147,30 @@ fn rule_term(name: &str) -> Result<TermKind, StageError> {
     Ok(TermKind::Custom(factory()?))
 }
 
+/// A value the config must set for the reward it names (validation has
+/// checked it; this names the key if not).
+fn required<'a, T>(value: &'a Option<T>, key: &str) -> Result<&'a T, StageError> {
+    value
+        .as_ref()
+        .ok_or_else(|| format!("`{key}` is not set").into())
+}
+
+/// The column a rule reward compares with.
+pub(crate) fn label(cfg: &RunConfig) -> Result<&str, StageError> {
+    Ok(required(&cfg.data.label_column, "data.label_column")?.as_str())
+}
+
 /// How to run the Python reward `function` of `file`.
 fn python_reward(
     cfg: &RunConfig,
     file_columns: &FileColumns,
-    file: &str,
+    file: &Path,
     function: &str,
 ) -> Result<PythonRewardConfig, StageError> {
     let FileColumns { columns, typed } = file_columns.clone();
-    let label = (!cfg.data.label_column.is_empty()).then(|| cfg.data.label_column.clone());
+    let label = cfg.data.label_column.clone();
     Ok(PythonRewardConfig {
-        file: PathBuf::from(file),
+        file: file.to_path_buf(),
         function: function.to_string(),
         python: cfg.reward.python.clone(),
         workers: cfg.reward.workers,
@@ -169,10 +185,13 @@ fn python_reward(
 /// The prompt-file columns a Python reward receives besides the prompt and
 /// the label: every other column all records have.
 pub fn reward_columns(cfg: &RunConfig) -> Result<Vec<String>, StageError> {
-    if !python_rewards(cfg) || cfg.data.task() == Task::Arith {
+    let Task::File(path) = &cfg.data.prompts else {
+        return Ok(Vec::new());
+    };
+    if !python_rewards(cfg) {
         return Ok(Vec::new());
     }
-    let records = PromptRecords::read(Path::new(&cfg.data.prompts))?;
+    let records = PromptRecords::read(path)?;
     Ok(other_columns(cfg, &records))
 }
 
@@ -180,7 +199,7 @@ pub fn reward_columns(cfg: &RunConfig) -> Result<Vec<String>, StageError> {
 fn python_rewards(cfg: &RunConfig) -> bool {
     match cfg.reward.kind {
         RewardKind::Python => true,
-        RewardKind::Terms => cfg.reward.terms.iter().any(|t| !t.file.is_empty()),
+        RewardKind::Terms => cfg.reward.terms.iter().any(|t| t.file.is_some()),
         RewardKind::Rule | RewardKind::Model | RewardKind::Remote => false,
     }
 }
@@ -188,10 +207,14 @@ fn python_rewards(cfg: &RunConfig) -> bool {
 /// The columns all `records` have but the prompt's and the label's.
 fn other_columns(cfg: &RunConfig, records: &PromptRecords) -> Vec<String> {
     let d = &cfg.data;
-    let own = [&d.prompt_column, &d.messages_column, &d.label_column];
+    let own = [
+        Some(&d.prompt_column),
+        d.messages_column.as_ref(),
+        d.label_column.as_ref(),
+    ];
     records
         .common_columns()
         .into_iter()
-        .filter(|c| !own.contains(&c))
+        .filter(|c| !own.contains(&Some(c)))
         .collect()
 }

@@ -52,7 +52,7 @@ pub fn gpg(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
 
 /// The group estimators' pipeline.
 fn group(cfg: &RunConfig, ctx: &RunContext, name: &str, estimator: GroupEstimator) -> Pipeline {
-    let flavor = roles::flavor(cfg);
+    let flavor = cfg.algorithm.flavor;
     let pipeline = rollouts(Pipeline::new(name), cfg, ctx, false);
     let (pipeline, regroup) = statistics_and_filter(pipeline, cfg, ctx);
     // GPG's α counts the whole step: its ranks sum their counts.
@@ -111,7 +111,7 @@ fn reinforce(
     baseline: ReinforceBaseline,
 ) -> Pipeline {
     let a = cfg.algorithm.clone();
-    let flavor = roles::flavor(cfg);
+    let flavor = cfg.algorithm.flavor;
     let (kl_coef, adaptive_kl) = roles::in_reward_kl(cfg, ctx);
     let greedy = baseline == ReinforceBaseline::Greedy;
     let group = roles::data_parallel_group(cfg);
@@ -124,7 +124,7 @@ fn reinforce(
                 let mut advantage = ReinforceAdvantage::new(baseline, kl_coef);
                 advantage.adaptive_kl = adaptive_kl.clone();
                 advantage.gamma = a.gamma;
-                advantage.kl_estimator = a.kl_estimator.into();
+                advantage.kl_estimator = a.kl_estimator;
                 advantage.flavor = flavor;
                 if greedy {
                     // verl's ReMax does not clip the score.
@@ -151,7 +151,7 @@ fn reinforce(
 pub fn ppo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError> {
     let critic = roles::critic(cfg, ctx);
     let fit = critic.clone();
-    let (a, flavor) = (cfg.algorithm.clone(), roles::flavor(cfg));
+    let (a, flavor) = (cfg.algorithm.clone(), cfg.algorithm.flavor);
     let (kl_coef, adaptive_kl) = roles::in_reward_kl(cfg, ctx);
     let group = roles::data_parallel_group(cfg);
     Ok(rollouts(Pipeline::new("ppo"), cfg, ctx, false)
@@ -167,7 +167,7 @@ pub fn ppo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
             let mut advantage = GaeAdvantage::new(kl_coef);
             advantage.adaptive_kl = adaptive_kl.clone();
             (advantage.gamma, advantage.lambda) = (a.gamma, a.lambda);
-            advantage.kl_estimator = a.kl_estimator.into();
+            advantage.kl_estimator = a.kl_estimator;
             advantage.flavor = flavor;
             if let Some(group) = &group {
                 advantage = advantage.with_data_parallel(group.member(w, "advantage")?);

@@ -3,7 +3,7 @@
 //! run stands is `context.rs`; the prompt sources `prompts.rs`; the reward
 //! stages `rewards.rs`.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use weir_gpu::collective::{GroupMember, HostGroup, HostReduce};
@@ -11,7 +11,7 @@ use weir_gpu::optim::AdamWConfig;
 use weir_gpu::{SamplingParams, Tokenizer};
 use weir_graph::{ParquetLog, Stage, StageError, WorkerInfo};
 use weir_operators::algorithms::{
-    Flavor, ImportanceCorrection, PolicyLossConfig, PolicyObjective, RatioLevel,
+    ImportanceCorrection, PolicyLossConfig, PolicyObjective, RatioLevel,
 };
 use weir_operators::stages::critic::{CriticLearner, PerWorker};
 use weir_operators::stages::generate::{Generate, Generator, Streaming};
@@ -57,14 +57,6 @@ pub fn in_reward_kl(
     (start, Some(adaptive))
 }
 
-fn or_actor(path: &str, cfg: &RunConfig) -> PathBuf {
-    PathBuf::from(if path.is_empty() {
-        &cfg.model.path
-    } else {
-        path
-    })
-}
-
 /// The actor's generator, starting from the run's actor checkpoint; with
 /// `eval.every`, one that evaluates the policy it holds every so many steps.
 pub fn actor(
@@ -77,14 +69,14 @@ pub fn actor(
         let tok = Tokenizer::load(Path::new(&cfg.model.path))?;
         let params = cfg.generate.sampling(&tok, cfg.run.seed);
         let mut generate =
-            Generate::new(model, tok, params.clone()).with_backend(cfg.generate.backend.backend());
+            Generate::new(model, tok, params.clone()).with_backend(cfg.generate.backend);
         if cfg.generate.long_tail > 0.0 {
             generate = generate.with_long_tail(cfg.generate.long_tail);
         }
         if cfg.generate.max_inflight > 0 {
             let streaming = Streaming {
                 max_inflight: cfg.generate.max_inflight,
-                on_new_weights: cfg.generate.on_new_weights.policy(),
+                on_new_weights: cfg.generate.on_new_weights,
             };
             let streamed = generate.streamed(streaming, w.steps, version)?;
             return evaluating(streamed, &cfg, w, params);
@@ -101,7 +93,7 @@ fn evaluating<G: Generator + 'static>(
     w: &WorkerInfo,
     params: SamplingParams,
 ) -> Result<Box<dyn Stage>, StageError> {
-    if cfg.eval.every == 0 || cfg.eval.prompts.is_empty() {
+    if cfg.eval.every == 0 || cfg.eval.prompts.is_none() {
         return Ok(Box::new(generate));
     }
     let evaluation = crate::eval::Evaluation::new(cfg, w)?;
@@ -121,9 +113,12 @@ pub fn critic(cfg: &RunConfig, ctx: &RunContext) -> Arc<PerWorker<weir_gpu::Mode
     let m = &cfg.model;
     let dir = match &ctx.resumed_from {
         Some(ck) => ck.join("critic"),
-        None if !m.critic.is_empty() => PathBuf::from(&m.critic),
-        None if !m.reward_model.is_empty() => PathBuf::from(&m.reward_model),
-        None => PathBuf::from(&m.path),
+        None => m
+            .critic
+            .as_ref()
+            .or(m.reward_model.as_ref())
+            .unwrap_or(&m.path)
+            .clone(),
     };
     let cfg = cfg.clone();
     PerWorker::new(move |w| {
@@ -154,7 +149,7 @@ pub fn critic_learner(
             (a.value_clip > 0.0).then_some(a.value_clip),
             (a.max_grad_norm > 0.0).then_some(a.max_grad_norm),
         )?
-        .with_loss(a.aggregation.into(), flavor(&cfg))
+        .with_loss(a.aggregation, cfg.algorithm.flavor)
         .with_schedule(schedule(&cfg))
         .with_epochs(a.ppo_epochs)
         .with_mini_batches(a.mini_batches)
@@ -173,8 +168,8 @@ pub fn reference(
 ) -> impl Fn(&WorkerInfo) -> Result<RefLogprob, StageError> + Send + Sync + 'static {
     let cfg = cfg.clone();
     move |w| {
-        let dir = or_actor(&cfg.model.reference, &cfg);
-        let mut model = load_frozen(&cfg, &dir, w)?;
+        let dir = cfg.model.reference.as_ref().unwrap_or(&cfg.model.path);
+        let mut model = load_frozen(&cfg, dir, w)?;
         // On the CPU kernels the reference's packing alone holds its weights.
         model.keep_only_cpu_packing()?;
         Ok(RefLogprob::new(model, cfg.generate.temperature)
@@ -195,7 +190,7 @@ pub fn learner_config(cfg: &RunConfig, kl_in_loss: bool) -> LearnerConfig {
             clip_high: a.clip_high,
             dual_clip: (a.dual_clip > 0.0)
                 .then_some(a.dual_clip)
-                .or(flavor(cfg).default_dual_clip()),
+                .or(cfg.algorithm.flavor.default_dual_clip()),
             ratio_level: match a.policy_loss {
                 PolicyLossChoice::Gspo => RatioLevel::Sequence,
                 PolicyLossChoice::Ppo
@@ -208,8 +203,8 @@ pub fn learner_config(cfg: &RunConfig, kl_in_loss: bool) -> LearnerConfig {
                 | PolicyLossChoice::KlCov => RatioLevel::Token,
             },
             objective: objective(cfg),
-            aggregation: a.aggregation.into(),
-            flavor: flavor(cfg),
+            aggregation: a.aggregation,
+            flavor: cfg.algorithm.flavor,
             correction: {
                 let (low, high) = (a.correction_low, a.correction_high);
                 match a.correction {
@@ -234,7 +229,7 @@ pub fn learner_config(cfg: &RunConfig, kl_in_loss: bool) -> LearnerConfig {
         },
         temperature: cfg.generate.temperature,
         kl_coef: if kl_in_loss { a.kl_coef } else { 0.0 },
-        kl_estimator: a.kl_estimator.into(),
+        kl_estimator: a.kl_estimator,
         ppo_epochs: a.ppo_epochs,
         mini_batches: a.mini_batches,
         schedule: schedule(cfg),
@@ -269,11 +264,6 @@ pub fn objective(cfg: &RunConfig) -> PolicyObjective {
             coef: a.kl_cov_coef,
         },
     }
-}
-
-/// OpenRLHF's or verl's semantics.
-pub fn flavor(cfg: &RunConfig) -> Flavor {
-    cfg.algorithm.flavor.into()
 }
 
 /// T of Dr.GRPO's `seq-mean-token-sum-norm`: the config's, or the padded

@@ -136,12 +136,15 @@ fn check_request(req: &RunRequest) -> Result<(), PipelineError> {
     let (kind, cfg) = (req.pipeline, &req.config);
     cfg.validate(kind)?;
     for (key, path) in [
-        ("model.path", &cfg.model.path),
-        ("model.reference", &cfg.model.reference),
-        ("model.reward_model", &cfg.model.reward_model),
-        ("model.critic", &cfg.model.critic),
+        ("model.path", Some(&cfg.model.path)),
+        ("model.reference", cfg.model.reference.as_ref()),
+        ("model.reward_model", cfg.model.reward_model.as_ref()),
+        ("model.critic", cfg.model.critic.as_ref()),
     ] {
-        if !path.is_empty() && !Path::new(path).join("config.json").is_file() {
+        let Some(path) = path.filter(|p| !p.as_os_str().is_empty()) else {
+            continue;
+        };
+        if !path.join("config.json").is_file() {
             return Err(format!(
                 "`{key}` = {path:?}: no config.json there (not a HF checkpoint folder)"
             )
@@ -208,7 +211,7 @@ fn prepare(req: &RunRequest) -> Result<Segment, PipelineError> {
 
     let mut ctx = RunContext {
         run_dir: dir.clone(),
-        actor: PathBuf::from(&cfg.model.path),
+        actor: cfg.model.path.clone(),
         resumed_from: None,
         first_step: 0,
         version: 0,
@@ -414,12 +417,12 @@ fn finish(
         return Ok(outcome(report, summary));
     }
     // The task's own measure of the starting and the final policy (arith: accuracy).
-    let (before, after) = match cfg.data.task().accuracy(kind, cfg, dir, &final_actor)? {
+    let (before, after) = match cfg.data.prompts.accuracy(kind, cfg, dir, &final_actor)? {
         Some((before, after)) => (Some(before), Some(after)),
         None => (None, None),
     };
     let mut report = report;
-    let held_out = if cfg.eval.prompts.is_empty() {
+    let held_out = if cfg.eval.prompts.is_none() {
         None
     } else {
         // The final policy (version last_step + 1) on the held-out prompts,
@@ -492,22 +495,22 @@ fn check_heads(kind: PipelineKind, cfg: &RunConfig) -> Result<(), PipelineError>
     let m = &cfg.model;
     let policy = kind != PipelineKind::Rm;
     let scorer = cfg.reward.kind == crate::config::RewardKind::Model || kind == PipelineKind::Rm;
-    let mut wanted = vec![("model.reference", &m.reference, Head::CausalLm)];
+    let mut wanted = vec![("model.reference", m.reference.as_ref(), Head::CausalLm)];
     if policy {
-        wanted.push(("model.path", &m.path, Head::CausalLm));
+        wanted.push(("model.path", Some(&m.path), Head::CausalLm));
     }
-    if scorer && !m.reward_model.is_empty() {
+    if scorer {
         wanted.push((
             "model.reward_model",
-            &m.reward_model,
+            m.reward_model.as_ref(),
             Head::SequenceClassification,
         ));
     }
     for (key, path, head) in wanted {
-        if path.is_empty() {
+        let Some(path) = path else {
             continue;
-        }
-        let config = ModelConfig::load(Path::new(path))?;
+        };
+        let config = ModelConfig::load(path)?;
         if config.head != head {
             let need = match head {
                 Head::CausalLm => "a causal LM (*ForCausalLM) is needed here",
@@ -538,7 +541,7 @@ fn default_rate_warning(kind: PipelineKind, cfg: &RunConfig, weights: i64) -> Op
             "`algorithm.lr` = {lr:e} is {}'s default, sized for small models; {} has {:.0}M \
              weights, which RLHF frameworks train at about 1e-6 (SFT about 1e-5): set algorithm.lr",
             kind.name(),
-            cfg.model.path,
+            cfg.model.path.display(),
             weights as f64 / 1e6
         )
     })

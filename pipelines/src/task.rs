@@ -80,7 +80,7 @@ impl Task {
                 arith_accuracy_before(cfg, run_dir)?,
                 arith_accuracy(cfg, final_actor)?,
             ))),
-            _ => Ok(None),
+            Task::Arith | Task::File(_) => Ok(None),
         }
     }
 }
@@ -98,21 +98,25 @@ fn prompt_file(
     tok: &Tokenizer,
 ) -> Result<PromptSource, StageError> {
     let d = &cfg.data;
-    let column = if d.messages_column.is_empty() {
-        PromptColumn::Text(d.prompt_column.clone())
-    } else {
-        PromptColumn::Messages(d.messages_column.clone())
+    let column = match &d.messages_column {
+        None => PromptColumn::Text(d.prompt_column.clone()),
+        Some(messages) => PromptColumn::Messages(messages.clone()),
     };
     let extra: Vec<String> = if pairs {
-        [&d.chosen_column, &d.rejected_column, &d.margin_column]
-            .into_iter()
-            .filter(|c| !c.is_empty())
-            .cloned()
-            .collect()
+        [
+            Some(&d.chosen_column),
+            Some(&d.rejected_column),
+            d.margin_column.as_ref(),
+        ]
+        .into_iter()
+        .flatten()
+        .filter(|c| !c.is_empty())
+        .cloned()
+        .collect()
     } else {
-        [d.label_column.clone()]
-            .into_iter()
-            .filter(|c| !c.is_empty())
+        d.label_column
+            .iter()
+            .cloned()
             .chain(reward_columns(cfg)?)
             .collect()
     };
@@ -123,9 +127,9 @@ fn prompt_file(
         .filter(|_| !pairs)
         .map(|c| (c.max(0) as usize).saturating_sub(cfg.generate.max_new_tokens));
     let format = PromptFormat {
-        template: (!d.prompt_template.is_empty()).then(|| d.prompt_template.clone()),
+        template: d.prompt_template.clone(),
         chat: d.apply_chat_template,
-        system: (!d.system_prompt.is_empty()).then(|| d.system_prompt.clone()),
+        system: d.system_prompt.clone(),
     };
     let limit = room.map(|tokens| PromptLimit {
         tokens,

@@ -4,7 +4,7 @@
 
 use arrow::array::{Array, ListArray};
 use arrow::datatypes::UInt32Type;
-use weir::pipelines::config::WeightUpdate;
+use weir::pipelines::config::OnNewWeights;
 
 use super::*;
 
@@ -90,16 +90,16 @@ fn streaming_generation_keeps_the_synchronous_rows_at_k0_and_bounds_every_token_
     // whatever the timing, each token names its version and each row's
     // policy_version is its oldest token's, within the bound.
     for policy in [
-        WeightUpdate::Keep,
-        WeightUpdate::Recompute,
-        WeightUpdate::Finish,
+        OnNewWeights::Keep,
+        OnNewWeights::Recompute,
+        OnNewWeights::Finish,
     ] {
         let mut cfg = base();
         cfg.run.steps = 4;
         cfg.run.max_staleness = 1;
         cfg.generate.max_inflight = 5;
         cfg.generate.on_new_weights = policy;
-        if policy == WeightUpdate::Keep {
+        if policy == OnNewWeights::Keep {
             // Evaluation during training wraps the streaming generator, and
             // must pass every hook on (a missing one hung the run).
             let held = tmp.path().join("held.jsonl");
@@ -108,12 +108,12 @@ fn streaming_generation_keeps_the_synchronous_rows_at_k0_and_bounds_every_token_
                 "{\"prompt\": \"1+1=\", \"answer\": \"2\"}\n{\"prompt\": \"2+3=\", \"answer\": \"5\"}\n",
             )
             .unwrap();
-            cfg.eval.prompts = held.display().to_string();
+            cfg.eval.prompts = Some(held.to_path_buf());
             cfg.eval.every = 2;
         }
         let dir = tmp.path().join(format!("k1-{policy:?}"));
         let summary = run(PipelineKind::Grpo, cfg, &dir, false);
-        if policy == WeightUpdate::Keep {
+        if policy == OnNewWeights::Keep {
             assert!(!metric(&dir, "eval", "reward").is_empty(), "no evaluation");
         }
         assert!(summary["max_staleness_observed"].as_u64().unwrap() <= 1);
@@ -145,10 +145,10 @@ fn streaming_generation_keeps_the_synchronous_rows_at_k0_and_bounds_every_token_
                     "{policy:?}: {versions:?}"
                 );
                 assert!(learner[i] - policy_versions[i] <= 1);
-                if policy != WeightUpdate::Recompute {
+                if policy != OnNewWeights::Recompute {
                     assert!(recomputed.iter().all(|r| !r), "{policy:?}: {recomputed:?}");
                 }
-                if policy == WeightUpdate::Finish {
+                if policy == OnNewWeights::Finish {
                     assert!(
                         versions.iter().all(|&v| v == versions[0]),
                         "finish: {versions:?}"
@@ -186,10 +186,10 @@ fn dynamic_sampling_waits_for_later_steps_up_to_its_bound_and_never_across_a_che
     .unwrap();
     let kind = PipelineKind::Grpo;
     let mut cfg = config(kind, 6);
-    cfg.data.prompts = prompts.display().to_string();
-    cfg.data.messages_column = "messages".into();
+    cfg.data.prompts = weir::pipelines::config::Task::File(prompts.to_path_buf());
+    cfg.data.messages_column = Some("messages".into());
     cfg.reward.kind = RewardKind::Python;
-    cfg.reward.file = reward.display().to_string();
+    cfg.reward.file = Some(reward.to_path_buf());
     cfg.run.max_staleness = 1;
     cfg.run.checkpoint_every = 3;
     cfg.dynamic_sampling.enabled = true;

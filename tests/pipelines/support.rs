@@ -18,7 +18,7 @@ pub fn fixture(name: &str) -> PathBuf {
 /// A small config of `kind` on the arith-sft checkpoint.
 pub fn config(kind: PipelineKind, steps: u64) -> RunConfig {
     let mut c = RunConfig::defaults_for(kind);
-    c.model.path = fixture("arith-sft").display().to_string();
+    c.model.path = fixture("arith-sft");
     c.run.steps = steps;
     c.data.prompts_per_step = 3;
     if kind.is_rl() {

@@ -150,8 +150,10 @@ impl Generation {
     }
 }
 
-/// Which implementation runs a generation.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// Which implementation runs a generation (config spelling,
+/// `generate.backend`: `auto`, `torch`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Backend {
     /// weir's CPU kernels (`cpu::engine`) for a float32 causal LM on a CPU
     /// with AVX2 and FMA; libtorch otherwise.

@@ -21,8 +21,10 @@ use crate::sampling::{Backend, Generation, Stream};
 use crate::slots::{Slots, TorchSlots};
 use crate::{Model, ModelError, SamplingParams};
 
-/// What the sequences in flight do when new weights arrive.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// What the sequences in flight do when new weights arrive (config
+/// spelling, `generate.on_new_weights`: `finish`, `keep`, `recompute`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum OnNewWeights {
     /// They finish on the weights they started with; no new sequence starts
     /// until they have (the caller holds the new weights back until

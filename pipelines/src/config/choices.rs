@@ -4,7 +4,9 @@
 //! value can pass validation and then fall through to a default.
 
 use serde::{Deserialize, Serialize};
-use weir_operators::algorithms::{Aggregation, Flavor, KlEstimator};
+// The runtime's own enums read their config spelling themselves.
+pub use weir_gpu::{Backend, OnNewWeights};
+pub use weir_operators::algorithms::{Aggregation, Flavor, KlEstimator};
 
 /// `run.device`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -69,50 +71,6 @@ impl Dtype {
     }
 }
 
-/// `generate.backend`: which runtime decodes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum GenerateBackend {
-    /// weir's CPU kernels for a float32 model on an AVX2 CPU, libtorch otherwise.
-    Auto,
-    /// libtorch ops everywhere: on a CPU, the path a GPU runs.
-    Torch,
-}
-
-impl GenerateBackend {
-    /// The runtime's backend.
-    pub fn backend(self) -> weir_gpu::Backend {
-        match self {
-            GenerateBackend::Auto => weir_gpu::Backend::Auto,
-            GenerateBackend::Torch => weir_gpu::Backend::Torch,
-        }
-    }
-}
-
-/// `generate.on_new_weights`: what a streaming generator's in-flight
-/// sequences do when the learner's new weights arrive.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum WeightUpdate {
-    /// They finish on the weights they started with; new ones start once they have.
-    Finish,
-    /// They go on under the new weights over their existing KV cache (PipelineRL).
-    Keep,
-    /// Their prompt and tokens so far are run again under the new weights (AReaL).
-    Recompute,
-}
-
-impl WeightUpdate {
-    /// The runtime's policy.
-    pub fn policy(self) -> weir_gpu::OnNewWeights {
-        match self {
-            WeightUpdate::Finish => weir_gpu::OnNewWeights::Finish,
-            WeightUpdate::Keep => weir_gpu::OnNewWeights::Keep,
-            WeightUpdate::Recompute => weir_gpu::OnNewWeights::Recompute,
-        }
-    }
-}
-
 /// `reward.kind`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -137,87 +95,6 @@ pub enum ScheduleChoice {
     Constant,
     /// Warm-up, then cosine decay to `min_lr_ratio · lr`.
     Cosine,
-}
-
-/// `algorithm.kl_estimator` (verl's names).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum KlChoice {
-    /// `log π − log π_ref`.
-    K1,
-    /// `(log π − log π_ref)² / 2` (also `mse`).
-    #[serde(alias = "mse")]
-    K2,
-    /// `exp(log π_ref − log π) − 1 + log π − log π_ref`.
-    K3,
-    /// `|log π − log π_ref|`.
-    Abs,
-    /// k1's value with k2's gradient.
-    #[serde(rename = "k1+")]
-    K1Plus,
-    /// k3's value with k2's gradient.
-    #[serde(rename = "k3+")]
-    K3Plus,
-}
-
-impl From<KlChoice> for KlEstimator {
-    fn from(k: KlChoice) -> Self {
-        match k {
-            KlChoice::K1 => KlEstimator::K1,
-            KlChoice::K2 => KlEstimator::K2,
-            KlChoice::K3 => KlEstimator::K3,
-            KlChoice::Abs => KlEstimator::Abs,
-            KlChoice::K1Plus => KlEstimator::K1Plus,
-            KlChoice::K3Plus => KlEstimator::K3Plus,
-        }
-    }
-}
-
-/// `algorithm.aggregation`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum AggregationChoice {
-    /// [`Aggregation::TokenMean`].
-    TokenMean,
-    /// [`Aggregation::SeqMeanTokenMean`].
-    SeqMeanTokenMean,
-    /// [`Aggregation::SeqMeanTokenSum`].
-    SeqMeanTokenSum,
-    /// [`Aggregation::SeqMeanTokenSumNorm`].
-    SeqMeanTokenSumNorm,
-    /// [`Aggregation::TokenSum`].
-    TokenSum,
-}
-
-impl From<AggregationChoice> for Aggregation {
-    fn from(a: AggregationChoice) -> Self {
-        match a {
-            AggregationChoice::TokenMean => Aggregation::TokenMean,
-            AggregationChoice::SeqMeanTokenMean => Aggregation::SeqMeanTokenMean,
-            AggregationChoice::SeqMeanTokenSum => Aggregation::SeqMeanTokenSum,
-            AggregationChoice::SeqMeanTokenSumNorm => Aggregation::SeqMeanTokenSumNorm,
-            AggregationChoice::TokenSum => Aggregation::TokenSum,
-        }
-    }
-}
-
-/// `algorithm.flavor`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum FlavorChoice {
-    /// OpenRLHF's semantics.
-    Openrlhf,
-    /// verl's semantics.
-    Verl,
-}
-
-impl From<FlavorChoice> for Flavor {
-    fn from(f: FlavorChoice) -> Self {
-        match f {
-            FlavorChoice::Openrlhf => Flavor::OpenRlhf,
-            FlavorChoice::Verl => Flavor::Verl,
-        }
-    }
 }
 
 /// `algorithm.correction`: the off-policy correction of stale rows.

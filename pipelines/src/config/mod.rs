@@ -1,5 +1,5 @@
 //! Typed run configs: TOML with `deny_unknown_fields`, a documented default
-//! for every key (the [`DOCS`] table, which `weir config` prints), and
+//! for every key (the [`KEYS`] table, which `weir config` prints), and
 //! validation that names the key and the bad value.
 
 use std::path::PathBuf;
@@ -12,12 +12,15 @@ use crate::PipelineKind;
 mod choices;
 mod docs;
 mod scope;
+mod text;
 mod validate;
 
+use text::none_if_empty;
+
 pub use choices::{
-    AggregationChoice, CorrectionChoice, DeviceChoice, Dtype, FlavorChoice, GenerateBackend,
-    KlChoice, PolicyLossChoice, PreferenceChoice, ReferencePlacement, RewardKind, ScheduleChoice,
-    WeightUpdate, WeightsChannelChoice,
+    Aggregation, Backend, CorrectionChoice, DeviceChoice, Dtype, Flavor, KlEstimator, OnNewWeights,
+    PolicyLossChoice, PreferenceChoice, ReferencePlacement, RewardKind, ScheduleChoice,
+    WeightsChannelChoice,
 };
 
 /// A whole run config.
@@ -125,25 +128,28 @@ impl Default for PlacementSection {
 #[serde(deny_unknown_fields, default)]
 pub struct ModelSection {
     /// The actor's HF checkpoint folder (required).
-    pub path: String,
+    pub path: PathBuf,
     /// Compute dtype: `f32`, `bf16`, `f16`.
     pub dtype: Dtype,
-    /// The frozen reference (empty: the actor's checkpoint).
-    pub reference: String,
+    /// The frozen reference (none: the actor's checkpoint).
+    #[serde(with = "none_if_empty")]
+    pub reference: Option<PathBuf>,
     /// A reward model checkpoint, for `reward.kind = "model"`.
-    pub reward_model: String,
-    /// The critic's initial checkpoint (ppo; empty: the reward model, else the actor with a fresh head).
-    pub critic: String,
+    #[serde(with = "none_if_empty")]
+    pub reward_model: Option<PathBuf>,
+    /// The critic's initial checkpoint (ppo; none: the reward model, else the actor with a fresh head).
+    #[serde(with = "none_if_empty")]
+    pub critic: Option<PathBuf>,
 }
 
 impl Default for ModelSection {
     fn default() -> Self {
         ModelSection {
-            path: String::new(),
+            path: PathBuf::new(),
             dtype: Dtype::F32,
-            reference: String::new(),
-            reward_model: String::new(),
-            critic: String::new(),
+            reference: None,
+            reward_model: None,
+            critic: None,
         }
     }
 }
@@ -153,19 +159,23 @@ impl Default for ModelSection {
 #[serde(deny_unknown_fields, default)]
 pub struct DataSection {
     /// `arith` (the built-in task) or a `.jsonl` / `.parquet` prompt file.
-    pub prompts: String,
+    pub prompts: Task,
     /// The column holding plain-text prompts (file prompt sets).
     pub prompt_column: String,
-    /// The column holding chat messages instead (empty: use `prompt_column`).
-    pub messages_column: String,
+    /// The column holding chat messages instead (none: use `prompt_column`).
+    #[serde(with = "none_if_empty")]
+    pub messages_column: Option<String>,
     /// The column with the reference answer (rule rewards, SFT targets).
-    pub label_column: String,
-    /// A text in which `{prompt}` stands for each plain-text prompt (empty: none).
-    pub prompt_template: String,
+    #[serde(with = "none_if_empty")]
+    pub label_column: Option<String>,
+    /// A text in which `{prompt}` stands for each plain-text prompt.
+    #[serde(with = "none_if_empty")]
+    pub prompt_template: Option<String>,
     /// Render plain-text prompts with the model's chat template, as a user message.
     pub apply_chat_template: bool,
-    /// A system message put before every chat prompt (empty: none).
-    pub system_prompt: String,
+    /// A system message put before every chat prompt.
+    #[serde(with = "none_if_empty")]
+    pub system_prompt: Option<String>,
     /// Prompts per step.
     pub prompts_per_step: usize,
     /// Samples per prompt (the group size).
@@ -176,8 +186,9 @@ pub struct DataSection {
     pub chosen_column: String,
     /// The dispreferred response's column (rm, dpo).
     pub rejected_column: String,
-    /// A column with each pair's reward margin (rm; empty: none).
-    pub margin_column: String,
+    /// A column with each pair's reward margin (rm).
+    #[serde(with = "none_if_empty")]
+    pub margin_column: Option<String>,
     /// Leave out prompts too long for the context beside
     /// `generate.max_new_tokens` (false: such a prompt is an error).
     pub skip_long_prompts: bool,
@@ -186,37 +197,28 @@ pub struct DataSection {
 impl Default for DataSection {
     fn default() -> Self {
         DataSection {
-            prompts: "arith".into(),
+            prompts: Task::Arith,
             prompt_column: "prompt".into(),
-            messages_column: String::new(),
-            label_column: "answer".into(),
-            prompt_template: String::new(),
+            messages_column: None,
+            label_column: Some("answer".into()),
+            prompt_template: None,
             apply_chat_template: false,
-            system_prompt: String::new(),
+            system_prompt: None,
             prompts_per_step: 8,
             samples_per_prompt: 8,
             epochs: 0,
             chosen_column: "chosen".into(),
             rejected_column: "rejected".into(),
-            margin_column: String::new(),
+            margin_column: None,
             skip_long_prompts: false,
-        }
-    }
-}
-
-impl DataSection {
-    /// The task `prompts` names: the built-in arith task or a prompt file.
-    pub fn task(&self) -> Task {
-        match self.prompts.as_str() {
-            "arith" => Task::Arith,
-            path => Task::File(PathBuf::from(path)),
         }
     }
 }
 
 /// A task: what `data.prompts` names (its prompt sets and measures live in
 /// `crate::task`).
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "String", into = "String")]
 pub enum Task {
     /// The built-in arith task.
     Arith,
@@ -240,7 +242,7 @@ pub struct GenerateSection {
     /// and steps (0: batch by batch).
     pub max_inflight: usize,
     /// What in-flight sequences do when new weights arrive.
-    pub on_new_weights: WeightUpdate,
+    pub on_new_weights: OnNewWeights,
     /// A long-tail workload: per-response token budgets from a Pareto
     /// distribution of this shape, eos ignored (0: off).
     pub long_tail: f64,
@@ -249,7 +251,7 @@ pub struct GenerateSection {
     /// evaluation still stops at them).
     pub ignore_eos: bool,
     /// Which runtime decodes: `auto` or `torch`.
-    pub backend: GenerateBackend,
+    pub backend: Backend,
 }
 
 impl Default for GenerateSection {
@@ -260,10 +262,10 @@ impl Default for GenerateSection {
             top_p: 1.0,
             top_k: 0,
             max_inflight: 0,
-            on_new_weights: WeightUpdate::Finish,
+            on_new_weights: OnNewWeights::Finish,
             long_tail: 0.0,
             ignore_eos: false,
-            backend: GenerateBackend::Auto,
+            backend: Backend::Auto,
         }
     }
 }
@@ -294,13 +296,15 @@ pub struct RewardSection {
     /// The rule's name (`reward.kind = "rule"`).
     pub rule: String,
     /// The reward server (`reward.kind = "remote"`).
-    pub url: String,
+    #[serde(with = "none_if_empty")]
+    pub url: Option<String>,
     /// Seconds per request before a retry.
     pub timeout_s: f64,
     /// Attempts per request.
     pub attempts: u32,
     /// The Python file of `reward.kind = "python"`.
-    pub file: String,
+    #[serde(with = "none_if_empty")]
+    pub file: Option<PathBuf>,
     /// Its function: OpenRLHF's `reward_func(queries, prompts, labels,
     /// **kwargs)`, or verl's per-sample `compute_score`.
     pub function: String,
@@ -322,10 +326,10 @@ impl Default for RewardSection {
         RewardSection {
             kind: RewardKind::Rule,
             rule: "arith_exact_match".into(),
-            url: String::new(),
+            url: None,
             timeout_s: 60.0,
             attempts: 3,
-            file: String::new(),
+            file: None,
             function: "reward_func".into(),
             python: "python3".into(),
             workers: 2,
@@ -341,11 +345,14 @@ impl Default for RewardSection {
 #[serde(deny_unknown_fields, default)]
 pub struct RewardTerm {
     /// Its metric is `reward_<name>` (default: the rule, or the function).
-    pub name: String,
+    #[serde(with = "none_if_empty")]
+    pub name: Option<String>,
     /// A rule: `arith_exact_match`, `math`, `exact`, `contains`, `regex`, `length`.
-    pub rule: String,
+    #[serde(with = "none_if_empty")]
+    pub rule: Option<String>,
     /// Or a Python file (OpenRLHF's or verl's signature, as `reward.file`).
-    pub file: String,
+    #[serde(with = "none_if_empty")]
+    pub file: Option<PathBuf>,
     /// The Python file's function.
     pub function: String,
     /// Its weight in the sum.
@@ -359,9 +366,9 @@ pub struct RewardTerm {
 impl Default for RewardTerm {
     fn default() -> Self {
         RewardTerm {
-            name: String::new(),
-            rule: String::new(),
-            file: String::new(),
+            name: None,
+            rule: None,
+            file: None,
             function: "reward_func".into(),
             weight: 1.0,
             pattern: String::new(),
@@ -373,13 +380,10 @@ impl Default for RewardTerm {
 impl RewardTerm {
     /// The name its metric carries.
     pub fn label(&self) -> String {
-        if !self.name.is_empty() {
-            self.name.clone()
-        } else if !self.rule.is_empty() {
-            self.rule.clone()
-        } else {
-            self.function.clone()
-        }
+        self.name
+            .clone()
+            .or_else(|| self.rule.clone())
+            .unwrap_or_else(|| self.function.clone())
     }
 }
 
@@ -420,7 +424,7 @@ pub struct AlgorithmSection {
     /// β of the KL to the reference (in the loss for group estimators, in the reward for ppo / reinforce_pp).
     pub kl_coef: f64,
     /// `k1`, `k2` (`mse`), `k3`, `abs`, `k1+`, `k3+`.
-    pub kl_estimator: KlChoice,
+    pub kl_estimator: KlEstimator,
     /// The KL the adaptive controller steers the in-reward coefficient
     /// towards (0: `kl_coef` stays fixed).
     pub kl_target: f64,
@@ -429,7 +433,7 @@ pub struct AlgorithmSection {
     /// Entropy bonus coefficient.
     pub entropy_coef: f64,
     /// `token-mean`, `seq-mean-token-mean`, `seq-mean-token-sum`, `seq-mean-token-sum-norm`, `token-sum`.
-    pub aggregation: AggregationChoice,
+    pub aggregation: Aggregation,
     /// T of `seq-mean-token-sum-norm` (0: `generate.max_new_tokens`, the padded response length).
     pub loss_scale_factor: f64,
     /// `ppo`, `gspo`, `cispo`, `sapo`, `gmpo`, `gpg`, `reinforce`, `clip_cov`, `kl_cov`.
@@ -451,7 +455,7 @@ pub struct AlgorithmSection {
     /// REINFORCE: the cap of its importance ratio to the behaviour policy.
     pub reinforce_is_cap: f64,
     /// `openrlhf` or `verl` semantics where they differ.
-    pub flavor: FlavorChoice,
+    pub flavor: Flavor,
     /// Discount γ (ppo's GAE, reinforce_pp's returns).
     pub gamma: f64,
     /// GAE's λ (ppo).
@@ -493,11 +497,11 @@ impl Default for AlgorithmSection {
             clip_high: 0.2,
             dual_clip: 0.0,
             kl_coef: 0.04,
-            kl_estimator: KlChoice::K3,
+            kl_estimator: KlEstimator::K3,
             kl_target: 0.0,
             kl_horizon: 10_000.0,
             entropy_coef: 0.0,
-            aggregation: AggregationChoice::TokenMean,
+            aggregation: Aggregation::TokenMean,
             loss_scale_factor: 0.0,
             policy_loss: PolicyLossChoice::Ppo,
             sapo_tau_pos: 1.0,
@@ -508,7 +512,7 @@ impl Default for AlgorithmSection {
             kl_cov_ratio: 0.0002,
             kl_cov_coef: 0.1,
             reinforce_is_cap: 2.0,
-            flavor: FlavorChoice::Openrlhf,
+            flavor: Flavor::OpenRlhf,
             gamma: 1.0,
             lambda: 1.0,
             critic_lr: 5e-5,
@@ -574,8 +578,9 @@ pub struct EvalSection {
     pub arith: bool,
     /// Prompts per generation batch.
     pub batch: usize,
-    /// Held-out prompts (a file like `data.prompts`) the final policy is evaluated on (empty: none).
-    pub prompts: String,
+    /// Held-out prompts (a file like `data.prompts`) the final policy is evaluated on.
+    #[serde(with = "none_if_empty")]
+    pub prompts: Option<PathBuf>,
     /// Responses sampled per eval prompt for mean@k and pass@k (1: greedy only).
     pub k: usize,
     /// Evaluate on `prompts` every N steps during training, from step 0 (0: only at the end).
@@ -589,7 +594,7 @@ impl Default for EvalSection {
         EvalSection {
             arith: true,
             batch: 128,
-            prompts: String::new(),
+            prompts: None,
             k: 1,
             every: 0,
             best_checkpoint: false,
@@ -637,8 +642,8 @@ impl LoraSection {
     }
 }
 
-pub use docs::{reference_page, DOCS};
-pub use scope::applies;
+pub use docs::{reference_page, Key, KEYS};
+pub use scope::{applies, Readers};
 
 /// A config error: the key and what is wrong with its value.
 #[derive(Debug, thiserror::Error)]
@@ -657,14 +662,14 @@ impl RunConfig {
         match pipeline {
             PipelineKind::Ppo => {
                 c.algorithm.kl_coef = 0.01;
-                c.algorithm.kl_estimator = KlChoice::K1;
+                c.algorithm.kl_estimator = KlEstimator::K1;
                 c.data.samples_per_prompt = 1;
                 c.data.prompts_per_step = 32;
                 c.algorithm.lr = 1e-5;
             }
             // Dr.GRPO's length-unbiased loss: a constant normaliser, not each response's length.
             PipelineKind::DrGrpo => {
-                c.algorithm.aggregation = AggregationChoice::SeqMeanTokenSumNorm;
+                c.algorithm.aggregation = Aggregation::SeqMeanTokenSumNorm;
             }
             // GPG trains with the plain policy gradient, as its paper and verl's recipe do.
             PipelineKind::Gpg => {
@@ -672,13 +677,13 @@ impl RunConfig {
             }
             PipelineKind::ReinforcePp | PipelineKind::ReinforcePpBaseline => {
                 c.algorithm.kl_coef = 0.01;
-                c.algorithm.kl_estimator = KlChoice::K1;
+                c.algorithm.kl_estimator = KlEstimator::K1;
             }
             // verl's ReMax recipe: the KL in the reward, its estimator, its semantics.
             PipelineKind::Remax => {
                 c.algorithm.kl_coef = 0.001;
-                c.algorithm.kl_estimator = KlChoice::K1;
-                c.algorithm.flavor = FlavorChoice::Verl;
+                c.algorithm.kl_estimator = KlEstimator::K1;
+                c.algorithm.flavor = Flavor::Verl;
             }
             PipelineKind::Sft | PipelineKind::Rm | PipelineKind::Dpo => {
                 c.run.steps = 400;
@@ -810,7 +815,7 @@ impl RunConfig {
                 .trim()
                 .split_once('.')
                 .ok_or_else(|| err(format!("`{key}` is not section.key")))?;
-            if !DOCS.iter().any(|(s, k, _)| *s == section && *k == name) {
+            if scope::find(section, name).is_none() {
                 return Err(err(format!("unknown key `{key}`")));
             }
             let raw = raw.trim();
@@ -833,12 +838,14 @@ impl RunConfig {
             pipeline.name()
         );
         let mut section = "";
-        for (s, key, help) in DOCS.iter().filter(|(s, k, _)| applies(pipeline, s, k)) {
-            if *s != section {
+        for key in KEYS.iter().filter(|k| k.readers.read_by(pipeline)) {
+            let (s, help) = (key.section, key.doc);
+            if s != section {
                 out.push_str(&format!("\n[{s}]\n"));
                 section = s;
             }
-            let value = &doc[*s][*key];
+            let value = &doc[s][key.name];
+            let key = key.name;
             out.push_str(&format!("# {help}\n{key} = {value}\n"));
         }
         out

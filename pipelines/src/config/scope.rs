@@ -3,61 +3,84 @@
 //! being silently ignored, and `weir config` prints only the keys that
 //! apply to the pipeline.
 
+use super::docs::{Key, KEYS};
 use super::{
-    AggregationChoice, ConfigError, CorrectionChoice, PolicyLossChoice, PreferenceChoice,
-    RewardKind, RunConfig, ScheduleChoice, Task, WeightsChannelChoice,
+    Aggregation, ConfigError, CorrectionChoice, PolicyLossChoice, PreferenceChoice, RewardKind,
+    RunConfig, ScheduleChoice, Task, WeightsChannelChoice,
 };
 use crate::PipelineKind;
 
-/// Whether `pipeline` reads `section.key` at all.
-pub fn applies(pipeline: PipelineKind, section: &str, key: &str) -> bool {
-    use PipelineKind::*;
-    let rl = pipeline.is_rl();
-    let group = pipeline.is_group();
-    match (section, key) {
-        ("run", "max_staleness" | "rows_per_file") => rl,
-        ("placement", "reference" | "weights_channel" | "weights_port" | "weights_bucket_mib") => {
-            rl
+/// Which pipelines read a key (the [`KEYS`] table says it of each).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Readers {
+    /// Every pipeline.
+    All,
+    /// The RL pipelines.
+    Rl,
+    /// The RL pipelines and sft (micro-batches, the label).
+    RlAndSft,
+    /// The RL pipelines and dpo (a reference model).
+    RlAndDpo,
+    /// The RL pipelines and rm (a reward model).
+    RlAndRm,
+    /// The group pipelines (the DAPO filter, the curriculum).
+    Group,
+    /// ppo and reinforce_pp: discounted returns. REINFORCE++-baseline's
+    /// return is undiscounted in both references (OpenRLHF sets γ = 1 for
+    /// it; verl puts the centred total on every token).
+    Returns,
+    /// The pipelines that put the KL in the reward, which the adaptive
+    /// controller moves: ppo, reinforce_pp(_baseline), remax.
+    InRewardKl,
+    /// ppo.
+    Ppo,
+    /// dpo.
+    Dpo,
+    /// rm.
+    Rm,
+    /// rm and dpo: preference pairs.
+    Preference,
+    /// Every pipeline but rm and dpo (preference pairs carry their
+    /// responses: no room to leave).
+    NotPreference,
+    /// Every pipeline but rm: a reward model has no policy to evaluate, and
+    /// trains its score head, which adapters do not reach.
+    NotRm,
+}
+
+impl Readers {
+    /// Whether `pipeline` is among them.
+    pub fn read_by(self, pipeline: PipelineKind) -> bool {
+        use PipelineKind::*;
+        match self {
+            Readers::All => true,
+            Readers::Rl => pipeline.is_rl(),
+            Readers::RlAndSft => pipeline.is_rl() || pipeline == Sft,
+            Readers::RlAndDpo => pipeline.is_rl() || pipeline == Dpo,
+            Readers::RlAndRm => pipeline.is_rl() || pipeline == Rm,
+            Readers::Group => pipeline.is_group(),
+            Readers::Returns => matches!(pipeline, Ppo | ReinforcePp),
+            Readers::InRewardKl => {
+                matches!(pipeline, Ppo | ReinforcePp | ReinforcePpBaseline | Remax)
+            }
+            Readers::Ppo => pipeline == Ppo,
+            Readers::Dpo => pipeline == Dpo,
+            Readers::Rm => pipeline == Rm,
+            Readers::Preference => matches!(pipeline, Rm | Dpo),
+            Readers::NotPreference => !matches!(pipeline, Rm | Dpo),
+            Readers::NotRm => pipeline != Rm,
         }
-        ("model", "reference") => rl || pipeline == Dpo,
-        ("model", "reward_model") => rl || pipeline == Rm,
-        ("model", "critic") => pipeline == Ppo,
-        ("data", "label_column") => rl || pipeline == Sft,
-        ("data", "samples_per_prompt") => rl,
-        ("data", "chosen_column" | "rejected_column") => matches!(pipeline, Rm | Dpo),
-        ("data", "margin_column") => pipeline == Rm,
-        // Preference pairs carry their responses: no room to leave.
-        ("data", "skip_long_prompts") => !matches!(pipeline, Rm | Dpo),
-        ("generate" | "reward" | "curriculum" | "dynamic_sampling", _) => {
-            rl && (group || !matches!(section, "curriculum" | "dynamic_sampling"))
-        }
-        ("algorithm", "micro_batch" | "gradient_checkpointing" | "logprob_chunk") => {
-            rl || pipeline == Sft
-        }
-        (
-            "algorithm",
-            "micro_batch_tokens" | "ppo_epochs" | "mini_batches" | "clip_low" | "clip_high"
-            | "dual_clip" | "kl_coef" | "kl_estimator" | "entropy_coef" | "aggregation"
-            | "loss_scale_factor" | "policy_loss" | "flavor" | "correction" | "correction_low"
-            | "correction_high" | "sapo_tau_pos" | "sapo_tau_neg" | "clip_cov_ratio"
-            | "clip_cov_lb" | "clip_cov_ub" | "kl_cov_ratio" | "kl_cov_coef" | "reinforce_is_cap",
-        ) => rl,
-        // REINFORCE++-baseline's return is undiscounted in both references
-        // (OpenRLHF sets γ = 1 for it; verl puts the centred total on every token).
-        ("algorithm", "gamma") => matches!(pipeline, Ppo | ReinforcePp),
-        // The adaptive controller moves the KL these pipelines put in the reward.
-        ("algorithm", "kl_target" | "kl_horizon") => {
-            matches!(pipeline, Ppo | ReinforcePp | ReinforcePpBaseline | Remax)
-        }
-        ("algorithm", "lambda" | "critic_lr" | "value_clip") => pipeline == Ppo,
-        ("algorithm", "beta" | "preference_loss" | "label_smoothing") => pipeline == Dpo,
-        // Evaluation during training runs on the generator.
-        ("eval", "every" | "best_checkpoint") => pipeline.is_rl(),
-        ("eval", _) => pipeline != Rm,
-        // A reward model trains its score head, which adapters do not reach.
-        ("lora", _) => pipeline != Rm,
-        _ => true,
     }
+}
+
+/// Whether `pipeline` reads `section.key` at all (false for a key that does not exist).
+pub fn applies(pipeline: PipelineKind, section: &str, key: &str) -> bool {
+    find(section, key).is_some_and(|k| k.readers.read_by(pipeline))
+}
+
+/// The key `section.name`, if there is one.
+pub fn find(section: &str, name: &str) -> Option<&'static Key> {
+    KEYS.iter().find(|k| k.section == section && k.name == name)
 }
 
 /// The keys that `pipeline` reads but that `cfg`'s other values make
@@ -121,10 +144,10 @@ fn weights_and_adapters(cfg: &RunConfig, found: &mut Inert) {
 /// How prompt files are read (`[data]`: the training set, or the eval set) and evaluated.
 fn prompts(cfg: &RunConfig, found: &mut Inert) {
     // Prompt files are read as `[data]` says: the training set, or the eval set.
-    let arith_data = cfg.data.task() == Task::Arith;
-    let no_file = arith_data && cfg.eval.prompts.is_empty();
+    let arith_data = cfg.data.prompts == Task::Arith;
+    let no_file = arith_data && cfg.eval.prompts.is_none();
     found.unless(
-        !cfg.eval.prompts.is_empty(),
+        cfg.eval.prompts.is_some(),
         "eval",
         &["k", "every", "best_checkpoint"],
         "eval.prompts names a file",
@@ -141,13 +164,13 @@ fn prompts(cfg: &RunConfig, found: &mut Inert) {
         "data.prompts or eval.prompts is a file (arith prompts have their own format)",
     );
     found.unless(
-        no_file || cfg.data.messages_column.is_empty(),
+        no_file || cfg.data.messages_column.is_none(),
         "data",
         &["prompt_template", "apply_chat_template"],
         "the prompts are plain text (data.messages_column is empty)",
     );
     found.unless(
-        no_file || cfg.data.apply_chat_template || !cfg.data.messages_column.is_empty(),
+        no_file || cfg.data.apply_chat_template || cfg.data.messages_column.is_some(),
         "data",
         &["system_prompt"],
         "the prompts are chats (data.apply_chat_template, or data.messages_column)",
@@ -165,7 +188,7 @@ fn prompts(cfg: &RunConfig, found: &mut Inert) {
         "data.prompts is a prompt file (arith makes its own pairs)",
     );
     found.unless(
-        (arith_data && cfg.eval.arith) || !cfg.eval.prompts.is_empty(),
+        (arith_data && cfg.eval.arith) || cfg.eval.prompts.is_some(),
         "eval",
         &["batch"],
         "an evaluation runs (eval.prompts, or eval.arith with data.prompts = \"arith\")",
@@ -193,7 +216,7 @@ fn rewards(cfg: &RunConfig, pipeline: PipelineKind, found: &mut Inert) {
         &["url"],
         "reward.kind = \"remote\"",
     );
-    let python_terms = r.kind == RewardKind::Terms && r.terms.iter().any(|t| !t.file.is_empty());
+    let python_terms = r.kind == RewardKind::Terms && r.terms.iter().any(|t| t.file.is_some());
     let python = r.kind == RewardKind::Python || python_terms;
     found.unless(
         r.kind == RewardKind::Remote || python,
@@ -325,7 +348,7 @@ fn policy_loss(cfg: &RunConfig, pipeline: PipelineKind, found: &mut Inert) {
         "algorithm.correction has a lower bound (all but \"k3-rejection\")",
     );
     found.unless(
-        a.aggregation == AggregationChoice::SeqMeanTokenSumNorm,
+        a.aggregation == Aggregation::SeqMeanTokenSumNorm,
         "algorithm",
         &["loss_scale_factor"],
         "algorithm.aggregation = \"seq-mean-token-sum-norm\"",
@@ -389,7 +412,10 @@ impl RunConfig {
                 message: format!("`{section}.{key}` = {value}: {why}"),
             })
         };
-        for (section, key, _) in super::DOCS {
+        for &Key {
+            section, name: key, ..
+        } in KEYS
+        {
             if applies(pipeline, section, key) {
                 continue;
             }

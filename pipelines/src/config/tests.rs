@@ -14,7 +14,10 @@ fn the_commented_defaults_parse_back_and_document_every_key() {
             kind.name()
         );
         // Only the keys the pipeline reads are printed.
-        for (section, key, _) in DOCS {
+        for &Key {
+            section, name: key, ..
+        } in KEYS
+        {
             let printed = text.contains(&format!("\n[{section}]\n"))
                 && text
                     .split(&format!("\n[{section}]\n"))
@@ -40,12 +43,12 @@ fn the_commented_defaults_parse_back_and_document_every_key() {
             for key in table.as_table().unwrap().keys() {
                 keys += 1;
                 assert!(
-                    DOCS.iter().any(|(s, k, _)| s == section && k == key),
+                    KEYS.iter().any(|k| k.section == section && k.name == key),
                     "{section}.{key} is undocumented"
                 );
             }
         }
-        assert_eq!(keys, DOCS.len());
+        assert_eq!(keys, KEYS.len());
     }
 }
 
@@ -239,8 +242,8 @@ fn the_kl_estimator_defaults_to_where_the_kl_goes() {
             PipelineKind::Ppo
             | PipelineKind::ReinforcePp
             | PipelineKind::ReinforcePpBaseline
-            | PipelineKind::Remax => KlChoice::K1,
-            _ => KlChoice::K3,
+            | PipelineKind::Remax => KlEstimator::K1,
+            _ => KlEstimator::K3,
         };
         let got = RunConfig::defaults_for(*kind).algorithm.kl_estimator;
         assert_eq!(got, want, "{}", kind.name());
@@ -257,10 +260,10 @@ fn the_dual_clip_follows_the_flavor_unless_set() {
         cfg.algorithm.dual_clip = c;
         crate::roles::learner_config(&cfg, true).policy.dual_clip
     };
-    assert_eq!(dual(FlavorChoice::Verl, 0.0), Some(3.0));
-    assert_eq!(dual(FlavorChoice::Verl, 5.0), Some(5.0));
-    assert_eq!(dual(FlavorChoice::Openrlhf, 0.0), None);
-    assert_eq!(dual(FlavorChoice::Openrlhf, 2.0), Some(2.0));
+    assert_eq!(dual(Flavor::Verl, 0.0), Some(3.0));
+    assert_eq!(dual(Flavor::Verl, 5.0), Some(5.0));
+    assert_eq!(dual(Flavor::OpenRlhf, 0.0), None);
+    assert_eq!(dual(Flavor::OpenRlhf, 2.0), Some(2.0));
 }
 
 #[test]
@@ -279,13 +282,19 @@ fn the_configuration_reference_is_what_weir_config_prints() {
             lines.insert((section, key), line);
         }
     }
-    assert_eq!(lines.len(), super::DOCS.len(), "one line a key");
+    assert_eq!(lines.len(), super::KEYS.len(), "one line a key");
     // Every key of every pipeline, its default as that pipeline has it.
     for &kind in PipelineKind::ALL {
         let toml = RunConfig::defaults_for(kind).to_commented_toml(kind);
         let doc: toml::Value = toml::from_str(&toml).unwrap();
-        for (section, key, help) in super::DOCS {
-            let line = lines[&(*section, *key)];
+        for &Key {
+            section,
+            name: key,
+            doc: help,
+            ..
+        } in KEYS
+        {
+            let line = lines[&(section, key)];
             let cells: Vec<&str> = line.split(" | ").collect();
             let read_by = cells[2] == "all"
                 || cells[2]
@@ -298,7 +307,7 @@ fn the_configuration_reference_is_what_weir_config_prints() {
             );
             assert!(line.contains(&help.replace('|', "\\|")), "{line}");
             if read_by {
-                let value = doc[*section][*key].to_string().replace('|', "\\|");
+                let value = doc[section][key].to_string().replace('|', "\\|");
                 assert!(
                     line.contains(&format!("`{value}`")),
                     "{section}.{key} of {}: the reference says {line}, weir config {value}",

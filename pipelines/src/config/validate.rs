@@ -2,8 +2,9 @@
 //! one check per section, in the order the sections are documented, then
 //! which keys the pipeline reads (`scope.rs`).
 
+use super::text::spelt;
 use super::{
-    AggregationChoice, ConfigError, CorrectionChoice, KlChoice, PolicyLossChoice, PreferenceChoice,
+    Aggregation, ConfigError, CorrectionChoice, KlEstimator, PolicyLossChoice, PreferenceChoice,
     RewardKind, RunConfig,
 };
 use crate::PipelineKind;
@@ -34,7 +35,7 @@ impl RunConfig {
 
     /// `model.path` and `[run]`.
     fn check_run(&self) -> Result<(), ConfigError> {
-        if self.model.path.is_empty() {
+        if self.model.path.as_os_str().is_empty() {
             return bad(
                 "model.path",
                 "\"\"".into(),
@@ -104,7 +105,7 @@ impl RunConfig {
             );
         }
         let template = &self.data.prompt_template;
-        if !template.is_empty() && !template.contains("{prompt}") {
+        if let Some(template) = template.as_ref().filter(|t| !t.contains("{prompt}")) {
             return bad(
                 "data.prompt_template",
                 format!("{template:?}"),
@@ -159,7 +160,7 @@ impl RunConfig {
                 "must be seconds in (0, 86400]",
             );
         }
-        if self.reward.kind == RewardKind::Model && self.model.reward_model.is_empty() {
+        if self.reward.kind == RewardKind::Model && self.model.reward_model.is_none() {
             return bad(
                 "model.reward_model",
                 "\"\"".into(),
@@ -168,10 +169,10 @@ impl RunConfig {
         }
         if self.reward.kind == RewardKind::Python {
             let file = &self.reward.file;
-            if file.is_empty() || !std::path::Path::new(file).is_file() {
+            if !file.as_ref().is_some_and(|f| f.is_file()) {
                 return bad(
                     "reward.file",
-                    format!("{file:?}"),
+                    spelt(file),
                     "reward.kind = \"python\" needs an existing .py file",
                 );
             }
@@ -179,7 +180,7 @@ impl RunConfig {
                 return bad("reward.workers", "0".into(), "must be ≥ 1");
             }
         }
-        if self.reward.kind == RewardKind::Remote && self.reward.url.is_empty() {
+        if self.reward.kind == RewardKind::Remote && self.reward.url.is_none() {
             return bad(
                 "reward.url",
                 "\"\"".into(),
@@ -212,26 +213,29 @@ impl RunConfig {
             let mut names = std::collections::BTreeSet::new();
             for (i, t) in self.reward.terms.iter().enumerate() {
                 let key = |k: &str| format!("reward.terms[{i}].{k}");
-                if t.rule.is_empty() == t.file.is_empty() {
+                if t.rule.is_none() == t.file.is_none() {
                     return bad(
                         &key("rule"),
-                        format!("{:?}", t.rule),
+                        spelt(&t.rule),
                         "give a term either a rule or a file",
                     );
                 }
-                let known = weir_operators::rewards::rule_reward(&t.rule).is_some()
-                    || weir_operators::rewards::registered(&t.rule).is_some()
-                    || matches!(t.rule.as_str(), "regex" | "length");
-                if !t.rule.is_empty() && !known {
+                let rule = t.rule.as_deref();
+                let known = |r: &str| {
+                    weir_operators::rewards::rule_reward(r).is_some()
+                        || weir_operators::rewards::registered(r).is_some()
+                        || matches!(r, "regex" | "length")
+                };
+                if let Some(r) = rule.filter(|r| !known(r)) {
                     let mut rules = known_rules();
                     rules.extend(["regex".to_string(), "length".to_string()]);
                     return bad(
                         &key("rule"),
-                        format!("{:?}", t.rule),
+                        format!("{r:?}"),
                         &format!("must be one of {rules:?}"),
                     );
                 }
-                if t.rule == "regex" {
+                if rule == Some("regex") {
                     if let Err(e) = weir_operators::rewards::rules::full_match(&t.pattern) {
                         return bad(
                             &key("pattern"),
@@ -246,15 +250,15 @@ impl RunConfig {
                         "only the regex rule reads a pattern",
                     );
                 }
-                if t.max_tokens != 0 && t.rule != "length" {
+                if t.max_tokens != 0 && rule != Some("length") {
                     return bad(
                         &key("max_tokens"),
                         t.max_tokens.to_string(),
                         "only the length rule reads max_tokens",
                     );
                 }
-                if !t.file.is_empty() && !std::path::Path::new(&t.file).is_file() {
-                    return bad(&key("file"), format!("{:?}", t.file), "no such file");
+                if t.file.as_ref().is_some_and(|f| !f.is_file()) {
+                    return bad(&key("file"), spelt(&t.file), "no such file");
                 }
                 if !t.weight.is_finite() {
                     return bad(
@@ -277,9 +281,8 @@ impl RunConfig {
 
     /// `[eval]`.
     fn check_eval(&self, pipeline: PipelineKind) -> Result<(), ConfigError> {
-        let eval = &self.eval.prompts;
-        if !eval.is_empty() {
-            if !std::path::Path::new(eval).is_file() {
+        if let Some(eval) = &self.eval.prompts {
+            if !eval.is_file() {
                 return bad("eval.prompts", format!("{eval:?}"), "no such file");
             }
             if pipeline == PipelineKind::Rm {
@@ -355,7 +358,7 @@ impl RunConfig {
         if matches!(
             a.policy_loss,
             PolicyLossChoice::Gspo | PolicyLossChoice::Sapo
-        ) && a.aggregation != AggregationChoice::SeqMeanTokenMean
+        ) && a.aggregation != Aggregation::SeqMeanTokenMean
         {
             return bad(
                 "algorithm.aggregation",
@@ -470,7 +473,9 @@ impl RunConfig {
         if a.beta.is_nan() || a.beta <= 0.0 {
             return bad("algorithm.beta", a.beta.to_string(), "must be > 0");
         }
-        if matches!(a.kl_estimator, KlChoice::K1Plus | KlChoice::K3Plus) && !pipeline.is_group() {
+        if matches!(a.kl_estimator, KlEstimator::K1Plus | KlEstimator::K3Plus)
+            && !pipeline.is_group()
+        {
             return bad(
                 "algorithm.kl_estimator",
                 format!("{:?}", a.kl_estimator),

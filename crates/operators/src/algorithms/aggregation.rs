@@ -25,8 +25,10 @@ pub(super) fn sum_kind(x: &Tensor) -> Kind {
 /// Every mode normalises over the whole optimizer step (all micro-batches
 /// and data-parallel ranks: [`StepScale`]), as verl 0.9's `agg_loss` does
 /// with its `batch_num_tokens` / `global_batch_size`, so how a step is split
-/// does not change the update.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// does not change the update. Config spelling (`algorithm.aggregation`):
+/// the variant's name in kebab case, e.g. `seq-mean-token-sum-norm`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum Aggregation {
     /// `Σ m·ℓ / Σ m` over the whole step.
     #[default]

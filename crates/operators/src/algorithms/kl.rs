@@ -6,12 +6,17 @@ use super::Flavor;
 
 /// Which estimator of KL(π‖π_ref) per token (J. Schulman, "Approximating
 /// KL divergence"; verl's `kl_penalty` names them).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+///
+/// Config spelling (`algorithm.kl_estimator`): `k1`, `k2` (or `mse`), `k3`,
+/// `abs`, `k1+`, `k3+`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum KlEstimator {
     /// k1 = log π − log π_ref.
     #[default]
     K1,
     /// k2 = (log π − log π_ref)² / 2 (verl also calls it `mse`).
+    #[serde(alias = "mse")]
     K2,
     /// k3 = exp(log π_ref − log π) − 1 + (log π − log π_ref): unbiased, always ≥ 0.
     K3,
@@ -19,8 +24,10 @@ pub enum KlEstimator {
     Abs,
     /// `k1+`: the value of k1, the gradient of k2 (verl's straight-through
     /// `k2 − sg[k2] + sg[k1]`: k1's expected gradient is not KL's, k2's is).
+    #[serde(rename = "k1+")]
     K1Plus,
     /// `k3+`: the value of k3, the gradient of k2.
+    #[serde(rename = "k3+")]
     K3Plus,
 }
 

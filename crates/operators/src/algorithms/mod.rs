@@ -31,8 +31,10 @@ pub use objectives::PolicyObjective;
 pub use shaping::{overlong_penalty, KlController};
 pub use stats::Tokens;
 
-/// Which reference implementation a function follows where they disagree.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// Which reference implementation a function follows where they disagree
+/// (config spelling, `algorithm.flavor`: `openrlhf`, `verl`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Flavor {
     /// OpenRLHF (`openrlhf/models/utils.py`, `trainer/ppo_utils/experience_maker.py`).
     #[default]
