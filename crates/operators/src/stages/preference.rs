@@ -439,3 +439,7 @@ mod tests {
         assert!((at(&ipo, 2) - 4.0).abs() < 1e-12, "(−1 − 1)²");
     }
 }
+
+#[cfg(test)]
+#[path = "pair_loss_tests.rs"]
+mod pair_loss_tests;
