@@ -172,9 +172,10 @@ pub struct Checkpointer {
 }
 
 impl Checkpointer {
-    /// Whether step `step` ends with a checkpoint.
+    /// Whether step `step` ends with a checkpoint: the run's commit points
+    /// ([`weir_graph::commit::next`]) are its checkpoints.
     pub fn due(&self, step: u64) -> bool {
-        (self.every > 0 && (step + 1).is_multiple_of(self.every)) || self.last_step == Some(step)
+        weir_graph::commit::next(self.every, self.last_step, step) == Some(step)
     }
 
     /// The folder of step `step`'s checkpoint.
@@ -409,9 +410,10 @@ mod tests {
             last_step: Some(4),
             max_shard_bytes: weir_gpu::snapshot::DEFAULT_MAX_SHARD_BYTES,
         };
+        // Every second step and the last; none after the last (the run's commit points).
         assert_eq!(
             (0..6).filter(|s| ck.due(*s)).collect::<Vec<_>>(),
-            vec![1, 3, 4, 5]
+            vec![1, 3, 4]
         );
         assert!(latest(tmp.path()).unwrap().is_none());
         let state = |step| CheckpointState {
