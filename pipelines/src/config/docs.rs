@@ -2,9 +2,9 @@
 //! the configuration reference (`docs/configuration.md`, printed by
 //! `weir config --reference`).
 
-use super::scope::Readers::{self, *};
-use super::{applies, RunConfig};
+use super::RunConfig;
 use crate::PipelineKind;
+use Readers::*;
 
 /// A config key: its section and name, the pipelines that read it, and
 /// what it means (what `weir config` prints above it).
@@ -153,6 +153,79 @@ pub const KEYS: &[Key] = &[
     key("lora", "dropout", NotRm, "Dropout on the adapters' input while the learner trains (needs algorithm.gradient_checkpointing = false)."),
     key("lora", "target_modules", NotRm, "The projections that get adapters: any of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj."),
 ];
+
+/// Which pipelines read a key (the [`KEYS`] table says it of each key).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Readers {
+    /// Every pipeline.
+    All,
+    /// The RL pipelines.
+    Rl,
+    /// The RL pipelines and sft (micro-batches, the label).
+    RlAndSft,
+    /// The RL pipelines and dpo (a reference model).
+    RlAndDpo,
+    /// The RL pipelines and rm (a reward model).
+    RlAndRm,
+    /// The group pipelines (the DAPO filter, the curriculum).
+    Group,
+    /// ppo and reinforce_pp: discounted returns. REINFORCE++-baseline's
+    /// return is undiscounted in both references (OpenRLHF sets γ = 1 for
+    /// it; verl puts the centred total on every token).
+    Returns,
+    /// The pipelines that put the KL in the reward, which the adaptive
+    /// controller moves: ppo, reinforce_pp(_baseline), remax.
+    InRewardKl,
+    /// ppo.
+    Ppo,
+    /// dpo.
+    Dpo,
+    /// rm.
+    Rm,
+    /// rm and dpo: preference pairs.
+    Preference,
+    /// Every pipeline but rm and dpo (preference pairs carry their
+    /// responses: no room to leave).
+    NotPreference,
+    /// Every pipeline but rm: a reward model has no policy to evaluate, and
+    /// trains its score head, which adapters do not reach.
+    NotRm,
+}
+
+impl Readers {
+    /// Whether `pipeline` is among them.
+    pub fn read_by(self, pipeline: PipelineKind) -> bool {
+        use PipelineKind::*;
+        match self {
+            Readers::All => true,
+            Readers::Rl => pipeline.is_rl(),
+            Readers::RlAndSft => pipeline.is_rl() || pipeline == Sft,
+            Readers::RlAndDpo => pipeline.is_rl() || pipeline == Dpo,
+            Readers::RlAndRm => pipeline.is_rl() || pipeline == Rm,
+            Readers::Group => pipeline.is_group(),
+            Readers::Returns => matches!(pipeline, Ppo | ReinforcePp),
+            Readers::InRewardKl => {
+                matches!(pipeline, Ppo | ReinforcePp | ReinforcePpBaseline | Remax)
+            }
+            Readers::Ppo => pipeline == Ppo,
+            Readers::Dpo => pipeline == Dpo,
+            Readers::Rm => pipeline == Rm,
+            Readers::Preference => matches!(pipeline, Rm | Dpo),
+            Readers::NotPreference => !matches!(pipeline, Rm | Dpo),
+            Readers::NotRm => pipeline != Rm,
+        }
+    }
+}
+
+/// Whether `pipeline` reads `section.key` at all (false for a key that does not exist).
+pub fn applies(pipeline: PipelineKind, section: &str, key: &str) -> bool {
+    find(section, key).is_some_and(|k| k.readers.read_by(pipeline))
+}
+
+/// The key `section.name`, if there is one.
+pub fn find(section: &str, name: &str) -> Option<&'static Key> {
+    KEYS.iter().find(|k| k.section == section && k.name == name)
+}
 
 /// The configuration reference in Markdown: every key by section, with its
 /// default, the pipelines that read it and what it means; made from the

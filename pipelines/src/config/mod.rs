@@ -642,8 +642,7 @@ impl LoraSection {
     }
 }
 
-pub use docs::{reference_page, Key, KEYS};
-pub use scope::{applies, Readers};
+pub use docs::{applies, reference_page, Key, Readers, KEYS};
 
 /// A config error: the key and what is wrong with its value.
 #[derive(Debug, thiserror::Error)]
@@ -815,7 +814,7 @@ impl RunConfig {
                 .trim()
                 .split_once('.')
                 .ok_or_else(|| err(format!("`{key}` is not section.key")))?;
-            if scope::find(section, name).is_none() {
+            if docs::find(section, name).is_none() {
                 return Err(err(format!("unknown key `{key}`")));
             }
             let raw = raw.trim();
