@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use tch::{nn, Tensor};
 
-use crate::ModelError;
+use crate::error::ModelError;
 
 /// The projections an adapter may target (PEFT's `target_modules` names).
 pub const TARGET_MODULES: [&str; 7] = [

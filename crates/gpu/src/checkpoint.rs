@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 use tch::{Kind, Tensor};
 
-use crate::ModelError;
+use crate::error::ModelError;
 
 /// The safetensors files of a checkpoint, in order.
 pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
@@ -219,7 +219,7 @@ fn kind_of(dtype: &str) -> Option<Kind> {
 pub(crate) struct SharedWeights {
     /// The checkpoint folder (canonical), device and dtype they were loaded for.
     pub(crate) key: SharedKey,
-    pub(crate) config: crate::ModelConfig,
+    pub(crate) config: crate::config::ModelConfig,
     pub(crate) tensors: std::collections::HashMap<String, Tensor>,
 }
 

@@ -10,7 +10,7 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use crate::ModelError;
+use crate::error::ModelError;
 
 /// The model families weir runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -4,7 +4,7 @@
 //! driver it returns [`DeviceError::NoDriver`] instead of panicking in the
 //! loader (the library's presence is checked before the first call).
 
-use crate::DeviceError;
+use crate::device::DeviceError;
 
 /// One CUDA device as the driver reports it.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -78,7 +78,7 @@ pub enum ModelError {
     Input(String),
     /// The requested device is not available.
     #[error(transparent)]
-    Device(#[from] crate::DeviceError),
+    Device(#[from] crate::device::DeviceError),
     /// libtorch reported an error.
     #[error("libtorch: {0}")]
     Torch(String),

@@ -9,13 +9,13 @@
 //! by (seed, prompt, sample), so its tokens do not depend on what else is
 //! in the batch. Finished sequences leave the batch (and the cache).
 
+use crate::error::ModelError;
 use crate::model::Model;
 use crate::sampling::Stream;
 pub use crate::sampling::{
     temperature_error, top_p_error, Backend, FinishReason, Generation, SamplingParams,
 };
 use crate::slots::{Slots, TorchSlots};
-use crate::ModelError;
 
 /// Generates `params.n` continuations of each prompt; results are ordered by
 /// (prompt, sample). Sample `s` of prompt `p` draws from the stream

@@ -5,8 +5,8 @@
 
 use tch::Tensor;
 
+use crate::error::ModelError;
 use crate::model::{Held, Model};
-use crate::ModelError;
 
 impl Model {
     /// Keeps this frozen model's weights only in the CPU kernels' packing
@@ -116,8 +116,9 @@ impl Model {
 mod tests {
     use tch::Kind;
 
+    use crate::device::Device;
     use crate::generate::response_logprobs_on_cpu_kernels;
-    use crate::{Device, Model};
+    use crate::model::Model;
 
     /// Two workers' references of one checkpoint in one process: the second
     /// adopts the first's packing (one copy of the weights) and scores

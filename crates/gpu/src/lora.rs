@@ -28,8 +28,9 @@ use crate::adapter::{add_var, delta, peft_name, Adapter, Lora};
 pub use crate::adapter::{LoraConfig, ADAPTER_CONFIG, ADAPTER_WEIGHTS, TARGET_MODULES};
 use crate::checkpoint::{SharedKey, SharedWeights};
 use crate::config::Head;
+use crate::device::Device;
+use crate::error::ModelError;
 use crate::model::Model;
-use crate::{Device, ModelError};
 
 impl Model {
     /// Attaches fresh adapters (`B = 0`: the model computes what it did)

@@ -17,7 +17,8 @@ use tch::{Kind, Tensor};
 use crate::checkpoint::visit_tensors;
 use crate::config::{Head, ModelConfig};
 use crate::decoder::{linear, Decoder, Fill, KvCache};
-use crate::{Device, ModelError};
+use crate::device::Device;
+use crate::error::ModelError;
 
 /// A decoder-only model with its head.
 #[derive(Debug)]

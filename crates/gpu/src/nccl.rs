@@ -19,7 +19,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 use cudarc::nccl::{Comm, Id};
 
 use crate::cuda::driver_present;
-use crate::DeviceError;
+use crate::device::DeviceError;
 
 /// The 128 bytes that name an NCCL clique.
 pub type UniqueId = [std::ffi::c_char; 128];

@@ -3,8 +3,8 @@
 use tch::{Kind, Tensor};
 
 use crate::collective::GroupMember;
+use crate::error::ModelError;
 use crate::model::Model;
-use crate::ModelError;
 
 /// AdamW settings (PyTorch's defaults, weight decay 0.0 as RLHF trainers use).
 #[derive(Clone, Copy, Debug, PartialEq)]

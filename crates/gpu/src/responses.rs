@@ -11,8 +11,9 @@ use std::collections::HashMap;
 
 use tch::{Kind, Tensor};
 
+use crate::error::ModelError;
 use crate::model::default_positions;
-use crate::{Model, ModelError};
+use crate::model::Model;
 
 /// What [`Model::response_logits`] returns.
 #[derive(Debug)]

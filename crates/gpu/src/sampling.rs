@@ -5,7 +5,7 @@
 
 use tch::{Kind, Tensor};
 
-use crate::ModelError;
+use crate::error::ModelError;
 
 /// How to pick tokens.
 #[derive(Clone, Debug, PartialEq)]

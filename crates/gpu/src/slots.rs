@@ -4,8 +4,9 @@
 
 use tch::{Kind, Tensor};
 
+use crate::error::ModelError;
+use crate::model::Model;
 use crate::sampling::{pick, SamplingParams};
-use crate::{Model, ModelError};
 
 /// A decoder backend: cache slots, forward passes over them, and the pick
 /// of the next tokens. The [`Streamer`](crate::stream::Streamer) and batch

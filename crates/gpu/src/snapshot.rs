@@ -8,8 +8,8 @@ use std::path::Path;
 use safetensors::tensor::{Dtype, SafeTensors};
 use tch::{Kind, Tensor};
 
+use crate::error::ModelError;
 use crate::model::{Held, Model};
-use crate::ModelError;
 
 /// Metadata key holding a snapshot's policy version.
 pub const VERSION_KEY: &str = "weir_policy_version";

@@ -17,9 +17,11 @@
 use std::collections::VecDeque;
 use std::str::FromStr;
 
+use crate::error::ModelError;
+use crate::model::Model;
+use crate::sampling::SamplingParams;
 use crate::sampling::{Backend, Generation, Stream};
 use crate::slots::{Slots, TorchSlots};
-use crate::{Model, ModelError, SamplingParams};
 
 /// What the sequences in flight do when new weights arrive (config
 /// spelling, `generate.on_new_weights`: `finish`, `keep`, `recompute`).

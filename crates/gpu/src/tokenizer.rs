@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::ModelError;
+use crate::error::ModelError;
 
 /// One chat message.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -13,7 +13,7 @@ use super::gemm::{self, Packed};
 use super::math;
 use super::state::{Cache, RopeTables, Row, Scratch, Shape};
 use crate::config::ModelConfig;
-use crate::ModelError;
+use crate::error::ModelError;
 
 thread_local! {
     /// Attention scores of one head, per kernel thread.

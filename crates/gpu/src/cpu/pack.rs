@@ -11,7 +11,8 @@ use tch::{Kind, Tensor};
 use super::engine::CpuModel;
 use super::prepared::Stamp;
 use crate::checkpoint::SharedKey;
-use crate::{Model, ModelError};
+use crate::error::ModelError;
+use crate::model::Model;
 
 /// The packing of `model`'s current weights.
 pub(crate) fn packed(model: &Model) -> Result<Arc<CpuModel>, ModelError> {

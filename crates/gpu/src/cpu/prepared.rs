@@ -1,4 +1,4 @@
-//! What a [`Model`](crate::Model) keeps for the CPU kernels between calls:
+//! What a [`Model`](crate::model::Model) keeps for the CPU kernels between calls:
 //! its packed weights (while they hold still), a KV-cache buffer and a
 //! thread pool. It knows the model only by what `cpu::pack` hands it: the
 //! parameters' stamp and a way to pack them.
@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use super::engine::CpuModel;
 use crate::checkpoint::SharedKey;
-use crate::ModelError;
+use crate::error::ModelError;
 
 /// The packed weights of one [`Model`], kept between calls while its
 /// parameters are unchanged, and a KV-cache buffer to reuse.

@@ -12,9 +12,10 @@ use super::engine::CpuModel;
 use super::pack::packed;
 use super::sample::Picker;
 use super::state::{Cache, RopeTables, Row, Scratch};
+use crate::error::ModelError;
+use crate::model::Model;
 use crate::sampling::{Generation, SamplingParams, Stream};
 use crate::slots::Slots;
-use crate::{Model, ModelError};
 
 /// Prompt tokens run through the model at once during prefill.
 const PREFILL_ROWS: usize = 256;

@@ -3,8 +3,8 @@
 
 use tch::{Kind, Tensor};
 
+use crate::error::ModelError;
 use crate::rope::Rope;
-use crate::ModelError;
 
 /// The sizes of a packed model that a call's cache and activations are
 /// laid out by.
