@@ -161,6 +161,114 @@ fn streaming_generation_keeps_the_synchronous_rows_at_k0_and_bounds_every_token_
     }
 }
 
+/// k = 1 with long responses from one prompt a step: the learner's new
+/// weights land while the next step's sequences are half generated. Under
+/// `recompute` each sequence's prompt and tokens so far run again under the
+/// new weights, so every token's behaviour log-prob is what an independent
+/// forward pass of its whole prefix under the weights of its version gives
+/// (the version-v weights are the checkpoint of step v − 1).
+#[test]
+fn a_swap_mid_sequence_samples_every_later_token_under_the_new_weights() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cfg = config(PipelineKind::Grpo, 4);
+    cfg.run.max_staleness = 1;
+    cfg.run.checkpoint_every = 1;
+    cfg.data.prompts_per_step = 1;
+    cfg.data.samples_per_prompt = 2;
+    cfg.generate.max_inflight = 2;
+    cfg.generate.max_new_tokens = 128;
+    cfg.generate.ignore_eos = true;
+    cfg.generate.on_new_weights = OnNewWeights::Recompute;
+    // libtorch's decode: the GPU path, and slow enough per token here that
+    // a learner step ends mid-sequence.
+    cfg.generate.backend = weir::pipelines::config::Backend::Torch;
+    // A step moves the policy far enough that the versions' log-probs tell apart.
+    cfg.algorithm.lr = 1e-3;
+    let dir = tmp.path().join("run");
+    run(PipelineKind::Grpo, cfg.clone(), &dir, false);
+
+    let mut models: BTreeMap<u64, weir::gpu::Model> = BTreeMap::new();
+    let (mut swapped, mut compared) = (0, 0);
+    // How far the tokens after a swap are from the older weights' log-probs:
+    // what the comparison would have missed had they been sampled from those.
+    let mut apart = 0.0f32;
+    for b in read_parquet_dir(&dir.join("rollouts")).unwrap() {
+        for i in 0..b.num_rows() {
+            let ints = |name: &str| {
+                let v = list_values(&b, name, i);
+                v.as_primitive::<arrow::datatypes::Int64Type>()
+                    .values()
+                    .to_vec()
+            };
+            let (prompt, response) = (ints(col::PROMPT_TOKENS), ints(col::RESPONSE_TOKENS));
+            let versions = list_values(&b, col::TOKEN_VERSIONS, i);
+            let versions = versions.as_primitive::<UInt32Type>().values().to_vec();
+            let behaviour = list_values(&b, col::BEHAVIOR_LOGPROBS, i);
+            let behaviour = behaviour.as_primitive::<Float32Type>().values().to_vec();
+            let recomputed = list_values(&b, col::KV_RECOMPUTED, i);
+            let recomputed: Vec<bool> =
+                recomputed.as_boolean().iter().map(Option::unwrap).collect();
+            let Some(at) = versions.iter().position(|&v| v != versions[0]) else {
+                continue;
+            };
+            swapped += 1;
+            assert!(
+                at > 0 && recomputed[at],
+                "row {i}: the swap at token {at} ran over a recomputed cache"
+            );
+            let ids =
+                tch::Tensor::from_slice(&[prompt.clone(), response.clone()].concat()).view([1, -1]);
+            let mut distinct = versions.clone();
+            distinct.dedup();
+            let mut before: Vec<f32> = Vec::new();
+            for v in distinct {
+                let v = u64::from(v);
+                let model = models.entry(v).or_insert_with(|| {
+                    let path = match v {
+                        0 => fixture("arith-sft"),
+                        v => dir.join(format!("checkpoints/step-{}/actor", v - 1)),
+                    };
+                    weir::gpu::Model::load(&path, weir::gpu::Device::Cpu, tch::Kind::Float).unwrap()
+                });
+                let lp = model
+                    .token_logprobs(&ids, None, cfg.generate.temperature)
+                    .unwrap()
+                    .view([-1]);
+                let lp: Vec<f32> = Vec::try_from(lp.to_kind(tch::Kind::Float)).unwrap();
+                if before.is_empty() {
+                    before = lp.clone();
+                }
+                let older = u64::from(versions[0]) < v;
+                for (t, _) in versions
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, &tv)| u64::from(tv) == v)
+                {
+                    let fresh = lp[prompt.len() + t - 1];
+                    if older {
+                        apart = apart.max((behaviour[t] - before[prompt.len() + t - 1]).abs());
+                    }
+                    assert!(
+                        (behaviour[t] - fresh).abs() < 2e-3,
+                        "row {i} token {t} (version {v}): behaviour log-prob {}, a fresh pass {fresh}",
+                        behaviour[t]
+                    );
+                    compared += 1;
+                }
+            }
+        }
+    }
+    assert!(
+        swapped >= 2,
+        "weights landed mid-sequence in {swapped} rows"
+    );
+    assert!(
+        apart > 0.05,
+        "the versions' log-probs differ by at most {apart}"
+    );
+    assert!(compared >= 2 * 128, "{compared} tokens compared");
+}
+
 #[test]
 fn dynamic_sampling_waits_for_later_steps_up_to_its_bound_and_never_across_a_checkpoint() {
     let tmp = tempfile::tempdir().unwrap();
