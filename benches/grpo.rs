@@ -143,11 +143,14 @@ enum Placing {
 /// The arith-sft checkpoint TRL's `grpo.py` starts from where the baseline
 /// is beside the repository, else the repository's own.
 fn arith_sft() -> PathBuf {
+    static SAID: std::sync::Once = std::sync::Once::new();
     let trl = shared().join("fixtures/models/arith-sft");
     if trl.is_dir() {
         return trl;
     }
-    println!("(../shared/fixtures is not here: weir starts from tests/fixtures/models/arith-sft, not TRL's checkpoint)");
+    SAID.call_once(|| {
+        println!("(../shared/fixtures is not here: weir starts from tests/fixtures/models/arith-sft, not TRL's checkpoint)");
+    });
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models/arith-sft")
 }
 
