@@ -119,10 +119,10 @@ pub fn reward(
                         kind,
                     });
                 }
-                Box::new(RewardTerms::new(terms, label(&cfg)?)?)
+                Box::new(RewardTerms::new(terms, label(&cfg))?)
             }
             RewardKind::Rule => match rule_reward(&cfg.reward.rule) {
-                Some(rule) => Box::new(RuleReward::new(rule, label(&cfg)?)),
+                Some(rule) => Box::new(RuleReward::new(rule, label(&cfg))),
                 // A reward the user's binary registered: one term of weight 1.
                 None => Box::new(RewardTerms::new(
                     vec![Term {
@@ -130,7 +130,7 @@ pub fn reward(
                         weight: 1.0,
                         kind: rule_term(&cfg.reward.rule)?,
                     }],
-                    label(&cfg)?,
+                    label(&cfg),
                 )?),
             },
         })
@@ -155,9 +155,10 @@ fn required<'a, T>(value: &'a Option<T>, key: &str) -> Result<&'a T, StageError>
         .ok_or_else(|| format!("`{key}` is not set").into())
 }
 
-/// The column a rule reward compares with.
-pub(crate) fn label(cfg: &RunConfig) -> Result<&str, StageError> {
-    Ok(required(&cfg.data.label_column, "data.label_column")?.as_str())
+/// The column rules compare with, as the reward stages take it (`""`: none;
+/// a term or rule that needs one then says so, naming `data.label_column`).
+pub(crate) fn label(cfg: &RunConfig) -> &str {
+    cfg.data.label_column.as_deref().unwrap_or("")
 }
 
 /// How to run the Python reward `function` of `file`.

@@ -29,7 +29,7 @@ pub fn sft(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
                 gradient_checkpointing: a.gradient_checkpointing,
                 logprob_chunk: a.logprob_chunk,
             };
-            let mut trainer = SftTrainer::new(model, tok, crate::rewards::label(&c)?, config)?
+            let mut trainer = SftTrainer::new(model, tok, crate::rewards::label(&c), config)?
                 .with_checkpoints(x.checkpoint_plan(&c));
             if let Some(group) = &group {
                 trainer = trainer.with_data_parallel(group.member(w, "sft")?)?;
