@@ -24,30 +24,16 @@ pub const RESOLVED: &str = "config.resolved.toml";
 pub fn resume_invariants(kind: PipelineKind, cfg: &RunConfig) -> BTreeMap<String, String> {
     let (m, d) = (&cfg.model, &cfg.data);
     // As the file spells them ("" for none).
-    let text = |value: Option<&std::ffi::OsStr>| {
-        value.map_or(String::new(), |v| v.to_string_lossy().into_owned())
-    };
+    use crate::config::text::plain;
     [
         ("pipeline", kind.name().to_string()),
-        ("model.path", text(Some(m.path.as_os_str()))),
-        (
-            "model.reference",
-            text(m.reference.as_deref().map(|p| p.as_os_str())),
-        ),
-        (
-            "model.reward_model",
-            text(m.reward_model.as_deref().map(|p| p.as_os_str())),
-        ),
-        (
-            "model.critic",
-            text(m.critic.as_deref().map(|p| p.as_os_str())),
-        ),
+        ("model.path", m.path.to_string_lossy().into_owned()),
+        ("model.reference", plain(&m.reference)),
+        ("model.reward_model", plain(&m.reward_model)),
+        ("model.critic", plain(&m.critic)),
         ("data.prompts", String::from(d.prompts.clone())),
         ("data.prompt_column", d.prompt_column.clone()),
-        (
-            "data.messages_column",
-            d.messages_column.clone().unwrap_or_default(),
-        ),
+        ("data.messages_column", plain(&d.messages_column)),
         ("run.seed", cfg.run.seed.to_string()),
         ("placement.workers", cfg.placement.workers.to_string()),
     ]

@@ -12,7 +12,7 @@ use crate::PipelineKind;
 mod choices;
 mod docs;
 mod scope;
-mod text;
+pub(crate) mod text;
 mod validate;
 
 use text::none_if_empty;

@@ -18,8 +18,7 @@ pub mod none_if_empty {
         value: &Option<T>,
         s: S,
     ) -> Result<S::Ok, S::Error> {
-        let text = value.as_ref().map(|v| v.as_ref().to_string_lossy());
-        s.serialize_str(text.as_deref().unwrap_or(""))
+        s.serialize_str(&plain(value))
     }
 
     /// Reads a string: `""` is none.
@@ -49,8 +48,14 @@ impl From<Task> for String {
     }
 }
 
-/// An optional value as the file spells it, quoted (`""` for none), for errors.
+/// An optional value as the file spells it (`""` for none).
+pub fn plain<T: AsRef<OsStr>>(value: &Option<T>) -> String {
+    value
+        .as_ref()
+        .map_or(String::new(), |v| v.as_ref().to_string_lossy().into_owned())
+}
+
+/// [`plain`], quoted, for errors.
 pub fn spelt<T: AsRef<OsStr>>(value: &Option<T>) -> String {
-    let text = value.as_ref().map(|v| v.as_ref().to_string_lossy());
-    format!("{:?}", text.as_deref().unwrap_or(""))
+    format!("{:?}", plain(value))
 }
