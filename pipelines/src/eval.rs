@@ -372,8 +372,8 @@ pub fn evaluate(
     Ok(evaluation
         .run(&mut generate, version, &training)?
         .ok_or_else(|| {
-            let path = cfg.eval.prompts.as_deref().unwrap_or(Path::new(""));
-            format!("eval.prompts {}: no prompts", path.display())
+            let path = crate::config::text::plain(&cfg.eval.prompts);
+            format!("eval.prompts {path}: no prompts")
         })?)
 }
 

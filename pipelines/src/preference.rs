@@ -52,7 +52,7 @@ pub fn dpo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
         .stage("dpo", TRAIN, Partition::RoundRobin, move |w| {
             let a = &c.algorithm;
             let policy = crate::context::load_policy(&c, &x.actor, w)?;
-            let reference_dir = c.model.reference.as_ref().unwrap_or(&c.model.path);
+            let reference_dir = c.model.reference_dir();
             let reference = crate::context::load_frozen(&c, reference_dir, w)?;
             let loss = match a.preference_loss {
                 PreferenceChoice::Ipo => PreferenceLoss::Ipo,

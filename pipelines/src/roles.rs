@@ -168,7 +168,7 @@ pub fn reference(
 ) -> impl Fn(&WorkerInfo) -> Result<RefLogprob, StageError> + Send + Sync + 'static {
     let cfg = cfg.clone();
     move |w| {
-        let dir = cfg.model.reference.as_ref().unwrap_or(&cfg.model.path);
+        let dir = cfg.model.reference_dir();
         let mut model = load_frozen(&cfg, dir, w)?;
         // On the CPU kernels the reference's packing alone holds its weights.
         model.keep_only_cpu_packing()?;

@@ -142,6 +142,13 @@ pub struct ModelSection {
     pub critic: Option<PathBuf>,
 }
 
+impl ModelSection {
+    /// The frozen reference's checkpoint: `reference`, else the actor's.
+    pub fn reference_dir(&self) -> &PathBuf {
+        self.reference.as_ref().unwrap_or(&self.path)
+    }
+}
+
 impl Default for ModelSection {
     fn default() -> Self {
         ModelSection {
