@@ -155,7 +155,7 @@ pub fn critic_learner(
         .with_mini_batches(a.mini_batches)
         .with_checkpoints(checkpoints.clone());
         if let Some(group) = &group {
-            learner = learner.with_data_parallel(group.member(w, "critic_learn")?);
+            learner = learner.with_data_parallel(group.member(w, "critic_learn")?)?;
         }
         ctx.restore_optimizer("critic", learner.optimizer_mut())?;
         Ok(learner)
@@ -270,9 +270,11 @@ pub fn objective(cfg: &RunConfig) -> PolicyObjective {
 /// response length (`generate.max_new_tokens`, constant over the run, as
 /// verl pads every response to its maximum length).
 pub fn loss_scale_factor(cfg: &RunConfig) -> f64 {
-    match cfg.algorithm.loss_scale_factor {
-        t if t > 0.0 => t,
-        _ => cfg.generate.max_new_tokens as f64,
+    let t = cfg.algorithm.loss_scale_factor;
+    if t > 0.0 {
+        t
+    } else {
+        cfg.generate.max_new_tokens as f64
     }
 }
 

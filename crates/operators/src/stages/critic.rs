@@ -4,12 +4,12 @@
 //! [`PerWorker`] handle, so both must run on the same workers (`Local` edges).
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use arrow::array::RecordBatch;
 
-use tch::{Kind, Tensor};
-use weir_gpu::collective::{leads, GroupMember};
+use tch::{Device, Kind, Tensor};
+use weir_gpu::collective::GroupMember;
 use weir_gpu::optim::{AdamWConfig, Optimizer};
 use weir_gpu::Model;
 use weir_graph::batch::with_column;
@@ -17,8 +17,9 @@ use weir_graph::{Stage, StageError, StepBuffer, StepContext, StepStage, WorkerIn
 
 use super::columns::{float_list_array, float_lists, token_lists};
 use super::sequences::pack_for;
-use super::train_step::{optimizer_step, step_scale};
+use super::train_step::{step_scale, HeldModel, LrSchedule, TrainerCore};
 use crate::algorithms::{value_loss_in_step, Aggregation, Flavor};
+use crate::checkpoint::Checkpointer;
 use crate::error::OperatorError;
 use crate::rollout::col;
 
@@ -54,12 +55,6 @@ impl<T: Send> PerWorker<T> {
         cells.insert(worker.index, cell.clone());
         Ok(cell)
     }
-}
-
-fn lock(model: &Mutex<Model>) -> Result<MutexGuard<'_, Model>, StageError> {
-    model
-        .lock()
-        .map_err(|_| "a critic stage panicked while holding the model".into())
 }
 
 /// Value of each response token `t`: the critic's output at the position
@@ -112,7 +107,7 @@ impl Stage for Critic {
         let prompts = token_lists(&batch, col::PROMPT_TOKENS, ctx.stage())?;
         let responses = token_lists(&batch, col::RESPONSE_TOKENS, ctx.stage())?;
         let _guard = tch::no_grad_guard();
-        let model = lock(&self.model)?;
+        let model = self.model.hold()?;
         let (values, _) = response_values(&model, &prompts, &responses)?;
         let lengths: Vec<usize> = responses.iter().map(Vec::len).collect();
         Ok(vec![with_column(
@@ -123,21 +118,16 @@ impl Stage for Critic {
     }
 }
 
-/// Fits this worker's critic to the step's returns.
+/// Fits this worker's critic to the step's returns, on the trainers' core
+/// with the model it shares with the [`Critic`] stage.
 pub struct CriticLearner {
-    model: Arc<Mutex<Model>>,
-    optimizer: Optimizer,
+    core: TrainerCore<Arc<Mutex<Model>>>,
     clip: Option<f64>,
-    max_grad_norm: Option<f64>,
     held: StepBuffer,
-    checkpoints: Option<crate::checkpoint::Checkpointer>,
     aggregation: Aggregation,
     flavor: Flavor,
     epochs: usize,
     mini_batches: usize,
-    lr: f64,
-    schedule: super::learner::LrSchedule,
-    data_parallel: Option<GroupMember>,
     /// The last step's value loss.
     pub last_loss: f64,
 }
@@ -151,23 +141,15 @@ impl CriticLearner {
         clip: Option<f64>,
         max_grad_norm: Option<f64>,
     ) -> Result<Self, StageError> {
-        let model = handle.get(worker)?;
-        let lr = adamw.lr;
-        let optimizer = Optimizer::adamw(&*lock(&model)?, adamw)?;
+        let schedule = LrSchedule::Constant { warmup: 0 };
         Ok(CriticLearner {
-            model,
-            optimizer,
+            core: TrainerCore::new(handle.get(worker)?, adamw, schedule, max_grad_norm)?,
             clip,
-            max_grad_norm,
             held: super::rows_in_order(),
-            checkpoints: None,
             aggregation: Aggregation::TokenMean,
             flavor: Flavor::OpenRlhf,
             epochs: 1,
             mini_batches: 1,
-            lr,
-            schedule: super::learner::LrSchedule::Constant { warmup: 0 },
-            data_parallel: None,
             last_loss: f64::NAN,
         })
     }
@@ -175,11 +157,11 @@ impl CriticLearner {
     /// One data-parallel rank of the critic's fit: each mini-batch's loss
     /// is normalised over every rank's rows and the gradients are summed
     /// before each optimizer step, so the ranks' critics stay equal (they
-    /// start equal: every rank loads the same critic, whose fresh value
-    /// head is seeded); rank 0 records and checkpoints. Must run offloaded.
-    pub fn with_data_parallel(mut self, member: GroupMember) -> Self {
-        self.data_parallel = Some(member);
-        self
+    /// start from rank 0's weights); rank 0 records and checkpoints. Every
+    /// rank calls this together. Must run offloaded.
+    pub fn with_data_parallel(mut self, member: GroupMember) -> Result<Self, StageError> {
+        self.core.join_data_parallel(member)?;
+        Ok(self)
     }
 
     /// Aggregates the value loss with `flavor`'s semantics
@@ -194,8 +176,8 @@ impl CriticLearner {
     /// The learning-rate schedule over the critic's optimizer steps, on its
     /// own base rate (OpenRLHF schedules its critic as its actor, each with
     /// its own rate); the step count is the optimizer's, restored on resume.
-    pub fn with_schedule(mut self, schedule: super::learner::LrSchedule) -> Self {
-        self.schedule = schedule;
+    pub fn with_schedule(mut self, schedule: LrSchedule) -> Self {
+        self.core.set_schedule(schedule);
         self
     }
 
@@ -216,15 +198,30 @@ impl CriticLearner {
     }
 
     /// Saves the critic (and its optimizer) as the `critic` component of due checkpoints.
-    pub fn with_checkpoints(mut self, checkpointer: crate::checkpoint::Checkpointer) -> Self {
-        self.checkpoints = Some(checkpointer);
+    pub fn with_checkpoints(mut self, checkpointer: Checkpointer) -> Self {
+        self.core.save_as_component(checkpointer, "critic");
         self
     }
 
     /// The optimizer (to restore its state on resume).
     pub fn optimizer_mut(&mut self) -> &mut Optimizer {
-        &mut self.optimizer
+        self.core.optimizer_mut()
     }
+}
+
+/// `rows` of floats as a `[rows, width]` tensor on `device`, zero-padded.
+fn padded(rows: &[Vec<f64>], width: usize, device: Device) -> Tensor {
+    let flat: Vec<f32> = rows
+        .iter()
+        .flat_map(|r| {
+            r.iter()
+                .map(|x| *x as f32)
+                .chain(std::iter::repeat_n(0.0, width - r.len()))
+        })
+        .collect();
+    Tensor::from_slice(&flat)
+        .view([rows.len() as i64, width as i64])
+        .to_device(device)
 }
 
 impl StepStage for CriticLearner {
@@ -237,8 +234,7 @@ impl StepStage for CriticLearner {
         ctx: &mut StepContext,
         rows: Option<RecordBatch>,
     ) -> Result<Vec<RecordBatch>, StageError> {
-        let member = self.data_parallel.as_ref();
-        if rows.is_none() && member.is_none() {
+        if !self.core.runs(rows.is_some()) {
             return Ok(Vec::new());
         }
         // A rank with no rows still joins every mini-batch's sums.
@@ -251,54 +247,33 @@ impl StepStage for CriticLearner {
             ),
             None => Default::default(),
         };
-        let model = lock(&self.model)?;
-        let device = model.device();
-        let pad = |rows: &[Vec<f64>], width: usize| {
-            let flat: Vec<f32> = rows
-                .iter()
-                .flat_map(|r| {
-                    r.iter()
-                        .map(|x| *x as f32)
-                        .chain(std::iter::repeat_n(0.0, width - r.len()))
-                })
-                .collect();
-            Tensor::from_slice(&flat)
-                .view([rows.len() as i64, width as i64])
-                .to_device(device)
-        };
         let (n, minis) = (prompts.len(), self.mini_batches);
+        let (clip, aggregation, flavor) = (self.clip, self.aggregation, self.flavor);
         let (mut loss_sum, mut clip_fraction) = (0.0, 0.0);
         for _epoch in 0..self.epochs {
             (loss_sum, clip_fraction) = (0.0, 0.0);
             for k in 0..minis {
                 let (lo, hi) = (k * n / minis, (k + 1) * n / minis);
                 let lengths = responses[lo..hi].iter().map(Vec::len);
-                let scale = step_scale(member, lengths, None)?;
+                let scale = step_scale(self.core.member(), lengths, None)?;
                 if scale.sequences == 0.0 {
                     // Empty on every rank.
                     continue;
                 }
                 // [loss, clipped tokens], summed over the ranks.
                 let mut stats = [0.0, 0.0];
-                let (clip, aggregation, flavor) = (self.clip, self.aggregation, self.flavor);
-                let lr = self.schedule.rate(self.lr, self.optimizer.steps());
-                optimizer_step(
-                    &mut self.optimizer,
-                    member,
-                    lr,
-                    self.max_grad_norm,
-                    &mut stats,
-                    |stats| {
+                self.core
+                    .step(&mut stats, |model, stats| {
                         if lo == hi {
                             return Ok(());
                         }
                         let (values, mask) =
-                            response_values(&model, &prompts[lo..hi], &responses[lo..hi])?;
-                        let width = values.size()[1] as usize;
+                            response_values(model, &prompts[lo..hi], &responses[lo..hi])?;
+                        let (width, device) = (values.size()[1] as usize, model.device());
                         let (loss, clipped) = value_loss_in_step(
                             &values,
-                            &pad(&old[lo..hi], width),
-                            &pad(&returns[lo..hi], width),
+                            &padded(&old[lo..hi], width, device),
+                            &padded(&returns[lo..hi], width, device),
                             &mask,
                             clip,
                             aggregation,
@@ -309,9 +284,8 @@ impl StepStage for CriticLearner {
                         stats[0] += loss.double_value(&[]);
                         stats[1] += clipped;
                         Ok(())
-                    },
-                )
-                .map_err(|e| OperatorError::step(ctx.step, format!("the critic's fit: {e}")))?;
+                    })
+                    .map_err(|e| OperatorError::step(ctx.step, format!("the critic's fit: {e}")))?;
                 loss_sum += stats[0] / minis as f64;
                 if scale.tokens > 0.0 {
                     clip_fraction += stats[1] / scale.tokens / minis as f64;
@@ -319,15 +293,12 @@ impl StepStage for CriticLearner {
             }
         }
         self.last_loss = loss_sum;
-        if leads(member) {
+        if self.core.leads() {
             ctx.record("value_loss", self.last_loss);
             ctx.record("value_clip_fraction", clip_fraction);
-            ctx.record("lr", self.optimizer.lr());
-            if let Some(ck) = self.checkpoints.as_ref().filter(|c| c.due(ctx.step)) {
-                ck.save_component(ctx.step, "critic", &model, &self.optimizer)?;
-            }
+            ctx.record("lr", self.core.optimizer().lr());
         }
-        drop(model);
+        self.core.save_if_due(ctx.step, ctx.version)?;
         Ok(rows.into_iter().collect())
     }
 }

@@ -10,13 +10,16 @@
 //! verl 0.9 does with `batch_num_tokens` / `global_batch_size` and OpenRLHF
 //! 0.11 with its global token and sample counts.
 
+use std::ops::Deref;
+use std::sync::{Arc, Mutex, MutexGuard};
+
 use weir_gpu::collective::{leads, max_scalars, sum_scalars, GroupMember};
 use weir_gpu::optim::{AdamWConfig, Optimizer};
 use weir_gpu::Model;
 use weir_graph::StageError;
 
 use crate::algorithms::StepScale;
-use crate::checkpoint::CheckpointPlan;
+use crate::checkpoint::{CheckpointPlan, Checkpointer};
 
 /// Learning rate over optimizer steps: linear warm-up from 0, then constant or cosine decay.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -66,32 +69,77 @@ impl LrSchedule {
     }
 }
 
+/// How a trainer holds the model it trains: its own ([`Model`]), or one it
+/// shares with a stage that scores with it (`Arc<Mutex<Model>>`, the
+/// critic's), held for the length of an optimizer step or a save.
+pub trait HeldModel {
+    /// The model while held.
+    type Held<'a>: Deref<Target = Model>
+    where
+        Self: 'a;
+
+    /// Holds the model.
+    fn hold(&self) -> Result<Self::Held<'_>, StageError>;
+}
+
+impl HeldModel for Model {
+    type Held<'a> = &'a Model;
+
+    fn hold(&self) -> Result<&Model, StageError> {
+        Ok(self)
+    }
+}
+
+impl HeldModel for Arc<Mutex<Model>> {
+    type Held<'a> = MutexGuard<'a, Model>;
+
+    fn hold(&self) -> Result<MutexGuard<'_, Model>, StageError> {
+        self.lock()
+            .map_err(|_| "a stage panicked while holding a shared model".into())
+    }
+}
+
+/// Where a trainer's checkpoints go.
+enum Saves {
+    /// As the actor, with the run's state (step, version, cursors, …).
+    Actor(CheckpointPlan),
+    /// As one more component of the actor's checkpoints (`critic`).
+    Component(Checkpointer, &'static str),
+}
+
 /// What every trainer (the actor's learner, SFT, the reward-model and DPO
-/// trainers) keeps around its own loss: the model it trains, its optimizer
-/// and learning-rate schedule, its rank among data-parallel trainers, and
-/// where it saves. (The critic's fit takes the same optimizer step on a
-/// model it shares with the critic's scoring stage.)
-pub struct TrainerCore {
-    model: Model,
+/// trainers, the critic's fit) keeps around its own loss: the model it
+/// trains (held as `M`), its optimizer and learning-rate schedule, its rank
+/// among data-parallel trainers, and where it saves.
+pub struct TrainerCore<M: HeldModel = Model> {
+    model: M,
     optimizer: Optimizer,
     base_lr: f64,
     schedule: LrSchedule,
     max_grad_norm: Option<f64>,
     data_parallel: Option<GroupMember>,
-    checkpoints: Option<CheckpointPlan>,
+    checkpoints: Option<Saves>,
 }
 
-impl TrainerCore {
+impl TrainerCore<Model> {
+    /// The model being trained.
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+}
+
+impl<M: HeldModel> TrainerCore<M> {
     /// Trains `model` with AdamW (`adamw`, its rate the schedule's base),
     /// the gradient norm clipped to `max_grad_norm`.
     pub fn new(
-        model: Model,
+        model: M,
         adamw: AdamWConfig,
         schedule: LrSchedule,
         max_grad_norm: Option<f64>,
     ) -> Result<Self, StageError> {
+        let optimizer = Optimizer::adamw(&*model.hold()?, adamw)?;
         Ok(TrainerCore {
-            optimizer: Optimizer::adamw(&model, adamw)?,
+            optimizer,
             model,
             base_lr: adamw.lr,
             schedule,
@@ -114,12 +162,18 @@ impl TrainerCore {
 
     /// Saves checkpoints as `plan` says.
     pub fn save_with(&mut self, plan: CheckpointPlan) {
-        self.checkpoints = Some(plan);
+        self.checkpoints = Some(Saves::Actor(plan));
     }
 
-    /// The model being trained.
-    pub fn model(&self) -> &Model {
-        &self.model
+    /// Saves the model (and its optimizer) as the `name` component of the
+    /// checkpoints `checkpointer` makes due.
+    pub fn save_as_component(&mut self, checkpointer: Checkpointer, name: &'static str) {
+        self.checkpoints = Some(Saves::Component(checkpointer, name));
+    }
+
+    /// Replaces the learning-rate schedule.
+    pub fn set_schedule(&mut self, schedule: LrSchedule) {
+        self.schedule = schedule;
     }
 
     /// The optimizer.
@@ -159,23 +213,29 @@ impl TrainerCore {
         backward: impl FnOnce(&Model, &mut [f64]) -> Result<(), StageError>,
     ) -> Result<f64, StageError> {
         let lr = self.schedule.rate(self.base_lr, self.optimizer.steps());
-        let model = &self.model;
+        let model = self.model.hold()?;
         optimizer_step(
             &mut self.optimizer,
             self.data_parallel.as_ref(),
             lr,
             self.max_grad_norm,
             stats,
-            |stats| backward(model, stats),
+            |stats| backward(&model, stats),
         )
     }
 
-    /// Saves the model and optimizer as policy `version` when step `step`
-    /// is due a checkpoint (only the rank that leads).
+    /// Saves the model and optimizer (as policy `version`, for the actor)
+    /// when step `step` is due a checkpoint (only the rank that leads).
     pub fn save_if_due(&self, step: u64, version: u64) -> Result<(), StageError> {
         match &self.checkpoints {
-            Some(plan) if self.leads() => {
-                plan.save_actor_if_due(step, version, &self.model, &self.optimizer)
+            Some(Saves::Actor(plan)) if self.leads() => {
+                plan.save_actor_if_due(step, version, &*self.model.hold()?, &self.optimizer)
+            }
+            Some(Saves::Component(checkpointer, name))
+                if self.leads() && checkpointer.due(step) =>
+            {
+                checkpointer.save_component(step, name, &*self.model.hold()?, &self.optimizer)?;
+                Ok(())
             }
             _ => Ok(()),
         }
@@ -223,7 +283,7 @@ pub fn step_scale(
 /// `backward` that does nothing and still joins the sums. Returns the
 /// gradient norm before clipping; a loss or gradient norm that is not
 /// finite is an error.
-pub fn optimizer_step(
+fn optimizer_step(
     optimizer: &mut Optimizer,
     member: Option<&GroupMember>,
     lr: f64,
