@@ -27,8 +27,10 @@ pub struct ClusterArgs {
     #[arg(long = "connect-timeout-s", default_value_t = 120.0)]
     pub connect_timeout_s: f64,
     /// A file holding the secret every process of the run must share (its
-    /// first line; overrides WEIR_CLUSTER_SECRET): a process without it is
-    /// refused, and the run stops on every process with one line.
+    /// first line; overrides WEIR_CLUSTER_SECRET); a process without it
+    /// cannot join. Without either, processes all on this machine share the
+    /// run folder's cluster.secret, which the first one writes; across
+    /// machines one is required.
     #[arg(long = "cluster-secret-file")]
     pub cluster_secret_file: Option<PathBuf>,
 }

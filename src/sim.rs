@@ -194,12 +194,13 @@ pub fn run_sim(args: &SimArgs) -> anyhow::Result<RunReport> {
         cluster.hostfile.as_deref(),
     )?;
     let placement = args.placement(execution.total_workers())?;
+    let secret = execution.cluster_secret(cluster.secret.clone(), &args.out)?;
     let settings = RunSettings::new(execution, placement)
         .max_staleness(args.max_staleness)
         .steps(args.steps)
         .peer_timeout(cluster.peer_timeout)
         .connect_timeout(cluster.connect_timeout)
-        .cluster_secret(cluster.secret.clone())
+        .cluster_secret(secret)
         .weights_bucket_bytes(args.weights_bucket_bytes)
         .weights_channel(args.weights_channel)
         .fingerprint(fingerprint(args))

@@ -538,49 +538,88 @@ fn only_processes_that_share_the_cluster_secret_run_together() {
         "--peer-timeout-s",
         "20",
     ]);
-    let pair = |secrets: [Option<&str>; 2], extra: &[String]| {
-        let dir = tempfile::tempdir().unwrap();
-        let hosts = hostfile(dir.path());
-        let mut all = args.clone();
-        all.extend_from_slice(extra);
-        let children: Vec<Child> = (0..2)
-            .map(|p| spawn_peer_with_secret(&all, p, &hosts, dir.path(), secrets[p]))
-            .collect();
-        let outputs: Vec<Output> = children
-            .into_iter()
-            .rev()
-            .map(|c| wait_with_deadline(c, Duration::from_secs(60)))
-            .collect();
-        (dir, outputs)
-    };
-    // The same secret: the run goes through, every row once.
-    let (dir, outputs) = pair([Some("correct horse"), Some("correct horse")], &[]);
-    for o in &outputs {
+    let wait = |c: Child| wait_with_deadline(c, Duration::from_secs(60));
+    let succeeded = |o: &Output| {
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    }
-    check_guarantees(&read_rows(dir.path()), 1, 4, 64);
-    // One process without it, or with another: both stop with one line, and
-    // no step starts (no rollout row is written).
-    for secrets in [
-        [Some("correct horse"), None],
-        [Some("correct horse"), Some("battery")],
-    ] {
-        let (dir, outputs) = pair(secrets, &[]);
-        assert_all_failed_with(&outputs, "cluster secret");
-        for o in &outputs {
-            let err = String::from_utf8_lossy(&o.stderr);
-            assert!(
-                !err.contains("correct horse") && !err.contains("battery"),
-                "the secret printed: {err}"
-            );
-        }
-        let rows = dir.path().join("rollouts");
+    };
+    let no_secret_printed = |o: &Output| {
+        let err = String::from_utf8_lossy(&o.stderr);
         assert!(
-            !rows.is_dir()
-                || read_parquet_dir(&rows).map_or(true, |b| b.iter().all(|b| b.num_rows() == 0)),
-            "a step ran with a process that does not belong"
+            !err.contains("correct horse") && !err.contains("battery"),
+            "the secret printed: {err}"
         );
-    }
+    };
+
+    // Process 0 waits with the secret. Before its peer comes: a
+    // connect-and-close, bytes that are not weir's, and a second cluster's
+    // process 1 that knows the config but not the secret, which is refused
+    // with one line. Then the real process 1 joins and the run goes through,
+    // every row once.
+    let dir = tempfile::tempdir().unwrap();
+    let hosts = hostfile(dir.path());
+    let port0 = std::fs::read_to_string(&hosts).unwrap();
+    let port0 = port0.lines().next().unwrap().to_string();
+    let p0 = spawn_peer_with_secret(&args, 0, &hosts, dir.path(), Some("correct horse"));
+    let started = Instant::now();
+    let stray = loop {
+        match std::net::TcpStream::connect(&port0) {
+            Ok(s) => break s,
+            Err(_) if started.elapsed() < Duration::from_secs(30) => {
+                std::thread::sleep(Duration::from_millis(20))
+            }
+            Err(e) => panic!("process 0 never listened on {port0}: {e}"),
+        }
+    };
+    drop(stray);
+    let mut garbage = std::net::TcpStream::connect(&port0).unwrap();
+    std::io::Write::write_all(&mut garbage, b"GET / HTTP/1.0\r\n\r\n").unwrap();
+    drop(garbage);
+    let other = tempfile::tempdir().unwrap();
+    let stranger = wait(spawn_peer_with_secret(
+        &args,
+        1,
+        &hosts,
+        other.path(),
+        Some("battery"),
+    ));
+    assert!(!stranger.status.success());
+    let err = String::from_utf8_lossy(&stranger.stderr);
+    assert!(err.contains("another cluster secret"), "{err}");
+    no_secret_printed(&stranger);
+    let p1 = spawn_peer_with_secret(&args, 1, &hosts, dir.path(), Some("correct horse"));
+    let (o1, o0) = (wait(p1), wait(p0));
+    succeeded(&o0);
+    succeeded(&o1);
+    check_guarantees(&read_rows(dir.path()), 1, 4, 64);
+
+    // Without a secret on either, local processes share the run folder's.
+    let dir = tempfile::tempdir().unwrap();
+    let (o0, o1) = run_two_processes(&args, dir.path());
+    succeeded(&o0);
+    succeeded(&o1);
+    let secret = dir.path().join(weir::graph::cluster_secret::SECRET_FILE);
+    let mode = std::os::unix::fs::PermissionsExt::mode(&secret.metadata().unwrap().permissions());
+    assert_eq!(mode & 0o777, 0o600, "only its owner reads the secret");
+
+    // One process with a secret, the other with the run folder's: the
+    // second stops at once, the first when no process with the secret has
+    // come within the connect timeout, saying what it refused; no step runs.
+    let dir = tempfile::tempdir().unwrap();
+    let hosts = hostfile(dir.path());
+    let mut waiting = args.clone();
+    waiting.extend(strings(&["--connect-timeout-s", "5"]));
+    let p0 = spawn_peer_with_secret(&waiting, 0, &hosts, dir.path(), Some("correct horse"));
+    let p1 = spawn_peer_with_secret(&waiting, 1, &hosts, dir.path(), None);
+    let outputs = [wait(p1), wait(p0)];
+    assert_all_failed_with(&outputs, "cluster secret");
+    outputs.iter().for_each(no_secret_printed);
+    let rows = dir.path().join("rollouts");
+    assert!(
+        !rows.is_dir()
+            || read_parquet_dir(&rows).map_or(true, |b| b.iter().all(|b| b.num_rows() == 0)),
+        "a step ran with a process that does not belong"
+    );
+
     // The secret from a file on one machine and the variable on the other.
     let file = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(file.path(), "correct horse\n").unwrap();
@@ -593,12 +632,8 @@ fn only_processes_that_share_the_cluster_secret_run_together() {
     ]);
     let p0 = spawn_peer_with_secret(&with_file, 0, &hosts, dir.path(), None);
     let p1 = spawn_peer_with_secret(&args, 1, &hosts, dir.path(), Some("correct horse"));
-    for o in [
-        wait_with_deadline(p1, Duration::from_secs(60)),
-        wait_with_deadline(p0, Duration::from_secs(60)),
-    ] {
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    }
+    succeeded(&wait(p1));
+    succeeded(&wait(p0));
 }
 
 #[test]

@@ -113,9 +113,13 @@ pub(crate) fn holds_no_steps(dir: &Path) -> bool {
 /// Refuses an existing, non-empty folder that is not a weir run (a new run
 /// would mix its files with someone else's).
 pub(crate) fn refuse_foreign_folder(dir: &Path) -> Result<(), PipelineError> {
-    let Ok(mut entries) = std::fs::read_dir(dir) else {
+    let Ok(entries) = std::fs::read_dir(dir) else {
         return Ok(());
     };
+    // Another process of the run may have made the cluster's secret here first.
+    let mut entries = entries
+        .flatten()
+        .filter(|e| e.file_name() != weir_graph::cluster_secret::SECRET_FILE);
     if entries.next().is_some() {
         return Err(format!(
             "--out {}: the folder exists, is not empty and holds no weir run ({RESOLVED}); \

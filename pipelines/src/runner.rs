@@ -3,6 +3,7 @@
 //! ```text
 //! RUN_DIR/
 //!   config.resolved.toml     the pipeline and every key, defaults filled in
+//!   cluster.secret           processes all on this machine, no secret given: theirs
 //!   rollouts/*.parquet       every rollout row (superseded/ keeps rows a resume replaced)
 //!   superseded/              metrics files as they were before each resume
 //!   metrics.parquet          the engine's and the stages' metrics, long format
@@ -317,11 +318,13 @@ fn train(req: &RunRequest, segment: &mut Segment) -> Result<RunReport, PipelineE
         (resolved_config_text(kind, cfg), ctx.first_step, ctx.version).hash(&mut h);
         h.finish()
     };
-    let settings = RunSettings::new(crate::placement::execution(cfg, cluster)?, placement)
+    let execution = crate::placement::execution(cfg, cluster)?;
+    let secret = execution.cluster_secret(cluster.secret.clone(), dir)?;
+    let settings = RunSettings::new(execution, placement)
         .fingerprint(fingerprint)
         .peer_timeout(cluster.peer_timeout)
         .connect_timeout(cluster.connect_timeout)
-        .cluster_secret(cluster.secret.clone())
+        .cluster_secret(secret)
         .weights_bucket_bytes(cfg.placement.weights_bucket_mib << 20)
         .weights_channel(
             cfg.placement

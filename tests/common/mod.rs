@@ -4,15 +4,29 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Output};
 use std::time::{Duration, Instant};
 
-/// `n` TCP ports free at the time of the call.
+/// `n` TCP ports free at the time of the call, never the same twice in
+/// this test process. They come from below the range the kernel hands to
+/// outgoing connections (`ip_local_port_range`), so no client socket of
+/// another test can take one before a process binds it, starting at a
+/// place drawn from this process's id, so test processes side by side
+/// (nextest runs each test in its own) walk apart.
 pub fn free_ports(n: usize) -> Vec<u16> {
-    let listeners: Vec<_> = (0..n)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
-        .collect();
-    listeners
-        .iter()
-        .map(|l| l.local_addr().unwrap().port())
-        .collect()
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|t| t.split_whitespace().next()?.parse::<usize>().ok())
+        .unwrap_or(32768);
+    let (first, span) = (10_000, ephemeral.saturating_sub(10_000).max(1_000));
+    let start = std::process::id() as usize * 7_919;
+    let mut ports = Vec::with_capacity(n);
+    while ports.len() < n {
+        let port = (first + (start + NEXT.fetch_add(1, Ordering::Relaxed)) % span) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            ports.push(port);
+        }
+    }
+    ports
 }
 
 /// Writes `dir/hosts.txt`: two `127.0.0.1:PORT` lines on free ports.

@@ -1,23 +1,26 @@
 //! Cluster admission: a secret every process of a multi-process run shares
-//! and proves in its heartbeats.
+//! and proves on every connection.
 //!
-//! timely's connections are not authenticated: a process that reaches the
-//! ports of a run can take a process id's place. With a [`ClusterSecret`]
-//! set, each heartbeat carries a fresh nonce and an HMAC-SHA256 of the
-//! sender's process id, settings fingerprint and nonce under the secret;
-//! a process whose heartbeat does not verify (no secret, another secret)
-//! fails the run with one line on every process, and no source feeds a
-//! step before every peer has proven the secret once, so no work starts
-//! with a process that does not belong. A fetch over the direct weights
-//! channel proves it as well (an HMAC under another label, over the
-//! fetcher's process id, the fingerprint, the server's nonce and the
-//! payload id), so weights go to no process without it.
+//! timely's own handshake is an 8-byte process id. weir connects a
+//! cluster's processes itself (the crate's `mesh` module): on each socket
+//! both sides prove the secret with an HMAC-SHA256 over both process ids,
+//! their settings fingerprints, the run's random value and a fresh nonce
+//! from each side, and only then is the socket handed to timely, so no
+//! byte of data or control reaches a process from a peer that has not
+//! proven it. Heartbeats still carry a proof (over the sender's id, the
+//! session fingerprint — the settings' fingerprint mixed with the run's
+//! random value — and a nonce), and a fetch over the direct weights channel
+//! proves it as well (another label, over the fetcher's id, the session
+//! fingerprint, the server's nonce and the payload id), so weights go to
+//! no process without it. A cluster always has a secret: given by the
+//! user, or, when every process runs on this machine, made in the run
+//! folder ([`ClusterSecret::of_run_folder`]).
 //!
-//! What it does not do: the traffic itself is neither encrypted nor
-//! authenticated message by message (rows and weights cross in clear, as
-//! timely sends them), so it keeps out processes that do not know the
-//! secret, not an attacker who can read or forge the network's packets;
-//! for that, run the cluster on a private network or a VPN.
+//! What it does not do: the traffic itself is not encrypted (rows and
+//! weights cross in clear, as timely sends them), so it keeps out processes
+//! that do not know the secret, not an attacker who can read or rewrite
+//! the network's packets; for that, run the cluster on a private network or
+//! a VPN.
 //!
 //! # Examples
 //!
@@ -31,6 +34,8 @@
 //! assert!(!ClusterSecret::new("guess").unwrap().verifies(1, 0xfeed, 42, &proof));
 //! assert!(ClusterSecret::new("").is_err());
 //! ```
+
+use std::path::Path;
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -116,10 +121,116 @@ impl ClusterSecret {
             .verify_slice(proof)
             .is_ok()
     }
+
+    /// The proof one side of a cluster connection's handshake sends (see
+    /// [`crate::mesh`]): over `words` (the connecting and the accepting
+    /// process's ids, the sender's fingerprint, the run's random value) and
+    /// both sides' nonces, under a label of its side's own.
+    pub(crate) fn handshake_proof(
+        &self,
+        side: Side,
+        words: &[u64; 4],
+        connecting: &[u8; 32],
+        accepting: &[u8; 32],
+    ) -> Proof {
+        self.handshake_mac(side, words, connecting, accepting)
+            .finalize()
+            .into_bytes()
+            .into()
+    }
+
+    /// Whether `proof` is [`ClusterSecret::handshake_proof`]'s under this
+    /// secret (compared in constant time).
+    pub(crate) fn verifies_handshake(
+        &self,
+        side: Side,
+        words: &[u64; 4],
+        connecting: &[u8; 32],
+        accepting: &[u8; 32],
+        proof: &Proof,
+    ) -> bool {
+        self.handshake_mac(side, words, connecting, accepting)
+            .verify_slice(proof)
+            .is_ok()
+    }
+
+    fn handshake_mac(
+        &self,
+        side: Side,
+        words: &[u64; 4],
+        connecting: &[u8; 32],
+        accepting: &[u8; 32],
+    ) -> Hmac<Sha256> {
+        let label = match side {
+            Side::Connecting => CONNECTING,
+            Side::Accepting => ACCEPTING,
+        };
+        let mut mac = self.mac(label, words);
+        mac.update(connecting);
+        mac.update(accepting);
+        mac
+    }
+
+    /// The secret of a run whose processes all run on this machine and
+    /// share the run folder `dir`: the first line of `dir/cluster.secret`,
+    /// which the first process to start writes (32 random bytes, hex, a
+    /// file only its owner may read) and every other reads.
+    pub fn of_run_folder(dir: &Path) -> Result<Self, GraphError> {
+        let path = dir.join(SECRET_FILE);
+        let io = |e| GraphError::io(&path, e);
+        std::fs::create_dir_all(dir).map_err(|e| GraphError::io(dir, e))?;
+        if !path.exists() {
+            let bytes: [u8; 32] = crate::mesh::random()?;
+            let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+            // Written aside, then linked into place: a process that starts
+            // at the same moment either links first or reads the winner's.
+            let aside = dir.join(format!(".{SECRET_FILE}.{}", std::process::id()));
+            {
+                use std::os::unix::fs::OpenOptionsExt;
+                let mut file = std::fs::OpenOptions::new()
+                    .write(true)
+                    .create(true)
+                    .truncate(true)
+                    .mode(0o600)
+                    .open(&aside)
+                    .map_err(|e| GraphError::io(&aside, e))?;
+                std::io::Write::write_all(&mut file, format!("{hex}\n").as_bytes())
+                    .and_then(|()| file.sync_all())
+                    .map_err(|e| GraphError::io(&aside, e))?;
+            }
+            let linked = std::fs::hard_link(&aside, &path);
+            let _ = std::fs::remove_file(&aside);
+            match linked {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(io(e)),
+            }
+        }
+        let text = std::fs::read_to_string(&path).map_err(io)?;
+        let line = text.lines().next().unwrap_or("").trim();
+        ClusterSecret::new(line.as_bytes()).map_err(|_| {
+            GraphError::Execution(format!("{}: the first line is empty", path.display()))
+        })
+    }
 }
 
 const HEARTBEAT: &[u8] = b"weir heartbeat v1";
 const WIRE: &[u8] = b"weir weights fetch v1";
+const CONNECTING: &[u8] = b"weir cluster connecting v1";
+const ACCEPTING: &[u8] = b"weir cluster accepting v1";
+
+/// The file in a run folder that holds the secret of a cluster whose
+/// processes all run on one machine ([`ClusterSecret::of_run_folder`]).
+pub const SECRET_FILE: &str = "cluster.secret";
+
+/// Which side of a cluster connection's handshake a proof is from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Side {
+    /// The process that connects (the higher id).
+    Connecting,
+    /// The process that accepts (the lower id).
+    Accepting,
+}
 
 /// A fresh nonce: the process id, the time and std's per-process random keys, hashed.
 pub(crate) fn nonce(process: usize) -> u64 {

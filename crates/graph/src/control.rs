@@ -241,3 +241,32 @@ pub(crate) fn quiet_network_panics() {
         }));
     });
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mesh::session_fingerprint;
+
+    #[test]
+    fn a_heartbeat_recorded_in_an_earlier_run_is_refused() {
+        let secret = ClusterSecret::new("s3cret").unwrap();
+        let heartbeat = |run: u64| {
+            let fingerprint = session_fingerprint(42, run);
+            Control::Heartbeat {
+                process: 1,
+                fingerprint,
+                nonce: 9,
+                proof: Some(secret.proof(1, fingerprint, 9)),
+            }
+        };
+        let this_run = session_fingerprint(42, 2);
+        let fresh = RunShared::new(2);
+        fresh.receive(heartbeat(2), 0, this_run, Some(&secret));
+        assert!(fresh.all_admitted(0) && fresh.error().is_none());
+        // The same config and secret, recorded in run 1.
+        let replayed = RunShared::new(2);
+        replayed.receive(heartbeat(1), 0, this_run, Some(&secret));
+        assert!(!replayed.all_admitted(0));
+        assert!(replayed.error().is_some());
+    }
+}

@@ -8,7 +8,7 @@ use std::time::Duration;
 use timely::communication::Config as CommunicationConfig;
 
 use crate::weights_edge::{InlineTransport, WeightsChannel, WeightsTransport};
-use crate::{GraphError, Placement, PolicyVersion, Step};
+use crate::{ClusterSecret, GraphError, Placement, PolicyVersion, Step};
 
 /// How many workers, and where.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -124,21 +124,43 @@ impl Execution {
         }
     }
 
-    pub(crate) fn communication(&self) -> CommunicationConfig {
-        match self {
-            Execution::Threads(0 | 1) => CommunicationConfig::Thread,
-            Execution::Threads(n) => CommunicationConfig::Process(*n),
-            Execution::Cluster {
-                threads,
-                process,
-                hosts,
-            } => CommunicationConfig::Cluster {
-                threads: *threads,
-                process: *process,
-                addresses: hosts.clone(),
-                report: false,
-                zerocopy: false,
-            },
+    /// Whether every process of this execution runs on this machine (each
+    /// host is `localhost` or a loopback address; always, for threads).
+    pub fn is_local(&self) -> bool {
+        let Execution::Cluster { hosts, .. } = self else {
+            return true;
+        };
+        hosts.iter().all(|address| {
+            let host = address
+                .rsplit_once(':')
+                .map_or(address.as_str(), |(h, _)| h);
+            let host = host.trim_start_matches('[').trim_end_matches(']');
+            host == "localhost"
+                || host
+                    .parse::<std::net::IpAddr>()
+                    .is_ok_and(|ip| ip.is_loopback())
+        })
+    }
+
+    /// The secret a run of this execution proves: `given`, else — for a
+    /// cluster whose processes all run on this machine — the run folder's
+    /// own ([`ClusterSecret::of_run_folder`]), and none for one process. A
+    /// cluster over several machines without one is refused: it would
+    /// accept anyone who reaches its ports.
+    pub fn cluster_secret(
+        &self,
+        given: Option<ClusterSecret>,
+        run_dir: &Path,
+    ) -> Result<Option<ClusterSecret>, GraphError> {
+        match (self, given) {
+            (Execution::Threads(_), given) => Ok(given),
+            (_, Some(secret)) => Ok(Some(secret)),
+            (_, None) if self.is_local() => ClusterSecret::of_run_folder(run_dir).map(Some),
+            (_, None) => Err(GraphError::Execution(
+                "a run over several machines needs a cluster secret: give every process the \
+                 same WEIR_CLUSTER_SECRET or --cluster-secret-file"
+                    .into(),
+            )),
         }
     }
 }
@@ -194,8 +216,10 @@ pub struct RunSettings {
     /// config, say): a peer whose fingerprint differs fails the run at its
     /// first heartbeat instead of running a different pipeline.
     pub fingerprint: u64,
-    /// The secret every process of a cluster must prove in its heartbeats
-    /// (see [`crate::cluster_secret`]); `None`: no admission check.
+    /// The secret every process of a cluster proves on each of its
+    /// connections and in its heartbeats (see [`crate::cluster_secret`]); a
+    /// run over several processes without one is refused
+    /// ([`Execution::cluster_secret`] finds one).
     pub cluster_secret: Option<crate::ClusterSecret>,
 }
 
@@ -346,24 +370,48 @@ pub(crate) type Allocators = (
     Box<dyn std::any::Any + Send>,
 );
 
-/// Builds timely's allocators, giving up when peers do not connect within `timeout`.
-pub(crate) fn connect(execution: &Execution, timeout: Duration) -> Result<Allocators, GraphError> {
-    let config = execution.communication();
-    if !matches!(config, CommunicationConfig::Cluster { .. }) {
-        return config.try_build().map_err(GraphError::Runtime);
-    }
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::Builder::new()
-        .name("weir:connect".into())
-        .spawn(move || {
-            let _ = tx.send(config.try_build());
-        })
-        .map_err(|e| GraphError::Runtime(format!("starting the connection thread: {e}")))?;
-    match rx.recv_timeout(timeout) {
-        Ok(result) => result.map_err(GraphError::Runtime),
-        Err(_) => Err(GraphError::PeerLost {
-            peer: "some peer process".into(),
-            reason: format!("did not connect within {:.1} s (is every process started, with the same hostfile?)", timeout.as_secs_f64()),
-        }),
-    }
+/// Builds timely's allocators. A cluster's processes connect through
+/// sockets each authenticated under `secret` (which a cluster must have)
+/// with settings `fingerprint` (see [`crate::mesh`]), giving up when peers
+/// do not connect within `timeout`; returns the run's random value too (0
+/// for one process).
+pub(crate) fn connect(
+    execution: &Execution,
+    timeout: Duration,
+    secret: Option<&ClusterSecret>,
+    fingerprint: u64,
+) -> Result<(Allocators, u64), GraphError> {
+    use timely::communication::allocator::zero_copy::initialize::initialize_networking_from_sockets;
+    use timely::communication::allocator::{AllocatorBuilder, ProcessBuilder};
+    let (threads, process, hosts) = match execution {
+        Execution::Threads(0 | 1) => {
+            let built = CommunicationConfig::Thread.try_build();
+            return Ok((built.map_err(GraphError::Runtime)?, 0));
+        }
+        Execution::Threads(n) => {
+            let built = CommunicationConfig::Process(*n).try_build();
+            return Ok((built.map_err(GraphError::Runtime)?, 0));
+        }
+        Execution::Cluster {
+            threads,
+            process,
+            hosts,
+        } => (*threads, *process, hosts),
+    };
+    let secret = secret.ok_or_else(|| {
+        GraphError::Execution(
+            "a run over several processes needs a cluster secret (RunSettings::cluster_secret)"
+                .into(),
+        )
+    })?;
+    let mesh = crate::mesh::connect(hosts, process, secret, fingerprint, timeout)?;
+    let hooks = timely::communication::Hooks::default();
+    let local =
+        ProcessBuilder::new_typed_vector(threads, hooks.refill.clone(), hooks.spill.clone());
+    let (builders, guard) =
+        initialize_networking_from_sockets(local, mesh.sockets, process, threads, hooks).map_err(
+            |e| GraphError::Runtime(format!("starting the cluster's network threads: {e}")),
+        )?;
+    let builders = builders.into_iter().map(AllocatorBuilder::Tcp).collect();
+    Ok(((builders, Box::new(guard)), mesh.run))
 }

@@ -15,6 +15,8 @@
 //! - [`backpressure`]: at most `max_staleness + 1` steps in flight;
 //! - [`engine_thread`]: stages that run on their own thread behind a bounded queue;
 //! - [`execution`]: one thread, N threads or N processes, and the run settings;
+//! - [`cluster_secret`]: the secret a cluster's processes prove; `mesh`: their
+//!   sockets, each authenticated under it before timely sees it;
 //! - [`collective`]: the all-reduce of data-parallel ranks in any processes, over timely;
 //! - [`run`]: the per-worker driver and the dataflow it builds; failures and lost peers (`control`);
 //! - [`metrics`]: the metrics stream and the run report;
@@ -34,6 +36,7 @@ mod edges;
 pub mod engine_thread;
 mod error;
 pub mod execution;
+mod mesh;
 pub mod metrics;
 pub mod parquet_log;
 pub mod partition;

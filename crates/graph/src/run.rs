@@ -75,7 +75,18 @@ pub fn run(pipeline: &Pipeline, settings: &RunSettings) -> Result<RunReport, Gra
     pipeline.validate(&settings.placement)?;
     quiet_network_panics();
 
-    let (builders, others) = connect(&settings.execution, settings.connect_timeout)?;
+    let ((builders, others), run_value) = connect(
+        &settings.execution,
+        settings.connect_timeout,
+        settings.cluster_secret.as_ref(),
+        settings.fingerprint,
+    )?;
+    // What the heartbeats and weight fetches prove from here on: the
+    // settings and this run, so nothing recorded from an earlier run verifies.
+    let settings = &RunSettings {
+        fingerprint: crate::mesh::session_fingerprint(settings.fingerprint, run_value),
+        ..settings.clone()
+    };
     let shared = Arc::new(RunShared::new(settings.execution.processes()));
     // The direct weights channel, between processes of a cluster only.
     if let (Some(host), crate::WeightsChannel::Direct { port }) =

@@ -1,0 +1,609 @@
+//! Connecting the processes of a cluster: one TCP socket per pair of
+//! processes, each authenticated before timely sends anything over it.
+//!
+//! Process `i` listens on its own address, connects to every process below
+//! it (process 0 first) and then accepts every process above it, so no two
+//! processes wait on each other. On each socket the two run a
+//! challenge–response under the cluster secret:
+//!
+//! 1. the connecting process sends its id, the id it wants, its settings
+//!    fingerprint and a fresh random nonce;
+//! 2. the accepting process answers with its fingerprint, the run's random
+//!    value, a fresh nonce of its own, and an HMAC over both ids, its
+//!    fingerprint, the run value and both nonces;
+//! 3. the connecting process answers with its own HMAC over the same (its
+//!    fingerprint, another label);
+//! 4. the accepting process says whether it admits the connection.
+//!
+//! Neither proof can be replayed: each covers the other side's fresh nonce.
+//! The run's random value is drawn by process 0 and learned by every other
+//! process on its first connection (to process 0); it is mixed into the
+//! fingerprint the run's heartbeats and weight fetches prove
+//! ([`session_fingerprint`]), so nothing recorded from an earlier run with the
+//! same config verifies in this one.
+//!
+//! A connection that does not speak this protocol (a port scan, a load
+//! balancer's health check), asks for another process, claims an id that
+//! does not connect here, or does not prove the secret is dropped and
+//! logged, and start-up goes on; only a process that proves the secret but
+//! runs other settings stops the run at once. If a peer has not connected
+//! when the start-up deadline passes, the error says so and names what was
+//! refused in its place.
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use crate::cluster_secret::{ClusterSecret, Proof, Side};
+use crate::GraphError;
+
+/// Every pair's socket (`None` at this process's own place) and the run's random value.
+pub(crate) struct Mesh {
+    pub(crate) sockets: Vec<Option<TcpStream>>,
+    pub(crate) run: u64,
+}
+
+/// The first bytes of every greeting.
+const MAGIC: &[u8; 16] = b"weir cluster v1\0";
+type Nonce = [u8; 32];
+
+/// How long an accepted connection has to complete its handshake.
+const HANDSHAKE: Duration = Duration::from_secs(5);
+/// Handshakes answered at once; further connections are closed at once.
+const MAX_PENDING: usize = 32;
+
+const ADMITTED: u8 = 0;
+const NO_SECRET: u8 = 1;
+const OTHER_SETTINGS: u8 = 2;
+
+/// Who this process is in the cluster.
+#[derive(Clone)]
+struct Party {
+    me: usize,
+    processes: usize,
+    secret: ClusterSecret,
+    fingerprint: u64,
+}
+
+/// Connects this process (`me`, listening on `hosts[me]`) to every other,
+/// proving `secret` on each socket and checking `fingerprint` (see the
+/// module's documentation), within `timeout`.
+pub(crate) fn connect(
+    hosts: &[String],
+    me: usize,
+    secret: &ClusterSecret,
+    fingerprint: u64,
+    timeout: Duration,
+) -> Result<Mesh, GraphError> {
+    let listener = TcpListener::bind(hosts[me].as_str()).map_err(|e| {
+        GraphError::Execution(format!("process {me} cannot listen on {}: {e}", hosts[me]))
+    })?;
+    connect_on(listener, hosts, me, secret, fingerprint, timeout)
+}
+
+/// [`connect`] with this process's listener already bound.
+fn connect_on(
+    listener: TcpListener,
+    hosts: &[String],
+    me: usize,
+    secret: &ClusterSecret,
+    fingerprint: u64,
+    timeout: Duration,
+) -> Result<Mesh, GraphError> {
+    let deadline = Instant::now() + timeout;
+    let party = Party {
+        me,
+        processes: hosts.len(),
+        secret: secret.clone(),
+        fingerprint,
+    };
+    let mut sockets: Vec<Option<TcpStream>> = (0..hosts.len()).map(|_| None).collect();
+    let mut run = if me == 0 {
+        u64::from_le_bytes(random()?)
+    } else {
+        0
+    };
+    for (peer, address) in hosts.iter().enumerate().take(me) {
+        let (stream, theirs) = dial(&party, peer, address, deadline, timeout)?;
+        if peer == 0 {
+            run = theirs;
+        } else if theirs != run {
+            return Err(GraphError::Execution(format!(
+                "process {peer} at {address} belongs to another run than process 0 \
+                 (is every process started with the same hostfile?)"
+            )));
+        }
+        sockets[peer] = Some(stream);
+    }
+    accept_all(&listener, &party, run, &mut sockets, deadline, timeout)?;
+    Ok(Mesh { sockets, run })
+}
+
+/// The fingerprint a run's heartbeats and weight fetches prove: the
+/// settings' `fingerprint` and the run's random value, hashed.
+pub(crate) fn session_fingerprint(fingerprint: u64, run: u64) -> u64 {
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::new()
+        .chain_update(b"weir session v1")
+        .chain_update(fingerprint.to_le_bytes())
+        .chain_update(run.to_le_bytes())
+        .finalize();
+    u64::from_le_bytes(
+        digest[..8]
+            .try_into()
+            .expect("a SHA-256 digest has 32 bytes"),
+    )
+}
+
+/// `N` bytes from the operating system's random source.
+pub(crate) fn random<const N: usize>() -> Result<[u8; N], GraphError> {
+    let mut bytes = [0u8; N];
+    getrandom::getrandom(&mut bytes)
+        .map_err(|e| GraphError::Runtime(format!("the system's random source: {e}")))?;
+    Ok(bytes)
+}
+
+fn another_secret(peer: usize, me: usize) -> GraphError {
+    GraphError::Execution(format!(
+        "process {peer} has another cluster secret than this process ({me}): start every \
+         process with the same WEIR_CLUSTER_SECRET or --cluster-secret-file"
+    ))
+}
+
+fn other_settings(peer: usize, me: usize, theirs: u64, ours: u64) -> GraphError {
+    GraphError::Execution(format!(
+        "process {peer} runs different settings than process {me} (fingerprint \
+         {theirs:016x}, here {ours:016x}): start every process with the same config, flags \
+         and weir build"
+    ))
+}
+
+fn seconds(timeout: Duration) -> String {
+    format!("{:.1} s", timeout.as_secs_f64())
+}
+
+/// Connects to process `peer` at `address` and runs the connecting side of
+/// the handshake; returns the socket and the run value it was told.
+fn dial(
+    party: &Party,
+    peer: usize,
+    address: &str,
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<(TcpStream, u64), GraphError> {
+    let me = party.me;
+    let late = || GraphError::PeerLost {
+        peer: format!("process {peer}"),
+        reason: format!(
+            "did not connect within {} (is every process started, with the same hostfile?)",
+            seconds(timeout)
+        ),
+    };
+    let mut stream = loop {
+        if let Some(stream) = try_connect(address) {
+            break stream;
+        }
+        if Instant::now() >= deadline {
+            return Err(late());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1));
+    let _ = stream.set_nodelay(true);
+    let _ = stream.set_read_timeout(Some(left));
+    let _ = stream.set_write_timeout(Some(left));
+    let broken = |e: std::io::Error| match e.kind() {
+        ErrorKind::WouldBlock | ErrorKind::TimedOut => late(),
+        _ => GraphError::PeerLost {
+            peer: format!("process {peer}"),
+            reason: format!("closed the connection during the cluster handshake ({e})"),
+        },
+    };
+    let ours: Nonce = random()?;
+    let mut hello = Vec::with_capacity(HELLO);
+    hello.extend_from_slice(MAGIC);
+    for word in [me as u64, peer as u64, party.fingerprint] {
+        hello.extend_from_slice(&word.to_le_bytes());
+    }
+    hello.extend_from_slice(&ours);
+    stream.write_all(&hello).map_err(broken)?;
+    let mut reply = [0u8; REPLY];
+    stream.read_exact(&mut reply).map_err(broken)?;
+    if &reply[..16] != MAGIC {
+        return Err(GraphError::Execution(format!(
+            "{address} (process {peer}) does not speak weir's cluster protocol"
+        )));
+    }
+    let word = |at: usize| u64::from_le_bytes(reply[at..at + 8].try_into().expect("8 bytes"));
+    let (theirs_fingerprint, run) = (word(16), word(24));
+    let theirs: Nonce = reply[32..64].try_into().expect("32 bytes");
+    let their_proof: Proof = reply[64..96].try_into().expect("32 bytes");
+    let words = |fingerprint| [me as u64, peer as u64, fingerprint, run];
+    let proof =
+        party
+            .secret
+            .handshake_proof(Side::Connecting, &words(party.fingerprint), &ours, &theirs);
+    stream.write_all(&proof).map_err(broken)?;
+    let mut verdict = [0u8; 1];
+    stream.read_exact(&mut verdict).map_err(broken)?;
+    let genuine = party.secret.verifies_handshake(
+        Side::Accepting,
+        &words(theirs_fingerprint),
+        &ours,
+        &theirs,
+        &their_proof,
+    );
+    if !genuine || verdict[0] == NO_SECRET {
+        return Err(another_secret(peer, me));
+    }
+    if theirs_fingerprint != party.fingerprint || verdict[0] != ADMITTED {
+        return Err(other_settings(
+            peer,
+            me,
+            theirs_fingerprint,
+            party.fingerprint,
+        ));
+    }
+    let _ = stream.set_read_timeout(None);
+    let _ = stream.set_write_timeout(None);
+    Ok((stream, run))
+}
+
+/// A connection to `address`, if one opens within a second.
+fn try_connect(address: &str) -> Option<TcpStream> {
+    let addresses: Vec<SocketAddr> = address.to_socket_addrs().ok()?.collect();
+    addresses
+        .iter()
+        .find_map(|a| TcpStream::connect_timeout(a, Duration::from_secs(1)).ok())
+}
+
+const HELLO: usize = 16 + 3 * 8 + 32;
+const REPLY: usize = 16 + 2 * 8 + 32 + 32;
+
+/// What became of one accepted connection.
+enum Answered {
+    Admitted(usize, TcpStream),
+    /// Dropped: who it claimed to be (if it said), and why.
+    Dropped(SocketAddr, Option<usize>, String),
+    /// A process that proves the secret but runs other settings.
+    Fatal(GraphError),
+}
+
+/// Accepts every process above this one, answering each connection's
+/// handshake on a thread of its own (at most [`MAX_PENDING`] at once).
+fn accept_all(
+    listener: &TcpListener,
+    party: &Party,
+    run: u64,
+    sockets: &mut [Option<TcpStream>],
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<(), GraphError> {
+    let me = party.me;
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| GraphError::Runtime(format!("the cluster listener: {e}")))?;
+    let (tx, rx) = mpsc::channel();
+    let mut pending = 0usize;
+    let mut refused: Vec<Option<String>> = vec![None; party.processes];
+    loop {
+        while let Ok(answered) = rx.try_recv() {
+            pending -= 1;
+            match answered {
+                Answered::Admitted(peer, stream) if sockets[peer].is_none() => {
+                    sockets[peer] = Some(stream);
+                }
+                Answered::Admitted(peer, _) => {
+                    tracing::warn!("process {me}: dropped a second connection as process {peer}");
+                }
+                Answered::Dropped(from, claimed, why) => {
+                    tracing::warn!("process {me}: dropped a connection from {from}: {why}");
+                    if let Some(p) = claimed {
+                        refused[p] = Some(why);
+                    }
+                }
+                Answered::Fatal(e) => return Err(e),
+            }
+        }
+        let Some(missing) = (me + 1..party.processes).find(|&p| sockets[p].is_none()) else {
+            return Ok(());
+        };
+        if Instant::now() >= deadline {
+            let note = refused[missing]
+                .as_ref()
+                .map(|why| format!("; a connection as process {missing} was dropped: {why}"))
+                .unwrap_or_default();
+            return Err(GraphError::PeerLost {
+                peer: format!("process {missing}"),
+                reason: format!(
+                    "did not connect within {} (is every process started, with the same \
+                     hostfile?){note}",
+                    seconds(timeout)
+                ),
+            });
+        }
+        match listener.accept() {
+            Ok((stream, from)) if pending < MAX_PENDING => {
+                pending += 1;
+                let (party, tx) = (party.clone(), tx.clone());
+                let spawned = std::thread::Builder::new()
+                    .name("weir:handshake".into())
+                    .spawn(move || {
+                        let _ = tx.send(answer(stream, from, &party, run));
+                    });
+                if spawned.is_err() {
+                    pending -= 1;
+                }
+            }
+            Ok((_, from)) => {
+                tracing::warn!("process {me}: dropped a connection from {from}: {MAX_PENDING} handshakes are under way");
+            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(e) => {
+                // Out of file descriptors, say: back off rather than spin.
+                tracing::warn!("process {me}: accepting a connection: {e}");
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+    }
+}
+
+/// The accepting side of the handshake on `stream`, from `from`.
+fn answer(mut stream: TcpStream, from: SocketAddr, party: &Party, run: u64) -> Answered {
+    let me = party.me;
+    let dropped = |claimed, why: String| Answered::Dropped(from, claimed, why);
+    if stream.set_nonblocking(false).is_err()
+        || stream.set_read_timeout(Some(HANDSHAKE)).is_err()
+        || stream.set_write_timeout(Some(HANDSHAKE)).is_err()
+    {
+        return dropped(None, "its socket could not be set up".into());
+    }
+    let _ = stream.set_nodelay(true);
+    let io = |e: std::io::Error| match e.kind() {
+        ErrorKind::WouldBlock | ErrorKind::TimedOut => {
+            format!(
+                "it did not finish the handshake within {}",
+                seconds(HANDSHAKE)
+            )
+        }
+        _ => format!("it closed the connection during the handshake ({e})"),
+    };
+    let mut hello = [0u8; HELLO];
+    if let Err(e) = stream.read_exact(&mut hello) {
+        return dropped(None, io(e));
+    }
+    if &hello[..16] != MAGIC {
+        return dropped(None, "it does not speak weir's cluster protocol".into());
+    }
+    let word = |at: usize| u64::from_le_bytes(hello[at..at + 8].try_into().expect("8 bytes"));
+    let (peer, wanted, theirs_fingerprint) = (word(16), word(24), word(32));
+    if wanted != me as u64 {
+        return dropped(None, format!("it asked for process {wanted}, not {me}"));
+    }
+    let peer = match usize::try_from(peer) {
+        Ok(p) if p > me && p < party.processes => p,
+        _ => {
+            return dropped(
+                None,
+                format!("it claimed to be process {peer}, which does not connect to process {me}"),
+            )
+        }
+    };
+    let theirs: Nonce = hello[40..72].try_into().expect("32 bytes");
+    let ours: Nonce = match random() {
+        Ok(n) => n,
+        Err(e) => return Answered::Fatal(e),
+    };
+    let words = |fingerprint| [peer as u64, me as u64, fingerprint, run];
+    let proof =
+        party
+            .secret
+            .handshake_proof(Side::Accepting, &words(party.fingerprint), &theirs, &ours);
+    let mut reply = Vec::with_capacity(REPLY);
+    reply.extend_from_slice(MAGIC);
+    reply.extend_from_slice(&party.fingerprint.to_le_bytes());
+    reply.extend_from_slice(&run.to_le_bytes());
+    reply.extend_from_slice(&ours);
+    reply.extend_from_slice(&proof);
+    let mut their_proof: Proof = [0u8; 32];
+    if let Err(e) = stream
+        .write_all(&reply)
+        .and_then(|()| stream.read_exact(&mut their_proof))
+    {
+        return dropped(Some(peer), io(e));
+    }
+    let genuine = party.secret.verifies_handshake(
+        Side::Connecting,
+        &words(theirs_fingerprint),
+        &theirs,
+        &ours,
+        &their_proof,
+    );
+    if !genuine {
+        let _ = stream.write_all(&[NO_SECRET]);
+        return dropped(Some(peer), "it did not prove the cluster secret".into());
+    }
+    if theirs_fingerprint != party.fingerprint {
+        let _ = stream.write_all(&[OTHER_SETTINGS]);
+        return Answered::Fatal(other_settings(
+            peer,
+            me,
+            theirs_fingerprint,
+            party.fingerprint,
+        ));
+    }
+    if let Err(e) = stream.write_all(&[ADMITTED]) {
+        return dropped(Some(peer), io(e));
+    }
+    let _ = stream.set_read_timeout(None);
+    let _ = stream.set_write_timeout(None);
+    Answered::Admitted(peer, stream)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::thread::JoinHandle;
+
+    /// `n` listeners on ports the system picked, and their addresses.
+    fn bound(n: usize) -> (Vec<TcpListener>, Vec<String>) {
+        let listeners: Vec<TcpListener> = (0..n)
+            .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+            .collect();
+        let hosts = listeners
+            .iter()
+            .map(|l| l.local_addr().unwrap().to_string())
+            .collect();
+        (listeners, hosts)
+    }
+
+    fn start(
+        listener: TcpListener,
+        hosts: &[String],
+        me: usize,
+        secret: &str,
+        fingerprint: u64,
+        timeout: Duration,
+    ) -> JoinHandle<Result<Mesh, GraphError>> {
+        let hosts = hosts.to_vec();
+        let secret = ClusterSecret::new(secret).unwrap();
+        std::thread::spawn(move || connect_on(listener, &hosts, me, &secret, fingerprint, timeout))
+    }
+
+    #[test]
+    fn processes_connect_through_strays_and_each_socket_joins_the_right_pair() {
+        let (listeners, hosts) = bound(3);
+        // Before any process answers: a connect-and-close, bytes that are
+        // not weir's, a greeting that claims an id nobody has, and a
+        // connection that stays silent.
+        let mut strays = Vec::new();
+        for host in &hosts {
+            drop(TcpStream::connect(host).unwrap());
+            let mut garbage = TcpStream::connect(host).unwrap();
+            garbage.write_all(&[7u8; HELLO]).unwrap();
+            strays.push(garbage);
+            let mut liar = TcpStream::connect(host).unwrap();
+            let mut hello = MAGIC.to_vec();
+            for word in [u64::MAX, 0, 1] {
+                hello.extend_from_slice(&word.to_le_bytes());
+            }
+            hello.extend_from_slice(&[0u8; 32]);
+            liar.write_all(&hello).unwrap();
+            strays.push(liar);
+            strays.push(TcpStream::connect(host).unwrap());
+        }
+        let handles: Vec<_> = listeners
+            .into_iter()
+            .enumerate()
+            .map(|(me, l)| start(l, &hosts, me, "s3cret", 42, Duration::from_secs(30)))
+            .collect();
+        let meshes: Vec<Mesh> = handles
+            .into_iter()
+            .map(|h| h.join().unwrap().unwrap())
+            .collect();
+        assert!(
+            meshes.iter().all(|m| m.run == meshes[0].run),
+            "one run value"
+        );
+        // Each process writes its id on every socket; the other end reads it.
+        for (me, mesh) in meshes.iter().enumerate() {
+            for (peer, socket) in mesh.sockets.iter().enumerate() {
+                assert_eq!(socket.is_none(), peer == me);
+                if let Some(mut s) = socket.as_ref() {
+                    s.write_all(&[me as u8]).unwrap();
+                }
+            }
+        }
+        for (me, mesh) in meshes.iter().enumerate() {
+            for (peer, socket) in mesh.sockets.iter().enumerate() {
+                if let Some(mut s) = socket.as_ref() {
+                    let mut byte = [0u8];
+                    s.read_exact(&mut byte).unwrap();
+                    assert_eq!(byte[0] as usize, peer, "process {me}'s socket to {peer}");
+                }
+            }
+        }
+        drop(strays);
+    }
+
+    #[test]
+    fn a_process_without_the_secret_cannot_join_and_the_run_waits_for_one_with_it() {
+        let (mut listeners, hosts) = bound(2);
+        let second = listeners.pop().unwrap();
+        let first = start(
+            listeners.pop().unwrap(),
+            &hosts,
+            0,
+            "s3cret",
+            42,
+            Duration::from_secs(30),
+        );
+        // A stranger that knows the config (the fingerprint) but not the secret.
+        let stranger_listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let stranger = start(
+            stranger_listener,
+            &hosts,
+            1,
+            "guess",
+            42,
+            Duration::from_secs(30),
+        );
+        let err = stranger.join().unwrap().err().expect("refused").to_string();
+        assert!(err.contains("cluster secret"), "{err}");
+        let second = start(second, &hosts, 1, "s3cret", 42, Duration::from_secs(30));
+        let (a, b) = (
+            first.join().unwrap().unwrap(),
+            second.join().unwrap().unwrap(),
+        );
+        assert_eq!(a.run, b.run);
+    }
+
+    #[test]
+    fn processes_with_other_settings_both_stop_and_a_lone_one_says_what_it_refused() {
+        let (mut listeners, hosts) = bound(2);
+        let timeout = Duration::from_secs(30);
+        let b = start(listeners.pop().unwrap(), &hosts, 1, "s3cret", 7, timeout);
+        let a = start(listeners.pop().unwrap(), &hosts, 0, "s3cret", 42, timeout);
+        for handle in [a, b] {
+            let err = handle.join().unwrap().err().expect("stopped").to_string();
+            assert!(err.contains("runs different settings"), "{err}");
+        }
+
+        let (mut listeners, hosts) = bound(2);
+        let lone = start(
+            listeners.remove(0),
+            &hosts,
+            0,
+            "s3cret",
+            42,
+            Duration::from_secs(2),
+        );
+        let stranger = start(
+            listeners.remove(0),
+            &hosts,
+            1,
+            "guess",
+            42,
+            Duration::from_secs(2),
+        );
+        assert!(stranger.join().unwrap().is_err());
+        let err = lone.join().unwrap().err().expect("timed out").to_string();
+        assert!(
+            err.contains("did not connect within 2.0 s")
+                && err.contains("process 1 was dropped: it did not prove the cluster secret"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_session_fingerprint_differs_from_run_to_run() {
+        assert_ne!(session_fingerprint(42, 1), session_fingerprint(42, 2));
+        assert_ne!(session_fingerprint(42, 1), session_fingerprint(43, 1));
+        assert_eq!(session_fingerprint(42, 1), session_fingerprint(42, 1));
+    }
+}
