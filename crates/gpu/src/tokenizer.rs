@@ -21,10 +21,13 @@ pub struct Message {
 }
 
 /// A checkpoint's tokenizer with its chat template and special tokens.
+#[derive(Clone)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     dir: PathBuf,
     chat_template: Option<String>,
+    /// The chat template compiled, on first use (or why it does not compile).
+    chat: std::sync::OnceLock<Result<minijinja::Environment<'static>, String>>,
     bos_token: Option<String>,
     eos_token: Option<String>,
     pad_token: Option<String>,
@@ -144,6 +147,54 @@ fn chat_template(dir: &Path, config: &Value) -> Result<Option<String>, ModelErro
     }))
 }
 
+/// The name of the chat template in its environment.
+const CHAT: &str = "chat";
+
+/// The most instructions one rendering of a chat template may run: far
+/// above any real template over a long conversation (a few hundred a
+/// message), far below a template that loops for ever (which then fails
+/// with one line in well under a second).
+pub const CHAT_FUEL: u64 = 5_000_000;
+
+/// A minijinja environment with `template` compiled as [`CHAT`], the
+/// helpers transformers gives chat templates, and the fuel limit.
+fn chat_environment(template: &str) -> Result<minijinja::Environment<'static>, String> {
+    let mut env = minijinja::Environment::new();
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
+    env.set_fuel(Some(CHAT_FUEL));
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    minijinja_contrib::add_to_environment(&mut env);
+    env.add_function(
+        "raise_exception",
+        |message: String| -> Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(
+                minijinja::ErrorKind::InvalidOperation,
+                message,
+            ))
+        },
+    );
+    // transformers' helper for templates that date their system prompt.
+    env.add_function(
+        "strftime_now",
+        |format: String| -> Result<String, minijinja::Error> {
+            let items: Vec<_> = chrono::format::StrftimeItems::new(&format).collect();
+            if items.contains(&chrono::format::Item::Error) {
+                return Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    format!("strftime_now: {format:?} is not a strftime format"),
+                ));
+            }
+            Ok(chrono::Local::now()
+                .format_with_items(items.into_iter())
+                .to_string())
+        },
+    );
+    env.add_template_owned(CHAT, template.to_string())
+        .map_err(|e| e.to_string())?;
+    Ok(env)
+}
+
 impl Tokenizer {
     /// Loads the tokenizer files of the checkpoint folder `dir`.
     pub fn load(dir: &Path) -> Result<Self, ModelError> {
@@ -208,6 +259,7 @@ impl Tokenizer {
             inner,
             dir: dir.to_path_buf(),
             chat_template,
+            chat: std::sync::OnceLock::new(),
             bos_token,
             eos_token,
             pad_token,
@@ -262,36 +314,18 @@ impl Tokenizer {
                 "missing: this tokenizer has no chat template",
             )
         })?;
-        let mut env = minijinja::Environment::new();
-        env.set_trim_blocks(true);
-        env.set_lstrip_blocks(true);
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        minijinja_contrib::add_to_environment(&mut env);
-        env.add_function(
-            "raise_exception",
-            |message: String| -> Result<String, minijinja::Error> {
-                Err(minijinja::Error::new(
-                    minijinja::ErrorKind::InvalidOperation,
-                    message,
-                ))
-            },
-        );
-        // transformers' helper for templates that date their system prompt.
-        env.add_function(
-            "strftime_now",
-            |format: String| -> Result<String, minijinja::Error> {
-                let items: Vec<_> = chrono::format::StrftimeItems::new(&format).collect();
-                if items.contains(&chrono::format::Item::Error) {
-                    return Err(minijinja::Error::new(
-                        minijinja::ErrorKind::InvalidOperation,
-                        format!("strftime_now: {format:?} is not a strftime format"),
-                    ));
-                }
-                Ok(chrono::Local::now()
-                    .format_with_items(items.into_iter())
-                    .to_string())
-            },
-        );
+        let config_file = || self.dir.join("tokenizer_config.json");
+        let env = self
+            .chat
+            .get_or_init(|| chat_environment(template))
+            .as_ref()
+            .map_err(|e| {
+                ModelError::config(
+                    &config_file(),
+                    "chat_template",
+                    format!("does not compile: {e}"),
+                )
+            })?;
         let ctx = minijinja::context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
@@ -299,12 +333,23 @@ impl Tokenizer {
             eos_token => self.eos_token.clone().unwrap_or_default(),
             pad_token => self.pad_token.clone().unwrap_or_default(),
         };
-        env.render_str(template, ctx).map_err(|e| {
+        let template = env.get_template(CHAT).map_err(|e| {
             ModelError::config(
-                &self.dir.join("tokenizer_config.json"),
+                &config_file(),
                 "chat_template",
-                format!("rendering failed: {e}"),
+                format!("does not compile: {e}"),
             )
+        })?;
+        template.render(ctx).map_err(|e| {
+            let why = if e.kind() == minijinja::ErrorKind::OutOfFuel {
+                format!(
+                    "rendering took more than {CHAT_FUEL} steps: a template that loops without \
+                     end, or over far too much?"
+                )
+            } else {
+                format!("rendering failed: {e}")
+            };
+            ModelError::config(&config_file(), "chat_template", why)
         })
     }
 

@@ -198,6 +198,62 @@ fn chat_templates_may_date_their_prompt() {
     );
 }
 
+/// A checkpoint's chat template that would loop for ever (nested ranges)
+/// fails with one line naming the template, well within a second; one
+/// that does not compile says so; a real one over a long chat renders.
+#[test]
+fn a_template_that_loops_for_ever_or_does_not_compile_is_one_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = fixtures().join("tokenizer");
+    for entry in std::fs::read_dir(&src).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, tmp.path().join(path.file_name().unwrap())).unwrap();
+    }
+    let messages: Vec<weir_gpu::Message> = (0..2000)
+        .map(|i| weir_gpu::Message {
+            role: if i % 2 == 0 { "user" } else { "assistant" }.into(),
+            content: format!("message {i}"),
+        })
+        .collect();
+    let real = weir_gpu::Tokenizer::load(tmp.path()).unwrap();
+    let rendered = real.apply_chat_template(&messages, true).unwrap();
+    assert!(rendered.contains("message 1999"));
+
+    let looping = "{% for i in range(100000) %}{% for j in range(100000) %}\
+                   {% for k in range(100000) %}x{% endfor %}{% endfor %}{% endfor %}";
+    std::fs::write(tmp.path().join("chat_template.jinja"), looping).unwrap();
+    let tok = weir_gpu::Tokenizer::load(tmp.path()).unwrap();
+    let started = std::time::Instant::now();
+    let err = tok
+        .apply_chat_template(&messages[..1], true)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("chat_template") && err.contains("loops without end") && !err.contains('\n'),
+        "{err}"
+    );
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+
+    std::fs::write(
+        tmp.path().join("chat_template.jinja"),
+        "{% for m in messages %}",
+    )
+    .unwrap();
+    let tok = weir_gpu::Tokenizer::load(tmp.path()).unwrap();
+    let err = tok
+        .apply_chat_template(&messages[..1], true)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("chat_template") && err.contains("does not compile"),
+        "{err}"
+    );
+}
+
 /// A folder with only a slow tokenizer says how to write the fast one.
 #[test]
 fn a_slow_tokenizer_alone_is_named_with_the_fix() {

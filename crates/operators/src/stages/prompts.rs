@@ -24,10 +24,27 @@ pub struct PromptRow {
     pub extra: Vec<String>,
 }
 
+/// Turns a drawn prompt into its token ids, for prompt sets that are cheap
+/// to list and costly to tokenize all at once (the arith task's 9,500 chat
+/// prompts): see [`PromptSource::tokenized_when_drawn`].
+#[derive(Clone)]
+pub struct Tokenize(pub Arc<TokenizeFn>);
+
+/// What [`Tokenize`] calls: a prompt row's token ids.
+pub type TokenizeFn = dyn Fn(&PromptRow) -> Result<Vec<i64>, StageError> + Send + Sync;
+
+impl std::fmt::Debug for Tokenize {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Tokenize(…)")
+    }
+}
+
 /// Emits prompts_per_step prompts × samples per step.
 #[derive(Clone, Debug)]
 pub struct PromptSource {
     rows: Arc<Vec<PromptRow>>,
+    /// How a drawn row gets its tokens, when its `tokens` are not set ahead.
+    tokenize: Option<Tokenize>,
     extra_columns: Vec<String>,
     prompts_per_step: usize,
     samples: usize,
@@ -91,6 +108,7 @@ impl PromptSource {
         let order = shuffled(rows.len(), seed, 0);
         Ok(PromptSource {
             rows: Arc::new(rows),
+            tokenize: None,
             extra_columns,
             prompts_per_step,
             samples,
@@ -185,7 +203,15 @@ impl PromptSource {
         self
     }
 
-    /// The prompt set.
+    /// Tokenizes each prompt with `tokenize` when a step draws it, instead
+    /// of reading its row's `tokens` (left empty): a run that draws a few
+    /// hundred of a set's prompts tokenizes those only.
+    pub fn tokenized_when_drawn(mut self, tokenize: Tokenize) -> Self {
+        self.tokenize = Some(tokenize);
+        self
+    }
+
+    /// The prompt set (without tokens, for a set tokenized when drawn).
     pub fn rows(&self) -> &[PromptRow] {
         &self.rows
     }
@@ -257,6 +283,10 @@ impl Source for PromptSource {
                 continue;
             }
             let row = &self.rows[p];
+            let row_tokens = match &self.tokenize {
+                Some(tokenize) => (tokenize.0)(row)?,
+                None => row.tokens.clone(),
+            };
             let rows = self.samples + usize::from(self.greedy_baseline);
             for s in 0..rows {
                 greedy.push(s == self.samples);
@@ -265,7 +295,7 @@ impl Source for PromptSource {
                 group_id.push(ctx.step * self.prompts_per_step as u64 + i as u64);
                 sample_idx.push(s as u32);
                 text.push(row.prompt.clone());
-                tokens.push(row.tokens.clone());
+                tokens.push(row_tokens.clone());
                 for (c, v) in extra.iter_mut().zip(&row.extra) {
                     c.push(v.clone());
                 }

@@ -8,7 +8,7 @@
 use weir_gpu::{Message, Tokenizer};
 use weir_graph::StageError;
 
-use crate::stages::prompts::{PromptRow, PromptSource};
+use crate::stages::prompts::{PromptRow, PromptSource, Tokenize};
 
 /// The end-of-turn token that cuts a completion.
 pub const END: &str = "<|im_end|>";
@@ -112,19 +112,27 @@ pub fn prompts(
 ) -> Result<PromptSource, StageError> {
     let rows = pairs
         .iter()
-        .map(|&(a, b)| {
-            let messages = [Message {
-                role: "user".into(),
-                content: user_message(a, b),
-            }];
-            Ok(PromptRow {
-                prompt: user_message(a, b),
-                tokens: tokenizer.encode_chat(&messages, true)?,
-                extra: vec![(a + b).to_string()],
-            })
+        .map(|&(a, b)| PromptRow {
+            prompt: user_message(a, b),
+            tokens: Vec::new(),
+            extra: vec![(a + b).to_string()],
         })
-        .collect::<Result<Vec<_>, StageError>>()?;
-    PromptSource::new(rows, vec!["answer".into()], prompts_per_step, samples, seed)
+        .collect();
+    let source = PromptSource::new(rows, vec!["answer".into()], prompts_per_step, samples, seed)?;
+    Ok(source.tokenized_when_drawn(chat_tokens(tokenizer)))
+}
+
+/// The token ids of a row's user message in `tokenizer`'s chat template,
+/// with a generation prompt.
+fn chat_tokens(tokenizer: &Tokenizer) -> Tokenize {
+    let tokenizer = tokenizer.clone();
+    Tokenize(std::sync::Arc::new(move |row: &PromptRow| {
+        let messages = [Message {
+            role: "user".into(),
+            content: row.prompt.clone(),
+        }];
+        Ok(tokenizer.encode_chat(&messages, true)?)
+    }))
 }
 
 /// The arith task as preference pairs: columns `chosen` (the sum) and
@@ -154,13 +162,14 @@ pub fn preferences(
             }
         })
         .collect();
-    PromptSource::new(
+    let source = PromptSource::new(
         rows,
         vec!["chosen".into(), "rejected".into()],
         prompts_per_step,
         1,
         seed,
-    )
+    )?;
+    Ok(source.tokenized_when_drawn(chat_tokens(tokenizer)))
 }
 
 #[cfg(test)]
