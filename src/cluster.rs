@@ -36,7 +36,7 @@ pub struct ClusterArgs {
 }
 
 /// The environment variable holding a run's cluster secret.
-pub const SECRET_VAR: &str = "WEIR_CLUSTER_SECRET";
+pub const SECRET_VAR: &str = weir_graph::cluster_secret::ENV_VAR;
 
 impl Default for ClusterArgs {
     fn default() -> Self {

@@ -116,7 +116,8 @@ pub fn save_safetensors(
                 .map_err(|e| std::io::Error::other(e.to_string()))?;
             file.write_all(&buffer)?;
         }
-        file.flush()
+        // On disk before it takes its name: a power cut leaves the old file or the whole new one.
+        file.into_inner().map_err(|e| e.into_error())?.sync_all()
     };
     write().map_err(|e| ModelError::io(&tmp, e))?;
     std::fs::rename(&tmp, path).map_err(|e| ModelError::io(path, e))
@@ -393,11 +394,49 @@ fn copy_entry(from: &Path, to: &Path) -> Result<(), ModelError> {
 }
 
 /// Writes `bytes` to `path` through a temporary file and a rename, so
-/// readers never see a half-written file.
+/// readers never see a half-written file, and syncs the file before the
+/// rename and the folder after it, so a power cut leaves the old file or
+/// the new one, never an empty or partial one under the name.
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), ModelError> {
+    use std::io::Write;
     let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, bytes).map_err(|e| ModelError::io(&tmp, e))?;
-    std::fs::rename(&tmp, path).map_err(|e| ModelError::io(path, e))
+    let write = || -> std::io::Result<()> {
+        let mut file = std::fs::File::create(&tmp)?;
+        file.write_all(bytes)?;
+        file.sync_all()
+    };
+    write().map_err(|e| ModelError::io(&tmp, e))?;
+    std::fs::rename(&tmp, path).map_err(|e| ModelError::io(path, e))?;
+    match path.parent() {
+        Some(dir) => sync_tree(dir, false),
+        None => Ok(()),
+    }
+}
+
+/// Syncs `dir` to disk: the folder itself (its entries, renames included)
+/// and, with `files`, every file and folder beneath it.
+pub fn sync_tree(dir: &Path, files: bool) -> Result<(), ModelError> {
+    if files {
+        let entries = std::fs::read_dir(dir).map_err(|e| ModelError::io(dir, e))?;
+        for entry in entries {
+            let path = entry.map_err(|e| ModelError::io(dir, e))?.path();
+            if path.is_dir() {
+                sync_tree(&path, true)?;
+            } else {
+                std::fs::File::open(&path)
+                    .and_then(|f| f.sync_all())
+                    .map_err(|e| ModelError::io(&path, e))?;
+            }
+        }
+    }
+    let dir_path = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
+    std::fs::File::open(dir_path)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| ModelError::io(dir_path, e))
 }
 
 #[cfg(test)]

@@ -219,6 +219,10 @@ const WIRE: &[u8] = b"weir weights fetch v1";
 const CONNECTING: &[u8] = b"weir cluster connecting v1";
 const ACCEPTING: &[u8] = b"weir cluster accepting v1";
 
+/// The environment variable holding a run's cluster secret (weir's
+/// commands read it; processes weir starts never see it).
+pub const ENV_VAR: &str = "WEIR_CLUSTER_SECRET";
+
 /// The file in a run folder that holds the secret of a cluster whose
 /// processes all run on one machine ([`ClusterSecret::of_run_folder`]).
 pub const SECRET_FILE: &str = "cluster.secret";

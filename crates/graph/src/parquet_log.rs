@@ -153,7 +153,8 @@ impl Sink for ParquetLog {
     }
 }
 
-/// Writes `batches` (one schema) to `path` via a temporary file and a rename.
+/// Writes `batches` (one schema) to `path` via a temporary file, synced,
+/// and a rename, then syncs the folder.
 pub fn write_parquet_atomically(path: &Path, batches: &[RecordBatch]) -> Result<(), GraphError> {
     let Some(first) = batches.first() else {
         return Ok(());
@@ -171,8 +172,19 @@ pub fn write_parquet_atomically(path: &Path, batches: &[RecordBatch]) -> Result<
     for batch in batches {
         writer.write(batch).map_err(|e| GraphError::io(&tmp, e))?;
     }
-    writer.close().map_err(|e| GraphError::io(&tmp, e))?;
+    // On disk before it takes its name, and the name on disk before a
+    // commit point counts it: a power cut loses no committed row.
+    writer
+        .into_inner()
+        .map_err(|e| GraphError::io(&tmp, e))?
+        .sync_all()
+        .map_err(|e| GraphError::io(&tmp, e))?;
     std::fs::rename(&tmp, path).map_err(|e| GraphError::io(path, e))?;
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        File::open(parent)
+            .and_then(|d| d.sync_all())
+            .map_err(|e| GraphError::io(parent, e))?;
+    }
     Ok(())
 }
 

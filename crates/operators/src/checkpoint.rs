@@ -8,11 +8,11 @@
 //!   state.json        {"step", "version", "cursor": {"epoch", "position"}, "seed", "components"}
 //! ```
 //!
-//! Each component is written to a hidden temporary folder and renamed into
-//! place, and `state.json` goes through a temporary file too, so a crash
-//! mid-write leaves no half checkpoint that [`latest`] would pick: a
-//! checkpoint counts only when `state.json` exists and names components
-//! that are all present.
+//! Each component is written to a hidden temporary folder, synced to disk
+//! and renamed into place, and `state.json` goes through a synced temporary
+//! file too, so a crash or a power cut mid-write leaves no half checkpoint
+//! that [`latest`] would pick: a checkpoint counts only when `state.json`
+//! exists and names components that are all present.
 //!
 //! In a run, `state.json` is written last of all: the trainer saves its
 //! components and hands the state to [`CheckpointCommits`], which writes it
@@ -26,7 +26,7 @@ use std::sync::{Arc, Mutex};
 
 use serde_json::{json, Value};
 use weir_gpu::optim::Optimizer;
-use weir_gpu::snapshot::{from_safetensors, save_safetensors, write_atomically};
+use weir_gpu::snapshot::{from_safetensors, save_safetensors, sync_tree, write_atomically};
 use weir_gpu::Model;
 use weir_graph::StageError;
 
@@ -198,9 +198,13 @@ impl Checkpointer {
         let (tensors, steps) = optimizer.state();
         let meta = std::collections::HashMap::from([("steps".to_string(), steps.to_string())]);
         save_safetensors(&tmp.join("optimizer.safetensors"), &tensors, None, &meta)?;
+        // Every file on disk before the folder takes its name, and the name
+        // before `state.json` (the commit point) can name the component.
+        sync_tree(&tmp, true)?;
         let target = dir.join(component);
         let _ = std::fs::remove_dir_all(&target);
         std::fs::rename(&tmp, &target).map_err(|e| OperatorError::file(&target, e))?;
+        sync_tree(&dir, false)?;
         Ok(target)
     }
 

@@ -5,17 +5,25 @@
 //! already mapped, so a version arrives with one warm copy rather than
 //! page faults over fresh memory).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use super::WeightsPayload;
 
 #[derive(Default)]
 struct Landings {
-    /// Payloads under construction: their buffer and the bytes in so far.
-    open: HashMap<u64, (Vec<u8>, u64)>,
+    /// Payloads under construction.
+    open: HashMap<u64, Open>,
     /// Payloads handed out, kept to reuse their buffers once only this holds them.
     done: Vec<WeightsPayload>,
+}
+
+/// A payload under construction: its buffer and the byte ranges in so far.
+struct Open {
+    buffer: Vec<u8>,
+    /// Start → end of every range received (no two overlap).
+    ranges: BTreeMap<u64, u64>,
+    received: u64,
 }
 
 /// Whole payloads kept for reuse (a generator holds the newest while the next arrives).
@@ -50,25 +58,42 @@ pub(super) fn write(id: u64, offset: u64, total: u64, bytes: &[u8]) -> Result<()
             bytes.len()
         ));
     }
+    let end = offset + bytes.len() as u64;
     // Take the buffer out, so the copy runs without the lock.
-    let (mut buffer, received) = {
+    let mut open = {
         let mut all = landings();
         match all.open.remove(&id) {
             Some(open) => open,
-            None => (reusable(&mut all, total as usize), 0),
+            None => Open {
+                buffer: reusable(&mut all, total as usize),
+                ranges: BTreeMap::new(),
+                received: 0,
+            },
         }
     };
-    if buffer.len() != total as usize {
+    if open.buffer.len() != total as usize {
         return Err(format!(
             "weights payload {id:016x}: a bucket says {total} bytes, an earlier one {}",
-            buffer.len()
+            open.buffer.len()
+        ));
+    }
+    // Bytes count once: a bucket over bytes already in would let a payload
+    // complete with holes.
+    let before = open.ranges.range(..end.max(offset + 1)).next_back();
+    if !bytes.is_empty() && before.is_some_and(|(_, &e)| e > offset) {
+        landings().open.insert(id, open);
+        return Err(format!(
+            "weights payload {id:016x}: a bucket of {} bytes at {offset} overlaps bytes already received",
+            bytes.len()
         ));
     }
     let at = offset as usize;
-    buffer[at..at + bytes.len()].copy_from_slice(bytes);
-    landings()
-        .open
-        .insert(id, (buffer, received + bytes.len() as u64));
+    open.buffer[at..at + bytes.len()].copy_from_slice(bytes);
+    if !bytes.is_empty() {
+        open.ranges.insert(offset, end);
+    }
+    open.received += bytes.len() as u64;
+    landings().open.insert(id, open);
     Ok(())
 }
 
@@ -108,12 +133,12 @@ fn fresh(len: usize) -> Vec<u8> {
 /// Payload `id` once all its bytes are in (`None` before).
 pub(super) fn take_whole(id: u64) -> Option<WeightsPayload> {
     let mut all = landings();
-    let (buffer, received) = all.open.get(&id)?;
-    if *received < buffer.len() as u64 {
+    let open = all.open.get(&id)?;
+    if open.received < open.buffer.len() as u64 {
         return None;
     }
-    let (buffer, _) = all.open.remove(&id).expect("just found");
-    Some(keep(&mut all, buffer))
+    let open = all.open.remove(&id).expect("just found");
+    Some(keep(&mut all, open.buffer))
 }
 
 /// A payload of `len` bytes that `fill` writes in one go into a buffer of
@@ -140,4 +165,23 @@ fn keep(all: &mut Landings, buffer: Vec<u8>) -> WeightsPayload {
 /// Drops payload `id` under construction (its receiver is gone).
 pub(super) fn abandon(id: u64) {
     landings().open.remove(&id);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_payload_with_overlapping_buckets_is_refused() {
+        let id = fresh_id();
+        write(id, 0, 10, &[1; 6]).unwrap();
+        // Six more bytes would make twelve "received" of ten, with 6..10 a hole.
+        let err = write(id, 4, 10, &[2; 6]).unwrap_err();
+        assert!(err.contains("overlaps"), "{err}");
+        assert!(take_whole(id).is_none(), "incomplete");
+        write(id, 6, 10, &[3; 4]).unwrap();
+        let whole = take_whole(id).expect("complete");
+        assert_eq!(whole.bytes(), &[1, 1, 1, 1, 1, 1, 3, 3, 3, 3]);
+        abandon(id);
+    }
 }

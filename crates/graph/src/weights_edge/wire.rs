@@ -241,20 +241,63 @@ fn unbracketed(host: &str) -> &str {
         .unwrap_or(host)
 }
 
+/// Fetches served at once: a connection beyond them waits in the
+/// listener's backlog until one ends.
+pub(crate) const MAX_FETCHES: usize = 16;
+
+/// How long a fetcher has to send its request and proof.
+const HANDSHAKE: Duration = Duration::from_secs(5);
+
 fn accept(listener: TcpListener, offers: Offers, stop: Arc<AtomicBool>, config: WireConfig) {
-    for stream in listener.incoming() {
+    let serving = Arc::new((Mutex::new(0usize), std::sync::Condvar::new()));
+    loop {
+        // A slot first, then the next connection: idle connections cost at
+        // most MAX_FETCHES threads, each for the handshake's deadline.
+        {
+            let (count, freed) = &*serving;
+            let mut count = count.lock().unwrap_or_else(|p| p.into_inner());
+            while *count >= MAX_FETCHES {
+                count = freed.wait(count).unwrap_or_else(|p| p.into_inner());
+            }
+            *count += 1;
+        }
+        let release = {
+            let serving = serving.clone();
+            move || {
+                let (count, freed) = &*serving;
+                *count.lock().unwrap_or_else(|p| p.into_inner()) -= 1;
+                freed.notify_one();
+            }
+        };
+        let accepted = listener.accept();
         if stop.load(Ordering::SeqCst) {
             return;
         }
-        let Ok(stream) = stream else { continue };
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // Out of file descriptors, say: back off rather than spin.
+                tracing::warn!(%e, "the weights server could not accept a connection");
+                release();
+                std::thread::sleep(Duration::from_millis(200));
+                continue;
+            }
+        };
         let (offers, config) = (offers.clone(), config.clone());
-        let _ = std::thread::Builder::new()
+        let spawned = std::thread::Builder::new()
             .name("weir:weights-send".into())
-            .spawn(move || {
-                if let Err(e) = serve(stream, &offers, &config) {
-                    tracing::warn!(%e, "a weights fetch failed on the sending side");
+            .spawn({
+                let release = release.clone();
+                move || {
+                    if let Err(e) = serve(stream, &offers, &config) {
+                        tracing::warn!(%e, "a weights fetch failed on the sending side");
+                    }
+                    release();
                 }
             });
+        if spawned.is_err() {
+            release();
+        }
     }
 }
 
@@ -272,7 +315,8 @@ fn read_u64(stream: &mut TcpStream) -> std::io::Result<u64> {
 
 /// One fetch, on the sending side: the handshake, then the payload.
 fn serve(mut stream: TcpStream, offers: &Offers, config: &WireConfig) -> std::io::Result<()> {
-    timeouts(&stream, config.timeout)?;
+    // The request and proof come at once from a real fetcher.
+    timeouts(&stream, HANDSHAKE.min(config.timeout))?;
     let mut magic = [0u8; 8];
     stream.read_exact(&mut magic)?;
     if &magic != MAGIC {
@@ -308,6 +352,7 @@ fn serve(mut stream: TcpStream, offers: &Offers, config: &WireConfig) -> std::io
             "process {process} asked for weights payload {id:016x}: {answer:?}"
         )));
     };
+    stream.set_write_timeout(Some(config.timeout))?;
     stream.write_all(&(payload.len() as u64).to_le_bytes())?;
     stream.write_all(payload.bytes())?;
     stream.flush()?;
@@ -430,6 +475,43 @@ mod tests {
         let empty = WeightsPayload::from(Vec::new());
         let note = sender.offer(&empty, 1).unwrap();
         assert_eq!(fetched(&receiver, note).unwrap(), empty);
+    }
+
+    /// Threads of this process named `weir:weights-send` (as the kernel cuts it).
+    fn sending_threads() -> usize {
+        std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .flatten()
+            .filter(|t| {
+                std::fs::read_to_string(t.path().join("comm"))
+                    .is_ok_and(|c| c.starts_with("weir:weights-se"))
+            })
+            .count()
+    }
+
+    #[test]
+    fn idle_connections_hold_a_few_threads_and_fetches_go_on_after_them() {
+        let sender = Wire::default();
+        sender.configure(config(1, Some("s")));
+        let payload = WeightsPayload::from(vec![9u8; 5000]);
+        let note = sender.offer(&payload, 1).unwrap();
+        let address: SocketAddr = note.from.parse().unwrap();
+        let idle: Vec<TcpStream> = (0..300)
+            .filter_map(|_| TcpStream::connect_timeout(&address, Duration::from_millis(20)).ok())
+            .collect();
+        assert!(idle.len() > MAX_FETCHES, "{} connections", idle.len());
+        std::thread::sleep(Duration::from_millis(300));
+        // Other tests of this binary may be fetching too: a little room.
+        let threads = sending_threads();
+        assert!(
+            threads <= MAX_FETCHES + 4,
+            "{threads} threads for {} idle connections",
+            idle.len()
+        );
+        drop(idle);
+        let receiver = Wire::default();
+        receiver.configure(config(0, Some("s")));
+        assert_eq!(fetched(&receiver, note).unwrap(), payload);
     }
 
     #[test]

@@ -19,11 +19,17 @@
 //! the step with one line naming the file, the function and the row. A
 //! worker that dies or answers later than `timeout` is killed and started
 //! again, and the request retried, `attempts` times in all.
+//!
+//! A worker runs in a process group of its own, without the cluster secret
+//! in its environment; ending it ends the group (whatever it started
+//! itself), and the kernel ends it if weir's process dies
+//! (`PR_SET_PDEATHSIG`). Requests are written by a thread of the worker's
+//! own, so a worker that stops reading costs its timeout, not a hang.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -93,7 +99,8 @@ enum Lost {
 /// One worker process.
 struct Worker {
     child: Child,
-    stdin: ChildStdin,
+    /// Lines to its input, written by a thread of their own.
+    requests: mpsc::Sender<String>,
     answers: Receiver<String>,
     stderr: Arc<Mutex<VecDeque<String>>>,
 }
@@ -102,19 +109,33 @@ impl Worker {
     /// Starts a worker and waits until the user's file is loaded.
     fn start(cfg: &PythonRewardConfig) -> Result<Worker, String> {
         let mode = if cfg.per_sample() { "sample" } else { "batch" };
-        let mut child = Command::new(&cfg.python)
+        let mut command = Command::new(&cfg.python);
+        command
             .arg("-u")
             .arg("-c")
             .arg(DRIVER)
             .arg(&cfg.file)
             .arg(&cfg.function)
             .arg(mode)
+            .env_clear()
+            .envs(worker_env(std::env::vars_os()))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
+            .stderr(Stdio::piped());
+        let mut child = spawn_tied(command)
             .map_err(|e| format!("cannot start `{}` (reward.python): {e}", cfg.python))?;
-        let stdin = child.stdin.take().expect("piped");
+        let mut stdin = child.stdin.take().expect("piped");
+        let (requests, lines) = mpsc::channel::<String>();
+        std::thread::Builder::new()
+            .name("weir:py-requests".into())
+            .spawn(move || {
+                for line in lines {
+                    if stdin.write_all(line.as_bytes()).is_err() || stdin.flush().is_err() {
+                        break;
+                    }
+                }
+            })
+            .map_err(|e| e.to_string())?;
         let stdout = child.stdout.take().expect("piped");
         let stderr_pipe = child.stderr.take().expect("piped");
         let (tx, answers) = mpsc::channel();
@@ -147,7 +168,7 @@ impl Worker {
             .map_err(|e| e.to_string())?;
         let mut worker = Worker {
             child,
-            stdin,
+            requests,
             answers,
             stderr,
         };
@@ -182,8 +203,8 @@ impl Worker {
 
     /// Sends `request` and waits for its answer.
     fn call(&mut self, request: &Value, timeout: Duration) -> Result<Value, Lost> {
-        let line = format!("{request}\n");
-        if self.stdin.write_all(line.as_bytes()).is_err() || self.stdin.flush().is_err() {
+        if self.requests.send(format!("{request}\n")).is_err() {
+            // Its input broke: the worker ended (or closed it).
             return match self.answer(Duration::from_millis(200)) {
                 Err(lost) => Err(lost),
                 Ok(_) => Err(Lost::Died(" (its input closed)".into())),
@@ -195,8 +216,78 @@ impl Worker {
 
 impl Drop for Worker {
     fn drop(&mut self) {
+        // The worker's group: the worker and whatever it started.
+        if let Ok(group) = libc::pid_t::try_from(self.child.id()) {
+            // SAFETY: a signal to the process group the worker leads.
+            unsafe {
+                libc::kill(-group, libc::SIGKILL);
+            }
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// The environment a worker starts with: this process's, less the cluster
+/// secret (the user's function has no business with it).
+fn worker_env(
+    vars: impl Iterator<Item = (std::ffi::OsString, std::ffi::OsString)>,
+) -> Vec<(std::ffi::OsString, std::ffi::OsString)> {
+    vars.filter(|(name, _)| name != weir_graph::cluster_secret::ENV_VAR)
+        .collect()
+}
+
+/// Starts `command` as the leader of a process group of its own, which the
+/// kernel kills when this process ends. `PR_SET_PDEATHSIG` fires when the
+/// *thread* that forked the child ends, so every fork happens on one thread
+/// that lives as long as the process, never on a step's short-lived one.
+fn spawn_tied(mut command: Command) -> std::io::Result<Child> {
+    use std::os::unix::process::CommandExt;
+    type Job = (Command, mpsc::Sender<std::io::Result<Child>>);
+    static SPAWNER: std::sync::OnceLock<Option<Mutex<mpsc::Sender<Job>>>> =
+        std::sync::OnceLock::new();
+    let parent = std::process::id();
+    command.process_group(0);
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        command.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // weir ended before the request above took hold.
+            if libc::getppid() as u32 != parent {
+                libc::_exit(1);
+            }
+            Ok(())
+        });
+    }
+    let spawner = SPAWNER.get_or_init(|| {
+        let (tx, rx) = mpsc::channel::<Job>();
+        std::thread::Builder::new()
+            .name("weir:py-spawner".into())
+            .spawn(move || {
+                for (mut command, reply) in rx {
+                    let _ = reply.send(command.spawn());
+                }
+            })
+            .ok()
+            .map(|_| Mutex::new(tx))
+    });
+    let Some(spawner) = spawner else {
+        return Err(std::io::Error::other(
+            "the thread that starts workers could not start",
+        ));
+    };
+    let (reply, child) = mpsc::channel();
+    let sent = spawner
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .send((command, reply));
+    match sent.ok().and_then(|()| child.recv().ok()) {
+        Some(child) => child,
+        None => Err(std::io::Error::other(
+            "the thread that starts workers has ended",
+        )),
     }
 }
 
@@ -598,6 +689,64 @@ mod tests {
                 "{source}: {err}"
             );
             assert_eq!(err.lines().count(), 1, "{err}");
+        }
+    }
+
+    /// Whether process `pid` is gone (or a zombie nobody waits for).
+    fn gone(pid: i32) -> bool {
+        match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+            Err(_) => true,
+            Ok(stat) => stat
+                .rsplit_once(')')
+                .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
+        }
+    }
+
+    #[test]
+    fn a_worker_starts_without_the_cluster_secret() {
+        let env = |pairs: &[(&str, &str)]| -> Vec<(std::ffi::OsString, std::ffi::OsString)> {
+            pairs.iter().map(|(k, v)| (k.into(), v.into())).collect()
+        };
+        let given = env(&[
+            ("PATH", "/bin"),
+            ("WEIR_CLUSTER_SECRET", "s3cret"),
+            ("HOME", "/h"),
+        ]);
+        assert_eq!(
+            worker_env(given.into_iter()),
+            env(&[("PATH", "/bin"), ("HOME", "/h")])
+        );
+    }
+
+    #[test]
+    fn what_a_worker_starts_ends_with_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let pids = dir.path().join("pids");
+        let source = format!(
+            "import subprocess\n\
+             child = subprocess.Popen(['sleep', '300'])\n\
+             open({:?}, 'a').write(f'{{child.pid}}\\n')\n\
+             def reward_func(q, p, l, **k):\n    \
+             return [1.0] * len(q)\n",
+            pids.display().to_string()
+        );
+        let mut cfg = config(dir.path(), &source, "reward_func");
+        cfg.workers = 1;
+        let (rewards, _) = score(cfg).unwrap();
+        assert_eq!(rewards, vec![1.0; 3]);
+        let grandchildren: Vec<i32> = std::fs::read_to_string(&pids)
+            .unwrap()
+            .lines()
+            .map(|l| l.parse().unwrap())
+            .collect();
+        assert!(!grandchildren.is_empty());
+        let started = std::time::Instant::now();
+        while !grandchildren.iter().all(|&p| gone(p)) {
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "a reward worker's child outlived the reward: {grandchildren:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
 
