@@ -116,14 +116,29 @@ pub const SUPPORTED: &str = "LlamaForCausalLM, LlamaForSequenceClassification, M
 impl ModelConfig {
     /// The number of weights of the decoder (embeddings, attention, MLP,
     /// norms and an untied output head; biases and a value head aside).
+    /// Saturates at `i64::MAX` rather than overflow, for a config that
+    /// describes more than any machine holds.
     pub fn parameter_count(&self) -> i64 {
-        let (h, v) = (self.hidden_size, self.vocab_size);
-        let q = self.num_attention_heads * self.head_dim;
-        let kv = self.num_key_value_heads * self.head_dim;
-        let qk_norms = if self.qk_norm { 2 * self.head_dim } else { 0 };
-        let layer = 2 * h * q + 2 * h * kv + 3 * h * self.intermediate_size + 2 * h + qk_norms;
-        let head = if self.tie_word_embeddings { 0 } else { v * h };
-        v * h + head + self.num_hidden_layers * layer + h
+        let mul = |factors: &[i64]| factors.iter().fold(1i64, |acc, &f| acc.saturating_mul(f));
+        let (h, v, d) = (self.hidden_size, self.vocab_size, self.head_dim);
+        let qk_norms = if self.qk_norm { mul(&[2, d]) } else { 0 };
+        let layer = [
+            mul(&[2, h, self.num_attention_heads, d]),
+            mul(&[2, h, self.num_key_value_heads, d]),
+            mul(&[3, h, self.intermediate_size]),
+            mul(&[2, h]),
+            qk_norms,
+        ]
+        .iter()
+        .fold(0i64, |acc, &x| acc.saturating_add(x));
+        let head = if self.tie_word_embeddings {
+            0
+        } else {
+            mul(&[v, h])
+        };
+        [mul(&[v, h]), head, mul(&[self.num_hidden_layers, layer]), h]
+            .iter()
+            .fold(0i64, |acc, &x| acc.saturating_add(x))
     }
 
     /// Reads `dir/config.json`.

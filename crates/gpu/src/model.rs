@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
-use crate::checkpoint::visit_tensors;
+use crate::checkpoint::{check_config_fits, visit_tensors};
 use crate::config::{Head, ModelConfig};
 use crate::decoder::{linear, Decoder, Fill, KvCache};
 use crate::device::Device;
@@ -64,6 +64,7 @@ impl Model {
             return Model::load_adapter_folder(dir, device, kind);
         }
         let config = ModelConfig::load(dir)?;
+        check_config_fits(dir, &config)?;
         let mut model = Model::new(config, device, dir)?;
         model.load_weights(dir)?;
         model.vs.set_kind(kind);
@@ -89,6 +90,7 @@ impl Model {
             }
             return Model::load(dir, device, kind);
         }
+        check_config_fits(dir, &config)?;
         config.head = Head::SequenceClassification;
         config.num_labels = 1;
         let mut model = Model::new(config, device, dir)?;

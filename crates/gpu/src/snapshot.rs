@@ -341,7 +341,8 @@ impl Model {
             "merges.txt",
             "added_tokens.json",
         ] {
-            let from = self.source.join(file);
+            let from = crate::checkpoint::entry_in(&self.source, file)
+                .map_err(|why| ModelError::io(&self.source, why))?;
             if from != dir.join(file) {
                 copy_entry(&from, &dir.join(file))?;
             }
@@ -383,7 +384,12 @@ fn copy_entry(from: &Path, to: &Path) -> Result<(), ModelError> {
     } else if from.is_dir() {
         std::fs::create_dir_all(to).map_err(|e| ModelError::io(to, e))?;
         for entry in std::fs::read_dir(from).map_err(|e| ModelError::io(from, e))? {
-            let path = entry.map_err(|e| ModelError::io(from, e))?.path();
+            let entry = entry.map_err(|e| ModelError::io(from, e))?;
+            let name = entry.file_name();
+            // A link inside the folder is followed only where it stays inside.
+            let Ok(path) = crate::checkpoint::entry_in(from, &name.to_string_lossy()) else {
+                continue;
+            };
             if path.is_file() {
                 let target = to.join(path.file_name().unwrap_or_default());
                 std::fs::copy(&path, &target).map_err(|e| ModelError::io(&path, e))?;

@@ -193,6 +193,57 @@ fn broken_checkpoints_give_errors_naming_the_file_and_tensor() {
             "{err}"
         );
     }
+    // Crafted files: a dimension past i64 (with a zero beside it, so the
+    // byte count adds up), and configs that ask for far more weights than
+    // the files hold. Each is refused before anything is allocated.
+    let huge_dim = {
+        let h = r#"{"t":{"dtype":"F32","shape":[9223372036854775808,0],"data_offsets":[0,0]}}"#;
+        [&(h.len() as u64).to_le_bytes()[..], h.as_bytes()].concat()
+    };
+    std::fs::write(dir.path().join("model.safetensors"), huge_dim).unwrap();
+    let err = Model::load(dir.path(), Device::Cpu, Kind::Float)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("model.safetensors") && err.contains("9223372036854775808 is too large"),
+        "{err}"
+    );
+    std::fs::copy(
+        src.join("model.safetensors"),
+        dir.path().join("model.safetensors"),
+    )
+    .unwrap();
+    let original: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    for (key, value, named) in [
+        ("vocab_size", json!(1_000_000_000_000i64), "vocab_size"),
+        // With intermediate_size 2^40 too, 3·h·i overflows i64: the count
+        // saturates, no panic.
+        ("hidden_size", json!(1i64 << 40), "hidden_size"),
+        ("intermediate_size", json!(1i64 << 50), "intermediate_size"),
+        (
+            "num_hidden_layers",
+            json!(1_000_000_000i64),
+            "num_hidden_layers",
+        ),
+    ] {
+        let mut crafted = original.clone();
+        crafted[key] = value;
+        if key == "hidden_size" {
+            crafted["intermediate_size"] = json!(1i64 << 40);
+            crafted["head_dim"] = json!(original["head_dim"].as_i64().unwrap_or(16));
+        }
+        std::fs::write(dir.path().join("config.json"), crafted.to_string()).unwrap();
+        for load in [Model::load, Model::load_critic] {
+            let err = load(dir.path(), Device::Cpu, Kind::Float)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("config.json") && err.contains(named) && !err.contains('\n'),
+                "{key}: {err}"
+            );
+        }
+    }
     // Malformed JSON.
     std::fs::write(dir.path().join("config.json"), "{ not json").unwrap();
     let err = Model::load(dir.path(), Device::Cpu, Kind::Float)

@@ -13,7 +13,7 @@ mod training;
 
 use std::path::PathBuf;
 
-use serde_json::Value;
+use serde_json::{json, Value};
 use tch::{Kind, Tensor};
 use weir_gpu::{Device, Model};
 
