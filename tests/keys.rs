@@ -420,11 +420,13 @@ fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String
         "reward.overlong_buffer" => (&[], "3".into()),
         "reward.overlong_penalty_factor" => (&["reward.overlong_buffer=3"], "5.0".into()),
         "reward.rule" => (&[], "\"nope\"".into()),
-        "reward.url" | "reward.timeout_s" | "reward.attempts" => {
+        "reward.url" | "reward.ca_file" | "reward.timeout_s" | "reward.attempts" => {
             let value = match key {
                 "reward.url" => {
                     format!("{:?}", format!("{}/{}/other", reward_server(), kind.name()))
                 }
+                // The test server is http://: refused, naming the key.
+                "reward.ca_file" => format!("{:?}", prompts.display().to_string()),
                 "reward.timeout_s" => "0.2".into(),
                 _ => "1".into(),
             };

@@ -84,6 +84,7 @@ pub fn reward(
                 },
                 timeout: Duration::from_secs_f64(cfg.reward.timeout_s),
                 attempts: cfg.reward.attempts,
+                ca_file: cfg.reward.ca_file.clone(),
                 ..Default::default()
             })?),
             RewardKind::Python => Box::new(PythonReward::new(python_reward(

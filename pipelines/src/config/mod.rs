@@ -305,6 +305,10 @@ pub struct RewardSection {
     /// The reward server (`reward.kind = "remote"`).
     #[serde(with = "none_if_empty")]
     pub url: Option<String>,
+    /// PEM certificates of authorities an `https://` reward server may be
+    /// signed by, beside the system's.
+    #[serde(with = "none_if_empty")]
+    pub ca_file: Option<PathBuf>,
     /// Seconds per request before a retry.
     pub timeout_s: f64,
     /// Attempts per request.
@@ -334,6 +338,7 @@ impl Default for RewardSection {
             kind: RewardKind::Rule,
             rule: "arith_exact_match".into(),
             url: None,
+            ca_file: None,
             timeout_s: 60.0,
             attempts: 3,
             file: None,

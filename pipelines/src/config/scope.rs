@@ -140,7 +140,7 @@ fn rewards(cfg: &RunConfig, pipeline: PipelineKind, found: &mut Inert) {
     found.unless(
         r.kind == RewardKind::Remote,
         "reward",
-        &["url"],
+        &["url", "ca_file"],
         "reward.kind = \"remote\"",
     );
     let python_terms = r.kind == RewardKind::Terms && r.terms.iter().any(|t| t.file.is_some());

@@ -187,6 +187,27 @@ impl RunConfig {
                 "reward.kind = \"remote\" needs a server URL",
             );
         }
+        if let Some(ca_file) = &self.reward.ca_file {
+            if !ca_file.is_file() {
+                return bad(
+                    "reward.ca_file",
+                    spelt(&self.reward.ca_file),
+                    "no such file",
+                );
+            }
+            if !self
+                .reward
+                .url
+                .as_deref()
+                .is_some_and(|u| u.starts_with("https://"))
+            {
+                return bad(
+                    "reward.ca_file",
+                    spelt(&self.reward.ca_file),
+                    "applies to an https:// reward.url only",
+                );
+            }
+        }
         if self.reward.overlong_buffer >= self.generate.max_new_tokens && pipeline.is_rl() {
             return bad(
                 "reward.overlong_buffer",

@@ -10,7 +10,15 @@
 //! A request that fails (connection refused, timeout, HTTP 5xx or 429) is
 //! retried with exponential back-off; one that still fails, or a malformed
 //! answer, fails the step with an error naming the server and the cause.
+//!
+//! `https://` servers are verified against the system's certificate
+//! authorities (`SSL_CERT_FILE` replaces them) and any in `ca_file`.
+//! Redirects are not followed (a 3xx is an error naming where it points),
+//! an answer over [`MAX_ANSWER_BYTES`] is refused, and the proxy variables
+//! (`HTTPS_PROXY`, `HTTP_PROXY`, `ALL_PROXY`, `NO_PROXY`) apply as in curl;
+//! the stage logs the proxy a request goes through.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -43,7 +51,14 @@ pub struct RemoteRewardConfig {
     pub attempts: u32,
     /// Wait before the first retry; doubled before each further one.
     pub backoff: Duration,
+    /// PEM certificates of authorities trusted beside the system's
+    /// (`https://` only).
+    pub ca_file: Option<PathBuf>,
 }
+
+/// The largest answer read from a reward server (a few bytes per row are
+/// expected; a server that sends more is refused, not buffered).
+pub const MAX_ANSWER_BYTES: usize = 16 << 20;
 
 impl Default for RemoteRewardConfig {
     fn default() -> Self {
@@ -57,6 +72,7 @@ impl Default for RemoteRewardConfig {
             timeout: Duration::from_secs(120),
             attempts: 3,
             backoff: Duration::from_millis(500),
+            ca_file: None,
         }
     }
 }
@@ -69,19 +85,54 @@ pub struct RemoteReward {
 }
 
 impl RemoteReward {
-    /// A client for `cfg.url`; fails on a URL that is not `http://`.
+    /// A client for `cfg.url`; fails on a URL that is not `http://` or
+    /// `https://`, and on a `ca_file` that holds no certificate.
     pub fn new(cfg: RemoteRewardConfig) -> Result<Self, StageError> {
         let url = reqwest::Url::parse(&cfg.url)
             .map_err(|e| format!("reward server url `{}`: {e}", cfg.url))?;
-        if url.scheme() != "http" {
-            return Err(format!(
-                "reward server url `{}`: only http:// is supported (put a TLS proxy in front for https)",
-                cfg.url
-            )
-            .into());
-        }
-        let client = reqwest::Client::builder()
+        let tls = match url.scheme() {
+            "https" => true,
+            "http" => false,
+            other => {
+                return Err(format!(
+                    "reward server url `{}`: `{other}://` is not http:// or https://",
+                    cfg.url
+                )
+                .into())
+            }
+        };
+        let mut builder = reqwest::Client::builder()
             .timeout(cfg.timeout)
+            .use_rustls_tls()
+            .redirect(reqwest::redirect::Policy::none());
+        if let Some(file) = &cfg.ca_file {
+            if !tls {
+                return Err(format!(
+                    "reward.ca_file {}: the reward server `{}` is not https://",
+                    file.display(),
+                    cfg.url
+                )
+                .into());
+            }
+            let pem = std::fs::read(file)
+                .map_err(|e| format!("reward.ca_file {}: {e}", file.display()))?;
+            let certificates = reqwest::Certificate::from_pem_bundle(&pem)
+                .ok()
+                .filter(|c| !c.is_empty())
+                .ok_or_else(|| {
+                    format!(
+                        "reward.ca_file {}: no PEM certificate in it",
+                        file.display()
+                    )
+                })?;
+            for certificate in certificates {
+                builder = builder.add_root_certificate(certificate);
+            }
+        }
+        if let Some((var, proxy)) = proxy_for(&url, |name| std::env::var(name).ok()) {
+            tracing::info!(url = %cfg.url, %proxy, "reward requests go through the proxy in {var} (NO_PROXY bypasses it)");
+        }
+        let client = builder
             .build()
             .map_err(|e| format!("reward server client: {e}"))?;
         let runtime = tokio::runtime::Builder::new_current_thread()
@@ -176,18 +227,41 @@ async fn request(
             tracing::warn!(url = %cfg.url, attempt, %status, "reward server busy or failing");
             continue;
         }
+        if status.is_redirection() {
+            let to = response
+                .headers()
+                .get(reqwest::header::LOCATION)
+                .and_then(|l| l.to_str().ok())
+                .unwrap_or("nowhere")
+                .to_string();
+            return Err(format!(
+                "reward server {} answered HTTP {status} to {to}: weir follows no redirect \
+                 (set reward.url to where the server is)",
+                cfg.url
+            ));
+        }
         if !status.is_success() {
             // A client error will not go away on retry.
-            let text = response.text().await.unwrap_or_default();
+            let text = read_capped(response, 4096).await.unwrap_or_default();
             return Err(format!(
                 "reward server {} answered HTTP {status}: {}",
                 cfg.url,
-                text.chars().take(200).collect::<String>()
+                String::from_utf8_lossy(&text)
+                    .chars()
+                    .take(200)
+                    .collect::<String>()
             ));
         }
-        let text = match response.text().await {
-            Ok(text) => text,
-            Err(e) => {
+        let text = match read_capped(response, MAX_ANSWER_BYTES).await {
+            Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+            Err(BodyError::TooLong) => {
+                return Err(format!(
+                    "reward server {} sent an answer over {} MiB for {expected} queries",
+                    cfg.url,
+                    MAX_ANSWER_BYTES >> 20
+                ))
+            }
+            Err(BodyError::Lost(e)) => {
                 last = describe(&e, cfg);
                 tracing::warn!(url = %cfg.url, attempt, error = %last, "reward server answer lost");
                 continue;
@@ -221,11 +295,68 @@ async fn request(
     ))
 }
 
+/// Why an answer's body was not read.
+enum BodyError {
+    /// It is longer than the limit.
+    TooLong,
+    /// The connection failed.
+    Lost(reqwest::Error),
+}
+
+/// The body of `response`, refused past `limit` bytes (announced or sent).
+async fn read_capped(mut response: reqwest::Response, limit: usize) -> Result<Vec<u8>, BodyError> {
+    if response.content_length().is_some_and(|n| n > limit as u64) {
+        return Err(BodyError::TooLong);
+    }
+    let mut body = Vec::new();
+    while let Some(chunk) = response.chunk().await.map_err(BodyError::Lost)? {
+        if body.len() + chunk.len() > limit {
+            return Err(BodyError::TooLong);
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body)
+}
+
+/// The proxy variable and proxy a request to `url` goes through, as curl
+/// and reqwest read them (`NO_PROXY` = `*` or a list of hosts and domains).
+fn proxy_for(
+    url: &reqwest::Url,
+    var: impl Fn(&str) -> Option<String>,
+) -> Option<(&'static str, String)> {
+    let host = url.host_str().unwrap_or_default();
+    let no_proxy = var("NO_PROXY")
+        .or_else(|| var("no_proxy"))
+        .unwrap_or_default();
+    let bypassed = no_proxy.split(',').map(str::trim).any(|entry| {
+        let entry = entry.trim_start_matches('.');
+        entry == "*"
+            || (!entry.is_empty() && (host == entry || host.ends_with(&format!(".{entry}"))))
+    });
+    if bypassed {
+        return None;
+    }
+    let names: &[&'static str] = if url.scheme() == "https" {
+        &["HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"]
+    } else {
+        &["HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"]
+    };
+    names
+        .iter()
+        .find_map(|&name| var(name).filter(|v| !v.is_empty()).map(|v| (name, v)))
+}
+
 fn describe(e: &reqwest::Error, cfg: &RemoteRewardConfig) -> String {
     if e.is_timeout() {
         format!("timed out after {:?}", cfg.timeout)
     } else if e.is_connect() {
-        "cannot connect (is the server up?)".to_string()
+        // The innermost cause: a refused connection, or the certificate
+        // that did not verify.
+        let mut cause: &dyn std::error::Error = e;
+        while let Some(inner) = cause.source() {
+            cause = inner;
+        }
+        format!("cannot connect (is the server up?): {cause}")
     } else {
         e.to_string()
     }
@@ -287,59 +418,118 @@ mod tests {
         Status(u16),
         /// Sleeps before answering like `Lengths`.
         Slow(u64),
+        /// Announces a body over the limit.
+        Announced,
+        /// Sends a body over the limit without announcing its length.
+        Endless,
+        /// Points elsewhere with a 307.
+        Redirect,
     }
 
     /// A one-request-per-connection HTTP server following `script` (the
-    /// last entry repeats); returns its URL and the bodies it received.
-    fn serve(script: Vec<Reply>) -> (String, Arc<Mutex<Vec<Value>>>) {
+    /// last entry repeats), over TLS with `tls`; returns its URL and the
+    /// bodies it received.
+    fn serve_on(
+        script: Vec<Reply>,
+        tls: Option<Arc<rustls::ServerConfig>>,
+    ) -> (String, Arc<Mutex<Vec<Value>>>) {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let url = format!("http://{}/get_reward", listener.local_addr().unwrap());
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let port = listener.local_addr().unwrap().port();
+        let url = format!("{scheme}://127.0.0.1:{port}/get_reward");
         let seen = Arc::new(Mutex::new(Vec::new()));
         let log = seen.clone();
         std::thread::spawn(move || {
             for (n, stream) in listener.incoming().enumerate() {
-                let Ok(mut stream) = stream else { return };
-                let mut reader = BufReader::new(stream.try_clone().unwrap());
-                let mut length = 0;
-                loop {
-                    let mut line = String::new();
-                    reader.read_line(&mut line).unwrap();
-                    if line.trim().is_empty() {
-                        break;
-                    }
-                    let lower = line.to_ascii_lowercase();
-                    if let Some(v) = lower.strip_prefix("content-length:") {
-                        length = v.trim().parse().unwrap();
-                    }
-                }
-                let mut body = vec![0; length];
-                reader.read_exact(&mut body).unwrap();
-                let body: Value = serde_json::from_slice(&body).unwrap();
-                log.lock().unwrap().push(body.clone());
+                let Ok(stream) = stream else { return };
                 let reply = script[n.min(script.len() - 1)];
-                let (status, text) = match reply {
-                    Reply::Status(code) => (code, String::from("{}")),
-                    Reply::Lengths | Reply::Slow(_) => {
-                        if let Reply::Slow(ms) = reply {
-                            std::thread::sleep(Duration::from_millis(ms));
-                        }
-                        let lengths: Vec<usize> = body["query"]
-                            .as_array()
-                            .unwrap()
-                            .iter()
-                            .map(|q| q.as_str().unwrap().len())
-                            .collect();
-                        (200, json!({ "rewards": lengths }).to_string())
+                let log = log.clone();
+                match &tls {
+                    Some(config) => {
+                        let connection = rustls::ServerConnection::new(config.clone()).unwrap();
+                        answer(rustls::StreamOwned::new(connection, stream), reply, &log);
                     }
-                };
-                let _ = write!(
-                    stream,
-                    "HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{text}",
-                    text.len()
-                );
+                    None => answer(stream, reply, &log),
+                }
             }
         });
         (url, seen)
+    }
+
+    fn serve(script: Vec<Reply>) -> (String, Arc<Mutex<Vec<Value>>>) {
+        serve_on(script, None)
+    }
+
+    /// Reads one request from `stream` and answers it as `reply` says.
+    fn answer(stream: impl Read + Write, reply: Reply, log: &Mutex<Vec<Value>>) {
+        let mut reader = BufReader::new(stream);
+        let mut length = 0;
+        loop {
+            let mut line = String::new();
+            if reader.read_line(&mut line).is_err() {
+                return; // A client that gave up (on the certificate, say).
+            }
+            if line.trim().is_empty() {
+                break;
+            }
+            let lower = line.to_ascii_lowercase();
+            if let Some(v) = lower.strip_prefix("content-length:") {
+                length = v.trim().parse().unwrap();
+            }
+        }
+        let mut body = vec![0; length];
+        reader.read_exact(&mut body).unwrap();
+        let body: Value = serde_json::from_slice(&body).unwrap();
+        log.lock().unwrap().push(body.clone());
+        let stream = reader.get_mut();
+        let (status, text) = match reply {
+            Reply::Status(code) => (code, String::from("{}")),
+            Reply::Lengths | Reply::Slow(_) => {
+                if let Reply::Slow(ms) = reply {
+                    std::thread::sleep(Duration::from_millis(ms));
+                }
+                let lengths: Vec<usize> = body["query"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|q| q.as_str().unwrap().len())
+                    .collect();
+                (200, json!({ "rewards": lengths }).to_string())
+            }
+            Reply::Announced => {
+                let _ = write!(
+                    stream,
+                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                    MAX_ANSWER_BYTES + 1
+                );
+                return;
+            }
+            Reply::Endless => {
+                let _ = write!(stream, "HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n");
+                let chunk = vec![b' '; 1 << 20];
+                for _ in 0..=(MAX_ANSWER_BYTES >> 20) + 1 {
+                    if stream.write_all(&chunk).is_err() {
+                        return;
+                    }
+                }
+                let _ = stream.flush();
+                return;
+            }
+            Reply::Redirect => {
+                let _ = write!(
+                    stream,
+                    "HTTP/1.1 307 X\r\nLocation: http://10.9.9.9/steal\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                );
+                let _ = stream.flush();
+                return;
+            }
+        };
+        let _ = write!(
+            stream,
+            "HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{text}",
+            text.len()
+        );
+        let _ = stream.flush();
     }
 
     fn client(url: &str, attempts: u32, timeout_ms: u64) -> RemoteReward {
@@ -451,13 +641,32 @@ mod tests {
     }
 
     #[test]
-    fn only_http_urls_are_accepted() {
-        for (url, msg) in [
-            ("https://rm:5000/x", "only http://"),
-            ("not a url", "reward server url `not a url`"),
+    fn only_http_and_https_urls_are_accepted() {
+        let dir = tempfile::tempdir().unwrap();
+        let not_pem = dir.path().join("not.pem");
+        std::fs::write(&not_pem, "hello").unwrap();
+        for (url, ca_file, msg) in [
+            (
+                "ftp://rm:5000/x",
+                None,
+                "`ftp://` is not http:// or https://",
+            ),
+            ("not a url", None, "reward server url `not a url`"),
+            ("http://rm:5000/x", Some(not_pem.clone()), "is not https://"),
+            (
+                "https://rm:5000/x",
+                Some(not_pem.clone()),
+                "no PEM certificate",
+            ),
+            (
+                "https://rm:5000/x",
+                Some(dir.path().join("absent.pem")),
+                "absent.pem",
+            ),
         ] {
             let err = RemoteReward::new(RemoteRewardConfig {
                 url: url.into(),
+                ca_file,
                 ..Default::default()
             })
             .err()
@@ -465,5 +674,120 @@ mod tests {
             .to_string();
             assert!(err.contains(msg), "{err}");
         }
+        assert!(RemoteReward::new(RemoteRewardConfig {
+            url: "https://rm:5000/x".into(),
+            ..Default::default()
+        })
+        .is_ok());
+    }
+
+    #[test]
+    fn https_servers_are_verified_against_the_given_authority() {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()])
+            .unwrap()
+            .self_signed(&key)
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let ca_file = dir.path().join("ca.pem");
+        std::fs::write(&ca_file, cert.pem()).unwrap();
+        let server = rustls::ServerConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(
+            vec![cert.der().clone()],
+            rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
+        )
+        .unwrap();
+        let (url, seen) = serve_on(vec![Reply::Lengths], Some(Arc::new(server)));
+        let trusting = |ca_file: Option<PathBuf>| {
+            RemoteReward::new(RemoteRewardConfig {
+                url: url.clone(),
+                ca_file,
+                attempts: 1,
+                timeout: Duration::from_secs(5),
+                ..Default::default()
+            })
+            .unwrap()
+        };
+        let got = trusting(Some(ca_file))
+            .score(&texts(&["p1", "p"]), &texts(&["r", "r22"]), None)
+            .unwrap();
+        assert_eq!(got, vec![3.0, 4.0]);
+        assert_eq!(seen.lock().unwrap()[0]["query"], json!(["p1r", "pr22"]));
+        // The same server is not trusted without its authority.
+        let err = trusting(None)
+            .score(&texts(&["p"]), &texts(&["r"]), None)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("certificate"), "{err}");
+        assert_eq!(seen.lock().unwrap().len(), 1, "no request without trust");
+    }
+
+    #[test]
+    fn oversized_answers_and_redirects_are_refused() {
+        for reply in [Reply::Announced, Reply::Endless] {
+            let (url, _) = serve(vec![reply]);
+            let err = client(&url, 3, 10_000)
+                .score(&texts(&["p"]), &texts(&["r"]), None)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("an answer over 16 MiB"), "{err}");
+        }
+        let (url, seen) = serve(vec![Reply::Redirect]);
+        let err = client(&url, 3, 5_000)
+            .score(&texts(&["p"]), &texts(&["r"]), None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("307") && err.contains("http://10.9.9.9/steal"),
+            "{err}"
+        );
+        assert_eq!(
+            seen.lock().unwrap().len(),
+            1,
+            "neither followed nor retried"
+        );
+    }
+
+    #[test]
+    fn the_proxy_a_request_takes_is_named() {
+        let vars = |pairs: &'static [(&str, &str)]| {
+            move |name: &str| {
+                pairs
+                    .iter()
+                    .find(|(k, _)| *k == name)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        let url = |u: &str| reqwest::Url::parse(u).unwrap();
+        let rm = url("https://rm.lab.internal:5000/x");
+        assert_eq!(proxy_for(&rm, vars(&[])), None);
+        assert_eq!(
+            proxy_for(&rm, vars(&[("https_proxy", "http://p:3128")])),
+            Some(("https_proxy", "http://p:3128".to_string()))
+        );
+        assert_eq!(
+            proxy_for(&url("http://rm:1/x"), vars(&[("HTTPS_PROXY", "http://p")])),
+            None,
+            "an https proxy is not an http one"
+        );
+        for no_proxy in ["lab.internal", ".lab.internal", "*", "x, rm.lab.internal"] {
+            let pairs: &'static [(&str, &str)] = Box::leak(Box::new([
+                ("ALL_PROXY", "socks5://p"),
+                ("NO_PROXY", no_proxy),
+            ]));
+            assert_eq!(proxy_for(&rm, vars(pairs)), None, "{no_proxy}");
+        }
+        assert_eq!(
+            proxy_for(
+                &rm,
+                vars(&[("ALL_PROXY", "socks5://p"), ("NO_PROXY", "internal.other")])
+            ),
+            Some(("ALL_PROXY", "socks5://p".to_string()))
+        );
     }
 }
