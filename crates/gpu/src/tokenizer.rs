@@ -384,6 +384,21 @@ impl Tokenizer {
             .map(i64::from)
     }
 
+    /// An upper bound on the bytes of text one token stands for (four per
+    /// character of the longest token, added tokens included): a text of
+    /// more than `n` times this many bytes encodes to more than `n` tokens,
+    /// which a length check can tell without encoding it.
+    pub fn max_token_bytes(&self) -> usize {
+        self.inner
+            .get_vocab(true)
+            .keys()
+            .map(|token| token.chars().count())
+            .max()
+            .unwrap_or(1)
+            .max(1)
+            * 4
+    }
+
     /// The vocabulary size, added tokens included.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)

@@ -214,6 +214,33 @@ pub fn read_parquet_file(path: &Path) -> Result<Vec<RecordBatch>, GraphError> {
         .collect()
 }
 
+/// The batches of the Parquet file at `path`, read one at a time, and the
+/// bytes its row groups hold uncompressed (what reading them all costs).
+pub fn parquet_batches(
+    path: &Path,
+) -> Result<
+    (
+        u64,
+        impl Iterator<Item = Result<RecordBatch, GraphError>> + '_,
+    ),
+    GraphError,
+> {
+    let file = File::open(path).map_err(|e| GraphError::io(path, e))?;
+    let builder =
+        ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| GraphError::io(path, e))?;
+    let bytes = builder
+        .metadata()
+        .row_groups()
+        .iter()
+        .map(|g| g.total_byte_size().max(0) as u64)
+        .sum();
+    let reader = builder.build().map_err(|e| GraphError::io(path, e))?;
+    Ok((
+        bytes,
+        reader.map(move |b| b.map_err(|e| GraphError::io(path, e))),
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

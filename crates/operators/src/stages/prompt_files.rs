@@ -2,6 +2,8 @@
 //! messages, extra string columns (a reference answer, preference pairs);
 //! errors name the file, the line or row, and the column.
 
+use std::io::BufRead;
+
 use super::prompts::{PromptRow, PromptSource};
 use crate::error::OperatorError;
 use weir_gpu::{Message, Tokenizer};
@@ -66,10 +68,11 @@ impl PromptFormat {
                 );
             }
         }
-        Ok((
-            tokenizer.apply_chat_template(&messages, true)?,
-            tokenizer.encode_chat(&messages, true)?,
-        ))
+        // Rendered once; its tokens are those of the text (what
+        // `encode_chat` gives, without a second rendering).
+        let text = tokenizer.apply_chat_template(&messages, true)?;
+        let tokens = tokenizer.encode(&text, false)?;
+        Ok((text, tokens))
     }
 }
 
@@ -90,15 +93,23 @@ impl PromptSource {
         samples: usize,
         seed: u64,
     ) -> Result<Self, StageError> {
-        let records = read_records(path)?;
-        let mut rows = Vec::with_capacity(records.len());
-        let mut left_out: Option<(usize, &str)> = None;
-        for (where_, record) in &records {
+        let mut rows = Vec::new();
+        let mut records = 0usize;
+        let mut left_out: Option<(usize, String)> = None;
+        // A text longer than this many bytes is over the limit, whatever
+        // its tokens: it is not encoded at all.
+        let token_bytes = limit.map(|_| tokenizer.max_token_bytes());
+        each_record(path, |where_, record| {
+            records += 1;
             let missing =
                 |c: &str| format!("{}: {where_}: column `{c}` is missing", path.display());
-            let (text, tokens) = match prompt {
+            let over = |bytes: usize| match (limit, token_bytes) {
+                (Some(l), Some(b)) => bytes > l.tokens.saturating_mul(b),
+                _ => false,
+            };
+            let rendered = match prompt {
                 PromptColumn::Text(c) => {
-                    let value = field(record, c).ok_or_else(|| missing(c))?;
+                    let value = field(&record, c).ok_or_else(|| missing(c))?;
                     let text = value.as_str().ok_or_else(|| {
                         format!(
                             "{}: {where_}: column `{c}` is {}, not text",
@@ -106,42 +117,54 @@ impl PromptSource {
                             json_kind(value)
                         )
                     })?;
-                    format.text(text, tokenizer)?
+                    (!over(text.len()))
+                        .then(|| format.text(text, tokenizer))
+                        .transpose()?
                 }
                 PromptColumn::Messages(c) => {
-                    let value = field(record, c).ok_or_else(|| missing(c))?;
+                    let value = field(&record, c).ok_or_else(|| missing(c))?;
                     let messages: Vec<Message> =
                         serde_json::from_value(value.clone()).map_err(|e| {
                             OperatorError::file(path, format!("{where_}: column `{c}`: {e}"))
                         })?;
-                    format.messages(messages, tokenizer)?
+                    let bytes: usize = messages.iter().map(|m| m.content.len()).sum();
+                    (!over(bytes))
+                        .then(|| format.messages(messages, tokenizer))
+                        .transpose()?
                 }
             };
-            if tokens.is_empty() {
+            let tokens_of =
+                |rendered: &Option<(String, Vec<i64>)>| rendered.as_ref().map(|(_, t)| t.len());
+            if rendered.as_ref().is_some_and(|(_, t)| t.is_empty()) {
                 return Err(format!(
                     "{}: {where_}: the prompt encodes to no tokens",
                     path.display()
                 )
                 .into());
             }
-            if let Some(limit) = limit.filter(|l| tokens.len() > l.tokens) {
+            if let Some(limit) = limit.filter(|l| tokens_of(&rendered).is_none_or(|n| n > l.tokens))
+            {
                 if limit.skip {
-                    left_out.get_or_insert((0, where_)).0 += 1;
-                    continue;
+                    left_out.get_or_insert((0, where_.to_string())).0 += 1;
+                    return Ok(());
                 }
+                let size = match tokens_of(&rendered) {
+                    Some(n) => format!("{n} tokens"),
+                    None => format!("over {} tokens (by its length in bytes)", limit.tokens),
+                };
                 return Err(format!(
-                    "{}: {where_}: the prompt is {} tokens, more than the {} the model's \
+                    "{}: {where_}: the prompt is {size}, more than the {} the model's \
                      context leaves beside generate.max_new_tokens (data.skip_long_prompts = \
                      true leaves such prompts out)",
                     path.display(),
-                    tokens.len(),
                     limit.tokens
                 )
                 .into());
             }
+            let (text, tokens) = rendered.expect("checked above");
             let mut values = Vec::with_capacity(extra.len());
             for c in extra {
-                let v = field(record, c).ok_or_else(|| missing(c))?;
+                let v = field(&record, c).ok_or_else(|| missing(c))?;
                 values.push(match v {
                     serde_json::Value::String(s) => s.clone(),
                     serde_json::Value::Null => {
@@ -159,7 +182,9 @@ impl PromptSource {
                 tokens,
                 extra: values,
             });
-        }
+            Ok(())
+        })?;
+        rows.shrink_to_fit();
         if let (Some((n, first)), Some(limit)) = (left_out, limit) {
             if rows.is_empty() {
                 return Err(format!(
@@ -171,10 +196,9 @@ impl PromptSource {
                 .into());
             }
             tracing::warn!(
-                "{}: {n} of {} prompts are longer than {} tokens and left out \
+                "{}: {n} of {records} prompts are longer than {} tokens and left out \
                  (data.skip_long_prompts; the first at {first})",
                 path.display(),
-                records.len(),
                 limit.tokens
             );
         }
@@ -205,24 +229,84 @@ fn json_kind(v: &serde_json::Value) -> &'static str {
     }
 }
 
-/// A prompt file's records, read once to learn what its columns hold.
-pub struct PromptRecords(Vec<Record>);
+/// What a prompt file's columns hold, learnt in one streaming pass over
+/// it (its records are not kept) and shared by every reader in the
+/// process while the file is unchanged.
+pub struct PromptRecords {
+    /// Records in the file.
+    records: usize,
+    /// The first record's columns, by name.
+    first: Vec<String>,
+    /// For each column (and each nested field, dotted, up to
+    /// [`NESTED_DEPTH`] deep): the records that hold it, and those that
+    /// hold it as a JSON number, boolean, list or object.
+    seen: std::collections::HashMap<String, (usize, usize)>,
+}
+
+/// How deep nested fields are followed for [`PromptRecords::typed_columns`].
+const NESTED_DEPTH: usize = 3;
 
 impl PromptRecords {
-    /// Reads the records of a JSONL, JSON or Parquet prompt file.
-    pub fn read(path: &std::path::Path) -> Result<Self, StageError> {
-        Ok(PromptRecords(read_records(path)?))
+    /// What the columns of a JSONL, JSON or Parquet prompt file hold.
+    pub fn read(path: &std::path::Path) -> Result<std::sync::Arc<Self>, StageError> {
+        type Key = (std::path::PathBuf, u64, Option<std::time::SystemTime>);
+        static READ: std::sync::Mutex<Vec<(Key, std::sync::Arc<PromptRecords>)>> =
+            std::sync::Mutex::new(Vec::new());
+        let meta = std::fs::metadata(path).map_err(|e| OperatorError::file(path, e))?;
+        let key: Key = (path.to_path_buf(), meta.len(), meta.modified().ok());
+        if let Some((_, known)) = READ
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .find(|(k, _)| *k == key)
+        {
+            return Ok(known.clone());
+        }
+        let mut summary = PromptRecords {
+            records: 0,
+            first: Vec::new(),
+            seen: Default::default(),
+        };
+        each_record(path, |_, record| {
+            if summary.records == 0 {
+                summary.first = record.keys().cloned().collect();
+            }
+            summary.records += 1;
+            summary.note(&record, "", 1);
+            Ok(())
+        })?;
+        let summary = std::sync::Arc::new(summary);
+        let mut known = READ.lock().unwrap_or_else(|e| e.into_inner());
+        known.retain(|(k, _)| k.0 != key.0);
+        known.push((key, summary.clone()));
+        Ok(summary)
     }
 
-    /// The columns every record has, in the order the first record lists
-    /// them (what a reward function may receive besides the prompt).
+    /// Counts the fields of `object` (under `prefix`) and their nested ones.
+    fn note(
+        &mut self,
+        object: &serde_json::Map<String, serde_json::Value>,
+        prefix: &str,
+        depth: usize,
+    ) {
+        for (name, value) in object {
+            let path = format!("{prefix}{name}");
+            let typed = !matches!(value, serde_json::Value::String(_));
+            let entry = self.seen.entry(path.clone()).or_default();
+            entry.0 += 1;
+            entry.1 += usize::from(typed);
+            if let (serde_json::Value::Object(inner), true) = (value, depth < NESTED_DEPTH) {
+                self.note(inner, &format!("{path}."), depth + 1);
+            }
+        }
+    }
+
+    /// The columns every record has, by name (what a reward function may
+    /// receive besides the prompt).
     pub fn common_columns(&self) -> Vec<String> {
-        let Some((_, first)) = self.0.first() else {
-            return Vec::new();
-        };
-        first
-            .keys()
-            .filter(|k| self.0.iter().all(|(_, r)| r.contains_key(*k)))
+        self.first
+            .iter()
+            .filter(|k| self.seen.get(*k).is_some_and(|(n, _)| *n == self.records))
             .cloned()
             .collect()
     }
@@ -235,10 +319,11 @@ impl PromptRecords {
         names
             .iter()
             .filter(|name| {
-                !self.0.is_empty()
-                    && self.0.iter().all(|(_, r)| {
-                        field(r, name).is_some_and(|v| !matches!(v, serde_json::Value::String(_)))
-                    })
+                self.records > 0
+                    && self
+                        .seen
+                        .get(*name)
+                        .is_some_and(|&(_, typed)| typed == self.records)
             })
             .cloned()
             .collect()
@@ -263,57 +348,144 @@ fn field<'a>(
     Some(value)
 }
 
-/// One record of a prompt file: where it came from (`line 3`, `row 7`) and its fields.
-type Record = (String, serde_json::Map<String, serde_json::Value>);
+/// The most bytes one record of a prompt file (a JSONL line, a Parquet
+/// row as JSON) may hold.
+pub const MAX_RECORD_BYTES: usize = 16 << 20;
 
-/// The records of a JSONL or Parquet file as JSON objects, each with where it came from.
-fn read_records(path: &std::path::Path) -> Result<Vec<Record>, StageError> {
+/// The most bytes a prompt file may hold (a Parquet file: uncompressed):
+/// a quarter of the machine's memory, since each prompt is kept as text
+/// and as tokens for the whole run.
+pub fn max_file_bytes() -> u64 {
+    let total = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+        m.lines()
+            .find_map(|l| l.strip_prefix("MemTotal:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+    });
+    total.map_or(16 << 30, |kib| kib * 1024 / 4)
+}
+
+/// A size in bytes, for an error.
+fn size(bytes: u64) -> String {
+    if bytes >= 1 << 30 {
+        format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64)
+    } else {
+        format!("{} MiB", bytes >> 20)
+    }
+}
+
+/// One record of a prompt file: its fields.
+type Record = serde_json::Map<String, serde_json::Value>;
+
+/// Calls `visit(where, record)` for each record of a JSONL, JSON or Parquet
+/// file, in order (`where` is `line 3`, `record 3` or `row 7`), reading the
+/// file once and holding one record (a Parquet file: one batch) at a time.
+fn each_record(
+    path: &std::path::Path,
+    mut visit: impl FnMut(&str, Record) -> Result<(), StageError>,
+) -> Result<(), StageError> {
     let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+    let too_big = |bytes: u64| -> StageError {
+        format!(
+            "{}: {} is more than the {} a prompt file may hold here (a quarter of the \
+             machine's memory: every prompt is kept as text and tokens); split the file or \
+             leave out what the run does not use",
+            path.display(),
+            size(bytes),
+            size(max_file_bytes())
+        )
+        .into()
+    };
     match ext {
         "jsonl" | "json" => {
-            let text = std::fs::read_to_string(path).map_err(|e| OperatorError::file(path, e))?;
-            // A byte-order mark (as some Windows editors write) is not JSON.
-            let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
-            if text.trim_start().starts_with('[') {
-                return json_array_records(path, text);
+            let file = std::fs::File::open(path).map_err(|e| OperatorError::file(path, e))?;
+            let len = file
+                .metadata()
+                .map_err(|e| OperatorError::file(path, e))?
+                .len();
+            if len > max_file_bytes() {
+                return Err(too_big(len));
             }
-            let mut out = Vec::new();
-            for (i, line) in text.lines().enumerate() {
-                if line.trim().is_empty() {
+            let mut reader = std::io::BufReader::with_capacity(1 << 20, file);
+            if starts_an_array(&mut reader).map_err(|e| OperatorError::file(path, e))? {
+                return json_array_records(path, reader, visit);
+            }
+            let mut line = Vec::new();
+            for number in 1.. {
+                line.clear();
+                let read = std::io::Read::take(&mut reader, MAX_RECORD_BYTES as u64 + 2)
+                    .read_until(b'\n', &mut line)
+                    .map_err(|e| OperatorError::file(path, e))?;
+                if read == 0 {
+                    break;
+                }
+                if line.last() == Some(&b'\n') {
+                    line.pop();
+                }
+                if line.last() == Some(&b'\r') {
+                    line.pop();
+                }
+                if line.len() > MAX_RECORD_BYTES {
+                    return Err(format!(
+                        "{}: line {number} is longer than {} (the most one prompt record may \
+                         hold)",
+                        path.display(),
+                        size(MAX_RECORD_BYTES as u64)
+                    )
+                    .into());
+                }
+                let text = if number == 1 {
+                    line.strip_prefix("\u{feff}".as_bytes()).unwrap_or(&line)
+                } else {
+                    &line[..]
+                };
+                if text.iter().all(u8::is_ascii_whitespace) {
                     continue;
                 }
-                let value: serde_json::Value = serde_json::from_str(line).map_err(|e| {
-                    OperatorError::file(path, format!("line {}: not JSON: {e}", i + 1))
+                let value: serde_json::Value = serde_json::from_slice(text).map_err(|e| {
+                    OperatorError::file(path, format!("line {number}: not JSON: {e}"))
                 })?;
                 let serde_json::Value::Object(map) = value else {
                     return Err(
-                        format!("{}: line {}: not a JSON object", path.display(), i + 1).into(),
+                        format!("{}: line {number}: not a JSON object", path.display()).into(),
                     );
                 };
-                out.push((format!("line {}", i + 1), map));
+                visit(&format!("line {number}"), map)?;
             }
-            Ok(out)
+            Ok(())
         }
         "parquet" => {
-            let batches = weir_graph::parquet_log::read_parquet_file(path)?;
-            let mut out = Vec::new();
+            let (bytes, batches) = weir_graph::parquet_log::parquet_batches(path)?;
+            if bytes > max_file_bytes() {
+                return Err(too_big(bytes));
+            }
             let mut row = 0;
             for batch in batches {
-                let mut writer = arrow::json::ArrayWriter::new(Vec::new());
+                let batch = batch?;
+                // One line of JSON per row, the batch's rows only.
+                let mut writer = arrow::json::LineDelimitedWriter::new(Vec::new());
                 writer
                     .write(&batch)
                     .map_err(|e| OperatorError::file(path, e))?;
                 writer.finish().map_err(|e| OperatorError::file(path, e))?;
-                let values: Vec<serde_json::Value> = serde_json::from_slice(&writer.into_inner())
-                    .map_err(|e| OperatorError::file(path, e))?;
-                for v in values {
-                    if let serde_json::Value::Object(map) = v {
-                        out.push((format!("row {row}"), map));
+                drop(batch);
+                let lines = writer.into_inner();
+                for line in lines.split(|&b| b == b'\n').filter(|l| !l.is_empty()) {
+                    if line.len() > MAX_RECORD_BYTES {
+                        return Err(format!(
+                            "{}: row {row} is longer than {} as JSON (the most one prompt \
+                             record may hold)",
+                            path.display(),
+                            size(MAX_RECORD_BYTES as u64)
+                        )
+                        .into());
                     }
+                    let map: Record =
+                        serde_json::from_slice(line).map_err(|e| OperatorError::file(path, e))?;
+                    visit(&format!("row {row}"), map)?;
                     row += 1;
                 }
             }
-            Ok(out)
+            Ok(())
         }
         other => Err(format!(
             "{}: prompt files must be .jsonl, .json or .parquet, not `.{other}`",
@@ -323,29 +495,110 @@ fn read_records(path: &std::path::Path) -> Result<Vec<Record>, StageError> {
     }
 }
 
+/// Whether the text `reader` holds starts (after a byte-order mark and
+/// white space) with `[`: one JSON array of objects rather than JSONL.
+/// Consumes the mark and the white space only.
+fn starts_an_array(reader: &mut impl std::io::BufRead) -> std::io::Result<bool> {
+    let mut first = true;
+    loop {
+        let buffer = reader.fill_buf()?;
+        if buffer.is_empty() {
+            return Ok(false);
+        }
+        if first && buffer.starts_with("\u{feff}".as_bytes()) {
+            reader.consume(3);
+            first = false;
+            continue;
+        }
+        first = false;
+        let blank = buffer
+            .iter()
+            .take_while(|b| b.is_ascii_whitespace())
+            .count();
+        if blank < buffer.len() {
+            // Blank lines before a JSONL file's first record are kept for
+            // its line numbers.
+            let is_array = buffer[blank] == b'[';
+            if is_array {
+                reader.consume(blank);
+            }
+            return Ok(is_array);
+        }
+        if buffer.contains(&b'\n') {
+            // Whole blank lines: JSONL numbering needs them.
+            return Ok(false);
+        }
+        let n = buffer.len();
+        reader.consume(n);
+    }
+}
+
 /// The records of a file holding one JSON array of objects (what
-/// `json.dump(rows, f)` writes), each named by its place in the array.
-fn json_array_records(path: &std::path::Path, text: &str) -> Result<Vec<Record>, StageError> {
-    let values: Vec<serde_json::Value> = serde_json::from_str(text).map_err(|e| {
+/// `json.dump(rows, f)` writes), each named by its place in the array and
+/// parsed from the stream one at a time.
+fn json_array_records(
+    path: &std::path::Path,
+    reader: impl std::io::Read,
+    visit: impl FnMut(&str, Record) -> Result<(), StageError>,
+) -> Result<(), StageError> {
+    use serde::de::{Deserializer as _, Error as _, SeqAccess, Visitor};
+
+    struct Each<'a, F> {
+        path: &'a std::path::Path,
+        visit: F,
+        failed: &'a mut Option<StageError>,
+    }
+
+    impl<'de, F: FnMut(&str, Record) -> Result<(), StageError>> Visitor<'de> for Each<'_, F> {
+        type Value = ();
+
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a JSON array of objects")
+        }
+
+        fn visit_seq<A: SeqAccess<'de>>(mut self, mut seq: A) -> Result<(), A::Error> {
+            let mut number = 0;
+            while let Some(value) = seq.next_element::<serde_json::Value>()? {
+                number += 1;
+                let result = match value {
+                    serde_json::Value::Object(map) => {
+                        (self.visit)(&format!("record {number}"), map)
+                    }
+                    _ => Err(format!(
+                        "{}: record {number} of the array is not a JSON object",
+                        self.path.display()
+                    )
+                    .into()),
+                };
+                if let Err(e) = result {
+                    *self.failed = Some(e);
+                    return Err(A::Error::custom("stopped"));
+                }
+            }
+            Ok(())
+        }
+    }
+
+    let mut failed = None;
+    let mut deserializer = serde_json::Deserializer::from_reader(reader);
+    let parsed = deserializer
+        .deserialize_seq(Each {
+            path,
+            visit,
+            failed: &mut failed,
+        })
+        .and_then(|()| deserializer.end());
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    parsed.map_err(|e| {
         format!(
             "{}: not a JSON array of objects ({e}); a prompt file holds one JSON object per \
              line (JSONL), or one array of objects",
             path.display()
         )
-    })?;
-    values
-        .into_iter()
-        .enumerate()
-        .map(|(i, value)| match value {
-            serde_json::Value::Object(map) => Ok((format!("record {}", i + 1), map)),
-            _ => Err(format!(
-                "{}: record {} of the array is not a JSON object",
-                path.display(),
-                i + 1
-            )
-            .into()),
-        })
-        .collect()
+        .into()
+    })
 }
 
 #[cfg(test)]
@@ -516,6 +769,80 @@ mod file_tests {
             err.contains("every prompt is longer than the 0 tokens"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn huge_lines_files_and_prompts_are_refused_without_reading_them_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let tok = tokenizer();
+        let load = |path: &std::path::Path, limit: Option<PromptLimit>| {
+            PromptSource::from_file(
+                path,
+                &PromptColumn::Text("prompt".into()),
+                &PromptFormat::default(),
+                &[],
+                limit,
+                &tok,
+                1,
+                1,
+                0,
+            )
+        };
+        // A 1 GB line (sparse: no disk spent), after a good one.
+        let path = dir.path().join("huge.jsonl");
+        std::fs::write(&path, "{\"prompt\": \"1+1=\"}\n{\"prompt\": \"").unwrap();
+        let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        file.set_len(1 << 30).unwrap();
+        let err = load(&path, None).unwrap_err().to_string();
+        assert!(
+            err.contains("huge.jsonl: line 2 is longer than 16 MiB") && !err.contains('\n'),
+            "{err}"
+        );
+        // A file past what this machine may hold.
+        file.set_len(max_file_bytes() + 1).unwrap();
+        let err = PromptRecords::read(&path).err().unwrap().to_string();
+        assert!(
+            err.contains("huge.jsonl") && err.contains("a prompt file may hold here"),
+            "{err}"
+        );
+        drop(file);
+        // A prompt whose bytes alone exceed the token limit is judged so
+        // without encoding it (4 MB of text against 20 tokens).
+        let long = dir.path().join("long.jsonl");
+        let text = "1+1=".repeat(1 << 20);
+        std::fs::write(
+            &long,
+            format!("{{\"prompt\": \"2+2=\"}}\n{{\"prompt\": \"{text}\"}}\n"),
+        )
+        .unwrap();
+        let limit = |skip| Some(PromptLimit { tokens: 20, skip });
+        let err = load(&long, limit(false)).unwrap_err().to_string();
+        assert!(
+            err.contains("line 2: the prompt is over 20 tokens (by its length in bytes)"),
+            "{err}"
+        );
+        assert_eq!(load(&long, limit(true)).unwrap().rows().len(), 1);
+    }
+
+    #[test]
+    fn what_columns_hold_is_learnt_again_when_the_file_changes() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.jsonl");
+        std::fs::write(&path, "{\"q\": \"a\", \"n\": 1}\n").unwrap();
+        let first = PromptRecords::read(&path).unwrap();
+        assert_eq!(first.typed_columns(&["n".into()]), vec!["n".to_string()]);
+        assert!(std::sync::Arc::ptr_eq(
+            &first,
+            &PromptRecords::read(&path).unwrap()
+        ));
+        std::fs::write(
+            &path,
+            "{\"q\": \"a\", \"n\": 1}\n{\"q\": \"b\", \"n\": \"2\"}\n",
+        )
+        .unwrap();
+        let second = PromptRecords::read(&path).unwrap();
+        assert!(second.typed_columns(&["n".into()]).is_empty());
+        assert_eq!(second.common_columns(), vec!["n".to_string(), "q".into()]);
     }
 
     #[test]
