@@ -326,6 +326,7 @@ fn train(req: &RunRequest, segment: &mut Segment) -> Result<RunReport, PipelineE
         .connect_timeout(cluster.connect_timeout)
         .cluster_secret(secret)
         .weights_bucket_bytes(cfg.placement.weights_bucket_mib << 20)
+        .max_weights_bytes(max_weights_bytes(cfg)?)
         .weights_channel(
             cfg.placement
                 .weights_channel
@@ -673,6 +674,16 @@ fn rows_this_segment(report: &RunReport, trainer: &str, first_step: u64) -> f64 
 
 fn write_text(path: &Path, text: &str) -> Result<(), PipelineError> {
     Ok(weir_gpu::snapshot::write_atomically(path, text.as_bytes())?)
+}
+
+/// The most bytes a weights payload from another process may have: the
+/// policy's weights at 8 bytes each (the widest dtype), twice over for
+/// what its parameter count leaves out (biases, heads) and the header.
+fn max_weights_bytes(cfg: &RunConfig) -> Result<u64, PipelineError> {
+    let policy = weir_gpu::ModelConfig::load(Path::new(&cfg.model.path))?;
+    Ok((policy.parameter_count().max(0) as u64)
+        .saturating_mul(16)
+        .saturating_add(64 << 20))
 }
 
 #[cfg(test)]

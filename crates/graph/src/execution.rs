@@ -194,6 +194,10 @@ pub struct RunSettings {
     pub weights_bucket_bytes: usize,
     /// How an inline weights payload crosses to another process.
     pub weights_channel: WeightsChannel,
+    /// The most bytes a weights payload from another process may have: a
+    /// peer that announces more is refused before anything is allocated
+    /// (default: the machine's memory; a pipeline sets its model's size).
+    pub max_weights_bytes: u64,
     /// Called on the metrics worker with each arriving bundle of metric rows
     /// (progress bars, live dashboards).
     pub observer: Option<MetricsObserver>,
@@ -246,6 +250,7 @@ impl RunSettings {
             transport: Arc::new(InlineTransport),
             weights_bucket_bytes: 64 << 20,
             weights_channel: WeightsChannel::default(),
+            max_weights_bytes: crate::host::memory_bytes().unwrap_or(64 << 30),
             observer: None,
             step_observer: None,
             prior_metrics: Vec::new(),
@@ -260,6 +265,12 @@ impl RunSettings {
     /// Sends inline weights to other processes in buckets of at most `bytes`.
     pub fn weights_bucket_bytes(mut self, bytes: usize) -> Self {
         self.weights_bucket_bytes = bytes.max(1);
+        self
+    }
+
+    /// Refuses weights payloads from other processes of more than `bytes`.
+    pub fn max_weights_bytes(mut self, bytes: u64) -> Self {
+        self.max_weights_bytes = bytes;
         self
     }
 

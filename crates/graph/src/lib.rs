@@ -36,6 +36,7 @@ mod edges;
 pub mod engine_thread;
 mod error;
 pub mod execution;
+pub mod host;
 mod mesh;
 pub mod metrics;
 pub mod parquet_log;

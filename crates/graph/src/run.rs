@@ -101,8 +101,10 @@ pub fn run(pipeline: &Pipeline, settings: &RunSettings) -> Result<RunReport, Gra
             timeout: settings.peer_timeout,
             // Versions in flight at once: up to k + 1, and the one being sent.
             offered: settings.max_staleness as usize + 3,
+            max_payload: settings.max_weights_bytes,
         });
     }
+    crate::weights_edge::allow_payloads_of(settings.max_weights_bytes);
     // The process whose learner sends weights to another listens before its
     // first step; a port it cannot have then fails every process before any
     // work (each worker reports it, see `drive_worker`).

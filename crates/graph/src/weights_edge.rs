@@ -58,6 +58,7 @@ mod wire;
 pub(crate) use awaited::{fetch_for_process, Awaited, WeightsShelf};
 pub use buckets::Bucket;
 pub(crate) use buckets::{address, receiving_processes, Across, Reassembly};
+pub(crate) use landing::allow_payloads_of;
 pub use wire::WireNote;
 pub(crate) use wire::{Wire, WireConfig};
 

@@ -49,8 +49,29 @@ pub(super) fn fresh_id() -> u64 {
     h.finish()
 }
 
+/// The most bytes a payload landing from a peer may have: the largest any
+/// run of this process allows ([`allow_payloads_of`]; 0: none has said).
+static LIMIT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Lets payloads of up to `bytes` land in this process (runs of one
+/// process share the landing, so the largest limit holds).
+pub(crate) fn allow_payloads_of(bytes: u64) {
+    LIMIT.fetch_max(bytes, std::sync::atomic::Ordering::SeqCst);
+}
+
 /// Copies `bytes` to `offset` of payload `id`'s buffer (`total` bytes).
 pub(super) fn write(id: u64, offset: u64, total: u64, bytes: &[u8]) -> Result<(), String> {
+    let limit = match LIMIT.load(std::sync::atomic::Ordering::SeqCst) {
+        // No run has said: the machine's memory.
+        0 => crate::host::memory_bytes().unwrap_or(64 << 30),
+        set => set,
+    };
+    if total > limit {
+        return Err(format!(
+            "weights payload {id:016x}: a bucket says {total} bytes, more than the {limit} \
+             this process's runs expect"
+        ));
+    }
     let end = offset.checked_add(bytes.len() as u64);
     if end.is_none_or(|end| end > total) {
         return Err(format!(
@@ -173,6 +194,7 @@ mod tests {
 
     #[test]
     fn a_payload_with_overlapping_buckets_is_refused() {
+        allow_payloads_of(1 << 20);
         let id = fresh_id();
         write(id, 0, 10, &[1; 6]).unwrap();
         // Six more bytes would make twelve "received" of ten, with 6..10 a hole.
@@ -183,5 +205,12 @@ mod tests {
         let whole = take_whole(id).expect("complete");
         assert_eq!(whole.bytes(), &[1, 1, 1, 1, 1, 1, 3, 3, 3, 3]);
         abandon(id);
+    }
+
+    #[test]
+    fn a_bucket_announcing_more_than_the_run_expects_is_refused() {
+        allow_payloads_of(1 << 20);
+        let err = write(fresh_id(), 0, u64::MAX / 2, &[1; 4]).unwrap_err();
+        assert!(err.contains("more than the"), "{err}");
     }
 }

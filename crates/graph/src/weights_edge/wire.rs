@@ -64,6 +64,8 @@ pub(crate) struct WireConfig {
     /// guard: every receiver fetches a payload as soon as its note is in,
     /// which withdraws it).
     pub offered: usize,
+    /// The most bytes a payload fetched from a peer may have.
+    pub max_payload: u64,
 }
 
 /// A process's end of the direct channel: its server (started by the first
@@ -368,6 +370,12 @@ fn serve(mut stream: TcpStream, offers: &Offers, config: &WireConfig) -> std::io
 
 /// One fetch, on the receiving side.
 fn fetch(config: &WireConfig, note: &WireNote) -> Result<WeightsPayload, String> {
+    if note.total > config.max_payload {
+        return Err(format!(
+            "the note announces {} bytes, more than the {} this run's weights can be",
+            note.total, config.max_payload
+        ));
+    }
     let addresses: Vec<SocketAddr> = note
         .from
         .to_socket_addrs()
@@ -441,6 +449,7 @@ mod tests {
 
     fn config(process: usize, secret: Option<&str>) -> WireConfig {
         WireConfig {
+            max_payload: 1 << 30,
             host: "127.0.0.1".into(),
             port: 0,
             process,
@@ -487,6 +496,30 @@ mod tests {
                     .is_ok_and(|c| c.starts_with("weir:weights-se"))
             })
             .count()
+    }
+
+    #[test]
+    fn a_note_announcing_more_than_the_run_expects_is_refused_before_fetching() {
+        let sender = Wire::default();
+        sender.configure(config(1, Some("s")));
+        let note = sender
+            .offer(&WeightsPayload::from(vec![1u8; 100]), 1)
+            .unwrap();
+        let receiver = Wire::default();
+        receiver.configure(WireConfig {
+            max_payload: 99,
+            ..config(0, Some("s"))
+        });
+        let err = fetched(&receiver, note.clone()).unwrap_err();
+        assert!(err.contains("more than the 99"), "{err}");
+        let forged = WireNote {
+            total: u64::MAX,
+            ..note
+        };
+        let receiver = Wire::default();
+        receiver.configure(config(0, Some("s")));
+        let err = fetched(&receiver, forged).unwrap_err();
+        assert!(err.contains("more than the"), "{err}");
     }
 
     #[test]

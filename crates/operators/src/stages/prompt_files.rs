@@ -356,12 +356,7 @@ pub const MAX_RECORD_BYTES: usize = 16 << 20;
 /// a quarter of the machine's memory, since each prompt is kept as text
 /// and as tokens for the whole run.
 pub fn max_file_bytes() -> u64 {
-    let total = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
-        m.lines()
-            .find_map(|l| l.strip_prefix("MemTotal:"))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-    });
-    total.map_or(16 << 30, |kib| kib * 1024 / 4)
+    weir_graph::host::memory_bytes().map_or(16 << 30, |bytes| bytes / 4)
 }
 
 /// A size in bytes, for an error.
