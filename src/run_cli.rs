@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
-use weir_pipelines::runner::{read_resolved, RunRequest};
+use weir_pipelines::runner::{read_resolved, RunRequest, RESOLVED};
 use weir_pipelines::{PipelineKind, RunConfig};
 
 /// `weir run`.
@@ -61,9 +61,14 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
     let cluster = args.cluster.cluster()?;
     let request = if let Some(dir) = &args.resume {
         let (kind, cfg) = read_resolved(dir)?;
+        let cfg = cfg.with_overrides(&args.set)?;
+        // The run folder decides what runs: say so before anything does.
+        for code in cfg.code_it_runs() {
+            eprintln!("resume: {} runs {code}", dir.join(RESOLVED).display());
+        }
         RunRequest {
             pipeline: kind,
-            config: cfg.with_overrides(&args.set)?,
+            config: cfg,
             run_dir: dir.clone(),
             resume: true,
             progress: !args.quiet,

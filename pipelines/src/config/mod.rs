@@ -667,6 +667,31 @@ pub struct ConfigError {
 }
 
 impl RunConfig {
+    /// The code outside weir this config runs: a line per Python reward
+    /// (its file, function and interpreter), what `--resume` shows first,
+    /// since a run folder's config decides what runs.
+    pub fn code_it_runs(&self) -> Vec<String> {
+        let r = &self.reward;
+        let line = |file: &PathBuf, function: &str| {
+            format!(
+                "Python {}:{function} with the interpreter `{}`",
+                file.display(),
+                r.python
+            )
+        };
+        let mut lines = Vec::new();
+        match r.kind {
+            RewardKind::Python => lines.extend(r.file.iter().map(|f| line(f, &r.function))),
+            RewardKind::Terms => lines.extend(
+                r.terms
+                    .iter()
+                    .filter_map(|t| t.file.as_ref().map(|f| line(f, &t.function))),
+            ),
+            RewardKind::Rule | RewardKind::Model | RewardKind::Remote => {}
+        }
+        lines
+    }
+
     /// The defaults of `pipeline`.
     pub fn defaults_for(pipeline: PipelineKind) -> Self {
         let mut c = RunConfig::default();

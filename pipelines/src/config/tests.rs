@@ -325,3 +325,32 @@ fn the_configuration_reference_is_what_weir_config_prints() {
         path.display()
     );
 }
+
+#[test]
+fn the_python_code_a_config_runs_is_listed() {
+    let mut cfg = RunConfig::default();
+    assert!(cfg.code_it_runs().is_empty(), "a rule runs no outside code");
+    cfg.reward.kind = RewardKind::Python;
+    cfg.reward.file = Some("/srv/r.py".into());
+    cfg.reward.python = "/venv/bin/python".into();
+    assert_eq!(
+        cfg.code_it_runs(),
+        vec!["Python /srv/r.py:reward_func with the interpreter `/venv/bin/python`".to_string()]
+    );
+    cfg.reward.kind = RewardKind::Terms;
+    cfg.reward.terms = vec![
+        RewardTerm {
+            rule: Some("math".into()),
+            ..Default::default()
+        },
+        RewardTerm {
+            file: Some("t.py".into()),
+            function: "score".into(),
+            ..Default::default()
+        },
+    ];
+    assert_eq!(
+        cfg.code_it_runs(),
+        vec!["Python t.py:score with the interpreter `/venv/bin/python`".to_string()]
+    );
+}
