@@ -77,8 +77,25 @@ pub fn main() {
     };
     if let Err(err) = result {
         eprintln!("error: {}", one_line(&err));
-        std::process::exit(1);
+        exit_now(1);
     }
+}
+
+/// Ends the process with `code` without running the exit handlers.
+///
+/// A run that fails may leave engine threads inside libtorch: a learner's
+/// backward pass is not interrupted when a peer process dies, and its
+/// thread is not joined. `exit` would run libtorch's static destructors
+/// under that thread, which then fails in a torch call and panics ("Invalid
+/// (backend, op) pair"), so a one-line error grew a panic's backtrace.
+/// Nothing weir writes waits for exit handlers: its files are synced and
+/// closed before the run returns, and only stdout's buffer is left.
+fn exit_now(code: i32) -> ! {
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    let _ = std::io::stderr().flush();
+    // SAFETY: _exit ends the process at once; nothing after it runs.
+    unsafe { libc::_exit(code) }
 }
 
 /// `err` and its causes on one line, each said once: a cause whose text
