@@ -153,6 +153,7 @@ fn sim_steps_per_s(k: u64, queue: usize, steps: u64) -> f64 {
         weights_bytes: 4096,
         weights_bucket_bytes: 64 << 20,
         weights_channel: weir::graph::WeightsChannel::default(),
+        encrypt: false,
         placement: None,
         generate_queue: queue,
         stream_slots: 0,

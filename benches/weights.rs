@@ -14,13 +14,16 @@
 //!   (whose buffers are still being mapped on both sides). Over each
 //!   channel: `direct` (the default: a note on the edge, the payload
 //!   fetched over a connection of its own straight into the landing
-//!   buffer) and `timely` (64 MiB buckets on timely's connections).
+//!   buffer) and `timely` (64 MiB buckets on timely's connections), each in
+//!   clear and encrypted (`--encrypt`, as `placement.encrypt`: AES-256-GCM
+//!   frames on every connection).
 //!
 //! Two sizes: a 24.6M-parameter model's float32 weights (98.4 MB) and a
 //! synthetic 1 GiB snapshot. The last line is `weights_edge_vs_floor=<1 GiB
 //! steady-state direct edge ÷ floor> timely_vs_floor=<the same over timely's
-//! channel>`. `cargo bench --bench weights`; under `cargo test`, 1 and 8 MiB
-//! check that it works.
+//! channel> encrypted_vs_clear=<1 GiB direct encrypted ÷ direct in clear>
+//! encrypted_timely_vs_clear=<the same over timely's channel>`. `cargo bench
+//! --bench weights`; under `cargo test`, 1 and 8 MiB check that it works.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -55,7 +58,7 @@ fn main() {
         "== the weights edge between two processes on this machine, against a raw TCP copy =="
     );
     println!(
-        "{:<24} {:>12} {:>9} {:>10} {:>8} {:>9} {:>9} {:>11}",
+        "{:<24} {:>12} {:>9} {:>10} {:>11} {:>9} {:>9} {:>11}",
         "payload",
         "bytes",
         "floor s",
@@ -65,22 +68,34 @@ fn main() {
         "steady s",
         "steady/floor"
     );
-    let mut last = [0.0; 2];
+    // Steady state ÷ floor of the last size, per channel and encryption.
+    let mut last = [[0.0; 2]; 2];
     for (label, bytes) in sizes {
         let floor = tcp_floor(bytes);
         for (i, channel) in ["direct", "timely"].into_iter().enumerate() {
-            let (first, steady) = edge_transfer(bytes, steps, channel);
-            last[i] = steady / floor;
-            println!(
-                "{label:<24} {bytes:>12} {floor:>9.3} {:>10.2} {channel:>8} {first:>9.3} {steady:>9.3} {:>11.2}",
-                bytes as f64 / floor / 1e9,
-                last[i]
-            );
+            for (e, encrypt) in [false, true].into_iter().enumerate() {
+                let (first, steady) = edge_transfer(bytes, steps, channel, encrypt);
+                last[i][e] = steady / floor;
+                let name = if encrypt {
+                    format!("{channel}+enc")
+                } else {
+                    channel.to_string()
+                };
+                println!(
+                    "{label:<24} {bytes:>12} {floor:>9.3} {:>10.2} {name:>11} {first:>9.3} {steady:>9.3} {:>11.2}",
+                    bytes as f64 / floor / 1e9,
+                    last[i][e]
+                );
+            }
         }
     }
     println!(
-        "weights_edge_vs_floor={:.3} timely_vs_floor={:.3}",
-        last[0], last[1]
+        "weights_edge_vs_floor={:.3} timely_vs_floor={:.3} encrypted_vs_clear={:.3} \
+         encrypted_timely_vs_clear={:.3}",
+        last[0][0],
+        last[1][0],
+        last[0][1] / last[0][0],
+        last[1][1] / last[1][0]
     );
 }
 
@@ -152,8 +167,8 @@ fn hostfile(dir: &Path) -> std::path::PathBuf {
 
 /// The first and the steady-state (median after the first two)
 /// `weights_transfer_s` of a two-process `weir sim` publishing `bytes` a
-/// step over `channel`.
-fn edge_transfer(bytes: usize, steps: u64, channel: &str) -> (f64, f64) {
+/// step over `channel`, encrypted or not.
+fn edge_transfer(bytes: usize, steps: u64, channel: &str, encrypt: bool) -> (f64, f64) {
     let dir = tempfile::tempdir().expect("a temporary folder");
     let hosts = hostfile(dir.path());
     let spawn = |process: usize| {
@@ -174,6 +189,7 @@ fn edge_transfer(bytes: usize, steps: u64, channel: &str) -> (f64, f64) {
             .args(["--gen-ms", "0", "--train-ms", "0"])
             .args(["--weights-bytes", &bytes.to_string()])
             .args(["--weights-channel", channel])
+            .args(encrypt.then_some("--encrypt"))
             .arg("--out")
             .arg(dir.path())
             .stdout(Stdio::null())

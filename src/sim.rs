@@ -80,6 +80,10 @@ pub struct SimArgs {
     /// buckets on timely's connections).
     #[arg(long = "weights-channel", default_value = "direct", value_parser = parse_channel)]
     pub weights_channel: WeightsChannel,
+    /// Encrypt every byte between the processes (timely's sockets and the
+    /// direct weights channel), as `placement.encrypt` does for a run.
+    #[arg(long)]
+    pub encrypt: bool,
     /// Roles to workers, e.g. `rollout=0-2;train=3` (default: training on the last worker, the rest generate).
     #[arg(long)]
     pub placement: Option<String>,
@@ -203,6 +207,7 @@ pub fn run_sim(args: &SimArgs) -> anyhow::Result<RunReport> {
         .cluster_secret(secret)
         .weights_bucket_bytes(args.weights_bucket_bytes)
         .weights_channel(args.weights_channel)
+        .encrypt(args.encrypt)
         .fingerprint(fingerprint(args))
         .metrics_path(args.out.join("metrics.parquet"));
     std::fs::create_dir_all(&args.out)

@@ -37,6 +37,7 @@ fn sim_args(out: &Path) -> SimArgs {
         weights_bytes: 256,
         weights_bucket_bytes: 64 << 20,
         weights_channel: weir::graph::WeightsChannel::default(),
+        encrypt: false,
         placement: None,
         generate_queue: 2,
         stream_slots: 0,
@@ -685,9 +686,10 @@ fn two_processes_keep_every_guarantee() {
 /// every byte of every version it loads.
 #[test]
 fn weights_cross_to_each_process_once_over_either_channel() {
-    for channel in ["direct", "timely"] {
+    // Encrypted, every connection is sealed: timely's (rows, control) and the weights'.
+    for (channel, encrypt) in [("direct", false), ("timely", false), ("direct", true)] {
         let dir = tempfile::tempdir().unwrap();
-        let args = strings(&[
+        let mut args = strings(&[
             "--workers",
             "2",
             "--steps",
@@ -707,6 +709,9 @@ fn weights_cross_to_each_process_once_over_either_channel() {
             "--weights-channel",
             channel,
         ]);
+        if encrypt {
+            args.push("--encrypt".into());
+        }
         let (o0, o1) = run_two_processes(&args, dir.path());
         for (i, o) in [(0, &o0), (1, &o1)] {
             assert!(

@@ -327,6 +327,7 @@ fn train(req: &RunRequest, segment: &mut Segment) -> Result<RunReport, PipelineE
         .cluster_secret(secret)
         .weights_bucket_bytes(cfg.placement.weights_bucket_mib << 20)
         .max_weights_bytes(max_weights_bytes(cfg)?)
+        .encrypt(cfg.placement.encrypt)
         .weights_channel(
             cfg.placement
                 .weights_channel

@@ -65,6 +65,11 @@ impl ClusterSecret {
         Ok(ClusterSecret(bytes))
     }
 
+    /// The secret's bytes (key material for [`crate::sealed`]).
+    pub(crate) fn key(&self) -> &[u8] {
+        &self.0
+    }
+
     /// The HMAC of `purpose` (a label no other use shares) over `words`.
     fn mac(&self, purpose: &[u8], words: &[u64]) -> Hmac<Sha256> {
         let mut mac =

@@ -225,6 +225,10 @@ pub struct RunSettings {
     /// run over several processes without one is refused
     /// ([`Execution::cluster_secret`] finds one).
     pub cluster_secret: Option<crate::ClusterSecret>,
+    /// Whether every byte between the processes of a cluster is encrypted
+    /// (timely's sockets and the direct weights channel; see
+    /// [`crate::sealed`]): every process must choose alike.
+    pub encrypt: bool,
 }
 
 /// A callback over live metric rows.
@@ -259,7 +263,14 @@ impl RunSettings {
             on_commit: None,
             fingerprint: 0,
             cluster_secret: None,
+            encrypt: false,
         }
+    }
+
+    /// Encrypts (or not) every byte between the processes of a cluster.
+    pub fn encrypt(mut self, encrypt: bool) -> Self {
+        self.encrypt = encrypt;
+        self
     }
 
     /// Sends inline weights to other processes in buckets of at most `bytes`.
@@ -383,14 +394,15 @@ pub(crate) type Allocators = (
 
 /// Builds timely's allocators. A cluster's processes connect through
 /// sockets each authenticated under `secret` (which a cluster must have)
-/// with settings `fingerprint` (see [`crate::mesh`]), giving up when peers
-/// do not connect within `timeout`; returns the run's random value too (0
-/// for one process).
+/// with settings `fingerprint` (see [`crate::mesh`]), and sealed when
+/// `encrypt` (see [`crate::sealed`]), giving up when peers do not connect
+/// within `timeout`; returns the run's random value too (0 for one process).
 pub(crate) fn connect(
     execution: &Execution,
     timeout: Duration,
     secret: Option<&ClusterSecret>,
     fingerprint: u64,
+    encrypt: bool,
 ) -> Result<(Allocators, u64), GraphError> {
     use timely::communication::allocator::zero_copy::initialize::initialize_networking_from_sockets;
     use timely::communication::allocator::{AllocatorBuilder, ProcessBuilder};
@@ -415,14 +427,34 @@ pub(crate) fn connect(
                 .into(),
         )
     })?;
-    let mesh = crate::mesh::connect(hosts, process, secret, fingerprint, timeout)?;
+    let mesh = crate::mesh::connect(hosts, process, secret, fingerprint, encrypt, timeout)?;
     let hooks = timely::communication::Hooks::default();
     let local =
         ProcessBuilder::new_typed_vector(threads, hooks.refill.clone(), hooks.spill.clone());
-    let (builders, guard) =
-        initialize_networking_from_sockets(local, mesh.sockets, process, threads, hooks).map_err(
-            |e| GraphError::Runtime(format!("starting the cluster's network threads: {e}")),
-        )?;
+    let started = if encrypt {
+        let sockets = mesh
+            .sockets
+            .into_iter()
+            .map(|pair| {
+                pair.map(|(socket, keys)| {
+                    crate::sealed::Sealed::new(
+                        socket,
+                        keys.expect("an encrypting mesh keys each socket"),
+                    )
+                })
+            })
+            .collect();
+        initialize_networking_from_sockets(local, sockets, process, threads, hooks)
+    } else {
+        let sockets = mesh
+            .sockets
+            .into_iter()
+            .map(|pair| pair.map(|(socket, _)| socket))
+            .collect();
+        initialize_networking_from_sockets(local, sockets, process, threads, hooks)
+    };
+    let (builders, guard) = started
+        .map_err(|e| GraphError::Runtime(format!("starting the cluster's network threads: {e}")))?;
     let builders = builders.into_iter().map(AllocatorBuilder::Tcp).collect();
     Ok(((builders, Box::new(guard)), mesh.run))
 }

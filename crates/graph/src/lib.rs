@@ -44,6 +44,7 @@ pub mod partition;
 pub mod pipeline;
 pub mod placement;
 pub mod run;
+mod sealed;
 pub mod stage;
 mod stage_op;
 pub mod step_fill;

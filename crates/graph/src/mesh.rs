@@ -22,6 +22,13 @@
 //! ([`session_fingerprint`]), so nothing recorded from an earlier run with the
 //! same config verifies in this one.
 //!
+//! Each side's nonce is the public half of an X25519 key made for that
+//! connection alone; with `placement.encrypt` both sides derive the
+//! connection's keys from it and the secret once the handshake admits it,
+//! and timely's traffic crosses sealed (see [`crate::sealed`]). Whether a
+//! run encrypts is part of the fingerprint the handshake compares, so a
+//! process that would encrypt never meets one that would not.
+//!
 //! A connection that does not speak this protocol (a port scan, a load
 //! balancer's health check), asks for another process, claims an id that
 //! does not connect here, or does not prove the secret is dropped and
@@ -36,11 +43,13 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use crate::cluster_secret::{ClusterSecret, Proof, Side};
+use crate::sealed::{KeyShare, SessionKeys};
 use crate::GraphError;
 
-/// Every pair's socket (`None` at this process's own place) and the run's random value.
+/// Every pair's socket (`None` at this process's own place), with its
+/// keys when the run encrypts, and the run's random value.
 pub(crate) struct Mesh {
-    pub(crate) sockets: Vec<Option<TcpStream>>,
+    pub(crate) sockets: Vec<Option<(TcpStream, Option<SessionKeys>)>>,
     pub(crate) run: u64,
 }
 
@@ -63,23 +72,69 @@ struct Party {
     me: usize,
     processes: usize,
     secret: ClusterSecret,
+    /// The settings' fingerprint, with whether the run encrypts mixed in.
     fingerprint: u64,
+    encrypt: bool,
+}
+
+impl Party {
+    /// The keys of an admitted connection between `connecting` and
+    /// `accepting` (when the run encrypts), from this side's key `share`
+    /// and the other side's public half `theirs`.
+    fn keys(
+        &self,
+        share: KeyShare,
+        theirs: &Nonce,
+        connecting: usize,
+        accepting: usize,
+        run: u64,
+    ) -> Result<Option<SessionKeys>, GraphError> {
+        if !self.encrypt {
+            return Ok(None);
+        }
+        let mut context = b"weir cluster connection".to_vec();
+        for word in [connecting as u64, accepting as u64, run, self.fingerprint] {
+            context.extend_from_slice(&word.to_le_bytes());
+        }
+        share
+            .keys(theirs, &self.secret, &context, connecting == self.me)
+            .map(Some)
+    }
+}
+
+/// `fingerprint` with the choice to encrypt mixed in.
+fn with_encryption(fingerprint: u64, encrypt: bool) -> u64 {
+    if !encrypt {
+        return fingerprint;
+    }
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::new()
+        .chain_update(b"weir sealed cluster v1")
+        .chain_update(fingerprint.to_le_bytes())
+        .finalize();
+    u64::from_le_bytes(
+        digest[..8]
+            .try_into()
+            .expect("a SHA-256 digest has 32 bytes"),
+    )
 }
 
 /// Connects this process (`me`, listening on `hosts[me]`) to every other,
 /// proving `secret` on each socket and checking `fingerprint` (see the
-/// module's documentation), within `timeout`.
+/// module's documentation), within `timeout`; with `encrypt`, each socket
+/// comes with its keys.
 pub(crate) fn connect(
     hosts: &[String],
     me: usize,
     secret: &ClusterSecret,
     fingerprint: u64,
+    encrypt: bool,
     timeout: Duration,
 ) -> Result<Mesh, GraphError> {
     let listener = TcpListener::bind(hosts[me].as_str()).map_err(|e| {
         GraphError::Execution(format!("process {me} cannot listen on {}: {e}", hosts[me]))
     })?;
-    connect_on(listener, hosts, me, secret, fingerprint, timeout)
+    connect_on(listener, hosts, me, secret, fingerprint, encrypt, timeout)
 }
 
 /// [`connect`] with this process's listener already bound.
@@ -89,6 +144,7 @@ fn connect_on(
     me: usize,
     secret: &ClusterSecret,
     fingerprint: u64,
+    encrypt: bool,
     timeout: Duration,
 ) -> Result<Mesh, GraphError> {
     let deadline = Instant::now() + timeout;
@@ -96,16 +152,18 @@ fn connect_on(
         me,
         processes: hosts.len(),
         secret: secret.clone(),
-        fingerprint,
+        fingerprint: with_encryption(fingerprint, encrypt),
+        encrypt,
     };
-    let mut sockets: Vec<Option<TcpStream>> = (0..hosts.len()).map(|_| None).collect();
+    let mut sockets: Vec<Option<(TcpStream, Option<SessionKeys>)>> =
+        (0..hosts.len()).map(|_| None).collect();
     let mut run = if me == 0 {
         u64::from_le_bytes(random()?)
     } else {
         0
     };
     for (peer, address) in hosts.iter().enumerate().take(me) {
-        let (stream, theirs) = dial(&party, peer, address, deadline, timeout)?;
+        let (stream, theirs, keys) = dial(&party, peer, address, deadline, timeout)?;
         if peer == 0 {
             run = theirs;
         } else if theirs != run {
@@ -114,7 +172,7 @@ fn connect_on(
                  (is every process started with the same hostfile?)"
             )));
         }
-        sockets[peer] = Some(stream);
+        sockets[peer] = Some((stream, keys));
     }
     accept_all(&listener, &party, run, &mut sockets, deadline, timeout)?;
     Ok(Mesh { sockets, run })
@@ -164,14 +222,15 @@ fn seconds(timeout: Duration) -> String {
 }
 
 /// Connects to process `peer` at `address` and runs the connecting side of
-/// the handshake; returns the socket and the run value it was told.
+/// the handshake; returns the socket, the run value it was told, and the
+/// socket's keys when the run encrypts.
 fn dial(
     party: &Party,
     peer: usize,
     address: &str,
     deadline: Instant,
     timeout: Duration,
-) -> Result<(TcpStream, u64), GraphError> {
+) -> Result<(TcpStream, u64, Option<SessionKeys>), GraphError> {
     let me = party.me;
     let late = || GraphError::PeerLost {
         peer: format!("process {peer}"),
@@ -202,7 +261,8 @@ fn dial(
             reason: format!("closed the connection during the cluster handshake ({e})"),
         },
     };
-    let ours: Nonce = random()?;
+    let share = KeyShare::new()?;
+    let ours: Nonce = *share.public();
     let mut hello = Vec::with_capacity(HELLO);
     hello.extend_from_slice(MAGIC);
     for word in [me as u64, peer as u64, party.fingerprint] {
@@ -247,9 +307,10 @@ fn dial(
             party.fingerprint,
         ));
     }
+    let keys = party.keys(share, &theirs, me, peer, run)?;
     let _ = stream.set_read_timeout(None);
     let _ = stream.set_write_timeout(None);
-    Ok((stream, run))
+    Ok((stream, run, keys))
 }
 
 /// A connection to `address`, if one opens within a second.
@@ -265,7 +326,8 @@ const REPLY: usize = 16 + 2 * 8 + 32 + 32;
 
 /// What became of one accepted connection.
 enum Answered {
-    Admitted(usize, TcpStream),
+    /// (The keys are boxed: an AES key schedule is a kilobyte.)
+    Admitted(usize, TcpStream, Option<Box<SessionKeys>>),
     /// Dropped: who it claimed to be (if it said), and why.
     Dropped(SocketAddr, Option<usize>, String),
     /// A process that proves the secret but runs other settings.
@@ -278,7 +340,7 @@ fn accept_all(
     listener: &TcpListener,
     party: &Party,
     run: u64,
-    sockets: &mut [Option<TcpStream>],
+    sockets: &mut [Option<(TcpStream, Option<SessionKeys>)>],
     deadline: Instant,
     timeout: Duration,
 ) -> Result<(), GraphError> {
@@ -293,10 +355,10 @@ fn accept_all(
         while let Ok(answered) = rx.try_recv() {
             pending -= 1;
             match answered {
-                Answered::Admitted(peer, stream) if sockets[peer].is_none() => {
-                    sockets[peer] = Some(stream);
+                Answered::Admitted(peer, stream, keys) if sockets[peer].is_none() => {
+                    sockets[peer] = Some((stream, keys.map(|k| *k)));
                 }
-                Answered::Admitted(peer, _) => {
+                Answered::Admitted(peer, ..) => {
                     tracing::warn!("process {me}: dropped a second connection as process {peer}");
                 }
                 Answered::Dropped(from, claimed, why) => {
@@ -395,10 +457,11 @@ fn answer(mut stream: TcpStream, from: SocketAddr, party: &Party, run: u64) -> A
         }
     };
     let theirs: Nonce = hello[40..72].try_into().expect("32 bytes");
-    let ours: Nonce = match random() {
-        Ok(n) => n,
+    let share = match KeyShare::new() {
+        Ok(share) => share,
         Err(e) => return Answered::Fatal(e),
     };
+    let ours: Nonce = *share.public();
     let words = |fingerprint| [peer as u64, me as u64, fingerprint, run];
     let proof =
         party
@@ -437,12 +500,19 @@ fn answer(mut stream: TcpStream, from: SocketAddr, party: &Party, run: u64) -> A
             party.fingerprint,
         ));
     }
+    let keys = match party.keys(share, &theirs, peer, me, run) {
+        Ok(keys) => keys,
+        Err(e) => {
+            let _ = stream.write_all(&[NO_SECRET]);
+            return dropped(Some(peer), e.to_string());
+        }
+    };
     if let Err(e) = stream.write_all(&[ADMITTED]) {
         return dropped(Some(peer), io(e));
     }
     let _ = stream.set_read_timeout(None);
     let _ = stream.set_write_timeout(None);
-    Answered::Admitted(peer, stream)
+    Answered::Admitted(peer, stream, keys.map(Box::new))
 }
 
 #[cfg(test)]
@@ -470,9 +540,23 @@ mod tests {
         fingerprint: u64,
         timeout: Duration,
     ) -> JoinHandle<Result<Mesh, GraphError>> {
+        start_sealed(listener, hosts, me, secret, fingerprint, false, timeout)
+    }
+
+    fn start_sealed(
+        listener: TcpListener,
+        hosts: &[String],
+        me: usize,
+        secret: &str,
+        fingerprint: u64,
+        encrypt: bool,
+        timeout: Duration,
+    ) -> JoinHandle<Result<Mesh, GraphError>> {
         let hosts = hosts.to_vec();
         let secret = ClusterSecret::new(secret).unwrap();
-        std::thread::spawn(move || connect_on(listener, &hosts, me, &secret, fingerprint, timeout))
+        std::thread::spawn(move || {
+            connect_on(listener, &hosts, me, &secret, fingerprint, encrypt, timeout)
+        })
     }
 
     #[test]
@@ -514,14 +598,14 @@ mod tests {
         for (me, mesh) in meshes.iter().enumerate() {
             for (peer, socket) in mesh.sockets.iter().enumerate() {
                 assert_eq!(socket.is_none(), peer == me);
-                if let Some(mut s) = socket.as_ref() {
+                if let Some(mut s) = socket.as_ref().map(|(s, _)| s) {
                     s.write_all(&[me as u8]).unwrap();
                 }
             }
         }
         for (me, mesh) in meshes.iter().enumerate() {
             for (peer, socket) in mesh.sockets.iter().enumerate() {
-                if let Some(mut s) = socket.as_ref() {
+                if let Some(mut s) = socket.as_ref().map(|(s, _)| s) {
                     let mut byte = [0u8];
                     s.read_exact(&mut byte).unwrap();
                     assert_eq!(byte[0] as usize, peer, "process {me}'s socket to {peer}");
@@ -598,6 +682,69 @@ mod tests {
                 && err.contains("process 1 was dropped: it did not prove the cluster secret"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn encrypted_sockets_carry_sealed_bytes_and_both_sides_must_encrypt() {
+        use crate::sealed::Sealed;
+        let (mut listeners, hosts) = bound(2);
+        let timeout = Duration::from_secs(30);
+        let b = start_sealed(
+            listeners.pop().unwrap(),
+            &hosts,
+            1,
+            "s3cret",
+            42,
+            true,
+            timeout,
+        );
+        let a = start_sealed(
+            listeners.pop().unwrap(),
+            &hosts,
+            0,
+            "s3cret",
+            42,
+            true,
+            timeout,
+        );
+        let sealed = |mesh: Mesh, peer: usize| {
+            let (socket, keys) = mesh.sockets.into_iter().nth(peer).unwrap().unwrap();
+            Sealed::new(socket, keys.expect("an encrypting run's socket has keys"))
+        };
+        let mut a = sealed(a.join().unwrap().unwrap(), 1);
+        let mut b = sealed(b.join().unwrap().unwrap(), 0);
+        a.write_all(b"rows and weights").unwrap();
+        let mut got = [0u8; 16];
+        b.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"rows and weights");
+        b.write_all(b"back").unwrap();
+        a.read_exact(&mut got[..4]).unwrap();
+        assert_eq!(&got[..4], b"back");
+
+        // One process that encrypts and one that does not: other settings.
+        let (mut listeners, hosts) = bound(2);
+        let b = start_sealed(
+            listeners.pop().unwrap(),
+            &hosts,
+            1,
+            "s3cret",
+            42,
+            false,
+            timeout,
+        );
+        let a = start_sealed(
+            listeners.pop().unwrap(),
+            &hosts,
+            0,
+            "s3cret",
+            42,
+            true,
+            timeout,
+        );
+        for handle in [a, b] {
+            let err = handle.join().unwrap().err().expect("stopped").to_string();
+            assert!(err.contains("runs different settings"), "{err}");
+        }
     }
 
     #[test]

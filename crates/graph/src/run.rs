@@ -80,6 +80,7 @@ pub fn run(pipeline: &Pipeline, settings: &RunSettings) -> Result<RunReport, Gra
         settings.connect_timeout,
         settings.cluster_secret.as_ref(),
         settings.fingerprint,
+        settings.encrypt,
     )?;
     // What the heartbeats and weight fetches prove from here on: the
     // settings and this run, so nothing recorded from an earlier run verifies.
@@ -98,6 +99,7 @@ pub fn run(pipeline: &Pipeline, settings: &RunSettings) -> Result<RunReport, Gra
             process: settings.execution.process(),
             fingerprint: settings.fingerprint,
             secret: settings.cluster_secret.clone(),
+            encrypt: settings.encrypt,
             timeout: settings.peer_timeout,
             // Versions in flight at once: up to k + 1, and the one being sent.
             offered: settings.max_staleness as usize + 3,

@@ -107,6 +107,8 @@ pub struct PlacementSection {
     /// The largest bucket, in MiB, the learner's weights cross to another
     /// process in over timely's channel.
     pub weights_bucket_mib: usize,
+    /// Encrypt every byte between the processes of a cluster.
+    pub encrypt: bool,
 }
 
 impl Default for PlacementSection {
@@ -119,6 +121,7 @@ impl Default for PlacementSection {
             weights_channel: WeightsChannelChoice::Direct,
             weights_port: 0,
             weights_bucket_mib: 64,
+            encrypt: false,
         }
     }
 }

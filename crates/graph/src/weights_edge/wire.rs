@@ -16,8 +16,11 @@
 //! a fresh nonce and the fetcher answers with an HMAC over its process id,
 //! the run's fingerprint, the nonce and the payload id
 //! (`ClusterSecret::wire_proof`). Without a secret, a fetch must know the
-//! payload's id (64 random bits that travel only on the weights edge). The
-//! bytes themselves cross in clear, as timely's do. Every read and write
+//! payload's id (64 random bits that travel only on the weights edge). Each
+//! side also sends the public half of an X25519 key made for the fetch;
+//! with `placement.encrypt` the size and the payload cross sealed under
+//! keys derived from it and the secret (see [`crate::sealed`]), otherwise
+//! in clear, as timely's bytes do. Every read and write
 //! has the peer timeout, so a learner process that dies fails the fetch,
 //! and the generator that needs that version fails the run with the error,
 //! never hangs.
@@ -32,6 +35,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use super::{landing, WeightsPayload};
+use crate::sealed::{KeyShare, Sealed, SessionKeys};
 use crate::{ClusterSecret, GraphError};
 
 /// Where to fetch a payload the learner's process offers.
@@ -58,6 +62,8 @@ pub(crate) struct WireConfig {
     pub fingerprint: u64,
     /// The cluster secret, if the run has one.
     pub secret: Option<ClusterSecret>,
+    /// Whether payloads cross sealed (which needs the secret).
+    pub encrypt: bool,
     /// How long a connect, read or write may wait.
     pub timeout: Duration,
     /// Payloads a server keeps offered at once, older ones withdrawn (a
@@ -77,7 +83,7 @@ pub(crate) struct Wire {
 }
 
 /// First bytes of a fetch: which protocol this is.
-const MAGIC: &[u8; 8] = b"weirwt01";
+const MAGIC: &[u8; 8] = b"weirwt02";
 
 /// The server's answer after the proof.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -309,11 +315,49 @@ fn timeouts(stream: &TcpStream, timeout: Duration) -> std::io::Result<()> {
     stream.set_write_timeout(Some(timeout))
 }
 
-fn read_u64(stream: &mut TcpStream) -> std::io::Result<u64> {
+fn read_u64(stream: &mut impl Read) -> std::io::Result<u64> {
     let mut word = [0u8; 8];
     stream.read_exact(&mut word)?;
     Ok(u64::from_le_bytes(word))
 }
+
+/// The keys of a fetch when the run encrypts: from this side's key `share`
+/// and the other side's public half `theirs`, bound to the fetch.
+fn fetch_keys(
+    config: &WireConfig,
+    share: KeyShare,
+    theirs: &[u8; 32],
+    fetcher: u64,
+    payload: u64,
+    nonce: u64,
+    fetching: bool,
+) -> std::io::Result<Option<SessionKeys>> {
+    if !config.encrypt {
+        return Ok(None);
+    }
+    let secret = config.secret.as_ref().ok_or_else(|| {
+        std::io::Error::other("encrypting the weights channel needs the cluster secret")
+    })?;
+    let mut context = b"weir weights fetch".to_vec();
+    for word in [fetcher, payload, nonce, config.fingerprint] {
+        context.extend_from_slice(&word.to_le_bytes());
+    }
+    share
+        .keys(theirs, secret, &context, fetching)
+        .map(Some)
+        .map_err(std::io::Error::other)
+}
+
+/// `stream`, sealed under `keys` when there are any.
+fn sealed_or_not(stream: TcpStream, keys: Option<SessionKeys>) -> Box<dyn ReadWrite> {
+    match keys {
+        Some(keys) => Box::new(Sealed::new(stream, keys)),
+        None => Box::new(stream),
+    }
+}
+
+trait ReadWrite: Read + Write + Send {}
+impl<T: Read + Write + Send> ReadWrite for T {}
 
 /// One fetch, on the sending side: the handshake, then the payload.
 fn serve(mut stream: TcpStream, offers: &Offers, config: &WireConfig) -> std::io::Result<()> {
@@ -327,8 +371,13 @@ fn serve(mut stream: TcpStream, offers: &Offers, config: &WireConfig) -> std::io
         ));
     }
     let (process, id) = (read_u64(&mut stream)?, read_u64(&mut stream)?);
+    let mut theirs = [0u8; 32];
+    stream.read_exact(&mut theirs)?;
     let nonce = crate::cluster_secret::nonce(config.process);
-    stream.write_all(&nonce.to_le_bytes())?;
+    let share = KeyShare::new().map_err(std::io::Error::other)?;
+    let mut greeting = nonce.to_le_bytes().to_vec();
+    greeting.extend_from_slice(share.public());
+    stream.write_all(&greeting)?;
     let mut proof = [0u8; 32];
     stream.read_exact(&mut proof)?;
     let admitted = config.secret.as_ref().is_none_or(|secret| {
@@ -355,6 +404,8 @@ fn serve(mut stream: TcpStream, offers: &Offers, config: &WireConfig) -> std::io
         )));
     };
     stream.set_write_timeout(Some(config.timeout))?;
+    let keys = fetch_keys(config, share, &theirs, process, id, nonce, false)?;
+    let mut stream = sealed_or_not(stream, keys);
     stream.write_all(&(payload.len() as u64).to_le_bytes())?;
     stream.write_all(payload.bytes())?;
     stream.flush()?;
@@ -405,13 +456,19 @@ fn fetch(config: &WireConfig, note: &WireNote) -> Result<WeightsPayload, String>
         }
     }
     timeouts(&stream, config.timeout).map_err(io("setting up the connection"))?;
+    let share = KeyShare::new().map_err(|e| e.to_string())?;
     let mut request = MAGIC.to_vec();
     request.extend_from_slice(&(config.process as u64).to_le_bytes());
     request.extend_from_slice(&note.id.to_le_bytes());
+    request.extend_from_slice(share.public());
     stream
         .write_all(&request)
         .map_err(io("sending the request"))?;
     let nonce = read_u64(&mut stream).map_err(io("reading the server's nonce"))?;
+    let mut theirs = [0u8; 32];
+    stream
+        .read_exact(&mut theirs)
+        .map_err(io("reading the server's key share"))?;
     let proof = config.secret.as_ref().map_or([0u8; 32], |secret| {
         secret.wire_proof(config.process, config.fingerprint, nonce, note.id)
     });
@@ -432,6 +489,17 @@ fn fetch(config: &WireConfig, note: &WireNote) -> Result<WeightsPayload, String>
         }
         a => return Err(format!("an unknown answer {a}")),
     }
+    let keys = fetch_keys(
+        config,
+        share,
+        &theirs,
+        config.process as u64,
+        note.id,
+        nonce,
+        true,
+    )
+    .map_err(io("deriving the fetch's keys"))?;
+    let mut stream = sealed_or_not(stream, keys);
     let total = read_u64(&mut stream).map_err(io("reading the payload's size"))?;
     if total != note.total {
         return Err(format!(
@@ -455,9 +523,34 @@ mod tests {
             process,
             fingerprint: 7,
             secret: secret.map(|s| ClusterSecret::new(s).unwrap()),
+            encrypt: false,
             timeout: Duration::from_secs(5),
             offered: 4,
         }
+    }
+
+    #[test]
+    fn an_encrypted_payload_lands_whole_and_a_fetcher_that_does_not_decrypt_gets_nothing() {
+        let sealed = |process| WireConfig {
+            encrypt: true,
+            ..config(process, Some("s"))
+        };
+        let (sender, receiver) = (Wire::default(), Wire::default());
+        sender.configure(sealed(1));
+        receiver.configure(sealed(0));
+        let payload = WeightsPayload::from(
+            (0..1_000_003u32)
+                .map(|i| (i % 253) as u8)
+                .collect::<Vec<_>>(),
+        );
+        let note = sender.offer(&payload, 2).unwrap();
+        assert_eq!(fetched(&receiver, note.clone()).unwrap(), payload);
+        // A fetcher that proves the secret but reads in clear reads no size
+        // or byte of the payload.
+        let clear = Wire::default();
+        clear.configure(config(0, Some("s")));
+        let err = fetched(&clear, note).unwrap_err();
+        assert!(err.contains("the server sends"), "{err}");
     }
 
     fn fetched(wire: &Wire, note: WireNote) -> Result<WeightsPayload, String> {
