@@ -320,8 +320,11 @@ fn a_run_over_two_processes_matches_one_process_and_resumes() {
     // Strictly on-policy (k = 0), so both runs are deterministic. The
     // generator sits on process 0, the learner on process 1, which has no
     // prompt source: its checkpoints must still hold the right cursor.
+    // The processes encrypt what they exchange (no effect in one process),
+    // and the bytes still match.
     let sets = [
         format!("model.path={}", model.display()),
+        "placement.encrypt=true".into(),
         "run.steps=4".into(),
         "run.max_staleness=0".into(),
         "run.checkpoint_every=2".into(),

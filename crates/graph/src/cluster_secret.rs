@@ -16,11 +16,12 @@
 //! user, or, when every process runs on this machine, made in the run
 //! folder ([`ClusterSecret::of_run_folder`]).
 //!
-//! What it does not do: the traffic itself is not encrypted (rows and
-//! weights cross in clear, as timely sends them), so it keeps out processes
-//! that do not know the secret, not an attacker who can read or rewrite
-//! the network's packets; for that, run the cluster on a private network or
-//! a VPN.
+//! What it does not do by itself: encrypt the traffic. Unless the run sets
+//! `RunSettings::encrypt` (`placement.encrypt`), rows and weights cross in
+//! clear, as timely sends them, so the secret keeps out processes that do
+//! not know it, not an attacker who can read or rewrite the network's
+//! packets. With it, every connection is sealed under keys derived from
+//! this secret (see the crate's `sealed` module).
 //!
 //! # Examples
 //!

@@ -203,11 +203,26 @@ impl OperatorEnv {
 }
 
 /// A panic that reached the driver: a broken connection to a peer, or a bug.
+/// A worker learns of a broken connection second-hand ("MergeQueue
+/// poisoned"); the network thread's own panic, which says what broke (the
+/// socket closed, a sealed frame that failed authentication), is named
+/// instead when one was seen.
 pub(crate) fn runtime_panic(message: &str) -> GraphError {
+    let cause = NETWORK_CAUSE
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone();
+    panic_error(message, cause.as_deref())
+}
+
+/// [`runtime_panic`]'s error for `message`, given the network thread's
+/// panic `network_cause` if one was seen.
+fn panic_error(message: &str, network_cause: Option<&str>) -> GraphError {
     if is_network_panic(message) {
+        let cause = network_cause.unwrap_or(message);
         GraphError::PeerLost {
             peer: "a peer process".into(),
-            reason: format!("connection broken ({message})"),
+            reason: format!("connection broken ({cause})"),
         }
     } else {
         GraphError::Runtime(format!("worker panicked: {message}"))
@@ -217,7 +232,7 @@ pub(crate) fn runtime_panic(message: &str) -> GraphError {
 /// True for the panics timely raises when a connection to a peer breaks.
 pub(crate) fn is_network_panic(message: &str) -> bool {
     [
-        "timely communication error",
+        TIMELY_NETWORK,
         "MergeQueue poisoned",
         "Send thread panic",
         "Recv thread panic",
@@ -226,15 +241,33 @@ pub(crate) fn is_network_panic(message: &str) -> bool {
     .any(|m| message.contains(m))
 }
 
+/// How timely's network threads begin their panic messages.
+const TIMELY_NETWORK: &str = "timely communication error";
+
+/// The first network thread's panic of this process's run (see [`runtime_panic`]).
+static NETWORK_CAUSE: Mutex<Option<String>> = Mutex::new(None);
+
+/// Keeps `message` as the run's network cause if it is a network thread's
+/// panic and none was kept yet.
+fn remember_network_cause(message: &str) {
+    if message.contains(TIMELY_NETWORK) {
+        let mut cause = NETWORK_CAUSE.lock().unwrap_or_else(|p| p.into_inner());
+        cause.get_or_insert_with(|| message.to_string());
+    }
+}
+
 /// Filters timely's network-thread panic messages from stderr: the run turns
-/// them into a [`GraphError::PeerLost`] and reports that instead.
+/// them into a [`GraphError::PeerLost`] and reports that instead. Forgets
+/// the network cause of an earlier run in this process.
 pub(crate) fn quiet_network_panics() {
+    *NETWORK_CAUSE.lock().unwrap_or_else(|p| p.into_inner()) = None;
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
         let previous = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info| {
             let message = panic_message(info.payload());
             if is_network_panic(&message) {
+                remember_network_cause(&message);
                 return;
             }
             previous(info);
@@ -245,6 +278,27 @@ pub(crate) fn quiet_network_panics() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_broken_connection_is_named_by_what_broke_it() {
+        let plain = panic_error("MergeQueue poisoned.", None).to_string();
+        assert!(
+            plain.contains("connection broken (MergeQueue poisoned.)"),
+            "{plain}"
+        );
+        let cause = "timely communication error: reading data: a frame from the peer failed \
+                     authentication";
+        let named = panic_error("MergeQueue poisoned.", Some(cause)).to_string();
+        assert!(
+            named.contains(&format!("connection broken ({cause})")),
+            "{named}"
+        );
+        let bug = panic_error("index out of bounds", Some(cause)).to_string();
+        assert!(
+            bug.contains("worker panicked: index out of bounds"),
+            "{bug}"
+        );
+    }
     use crate::mesh::session_fingerprint;
 
     #[test]

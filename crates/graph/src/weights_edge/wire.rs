@@ -499,6 +499,11 @@ fn fetch(config: &WireConfig, note: &WireNote) -> Result<WeightsPayload, String>
         true,
     )
     .map_err(io("deriving the fetch's keys"))?;
+    tracing::debug!(
+        id = note.id,
+        sealed = keys.is_some(),
+        "receiving a weights payload"
+    );
     let mut stream = sealed_or_not(stream, keys);
     let total = read_u64(&mut stream).map_err(io("reading the payload's size"))?;
     if total != note.total {
