@@ -116,10 +116,10 @@ pub(crate) fn refuse_foreign_folder(dir: &Path) -> Result<(), PipelineError> {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return Ok(());
     };
-    // Another process of the run may have made the cluster's secret here first.
+    // Another process of the run may be making the cluster's secret here.
     let mut entries = entries
         .flatten()
-        .filter(|e| e.file_name() != weir_graph::cluster_secret::SECRET_FILE);
+        .filter(|e| !weir_graph::cluster_secret::is_secret_file(&e.file_name()));
     if entries.next().is_some() {
         return Err(format!(
             "--out {}: the folder exists, is not empty and holds no weir run ({RESOLVED}); \

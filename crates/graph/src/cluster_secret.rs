@@ -233,6 +233,19 @@ pub const ENV_VAR: &str = "WEIR_CLUSTER_SECRET";
 /// processes all run on one machine ([`ClusterSecret::of_run_folder`]).
 pub const SECRET_FILE: &str = "cluster.secret";
 
+/// Whether a run folder's file `name` is the cluster's secret, or the copy
+/// a process writes aside before linking it into place (which another
+/// process of the run may see for a moment).
+pub fn is_secret_file(name: &std::ffi::OsStr) -> bool {
+    let name = name.to_string_lossy();
+    name == SECRET_FILE
+        || name
+            .strip_prefix('.')
+            .and_then(|n| n.strip_prefix(SECRET_FILE))
+            .and_then(|n| n.strip_prefix('.'))
+            .is_some_and(|pid| !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit()))
+}
+
 /// Which side of a cluster connection's handshake a proof is from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Side {
@@ -255,6 +268,14 @@ pub(crate) fn nonce(process: usize) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_secret_and_its_copy_aside_are_the_secret_files_and_nothing_else() {
+        let is = |name: &str| is_secret_file(std::ffi::OsStr::new(name));
+        assert!(is("cluster.secret") && is(".cluster.secret.4242"));
+        assert!(!is(".cluster.secret.") && !is(".cluster.secret.12x") && !is("cluster.secret.bak"));
+        assert!(!is("metrics.parquet"));
+    }
 
     #[test]
     fn a_proof_binds_the_secret_the_process_the_settings_and_the_nonce() {
