@@ -9,6 +9,7 @@
 
 #![deny(missing_docs)]
 
+pub mod agent;
 pub mod algorithms;
 pub mod checkpoint;
 pub mod error;
