@@ -307,6 +307,21 @@ impl Tokenizer {
         messages: &[Message],
         add_generation_prompt: bool,
     ) -> Result<String, ModelError> {
+        self.render_chat(messages, None, add_generation_prompt)
+    }
+
+    /// Renders a conversation with the chat template, as transformers'
+    /// `apply_chat_template(messages, tools=tools)` does: `messages` are any
+    /// serialisable messages (JSON objects with the fields the template
+    /// reads: `role`, `content`, `tool_calls`, `tool_call_id`, `name`, …)
+    /// and `tools` the tools' JSON schemas, handed to the template as
+    /// `tools` (absent: `none`).
+    pub fn render_chat<M: Serialize>(
+        &self,
+        messages: &[M],
+        tools: Option<&[Value]>,
+        add_generation_prompt: bool,
+    ) -> Result<String, ModelError> {
         let template = self.chat_template.as_deref().ok_or_else(|| {
             ModelError::config(
                 &self.dir.join("tokenizer_config.json"),
@@ -328,6 +343,7 @@ impl Tokenizer {
             })?;
         let ctx = minijinja::context! {
             messages => messages,
+            tools => tools,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token.clone().unwrap_or_default(),
             eos_token => self.eos_token.clone().unwrap_or_default(),

@@ -4,7 +4,11 @@
 //!   formats model families are trained on (Hermes / Qwen2.5, Llama 3.1
 //!   JSON, Qwen3-Coder XML), a malformed call an error to show the model;
 //! - [`calculator`]: the built-in `calculator` tool, exact arithmetic on
-//!   integers and decimals.
+//!   integers and decimals;
+//! - [`observe`]: the tokens an episode appends after a turn (the
+//!   template's boundary, then the observation), rendered by the
+//!   checkpoint's own template without re-encoding anything before them.
 
 pub mod calculator;
+pub mod observe;
 pub mod tool_calls;
