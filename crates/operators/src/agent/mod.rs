@@ -5,10 +5,14 @@
 //!   JSON, Qwen3-Coder XML), a malformed call an error to show the model;
 //! - [`calculator`]: the built-in `calculator` tool, exact arithmetic on
 //!   integers and decimals;
+//! - [`python_tool`]: the built-in `python` tool, code run in a fresh
+//!   interpreter under CPU, memory, wall-clock and output limits, off the
+//!   network where the machine allows;
 //! - [`observe`]: the tokens an episode appends after a turn (the
 //!   template's boundary, then the observation), rendered by the
 //!   checkpoint's own template without re-encoding anything before them.
 
 pub mod calculator;
 pub mod observe;
+pub mod python_tool;
 pub mod tool_calls;

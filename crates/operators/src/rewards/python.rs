@@ -241,7 +241,7 @@ fn worker_env(
 /// kernel kills when this process ends. `PR_SET_PDEATHSIG` fires when the
 /// *thread* that forked the child ends, so every fork happens on one thread
 /// that lives as long as the process, never on a step's short-lived one.
-fn spawn_tied(mut command: Command) -> std::io::Result<Child> {
+pub(crate) fn spawn_tied(mut command: Command) -> std::io::Result<Child> {
     use std::os::unix::process::CommandExt;
     type Job = (Command, mpsc::Sender<std::io::Result<Child>>);
     static SPAWNER: std::sync::OnceLock<Option<Mutex<mpsc::Sender<Job>>>> =
