@@ -3,6 +3,9 @@
 //! - [`tool_calls`]: tool calls read from a turn's generated text in the
 //!   formats model families are trained on (Hermes / Qwen2.5, Llama 3.1
 //!   JSON, Qwen3-Coder XML), a malformed call an error to show the model;
+//! - [`tools`]: the `Tool` trait (a name, a JSON schema for the chat
+//!   template, a call), the built-ins, and [`tools::answer`], which turns
+//!   any failed call into an error observation;
 //! - [`calculator`]: the built-in `calculator` tool, exact arithmetic on
 //!   integers and decimals;
 //! - [`python_tool`]: the built-in `python` tool, code run in a fresh
@@ -16,3 +19,4 @@ pub mod calculator;
 pub mod observe;
 pub mod python_tool;
 pub mod tool_calls;
+pub mod tools;
