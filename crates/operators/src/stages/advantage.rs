@@ -107,7 +107,11 @@ impl StepStage for GroupAdvantage {
             GroupEstimator::Grpo => grpo(&rewards, &groups, true, self.flavor)?,
             GroupEstimator::DrGrpo => grpo(&rewards, &groups, false, self.flavor)?,
             GroupEstimator::Rloo => rloo(&rewards, &groups, self.flavor)?,
-            GroupEstimator::Opo => opo(&rewards, &lengths, &groups)?,
+            GroupEstimator::Opo => {
+                // OPO weighs each response by the tokens the model generated.
+                let masks = super::columns::generated_masks(&batch, &lengths, ctx.stage())?;
+                opo(&rewards, &super::columns::generated_counts(&masks), &groups)?
+            }
             GroupEstimator::PassK => grpo_passk(&rewards, &groups, true)?,
             GroupEstimator::Gpg => {
                 let alpha = self.gpg_alpha(&rewards)?;
@@ -312,10 +316,12 @@ impl StepStage for GaeAdvantage {
 /// Rows of per-token values.
 type TokenRows = Vec<Vec<f64>>;
 
-/// Per-token rewards of a batch: `scores` on each response's last token
-/// (clipped to `clip` under OpenRLHF's flavor) minus `kl_coef ·`
-/// KL(behaviour ‖ reference); the all-ones response mask; and the
-/// per-token KL (empty rows when the KL term is off).
+/// Per-token rewards of a batch: `scores` on each response's last
+/// generated token (clipped to `clip` under OpenRLHF's flavor) minus
+/// `kl_coef ·` KL(behaviour ‖ reference) on every generated token; the
+/// generated-token mask (all ones but an episode's observation and
+/// boundary tokens, which carry no reward, no KL and no count); and the
+/// per-token KL, zero off the mask (zero rows when the KL term is off).
 fn kl_shaped_rewards(
     stage: &str,
     batch: &RecordBatch,
@@ -328,10 +334,17 @@ fn kl_shaped_rewards(
     use crate::algorithms::{kl_tokens, token_rewards};
     let clip = clip.filter(|_| flavor.clips_scores());
     let behaviour = float_lists(batch, col::BEHAVIOR_LOGPROBS, stage)?;
-    let mask: Vec<Vec<f64>> = behaviour.iter().map(|r| vec![1.0; r.len()]).collect();
+    let lengths: Vec<usize> = behaviour.iter().map(Vec::len).collect();
+    let mask = super::columns::generated_masks(batch, &lengths, stage)?;
     let kl = if kl_coef > 0.0 {
         let reference = float_lists(batch, col::REF_LOGPROBS, stage)?;
-        kl_tokens(&behaviour, &reference, estimator, flavor)
+        let mut kl = kl_tokens(&behaviour, &reference, estimator, flavor);
+        for (row, m) in kl.iter_mut().zip(&mask) {
+            for (k, m) in row.iter_mut().zip(m) {
+                *k *= m;
+            }
+        }
+        kl
     } else {
         mask.iter().map(|r| vec![0.0; r.len()]).collect()
     };
@@ -734,6 +747,58 @@ mod tests {
         let mut ctx = StepContext::detached(0, WorkerInfo::single(), 0);
         assert!(stage.process(&mut ctx, batch).unwrap().is_empty());
         stage.end_step(&mut ctx).unwrap().remove(0)
+    }
+
+    /// An episode's observation tokens carry no reward and no KL penalty:
+    /// the score sits on the last token the model generated (row 0 ends
+    /// with an observation), and the return runs through an interior
+    /// observation without being reset (row 2) — verl#6376, slime#1370.
+    #[test]
+    fn an_episodes_score_sits_on_its_last_generated_token_and_returns_cross_observations() {
+        use crate::rollout::TokenKind::{Generated, Observation};
+        // k1 KL 0.5 on each of row 0's tokens; 0 elsewhere.
+        let reference = vec![
+            vec![-1.5, -1.5],
+            vec![-1.0],
+            vec![-1.0, -1.0, -1.0],
+            vec![-1.0],
+        ];
+        let batch = scored([1.0, 0.0, 2.0, 1.0], Some(reference));
+        let kinds = super::super::columns::token_kinds_array(&[
+            Some(vec![Generated, Observation]),
+            None,
+            Some(vec![Generated, Observation, Generated]),
+            None,
+        ]);
+        let batch = with_column(&batch, col::TOKEN_KINDS, kinds).unwrap();
+        for flavor in [Flavor::OpenRlhf, Flavor::Verl] {
+            let mut stage = ReinforceAdvantage::new(ReinforceBaseline::None, 0.5);
+            stage.flavor = flavor;
+            let out = run_on(&mut stage, batch.clone());
+            let rewards = float_lists(&out, col::TOKEN_REWARDS, "t").unwrap();
+            // Row 0: 1 − 0.5 · 0.5 on its generated token, nothing on the observation.
+            assert_eq!(rewards[0], vec![0.75, 0.0], "{flavor:?}");
+            assert_eq!(rewards[2], vec![0.0, 0.0, 2.0], "{flavor:?}");
+            let returns = float_lists(&out, col::RETURNS, "t").unwrap();
+            assert_eq!(returns[0][0], 0.75, "{flavor:?}");
+            assert_eq!((returns[2][0], returns[2][2]), (2.0, 2.0), "{flavor:?}");
+        }
+        // Without the kinds, row 0's score would sit on its observation.
+        let mut stage = ReinforceAdvantage::new(ReinforceBaseline::None, 0.5);
+        let plain = run_on(
+            &mut stage,
+            scored(
+                [1.0, 0.0, 2.0, 1.0],
+                Some(vec![
+                    vec![-1.5, -1.5],
+                    vec![-1.0],
+                    vec![-1.0, -1.0, -1.0],
+                    vec![-1.0],
+                ]),
+            ),
+        );
+        let rewards = float_lists(&plain, col::TOKEN_REWARDS, "t").unwrap();
+        assert_eq!(rewards[0], vec![-0.25, 0.75]);
     }
 
     /// OpenRLHF clips the shaped rewards of its group estimators to ±10

@@ -220,6 +220,95 @@ pub fn u32_list_array(rows: &[Vec<u32>]) -> ArrayRef {
     Arc::new(b.finish())
 }
 
+/// Each row's generated-token mask from `token_kinds`: 1.0 on a token the
+/// model sampled, 0.0 on an observation or boundary token; all 1.0 where
+/// the column is absent or the row null. `lengths` are the rows' response
+/// lengths (a row whose kinds are another length is an error naming it).
+pub fn generated_masks(
+    batch: &RecordBatch,
+    lengths: &[usize],
+    stage: &str,
+) -> Result<Vec<Vec<f64>>, StageError> {
+    use crate::rollout::{col, TokenKind};
+    let all = || lengths.iter().map(|&n| vec![1.0; n]).collect();
+    let Some(col) = batch.column_by_name(col::TOKEN_KINDS) else {
+        return Ok(all());
+    };
+    let name = col::TOKEN_KINDS;
+    let list = col
+        .as_list_opt::<i32>()
+        .ok_or_else(|| wrong_type(stage, name, "list<uint8>", col.data_type().to_string()))?;
+    lengths
+        .iter()
+        .enumerate()
+        .map(|(row, &n)| {
+            if list.is_null(row) {
+                return Ok(vec![1.0; n]);
+            }
+            let kinds = list.value(row);
+            let kinds = kinds
+                .as_primitive_opt::<arrow::datatypes::UInt8Type>()
+                .ok_or_else(|| {
+                    wrong_type(
+                        stage,
+                        name,
+                        "list<uint8>",
+                        format!("list<{}>", kinds.data_type()),
+                    )
+                })?;
+            if kinds.len() != n {
+                return Err(SchemaError::Misaligned {
+                    stage: stage.into(),
+                    column: name.into(),
+                    row,
+                    expected: n,
+                    found: kinds.len(),
+                }
+                .into());
+            }
+            kinds
+                .values()
+                .iter()
+                .map(|&code| match TokenKind::from_code(code) {
+                    Some(TokenKind::Generated) => Ok(1.0),
+                    Some(_) => Ok(0.0),
+                    None => Err(format!(
+                        "stage `{stage}`: column `{name}` row {row} holds {code}, not a token kind \
+                         (0 generated, 1 observation, 2 boundary)"
+                    )
+                    .into()),
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// How many tokens of each mask [`generated_masks`] made are generated.
+pub fn generated_counts(masks: &[Vec<f64>]) -> Vec<usize> {
+    masks
+        .iter()
+        .map(|m| m.iter().filter(|&&x| x > 0.0).count())
+        .collect()
+}
+
+/// Builds a `token_kinds` column (non-null items; `None`: a null row, all generated).
+pub fn token_kinds_array(rows: &[Option<Vec<crate::rollout::TokenKind>>]) -> ArrayRef {
+    let mut b = ListBuilder::new(arrow::array::UInt8Builder::new())
+        .with_field(Arc::new(Field::new("item", DataType::UInt8, false)));
+    for r in rows {
+        match r {
+            Some(kinds) => {
+                for &kind in kinds {
+                    b.values().append_value(kind as u8);
+                }
+                b.append(true);
+            }
+            None => b.append(false),
+        }
+    }
+    Arc::new(b.finish())
+}
+
 /// Builds a `List<Boolean>` column (non-null items).
 pub fn bool_list_array(rows: &[Vec<bool>]) -> ArrayRef {
     let mut b = ListBuilder::new(arrow::array::BooleanBuilder::new())
@@ -240,6 +329,49 @@ mod tests {
 
     use super::*;
     use crate::error::OperatorError;
+
+    #[test]
+    fn generated_masks_read_token_kinds_and_default_to_all_generated() {
+        use crate::rollout::{col, TokenKind::*};
+        let lengths = [3, 2, 0];
+        let plain = RecordBatch::try_from_iter([(
+            col::RESPONSE_TOKENS,
+            token_list_array(&[vec![1, 2, 3], vec![4, 5], vec![]]),
+        )])
+        .unwrap();
+        let all = vec![vec![1.0; 3], vec![1.0; 2], vec![]];
+        assert_eq!(generated_masks(&plain, &lengths, "t").unwrap(), all);
+        let with = |kinds: ArrayRef| {
+            weir_graph::batch::with_column(&plain, col::TOKEN_KINDS, kinds).unwrap()
+        };
+        let batch = with(token_kinds_array(&[
+            Some(vec![Generated, Boundary, Observation]),
+            None,
+            Some(vec![]),
+        ]));
+        let masks = generated_masks(&batch, &lengths, "t").unwrap();
+        assert_eq!(masks, vec![vec![1.0, 0.0, 0.0], vec![1.0, 1.0], vec![]]);
+        assert_eq!(generated_counts(&masks), [1, 2, 0]);
+        // A row of another length, and a code that is no kind.
+        let short = with(token_kinds_array(&[Some(vec![Generated]), None, None]));
+        let err = generated_masks(&short, &lengths, "t")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("token_kinds") && err.contains("row 0"),
+            "{err}"
+        );
+        let mut b = ListBuilder::new(arrow::array::UInt8Builder::new())
+            .with_field(Arc::new(Field::new("item", DataType::UInt8, false)));
+        for row in [vec![0u8, 7, 0], vec![0, 0], vec![]] {
+            b.values().append_slice(&row);
+            b.append(true);
+        }
+        let err = generated_masks(&with(Arc::new(b.finish())), &lengths, "t")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("row 0 holds 7, not a token kind"), "{err}");
+    }
 
     #[test]
     fn a_bad_column_is_a_schema_error_naming_stage_and_column() {

@@ -17,7 +17,7 @@ use weir_graph::{Stage, StageError, StepBuffer, StepContext, StepStage, WorkerIn
 
 use super::columns::{float_list_array, float_lists, token_lists};
 use super::sequences::pack_for;
-use super::train_step::{step_scale, HeldModel, LrSchedule, TrainerCore};
+use super::train_step::{step_scale_counted, HeldModel, LrSchedule, TrainerCore};
 use crate::algorithms::{value_loss_in_step, Aggregation, Flavor};
 use crate::checkpoint::Checkpointer;
 use crate::error::OperatorError;
@@ -58,7 +58,8 @@ impl<T: Send> PerWorker<T> {
 }
 
 /// Value of each response token `t`: the critic's output at the position
-/// before it (the state in which token `t` was chosen), `[B, R]`.
+/// before it (the state in which token `t` was chosen), `[B, R]`, and the
+/// mask of real tokens.
 fn response_values(
     model: &Model,
     prompts: &[Vec<i64>],
@@ -247,6 +248,12 @@ impl StepStage for CriticLearner {
             ),
             None => Default::default(),
         };
+        // The value loss, like the policy's, sees generated tokens only.
+        let lengths: Vec<usize> = responses.iter().map(Vec::len).collect();
+        let generated = match &rows {
+            Some(batch) => super::columns::generated_masks(batch, &lengths, "critic learner")?,
+            None => Vec::new(),
+        };
         let (n, minis) = (prompts.len(), self.mini_batches);
         let (clip, aggregation, flavor) = (self.clip, self.aggregation, self.flavor);
         let (mut loss_sum, mut clip_fraction) = (0.0, 0.0);
@@ -254,8 +261,12 @@ impl StepStage for CriticLearner {
             (loss_sum, clip_fraction) = (0.0, 0.0);
             for k in 0..minis {
                 let (lo, hi) = (k * n / minis, (k + 1) * n / minis);
-                let lengths = responses[lo..hi].iter().map(Vec::len);
-                let scale = step_scale(self.core.member(), lengths, None)?;
+                let counted = super::columns::generated_counts(&generated[lo..hi]);
+                let scale = step_scale_counted(
+                    self.core.member(),
+                    counted.into_iter().zip(lengths[lo..hi].iter().copied()),
+                    None,
+                )?;
                 if scale.sequences == 0.0 {
                     // Empty on every rank.
                     continue;
@@ -267,9 +278,10 @@ impl StepStage for CriticLearner {
                         if lo == hi {
                             return Ok(());
                         }
-                        let (values, mask) =
+                        let (values, real) =
                             response_values(model, &prompts[lo..hi], &responses[lo..hi])?;
                         let (width, device) = (values.size()[1] as usize, model.device());
+                        let mask = real * padded(&generated[lo..hi], width, device);
                         let (loss, clipped) = value_loss_in_step(
                             &values,
                             &padded(&old[lo..hi], width, device),
@@ -300,5 +312,71 @@ impl StepStage for CriticLearner {
         }
         self.core.save_if_due(ctx.step, ctx.version)?;
         Ok(rows.into_iter().collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rollout::TokenKind::{Generated, Observation};
+    use crate::stages::columns::{token_kinds_array, token_list_array};
+
+    /// The critic's value loss after one fit on two rows; row 0's middle
+    /// token is an observation when `kinds`, and its return is `observed`.
+    fn fit(observed: f64, kinds: bool) -> (f64, Vec<(String, Tensor)>) {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/models/tiny-llama-rm");
+        let handle = PerWorker::new(move |_| {
+            Ok(Model::load_critic(
+                &dir,
+                weir_gpu::Device::Cpu,
+                Kind::Float,
+            )?)
+        });
+        let worker = WorkerInfo::single();
+        let adamw = AdamWConfig {
+            lr: 1e-2,
+            ..Default::default()
+        };
+        let mut learner = CriticLearner::new(&handle, &worker, adamw, Some(0.5), None).unwrap();
+        let mut columns = vec![
+            (col::PROMPT_TOKENS, token_list_array(&[vec![1, 2], vec![3]])),
+            (
+                col::RESPONSE_TOKENS,
+                token_list_array(&[vec![5, 6, 7], vec![8, 9]]),
+            ),
+            (
+                col::VALUES,
+                float_list_array(&[vec![0.1, 0.2, 0.3], vec![0.0, 0.5]]),
+            ),
+            (
+                col::RETURNS,
+                float_list_array(&[vec![1.0, observed, 1.0], vec![0.5, 0.5]]),
+            ),
+        ];
+        if kinds {
+            let kinds = token_kinds_array(&[Some(vec![Generated, Observation, Generated]), None]);
+            columns.push((col::TOKEN_KINDS, kinds));
+        }
+        let batch = RecordBatch::try_from_iter(columns).unwrap();
+        let mut ctx = StepContext::detached(0, worker, 0);
+        assert!(learner.process(&mut ctx, batch).unwrap().is_empty());
+        learner.end_step(&mut ctx).unwrap();
+        let model = handle.get(&worker).unwrap();
+        let weights = model.lock().unwrap().named_tensors();
+        (learner.last_loss, weights)
+    }
+
+    #[test]
+    fn the_value_loss_sees_an_episodes_generated_tokens_only() {
+        let (loss, weights) = fit(1.0, true);
+        let (scrambled, scrambled_weights) = fit(-50.0, true);
+        assert_eq!(loss, scrambled);
+        for ((name, a), (_, b)) in weights.iter().zip(&scrambled_weights) {
+            assert!(a.equal(b), "{name} moved with an observation's return");
+        }
+        // Without the kinds, that return is fitted like any other.
+        let (every, _) = fit(-50.0, false);
+        assert!((every - loss).abs() > 1e-3, "{every} vs {loss}");
     }
 }

@@ -20,7 +20,7 @@ use weir_graph::{StageError, StepBuffer, StepContext, StepStage, WeightsPayload}
 use super::columns::{float_lists, token_lists};
 use super::sequences::{response_backward, response_logprobs, ResponseForward};
 pub use super::train_step::LrSchedule;
-use super::train_step::{step_scale, TrainerCore};
+use super::train_step::{step_scale_counted, TrainerCore};
 use crate::algorithms::{
     aggregate_in_step, kl_tensor, policy_loss_in_step, KlEstimator, PolicyLossConfig, StepScale,
     WeightStats,
@@ -266,9 +266,11 @@ impl Learner {
         let scales: Vec<_> = (0..minis)
             .map(|k| {
                 let (lo, hi) = rows.mini_batch(k, minis);
-                step_scale(
+                let counted = super::columns::generated_counts(&rows.generated[lo..hi]);
+                let lengths = rows.responses[lo..hi].iter().map(Vec::len);
+                step_scale_counted(
                     member,
-                    rows.responses[lo..hi].iter().map(Vec::len),
+                    counted.into_iter().zip(lengths),
                     self.cfg.policy.loss_scale_factor,
                 )
             })
@@ -406,6 +408,9 @@ struct LearnRows {
     references: Option<Vec<Vec<f64>>>,
     /// Each row's reward, when the rows carry one.
     rewards: Option<Vec<f64>>,
+    /// 1.0 on each response token the model generated, 0.0 on an
+    /// episode's observation and boundary tokens (`token_kinds`).
+    generated: Vec<Vec<f64>>,
 }
 
 impl LearnRows {
@@ -428,9 +433,14 @@ impl LearnRows {
                     None => Ok(None),
                 }
             })?;
+        let responses = tokens(col::RESPONSE_TOKENS)?;
+        let lengths: Vec<usize> = responses.iter().map(Vec::len).collect();
+        let generated = batch.map_or(Ok(Vec::new()), |b| {
+            super::columns::generated_masks(b, &lengths, stage)
+        })?;
         Ok(LearnRows {
             prompts: tokens(col::PROMPT_TOKENS)?,
-            responses: tokens(col::RESPONSE_TOKENS)?,
+            responses,
             advantages: floats(col::ADVANTAGES)?,
             behaviour: floats(col::BEHAVIOR_LOGPROBS)?,
             references: if references {
@@ -439,6 +449,7 @@ impl LearnRows {
                 None
             },
             rewards,
+            generated,
         })
     }
 
@@ -502,6 +513,7 @@ impl LearnRows {
         permute(&mut self.responses, &order);
         permute(&mut self.advantages, &order);
         permute(&mut self.behaviour, &order);
+        permute(&mut self.generated, &order);
         if let Some(refs) = self.references.as_mut() {
             permute(refs, &order);
         }
@@ -573,9 +585,12 @@ impl MicroBatch<'_> {
     ) -> Tensor {
         let (cfg, scale, (start, end)) = (self.cfg, self.scale, self.range);
         let total_tokens = scale.tokens.max(1.0);
-        let (lp, mask) = (fwd.logprobs, fwd.mask);
-        let old = self.old.map_or_else(|| lp.detach(), Tensor::shallow_clone);
+        let lp = fwd.logprobs;
         let width = lp.size()[1] as usize;
+        // Real tokens the model generated: an episode's observation and
+        // boundary tokens are in the forward pass but in no loss or count.
+        let mask = fwd.mask * padded(&self.rows.generated[start..end], width, self.device);
+        let old = self.old.map_or_else(|| lp.detach(), Tensor::shallow_clone);
         let adv = padded(&self.rows.advantages[start..end], width, self.device);
         let behaviour = padded(&self.rows.behaviour[start..end], width, self.device);
         let (agg, flavor) = (cfg.policy.aggregation, cfg.policy.flavor);

@@ -591,3 +591,80 @@ fn openrlhf_aggregates_the_kl_and_entropy_terms_as_a_token_mean() {
     let sequence = loss(Flavor::Verl, Aggregation::SeqMeanTokenMean);
     assert!((token - sequence).abs() > 1e-4, "{token} vs {sequence}");
 }
+
+/// `uneven_batch(1)` as an episode: row 0's middle token and row 3's third
+/// and fourth are an observation and a boundary (`token_kinds`); rows 1
+/// and 2 are all generated (null rows). With `scramble`, every per-token
+/// input of those tokens (advantage, behaviour and reference log-probs)
+/// holds values no loss could ignore.
+fn episode_batch(scramble: bool) -> RecordBatch {
+    use crate::rollout::TokenKind::{Boundary, Generated, Observation};
+    let batch = uneven_batch(1);
+    let kinds = vec![
+        Some(vec![Generated, Observation, Generated]),
+        None,
+        None,
+        Some(vec![Generated, Generated, Boundary, Observation, Generated]),
+    ];
+    let mut columns: Vec<(&str, arrow::array::ArrayRef)> = Vec::new();
+    for (name, at) in [
+        (col::ADVANTAGES, 40.0),
+        (col::BEHAVIOR_LOGPROBS, -30.0),
+        (col::REF_LOGPROBS, 5.0),
+    ] {
+        let mut rows = crate::stages::columns::float_lists(&batch, name, "test").unwrap();
+        if scramble {
+            rows[0][1] = at;
+            rows[3][2] = -at;
+            rows[3][3] = at;
+        }
+        columns.push((name, float_list_array(&rows)));
+    }
+    let mut batch = batch;
+    for (name, column) in columns {
+        batch = weir_graph::batch::with_column(&batch, name, column).unwrap();
+    }
+    weir_graph::batch::with_column(
+        &batch,
+        col::TOKEN_KINDS,
+        crate::stages::columns::token_kinds_array(&kinds),
+    )
+    .unwrap()
+}
+
+#[test]
+fn an_episodes_observation_and_boundary_tokens_are_in_no_loss_and_no_count() {
+    for mode in AGGREGATIONS {
+        let update = |batch: &RecordBatch| {
+            let mut learner = aggregation_learner(mode, 4);
+            let stats = learner.update(batch).unwrap();
+            (stats, learner.model().named_tensors())
+        };
+        let (plain, plain_weights) = update(&episode_batch(false));
+        let (scrambled, scrambled_weights) = update(&episode_batch(true));
+        assert!(plain.grad_norm > 0.0);
+        // Whatever the observation and boundary tokens carry, the update is the same ...
+        assert_same_update(
+            &format!("{mode:?}"),
+            &[
+                (plain.loss, scrambled.loss),
+                (plain.grad_norm, scrambled.grad_norm),
+                (plain.kl, scrambled.kl),
+                (plain.entropy, scrambled.entropy),
+                (plain.clip_fraction, scrambled.clip_fraction),
+            ],
+            &plain_weights,
+            &scrambled_weights,
+        );
+        // ... and the counts are the generated tokens': (2 + 2 + 0 + 3) / 4.
+        assert_eq!(plain.response_length, 1.75, "{mode:?}");
+        // Without token_kinds, the same rows train on every token.
+        let all = uneven_batch(1);
+        let (every, _) = update(&all);
+        assert_eq!(every.response_length, 2.5);
+        assert!(
+            (every.grad_norm - plain.grad_norm).abs() > 1e-6 * plain.grad_norm,
+            "{mode:?}: the mask changes nothing"
+        );
+    }
+}

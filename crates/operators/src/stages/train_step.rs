@@ -251,11 +251,27 @@ pub fn step_scale(
     lengths: impl IntoIterator<Item = usize>,
     loss_scale_factor: Option<f64>,
 ) -> Result<StepScale, StageError> {
+    step_scale_counted(
+        member,
+        lengths.into_iter().map(|n| (n, n)),
+        loss_scale_factor,
+    )
+}
+
+/// [`step_scale`] of responses given as (tokens that count, length): an
+/// episode's response counts its generated tokens only, while `T` of
+/// Dr.GRPO's normaliser stays the longest response's length (the padded
+/// width, observations included).
+pub fn step_scale_counted(
+    member: Option<&GroupMember>,
+    rows: impl IntoIterator<Item = (usize, usize)>,
+    loss_scale_factor: Option<f64>,
+) -> Result<StepScale, StageError> {
     let (mut tokens, mut sequences, mut nonempty, mut longest) = (0.0, 0.0, 0.0, 0.0f64);
-    for len in lengths {
-        tokens += len as f64;
+    for (counted, len) in rows {
+        tokens += counted as f64;
         sequences += 1.0;
-        nonempty += f64::from(u8::from(len > 0));
+        nonempty += f64::from(u8::from(counted > 0));
         longest = longest.max(len as f64);
     }
     let mut counts = [tokens, sequences, nonempty];
