@@ -369,6 +369,20 @@ impl Tokenizer {
         })
     }
 
+    /// Token ids of a conversation rendered by [`Tokenizer::render_chat`]
+    /// (special tokens in the text are parsed, none added).
+    pub fn encode_conversation<M: Serialize>(
+        &self,
+        messages: &[M],
+        tools: Option<&[Value]>,
+        add_generation_prompt: bool,
+    ) -> Result<Vec<i64>, ModelError> {
+        self.encode(
+            &self.render_chat(messages, tools, add_generation_prompt)?,
+            false,
+        )
+    }
+
     /// Token ids of the rendered chat (special tokens in the text are parsed, none added).
     pub fn encode_chat(
         &self,

@@ -3,6 +3,9 @@
 //! - [`tool_calls`]: tool calls read from a turn's generated text in the
 //!   formats model families are trained on (Hermes / Qwen2.5, Llama 3.1
 //!   JSON, Qwen3-Coder XML), a malformed call an error to show the model;
+//! - [`episode`]: one episode as one token trajectory: turns sampled by a
+//!   [`episode::TurnPolicy`], the tools' answers rendered after them, what
+//!   each token is, the budgets and why it ended;
 //! - [`tools`]: the `Tool` trait (a name, a JSON schema for the chat
 //!   template, a call), the built-ins, and [`tools::answer`], which turns
 //!   any failed call into an error observation;
@@ -16,6 +19,7 @@
 //!   checkpoint's own template without re-encoding anything before them.
 
 pub mod calculator;
+pub mod episode;
 pub mod observe;
 pub mod python_tool;
 pub mod tool_calls;

@@ -135,13 +135,13 @@ pub fn check_stable(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use std::path::Path;
 
     /// A ChatML template that renders tool results as Qwen2.5 does: a run
     /// of tool messages in one user turn, each in `<tool_response>` tags.
-    const CHATML_TOOLS: &str = r#"{%- if tools %}{{ "<|im_start|>system\nYou may call these tools:\n" }}{% for tool in tools %}{{ tool | tojson }}{{ "\n" }}{% endfor %}{{ "<|im_end|>\n" }}{% endif %}
+    pub(crate) const CHATML_TOOLS: &str = r#"{%- if tools %}{{ "<|im_start|>system\nYou may call these tools:\n" }}{% for tool in tools %}{{ tool | tojson }}{{ "\n" }}{% endfor %}{{ "<|im_end|>\n" }}{% endif %}
 {%- for message in messages %}
 {%- if message.role == "tool" %}
 {%- if loop.first or messages[loop.index0 - 1].role != "tool" %}{{ "<|im_start|>user" }}{% endif %}
@@ -171,7 +171,7 @@ mod tests {
 {% endif %}{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"#;
 
-    fn tokenizer_with(template: &str, dir: &Path) -> Tokenizer {
+    pub(crate) fn tokenizer_with(template: &str, dir: &Path) -> Tokenizer {
         let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tokenizer");
         std::fs::copy(fixture.join("tokenizer.json"), dir.join("tokenizer.json")).unwrap();
         let config = json!({

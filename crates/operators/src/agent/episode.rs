@@ -1,0 +1,568 @@
+//! One episode: turns of the model, each answered by the tools it calls,
+//! as one token trajectory with what each token is.
+//!
+//! The episode's response grows turn by turn. A turn is what the policy
+//! samples, kept exactly as sampled ([`TokenKind::Generated`]); if it
+//! calls tools, their answers are rendered by the chat template and
+//! appended ([`super::observe::appended`]: the boundary after the turn's
+//! end-of-turn token, [`TokenKind::Boundary`], then the observation up to
+//! the next turn's generation prompt, [`TokenKind::Observation`]), and the
+//! next turn samples after them. Nothing is decoded and encoded again: a
+//! turn's text is decoded only to read its tool calls and to render what
+//! follows it.
+//!
+//! Budgets (see [`Budgets`]): at most `max_turns` turns; one token budget
+//! for the whole response, observations included, each turn's sampling
+//! clamped to what remains; a tool's output longer than
+//! `max_observation_tokens` cut, with a marker. An observation that fits
+//! the budget exactly is kept; one that does not fit ends the episode
+//! ([`Finish::Length`]) with nothing of it appended.
+
+use serde_json::{json, Value};
+use weir_gpu::tokenizer::Tokenizer;
+
+use super::observe::{appended, ObserveError};
+use super::tool_calls::ToolCallParser;
+use super::tools::{answer, schemas, Tool};
+use crate::rollout::TokenKind;
+
+/// An episode's limits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Budgets {
+    /// Turns of the model at most.
+    pub max_turns: usize,
+    /// Tokens of the whole response (generated, boundary and observation).
+    pub max_tokens: usize,
+    /// Tokens of one tool's output, past which it is cut with a marker.
+    pub max_observation_tokens: usize,
+}
+
+/// Why an episode ended (`finish_reason`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finish {
+    /// The model answered without calling a tool.
+    Stop,
+    /// The token budget ran out (in a turn, or before an observation that
+    /// would not fit).
+    Length,
+    /// The last allowed turn called a tool.
+    MaxTurns,
+}
+
+impl Finish {
+    /// The name in the rollout log's `finish_reason`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Finish::Stop => "stop",
+            Finish::Length => "length",
+            Finish::MaxTurns => "max_turns",
+        }
+    }
+}
+
+/// One turn as the policy sampled it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sampled {
+    /// The tokens, the end-of-turn token included when the turn ended on it.
+    pub tokens: Vec<i64>,
+    /// Each token's log-prob under the distribution it was sampled from.
+    pub logprobs: Vec<f32>,
+    /// Whether the turn ended on an end-of-turn token (else: its budget).
+    pub stopped: bool,
+}
+
+/// What samples an episode's turns: the model, or a script in tests.
+pub trait TurnPolicy {
+    /// A turn after `context` (the prompt and the response so far), of at
+    /// most `max_new` tokens.
+    fn sample(&mut self, context: &[i64], max_new: usize) -> Result<Sampled, String>;
+}
+
+/// One tool call of an episode and what it answered.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CallRecord {
+    /// The turn that made it.
+    pub turn: usize,
+    /// The tool's name (empty for a call that could not be read).
+    pub tool: String,
+    /// Its arguments, as JSON text.
+    pub arguments: String,
+    /// The answer's text, as the model read it (cut when it was).
+    pub output: String,
+    /// Whether the call succeeded.
+    pub ok: bool,
+}
+
+/// An episode's response and what each token of it is.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Episode {
+    /// The response's tokens.
+    pub tokens: Vec<i64>,
+    /// What each token is.
+    pub kinds: Vec<TokenKind>,
+    /// The turn each token belongs to (an observation: the turn it answers).
+    pub turns: Vec<u32>,
+    /// Each generated token's log-prob; `None` on the others.
+    pub logprobs: Vec<Option<f32>>,
+    /// Every tool call, in order.
+    pub calls: Vec<CallRecord>,
+    /// Turns the model took.
+    pub turns_taken: usize,
+    /// Why it ended.
+    pub finish: Finish,
+}
+
+impl Episode {
+    fn push(&mut self, tokens: &[i64], kind: TokenKind, turn: usize, logprobs: Option<&[f32]>) {
+        self.tokens.extend_from_slice(tokens);
+        self.kinds.extend(std::iter::repeat_n(kind, tokens.len()));
+        self.turns
+            .extend(std::iter::repeat_n(turn as u32, tokens.len()));
+        match logprobs {
+            Some(lp) => self.logprobs.extend(lp.iter().map(|&x| Some(x))),
+            None => self
+                .logprobs
+                .extend(std::iter::repeat_n(None, tokens.len())),
+        }
+    }
+
+    /// How many tokens of each kind: (generated, observation, boundary).
+    pub fn counts(&self) -> (usize, usize, usize) {
+        let count = |k| self.kinds.iter().filter(|&&x| x == k).count();
+        (
+            count(TokenKind::Generated),
+            count(TokenKind::Observation),
+            count(TokenKind::Boundary),
+        )
+    }
+}
+
+/// What an episode needs besides its policy: the tokenizer and chat
+/// template, how tool calls are written, the tools, and the limits.
+pub struct EpisodeRunner<'a> {
+    /// The checkpoint's tokenizer (and its chat template).
+    pub tokenizer: &'a Tokenizer,
+    /// How the model writes tool calls.
+    pub parser: &'a dyn ToolCallParser,
+    /// The tools it may call.
+    pub tools: &'a [Box<dyn Tool>],
+    /// The token that ends a turn, as text (`<|im_end|>`, `<|eot_id|>`).
+    pub end_of_turn: String,
+    /// The limits.
+    pub budgets: Budgets,
+}
+
+/// Why an episode could not be run (not the model's or a tool's failure).
+#[derive(Debug, thiserror::Error)]
+pub enum EpisodeError {
+    /// Sampling a turn failed.
+    #[error("sampling turn {turn}: {message}")]
+    Policy {
+        /// The turn.
+        turn: usize,
+        /// What failed.
+        message: String,
+    },
+    /// Rendering or tokenizing what follows a turn failed.
+    #[error("after turn {turn}: {source}")]
+    Observe {
+        /// The turn.
+        turn: usize,
+        /// What failed.
+        source: ObserveError,
+    },
+}
+
+impl EpisodeRunner<'_> {
+    /// Runs one episode from the conversation `messages`, whose rendering
+    /// with the generation prompt is `prompt` (the prompt's tokens).
+    pub fn run(
+        &self,
+        policy: &mut dyn TurnPolicy,
+        messages: &[Value],
+        prompt: &[i64],
+    ) -> Result<Episode, EpisodeError> {
+        let budgets = self.budgets;
+        let schemas = (!self.tools.is_empty()).then(|| schemas(self.tools));
+        let mut history = messages.to_vec();
+        let mut context = prompt.to_vec();
+        let mut episode = Episode {
+            tokens: Vec::new(),
+            kinds: Vec::new(),
+            turns: Vec::new(),
+            logprobs: Vec::new(),
+            calls: Vec::new(),
+            turns_taken: 0,
+            finish: Finish::Length,
+        };
+        for turn in 0..budgets.max_turns {
+            let left = budgets.max_tokens.saturating_sub(episode.tokens.len());
+            if left == 0 {
+                episode.finish = Finish::Length;
+                return Ok(episode);
+            }
+            let sampled = policy
+                .sample(&context, left)
+                .map_err(|message| EpisodeError::Policy { turn, message })?;
+            if sampled.logprobs.len() != sampled.tokens.len() {
+                return Err(EpisodeError::Policy {
+                    turn,
+                    message: format!(
+                        "{} tokens came with {} log-probs",
+                        sampled.tokens.len(),
+                        sampled.logprobs.len()
+                    ),
+                });
+            }
+            let n = sampled.tokens.len().min(left);
+            episode.push(
+                &sampled.tokens[..n],
+                TokenKind::Generated,
+                turn,
+                Some(&sampled.logprobs[..n]),
+            );
+            context.extend_from_slice(&sampled.tokens[..n]);
+            episode.turns_taken = turn + 1;
+            if !sampled.stopped || n < sampled.tokens.len() {
+                episode.finish = Finish::Length;
+                return Ok(episode);
+            }
+            let observe = |source| EpisodeError::Observe { turn, source };
+            let text = self
+                .tokenizer
+                .decode(&sampled.tokens, false)
+                .map_err(|e| observe(e.into()))?;
+            let content = text
+                .strip_suffix(self.end_of_turn.as_str())
+                .unwrap_or(&text);
+            let calls = self.parser.parse(content);
+            if calls.is_empty() {
+                episode.finish = Finish::Stop;
+                return Ok(episode);
+            }
+            if turn + 1 == budgets.max_turns {
+                episode.finish = Finish::MaxTurns;
+                return Ok(episode);
+            }
+            let mut answers = Vec::with_capacity(calls.len());
+            for call in &calls {
+                let output = answer(self.tools, call);
+                let text = self.cut(&output.text).map_err(|e| observe(e.into()))?;
+                let (tool, arguments) = match call {
+                    Ok(c) => (
+                        c.name.clone(),
+                        Value::Object(c.arguments.clone()).to_string(),
+                    ),
+                    Err(m) => (String::new(), m.text.clone()),
+                };
+                answers.push(json!({"role": "tool", "name": tool, "content": text}));
+                episode.calls.push(CallRecord {
+                    turn,
+                    tool,
+                    arguments,
+                    output: text,
+                    ok: output.ok,
+                });
+            }
+            let next = appended(
+                self.tokenizer,
+                &history,
+                &text,
+                &self.end_of_turn,
+                &answers,
+                schemas.as_deref(),
+            )
+            .map_err(observe)?;
+            let room = budgets.max_tokens - episode.tokens.len();
+            if next.boundary.len() + next.observation.len() > room {
+                episode.finish = Finish::Length;
+                return Ok(episode);
+            }
+            episode.push(&next.boundary, TokenKind::Boundary, turn, None);
+            episode.push(&next.observation, TokenKind::Observation, turn, None);
+            context.extend_from_slice(&next.boundary);
+            context.extend_from_slice(&next.observation);
+            history.push(json!({"role": "assistant", "content": content}));
+            history.extend(answers);
+        }
+        // Only a budget of zero turns gets here.
+        Ok(episode)
+    }
+
+    /// `text` cut to `max_observation_tokens` tokens, with a marker saying
+    /// how many were left out; text that fits exactly is kept whole.
+    fn cut(&self, text: &str) -> Result<String, weir_gpu::ModelError> {
+        let limit = self.budgets.max_observation_tokens;
+        let tokens = self.tokenizer.encode(text, false)?;
+        if tokens.len() <= limit {
+            return Ok(text.to_string());
+        }
+        let kept = self.tokenizer.decode(&tokens[..limit], false)?;
+        Ok(format!(
+            "{kept}\n[… {} more tokens of output not shown]",
+            tokens.len() - limit
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::agent::observe::tests::{tokenizer_with, CHATML_TOOLS};
+    use crate::agent::tool_calls::Hermes;
+    use crate::agent::tools::Calculator;
+
+    /// A policy that says what it is told, turn by turn.
+    struct Script {
+        turns: Vec<Vec<i64>>,
+        contexts: Vec<Vec<i64>>,
+        /// Whether each turn ends on the end-of-turn token.
+        end: i64,
+    }
+
+    impl TurnPolicy for Script {
+        fn sample(&mut self, context: &[i64], max_new: usize) -> Result<Sampled, String> {
+            self.contexts.push(context.to_vec());
+            let mut tokens = self.turns.remove(0);
+            let stopped = tokens.last() == Some(&self.end) && tokens.len() <= max_new;
+            tokens.truncate(max_new);
+            let logprobs = (0..tokens.len()).map(|i| -0.1 * (i + 1) as f32).collect();
+            Ok(Sampled {
+                tokens,
+                logprobs,
+                stopped,
+            })
+        }
+    }
+
+    struct Setup {
+        tokenizer: Tokenizer,
+        tools: Vec<Box<dyn Tool>>,
+        end: i64,
+        _dir: tempfile::TempDir,
+    }
+
+    fn setup() -> Setup {
+        let dir = tempfile::tempdir().unwrap();
+        let tokenizer = tokenizer_with(CHATML_TOOLS, dir.path());
+        let end = tokenizer.encode("<|im_end|>", false).unwrap();
+        assert_eq!(end.len(), 1);
+        Setup {
+            tokenizer,
+            tools: vec![Box::new(Calculator)],
+            end: end[0],
+            _dir: dir,
+        }
+    }
+
+    fn runner<'a>(setup: &'a Setup, budgets: Budgets) -> EpisodeRunner<'a> {
+        EpisodeRunner {
+            tokenizer: &setup.tokenizer,
+            parser: &Hermes,
+            tools: &setup.tools,
+            end_of_turn: "<|im_end|>".into(),
+            budgets,
+        }
+    }
+
+    fn turn(setup: &Setup, text: &str) -> Vec<i64> {
+        let mut ids = setup.tokenizer.encode(text, false).unwrap();
+        ids.push(setup.end);
+        ids
+    }
+
+    const BUDGETS: Budgets = Budgets {
+        max_turns: 4,
+        max_tokens: 1000,
+        max_observation_tokens: 100,
+    };
+
+    const CALL: &str = "<tool_call>{\"name\": \"calculator\", \"arguments\": {\"expression\": \"123*456\"}}</tool_call>";
+
+    #[test]
+    fn a_tool_turn_then_an_answer_is_one_trajectory_with_exact_kinds() {
+        let setup = setup();
+        let messages = [json!({"role": "user", "content": "123*456?"})];
+        let prompt = setup
+            .tokenizer
+            .encode_conversation(&messages, Some(&schemas(&setup.tools)), true)
+            .unwrap();
+        let (first, last) = (turn(&setup, CALL), turn(&setup, "56088"));
+        let mut script = Script {
+            turns: vec![first.clone(), last.clone()],
+            contexts: Vec::new(),
+            end: setup.end,
+        };
+        let episode = runner(&setup, BUDGETS)
+            .run(&mut script, &messages, &prompt)
+            .unwrap();
+        assert_eq!(episode.finish, Finish::Stop);
+        assert_eq!(episode.turns_taken, 2);
+        // Generated ids are the sampled ones, in place.
+        let (generated, observation, boundary) = episode.counts();
+        assert_eq!(generated, first.len() + last.len());
+        assert_eq!(generated + observation + boundary, episode.tokens.len());
+        assert_eq!(&episode.tokens[..first.len()], &first[..]);
+        assert_eq!(
+            &episode.tokens[episode.tokens.len() - last.len()..],
+            &last[..]
+        );
+        // The boundary is the newline after <|im_end|>; the observation the
+        // template's tool turn and the next generation prompt.
+        let boundary_at = first.len();
+        assert_eq!(episode.kinds[boundary_at], TokenKind::Boundary);
+        let observed: Vec<i64> = episode
+            .tokens
+            .iter()
+            .zip(&episode.kinds)
+            .filter(|(_, k)| **k == TokenKind::Observation)
+            .map(|(t, _)| *t)
+            .collect();
+        let expected = "<|im_start|>user\n<tool_response>\n56088\n</tool_response><|im_end|>\n<|im_start|>assistant\n";
+        assert_eq!(observed, setup.tokenizer.encode(expected, false).unwrap());
+        // Log-probs on generated tokens only; turns numbered.
+        assert!(episode
+            .logprobs
+            .iter()
+            .zip(&episode.kinds)
+            .all(|(lp, k)| lp.is_some() == (*k == TokenKind::Generated)));
+        assert_eq!(episode.turns.first(), Some(&0));
+        assert_eq!(episode.turns.last(), Some(&1));
+        // The second turn sampled after exactly the prompt and the response so far.
+        let mut context = prompt.clone();
+        context.extend_from_slice(&episode.tokens[..episode.tokens.len() - last.len()]);
+        assert_eq!(script.contexts[1], context);
+        assert_eq!(
+            episode.calls,
+            [CallRecord {
+                turn: 0,
+                tool: "calculator".into(),
+                arguments: "{\"expression\":\"123*456\"}".into(),
+                output: "56088".into(),
+                ok: true,
+            }]
+        );
+        // The whole episode is the template's render of the conversation.
+        let mut all = messages.to_vec();
+        all.push(json!({"role": "assistant", "content": CALL}));
+        all.push(json!({"role": "tool", "name": "calculator", "content": "56088"}));
+        all.push(json!({"role": "assistant", "content": "56088"}));
+        let rendered = setup
+            .tokenizer
+            .render_chat(&all, Some(&schemas(&setup.tools)), false)
+            .unwrap();
+        let pieced = setup
+            .tokenizer
+            .decode(&[prompt, episode.tokens.clone()].concat(), false)
+            .unwrap();
+        assert_eq!(format!("{pieced}\n"), rendered);
+    }
+
+    #[test]
+    fn budgets_end_episodes_with_their_reason() {
+        let setup = setup();
+        let messages = [json!({"role": "user", "content": "go"})];
+        let prompt = setup
+            .tokenizer
+            .encode_conversation(&messages, None, true)
+            .unwrap();
+        let call = turn(&setup, CALL);
+        let run = |budgets: Budgets, turns: Vec<Vec<i64>>| {
+            let mut script = Script {
+                turns,
+                contexts: Vec::new(),
+                end: setup.end,
+            };
+            runner(&setup, budgets)
+                .run(&mut script, &messages, &prompt)
+                .unwrap()
+        };
+        // The last allowed turn calls a tool.
+        let one = run(
+            Budgets {
+                max_turns: 1,
+                ..BUDGETS
+            },
+            vec![call.clone()],
+        );
+        assert_eq!(
+            (one.finish, one.turns_taken, one.tokens.len()),
+            (Finish::MaxTurns, 1, call.len())
+        );
+        // A turn cut by the budget.
+        let cut = run(
+            Budgets {
+                max_tokens: 5,
+                ..BUDGETS
+            },
+            vec![call.clone()],
+        );
+        assert_eq!((cut.finish, cut.tokens.len()), (Finish::Length, 5));
+        // An observation that fits exactly is kept (verl#6309); one token less and it ends the episode.
+        let full = run(BUDGETS, vec![call.clone(), turn(&setup, "x")]);
+        let through_observation = full.tokens.len() - turn(&setup, "x").len();
+        let exact = run(
+            Budgets {
+                max_tokens: through_observation,
+                ..BUDGETS
+            },
+            vec![call.clone(), turn(&setup, "x")],
+        );
+        assert_eq!(exact.tokens, full.tokens[..through_observation]);
+        assert_eq!(exact.finish, Finish::Length);
+        let short = run(
+            Budgets {
+                max_tokens: through_observation - 1,
+                ..BUDGETS
+            },
+            vec![call.clone()],
+        );
+        assert_eq!(
+            (short.finish, short.tokens.len()),
+            (Finish::Length, call.len())
+        );
+        assert!(short.kinds.iter().all(|k| *k == TokenKind::Generated));
+    }
+
+    #[test]
+    fn a_long_tool_output_is_cut_with_a_marker_and_a_bad_call_is_an_error_observation() {
+        let setup = setup();
+        let messages = [json!({"role": "user", "content": "go"})];
+        let prompt = setup
+            .tokenizer
+            .encode_conversation(&messages, None, true)
+            .unwrap();
+        let big = "<tool_call>{\"name\": \"calculator\", \"arguments\": {\"expression\": \"9^900\"}}</tool_call>";
+        let mut script = Script {
+            turns: vec![
+                turn(&setup, big),
+                turn(&setup, "<tool_call>{\"name\": \"search\"}</tool_call>"),
+                turn(&setup, "done"),
+            ],
+            contexts: Vec::new(),
+            end: setup.end,
+        };
+        let budgets = Budgets {
+            max_observation_tokens: 20,
+            ..BUDGETS
+        };
+        let episode = runner(&setup, budgets)
+            .run(&mut script, &messages, &prompt)
+            .unwrap();
+        assert_eq!(episode.finish, Finish::Stop);
+        let cut = &episode.calls[0].output;
+        assert!(cut.ends_with("more tokens of output not shown]"), "{cut}");
+        assert!(
+            setup
+                .tokenizer
+                .encode(cut.split('\n').next().unwrap(), false)
+                .unwrap()
+                .len()
+                <= 20
+        );
+        assert!(!episode.calls[1].ok);
+        assert!(episode.calls[1]
+            .output
+            .contains("there is no tool \"search\""));
+    }
+}
