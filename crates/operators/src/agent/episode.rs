@@ -78,6 +78,63 @@ pub trait TurnPolicy {
     fn sample(&mut self, context: &[i64], max_new: usize) -> Result<Sampled, String>;
 }
 
+/// Turns sampled by a model: each with the sampling parameters (its end-of-turn
+/// ids as `eos_token_ids`) from its own random stream, (`stream`, turn).
+pub struct ModelPolicy<'a> {
+    model: &'a weir_gpu::Model,
+    params: weir_gpu::SamplingParams,
+    stream: u64,
+    turns: u64,
+    backend: weir_gpu::generate::Backend,
+}
+
+impl<'a> ModelPolicy<'a> {
+    /// Samples `model`'s turns with `params` (one sample each; its
+    /// `max_new_tokens` is each turn's budget) from the streams of `stream`.
+    pub fn new(model: &'a weir_gpu::Model, params: weir_gpu::SamplingParams, stream: u64) -> Self {
+        ModelPolicy {
+            model,
+            params,
+            stream,
+            turns: 0,
+            backend: weir_gpu::generate::Backend::Auto,
+        }
+    }
+
+    /// Samples on `backend` (libtorch, or weir's CPU kernels where they apply).
+    pub fn on(mut self, backend: weir_gpu::generate::Backend) -> Self {
+        self.backend = backend;
+        self
+    }
+}
+
+impl TurnPolicy for ModelPolicy<'_> {
+    fn sample(&mut self, context: &[i64], max_new: usize) -> Result<Sampled, String> {
+        let params = weir_gpu::SamplingParams {
+            max_new_tokens: max_new,
+            n: 1,
+            ..self.params.clone()
+        };
+        let stream = self.stream ^ (self.turns << 48);
+        self.turns += 1;
+        let generation = weir_gpu::generate::generate_on(
+            self.model,
+            &[context.to_vec()],
+            &[stream],
+            &params,
+            self.backend,
+        )
+        .map_err(|e| e.to_string())?
+        .pop()
+        .ok_or("the model sampled no turn")?;
+        Ok(Sampled {
+            stopped: generation.finish_reason == weir_gpu::generate::FinishReason::Stop,
+            tokens: generation.tokens,
+            logprobs: generation.logprobs,
+        })
+    }
+}
+
 /// One tool call of an episode and what it answered.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CallRecord {
@@ -456,6 +513,93 @@ mod tests {
             .decode(&[prompt, episode.tokens.clone()].concat(), false)
             .unwrap();
         assert_eq!(format!("{pieced}\n"), rendered);
+    }
+
+    /// A first turn forced (a tool call), the rest sampled by `model`.
+    struct Forced<'a> {
+        first: Option<Vec<i64>>,
+        model: ModelPolicy<'a>,
+    }
+
+    impl TurnPolicy for Forced<'_> {
+        fn sample(&mut self, context: &[i64], max_new: usize) -> Result<Sampled, String> {
+            match self.first.take() {
+                Some(tokens) => Ok(Sampled {
+                    logprobs: vec![0.0; tokens.len()],
+                    tokens,
+                    stopped: true,
+                }),
+                None => self.model.sample(context, max_new),
+            }
+        }
+    }
+
+    #[test]
+    fn a_models_turn_after_an_observation_has_the_log_probs_of_a_pass_over_the_trajectory() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/models/arith-sft");
+        let model = weir_gpu::Model::load(&dir, weir_gpu::Device::Cpu, tch::Kind::Float).unwrap();
+        let tokenizer = Tokenizer::load(&dir).unwrap();
+        let end = tokenizer.encode("<|im_end|>", false).unwrap();
+        let tools: Vec<Box<dyn Tool>> = vec![Box::new(Calculator)];
+        let runner = EpisodeRunner {
+            tokenizer: &tokenizer,
+            parser: &Hermes,
+            tools: &tools,
+            end_of_turn: "<|im_end|>".into(),
+            budgets: Budgets {
+                max_turns: 2,
+                max_tokens: 96,
+                max_observation_tokens: 32,
+            },
+        };
+        let messages = [json!({"role": "user", "content": "12+34="})];
+        let prompt = tokenizer
+            .encode_conversation(&messages, None, true)
+            .unwrap();
+        let mut first = tokenizer.encode(CALL, false).unwrap();
+        first.extend_from_slice(&end);
+        let params = weir_gpu::SamplingParams {
+            temperature: 1.0,
+            seed: 7,
+            eos_token_ids: end.clone(),
+            ..Default::default()
+        };
+        for backend in [
+            weir_gpu::generate::Backend::Auto,
+            weir_gpu::generate::Backend::Torch,
+        ] {
+            let mut policy = Forced {
+                first: Some(first.clone()),
+                model: ModelPolicy::new(&model, params.clone(), 3).on(backend),
+            };
+            let episode = runner.run(&mut policy, &messages, &prompt).unwrap();
+            let sampled: Vec<usize> = (0..episode.tokens.len())
+                .filter(|&i| episode.turns[i] == 1)
+                .collect();
+            assert!(!sampled.is_empty(), "the model sampled a second turn");
+            assert!(sampled
+                .iter()
+                .all(|&i| episode.kinds[i] == TokenKind::Generated));
+            assert_eq!(episode.kinds[first.len()], TokenKind::Boundary);
+            // An independent forward pass over prompt ++ the whole response.
+            let (logprobs, _) = crate::stages::sequences::response_logprobs(
+                &model,
+                std::slice::from_ref(&prompt),
+                std::slice::from_ref(&episode.tokens),
+                1.0,
+                0,
+            )
+            .unwrap();
+            for i in sampled {
+                let want = logprobs.double_value(&[0, i as i64]);
+                let got = f64::from(episode.logprobs[i].unwrap());
+                assert!(
+                    (want - got).abs() < 1e-4,
+                    "{backend:?}, token {i}: sampled with {got}, a pass gives {want}"
+                );
+            }
+        }
     }
 
     #[test]
