@@ -21,6 +21,7 @@
 use serde_json::{json, Value};
 use weir_gpu::tokenizer::Tokenizer;
 
+use super::environment::{Environment, Observation};
 use super::observe::{appended, ObserveError};
 use super::tool_calls::ToolCallParser;
 use super::tools::{answer, schemas, Tool};
@@ -45,8 +46,10 @@ pub enum Finish {
     /// The token budget ran out (in a turn, or before an observation that
     /// would not fit).
     Length,
-    /// The last allowed turn called a tool.
+    /// The last allowed turn called a tool (or left the environment going).
     MaxTurns,
+    /// The environment failed (the error is [`Episode::env_error`]).
+    EnvError,
 }
 
 impl Finish {
@@ -56,6 +59,7 @@ impl Finish {
             Finish::Stop => "stop",
             Finish::Length => "length",
             Finish::MaxTurns => "max_turns",
+            Finish::EnvError => "env_error",
         }
     }
 }
@@ -165,11 +169,29 @@ pub struct Episode {
     pub calls: Vec<CallRecord>,
     /// Turns the model took.
     pub turns_taken: usize,
+    /// Each turn's reward from the environment (0 where it gave none).
+    pub turn_rewards: Vec<f64>,
+    /// What the environment said when it failed.
+    pub env_error: Option<String>,
     /// Why it ended.
     pub finish: Finish,
 }
 
 impl Episode {
+    fn empty() -> Self {
+        Episode {
+            tokens: Vec::new(),
+            kinds: Vec::new(),
+            turns: Vec::new(),
+            logprobs: Vec::new(),
+            calls: Vec::new(),
+            turns_taken: 0,
+            turn_rewards: Vec::new(),
+            env_error: None,
+            finish: Finish::Length,
+        }
+    }
+
     fn push(&mut self, tokens: &[i64], kind: TokenKind, turn: usize, logprobs: Option<&[f32]>) {
         self.tokens.extend_from_slice(tokens);
         self.kinds.extend(std::iter::repeat_n(kind, tokens.len()));
@@ -232,10 +254,45 @@ pub enum EpisodeError {
 
 impl EpisodeRunner<'_> {
     /// Runs one episode from the conversation `messages`, whose rendering
-    /// with the generation prompt is `prompt` (the prompt's tokens).
+    /// with the generation prompt is `prompt` (the prompt's tokens), its
+    /// turns answered by the tools they call.
     pub fn run(
         &self,
         policy: &mut dyn TurnPolicy,
+        messages: &[Value],
+        prompt: &[i64],
+    ) -> Result<Episode, EpisodeError> {
+        self.run_in(policy, None, messages, prompt)
+    }
+
+    /// [`EpisodeRunner::run`], each turn answered by `environment` when
+    /// there is one (reset before the first turn with the row `row`,
+    /// closed after the last): its observation follows the turn, its
+    /// reward is the turn's, and it may end the episode.
+    pub fn run_with(
+        &self,
+        policy: &mut dyn TurnPolicy,
+        environment: &mut dyn Environment,
+        row: &Value,
+        messages: &[Value],
+        prompt: &[i64],
+    ) -> Result<Episode, EpisodeError> {
+        if let Err(e) = environment.reset(row) {
+            return Ok(Episode {
+                finish: Finish::EnvError,
+                env_error: Some(format!("reset: {e}")),
+                ..Episode::empty()
+            });
+        }
+        let episode = self.run_in(policy, Some(&mut *environment), messages, prompt);
+        environment.close();
+        episode
+    }
+
+    fn run_in(
+        &self,
+        policy: &mut dyn TurnPolicy,
+        mut environment: Option<&mut dyn Environment>,
         messages: &[Value],
         prompt: &[i64],
     ) -> Result<Episode, EpisodeError> {
@@ -243,15 +300,7 @@ impl EpisodeRunner<'_> {
         let schemas = (!self.tools.is_empty()).then(|| schemas(self.tools));
         let mut history = messages.to_vec();
         let mut context = prompt.to_vec();
-        let mut episode = Episode {
-            tokens: Vec::new(),
-            kinds: Vec::new(),
-            turns: Vec::new(),
-            logprobs: Vec::new(),
-            calls: Vec::new(),
-            turns_taken: 0,
-            finish: Finish::Length,
-        };
+        let mut episode = Episode::empty();
         for turn in 0..budgets.max_turns {
             let left = budgets.max_tokens.saturating_sub(episode.tokens.len());
             if left == 0 {
@@ -280,6 +329,7 @@ impl EpisodeRunner<'_> {
             );
             context.extend_from_slice(&sampled.tokens[..n]);
             episode.turns_taken = turn + 1;
+            episode.turn_rewards.push(0.0);
             if !sampled.stopped || n < sampled.tokens.len() {
                 episode.finish = Finish::Length;
                 return Ok(episode);
@@ -292,6 +342,57 @@ impl EpisodeRunner<'_> {
             let content = text
                 .strip_suffix(self.end_of_turn.as_str())
                 .unwrap_or(&text);
+            if let Some(environment) = environment.as_deref_mut() {
+                let step = match environment.step(content) {
+                    Ok(step) => step,
+                    Err(e) => {
+                        episode.finish = Finish::EnvError;
+                        episode.env_error = Some(format!("turn {turn}: {e}"));
+                        return Ok(episode);
+                    }
+                };
+                episode.turn_rewards[turn] = step.reward;
+                if step.done {
+                    episode.finish = Finish::Stop;
+                    return Ok(episode);
+                }
+                if turn + 1 == budgets.max_turns {
+                    episode.finish = Finish::MaxTurns;
+                    return Ok(episode);
+                }
+                let (boundary, observation, said) = match step.observation {
+                    Observation::Text(text) => {
+                        let tokens = self
+                            .tokenizer
+                            .encode(&text, false)
+                            .map_err(|e| observe(e.into()))?;
+                        (Vec::new(), tokens, Vec::new())
+                    }
+                    Observation::Messages(said) => {
+                        let next = appended(
+                            self.tokenizer,
+                            &history,
+                            &text,
+                            &self.end_of_turn,
+                            &said,
+                            schemas.as_deref(),
+                        )
+                        .map_err(observe)?;
+                        (next.boundary, next.observation, said)
+                    }
+                };
+                if boundary.len() + observation.len() > budgets.max_tokens - episode.tokens.len() {
+                    episode.finish = Finish::Length;
+                    return Ok(episode);
+                }
+                episode.push(&boundary, TokenKind::Boundary, turn, None);
+                episode.push(&observation, TokenKind::Observation, turn, None);
+                context.extend_from_slice(&boundary);
+                context.extend_from_slice(&observation);
+                history.push(json!({"role": "assistant", "content": content}));
+                history.extend(said);
+                continue;
+            }
             let calls = self.parser.parse(content);
             if calls.is_empty() {
                 episode.finish = Finish::Stop;
@@ -365,6 +466,7 @@ impl EpisodeRunner<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::agent::environment::EnvStep;
     use crate::agent::observe::tests::{tokenizer_with, CHATML_TOOLS};
     use crate::agent::tool_calls::Hermes;
     use crate::agent::tools::Calculator;
@@ -600,6 +702,188 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// Guess the row's number: "higher" / "lower" as raw text, or as a
+    /// user message; −0.1 a wrong guess, 1 the right one (and done).
+    struct Guess {
+        target: i64,
+        as_messages: bool,
+        fail_at: Option<usize>,
+        steps: usize,
+        closed: bool,
+    }
+
+    impl Environment for Guess {
+        fn reset(&mut self, row: &Value) -> Result<(), String> {
+            self.target = row["target"].as_i64().ok_or("the row has no target")?;
+            Ok(())
+        }
+
+        fn step(&mut self, action: &str) -> Result<EnvStep, String> {
+            self.steps += 1;
+            if self.fail_at == Some(self.steps) {
+                return Err("the game crashed".into());
+            }
+            let guess: i64 = action
+                .trim()
+                .parse()
+                .map_err(|_| format!("{action:?} is no number"))?;
+            let hint = if guess < self.target {
+                "higher"
+            } else {
+                "lower"
+            };
+            let observation = if self.as_messages {
+                Observation::Messages(vec![json!({"role": "user", "content": hint})])
+            } else {
+                Observation::Text(format!(" {hint}\n"))
+            };
+            Ok(EnvStep {
+                observation,
+                reward: if guess == self.target { 1.0 } else { -0.1 },
+                done: guess == self.target,
+            })
+        }
+
+        fn close(&mut self) {
+            self.closed = true;
+        }
+    }
+
+    fn guess(as_messages: bool, fail_at: Option<usize>) -> Guess {
+        Guess {
+            target: 0,
+            as_messages,
+            fail_at,
+            steps: 0,
+            closed: false,
+        }
+    }
+
+    #[test]
+    fn an_environment_answers_each_turn_with_an_observation_and_a_reward() {
+        let setup = setup();
+        let messages = [json!({"role": "user", "content": "Guess my number."})];
+        let prompt = setup
+            .tokenizer
+            .encode_conversation(&messages, None, true)
+            .unwrap();
+        let row = json!({"target": 7});
+        let turns = || vec![turn(&setup, "5"), turn(&setup, "8"), turn(&setup, "7")];
+        let mut script = Script {
+            turns: turns(),
+            contexts: Vec::new(),
+            end: setup.end,
+        };
+        let mut env = guess(false, None);
+        let episode = runner(&setup, BUDGETS)
+            .run_with(&mut script, &mut env, &row, &messages, &prompt)
+            .unwrap();
+        assert_eq!(episode.finish, Finish::Stop);
+        assert_eq!(episode.turn_rewards, [-0.1, -0.1, 1.0]);
+        assert!(env.closed);
+        // Raw text: no boundary, the feedback's own tokens straight after the turn.
+        let t = turn(&setup, "5");
+        let higher = setup.tokenizer.encode(" higher\n", false).unwrap();
+        assert_eq!(
+            &episode.tokens[t.len()..t.len() + higher.len()],
+            &higher[..]
+        );
+        assert!(episode.kinds[t.len()..t.len() + higher.len()]
+            .iter()
+            .all(|k| *k == TokenKind::Observation));
+        assert_eq!(episode.counts().2, 0, "no boundary tokens");
+
+        // As messages, the template renders them after the turn's boundary.
+        let mut script = Script {
+            turns: turns(),
+            contexts: Vec::new(),
+            end: setup.end,
+        };
+        let episode = runner(&setup, BUDGETS)
+            .run_with(
+                &mut script,
+                &mut guess(true, None),
+                &row,
+                &messages,
+                &prompt,
+            )
+            .unwrap();
+        assert_eq!(episode.kinds[t.len()], TokenKind::Boundary);
+        let expected = setup
+            .tokenizer
+            .encode(
+                "<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n",
+                false,
+            )
+            .unwrap();
+        assert_eq!(
+            &episode.tokens[t.len() + 1..t.len() + 1 + expected.len()],
+            &expected[..]
+        );
+
+        // A failing environment ends the episode, saying why; so does a row it cannot start from.
+        let mut script = Script {
+            turns: turns(),
+            contexts: Vec::new(),
+            end: setup.end,
+        };
+        let failed = runner(&setup, BUDGETS)
+            .run_with(
+                &mut script,
+                &mut guess(false, Some(2)),
+                &row,
+                &messages,
+                &prompt,
+            )
+            .unwrap();
+        assert_eq!((failed.finish, failed.turns_taken), (Finish::EnvError, 2));
+        assert_eq!(
+            failed.env_error.as_deref(),
+            Some("turn 1: the game crashed")
+        );
+        let mut script = Script {
+            turns: turns(),
+            contexts: Vec::new(),
+            end: setup.end,
+        };
+        let unstarted = runner(&setup, BUDGETS)
+            .run_with(
+                &mut script,
+                &mut guess(false, None),
+                &json!({}),
+                &messages,
+                &prompt,
+            )
+            .unwrap();
+        assert_eq!(unstarted.finish, Finish::EnvError);
+        assert!(unstarted.tokens.is_empty());
+        // Out of turns while the game goes on.
+        let mut script = Script {
+            turns: turns(),
+            contexts: Vec::new(),
+            end: setup.end,
+        };
+        let short = runner(
+            &setup,
+            Budgets {
+                max_turns: 2,
+                ..BUDGETS
+            },
+        )
+        .run_with(
+            &mut script,
+            &mut guess(false, None),
+            &row,
+            &messages,
+            &prompt,
+        )
+        .unwrap();
+        assert_eq!(
+            (short.finish, short.turn_rewards.as_slice()),
+            (Finish::MaxTurns, &[-0.1, -0.1][..])
+        );
     }
 
     #[test]

@@ -6,6 +6,9 @@
 //! - [`episode`]: one episode as one token trajectory: turns sampled by a
 //!   [`episode::TurnPolicy`], the tools' answers rendered after them, what
 //!   each token is, the budgets and why it ended;
+//! - [`environment`]: the `Environment` trait (reset with a row, a step
+//!   per turn: an observation, a reward, done), observations as messages
+//!   or raw text;
 //! - [`tools`]: the `Tool` trait (a name, a JSON schema for the chat
 //!   template, a call), the built-ins, and [`tools::answer`], which turns
 //!   any failed call into an error observation;
@@ -19,6 +22,7 @@
 //!   checkpoint's own template without re-encoding anything before them.
 
 pub mod calculator;
+pub mod environment;
 pub mod episode;
 pub mod observe;
 pub mod python_tool;

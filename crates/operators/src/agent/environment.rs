@@ -1,0 +1,44 @@
+//! Environments: what answers an episode's turns when the task is a world
+//! to act in rather than tools to call (a game, a shell, a judge that
+//! replies). An environment is reset for each episode with its dataset
+//! row, then steps once per turn of the model: it reads the turn's text
+//! and answers with an observation, a reward for the turn, and whether the
+//! episode is over.
+//!
+//! An observation is either messages (rendered after the turn by the chat
+//! template, as tool results are: see [`super::observe`]) or raw text,
+//! tokenized as it is and appended straight after the turn with no
+//! template around it: the convention of OpenRLHF's agent files, whose
+//! `environment_feedback` is text the file formats itself.
+
+use serde_json::Value;
+
+/// What an environment says after a turn.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EnvStep {
+    /// What the model reads next.
+    pub observation: Observation,
+    /// The turn's reward (placed on the turn's last generated token).
+    pub reward: f64,
+    /// Whether the episode is over.
+    pub done: bool,
+}
+
+/// An environment's observation.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Observation {
+    /// Messages (`{"role": "user", "content": …}`, say), rendered by the chat template.
+    Messages(Vec<Value>),
+    /// Text appended as it is, tokenized alone, no template.
+    Text(String),
+}
+
+/// A world an episode acts in.
+pub trait Environment: Send {
+    /// Starts an episode for the dataset row `row` (its columns as a JSON object).
+    fn reset(&mut self, row: &Value) -> Result<(), String>;
+    /// Answers the model's turn `action` (its text, without the end-of-turn token).
+    fn step(&mut self, action: &str) -> Result<EnvStep, String>;
+    /// Ends the episode (frees what the environment holds for it).
+    fn close(&mut self) {}
+}
