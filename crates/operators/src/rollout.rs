@@ -34,7 +34,8 @@ pub mod col {
     pub const RESPONSE: &str = "response";
     /// The response's token ids (list<i64>).
     pub const RESPONSE_TOKENS: &str = "response_tokens";
-    /// Per-token log-probs under the distribution the generator sampled from (list<f32>).
+    /// Per-token log-probs under the distribution the generator sampled from
+    /// (list<f32>; an episode's are null on its observation and boundary tokens).
     pub const BEHAVIOR_LOGPROBS: &str = "behavior_logprobs";
     /// The weights version that generated the row (u64): the oldest of its
     /// `token_versions` (the engine stamps the generator's version on rows
@@ -261,6 +262,18 @@ pub enum SchemaError {
     },
 }
 
+/// Whether `found` is `expected` with nullable items where column `name`
+/// may have them: an episode's behaviour log-probs are null on its
+/// observation and boundary tokens.
+fn null_items_allowed(name: &str, expected: &DataType, found: &DataType) -> bool {
+    match (expected, found) {
+        (DataType::List(e), DataType::List(f)) => {
+            name == col::BEHAVIOR_LOGPROBS && e.data_type() == f.data_type() && f.is_nullable()
+        }
+        _ => false,
+    }
+}
+
 /// Checks that `batch` holds every column written up to `phase` with its
 /// type, and that per-token columns align with `response_tokens`.
 pub fn check(batch: &RecordBatch, phase: Phase, stage: &str) -> Result<(), SchemaError> {
@@ -281,7 +294,7 @@ pub fn check(batch: &RecordBatch, phase: Phase, stage: &str) -> Result<(), Schem
                 column: name.into(),
             });
         };
-        if *column.data_type() != ty {
+        if *column.data_type() != ty && !null_items_allowed(name, &ty, column.data_type()) {
             return Err(SchemaError::WrongType {
                 stage: stage.into(),
                 column: name.into(),

@@ -445,3 +445,162 @@ fn dapo_filters_groups_and_feeds_prompt_stats_through_the_engine() {
         .values()
         .all(|s| s.samples % samples as u64 == 0 && s.solved <= s.samples));
 }
+
+/// A parser for the chain test: every turn of the arith model calls the
+/// calculator on `1+1` (the model writes no tool calls of its own).
+struct EveryTurnCalls;
+
+impl weir_operators::agent::tool_calls::ToolCallParser for EveryTurnCalls {
+    fn name(&self) -> &'static str {
+        "every_turn"
+    }
+
+    fn parse(&self, _text: &str) -> weir_operators::agent::tool_calls::Calls {
+        let mut arguments = serde_json::Map::new();
+        arguments.insert("expression".into(), "1+1".into());
+        vec![Ok(weir_operators::agent::tool_calls::ToolCall {
+            name: "calculator".into(),
+            arguments,
+        })]
+    }
+}
+
+/// Episodes of two turns (a tool's answer between them) through GRPO's
+/// stages and the engine: the log holds each trajectory with its token
+/// kinds, behaviour log-probs on generated tokens only (null elsewhere),
+/// the calls; the learner counts generated tokens only.
+#[test]
+fn grpo_trains_on_multi_turn_episodes_through_the_engine() {
+    use weir_operators::agent::episode::Budgets;
+    use weir_operators::agent::stage::{EpisodeGenerate, TOOL_CALLS};
+    use weir_operators::agent::tools::{Calculator, Tool};
+    use weir_operators::rollout::TokenKind;
+
+    let out = tempfile::tempdir().unwrap();
+    let log_dir = out.path().join("rollouts");
+    let (prompts_per_step, samples, steps) = (2usize, 4usize, 2u64);
+    let pipeline = Pipeline::new("grpo-episodes")
+        .source("rollout", move |w| {
+            let tok = Tokenizer::load(&model_dir())?;
+            Ok(arith::prompts(
+                &arith::eval_pairs()[..16],
+                &tok,
+                prompts_per_step,
+                samples,
+                3,
+            )?
+            .shard(w.rank, w.role_size))
+        })
+        .generate("generate", "rollout", Partition::Local, |_| {
+            let model = Model::load(&model_dir(), Device::Cpu, Kind::Float)?;
+            let tok = Tokenizer::load(&model_dir())?;
+            let params = SamplingParams {
+                max_new_tokens: 12,
+                temperature: 1.0,
+                eos_token_ids: tok.eos_token_ids().to_vec(),
+                seed: 5,
+                ..Default::default()
+            };
+            let tools: Vec<Box<dyn Tool>> = vec![Box::new(Calculator)];
+            let budgets = Budgets {
+                max_turns: 2,
+                max_tokens: 64,
+                max_observation_tokens: 16,
+            };
+            EpisodeGenerate::new(model, tok, params, tools, Box::new(EveryTurnCalls), budgets)
+        })
+        .stage("reward", "rollout", Partition::Local, |_| {
+            Ok(RuleReward::new(
+                rule_reward("arith_exact_match").unwrap(),
+                "answer",
+            ))
+        })
+        .stage(
+            "advantage",
+            "train",
+            Partition::ByKey(col::GROUP_ID.into()),
+            |_| Ok(GroupAdvantage::new(GroupEstimator::Grpo, Flavor::OpenRlhf)),
+        )
+        .learn("learn", "train", Partition::RoundRobin, |_| {
+            let model = Model::load(&model_dir(), Device::Cpu, Kind::Float)?;
+            Learner::new(model, LearnerConfig::default())
+        })
+        .sink("log", "train", Partition::Local, move |w| {
+            Ok(ParquetLog::new(&log_dir, w.index, 1 << 20)?)
+        });
+    let settings = RunSettings::new(
+        Execution::Threads(2),
+        Placement::new(2)
+            .assign("rollout", [0])
+            .assign("train", [1]),
+    )
+    .max_staleness(0)
+    .steps(steps);
+    let report = pipeline.run(&settings).unwrap();
+    assert_eq!(report.steps, steps);
+
+    let batches = weir_graph::parquet_log::read_parquet_dir(&out.path().join("rollouts")).unwrap();
+    let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
+    assert_eq!(rows, steps as usize * prompts_per_step * samples);
+    let (mut generated, mut full) = (BTreeMap::<u64, usize>::new(), BTreeMap::<u64, usize>::new());
+    for b in &batches {
+        check(b, Phase::Learn, "log").unwrap();
+        let step = b
+            .column_by_name(col::STEP)
+            .unwrap()
+            .as_primitive::<UInt64Type>();
+        let kinds = b.column_by_name(col::TOKEN_KINDS).unwrap().as_list::<i32>();
+        let behaviour = b
+            .column_by_name(col::BEHAVIOR_LOGPROBS)
+            .unwrap()
+            .as_list::<i32>();
+        let reasons = b
+            .column_by_name(col::FINISH_REASON)
+            .unwrap()
+            .as_string::<i32>();
+        let calls = b.column_by_name(TOOL_CALLS).unwrap().as_string::<i32>();
+        for i in 0..b.num_rows() {
+            let k = kinds.value(i);
+            let k = k.as_primitive::<arrow::datatypes::UInt8Type>();
+            let lp = behaviour.value(i);
+            assert_eq!(k.len(), lp.len());
+            for (j, code) in k.values().iter().enumerate() {
+                let kind = TokenKind::from_code(*code).unwrap();
+                assert_eq!(
+                    lp.is_valid(j),
+                    kind == TokenKind::Generated,
+                    "row {i} token {j}: a behaviour log-prob exactly on generated tokens"
+                );
+            }
+            let reason = reasons.value(i);
+            if reason == "max_turns" {
+                assert!(k.values().contains(&(TokenKind::Observation as u8)));
+                let calls: serde_json::Value = serde_json::from_str(calls.value(i)).unwrap();
+                assert_eq!(calls[0]["output"], "2");
+            } else {
+                assert_eq!(reason, "length", "row {i}");
+            }
+            let g = k.values().iter().filter(|c| **c == 0).count();
+            *generated.entry(step.value(i)).or_default() += g;
+            *full.entry(step.value(i)).or_default() += k.len();
+        }
+    }
+    assert!(
+        generated.values().zip(full.values()).all(|(g, f)| g < f),
+        "every step has observation tokens"
+    );
+    // The learner's response length counts generated tokens only.
+    for m in report
+        .metrics
+        .iter()
+        .filter(|m| m.stage == "learn" && m.metric == "response_length")
+    {
+        let want = generated[&m.step] as f64 / (prompts_per_step * samples) as f64;
+        assert!(
+            (m.value - want).abs() < 1e-9,
+            "step {}: {} vs {want}",
+            m.step,
+            m.value
+        );
+    }
+}

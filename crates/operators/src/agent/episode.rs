@@ -94,7 +94,8 @@ pub struct ModelPolicy<'a> {
 
 impl<'a> ModelPolicy<'a> {
     /// Samples `model`'s turns with `params` (one sample each; its
-    /// `max_new_tokens` is each turn's budget) from the streams of `stream`.
+    /// `max_new_tokens` caps each turn, within what the episode has left)
+    /// from the streams of `stream`.
     pub fn new(model: &'a weir_gpu::Model, params: weir_gpu::SamplingParams, stream: u64) -> Self {
         ModelPolicy {
             model,
@@ -115,7 +116,8 @@ impl<'a> ModelPolicy<'a> {
 impl TurnPolicy for ModelPolicy<'_> {
     fn sample(&mut self, context: &[i64], max_new: usize) -> Result<Sampled, String> {
         let params = weir_gpu::SamplingParams {
-            max_new_tokens: max_new,
+            // A turn's own cap, within what the episode has left.
+            max_new_tokens: max_new.min(self.params.max_new_tokens),
             n: 1,
             ..self.params.clone()
         };

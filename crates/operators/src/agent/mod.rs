@@ -9,6 +9,8 @@
 //! - [`environment`]: the `Environment` trait (reset with a row, a step
 //!   per turn: an observation, a reward, done), observations as messages
 //!   or raw text;
+//! - [`stage`]: `EpisodeGenerate`, the generator stage that writes one
+//!   episode per row as the rollout's response columns;
 //! - [`tools`]: the `Tool` trait (a name, a JSON schema for the chat
 //!   template, a call), the built-ins, and [`tools::answer`], which turns
 //!   any failed call into an error observation;
@@ -26,5 +28,6 @@ pub mod environment;
 pub mod episode;
 pub mod observe;
 pub mod python_tool;
+pub mod stage;
 pub mod tool_calls;
 pub mod tools;

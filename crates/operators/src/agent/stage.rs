@@ -1,0 +1,245 @@
+//! The episode generator stage: one episode per row (the source already
+//! expanded prompts × n), its turns sampled by the actor and answered by
+//! the tools, written as the rollout's response columns.
+//!
+//! Each row's episode runs to its end before the next begins (turns in
+//! lockstep within a row; no row waits for a tool while others decode —
+//! that is the streaming pool's work). What the columns hold:
+//! - `response_tokens`: the whole trajectory, generated, boundary and
+//!   observation tokens in order; `token_kinds` says which is which;
+//! - `behavior_logprobs`: each generated token's log-prob, null on the
+//!   others (never a value a loss could read);
+//! - `response`: what a reward reads, the model's own text only: its turns,
+//!   decoded without special tokens and joined by a newline (no tool
+//!   output, so no reward scores a tool's words as the model's);
+//! - `finish_reason`: `stop`, `length` or `max_turns`;
+//! - `tool_calls`: the episode's calls as JSON (turn, tool, arguments,
+//!   output, ok), so the log reads back without the tools.
+//!
+//! The row's conversation is its `prompt` as one user message.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use arrow::array::{ArrayRef, Float32Array, Float64Array, RecordBatch, StringArray, UInt64Array};
+use serde_json::json;
+use weir_gpu::{Backend, Model, SamplingParams, Tokenizer};
+use weir_graph::batch::with_column;
+use weir_graph::weights_edge::now_unix_s;
+use weir_graph::{PolicyVersion, Stage, StageError, StepContext, WeightsPayload};
+
+use super::episode::{Budgets, Episode, EpisodeRunner, ModelPolicy};
+use super::tool_calls::ToolCallParser;
+use super::tools::Tool;
+use crate::rollout::{col, TokenKind};
+use crate::stages::columns::{
+    strings, token_kinds_array, token_list_array, token_lists, u32s, u64s,
+};
+
+/// The column with each episode's tool calls (JSON text).
+pub const TOOL_CALLS: &str = "tool_calls";
+
+/// The actor's episode generator.
+pub struct EpisodeGenerate {
+    model: Model,
+    tokenizer: Tokenizer,
+    params: SamplingParams,
+    backend: Backend,
+    tools: Vec<Box<dyn Tool>>,
+    parser: Box<dyn ToolCallParser>,
+    end_of_turn: String,
+    budgets: Budgets,
+}
+
+impl EpisodeGenerate {
+    /// Episodes of `model`'s turns (sampled with `params`, whose
+    /// `eos_token_ids` end a turn; the first is the template's end-of-turn
+    /// token), calling `tools` in `parser`'s format, within `budgets`.
+    pub fn new(
+        model: Model,
+        tokenizer: Tokenizer,
+        params: SamplingParams,
+        tools: Vec<Box<dyn Tool>>,
+        parser: Box<dyn ToolCallParser>,
+        budgets: Budgets,
+    ) -> Result<Self, StageError> {
+        let end = params.eos_token_ids.first().ok_or(
+            "episodes need an end-of-turn token: the sampling parameters have no eos_token_ids",
+        )?;
+        let end_of_turn = tokenizer.decode(&[*end], false)?;
+        super::observe::check_stable(&tokenizer, &end_of_turn, None)
+            .map_err(|e| format!("{}: {e}", tokenizer_folder(&tokenizer)))?;
+        Ok(EpisodeGenerate {
+            model,
+            tokenizer,
+            params: SamplingParams { n: 1, ..params },
+            backend: Backend::Auto,
+            tools,
+            parser,
+            end_of_turn,
+            budgets,
+        })
+    }
+
+    /// Samples on `backend`.
+    pub fn with_backend(mut self, backend: Backend) -> Self {
+        self.backend = backend;
+        self
+    }
+
+    fn episodes(&self, ctx: &StepContext, batch: RecordBatch) -> Result<RecordBatch, StageError> {
+        let name = ctx.stage();
+        let prompts = token_lists(&batch, col::PROMPT_TOKENS, name)?;
+        let texts = strings(&batch, col::PROMPT, name)?;
+        let groups = u64s(&batch, col::GROUP_ID, name)?;
+        let samples = u32s(&batch, col::SAMPLE_IDX, name)?;
+        let runner = EpisodeRunner {
+            tokenizer: &self.tokenizer,
+            parser: self.parser.as_ref(),
+            tools: &self.tools,
+            end_of_turn: self.end_of_turn.clone(),
+            budgets: self.budgets,
+        };
+        let mut episodes = Vec::with_capacity(prompts.len());
+        let (mut seconds, mut started) = (Vec::new(), Vec::new());
+        for (i, prompt) in prompts.iter().enumerate() {
+            let (clock, unix) = (Instant::now(), now_unix_s());
+            // A row's streams depend only on its group and sample, as a plain generator's.
+            let stream = (groups[i] << 16) ^ u64::from(samples[i]);
+            let mut policy =
+                ModelPolicy::new(&self.model, self.params.clone(), stream).on(self.backend);
+            let messages = [json!({"role": "user", "content": texts[i]})];
+            let episode = runner
+                .run(&mut policy, &messages, prompt)
+                .map_err(|e| format!("row {i}: {e}"))?;
+            episodes.push(episode);
+            seconds.push(clock.elapsed().as_secs_f32());
+            started.push(unix);
+        }
+        self.with_episodes(batch, &episodes, ctx.version, seconds, started)
+    }
+
+    fn with_episodes(
+        &self,
+        batch: RecordBatch,
+        episodes: &[Episode],
+        version: PolicyVersion,
+        seconds: Vec<f32>,
+        started: Vec<f64>,
+    ) -> Result<RecordBatch, StageError> {
+        let mut texts = Vec::with_capacity(episodes.len());
+        for episode in episodes {
+            let mut turns: Vec<String> = Vec::new();
+            for turn in 0..episode.turns_taken {
+                let ids: Vec<i64> = (0..episode.tokens.len())
+                    .filter(|&i| {
+                        episode.turns[i] as usize == turn
+                            && episode.kinds[i] == TokenKind::Generated
+                    })
+                    .map(|i| episode.tokens[i])
+                    .collect();
+                turns.push(self.tokenizer.decode(&ids, true)?);
+            }
+            texts.push(turns.join("\n"));
+        }
+        let calls: Vec<String> = episodes
+            .iter()
+            .map(|e| {
+                let calls: Vec<_> = e
+                    .calls
+                    .iter()
+                    .map(|c| {
+                        json!({"turn": c.turn, "tool": c.tool, "arguments": c.arguments,
+                               "output": c.output, "ok": c.ok})
+                    })
+                    .collect();
+                serde_json::Value::Array(calls).to_string()
+            })
+            .collect();
+        let n = episodes.len();
+        let mut b = with_column(
+            &batch,
+            col::RESPONSE,
+            Arc::new(StringArray::from(texts)) as ArrayRef,
+        )?;
+        let tokens: Vec<Vec<i64>> = episodes.iter().map(|e| e.tokens.clone()).collect();
+        b = with_column(&b, col::RESPONSE_TOKENS, token_list_array(&tokens))?;
+        b = with_column(&b, col::BEHAVIOR_LOGPROBS, nullable_logprobs(episodes))?;
+        b = with_column(
+            &b,
+            col::POLICY_VERSION,
+            Arc::new(UInt64Array::from(vec![version; n])) as ArrayRef,
+        )?;
+        let reasons: Vec<&str> = episodes.iter().map(|e| e.finish.name()).collect();
+        b = with_column(
+            &b,
+            col::FINISH_REASON,
+            Arc::new(StringArray::from(reasons)) as ArrayRef,
+        )?;
+        b = with_column(
+            &b,
+            col::GENERATE_S,
+            Arc::new(Float32Array::from(seconds)) as ArrayRef,
+        )?;
+        b = with_column(
+            &b,
+            col::STARTED_UNIX_S,
+            Arc::new(Float64Array::from(started)) as ArrayRef,
+        )?;
+        let kinds: Vec<Option<Vec<TokenKind>>> =
+            episodes.iter().map(|e| Some(e.kinds.clone())).collect();
+        b = with_column(&b, col::TOKEN_KINDS, token_kinds_array(&kinds))?;
+        b = with_column(
+            &b,
+            TOOL_CALLS,
+            Arc::new(StringArray::from(calls)) as ArrayRef,
+        )?;
+        Ok(b)
+    }
+}
+
+/// Each generated token's log-prob, null on the others.
+fn nullable_logprobs(episodes: &[Episode]) -> ArrayRef {
+    use arrow::array::{Float32Builder, ListBuilder};
+    use arrow::datatypes::{DataType, Field};
+    let mut b = ListBuilder::new(Float32Builder::new()).with_field(Arc::new(Field::new(
+        "item",
+        DataType::Float32,
+        true,
+    )));
+    for e in episodes {
+        for lp in &e.logprobs {
+            b.values().append_option(*lp);
+        }
+        b.append(true);
+    }
+    Arc::new(b.finish())
+}
+
+fn tokenizer_folder(tokenizer: &Tokenizer) -> String {
+    tokenizer.dir().display().to_string()
+}
+
+impl Stage for EpisodeGenerate {
+    fn process(
+        &mut self,
+        ctx: &mut StepContext,
+        batch: RecordBatch,
+    ) -> Result<Vec<RecordBatch>, StageError> {
+        Ok(vec![self.episodes(ctx, batch)?])
+    }
+
+    fn load_weights(
+        &mut self,
+        version: PolicyVersion,
+        weights: &WeightsPayload,
+    ) -> Result<(), StageError> {
+        let got = self.model.apply_snapshot(weights.bytes())?;
+        if got != version {
+            return Err(
+                format!("weights edge says version {version}, the snapshot says {got}").into(),
+            );
+        }
+        Ok(())
+    }
+}
