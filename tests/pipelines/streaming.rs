@@ -176,7 +176,9 @@ fn a_swap_mid_sequence_samples_every_later_token_under_the_new_weights() {
     cfg.data.prompts_per_step = 1;
     cfg.data.samples_per_prompt = 2;
     cfg.generate.max_inflight = 2;
-    cfg.generate.max_new_tokens = 128;
+    // Long enough that a learner step ends well inside it even when other
+    // processes slow one thread more than the other.
+    cfg.generate.max_new_tokens = 256;
     cfg.generate.ignore_eos = true;
     cfg.generate.on_new_weights = OnNewWeights::Recompute;
     // libtorch's decode: the GPU path, and slow enough per token here that

@@ -186,7 +186,7 @@ impl ClusterSecret {
         let io = |e| GraphError::io(&path, e);
         std::fs::create_dir_all(dir).map_err(|e| GraphError::io(dir, e))?;
         if !path.exists() {
-            let bytes: [u8; 32] = crate::mesh::random()?;
+            let bytes: [u8; 32] = random()?;
             let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
             // Written aside, then linked into place: a process that starts
             // at the same moment either links first or reads the winner's.
@@ -228,6 +228,14 @@ const ACCEPTING: &[u8] = b"weir cluster accepting v1";
 /// The environment variable holding a run's cluster secret (weir's
 /// commands read it; processes weir starts never see it).
 pub const ENV_VAR: &str = "WEIR_CLUSTER_SECRET";
+
+/// `N` bytes from the operating system's random source.
+pub(crate) fn random<const N: usize>() -> Result<[u8; N], GraphError> {
+    let mut bytes = [0u8; N];
+    getrandom::getrandom(&mut bytes)
+        .map_err(|e| GraphError::Runtime(format!("the system's random source: {e}")))?;
+    Ok(bytes)
+}
 
 /// The file in a run folder that holds the secret of a cluster whose
 /// processes all run on one machine ([`ClusterSecret::of_run_folder`]).

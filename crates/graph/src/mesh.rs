@@ -42,7 +42,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use crate::cluster_secret::{ClusterSecret, Proof, Side};
+use crate::cluster_secret::{random, ClusterSecret, Proof, Side};
 use crate::sealed::{KeyShare, SessionKeys};
 use crate::GraphError;
 
@@ -192,14 +192,6 @@ pub(crate) fn session_fingerprint(fingerprint: u64, run: u64) -> u64 {
             .try_into()
             .expect("a SHA-256 digest has 32 bytes"),
     )
-}
-
-/// `N` bytes from the operating system's random source.
-pub(crate) fn random<const N: usize>() -> Result<[u8; N], GraphError> {
-    let mut bytes = [0u8; N];
-    getrandom::getrandom(&mut bytes)
-        .map_err(|e| GraphError::Runtime(format!("the system's random source: {e}")))?;
-    Ok(bytes)
 }
 
 fn another_secret(peer: usize, me: usize) -> GraphError {

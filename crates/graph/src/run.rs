@@ -57,6 +57,26 @@ impl Pipeline {
     }
 }
 
+/// Sets up the direct weights channel, between processes of a cluster only.
+fn configure_wire(shared: &RunShared, settings: &RunSettings) {
+    if let (Some(host), crate::WeightsChannel::Direct { port }) =
+        (settings.execution.host(), settings.weights_channel)
+    {
+        shared.wire.configure(crate::weights_edge::WireConfig {
+            host: host.to_string(),
+            port,
+            process: settings.execution.process(),
+            fingerprint: settings.fingerprint,
+            secret: settings.cluster_secret.clone(),
+            encrypt: settings.encrypt,
+            timeout: settings.peer_timeout,
+            // Versions in flight at once: up to k + 1, and the one being sent.
+            offered: settings.max_staleness as usize + 3,
+            max_payload: settings.max_weights_bytes,
+        });
+    }
+}
+
 /// Runs `pipeline` with `settings` to completion. Returns the run's report
 /// or its first error; never hangs on a failed stage or a lost peer.
 pub fn run(pipeline: &Pipeline, settings: &RunSettings) -> Result<RunReport, GraphError> {
@@ -89,23 +109,7 @@ pub fn run(pipeline: &Pipeline, settings: &RunSettings) -> Result<RunReport, Gra
         ..settings.clone()
     };
     let shared = Arc::new(RunShared::new(settings.execution.processes()));
-    // The direct weights channel, between processes of a cluster only.
-    if let (Some(host), crate::WeightsChannel::Direct { port }) =
-        (settings.execution.host(), settings.weights_channel)
-    {
-        shared.wire.configure(crate::weights_edge::WireConfig {
-            host: host.to_string(),
-            port,
-            process: settings.execution.process(),
-            fingerprint: settings.fingerprint,
-            secret: settings.cluster_secret.clone(),
-            encrypt: settings.encrypt,
-            timeout: settings.peer_timeout,
-            // Versions in flight at once: up to k + 1, and the one being sent.
-            offered: settings.max_staleness as usize + 3,
-            max_payload: settings.max_weights_bytes,
-        });
-    }
+    configure_wire(&shared, settings);
     crate::weights_edge::allow_payloads_of(settings.max_weights_bytes);
     // The process whose learner sends weights to another listens before its
     // first step; a port it cannot have then fails every process before any
