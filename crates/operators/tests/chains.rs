@@ -589,6 +589,24 @@ fn grpo_trains_on_multi_turn_episodes_through_the_engine() {
         generated.values().zip(full.values()).all(|(g, f)| g < f),
         "every step has observation tokens"
     );
+    // What the episodes did reaches the metrics: one or two turns an
+    // episode (a first turn cut by its budget ends it), every call answered.
+    let metric = |name: &str| -> Vec<f64> {
+        report
+            .metrics
+            .iter()
+            .filter(|m| m.stage == "generate" && m.metric == name)
+            .map(|m| m.value)
+            .collect()
+    };
+    let turns = metric("turns");
+    assert_eq!(turns.len(), steps as usize);
+    assert!(turns.iter().all(|&t| (1.0..=2.0).contains(&t)), "{turns:?}");
+    assert!(metric("tool_errors").iter().all(|&e| e == 0.0));
+    assert!(metric("observation_share")
+        .iter()
+        .all(|&s| s > 0.0 && s < 1.0));
+    assert!(metric("tool_latency_p99_s").iter().all(|&s| s >= 0.0));
     // The learner's response length counts generated tokens only.
     for m in report
         .metrics

@@ -142,7 +142,7 @@ impl TurnPolicy for ModelPolicy<'_> {
 }
 
 /// One tool call of an episode and what it answered.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct CallRecord {
     /// The turn that made it.
     pub turn: usize,
@@ -154,6 +154,8 @@ pub struct CallRecord {
     pub output: String,
     /// Whether the call succeeded.
     pub ok: bool,
+    /// Seconds the tool took to answer.
+    pub seconds: f64,
 }
 
 /// An episode's response and what each token of it is.
@@ -406,7 +408,9 @@ impl EpisodeRunner<'_> {
             }
             let mut answers = Vec::with_capacity(calls.len());
             for call in &calls {
+                let clock = std::time::Instant::now();
                 let output = answer(self.tools, call);
+                let seconds = clock.elapsed().as_secs_f64();
                 let text = self.cut(&output.text).map_err(|e| observe(e.into()))?;
                 let (tool, arguments) = match call {
                     Ok(c) => (
@@ -422,6 +426,7 @@ impl EpisodeRunner<'_> {
                     arguments,
                     output: text,
                     ok: output.ok,
+                    seconds,
                 });
             }
             let next = appended(
@@ -593,16 +598,18 @@ mod tests {
         let mut context = prompt.clone();
         context.extend_from_slice(&episode.tokens[..episode.tokens.len() - last.len()]);
         assert_eq!(script.contexts[1], context);
+        let call = &episode.calls[..];
+        assert_eq!(call.len(), 1);
         assert_eq!(
-            episode.calls,
-            [CallRecord {
-                turn: 0,
-                tool: "calculator".into(),
-                arguments: "{\"expression\":\"123*456\"}".into(),
-                output: "56088".into(),
-                ok: true,
-            }]
+            (
+                call[0].turn,
+                call[0].tool.as_str(),
+                call[0].arguments.as_str()
+            ),
+            (0, "calculator", "{\"expression\":\"123*456\"}")
         );
+        assert_eq!((call[0].output.as_str(), call[0].ok), ("56088", true));
+        assert!(call[0].seconds >= 0.0);
         // The whole episode is the template's render of the conversation.
         let mut all = messages.to_vec();
         all.push(json!({"role": "assistant", "content": CALL}));

@@ -87,7 +87,11 @@ impl EpisodeGenerate {
         self
     }
 
-    fn episodes(&self, ctx: &StepContext, batch: RecordBatch) -> Result<RecordBatch, StageError> {
+    fn episodes(
+        &self,
+        ctx: &mut StepContext,
+        batch: RecordBatch,
+    ) -> Result<RecordBatch, StageError> {
         let name = ctx.stage();
         let prompts = token_lists(&batch, col::PROMPT_TOKENS, name)?;
         let texts = strings(&batch, col::PROMPT, name)?;
@@ -115,6 +119,9 @@ impl EpisodeGenerate {
             episodes.push(episode);
             seconds.push(clock.elapsed().as_secs_f32());
             started.push(unix);
+        }
+        for (name, value) in episode_metrics(&episodes) {
+            ctx.record(name, value);
         }
         self.with_episodes(batch, &episodes, ctx.version, seconds, started)
     }
@@ -150,7 +157,7 @@ impl EpisodeGenerate {
                     .iter()
                     .map(|c| {
                         json!({"turn": c.turn, "tool": c.tool, "arguments": c.arguments,
-                               "output": c.output, "ok": c.ok})
+                               "output": c.output, "ok": c.ok, "seconds": c.seconds})
                     })
                     .collect();
                 serde_json::Value::Array(calls).to_string()
@@ -196,6 +203,51 @@ impl EpisodeGenerate {
         )?;
         Ok(b)
     }
+}
+
+/// What a batch of episodes did, as metrics: turns and tool calls per
+/// episode, calls that could not be read and calls that failed, the share
+/// of response tokens the model did not write, the tools' latency (median
+/// and 99th percentile) and the seconds episodes spent waiting on tools.
+fn episode_metrics(episodes: &[Episode]) -> Vec<(&'static str, f64)> {
+    if episodes.is_empty() {
+        return Vec::new();
+    }
+    let n = episodes.len() as f64;
+    let calls: Vec<_> = episodes.iter().flat_map(|e| &e.calls).collect();
+    let unread = calls.iter().filter(|c| c.tool.is_empty()).count();
+    let failed = calls.iter().filter(|c| !c.ok).count();
+    let (tokens, written) = episodes
+        .iter()
+        .fold((0, 0), |(t, w), e| (t + e.tokens.len(), w + e.counts().0));
+    let mut latency: Vec<f64> = calls.iter().map(|c| c.seconds).collect();
+    latency.sort_by(f64::total_cmp);
+    let at = |q: f64| {
+        latency
+            .get(((latency.len() as f64 - 1.0) * q).round() as usize)
+            .copied()
+            .unwrap_or(0.0)
+    };
+    vec![
+        (
+            "turns",
+            episodes.iter().map(|e| e.turns_taken as f64).sum::<f64>() / n,
+        ),
+        ("tool_calls", calls.len() as f64 / n),
+        ("tool_parse_failures", unread as f64),
+        ("tool_errors", failed as f64),
+        (
+            "observation_share",
+            if tokens == 0 {
+                0.0
+            } else {
+                (tokens - written) as f64 / tokens as f64
+            },
+        ),
+        ("tool_latency_p50_s", at(0.5)),
+        ("tool_latency_p99_s", at(0.99)),
+        ("tool_wait_s", latency.iter().sum()),
+    ]
 }
 
 /// Each generated token's log-prob, null on the others.
