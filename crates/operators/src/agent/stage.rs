@@ -16,7 +16,11 @@
 //! - `tool_calls`: the episode's calls as JSON (turn, tool, arguments,
 //!   output, ok), so the log reads back without the tools.
 //!
-//! The row's conversation is its `prompt` as one user message.
+//! The row's conversation is its `prompt` as one user message. With tools,
+//! the stage renders it again with the tools' schemas handed to the chat
+//! template (`tools`), so the model sees them as its family expects, and
+//! writes those tokens as the row's `prompt_tokens` (what the learner and
+//! the reference read is what the model saw).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -67,7 +71,8 @@ impl EpisodeGenerate {
             "episodes need an end-of-turn token: the sampling parameters have no eos_token_ids",
         )?;
         let end_of_turn = tokenizer.decode(&[*end], false)?;
-        super::observe::check_stable(&tokenizer, &end_of_turn, None)
+        let schemas = (!tools.is_empty()).then(|| super::tools::schemas(&tools));
+        super::observe::check_stable(&tokenizer, &end_of_turn, schemas.as_deref())
             .map_err(|e| format!("{}: {e}", tokenizer_folder(&tokenizer)))?;
         Ok(EpisodeGenerate {
             model,
@@ -93,8 +98,22 @@ impl EpisodeGenerate {
         batch: RecordBatch,
     ) -> Result<RecordBatch, StageError> {
         let name = ctx.stage();
-        let prompts = token_lists(&batch, col::PROMPT_TOKENS, name)?;
+        let mut prompts = token_lists(&batch, col::PROMPT_TOKENS, name)?;
         let texts = strings(&batch, col::PROMPT, name)?;
+        let conversation = |text: &str| [json!({"role": "user", "content": text})];
+        let batch = if self.tools.is_empty() {
+            batch
+        } else {
+            let schemas = super::tools::schemas(&self.tools);
+            for (prompt, text) in prompts.iter_mut().zip(&texts) {
+                *prompt = self.tokenizer.encode_conversation(
+                    &conversation(text),
+                    Some(&schemas),
+                    true,
+                )?;
+            }
+            with_column(&batch, col::PROMPT_TOKENS, token_list_array(&prompts))?
+        };
         let groups = u64s(&batch, col::GROUP_ID, name)?;
         let samples = u32s(&batch, col::SAMPLE_IDX, name)?;
         let runner = EpisodeRunner {
@@ -112,7 +131,7 @@ impl EpisodeGenerate {
             let stream = (groups[i] << 16) ^ u64::from(samples[i]);
             let mut policy =
                 ModelPolicy::new(&self.model, self.params.clone(), stream).on(self.backend);
-            let messages = [json!({"role": "user", "content": texts[i]})];
+            let messages = conversation(&texts[i]);
             let episode = runner
                 .run(&mut policy, &messages, prompt)
                 .map_err(|e| format!("row {i}: {e}"))?;
@@ -293,5 +312,91 @@ impl Stage for EpisodeGenerate {
             );
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::agent::observe::tests::{tokenizer_with, CHATML_TOOLS};
+    use crate::agent::tool_calls::Hermes;
+    use crate::agent::tools::{schemas, Calculator};
+    use arrow::array::{Array, AsArray, UInt32Array};
+    use weir_graph::WorkerInfo;
+
+    #[test]
+    fn with_tools_the_prompt_is_rendered_with_their_schemas_and_written_back() {
+        let models =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/models");
+        let model = Model::load(
+            &models.join("arith-sft"),
+            weir_gpu::Device::Cpu,
+            tch::Kind::Float,
+        )
+        .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let tokenizer = tokenizer_with(CHATML_TOOLS, dir.path());
+        let end = tokenizer.encode("<|im_end|>", false).unwrap();
+        let params = SamplingParams {
+            max_new_tokens: 8,
+            eos_token_ids: end,
+            seed: 1,
+            ..Default::default()
+        };
+        let tools: Vec<Box<dyn Tool>> = vec![Box::new(Calculator)];
+        let want = tokenizer
+            .encode_conversation(
+                &[json!({"role": "user", "content": "3+4="})],
+                Some(&schemas(&tools)),
+                true,
+            )
+            .unwrap();
+        let budgets = Budgets {
+            max_turns: 2,
+            max_tokens: 32,
+            max_observation_tokens: 8,
+        };
+        let mut stage =
+            EpisodeGenerate::new(model, tokenizer, params, tools, Box::new(Hermes), budgets)
+                .unwrap();
+        let batch = RecordBatch::try_from_iter([
+            (col::PROMPT_TOKENS, token_list_array(&[vec![1, 2, 3]])),
+            (
+                col::PROMPT,
+                Arc::new(StringArray::from(vec!["3+4="])) as ArrayRef,
+            ),
+            (
+                col::GROUP_ID,
+                Arc::new(UInt64Array::from(vec![0u64])) as ArrayRef,
+            ),
+            (
+                col::SAMPLE_IDX,
+                Arc::new(UInt32Array::from(vec![0u32])) as ArrayRef,
+            ),
+        ])
+        .unwrap();
+        let mut ctx = StepContext::detached(0, WorkerInfo::single(), 0);
+        let out = stage.process(&mut ctx, batch).unwrap().remove(0);
+        let prompts = token_lists(&out, col::PROMPT_TOKENS, "t").unwrap();
+        assert_eq!(prompts.len(), 1);
+        assert_eq!(prompts[0], want);
+        let text = stage.tokenizer.decode(&want, false).unwrap();
+        assert!(
+            text.contains("You may call these tools") && text.contains("calculator"),
+            "{text}"
+        );
+        // The response columns are there, aligned.
+        let tokens = token_lists(&out, col::RESPONSE_TOKENS, "t").unwrap();
+        let kinds = out
+            .column_by_name(col::TOKEN_KINDS)
+            .unwrap()
+            .as_list::<i32>();
+        assert_eq!(kinds.value(0).len(), tokens[0].len());
+        let lp = out
+            .column_by_name(col::BEHAVIOR_LOGPROBS)
+            .unwrap()
+            .as_list::<i32>();
+        assert_eq!(lp.value(0).len(), tokens[0].len());
+        assert!(ctx.recorded().iter().any(|(name, _)| name == "turns"));
     }
 }
