@@ -82,6 +82,11 @@ pub mod col {
     /// loss, KL, entropy, advantage and token count sees only generated
     /// tokens.
     pub const TOKEN_KINDS: &str = "token_kinds";
+    /// An environment's reward for each turn of an episode, on the turn's
+    /// last generated token, 0 elsewhere (list<f32>). The advantage stages
+    /// add it to the per-token rewards (GAE, REINFORCE++) or its sum to the
+    /// row's reward (the group estimators).
+    pub const ENV_REWARDS: &str = "env_rewards";
     /// ReMax: marks the one greedy response per prompt whose reward is the
     /// group's baseline (bool; only in ReMax runs, dropped with those rows
     /// before the learner).
@@ -194,6 +199,7 @@ pub fn columns() -> Vec<(&'static str, DataType, bool, Phase, bool)> {
             Phase::Generate,
             true,
         ),
+        (col::ENV_REWARDS, per_token(), true, Phase::Generate, true),
         (col::REWARD, Float32, false, Phase::Score, false),
         (col::SCORE, Float32, true, Phase::Score, false),
         (col::TOKEN_REWARDS, per_token(), true, Phase::Score, true),
@@ -419,6 +425,7 @@ mod tests {
             crate::stages::columns::u32_list_array(&[vec![3, 3], vec![3]]),
             crate::stages::columns::bool_list_array(&[vec![false, false], vec![false]]),
             crate::stages::columns::token_kinds_array(&[None, None]),
+            crate::stages::columns::float_list_array(&[vec![0.0, 0.0], vec![0.0]]),
         ];
         RecordBatch::try_new(schema, columns).unwrap()
     }

@@ -32,12 +32,13 @@ use weir_graph::batch::with_column;
 use weir_graph::weights_edge::now_unix_s;
 use weir_graph::{PolicyVersion, Stage, StageError, StepContext, WeightsPayload};
 
+use super::environment::Environment;
 use super::episode::{Budgets, Episode, EpisodeRunner, ModelPolicy};
 use super::tool_calls::ToolCallParser;
 use super::tools::Tool;
 use crate::rollout::{col, TokenKind};
 use crate::stages::columns::{
-    strings, token_kinds_array, token_list_array, token_lists, u32s, u64s,
+    float_list_array, strings, token_kinds_array, token_list_array, token_lists, u32s, u64s,
 };
 
 /// The column with each episode's tool calls (JSON text).
@@ -53,6 +54,7 @@ pub struct EpisodeGenerate {
     parser: Box<dyn ToolCallParser>,
     end_of_turn: String,
     budgets: Budgets,
+    environment: Option<Box<dyn Environment>>,
 }
 
 impl EpisodeGenerate {
@@ -83,7 +85,15 @@ impl EpisodeGenerate {
             parser,
             end_of_turn,
             budgets,
+            environment: None,
         })
+    }
+
+    /// Each turn answered by `environment` (reset with the row's columns
+    /// as JSON) instead of the tools; its turn rewards go to `env_rewards`.
+    pub fn with_environment(mut self, environment: Box<dyn Environment>) -> Self {
+        self.environment = Some(environment);
+        self
     }
 
     /// Samples on `backend`.
@@ -93,7 +103,7 @@ impl EpisodeGenerate {
     }
 
     fn episodes(
-        &self,
+        &mut self,
         ctx: &mut StepContext,
         batch: RecordBatch,
     ) -> Result<RecordBatch, StageError> {
@@ -132,9 +142,14 @@ impl EpisodeGenerate {
             let mut policy =
                 ModelPolicy::new(&self.model, self.params.clone(), stream).on(self.backend);
             let messages = conversation(&texts[i]);
-            let episode = runner
-                .run(&mut policy, &messages, prompt)
-                .map_err(|e| format!("row {i}: {e}"))?;
+            let episode = match self.environment.as_deref_mut() {
+                Some(environment) => {
+                    let row = row_json(&batch, i)?;
+                    runner.run_with(&mut policy, environment, &row, &messages, prompt)
+                }
+                None => runner.run(&mut policy, &messages, prompt),
+            }
+            .map_err(|e| format!("row {i}: {e}"))?;
             episodes.push(episode);
             seconds.push(clock.elapsed().as_secs_f32());
             started.push(unix);
@@ -220,6 +235,10 @@ impl EpisodeGenerate {
             TOOL_CALLS,
             Arc::new(StringArray::from(calls)) as ArrayRef,
         )?;
+        if self.environment.is_some() {
+            let rewards: Vec<Vec<f64>> = episodes.iter().map(turn_rewards_on_tokens).collect();
+            b = with_column(&b, col::ENV_REWARDS, float_list_array(&rewards))?;
+        }
         Ok(b)
     }
 }
@@ -267,6 +286,30 @@ fn episode_metrics(episodes: &[Episode]) -> Vec<(&'static str, f64)> {
         ("tool_latency_p99_s", at(0.99)),
         ("tool_wait_s", latency.iter().sum()),
     ]
+}
+
+/// An episode's turn rewards as per-token values: each on its turn's last
+/// generated token, 0 elsewhere.
+fn turn_rewards_on_tokens(episode: &Episode) -> Vec<f64> {
+    let mut out = vec![0.0; episode.tokens.len()];
+    for (turn, reward) in episode.turn_rewards.iter().enumerate() {
+        let last = (0..episode.tokens.len()).rev().find(|&i| {
+            episode.turns[i] as usize == turn && episode.kinds[i] == TokenKind::Generated
+        });
+        if let Some(i) = last {
+            out[i] += reward;
+        }
+    }
+    out
+}
+
+/// Row `i` of `batch` as a JSON object of its columns (what an
+/// environment is reset with).
+fn row_json(batch: &RecordBatch, i: usize) -> Result<serde_json::Value, StageError> {
+    let mut writer = arrow::json::LineDelimitedWriter::new(Vec::new());
+    writer.write(&batch.slice(i, 1))?;
+    writer.finish()?;
+    Ok(serde_json::from_slice(&writer.into_inner())?)
 }
 
 /// Each generated token's log-prob, null on the others.
@@ -398,5 +441,111 @@ mod tests {
             .as_list::<i32>();
         assert_eq!(lp.value(0).len(), tokens[0].len());
         assert!(ctx.recorded().iter().any(|(name, _)| name == "turns"));
+    }
+
+    /// Answers every turn with "again" and 0.25, twice; then done. Checks
+    /// it was reset with the row's columns.
+    struct Again {
+        steps: usize,
+    }
+
+    impl Environment for Again {
+        fn reset(&mut self, row: &serde_json::Value) -> Result<(), String> {
+            assert_eq!(row[col::PROMPT], "3+4=");
+            self.steps = 0;
+            Ok(())
+        }
+
+        fn step(&mut self, _action: &str) -> Result<super::super::environment::EnvStep, String> {
+            self.steps += 1;
+            Ok(super::super::environment::EnvStep {
+                observation: super::super::environment::Observation::Text(" again\n".into()),
+                reward: 0.25,
+                done: self.steps == 2,
+            })
+        }
+    }
+
+    #[test]
+    fn an_environments_turn_rewards_sit_on_each_turns_last_generated_token() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/models/arith-sft");
+        let model = Model::load(&dir, weir_gpu::Device::Cpu, tch::Kind::Float).unwrap();
+        let tokenizer = Tokenizer::load(&dir).unwrap();
+        let params = SamplingParams {
+            max_new_tokens: 8,
+            eos_token_ids: tokenizer.eos_token_ids().to_vec(),
+            seed: 1,
+            ..Default::default()
+        };
+        let budgets = Budgets {
+            max_turns: 4,
+            max_tokens: 64,
+            max_observation_tokens: 8,
+        };
+        let mut stage = EpisodeGenerate::new(
+            model,
+            tokenizer,
+            params,
+            Vec::new(),
+            Box::new(Hermes),
+            budgets,
+        )
+        .unwrap()
+        .with_environment(Box::new(Again { steps: 0 }));
+        let prompt = stage
+            .tokenizer
+            .encode_conversation(&[json!({"role": "user", "content": "3+4="})], None, true)
+            .unwrap();
+        let batch = RecordBatch::try_from_iter([
+            (
+                col::PROMPT_TOKENS,
+                token_list_array(&[prompt.clone(), prompt]),
+            ),
+            (
+                col::PROMPT,
+                Arc::new(StringArray::from(vec!["3+4=", "3+4="])) as ArrayRef,
+            ),
+            (
+                col::GROUP_ID,
+                Arc::new(UInt64Array::from(vec![0u64, 0])) as ArrayRef,
+            ),
+            (
+                col::SAMPLE_IDX,
+                Arc::new(UInt32Array::from(vec![0u32, 1])) as ArrayRef,
+            ),
+        ])
+        .unwrap();
+        let mut ctx = StepContext::detached(0, WorkerInfo::single(), 0);
+        let out = stage.process(&mut ctx, batch).unwrap().remove(0);
+        let rewards = crate::stages::columns::float_lists(&out, col::ENV_REWARDS, "t").unwrap();
+        let kinds = out
+            .column_by_name(col::TOKEN_KINDS)
+            .unwrap()
+            .as_list::<i32>();
+        let reasons = out
+            .column_by_name(col::FINISH_REASON)
+            .unwrap()
+            .as_string::<i32>();
+        assert!((0..out.num_rows()).any(|row| reasons.value(row) == "stop"));
+        for (row, r) in rewards.iter().enumerate() {
+            let k = kinds.value(row);
+            let k = k
+                .as_primitive::<arrow::datatypes::UInt8Type>()
+                .values()
+                .to_vec();
+            // Each placed reward sits on a generated token followed by an
+            // observation or the end: the last of its turn.
+            let placed: Vec<usize> = (0..r.len()).filter(|&i| r[i] != 0.0).collect();
+            for &i in &placed {
+                assert_eq!(k[i], TokenKind::Generated as u8);
+                assert!(i + 1 == k.len() || k[i + 1] == TokenKind::Observation as u8);
+                assert_eq!(r[i], 0.25);
+            }
+            // Two turns when neither was cut by its budget.
+            if reasons.value(row) == "stop" {
+                assert_eq!(placed.len(), 2, "row {row}: {r:?}");
+            }
+        }
     }
 }

@@ -97,12 +97,18 @@ impl StepStage for GroupAdvantage {
             }
             return Ok(Vec::new());
         };
-        let rewards = rewards(&batch, ctx.stage())?;
+        let mut rewards = rewards(&batch, ctx.stage())?;
         let groups = u64s(&batch, col::GROUP_ID, ctx.stage())?;
         let lengths: Vec<usize> = float_lists(&batch, col::BEHAVIOR_LOGPROBS, ctx.stage())?
             .iter()
             .map(Vec::len)
             .collect();
+        // An episode's environment rewards count toward its reward.
+        if let Some(turns) = super::columns::env_rewards(&batch, &lengths, ctx.stage())? {
+            for (r, turn) in rewards.iter_mut().zip(turns) {
+                *r += turn.iter().sum::<f64>();
+            }
+        }
         let per_response = match self.estimator {
             GroupEstimator::Grpo => grpo(&rewards, &groups, true, self.flavor)?,
             GroupEstimator::DrGrpo => grpo(&rewards, &groups, false, self.flavor)?,
@@ -348,7 +354,16 @@ fn kl_shaped_rewards(
     } else {
         mask.iter().map(|r| vec![0.0; r.len()]).collect()
     };
-    Ok((token_rewards(scores, &kl, &mask, kl_coef, clip), mask, kl))
+    let mut rewards = token_rewards(scores, &kl, &mask, kl_coef, clip);
+    // An environment's turn rewards, each on its turn's last generated token.
+    if let Some(turns) = super::columns::env_rewards(batch, &lengths, stage)? {
+        for (row, turn) in rewards.iter_mut().zip(turns) {
+            for (r, t) in row.iter_mut().zip(turn) {
+                *r += t;
+            }
+        }
+    }
+    Ok((rewards, mask, kl))
 }
 
 /// The KL figures of a step split over `member`'s ranks (or alone): the
@@ -799,6 +814,35 @@ mod tests {
         );
         let rewards = float_lists(&plain, col::TOKEN_REWARDS, "t").unwrap();
         assert_eq!(rewards[0], vec![-0.25, 0.75]);
+    }
+
+    /// An environment's turn rewards join the per-token rewards where they
+    /// sit, and the row's reward (summed) for the group estimators.
+    #[test]
+    fn environment_rewards_join_token_rewards_and_group_rewards() {
+        let with_env = |batch: RecordBatch| {
+            let env = super::super::columns::float_list_array(&[
+                vec![0.5, 0.0],
+                vec![],
+                vec![0.0, 0.0, 0.0],
+                vec![0.0],
+            ]);
+            with_column(&batch, col::ENV_REWARDS, env).unwrap()
+        };
+        let mut stage = ReinforceAdvantage::new(ReinforceBaseline::None, 0.0);
+        let plain = float_lists(&run_on(&mut stage, batch()), col::TOKEN_REWARDS, "t").unwrap();
+        let mut stage = ReinforceAdvantage::new(ReinforceBaseline::None, 0.0);
+        let out = run_on(&mut stage, with_env(batch()));
+        let rewards = float_lists(&out, col::TOKEN_REWARDS, "t").unwrap();
+        assert_eq!(rewards[0], vec![plain[0][0] + 0.5, plain[0][1]]);
+        assert_eq!(rewards[1..], plain[1..]);
+        // Group 0's rewards become [1.5, 0] instead of [1, 0]: Dr.GRPO's
+        // centred values [0.75, −0.75].
+        let mut stage = GroupAdvantage::new(GroupEstimator::DrGrpo, Flavor::OpenRlhf);
+        let adv =
+            float_lists(&run_on(&mut stage, with_env(batch())), col::ADVANTAGES, "t").unwrap();
+        assert_eq!(adv[0], vec![0.75, 0.75]);
+        assert_eq!(adv[1], vec![-0.75]);
     }
 
     /// OpenRLHF clips the shaped rewards of its group estimators to ±10

@@ -283,6 +283,43 @@ pub fn generated_masks(
         .collect()
 }
 
+/// Each row's per-token environment rewards (`env_rewards`), or `None`
+/// when the batch has none (a null row: no rewards, zeros).
+pub fn env_rewards(
+    batch: &RecordBatch,
+    lengths: &[usize],
+    stage: &str,
+) -> Result<Option<Vec<Vec<f64>>>, StageError> {
+    let name = crate::rollout::col::ENV_REWARDS;
+    if batch.column_by_name(name).is_none() {
+        return Ok(None);
+    }
+    let rows = float_lists(batch, name, stage)?;
+    for (row, (r, &n)) in rows.iter().zip(lengths).enumerate() {
+        if !r.is_empty() && r.len() != n {
+            return Err(SchemaError::Misaligned {
+                stage: stage.into(),
+                column: name.into(),
+                row,
+                expected: n,
+                found: r.len(),
+            }
+            .into());
+        }
+        if let Some(bad) = r.iter().find(|x| !x.is_finite()) {
+            return Err(
+                format!("`{stage}`: row {row}'s environment reward {bad} is not finite").into(),
+            );
+        }
+    }
+    Ok(Some(
+        rows.into_iter()
+            .zip(lengths)
+            .map(|(r, &n)| if r.is_empty() { vec![0.0; n] } else { r })
+            .collect(),
+    ))
+}
+
 /// How many tokens of each mask [`generated_masks`] made are generated.
 pub fn generated_counts(masks: &[Vec<f64>]) -> Vec<usize> {
     masks
