@@ -18,10 +18,14 @@ fn main() {
     };
     println!("cargo:rustc-link-arg=-Wl,-rpath,{lib}");
     let lib = Path::new(&lib);
-    // cudarc dlopens NCCL/cuBLAS; the pip wheels keep them under nvidia/cu13/lib.
+    // cudarc dlopens NCCL/cuBLAS; the pip wheels keep them under
+    // nvidia/cu13/lib, and NCCL (by wheel) under nvidia/nccl/lib: found
+    // there, it is the NCCL libtorch_cuda loads, never a second one.
     let nvidia = lib.join("../../nvidia/cu13/lib");
-    if nvidia.is_dir() {
-        println!("cargo:rustc-link-arg=-Wl,-rpath,{}", nvidia.display());
+    for dir in [lib.join("../../nvidia/nccl/lib"), nvidia.clone()] {
+        if dir.is_dir() {
+            println!("cargo:rustc-link-arg=-Wl,-rpath,{}", dir.display());
+        }
     }
     let cuda_installed = nvidia.join("libcublas.so.13").exists();
     let link_cuda = match std::env::var("TCH_LINK_CUDA").as_deref() {

@@ -71,12 +71,19 @@ else
   esac
   rm -rf "$unpacked" && mkdir -p "$unpacked"
   xz -dc "$bundle" | tar -C "$unpacked" -xf - || { echo "gpu-check: $bundle does not unpack"; exit 1; }
-  # cudarc opens libnccl.so; the NCCL wheel has only libnccl.so.2.
+  # cudarc opens libnccl.so; the NCCL wheel has only libnccl.so.2. It must
+  # be the NCCL libtorch_cuda loads (its wheel's, under nvidia/nccl/lib or
+  # nvidia/cu13/lib): a second NCCL in the process (a system one, found
+  # when the link is missing) mixes two versions' code and fails its first
+  # collective with "corrupted comm object detected".
   nvlib="$(cd "$torchlib/../../nvidia/cu13/lib" 2>/dev/null && pwd)"
   mkdir -p .gpu/links
-  if [ -n "$nvlib" ] && [ -f "$nvlib/libnccl.so.2" ]; then
-    ln -sfn "$nvlib/libnccl.so.2" .gpu/links/libnccl.so
-  fi
+  for nccl in "$torchlib/../../nvidia/nccl/lib/libnccl.so.2" "$nvlib/libnccl.so.2"; do
+    if [ -f "$nccl" ]; then
+      ln -sfn "$(cd "$(dirname "$nccl")" && pwd)/libnccl.so.2" .gpu/links/libnccl.so
+      break
+    fi
+  done
   export LD_LIBRARY_PATH="$torchlib${nvlib:+:$nvlib}:$PWD/.gpu/links${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   # The test binaries look for the weir binary and the fixtures where they
   # were built: put this checkout (tests/fixtures with it) there.

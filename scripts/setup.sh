@@ -43,11 +43,14 @@ if [ "$have" != "$torch_version" ]; then
   fi
 fi
 
-# cudarc dlopens `libnccl.so`; pip's NCCL wheel ships only libnccl.so.2.
-nccl_dir="$site/nvidia/cu13/lib"
-if [ -f "$nccl_dir/libnccl.so.2" ] && [ ! -e "$nccl_dir/libnccl.so" ]; then
-  ln -s libnccl.so.2 "$nccl_dir/libnccl.so"
-fi
+# cudarc dlopens `libnccl.so`; pip's NCCL wheel ships only libnccl.so.2
+# (under nvidia/nccl/lib or nvidia/cu13/lib, by wheel). The link goes
+# beside the one libtorch_cuda loads, so the process holds one NCCL.
+for nccl_dir in "$site/nvidia/nccl/lib" "$site/nvidia/cu13/lib"; do
+  if [ -f "$nccl_dir/libnccl.so.2" ] && [ ! -e "$nccl_dir/libnccl.so" ]; then
+    ln -s libnccl.so.2 "$nccl_dir/libnccl.so"
+  fi
+done
 
 # A relative link, so the checkout can move.
 ln -sfn "${site#"$venv"/}/torch" "$venv/torch"
