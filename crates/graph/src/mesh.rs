@@ -679,26 +679,31 @@ mod tests {
     #[test]
     fn encrypted_sockets_carry_sealed_bytes_and_both_sides_must_encrypt() {
         use crate::sealed::Sealed;
-        let (mut listeners, hosts) = bound(2);
         let timeout = Duration::from_secs(30);
-        let b = start_sealed(
-            listeners.pop().unwrap(),
-            &hosts,
-            1,
-            "s3cret",
-            42,
-            true,
-            timeout,
-        );
-        let a = start_sealed(
-            listeners.pop().unwrap(),
-            &hosts,
-            0,
-            "s3cret",
-            42,
-            true,
-            timeout,
-        );
+        // Processes 0 and 1, each encrypting or not.
+        let two = |encrypt_0: bool, encrypt_1: bool| {
+            let (mut listeners, hosts) = bound(2);
+            let b = start_sealed(
+                listeners.pop().unwrap(),
+                &hosts,
+                1,
+                "s3cret",
+                42,
+                encrypt_1,
+                timeout,
+            );
+            let a = start_sealed(
+                listeners.pop().unwrap(),
+                &hosts,
+                0,
+                "s3cret",
+                42,
+                encrypt_0,
+                timeout,
+            );
+            (a, b)
+        };
+        let (a, b) = two(true, true);
         let sealed = |mesh: Mesh, peer: usize| {
             let (socket, keys) = mesh.sockets.into_iter().nth(peer).unwrap().unwrap();
             Sealed::new(socket, keys.expect("an encrypting run's socket has keys"))
@@ -714,25 +719,7 @@ mod tests {
         assert_eq!(&got[..4], b"back");
 
         // One process that encrypts and one that does not: other settings.
-        let (mut listeners, hosts) = bound(2);
-        let b = start_sealed(
-            listeners.pop().unwrap(),
-            &hosts,
-            1,
-            "s3cret",
-            42,
-            false,
-            timeout,
-        );
-        let a = start_sealed(
-            listeners.pop().unwrap(),
-            &hosts,
-            0,
-            "s3cret",
-            42,
-            true,
-            timeout,
-        );
+        let (a, b) = two(true, false);
         for handle in [a, b] {
             let err = handle.join().unwrap().err().expect("stopped").to_string();
             assert!(err.contains("runs different settings"), "{err}");

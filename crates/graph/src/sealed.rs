@@ -354,31 +354,51 @@ mod tests {
     use super::*;
     use std::net::TcpListener;
 
+    /// A connected pair of plain sockets.
+    fn sockets() -> (TcpStream, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        (a, listener.accept().unwrap().0)
+    }
+
+    /// One connection's keys: the opening side's under `secret`, the other
+    /// side's under `theirs`.
+    fn keys(secret: &str, theirs: &str) -> (SessionKeys, SessionKeys) {
+        let (share_a, share_b) = (KeyShare::new().unwrap(), KeyShare::new().unwrap());
+        let (public_a, public_b) = (*share_a.public(), *share_b.public());
+        let secret = ClusterSecret::new(secret).unwrap();
+        let theirs = ClusterSecret::new(theirs).unwrap();
+        (
+            share_a.keys(&public_b, &secret, b"test", true).unwrap(),
+            share_b.keys(&public_a, &theirs, b"test", false).unwrap(),
+        )
+    }
+
     /// A connected pair of sealed streams under `secret` (and the far
     /// side's under `theirs`).
     fn pair(secret: &str, theirs: &str) -> (Sealed, Sealed) {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let a = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-        let (b, _) = listener.accept().unwrap();
-        let (share_a, share_b) = (KeyShare::new().unwrap(), KeyShare::new().unwrap());
-        let (public_a, public_b) = (*share_a.public(), *share_b.public());
-        let keys_a = share_a
-            .keys(
-                &public_b,
-                &ClusterSecret::new(secret).unwrap(),
-                b"test",
-                true,
-            )
-            .unwrap();
-        let keys_b = share_b
-            .keys(
-                &public_a,
-                &ClusterSecret::new(theirs).unwrap(),
-                b"test",
-                false,
-            )
-            .unwrap();
+        let ((a, b), (keys_a, keys_b)) = (sockets(), keys(secret, theirs));
         (Sealed::new(a, keys_a), Sealed::new(b, keys_b))
+    }
+
+    /// A sealed sender whose frames a `tap` reads raw, and the receiver with
+    /// the matching keys whose bytes a `forger` writes raw.
+    struct Tapped {
+        sender: Sealed,
+        tap: TcpStream,
+        receiver: Sealed,
+        forger: TcpStream,
+    }
+
+    fn tapped() -> Tapped {
+        let ((raw, tap), (forger, into)) = (sockets(), sockets());
+        let (send, receive) = keys("s", "s");
+        Tapped {
+            sender: Sealed::new(raw, send),
+            tap,
+            receiver: Sealed::new(into, receive),
+            forger,
+        }
     }
 
     #[test]
@@ -401,22 +421,13 @@ mod tests {
 
     #[test]
     fn what_crosses_the_wire_is_not_the_plaintext() {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let raw = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-        let (mut tap, _) = listener.accept().unwrap();
-        let share = KeyShare::new().unwrap();
-        let other = KeyShare::new().unwrap();
-        let keys = share
-            .keys(
-                other.public(),
-                &ClusterSecret::new("k").unwrap(),
-                b"t",
-                true,
-            )
-            .unwrap();
-        let mut sealed = Sealed::new(raw, keys);
+        let Tapped {
+            mut sender,
+            mut tap,
+            ..
+        } = tapped();
         let plain = b"the learner's weights, in clear".repeat(8);
-        sealed.write_all(&plain).unwrap();
+        sender.write_all(&plain).unwrap();
         let mut wire = vec![0u8; HEADER + plain.len() + TAG];
         tap.read_exact(&mut wire).unwrap();
         assert!(!wire.windows(16).any(|w| plain.windows(16).any(|p| p == w)));
@@ -436,23 +447,17 @@ mod tests {
         );
 
         // A frame changed on the way (one bit of its ciphertext).
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let raw = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-        let (mut tap, _) = listener.accept().unwrap();
-        let (share_a, share_b) = (KeyShare::new().unwrap(), KeyShare::new().unwrap());
-        let (public_a, public_b) = (*share_a.public(), *share_b.public());
-        let secret = ClusterSecret::new("s").unwrap();
-        let mut sender = Sealed::new(raw, share_a.keys(&public_b, &secret, b"c", true).unwrap());
+        let Tapped {
+            mut sender,
+            mut tap,
+            mut receiver,
+            mut forger,
+        } = tapped();
         sender.write_all(b"twelve bytes").unwrap();
         let mut frame = vec![0u8; HEADER + 12 + TAG];
         tap.read_exact(&mut frame).unwrap();
         frame[HEADER + 3] ^= 1;
         // Replay it, changed, to a receiver with the right keys.
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let mut forger = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-        let (into, _) = listener.accept().unwrap();
-        let mut receiver =
-            Sealed::new(into, share_b.keys(&public_a, &secret, b"c", false).unwrap());
         forger.write_all(&frame).unwrap();
         // Read into a buffer with room for the frame: opened in place there.
         let err = receiver.read(&mut [0u8; 64]).unwrap_err();
@@ -461,21 +466,15 @@ mod tests {
 
     #[test]
     fn a_replayed_or_oversized_frame_is_refused() {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let raw = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-        let (mut tap, _) = listener.accept().unwrap();
-        let (share_a, share_b) = (KeyShare::new().unwrap(), KeyShare::new().unwrap());
-        let (public_a, public_b) = (*share_a.public(), *share_b.public());
-        let secret = ClusterSecret::new("s").unwrap();
-        let mut sender = Sealed::new(raw, share_a.keys(&public_b, &secret, b"c", true).unwrap());
+        let Tapped {
+            mut sender,
+            mut tap,
+            mut receiver,
+            mut forger,
+        } = tapped();
         sender.write_all(b"once").unwrap();
         let mut frame = vec![0u8; HEADER + 4 + TAG];
         tap.read_exact(&mut frame).unwrap();
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let mut forger = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-        let (into, _) = listener.accept().unwrap();
-        let mut receiver =
-            Sealed::new(into, share_b.keys(&public_a, &secret, b"c", false).unwrap());
         forger.write_all(&frame).unwrap();
         forger.write_all(&frame).unwrap();
         let mut got = [0u8; 4];
@@ -484,15 +483,11 @@ mod tests {
         let err = receiver.read(&mut got).unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::InvalidData, "the replay: {err}");
 
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let mut forger = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-        let (into, _) = listener.accept().unwrap();
-        let share = KeyShare::new().unwrap();
-        let other = KeyShare::new().unwrap();
-        let mut receiver = Sealed::new(
-            into,
-            share.keys(other.public(), &secret, b"c", false).unwrap(),
-        );
+        let Tapped {
+            mut receiver,
+            mut forger,
+            ..
+        } = tapped();
         forger.write_all(&u32::MAX.to_le_bytes()).unwrap();
         let err = receiver.read(&mut got).unwrap_err();
         assert!(

@@ -142,6 +142,12 @@ fn per_token() -> DataType {
     DataType::List(Arc::new(Field::new("item", DataType::Float32, false)))
 }
 
+/// Per-token values that may be null (an episode's behaviour log-probs off
+/// its generated tokens).
+fn per_token_nullable() -> DataType {
+    DataType::List(Arc::new(Field::new("item", DataType::Float32, true)))
+}
+
 /// Every engine-defined column: name, type, nullable, the phase that writes
 /// it, and whether it is per-token (aligned with `response_tokens`).
 pub fn columns() -> Vec<(&'static str, DataType, bool, Phase, bool)> {
@@ -169,7 +175,7 @@ pub fn columns() -> Vec<(&'static str, DataType, bool, Phase, bool)> {
         ),
         (
             col::BEHAVIOR_LOGPROBS,
-            per_token(),
+            per_token_nullable(),
             false,
             Phase::Generate,
             true,
@@ -268,15 +274,15 @@ pub enum SchemaError {
     },
 }
 
-/// Whether `found` is `expected` with nullable items where column `name`
-/// may have them: an episode's behaviour log-probs are null on its
-/// observation and boundary tokens.
-fn null_items_allowed(name: &str, expected: &DataType, found: &DataType) -> bool {
+/// Whether a column of type `found` fits the schema's `expected`: the
+/// same type, or a list whose items the schema lets be null holding none
+/// that may be (a plain generator's behaviour log-probs).
+fn fits(expected: &DataType, found: &DataType) -> bool {
     match (expected, found) {
         (DataType::List(e), DataType::List(f)) => {
-            name == col::BEHAVIOR_LOGPROBS && e.data_type() == f.data_type() && f.is_nullable()
+            e.data_type() == f.data_type() && (e.is_nullable() || !f.is_nullable())
         }
-        _ => false,
+        _ => expected == found,
     }
 }
 
@@ -300,7 +306,7 @@ pub fn check(batch: &RecordBatch, phase: Phase, stage: &str) -> Result<(), Schem
                 column: name.into(),
             });
         };
-        if *column.data_type() != ty && !null_items_allowed(name, &ty, column.data_type()) {
+        if !fits(&ty, column.data_type()) {
             return Err(SchemaError::WrongType {
                 stage: stage.into(),
                 column: name.into(),
@@ -427,7 +433,15 @@ mod tests {
             crate::stages::columns::token_kinds_array(&[None, None]),
             crate::stages::columns::float_list_array(&[vec![0.0, 0.0], vec![0.0]]),
         ];
-        RecordBatch::try_new(schema, columns).unwrap()
+        // The columns as a plain generator writes them (behaviour log-probs
+        // with non-null items, which the schema's nullable items admit).
+        let fields: Vec<Field> = schema
+            .fields()
+            .iter()
+            .zip(&columns)
+            .map(|(f, c)| Field::new(f.name(), c.data_type().clone(), f.is_nullable()))
+            .collect();
+        RecordBatch::try_new(Arc::new(Schema::new(fields)), columns).unwrap()
     }
 
     #[test]

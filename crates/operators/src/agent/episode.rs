@@ -209,6 +209,17 @@ impl Episode {
         }
     }
 
+    /// The positions of each turn's generated tokens, turn by turn.
+    pub fn generated_by_turn(&self) -> Vec<Vec<usize>> {
+        let mut turns = vec![Vec::new(); self.turns_taken];
+        for (i, (&kind, &turn)) in self.kinds.iter().zip(&self.turns).enumerate() {
+            if kind == TokenKind::Generated {
+                turns[turn as usize].push(i);
+            }
+        }
+        turns
+    }
+
     /// How many tokens of each kind: (generated, observation, boundary).
     pub fn counts(&self) -> (usize, usize, usize) {
         let count = |k| self.kinds.iter().filter(|&&x| x == k).count();
@@ -501,6 +512,14 @@ mod tests {
         }
     }
 
+    fn scripted(setup: &Setup, turns: Vec<Vec<i64>>) -> Script {
+        Script {
+            turns,
+            contexts: Vec::new(),
+            end: setup.end,
+        }
+    }
+
     struct Setup {
         tokenizer: Tokenizer,
         tools: Vec<Box<dyn Tool>>,
@@ -554,11 +573,7 @@ mod tests {
             .encode_conversation(&messages, Some(&schemas(&setup.tools)), true)
             .unwrap();
         let (first, last) = (turn(&setup, CALL), turn(&setup, "56088"));
-        let mut script = Script {
-            turns: vec![first.clone(), last.clone()],
-            contexts: Vec::new(),
-            end: setup.end,
-        };
+        let mut script = scripted(&setup, vec![first.clone(), last.clone()]);
         let episode = runner(&setup, BUDGETS)
             .run(&mut script, &messages, &prompt)
             .unwrap();
@@ -780,11 +795,7 @@ mod tests {
             .unwrap();
         let row = json!({"target": 7});
         let turns = || vec![turn(&setup, "5"), turn(&setup, "8"), turn(&setup, "7")];
-        let mut script = Script {
-            turns: turns(),
-            contexts: Vec::new(),
-            end: setup.end,
-        };
+        let mut script = scripted(&setup, turns());
         let mut env = guess(false, None);
         let episode = runner(&setup, BUDGETS)
             .run_with(&mut script, &mut env, &row, &messages, &prompt)
@@ -805,11 +816,7 @@ mod tests {
         assert_eq!(episode.counts().2, 0, "no boundary tokens");
 
         // As messages, the template renders them after the turn's boundary.
-        let mut script = Script {
-            turns: turns(),
-            contexts: Vec::new(),
-            end: setup.end,
-        };
+        let mut script = scripted(&setup, turns());
         let episode = runner(&setup, BUDGETS)
             .run_with(
                 &mut script,
@@ -833,11 +840,7 @@ mod tests {
         );
 
         // A failing environment ends the episode, saying why; so does a row it cannot start from.
-        let mut script = Script {
-            turns: turns(),
-            contexts: Vec::new(),
-            end: setup.end,
-        };
+        let mut script = scripted(&setup, turns());
         let failed = runner(&setup, BUDGETS)
             .run_with(
                 &mut script,
@@ -852,11 +855,7 @@ mod tests {
             failed.env_error.as_deref(),
             Some("turn 1: the game crashed")
         );
-        let mut script = Script {
-            turns: turns(),
-            contexts: Vec::new(),
-            end: setup.end,
-        };
+        let mut script = scripted(&setup, turns());
         let unstarted = runner(&setup, BUDGETS)
             .run_with(
                 &mut script,
@@ -869,11 +868,7 @@ mod tests {
         assert_eq!(unstarted.finish, Finish::EnvError);
         assert!(unstarted.tokens.is_empty());
         // Out of turns while the game goes on.
-        let mut script = Script {
-            turns: turns(),
-            contexts: Vec::new(),
-            end: setup.end,
-        };
+        let mut script = scripted(&setup, turns());
         let short = runner(
             &setup,
             Budgets {
@@ -905,11 +900,7 @@ mod tests {
             .unwrap();
         let call = turn(&setup, CALL);
         let run = |budgets: Budgets, turns: Vec<Vec<i64>>| {
-            let mut script = Script {
-                turns,
-                contexts: Vec::new(),
-                end: setup.end,
-            };
+            let mut script = scripted(&setup, turns);
             runner(&setup, budgets)
                 .run(&mut script, &messages, &prompt)
                 .unwrap()
@@ -970,15 +961,14 @@ mod tests {
             .encode_conversation(&messages, None, true)
             .unwrap();
         let big = "<tool_call>{\"name\": \"calculator\", \"arguments\": {\"expression\": \"9^900\"}}</tool_call>";
-        let mut script = Script {
-            turns: vec![
+        let mut script = scripted(
+            &setup,
+            vec![
                 turn(&setup, big),
                 turn(&setup, "<tool_call>{\"name\": \"search\"}</tool_call>"),
                 turn(&setup, "done"),
             ],
-            contexts: Vec::new(),
-            end: setup.end,
-        };
+        );
         let budgets = Budgets {
             max_observation_tokens: 20,
             ..BUDGETS

@@ -25,7 +25,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use arrow::array::{ArrayRef, Float32Array, Float64Array, RecordBatch, StringArray, UInt64Array};
+use arrow::array::{ArrayRef, RecordBatch, StringArray};
 use serde_json::json;
 use weir_gpu::{Backend, Model, SamplingParams, Tokenizer};
 use weir_graph::batch::with_column;
@@ -38,7 +38,7 @@ use super::tool_calls::ToolCallParser;
 use super::tools::Tool;
 use crate::rollout::{col, TokenKind};
 use crate::stages::columns::{
-    float_list_array, strings, token_kinds_array, token_list_array, token_lists, u32s, u64s,
+    float_list_array, strings, token_kinds_array, token_list_array, token_lists,
 };
 
 /// The column with each episode's tool calls (JSON text).
@@ -124,8 +124,7 @@ impl EpisodeGenerate {
             }
             with_column(&batch, col::PROMPT_TOKENS, token_list_array(&prompts))?
         };
-        let groups = u64s(&batch, col::GROUP_ID, name)?;
-        let samples = u32s(&batch, col::SAMPLE_IDX, name)?;
+        let streams = crate::stages::generate::row_streams(&batch, name)?;
         let runner = EpisodeRunner {
             tokenizer: &self.tokenizer,
             parser: self.parser.as_ref(),
@@ -137,10 +136,8 @@ impl EpisodeGenerate {
         let (mut seconds, mut started) = (Vec::new(), Vec::new());
         for (i, prompt) in prompts.iter().enumerate() {
             let (clock, unix) = (Instant::now(), now_unix_s());
-            // A row's streams depend only on its group and sample, as a plain generator's.
-            let stream = (groups[i] << 16) ^ u64::from(samples[i]);
             let mut policy =
-                ModelPolicy::new(&self.model, self.params.clone(), stream).on(self.backend);
+                ModelPolicy::new(&self.model, self.params.clone(), streams[i]).on(self.backend);
             let messages = conversation(&texts[i]);
             let episode = match self.environment.as_deref_mut() {
                 Some(environment) => {
@@ -171,14 +168,8 @@ impl EpisodeGenerate {
         let mut texts = Vec::with_capacity(episodes.len());
         for episode in episodes {
             let mut turns: Vec<String> = Vec::new();
-            for turn in 0..episode.turns_taken {
-                let ids: Vec<i64> = (0..episode.tokens.len())
-                    .filter(|&i| {
-                        episode.turns[i] as usize == turn
-                            && episode.kinds[i] == TokenKind::Generated
-                    })
-                    .map(|i| episode.tokens[i])
-                    .collect();
+            for positions in episode.generated_by_turn() {
+                let ids: Vec<i64> = positions.iter().map(|&i| episode.tokens[i]).collect();
                 turns.push(self.tokenizer.decode(&ids, true)?);
             }
             texts.push(turns.join("\n"));
@@ -198,34 +189,17 @@ impl EpisodeGenerate {
             })
             .collect();
         let n = episodes.len();
-        let mut b = with_column(
-            &batch,
-            col::RESPONSE,
-            Arc::new(StringArray::from(texts)) as ArrayRef,
-        )?;
-        let tokens: Vec<Vec<i64>> = episodes.iter().map(|e| e.tokens.clone()).collect();
-        b = with_column(&b, col::RESPONSE_TOKENS, token_list_array(&tokens))?;
-        b = with_column(&b, col::BEHAVIOR_LOGPROBS, nullable_logprobs(episodes))?;
-        b = with_column(
-            &b,
-            col::POLICY_VERSION,
-            Arc::new(UInt64Array::from(vec![version; n])) as ArrayRef,
-        )?;
-        let reasons: Vec<&str> = episodes.iter().map(|e| e.finish.name()).collect();
-        b = with_column(
-            &b,
-            col::FINISH_REASON,
-            Arc::new(StringArray::from(reasons)) as ArrayRef,
-        )?;
-        b = with_column(
-            &b,
-            col::GENERATE_S,
-            Arc::new(Float32Array::from(seconds)) as ArrayRef,
-        )?;
-        b = with_column(
-            &b,
-            col::STARTED_UNIX_S,
-            Arc::new(Float64Array::from(started)) as ArrayRef,
+        let mut b = crate::stages::generate::with_response_columns(
+            batch,
+            crate::stages::generate::ResponseColumns {
+                texts,
+                tokens: episodes.iter().map(|e| e.tokens.clone()).collect(),
+                logprobs: nullable_logprobs(episodes),
+                versions: vec![version; n],
+                reasons: episodes.iter().map(|e| e.finish.name()).collect(),
+                seconds,
+                started,
+            },
         )?;
         let kinds: Vec<Option<Vec<TokenKind>>> =
             episodes.iter().map(|e| Some(e.kinds.clone())).collect();
@@ -292,12 +266,13 @@ fn episode_metrics(episodes: &[Episode]) -> Vec<(&'static str, f64)> {
 /// generated token, 0 elsewhere.
 fn turn_rewards_on_tokens(episode: &Episode) -> Vec<f64> {
     let mut out = vec![0.0; episode.tokens.len()];
-    for (turn, reward) in episode.turn_rewards.iter().enumerate() {
-        let last = (0..episode.tokens.len()).rev().find(|&i| {
-            episode.turns[i] as usize == turn && episode.kinds[i] == TokenKind::Generated
-        });
-        if let Some(i) = last {
-            out[i] += reward;
+    for (positions, reward) in episode
+        .generated_by_turn()
+        .iter()
+        .zip(&episode.turn_rewards)
+    {
+        if let Some(&last) = positions.last() {
+            out[last] += reward;
         }
     }
     out
@@ -348,13 +323,7 @@ impl Stage for EpisodeGenerate {
         version: PolicyVersion,
         weights: &WeightsPayload,
     ) -> Result<(), StageError> {
-        let got = self.model.apply_snapshot(weights.bytes())?;
-        if got != version {
-            return Err(
-                format!("weights edge says version {version}, the snapshot says {got}").into(),
-            );
-        }
-        Ok(())
+        crate::stages::generate::apply_snapshot(&mut self.model, version, weights)
     }
 }
 
@@ -364,7 +333,7 @@ mod tests {
     use crate::agent::observe::tests::{tokenizer_with, CHATML_TOOLS};
     use crate::agent::tool_calls::Hermes;
     use crate::agent::tools::{schemas, Calculator};
-    use arrow::array::{Array, AsArray, UInt32Array};
+    use arrow::array::{Array, AsArray, UInt32Array, UInt64Array};
     use weir_graph::WorkerInfo;
 
     #[test]

@@ -271,6 +271,55 @@ impl Generate {
 }
 
 /// `batch` with the response columns of `r`.
+/// The response columns every generator writes, row by row.
+pub(crate) struct ResponseColumns<'a> {
+    pub texts: Vec<String>,
+    pub tokens: Vec<Vec<i64>>,
+    /// `behavior_logprobs`, built by the generator (an episode's hold nulls).
+    pub logprobs: ArrayRef,
+    /// `policy_version`.
+    pub versions: Vec<u64>,
+    pub reasons: Vec<&'a str>,
+    pub seconds: Vec<f32>,
+    pub started: Vec<f64>,
+}
+
+/// `batch` with `columns` as its response, version, finish and timing columns.
+pub(crate) fn with_response_columns(
+    batch: RecordBatch,
+    columns: ResponseColumns,
+) -> Result<RecordBatch, StageError> {
+    let mut b = with_column(
+        &batch,
+        col::RESPONSE,
+        Arc::new(StringArray::from(columns.texts)) as ArrayRef,
+    )?;
+    b = with_column(&b, col::RESPONSE_TOKENS, token_list_array(&columns.tokens))?;
+    b = with_column(&b, col::BEHAVIOR_LOGPROBS, columns.logprobs)?;
+    let rows: [(&str, ArrayRef); 4] = [
+        (
+            col::POLICY_VERSION,
+            Arc::new(UInt64Array::from(columns.versions)),
+        ),
+        (
+            col::FINISH_REASON,
+            Arc::new(StringArray::from(columns.reasons)),
+        ),
+        (
+            col::GENERATE_S,
+            Arc::new(Float32Array::from(columns.seconds)),
+        ),
+        (
+            col::STARTED_UNIX_S,
+            Arc::new(Float64Array::from(columns.started)),
+        ),
+    ];
+    for (name, column) in rows {
+        b = with_column(&b, name, column)?;
+    }
+    Ok(b)
+}
+
 fn with_responses(
     tokenizer: &Tokenizer,
     batch: RecordBatch,
@@ -293,33 +342,17 @@ fn with_responses(
             .iter()
             .map(|v| v.iter().min().map_or(r.version, |&m| u64::from(m)))
             .collect();
-        let mut b = batch;
-        b = with_column(
-            &b,
-            col::RESPONSE,
-            Arc::new(StringArray::from(texts)) as ArrayRef,
-        )?;
-        b = with_column(&b, col::RESPONSE_TOKENS, token_list_array(&tokens))?;
-        b = with_column(&b, col::BEHAVIOR_LOGPROBS, float_list_array(&logprobs))?;
-        b = with_column(
-            &b,
-            col::POLICY_VERSION,
-            Arc::new(UInt64Array::from(oldest)) as ArrayRef,
-        )?;
-        b = with_column(
-            &b,
-            col::FINISH_REASON,
-            Arc::new(StringArray::from(reasons)) as ArrayRef,
-        )?;
-        b = with_column(
-            &b,
-            col::GENERATE_S,
-            Arc::new(Float32Array::from(r.seconds)) as ArrayRef,
-        )?;
-        b = with_column(
-            &b,
-            col::STARTED_UNIX_S,
-            Arc::new(Float64Array::from(r.started)) as ArrayRef,
+        let mut b = with_response_columns(
+            batch,
+            ResponseColumns {
+                texts,
+                tokens,
+                logprobs: float_list_array(&logprobs),
+                versions: oldest,
+                reasons,
+                seconds: r.seconds,
+                started: r.started,
+            },
         )?;
         b = with_column(&b, col::TOKEN_VERSIONS, u32_list_array(&r.versions))?;
         b = with_column(&b, col::KV_RECOMPUTED, bool_list_array(&r.recomputed))?;
@@ -377,18 +410,25 @@ impl Generate {
         version: PolicyVersion,
         weights: &WeightsPayload,
     ) -> Result<(), StageError> {
-        let got = self.model.apply_snapshot(weights.bytes())?;
-        if got != version {
-            return Err(
-                format!("weights edge says version {version}, the snapshot says {got}").into(),
-            );
-        }
-        Ok(())
+        apply_snapshot(&mut self.model, version, weights)
     }
 }
 
+/// Applies the weights edge's snapshot of `version` to a generator's `model`.
+pub(crate) fn apply_snapshot(
+    model: &mut Model,
+    version: PolicyVersion,
+    weights: &WeightsPayload,
+) -> Result<(), StageError> {
+    let got = model.apply_snapshot(weights.bytes())?;
+    if got != version {
+        return Err(format!("weights edge says version {version}, the snapshot says {got}").into());
+    }
+    Ok(())
+}
+
 /// A row's random stream depends only on its group and sample: reproducible under any batching.
-fn row_streams(batch: &RecordBatch, name: &str) -> Result<Vec<u64>, StageError> {
+pub(crate) fn row_streams(batch: &RecordBatch, name: &str) -> Result<Vec<u64>, StageError> {
     let groups = u64s(batch, col::GROUP_ID, name)?;
     let samples = u32s(batch, col::SAMPLE_IDX, name)?;
     Ok(groups
