@@ -13,6 +13,7 @@ pub mod agent;
 pub mod algorithms;
 pub mod checkpoint;
 pub mod error;
+mod python_worker;
 pub mod rewards;
 pub mod rollout;
 pub mod stages;

@@ -33,12 +33,54 @@ pub enum Observation {
     Text(String),
 }
 
+/// Why an environment gave no answer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EnvFault {
+    /// It failed, saying why.
+    Error(String),
+    /// It did not answer within its time (its episode's state is lost).
+    Timeout(String),
+}
+
+impl EnvFault {
+    /// What it says.
+    pub fn message(&self) -> &str {
+        match self {
+            EnvFault::Error(m) | EnvFault::Timeout(m) => m,
+        }
+    }
+
+    /// The episode's end when it ends on this fault.
+    pub fn finish(&self) -> super::episode::Finish {
+        match self {
+            EnvFault::Error(_) => super::episode::Finish::EnvError,
+            EnvFault::Timeout(_) => super::episode::Finish::Timeout,
+        }
+    }
+}
+
+impl From<String> for EnvFault {
+    fn from(message: String) -> Self {
+        EnvFault::Error(message)
+    }
+}
+
+impl From<&str> for EnvFault {
+    fn from(message: &str) -> Self {
+        EnvFault::Error(message.to_string())
+    }
+}
+
 /// A world an episode acts in.
 pub trait Environment: Send {
-    /// Starts an episode for the dataset row `row` (its columns as a JSON object).
-    fn reset(&mut self, row: &Value) -> Result<(), String>;
+    /// Starts an episode for the dataset row `row` (its columns as a JSON
+    /// object) whose prompt, as the model reads it, is the text `prompt`
+    /// (special tokens written out). It may return the prompt rewritten
+    /// (tokenized alone, no special tokens added, as OpenRLHF's agents'
+    /// `reset` observation is), or `None` to keep it.
+    fn reset(&mut self, row: &Value, prompt: &str) -> Result<Option<String>, EnvFault>;
     /// Answers the model's turn `action` (its text, without the end-of-turn token).
-    fn step(&mut self, action: &str) -> Result<EnvStep, String>;
+    fn step(&mut self, action: &str) -> Result<EnvStep, EnvFault>;
     /// Ends the episode (frees what the environment holds for it).
     fn close(&mut self) {}
 }

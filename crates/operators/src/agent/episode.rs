@@ -21,7 +21,7 @@
 use serde_json::{json, Value};
 use weir_gpu::tokenizer::Tokenizer;
 
-use super::environment::{Environment, Observation};
+use super::environment::{EnvFault, EnvStep, Environment, Observation};
 use super::observe::{appended, ObserveError};
 use super::tool_calls::ToolCallParser;
 use super::tools::{answer, schemas, Tool};
@@ -50,6 +50,23 @@ pub enum Finish {
     MaxTurns,
     /// The environment failed (the error is [`Episode::env_error`]).
     EnvError,
+    /// A tool call failed and [`OnError::End`] ends the episode on it.
+    ToolError,
+    /// A tool or the environment did not answer in time (an environment
+    /// always ends the episode then: its state is lost with its call).
+    Timeout,
+}
+
+/// What a failed tool call or environment step does to its episode.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum OnError {
+    /// The error becomes the observation the model reads next (a tool's,
+    /// as its result; an environment's, as raw text), and the episode goes on.
+    #[default]
+    Observe,
+    /// The episode ends on it ([`Finish::ToolError`], [`Finish::EnvError`],
+    /// [`Finish::Timeout`]).
+    End,
 }
 
 impl Finish {
@@ -60,6 +77,8 @@ impl Finish {
             Finish::Length => "length",
             Finish::MaxTurns => "max_turns",
             Finish::EnvError => "env_error",
+            Finish::ToolError => "tool_error",
+            Finish::Timeout => "timeout",
         }
     }
 }
@@ -177,6 +196,8 @@ pub struct Episode {
     pub turn_rewards: Vec<f64>,
     /// What the environment said when it failed.
     pub env_error: Option<String>,
+    /// The prompt's tokens when the environment's reset rewrote the prompt.
+    pub prompt: Option<Vec<i64>>,
     /// Why it ended.
     pub finish: Finish,
 }
@@ -192,6 +213,7 @@ impl Episode {
             turns_taken: 0,
             turn_rewards: Vec::new(),
             env_error: None,
+            prompt: None,
             finish: Finish::Length,
         }
     }
@@ -244,6 +266,8 @@ pub struct EpisodeRunner<'a> {
     pub end_of_turn: String,
     /// The limits.
     pub budgets: Budgets,
+    /// What a failed call or step does.
+    pub on_error: OnError,
 }
 
 /// Why an episode could not be run (not the model's or a tool's failure).
@@ -281,9 +305,12 @@ impl EpisodeRunner<'_> {
     }
 
     /// [`EpisodeRunner::run`], each turn answered by `environment` when
-    /// there is one (reset before the first turn with the row `row`,
-    /// closed after the last): its observation follows the turn, its
-    /// reward is the turn's, and it may end the episode.
+    /// there is one (reset before the first turn with the row `row` and
+    /// the prompt's text, closed after the last): its observation follows
+    /// the turn, its reward is the turn's, and it may end the episode. A
+    /// reset that rewrites the prompt's text (OpenRLHF's agents may) gives
+    /// the episode a new prompt, that text tokenized alone
+    /// ([`Episode::prompt`]); one that returns it unchanged keeps `prompt`.
     pub fn run_with(
         &self,
         policy: &mut dyn TurnPolicy,
@@ -292,16 +319,33 @@ impl EpisodeRunner<'_> {
         messages: &[Value],
         prompt: &[i64],
     ) -> Result<Episode, EpisodeError> {
-        if let Err(e) = environment.reset(row) {
-            return Ok(Episode {
-                finish: Finish::EnvError,
-                env_error: Some(format!("reset: {e}")),
-                ..Episode::empty()
-            });
-        }
-        let episode = self.run_in(policy, Some(&mut *environment), messages, prompt);
+        let observe = |source| EpisodeError::Observe { turn: 0, source };
+        let text = self
+            .tokenizer
+            .decode(prompt, false)
+            .map_err(|e| observe(e.into()))?;
+        let rewritten = match environment.reset(row, &text) {
+            Ok(Some(new)) if new != text => Some(
+                self.tokenizer
+                    .encode(&new, false)
+                    .map_err(|e| observe(e.into()))?,
+            ),
+            Ok(_) => None,
+            Err(fault) => {
+                environment.close();
+                return Ok(Episode {
+                    finish: fault.finish(),
+                    env_error: Some(format!("reset: {}", fault.message())),
+                    ..Episode::empty()
+                });
+            }
+        };
+        let start = rewritten.as_deref().unwrap_or(prompt);
+        let episode = self.run_in(policy, Some(&mut *environment), messages, start);
         environment.close();
-        episode
+        let mut episode = episode?;
+        episode.prompt = rewritten;
+        Ok(episode)
     }
 
     fn run_in(
@@ -360,10 +404,19 @@ impl EpisodeRunner<'_> {
             if let Some(environment) = environment.as_deref_mut() {
                 let step = match environment.step(content) {
                     Ok(step) => step,
-                    Err(e) => {
-                        episode.finish = Finish::EnvError;
-                        episode.env_error = Some(format!("turn {turn}: {e}"));
-                        return Ok(episode);
+                    Err(fault) => {
+                        episode.env_error = Some(format!("turn {turn}: {}", fault.message()));
+                        match (&fault, self.on_error) {
+                            (EnvFault::Error(e), OnError::Observe) => EnvStep {
+                                observation: Observation::Text(format!("\nerror: {e}\n")),
+                                reward: 0.0,
+                                done: false,
+                            },
+                            _ => {
+                                episode.finish = fault.finish();
+                                return Ok(episode);
+                            }
+                        }
                     }
                 };
                 episode.turn_rewards[turn] = step.reward;
@@ -439,6 +492,14 @@ impl EpisodeRunner<'_> {
                     ok: output.ok,
                     seconds,
                 });
+                if !output.ok && self.on_error == OnError::End {
+                    episode.finish = if output.timed_out {
+                        Finish::Timeout
+                    } else {
+                        Finish::ToolError
+                    };
+                    return Ok(episode);
+                }
             }
             let next = appended(
                 self.tokenizer,

@@ -2,7 +2,7 @@
 //! and a model's turns against a forward pass.
 
 use super::*;
-use crate::agent::environment::EnvStep;
+use crate::agent::environment::{EnvFault, EnvStep};
 use crate::agent::observe::tests::{tokenizer_with, CHATML_TOOLS};
 use crate::agent::tool_calls::Hermes;
 use crate::agent::tools::Calculator;
@@ -65,6 +65,7 @@ fn runner<'a>(setup: &'a Setup, budgets: Budgets) -> EpisodeRunner<'a> {
         tools: &setup.tools,
         end_of_turn: "<|im_end|>".into(),
         budgets,
+        on_error: OnError::Observe,
     }
 }
 
@@ -196,6 +197,7 @@ fn a_models_turn_after_an_observation_has_the_log_probs_of_a_pass_over_the_traje
             max_tokens: 96,
             max_observation_tokens: 32,
         },
+        on_error: OnError::Observe,
     };
     let messages = [json!({"role": "user", "content": "12+34="})];
     let prompt = tokenizer
@@ -257,12 +259,12 @@ struct Guess {
 }
 
 impl Environment for Guess {
-    fn reset(&mut self, row: &Value) -> Result<(), String> {
+    fn reset(&mut self, row: &Value, _prompt: &str) -> Result<Option<String>, EnvFault> {
         self.target = row["target"].as_i64().ok_or("the row has no target")?;
-        Ok(())
+        Ok(None)
     }
 
-    fn step(&mut self, action: &str) -> Result<EnvStep, String> {
+    fn step(&mut self, action: &str) -> Result<EnvStep, EnvFault> {
         self.steps += 1;
         if self.fail_at == Some(self.steps) {
             return Err("the game crashed".into());
@@ -270,7 +272,7 @@ impl Environment for Guess {
         let guess: i64 = action
             .trim()
             .parse()
-            .map_err(|_| format!("{action:?} is no number"))?;
+            .map_err(|_| EnvFault::Error(format!("{action:?} is no number")))?;
         let hint = if guess < self.target {
             "higher"
         } else {
@@ -357,9 +359,33 @@ fn an_environment_answers_each_turn_with_an_observation_and_a_reward() {
         &expected[..]
     );
 
-    // A failing environment ends the episode, saying why; so does a row it cannot start from.
+    // A failing environment's error is the next observation, as raw text…
     let mut script = scripted(&setup, turns());
-    let failed = runner(&setup, BUDGETS)
+    let observed = runner(&setup, BUDGETS)
+        .run_with(
+            &mut script,
+            &mut guess(false, Some(2)),
+            &row,
+            &messages,
+            &prompt,
+        )
+        .unwrap();
+    assert_eq!(observed.finish, Finish::Stop);
+    assert_eq!(observed.turn_rewards, [-0.1, 0.0, 1.0]);
+    let error = setup
+        .tokenizer
+        .encode("\nerror: the game crashed\n", false)
+        .unwrap();
+    let at = 2 * t.len() + higher.len();
+    assert_eq!(&observed.tokens[at..at + error.len()], &error[..]);
+    // …or, with OnError::End, it ends the episode, saying why; so does a
+    // row it cannot start from, whatever on_error says.
+    let ending = EpisodeRunner {
+        on_error: OnError::End,
+        ..runner(&setup, BUDGETS)
+    };
+    let mut script = scripted(&setup, turns());
+    let failed = ending
         .run_with(
             &mut script,
             &mut guess(false, Some(2)),
@@ -509,4 +535,105 @@ fn a_long_tool_output_is_cut_with_a_marker_and_a_bad_call_is_an_error_observatio
     assert!(episode.calls[1]
         .output
         .contains("there is no tool \"search\""));
+}
+
+#[test]
+fn with_on_error_end_a_failed_call_ends_the_episode_as_a_tool_error() {
+    let setup = setup();
+    let messages = [json!({"role": "user", "content": "go"})];
+    let prompt = setup
+        .tokenizer
+        .encode_conversation(&messages, None, true)
+        .unwrap();
+    let bad = turn(
+        &setup,
+        "<tool_call>{\"name\": \"calculator\", \"arguments\": {\"expression\": \"1/0\"}}</tool_call>",
+    );
+    let mut script = scripted(&setup, vec![bad.clone(), turn(&setup, "done")]);
+    let ending = EpisodeRunner {
+        on_error: OnError::End,
+        ..runner(&setup, BUDGETS)
+    };
+    let episode = ending.run(&mut script, &messages, &prompt).unwrap();
+    assert_eq!(episode.finish, Finish::ToolError);
+    assert_eq!(episode.finish.name(), "tool_error");
+    // The call is recorded; nothing of its answer is appended.
+    assert_eq!(episode.calls.len(), 1);
+    assert!(!episode.calls[0].ok);
+    assert_eq!(episode.tokens, bad);
+}
+
+/// Rewrites the prompt at reset (as OpenRLHF's agents may), or times out.
+struct Rewrites {
+    prompt: Option<String>,
+    time_out_at_step: bool,
+}
+
+impl Environment for Rewrites {
+    fn reset(&mut self, _row: &Value, prompt: &str) -> Result<Option<String>, EnvFault> {
+        Ok(self.prompt.clone().or_else(|| Some(prompt.to_string())))
+    }
+
+    fn step(&mut self, _action: &str) -> Result<EnvStep, EnvFault> {
+        if self.time_out_at_step {
+            return Err(EnvFault::Timeout("no answer within 0.1 s".into()));
+        }
+        Ok(EnvStep {
+            observation: Observation::Text(String::new()),
+            reward: 0.5,
+            done: true,
+        })
+    }
+}
+
+#[test]
+fn a_reset_may_rewrite_the_prompt_and_a_timeout_always_ends_the_episode() {
+    let setup = setup();
+    let messages = [json!({"role": "user", "content": "go"})];
+    let prompt = setup
+        .tokenizer
+        .encode_conversation(&messages, None, true)
+        .unwrap();
+    let row = json!({});
+    // The same text back: the prompt's tokens are kept as they are.
+    let mut script = scripted(&setup, vec![turn(&setup, "a")]);
+    let mut same = Rewrites {
+        prompt: None,
+        time_out_at_step: false,
+    };
+    let episode = runner(&setup, BUDGETS)
+        .run_with(&mut script, &mut same, &row, &messages, &prompt)
+        .unwrap();
+    assert_eq!(episode.prompt, None);
+    assert_eq!(script.contexts[0], prompt);
+    // Another text: tokenized alone, it is what the model reads.
+    let mut script = scripted(&setup, vec![turn(&setup, "a")]);
+    let mut other = Rewrites {
+        prompt: Some("Question: go\nAnswer:".into()),
+        time_out_at_step: false,
+    };
+    let episode = runner(&setup, BUDGETS)
+        .run_with(&mut script, &mut other, &row, &messages, &prompt)
+        .unwrap();
+    let want = setup
+        .tokenizer
+        .encode("Question: go\nAnswer:", false)
+        .unwrap();
+    assert_eq!(episode.prompt.as_deref(), Some(&want[..]));
+    assert_eq!(script.contexts[0], want);
+    assert_eq!(episode.turn_rewards, [0.5]);
+    // A timeout ends the episode even when errors are observed.
+    let mut script = scripted(&setup, vec![turn(&setup, "a"), turn(&setup, "b")]);
+    let mut slow = Rewrites {
+        prompt: None,
+        time_out_at_step: true,
+    };
+    let episode = runner(&setup, BUDGETS)
+        .run_with(&mut script, &mut slow, &row, &messages, &prompt)
+        .unwrap();
+    assert_eq!(episode.finish, Finish::Timeout);
+    assert_eq!(
+        episode.env_error.as_deref(),
+        Some("turn 0: no answer within 0.1 s")
+    );
 }

@@ -66,6 +66,8 @@ pub struct Ran {
     pub text: String,
     /// Whether it exited with status 0 within every limit.
     pub ok: bool,
+    /// Whether it was stopped at the wall-clock limit.
+    pub timed_out: bool,
 }
 
 /// Why the tool could not run the code at all (not the code's own failure).
@@ -97,7 +99,7 @@ pub fn run(interpreter: &str, code: &str, limits: &PythonLimits) -> Result<Ran, 
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     fence(&mut command, limits, network_isolated());
-    let mut child = crate::rewards::python::spawn_tied(command)
+    let mut child = crate::python_worker::spawn_tied(command)
         .map_err(|e| fail(&format!("starting {}", executable.display()), e))?;
     let group = child.id() as i32;
     let cap = limits.output_bytes;
@@ -152,6 +154,7 @@ pub fn run(interpreter: &str, code: &str, limits: &PythonLimits) -> Result<Ran, 
         }
         text.push_str(&format!("[… {left_out} more bytes of output not shown]"));
     }
+    let timed_out = status.is_none();
     let ending = ending(status, limits);
     let ok = ending.is_none();
     if let Some(ending) = ending {
@@ -160,7 +163,11 @@ pub fn run(interpreter: &str, code: &str, limits: &PythonLimits) -> Result<Ran, 
         }
         text.push_str(&ending);
     }
-    Ok(Ran { text, ok })
+    Ok(Ran {
+        text,
+        ok,
+        timed_out,
+    })
 }
 
 /// How a run ended, when not with status 0: a line for the model.
@@ -334,7 +341,8 @@ mod tests {
             ran,
             Ran {
                 text: "1267650600228229401496703205376\n".into(),
-                ok: true
+                ok: true,
+                timed_out: false,
             }
         );
         let ran = python("print('before')\n1 / 0", &limits());
@@ -394,6 +402,7 @@ mod tests {
         };
         let started = Instant::now();
         let ran = python("import time\ntime.sleep(30)", &wall);
+        assert!(ran.timed_out && !ran.ok);
         assert!(
             ran.text.contains("wall-clock limit of 0.5 s"),
             "{}",

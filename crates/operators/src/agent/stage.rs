@@ -33,7 +33,7 @@ use weir_graph::weights_edge::now_unix_s;
 use weir_graph::{PolicyVersion, Stage, StageError, StepContext, WeightsPayload};
 
 use super::environment::Environment;
-use super::episode::{Budgets, Episode, EpisodeRunner, ModelPolicy};
+use super::episode::{Budgets, Episode, EpisodeRunner, ModelPolicy, OnError};
 use super::tool_calls::ToolCallParser;
 use super::tools::Tool;
 use crate::rollout::{col, TokenKind};
@@ -54,6 +54,7 @@ pub struct EpisodeGenerate {
     parser: Box<dyn ToolCallParser>,
     end_of_turn: String,
     budgets: Budgets,
+    on_error: OnError,
     environment: Option<Box<dyn Environment>>,
 }
 
@@ -85,6 +86,7 @@ impl EpisodeGenerate {
             parser,
             end_of_turn,
             budgets,
+            on_error: OnError::default(),
             environment: None,
         })
     }
@@ -93,6 +95,12 @@ impl EpisodeGenerate {
     /// as JSON) instead of the tools; its turn rewards go to `env_rewards`.
     pub fn with_environment(mut self, environment: Box<dyn Environment>) -> Self {
         self.environment = Some(environment);
+        self
+    }
+
+    /// What a failed tool call or environment step does to its episode.
+    pub fn with_on_error(mut self, on_error: OnError) -> Self {
+        self.on_error = on_error;
         self
     }
 
@@ -131,6 +139,7 @@ impl EpisodeGenerate {
             tools: &self.tools,
             end_of_turn: self.end_of_turn.clone(),
             budgets: self.budgets,
+            on_error: self.on_error,
         };
         let mut episodes = Vec::with_capacity(prompts.len());
         let (mut seconds, mut started) = (Vec::new(), Vec::new());
@@ -154,6 +163,17 @@ impl EpisodeGenerate {
         for (name, value) in episode_metrics(&episodes) {
             ctx.record(name, value);
         }
+        let batch = if episodes.iter().any(|e| e.prompt.is_some()) {
+            // Prompts an environment's reset rewrote: what the model saw.
+            for (prompt, episode) in prompts.iter_mut().zip(&episodes) {
+                if let Some(rewritten) = &episode.prompt {
+                    prompt.clone_from(rewritten);
+                }
+            }
+            with_column(&batch, col::PROMPT_TOKENS, token_list_array(&prompts))?
+        } else {
+            batch
+        };
         self.with_episodes(batch, &episodes, ctx.version, seconds, started)
     }
 
@@ -419,13 +439,21 @@ mod tests {
     }
 
     impl Environment for Again {
-        fn reset(&mut self, row: &serde_json::Value) -> Result<(), String> {
+        fn reset(
+            &mut self,
+            row: &serde_json::Value,
+            _prompt: &str,
+        ) -> Result<Option<String>, super::super::environment::EnvFault> {
             assert_eq!(row[col::PROMPT], "3+4=");
             self.steps = 0;
-            Ok(())
+            Ok(None)
         }
 
-        fn step(&mut self, _action: &str) -> Result<super::super::environment::EnvStep, String> {
+        fn step(
+            &mut self,
+            _action: &str,
+        ) -> Result<super::super::environment::EnvStep, super::super::environment::EnvFault>
+        {
             self.steps += 1;
             Ok(super::super::environment::EnvStep {
                 observation: super::super::environment::Observation::Text(" again\n".into()),

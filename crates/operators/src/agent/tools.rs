@@ -20,6 +20,8 @@ pub struct ToolOutput {
     pub text: String,
     /// Whether the call did what it was asked (false: an error observation).
     pub ok: bool,
+    /// Whether it failed by running out of time.
+    pub timed_out: bool,
 }
 
 impl ToolOutput {
@@ -27,6 +29,7 @@ impl ToolOutput {
         ToolOutput {
             text: text.into(),
             ok: true,
+            timed_out: false,
         }
     }
 
@@ -34,6 +37,7 @@ impl ToolOutput {
         ToolOutput {
             text: text.into(),
             ok: false,
+            timed_out: false,
         }
     }
 }
@@ -146,6 +150,7 @@ impl Tool for Python {
             Ok(ran) => ToolOutput {
                 text: ran.text,
                 ok: ran.ok,
+                timed_out: ran.timed_out,
             },
             Err(e) => ToolOutput::error(format!("error: {e}")),
         }
