@@ -17,6 +17,9 @@ use weir::pipelines::{PipelineKind, RunConfig};
 
 #[path = "pipelines/support.rs"]
 mod support;
+
+#[path = "pipelines/agentic.rs"]
+mod agentic;
 use support::{config, fixture, request, reward_server, run};
 
 /// The error of a run that must fail.

@@ -122,6 +122,7 @@ pub fn reward(
                 }
                 Box::new(RewardTerms::new(terms, label(&cfg))?)
             }
+            RewardKind::None => Box::new(weir_operators::rewards::finish::NoReward),
             RewardKind::Rule => match rule_reward(&cfg.reward.rule) {
                 Some(rule) => Box::new(RuleReward::new(rule, label(&cfg))),
                 // A reward the user's binary registered: one term of weight 1.
@@ -202,7 +203,7 @@ fn python_rewards(cfg: &RunConfig) -> bool {
     match cfg.reward.kind {
         RewardKind::Python => true,
         RewardKind::Terms => cfg.reward.terms.iter().any(|t| t.file.is_some()),
-        RewardKind::Rule | RewardKind::Model | RewardKind::Remote => false,
+        RewardKind::Rule | RewardKind::Model | RewardKind::Remote | RewardKind::None => false,
     }
 }
 

@@ -3,6 +3,7 @@
 //! → rollout log, with the learner's weights flowing back to `generate`.
 
 use weir_graph::{Partition, Pipeline};
+use weir_operators::rewards::finish::FinishRewards;
 use weir_operators::rewards::overlong::OverlongPenalty;
 use weir_operators::rollout::col;
 use weir_operators::stages::advantage::{
@@ -229,6 +230,16 @@ fn rollouts(pipeline: Pipeline, cfg: &RunConfig, ctx: &RunContext, greedy: bool)
         pipeline.stage("overlong", ROLLOUT, Partition::Local, move |_| Ok(penalty))
     } else {
         pipeline
+    };
+    let pipeline = if cfg.reward.on_finish.is_empty() {
+        pipeline
+    } else {
+        let rules = FinishRewards {
+            rules: cfg.reward.on_finish.clone(),
+        };
+        pipeline.stage("on_finish", ROLLOUT, Partition::Local, move |_| {
+            Ok(rules.clone())
+        })
     };
     if cfg.algorithm.kl_coef > 0.0 {
         // Beside the generator (balancing a learner-bound step) or on the

@@ -10,6 +10,12 @@ use weir_gpu::collective::{GroupMember, HostGroup, HostReduce};
 use weir_gpu::optim::AdamWConfig;
 use weir_gpu::{SamplingParams, Tokenizer};
 use weir_graph::{ParquetLog, Stage, StageError, WorkerInfo};
+use weir_operators::agent::environment::Environment;
+use weir_operators::agent::episode::Budgets;
+use weir_operators::agent::python_env::{PythonEnvConfig, PythonEnvironment};
+use weir_operators::agent::python_tool::PythonLimits;
+use weir_operators::agent::stage::EpisodeGenerate;
+use weir_operators::agent::tools::{Calculator, Python, Tool};
 use weir_operators::algorithms::{
     ImportanceCorrection, PolicyLossConfig, PolicyObjective, RatioLevel,
 };
@@ -68,6 +74,9 @@ pub fn actor(
         let model = load_policy(&cfg, &actor, w)?;
         let tok = Tokenizer::load(Path::new(&cfg.model.path))?;
         let params = cfg.generate.sampling(&tok, cfg.run.seed);
+        if cfg.agent.enabled() {
+            return Ok(Box::new(episodes(&cfg, model, tok, params)?));
+        }
         let mut generate =
             Generate::new(model, tok, params.clone()).with_backend(cfg.generate.backend);
         if cfg.generate.long_tail > 0.0 {
@@ -83,6 +92,64 @@ pub fn actor(
         }
         evaluating(generate, &cfg, w, params)
     }
+}
+
+/// The actor's episode generator of `[agent]`: its tools, its environment,
+/// the budgets (`generate.max_new_tokens` for a whole episode's response).
+fn episodes(
+    cfg: &RunConfig,
+    model: weir_gpu::Model,
+    tok: Tokenizer,
+    params: SamplingParams,
+) -> Result<EpisodeGenerate, StageError> {
+    let a = &cfg.agent;
+    let timeout = std::time::Duration::from_secs_f64(a.timeout_s);
+    let tools = a
+        .tools
+        .iter()
+        .map(|name| -> Result<Box<dyn Tool>, StageError> {
+            Ok(match name.as_str() {
+                "calculator" => Box::new(Calculator),
+                "python" => Box::new(Python {
+                    interpreter: a.python.clone(),
+                    limits: PythonLimits {
+                        wall: timeout,
+                        ..PythonLimits::default()
+                    },
+                }),
+                other => return Err(format!("agent.tools: no built-in tool {other:?}").into()),
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let budgets = Budgets {
+        max_turns: a.max_turns,
+        max_tokens: cfg.generate.max_new_tokens,
+        max_observation_tokens: a.max_observation_tokens,
+    };
+    let mut stage =
+        EpisodeGenerate::new(model, tok, params, tools, a.tool_format.parser(), budgets)?
+            .with_on_error(a.on_error)
+            .with_backend(cfg.generate.backend);
+    if let Some(name) = &a.environment {
+        let environment: Box<dyn Environment> = match a.environment_file() {
+            Some(file) => Box::new(PythonEnvironment::new(PythonEnvConfig {
+                file: file.into(),
+                class: a.environment_class.clone(),
+                python: a.python.clone(),
+                timeout,
+                label_column: cfg.data.label_column.clone(),
+            })?),
+            None => {
+                let factory =
+                    weir_operators::agent::environment::registered(name).ok_or_else(|| {
+                        format!("agent.environment: no environment {name:?} is registered")
+                    })?;
+                factory().map_err(|e| format!("agent.environment {name:?}: {e}"))?
+            }
+        };
+        stage = stage.with_environment(environment);
+    }
+    Ok(stage)
 }
 
 /// `generate`, evaluating the policy it holds every `eval.every` steps when

@@ -82,6 +82,9 @@ pub mod col {
     /// loss, KL, entropy, advantage and token count sees only generated
     /// tokens.
     pub const TOKEN_KINDS: &str = "token_kinds";
+    /// The turn of an episode each response token belongs to (list<u32>,
+    /// from 0; an observation or boundary: the turn it answers).
+    pub const TOKEN_TURNS: &str = "token_turns";
     /// An environment's reward for each turn of an episode, on the turn's
     /// last generated token, 0 elsewhere (list<f32>). The advantage stages
     /// add it to the per-token rewards (GAE, REINFORCE++) or its sum to the
@@ -201,6 +204,13 @@ pub fn columns() -> Vec<(&'static str, DataType, bool, Phase, bool)> {
         (
             col::TOKEN_KINDS,
             DataType::List(Arc::new(Field::new("item", UInt8, false))),
+            true,
+            Phase::Generate,
+            true,
+        ),
+        (
+            col::TOKEN_TURNS,
+            DataType::List(Arc::new(Field::new("item", UInt32, false))),
             true,
             Phase::Generate,
             true,

@@ -6,6 +6,8 @@
 use serde::{Deserialize, Serialize};
 // The runtime's own enums read their config spelling themselves.
 pub use weir_gpu::{Backend, OnNewWeights};
+pub use weir_operators::agent::episode::OnError;
+pub use weir_operators::agent::tool_calls::ToolFormat;
 pub use weir_operators::algorithms::{Aggregation, Flavor, KlEstimator};
 
 /// `run.device`.
@@ -85,6 +87,9 @@ pub enum RewardKind {
     Python,
     /// Several rewards with weights (`[[reward.terms]]`).
     Terms,
+    /// No task reward: every row's is 0, and the environment's turn
+    /// rewards (`agent.environment`) are the rewards.
+    None,
 }
 
 /// `algorithm.schedule`.

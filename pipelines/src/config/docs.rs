@@ -81,7 +81,7 @@ pub const KEYS: &[Key] = &[
     key("generate", "ignore_eos", Rl, "Generate every response to max_new_tokens, past the tokenizer's end tokens (a throughput setting, like TRL's suppress_tokens of the eos id); evaluation still stops at the end tokens."),
     key("generate", "backend", Rl, "Which runtime decodes: \"auto\" (weir's CPU kernels for a float32 model on an AVX2 CPU, libtorch elsewhere) or \"torch\" (libtorch ops everywhere: on a CPU, the path a GPU runs; the same tokens within rounding)."),
     key("generate", "on_new_weights", Rl, "What a streaming generator's in-flight sequences do when new weights arrive: \"finish\" (on the weights they started with; nothing new starts meanwhile), \"keep\" (continue under the new weights over their KV cache), \"recompute\" (their prompt and tokens so far are run again under the new weights)."),
-    key("reward", "kind", Rl, "\"rule\", \"model\" (model.reward_model), \"remote\" (an HTTP reward server), \"python\" (a function in reward.file) or \"terms\" (several, weighted: reward.terms)."),
+    key("reward", "kind", Rl, "\"rule\", \"model\" (model.reward_model), \"remote\" (an HTTP reward server), \"python\" (a function in reward.file), \"terms\" (several, weighted: reward.terms) or \"none\" (every row's reward 0: an environment's turn rewards, agent.environment, are the rewards)."),
     key("reward", "rule", Rl, "The rule reward: arith_exact_match, math (the final answer: last \\boxed{…}, #### x or last number; numbers, fractions, percentages, units), exact, contains."),
     key("reward", "url", Rl, "The reward server, e.g. http://10.0.0.7:5000/get_reward (OpenRLHF's protocol), or https://… (verified against the system's certificate authorities; SSL_CERT_FILE replaces them). Redirects are not followed; the proxy variables apply (HTTPS_PROXY, HTTP_PROXY, ALL_PROXY; NO_PROXY bypasses them) and the run logs the proxy it uses."),
     key("reward", "ca_file", Rl, "A PEM file of certificate authorities an https:// reward server may be signed by, beside the system's (a private CA)."),
@@ -94,6 +94,7 @@ pub const KEYS: &[Key] = &[
     key("reward", "terms", Rl, "reward.kind = \"terms\": rewards summed with weights, each logged as reward_<name>: [[reward.terms]] with rule = \"math\" | \"exact\" | \"contains\" | \"arith_exact_match\" | \"regex\" (pattern = full match of the completion) | \"length\" (−tokens/max_tokens), or file (+ function) of a Python reward; weight (1), name."),
     key("reward", "overlong_buffer", Rl, "DAPO's soft overlong punishment: the last N tokens below generate.max_new_tokens where a response's reward falls linearly, to −overlong_penalty_factor at the maximum (0: off; any reward kind)."),
     key("reward", "overlong_penalty_factor", Rl, "The overlong penalty at generate.max_new_tokens."),
+    key("reward", "on_finish", Rl, "Rewards that replace a row's by how it ended, a table from finish_reason (stop, length; for episodes also max_turns, tool_error, env_error, timeout) to the reward, e.g. {length = 0.0} to zero truncated responses; an episode's environment turn rewards are zeroed with it. Applied after every other reward shaping; finish_replaced records the share of rows replaced."),
     key("algorithm", "lr", All, "Peak learning rate. The defaults suit small models (the demo's); real checkpoints train at about 1e-6 (RL) or 1e-5 (SFT), and a run warns when a default meets a checkpoint past 50M weights."),
     key("algorithm", "warmup_steps", All, "Linear warm-up steps."),
     key("algorithm", "schedule", All, "\"constant\" or \"cosine\" (decays to min_lr_ratio · lr at the last step)."),
@@ -153,6 +154,15 @@ pub const KEYS: &[Key] = &[
     key("lora", "rank", NotRm, "LoRA adapters of this rank on the actor (0: none, the whole model trains). Only the adapters train; the reference is the same frozen weights without them (one copy per device, shared by the roles there); the weights edge carries only the adapters; checkpoints are PEFT adapter folders (adapter_config.json, adapter_model.safetensors) that peft loads onto model.path and that weir merge turns into a plain checkpoint."),
     key("lora", "alpha", NotRm, "The adapters' update is scaled by alpha / rank."),
     key("lora", "dropout", NotRm, "Dropout on the adapters' input while the learner trains (needs algorithm.gradient_checkpointing = false)."),
+    key("agent", "tools", Agentic, "Multi-turn episodes with tools: the built-in tools the model may call, any of \"calculator\" (exact arithmetic on integers and decimals) and \"python\" (a fresh sandboxed interpreter per call: CPU, memory, output and wall-clock limits, off the network where the kernel allows; the file system is not isolated). Their JSON schemas reach the chat template as `tools`, which must render them; each turn's calls are answered and the answers rendered by the template as tool messages. An episode is one row: generate.max_new_tokens bounds its whole response, observations included; the reward reads the model's last turn as response (tool_calls holds every call)."),
+    key("agent", "tool_format", Agentic, "How the model writes tool calls: \"hermes\" (<tool_call>{json}</tool_call>: Hermes, Qwen2.5, Qwen3), \"llama3_json\" (Llama 3.1's bare JSON), \"qwen3_coder\" (Qwen3-Coder's XML). A call that cannot be read is an error observation and counts in tool_parse_failures."),
+    key("agent", "environment", Agentic, "Multi-turn episodes with an environment that answers each turn: a Python file in OpenRLHF's agent format (a class with reset / step, sync or async, whose environment_feedback is appended as raw text and whose rewards are each turn's reward; its `from openrlhf.utils.agent import …` works without OpenRLHF), or the name of an environment the user's binary registered. Turn rewards sit on each turn's last generated token (env_rewards) and add to the reward."),
+    key("agent", "environment_class", Agentic, "The class of the environment's Python file."),
+    key("agent", "max_turns", Agentic, "Turns of the model per episode at most (finish_reason max_turns when the last still called a tool or the environment went on)."),
+    key("agent", "max_observation_tokens", Agentic, "Tokens of one tool output past which it is cut, with a marker saying how many were left out (one that fits exactly is kept whole)."),
+    key("agent", "timeout_s", Agentic, "Seconds a tool call (the python tool's wall clock) or an environment's reset or step may take; an environment past it is restarted and its episode ends as timeout."),
+    key("agent", "on_error", Agentic, "A failed tool call or environment step: \"observe\" (its error is what the model reads next, and the episode goes on) or \"end\" (the episode ends: finish_reason tool_error, env_error or timeout). Counted as tool_errors either way."),
+    key("agent", "python", Agentic, "The interpreter of the python tool and of a Python environment."),
     key("lora", "target_modules", NotRm, "The projections that get adapters: any of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj."),
 ];
 
@@ -189,6 +199,9 @@ pub enum Readers {
     /// Every pipeline but rm and dpo (preference pairs carry their
     /// responses: no room to leave).
     NotPreference,
+    /// The RL pipelines whose rows may be episodes: all but remax (whose
+    /// greedy baseline rows are single responses).
+    Agentic,
     /// Every pipeline but rm: a reward model has no policy to evaluate, and
     /// trains its score head, which adapters do not reach.
     NotRm,
@@ -215,6 +228,7 @@ impl Readers {
             Readers::Preference => matches!(pipeline, Rm | Dpo),
             Readers::NotPreference => !matches!(pipeline, Rm | Dpo),
             Readers::NotRm => pipeline != Rm,
+            Readers::Agentic => pipeline.is_rl() && pipeline != Remax,
         }
     }
 }

@@ -9,6 +9,7 @@ use weir_gpu::{SamplingParams, Tokenizer};
 
 use crate::PipelineKind;
 
+mod agent;
 mod choices;
 mod docs;
 mod scope;
@@ -18,9 +19,9 @@ mod validate;
 use text::none_if_empty;
 
 pub use choices::{
-    Aggregation, Backend, CorrectionChoice, DeviceChoice, Dtype, Flavor, KlEstimator, OnNewWeights,
-    PolicyLossChoice, PreferenceChoice, ReferencePlacement, RewardKind, ScheduleChoice,
-    WeightsChannelChoice,
+    Aggregation, Backend, CorrectionChoice, DeviceChoice, Dtype, Flavor, KlEstimator, OnError,
+    OnNewWeights, PolicyLossChoice, PreferenceChoice, ReferencePlacement, RewardKind,
+    ScheduleChoice, ToolFormat, WeightsChannelChoice,
 };
 
 /// A whole run config.
@@ -49,6 +50,8 @@ pub struct RunConfig {
     pub eval: EvalSection,
     /// LoRA adapters for the actor.
     pub lora: LoraSection,
+    /// Multi-turn episodes with tools and environments.
+    pub agent: AgentSection,
 }
 
 /// `[run]`.
@@ -333,6 +336,8 @@ pub struct RewardSection {
     pub overlong_buffer: usize,
     /// The overlong penalty at `generate.max_new_tokens`.
     pub overlong_penalty_factor: f64,
+    /// Rewards that replace a row's by its `finish_reason` (e.g. `length = 0.0`).
+    pub on_finish: std::collections::BTreeMap<String, f64>,
 }
 
 impl Default for RewardSection {
@@ -351,6 +356,7 @@ impl Default for RewardSection {
             terms: Vec::new(),
             overlong_buffer: 0,
             overlong_penalty_factor: 1.0,
+            on_finish: Default::default(),
         }
     }
 }
@@ -657,6 +663,7 @@ impl LoraSection {
     }
 }
 
+pub use agent::AgentSection;
 pub use docs::{applies, reference_page, Key, Readers, KEYS};
 
 /// A config error: the key and what is wrong with its value.
@@ -690,7 +697,20 @@ impl RunConfig {
                     .iter()
                     .filter_map(|t| t.file.as_ref().map(|f| line(f, &t.function))),
             ),
-            RewardKind::Rule | RewardKind::Model | RewardKind::Remote => {}
+            RewardKind::Rule | RewardKind::Model | RewardKind::Remote | RewardKind::None => {}
+        }
+        let a = &self.agent;
+        if let Some(file) = a.environment_file() {
+            lines.push(format!(
+                "Python {file}:{} (agent.environment) with the interpreter `{}`",
+                a.environment_class, a.python
+            ));
+        }
+        if a.tools.iter().any(|t| t == "python") {
+            lines.push(format!(
+                "the model's own Python code (agent.tools: python) with the interpreter `{}`",
+                a.python
+            ));
         }
         lines
     }

@@ -20,6 +20,7 @@ fn inert(cfg: &RunConfig, pipeline: PipelineKind) -> Vec<(&'static str, &'static
     kl(cfg, pipeline, &mut found);
     policy_loss(cfg, pipeline, &mut found);
     prompt_selection(cfg, &mut found);
+    agent(cfg, &mut found);
     found.0
 }
 
@@ -291,6 +292,40 @@ fn policy_loss(cfg: &RunConfig, pipeline: PipelineKind, found: &mut Inert) {
         "algorithm",
         &["min_lr_ratio"],
         "algorithm.schedule = \"cosine\"",
+    );
+}
+
+/// `[agent]`: the keys of episodes, of tools and of a Python environment.
+fn agent(cfg: &RunConfig, found: &mut Inert) {
+    let a = &cfg.agent;
+    found.unless(
+        a.enabled(),
+        "agent",
+        &[
+            "max_turns",
+            "max_observation_tokens",
+            "timeout_s",
+            "on_error",
+        ],
+        "agent.tools or agent.environment names something (rollouts are episodes only then)",
+    );
+    found.unless(
+        !a.tools.is_empty(),
+        "agent",
+        &["tool_format"],
+        "agent.tools names a tool",
+    );
+    found.unless(
+        a.environment_file().is_some(),
+        "agent",
+        &["environment_class"],
+        "agent.environment names a .py file",
+    );
+    found.unless(
+        a.environment_file().is_some() || a.tools.iter().any(|t| t == "python"),
+        "agent",
+        &["python"],
+        "agent.tools has python or agent.environment names a .py file",
     );
 }
 

@@ -10,7 +10,7 @@ use super::{
 use crate::PipelineKind;
 
 /// The error for `key` = `value`, saying `why` it makes no sense.
-fn bad(key: &str, value: String, why: &str) -> Result<(), ConfigError> {
+pub(super) fn bad(key: &str, value: String, why: &str) -> Result<(), ConfigError> {
     Err(ConfigError {
         source_name: "config".into(),
         message: format!("`{key}` = {value}: {why}"),
@@ -30,6 +30,7 @@ impl RunConfig {
         self.check_policy_loss()?;
         self.check_updates(pipeline)?;
         self.check_dynamic_sampling(pipeline)?;
+        self.check_agent(pipeline)?;
         self.check_scope(pipeline)
     }
 

@@ -84,3 +84,49 @@ pub trait Environment: Send {
     /// Ends the episode (frees what the environment holds for it).
     fn close(&mut self) {}
 }
+
+/// Builds a registered environment (once per worker that generates).
+pub type EnvironmentFactory =
+    std::sync::Arc<dyn Fn() -> Result<Box<dyn Environment>, String> + Send + Sync>;
+
+fn registry() -> &'static std::sync::Mutex<std::collections::BTreeMap<String, EnvironmentFactory>> {
+    static REGISTRY: std::sync::OnceLock<
+        std::sync::Mutex<std::collections::BTreeMap<String, EnvironmentFactory>>,
+    > = std::sync::OnceLock::new();
+    REGISTRY.get_or_init(Default::default)
+}
+
+/// Registers an environment under `name`, which `agent.environment` names
+/// (a name ending in `.py` is read as a file, so it cannot be taken).
+pub fn register(
+    name: &str,
+    factory: impl Fn() -> Result<Box<dyn Environment>, String> + Send + Sync + 'static,
+) {
+    assert!(
+        !name.ends_with(".py"),
+        "`{name}` reads as a Python file: register the environment under another name"
+    );
+    registry()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(name.to_string(), std::sync::Arc::new(factory));
+}
+
+/// The factory registered under `name`.
+pub fn registered(name: &str) -> Option<EnvironmentFactory> {
+    registry()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(name)
+        .cloned()
+}
+
+/// The names registered so far.
+pub fn registered_names() -> Vec<String> {
+    registry()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .keys()
+        .cloned()
+        .collect()
+}

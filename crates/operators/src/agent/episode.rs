@@ -58,7 +58,8 @@ pub enum Finish {
 }
 
 /// What a failed tool call or environment step does to its episode.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum OnError {
     /// The error becomes the observation the model reads next (a tool's,
     /// as its result; an environment's, as raw text), and the episode goes on.

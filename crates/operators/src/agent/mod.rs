@@ -9,6 +9,8 @@
 //! - [`environment`]: the `Environment` trait (reset with a row, a step
 //!   per turn: an observation, a reward, done), observations as messages
 //!   or raw text;
+//! - [`python_env`]: an environment in a Python file in OpenRLHF's agent
+//!   format, run by a long-lived worker process;
 //! - [`stage`]: `EpisodeGenerate`, the generator stage that writes one
 //!   episode per row as the rollout's response columns;
 //! - [`tools`]: the `Tool` trait (a name, a JSON schema for the chat
@@ -27,6 +29,7 @@ pub mod calculator;
 pub mod environment;
 pub mod episode;
 pub mod observe;
+pub mod python_env;
 pub mod python_tool;
 pub mod stage;
 pub mod tool_calls;

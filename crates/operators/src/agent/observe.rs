@@ -48,6 +48,9 @@ pub enum ObserveError {
         "the chat template does not write the end-of-turn token {0:?} after an assistant turn"
     )]
     NoEndOfTurn(String),
+    /// The template ignores the tools' schemas.
+    #[error("the chat template does not render `tools`, so the model would never see them: use a checkpoint whose template does (as transformers' apply_chat_template(tools=…) renders them)")]
+    NoTools,
 }
 
 /// The tokens to append after the model's turn `turn` (its text as
@@ -131,6 +134,18 @@ pub fn check_stable(
         &[json!({"role": "user", "content": "And 13 * 34?"})],
         tools,
     )?;
+    Ok(())
+}
+
+/// Refuses a chat template that renders a conversation the same with
+/// `tools` as without them: the model would never see the tools.
+pub fn check_shows_tools(tokenizer: &Tokenizer, tools: &[Value]) -> Result<(), ObserveError> {
+    let messages = [json!({"role": "user", "content": "What is 12 * 34?"})];
+    let with = tokenizer.render_chat(&messages, Some(tools), true)?;
+    let without = tokenizer.render_chat(&messages, None, true)?;
+    if with == without {
+        return Err(ObserveError::NoTools);
+    }
     Ok(())
 }
 

@@ -6,15 +6,20 @@
 //! lockstep within a row; no row waits for a tool while others decode —
 //! that is the streaming pool's work). What the columns hold:
 //! - `response_tokens`: the whole trajectory, generated, boundary and
-//!   observation tokens in order; `token_kinds` says which is which;
+//!   observation tokens in order; `token_kinds` says which is which, and
+//!   `token_turns` the turn of each;
 //! - `behavior_logprobs`: each generated token's log-prob, null on the
 //!   others (never a value a loss could read);
-//! - `response`: what a reward reads, the model's own text only: its turns,
-//!   decoded without special tokens and joined by a newline (no tool
-//!   output, so no reward scores a tool's words as the model's);
-//! - `finish_reason`: `stop`, `length` or `max_turns`;
+//! - `response`: what a reward reads: the model's last turn (its answer),
+//!   decoded without special tokens — never a tool's or the environment's
+//!   words, so no reward scores them as the model's; its earlier turns'
+//!   calls are in `tool_calls`;
+//! - `finish_reason`: `stop`, `length`, `max_turns`, `tool_error`,
+//!   `env_error` or `timeout`;
 //! - `tool_calls`: the episode's calls as JSON (turn, tool, arguments,
-//!   output, ok), so the log reads back without the tools.
+//!   output, ok), so the log reads back without the tools;
+//! - with an environment, `env_rewards` (each turn's reward on its last
+//!   generated token) and `env_error` (what it said when it failed).
 //!
 //! The row's conversation is its `prompt` as one user message. With tools,
 //! the stage renders it again with the tools' schemas handed to the chat
@@ -38,11 +43,13 @@ use super::tool_calls::ToolCallParser;
 use super::tools::Tool;
 use crate::rollout::{col, TokenKind};
 use crate::stages::columns::{
-    float_list_array, strings, token_kinds_array, token_list_array, token_lists,
+    float_list_array, strings, token_kinds_array, token_list_array, token_lists, u32_list_array,
 };
 
 /// The column with each episode's tool calls (JSON text).
 pub const TOOL_CALLS: &str = "tool_calls";
+/// The column with what the environment said when it failed (null when it did not).
+pub const ENV_ERROR: &str = "env_error";
 
 /// The actor's episode generator.
 pub struct EpisodeGenerate {
@@ -75,8 +82,13 @@ impl EpisodeGenerate {
         )?;
         let end_of_turn = tokenizer.decode(&[*end], false)?;
         let schemas = (!tools.is_empty()).then(|| super::tools::schemas(&tools));
+        let folder = tokenizer_folder(&tokenizer);
+        if let Some(schemas) = &schemas {
+            super::observe::check_shows_tools(&tokenizer, schemas)
+                .map_err(|e| format!("{folder}: {e}"))?;
+        }
         super::observe::check_stable(&tokenizer, &end_of_turn, schemas.as_deref())
-            .map_err(|e| format!("{}: {e}", tokenizer_folder(&tokenizer)))?;
+            .map_err(|e| format!("{folder}: {e}"))?;
         Ok(EpisodeGenerate {
             model,
             tokenizer,
@@ -187,12 +199,9 @@ impl EpisodeGenerate {
     ) -> Result<RecordBatch, StageError> {
         let mut texts = Vec::with_capacity(episodes.len());
         for episode in episodes {
-            let mut turns: Vec<String> = Vec::new();
-            for positions in episode.generated_by_turn() {
-                let ids: Vec<i64> = positions.iter().map(|&i| episode.tokens[i]).collect();
-                turns.push(self.tokenizer.decode(&ids, true)?);
-            }
-            texts.push(turns.join("\n"));
+            let last = episode.generated_by_turn().pop().unwrap_or_default();
+            let ids: Vec<i64> = last.iter().map(|&i| episode.tokens[i]).collect();
+            texts.push(self.tokenizer.decode(&ids, true)?);
         }
         let calls: Vec<String> = episodes
             .iter()
@@ -224,6 +233,8 @@ impl EpisodeGenerate {
         let kinds: Vec<Option<Vec<TokenKind>>> =
             episodes.iter().map(|e| Some(e.kinds.clone())).collect();
         b = with_column(&b, col::TOKEN_KINDS, token_kinds_array(&kinds))?;
+        let turns: Vec<Vec<u32>> = episodes.iter().map(|e| e.turns.clone()).collect();
+        b = with_column(&b, col::TOKEN_TURNS, u32_list_array(&turns))?;
         b = with_column(
             &b,
             TOOL_CALLS,
@@ -232,6 +243,8 @@ impl EpisodeGenerate {
         if self.environment.is_some() {
             let rewards: Vec<Vec<f64>> = episodes.iter().map(turn_rewards_on_tokens).collect();
             b = with_column(&b, col::ENV_REWARDS, float_list_array(&rewards))?;
+            let errors: StringArray = episodes.iter().map(|e| e.env_error.as_deref()).collect();
+            b = with_column(&b, ENV_ERROR, Arc::new(errors) as ArrayRef)?;
         }
         Ok(b)
     }
@@ -279,6 +292,14 @@ fn episode_metrics(episodes: &[Episode]) -> Vec<(&'static str, f64)> {
         ("tool_latency_p50_s", at(0.5)),
         ("tool_latency_p99_s", at(0.99)),
         ("tool_wait_s", latency.iter().sum()),
+        (
+            "env_reward",
+            episodes
+                .iter()
+                .map(|e| e.turn_rewards.iter().sum::<f64>())
+                .sum::<f64>()
+                / n,
+        ),
     ]
 }
 

@@ -52,25 +52,12 @@ pub type Calls = Vec<Result<ToolCall, MalformedCall>>;
 
 /// Reads the tool calls of one turn's generated text.
 pub trait ToolCallParser: Send + Sync {
-    /// The format's name in a config (`tools.format`).
+    /// The format's name in a config (`agent.tool_format`).
     fn name(&self) -> &'static str;
     /// The calls in `text`, in order; empty when the turn calls nothing
     /// (its answer is final).
     fn parse(&self, text: &str) -> Calls;
 }
-
-/// The parser named `name`, or `None` for a name no built-in format has.
-pub fn parser(name: &str) -> Option<Box<dyn ToolCallParser>> {
-    match name {
-        "hermes" => Some(Box::new(Hermes)),
-        "llama3_json" => Some(Box::new(Llama3Json)),
-        "qwen3_coder" => Some(Box::new(Qwen3CoderXml)),
-        _ => None,
-    }
-}
-
-/// The names [`parser`] knows.
-pub const FORMATS: &[&str] = &["hermes", "llama3_json", "qwen3_coder"];
 
 const OPEN: &str = "<tool_call>";
 const CLOSE: &str = "</tool_call>";
@@ -142,6 +129,30 @@ fn call_from_json(body: &str, keys: &[&str]) -> Result<ToolCall, MalformedCall> 
         }
     };
     Ok(ToolCall { name, arguments })
+}
+
+/// The formats a model family writes its calls in, by their config names.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolFormat {
+    /// [`Hermes`]: Hermes, Qwen2.5, Qwen3.
+    #[default]
+    Hermes,
+    /// [`Llama3Json`]: Llama 3.1 and later.
+    Llama3Json,
+    /// [`Qwen3CoderXml`]: Qwen3-Coder.
+    Qwen3Coder,
+}
+
+impl ToolFormat {
+    /// Its parser.
+    pub fn parser(self) -> Box<dyn ToolCallParser> {
+        match self {
+            ToolFormat::Hermes => Box::new(Hermes),
+            ToolFormat::Llama3Json => Box::new(Llama3Json),
+            ToolFormat::Qwen3Coder => Box::new(Qwen3CoderXml),
+        }
+    }
 }
 
 /// Hermes-style calls (Hermes, Qwen2.5, Qwen3): a JSON object with `name`
@@ -462,9 +473,14 @@ mod tests {
 
     #[test]
     fn every_named_format_has_a_parser_of_that_name() {
-        for name in FORMATS {
-            assert_eq!(parser(name).unwrap().name(), *name);
+        for format in [
+            ToolFormat::Hermes,
+            ToolFormat::Llama3Json,
+            ToolFormat::Qwen3Coder,
+        ] {
+            let name = serde_json::to_value(format).unwrap();
+            assert_eq!(format.parser().name(), name.as_str().unwrap());
         }
-        assert!(parser("mistral").is_none());
+        assert!(serde_json::from_value::<ToolFormat>(serde_json::json!("mistral")).is_err());
     }
 }

@@ -17,6 +17,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use arrow::array::RecordBatch;
 use weir_graph::StageError;
 
+pub mod finish;
 pub mod model;
 pub mod overlong;
 pub mod python;

@@ -1,0 +1,167 @@
+//! `[agent]`: multi-turn episodes with tools and an environment, and the
+//! checks of its values.
+
+use serde::{Deserialize, Serialize};
+
+use super::text::none_if_empty;
+use super::validate::bad;
+use super::{ConfigError, OnError, PipelineKind, RewardKind, RunConfig, ToolFormat};
+
+/// The built-in tools `agent.tools` may name.
+pub const BUILTIN_TOOLS: &[&str] = &["calculator", "python"];
+
+/// `[agent]`: episodes of several turns, answered by tools or an
+/// environment (on when `tools` or `environment` names one).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AgentSection {
+    /// The built-in tools the model may call: `calculator`, `python`.
+    pub tools: Vec<String>,
+    /// How the model writes its calls: `hermes`, `llama3_json`, `qwen3_coder`.
+    pub tool_format: ToolFormat,
+    /// A Python file in OpenRLHF's agent format, or an environment the
+    /// user's binary registered.
+    #[serde(with = "none_if_empty")]
+    pub environment: Option<String>,
+    /// The Python file's class.
+    pub environment_class: String,
+    /// Turns of the model per episode at most.
+    pub max_turns: usize,
+    /// Tokens of one tool output past which it is cut, with a marker.
+    pub max_observation_tokens: usize,
+    /// Seconds a tool call or an environment's reset or step may take.
+    pub timeout_s: f64,
+    /// What a failed call or step does: `observe` or `end`.
+    pub on_error: OnError,
+    /// The interpreter of the `python` tool and of a Python environment.
+    pub python: String,
+}
+
+impl Default for AgentSection {
+    fn default() -> Self {
+        AgentSection {
+            tools: Vec::new(),
+            tool_format: ToolFormat::default(),
+            environment: None,
+            environment_class: "AgentInstance".into(),
+            max_turns: 4,
+            max_observation_tokens: 256,
+            timeout_s: 30.0,
+            on_error: OnError::default(),
+            python: "python3".into(),
+        }
+    }
+}
+
+impl AgentSection {
+    /// Whether a run's rollouts are episodes.
+    pub fn enabled(&self) -> bool {
+        !self.tools.is_empty() || self.environment.is_some()
+    }
+
+    /// The environment's Python file, when it names one.
+    pub fn environment_file(&self) -> Option<&str> {
+        self.environment.as_deref().filter(|e| e.ends_with(".py"))
+    }
+}
+
+impl RunConfig {
+    /// `[agent]` and what episodes cannot go with.
+    pub(super) fn check_agent(&self, pipeline: PipelineKind) -> Result<(), ConfigError> {
+        let a = &self.agent;
+        for (i, tool) in a.tools.iter().enumerate() {
+            if !BUILTIN_TOOLS.contains(&tool.as_str()) {
+                return bad(
+                    "agent.tools",
+                    format!("{tool:?}"),
+                    &format!("no built-in tool of that name: the tools are {BUILTIN_TOOLS:?}"),
+                );
+            }
+            if a.tools[..i].contains(tool) {
+                return bad("agent.tools", format!("{tool:?}"), "named twice");
+            }
+        }
+        if let Some(env) = &a.environment {
+            let known = weir_operators::agent::environment::registered(env).is_some();
+            match a.environment_file() {
+                Some(file) if !std::path::Path::new(file).is_file() => {
+                    return bad("agent.environment", format!("{env:?}"), "no such file");
+                }
+                None if !known => {
+                    let names = weir_operators::agent::environment::registered_names();
+                    return bad(
+                        "agent.environment",
+                        format!("{env:?}"),
+                        &format!("neither a .py file nor an environment this binary registered (registered: {names:?})"),
+                    );
+                }
+                _ => {}
+            }
+        }
+        if self.reward.kind == RewardKind::None && a.environment.is_none() {
+            return bad(
+                "reward.kind",
+                "\"none\"".into(),
+                "no reward at all: \"none\" needs agent.environment, whose turn rewards are the rewards",
+            );
+        }
+        for (reason, value) in &self.reward.on_finish {
+            let reasons = weir_operators::rewards::finish::FINISH_REASONS;
+            if !reasons.contains(&reason.as_str()) {
+                return bad(
+                    &format!("reward.on_finish.{reason}"),
+                    value.to_string(),
+                    &format!("no finish_reason of that name: they are {reasons:?}"),
+                );
+            }
+            if !value.is_finite() {
+                return bad(
+                    &format!("reward.on_finish.{reason}"),
+                    value.to_string(),
+                    "must be a finite number",
+                );
+            }
+        }
+        if !a.enabled() {
+            return Ok(());
+        }
+        if a.max_turns == 0 {
+            return bad("agent.max_turns", "0".into(), "must be at least 1");
+        }
+        if a.max_observation_tokens == 0 {
+            return bad(
+                "agent.max_observation_tokens",
+                "0".into(),
+                "must be at least 1",
+            );
+        }
+        if !(a.timeout_s > 0.0 && a.timeout_s <= 86_400.0) {
+            return bad(
+                "agent.timeout_s",
+                a.timeout_s.to_string(),
+                "must be seconds in (0, 86400]",
+            );
+        }
+        let (key, value) = match &a.environment {
+            Some(env) if a.tools.is_empty() => ("agent.environment", format!("{env:?}")),
+            _ => ("agent.tools", format!("{:?}", a.tools)),
+        };
+        if pipeline == PipelineKind::Remax {
+            return bad(key, value, "remax's greedy baseline rows are single responses, not episodes: use grpo, ppo, reinforce_pp or another RL pipeline");
+        }
+        if self.generate.max_inflight > 0 {
+            return bad(key, value, "episodes are generated batch by batch, not yet in the streaming pool: set generate.max_inflight = 0");
+        }
+        if self.eval.every > 0 {
+            return bad(key, value, "evaluation during training samples single responses, not episodes: set eval.every = 0");
+        }
+        if self.generate.long_tail > 0.0 {
+            return bad(
+                key,
+                value,
+                "generate.long_tail draws single responses' lengths, not episodes': set it to 0",
+            );
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,325 @@
+//! Multi-turn episodes through whole runs: grpo, ppo and reinforce_pp with
+//! an environment in OpenRLHF's agent format and with the calculator tool;
+//! the rollout log's per-token columns checked row by row; the bad inputs
+//! of `[agent]`, each refused with one line naming it.
+
+use std::path::{Path, PathBuf};
+
+use arrow::array::{Array, AsArray, RecordBatch};
+use arrow::datatypes::{Float32Type, UInt32Type, UInt8Type};
+use weir::graph::parquet_log::read_parquet_dir;
+use weir::operators::rollout::{col, TokenKind};
+use weir::pipelines::config::RewardKind;
+use weir::pipelines::PipelineKind;
+
+use super::support::{config, fixture, run};
+
+/// An environment in OpenRLHF's format: async, importing
+/// `openrlhf.utils.agent`; the episode is two turns whatever the model
+/// says (`done` at the second step), each turn worth 1 when it is the
+/// label and 0.25 otherwise, the feedback raw text.
+const TWO_TURNS: &str = r#"
+from openrlhf.utils.agent import AgentExecutorBase, AgentInstanceBase
+
+
+class AgentInstance(AgentInstanceBase):
+    async def __init__(self, *args, **kwargs):
+        self.steps = 0
+
+    async def reset(self, states, **kwargs):
+        return {"observation": states["observation"]}
+
+    async def step(self, states, **kwargs):
+        self.steps += 1
+        right = states["action_text"].strip() == states["label"]
+        return {
+            "rewards": 1.0 if right else 0.25,
+            "scores": 1.0 if right else 0.0,
+            "environment_feedback": "\nAgain:",
+            "done": self.steps >= 2,
+        }
+
+
+class AgentExecutor(AgentExecutorBase):
+    def __init__(self, *args):
+        super().__init__(AgentInstance, *args)
+"#;
+
+/// A column of lists of `T`, row by row (null rows empty).
+fn lists<T: arrow::datatypes::ArrowPrimitiveType>(
+    b: &RecordBatch,
+    name: &str,
+) -> Vec<Vec<T::Native>> {
+    let list = b
+        .column_by_name(name)
+        .unwrap_or_else(|| panic!("no column {name}"))
+        .as_list::<i32>();
+    (0..list.len())
+        .map(|i| list.value(i).as_primitive::<T>().values().to_vec())
+        .collect()
+}
+
+/// Per row: the behaviour log-probs, `None` where null.
+fn nullable_logprobs(b: &RecordBatch) -> Vec<Vec<Option<f32>>> {
+    let list = b
+        .column_by_name(col::BEHAVIOR_LOGPROBS)
+        .unwrap()
+        .as_list::<i32>();
+    (0..list.len())
+        .map(|i| {
+            let v = list.value(i);
+            let v = v.as_primitive::<Float32Type>();
+            (0..v.len())
+                .map(|j| v.is_valid(j).then(|| v.value(j)))
+                .collect()
+        })
+        .collect()
+}
+
+/// Checks what every episode's per-token columns say of each other: the
+/// kinds, turns, log-probs and rewards of one trajectory, aligned.
+fn check_episode_rows(batches: &[RecordBatch], feedback: &[i64]) -> usize {
+    let mut observed = 0;
+    for b in batches {
+        let tokens = lists::<arrow::datatypes::Int64Type>(b, col::RESPONSE_TOKENS);
+        let kinds = lists::<UInt8Type>(b, col::TOKEN_KINDS);
+        let turns = lists::<UInt32Type>(b, col::TOKEN_TURNS);
+        let env = lists::<Float32Type>(b, col::ENV_REWARDS);
+        let logprobs = nullable_logprobs(b);
+        for row in 0..b.num_rows() {
+            let n = tokens[row].len();
+            assert_eq!(kinds[row].len(), n);
+            assert_eq!(turns[row].len(), n);
+            assert_eq!(env[row].len(), n);
+            assert_eq!(logprobs[row].len(), n);
+            for i in 0..n {
+                let generated = kinds[row][i] == TokenKind::Generated as u8;
+                assert_eq!(
+                    logprobs[row][i].is_some(),
+                    generated,
+                    "row {row}, token {i}: a log-prob exactly on generated tokens"
+                );
+                if env[row][i] != 0.0 {
+                    assert!(generated, "a turn reward sits on a generated token");
+                }
+            }
+            // Raw-text feedback: each observation span is exactly its tokens.
+            let mut i = 0;
+            while i < n {
+                if kinds[row][i] == TokenKind::Observation as u8 {
+                    assert_eq!(&tokens[row][i..i + feedback.len()], feedback);
+                    assert_eq!(turns[row][i], turns[row][i - 1]);
+                    assert_eq!(turns[row][i + feedback.len()], turns[row][i] + 1);
+                    observed += 1;
+                    i += feedback.len();
+                } else {
+                    i += 1;
+                }
+            }
+        }
+    }
+    observed
+}
+
+#[test]
+fn an_openrlhf_agent_file_drives_episodes_in_grpo_ppo_and_reinforce_pp() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("agent_func.py");
+    std::fs::write(&file, TWO_TURNS).unwrap();
+    let tokenizer = weir::gpu::Tokenizer::load(&fixture("arith-sft")).unwrap();
+    let feedback = tokenizer.encode("\nAgain:", false).unwrap();
+    for kind in [
+        PipelineKind::Grpo,
+        PipelineKind::Ppo,
+        PipelineKind::ReinforcePp,
+    ] {
+        let mut cfg = config(kind, 2);
+        cfg.agent.environment = Some(file.display().to_string());
+        cfg.agent.max_turns = 3;
+        cfg.generate.max_new_tokens = 24;
+        cfg.reward.kind = RewardKind::None;
+        let dir = tmp.path().join(kind.name());
+        run(kind, cfg, &dir, false);
+        let batches = read_parquet_dir(&dir.join("rollouts")).unwrap();
+        let observed = check_episode_rows(&batches, &feedback);
+        assert!(
+            observed > 0,
+            "{}: no episode got past its first turn",
+            kind.name()
+        );
+        for b in &batches {
+            let reasons = b
+                .column_by_name(col::FINISH_REASON)
+                .unwrap()
+                .as_string::<i32>();
+            let env = lists::<Float32Type>(b, col::ENV_REWARDS);
+            let kinds = lists::<UInt8Type>(b, col::TOKEN_KINDS);
+            for row in 0..b.num_rows() {
+                let turns_rewarded = env[row].iter().filter(|&&r| r != 0.0).count();
+                match reasons.value(row) {
+                    // Done at the second step: two turns, each rewarded.
+                    "stop" => assert_eq!(turns_rewarded, 2),
+                    "length" => assert!(turns_rewarded <= 1),
+                    other => panic!("{}: finish_reason {other}", kind.name()),
+                }
+                let last = *kinds[row].last().unwrap();
+                assert_eq!(
+                    last,
+                    TokenKind::Generated as u8,
+                    "an episode ends on the model's turn"
+                );
+            }
+            // reward.kind = "none": the environment's rewards are all there is.
+            let rewards = b
+                .column_by_name(col::REWARD)
+                .unwrap()
+                .as_primitive::<Float32Type>();
+            assert!(rewards.values().iter().all(|&r| r == 0.0));
+        }
+    }
+}
+
+/// A copy of the arith checkpoint whose chat template renders tools and
+/// tool results as Qwen2.5's does.
+fn with_tool_template(dir: &Path) -> PathBuf {
+    let to = dir.join("arith-tools");
+    std::fs::create_dir_all(&to).unwrap();
+    for entry in std::fs::read_dir(fixture("arith-sft")).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+    }
+    std::fs::write(
+        to.join("chat_template.jinja"),
+        r#"{%- if tools %}{{ "<|im_start|>system\nTools:\n" }}{% for tool in tools %}{{ tool | tojson }}{{ "\n" }}{% endfor %}{{ "<|im_end|>\n" }}{% endif %}
+{%- for message in messages %}
+{%- if message.role == "tool" %}
+{%- if loop.first or messages[loop.index0 - 1].role != "tool" %}{{ "<|im_start|>user" }}{% endif %}
+{{- "\n<tool_response>\n" + message.content + "\n</tool_response>" }}
+{%- if loop.last or messages[loop.index0 + 1].role != "tool" %}{{ "<|im_end|>\n" }}{% endif %}
+{%- else %}{{ "<|im_start|>" + message.role + "\n" + message.content + "<|im_end|>\n" }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{ "<|im_start|>assistant\n" }}{% endif %}"#,
+    )
+    .unwrap();
+    to
+}
+
+#[test]
+fn the_calculator_tool_runs_in_grpo_and_its_schema_reaches_the_prompt() {
+    let tmp = tempfile::tempdir().unwrap();
+    let kind = PipelineKind::Grpo;
+    let mut cfg = config(kind, 2);
+    cfg.model.path = with_tool_template(tmp.path());
+    cfg.agent.tools = vec!["calculator".into()];
+    cfg.agent.max_turns = 2;
+    cfg.generate.max_new_tokens = 16;
+    cfg.reward.on_finish = [("length".to_string(), -1.0)].into();
+    let dir = tmp.path().join("run");
+    run(kind, cfg, &dir, false);
+    let batches = read_parquet_dir(&dir.join("rollouts")).unwrap();
+    let tokenizer = weir::gpu::Tokenizer::load(&fixture("arith-sft")).unwrap();
+    for b in &batches {
+        let prompts = lists::<arrow::datatypes::Int64Type>(b, col::PROMPT_TOKENS);
+        let reasons = b
+            .column_by_name(col::FINISH_REASON)
+            .unwrap()
+            .as_string::<i32>();
+        let rewards = b
+            .column_by_name(col::REWARD)
+            .unwrap()
+            .as_primitive::<Float32Type>();
+        let calls = b.column_by_name("tool_calls").unwrap().as_string::<i32>();
+        for (row, prompt) in prompts.iter().enumerate() {
+            let text = tokenizer.decode(prompt, false).unwrap();
+            assert!(
+                text.starts_with("<|im_start|>system\nTools:\n") && text.contains("\"calculator\""),
+                "{text}"
+            );
+            if reasons.value(row) == "length" {
+                assert_eq!(rewards.value(row), -1.0, "reward.on_finish replaced it");
+            }
+            assert!(serde_json::from_str::<serde_json::Value>(calls.value(row))
+                .unwrap()
+                .is_array());
+        }
+    }
+    let metrics =
+        weir::graph::parquet_log::read_parquet_file(&dir.join("metrics.parquet")).unwrap();
+    let names: Vec<String> = metrics
+        .iter()
+        .flat_map(|b| weir::graph::metrics::batch_to_rows(b).unwrap())
+        .filter(|r| r.stage == "generate")
+        .map(|r| r.metric)
+        .collect();
+    for want in [
+        "turns",
+        "tool_calls",
+        "tool_parse_failures",
+        "observation_share",
+    ] {
+        assert!(names.iter().any(|n| n == want), "no metric {want}");
+    }
+}
+
+#[test]
+fn bad_agent_inputs_are_refused_with_one_line_naming_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    let kind = PipelineKind::Grpo;
+    let err = |cfg: weir::pipelines::RunConfig, name: &str| -> String {
+        let dir = tmp.path().join(name);
+        let e = weir::pipelines::run(&super::support::request(kind, cfg, &dir, false))
+            .unwrap_err()
+            .to_string();
+        assert!(!e.contains('\n'), "one line: {e}");
+        e
+    };
+    // A template that does not render tools.
+    let mut cfg = config(kind, 1);
+    cfg.agent.tools = vec!["calculator".into()];
+    let e = err(cfg, "template");
+    assert!(
+        e.contains("arith-sft") && e.contains("does not render `tools`"),
+        "{e}"
+    );
+    // A tool that does not exist.
+    let mut cfg = config(kind, 1);
+    cfg.agent.tools = vec!["search".into()];
+    let e = err(cfg, "tool");
+    assert!(e.contains("agent.tools") && e.contains("\"search\""), "{e}");
+    // An environment file without the class.
+    let file = tmp.path().join("env.py");
+    std::fs::write(&file, "class Game:\n    pass\n").unwrap();
+    let mut cfg = config(kind, 1);
+    cfg.agent.environment = Some(file.display().to_string());
+    let e = err(cfg, "class");
+    assert!(
+        e.contains("env.py::AgentInstance")
+            && e.contains("no class `AgentInstance` (its classes: Game)"),
+        "{e}"
+    );
+    // A finish reason that does not exist; no reward without an environment.
+    let mut cfg = config(kind, 1);
+    cfg.reward.on_finish = [("truncated".to_string(), 0.0)].into();
+    let e = err(cfg, "finish");
+    assert!(e.contains("reward.on_finish.truncated"), "{e}");
+    let mut cfg = config(kind, 1);
+    cfg.reward.kind = RewardKind::None;
+    let e = err(cfg, "none");
+    assert!(
+        e.contains("reward.kind") && e.contains("agent.environment"),
+        "{e}"
+    );
+    // Episodes with what they cannot go with yet.
+    let mut cfg = config(PipelineKind::Remax, 1);
+    cfg.agent.tools = vec!["calculator".into()];
+    let e = weir::pipelines::run(&super::support::request(
+        PipelineKind::Remax,
+        cfg,
+        &tmp.path().join("remax"),
+        false,
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("agent.tools") && e.contains("remax"), "{e}");
+}
