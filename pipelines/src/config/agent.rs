@@ -27,7 +27,7 @@ pub struct AgentSection {
     pub environment_class: String,
     /// Turns of the model per episode at most.
     pub max_turns: usize,
-    /// Tokens of one tool output past which it is cut, with a marker.
+    /// Tokens of one tool output or observation past which it is cut, with a marker.
     pub max_observation_tokens: usize,
     /// Seconds a tool call or an environment's reset or step may take.
     pub timeout_s: f64,

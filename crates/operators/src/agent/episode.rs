@@ -13,7 +13,8 @@
 //!
 //! Budgets (see [`Budgets`]): at most `max_turns` turns; one token budget
 //! for the whole response, observations included, each turn's sampling
-//! clamped to what remains; a tool's output longer than
+//! clamped to what remains; a tool's output or an environment's
+//! observation (each message's content) longer than
 //! `max_observation_tokens` cut, with a marker. An observation that fits
 //! the budget exactly is kept; one that does not fit ends the episode
 //! ([`Finish::Length`]) with nothing of it appended.
@@ -34,7 +35,8 @@ pub struct Budgets {
     pub max_turns: usize,
     /// Tokens of the whole response (generated, boundary and observation).
     pub max_tokens: usize,
-    /// Tokens of one tool's output, past which it is cut with a marker.
+    /// Tokens of one tool's output or environment observation, past which
+    /// it is cut with a marker.
     pub max_observation_tokens: usize,
 }
 
@@ -431,13 +433,19 @@ impl EpisodeRunner<'_> {
                 }
                 let (boundary, observation, said) = match step.observation {
                     Observation::Text(text) => {
+                        let text = self.cut(&text).map_err(|e| observe(e.into()))?;
                         let tokens = self
                             .tokenizer
                             .encode(&text, false)
                             .map_err(|e| observe(e.into()))?;
                         (Vec::new(), tokens, Vec::new())
                     }
-                    Observation::Messages(said) => {
+                    Observation::Messages(mut said) => {
+                        for message in &mut said {
+                            if let Some(Value::String(content)) = message.get_mut("content") {
+                                *content = self.cut(content).map_err(|e| observe(e.into()))?;
+                            }
+                        }
                         let next = appended(
                             self.tokenizer,
                             &history,

@@ -251,7 +251,8 @@ impl EpisodeGenerate {
 }
 
 /// What a batch of episodes did, as metrics: turns and tool calls per
-/// episode, calls that could not be read and calls that failed, the share
+/// episode, calls that could not be read, calls that failed and episodes
+/// whose environment failed, the share
 /// of response tokens the model did not write, the tools' latency (median
 /// and 99th percentile) and the seconds episodes spent waiting on tools.
 fn episode_metrics(episodes: &[Episode]) -> Vec<(&'static str, f64)> {
@@ -281,6 +282,10 @@ fn episode_metrics(episodes: &[Episode]) -> Vec<(&'static str, f64)> {
         ("tool_calls", calls.len() as f64 / n),
         ("tool_parse_failures", unread as f64),
         ("tool_errors", failed as f64),
+        (
+            "env_errors",
+            episodes.iter().filter(|e| e.env_error.is_some()).count() as f64,
+        ),
         (
             "observation_share",
             if tokens == 0 {
