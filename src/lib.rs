@@ -23,3 +23,8 @@ pub mod sim;
 #[doc = include_str!("../README.md")]
 #[cfg(doctest)]
 pub struct ReadmeDoctests;
+
+/// The code of docs/agents.md, compiled by `cargo test --doc`.
+#[doc = include_str!("../docs/agents.md")]
+#[cfg(doctest)]
+pub struct AgentsDoctests;

@@ -53,6 +53,7 @@ const PERFORMANCE: &[&str] = &[
     "algorithm.logprob_chunk",
     "eval.batch",
     "reward.workers",
+    "agent.max_concurrency",
 ];
 
 /// Keys whose effect depends on what the model writes, which the fixture
@@ -852,6 +853,7 @@ fn agent_change(key: &str, dir: &Path) -> (Vec<String>, String) {
         "agent.max_turns" => (with_env, "1".into()),
         "agent.max_observation_tokens" => (with_env, "3".into()),
         "agent.python" => (with_env, "\"python3-that-is-not-there\"".into()),
+        "agent.max_concurrency" => (with_env, "1".into()),
         "agent.timeout_s" => (
             vec![budget, format!("agent.environment={slow}")],
             "0.1".into(),

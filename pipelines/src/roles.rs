@@ -131,23 +131,27 @@ fn episodes(
             .with_on_error(a.on_error)
             .with_backend(cfg.generate.backend);
     if let Some(name) = &a.environment {
-        let environment: Box<dyn Environment> = match a.environment_file() {
-            Some(file) => Box::new(PythonEnvironment::new(PythonEnvConfig {
-                file: file.into(),
-                class: a.environment_class.clone(),
-                python: a.python.clone(),
-                timeout,
-                label_column: cfg.data.label_column.clone(),
-            })?),
-            None => {
-                let factory =
-                    weir_operators::agent::environment::registered(name).ok_or_else(|| {
-                        format!("agent.environment: no environment {name:?} is registered")
-                    })?;
-                factory().map_err(|e| format!("agent.environment {name:?}: {e}"))?
-            }
-        };
-        stage = stage.with_environment(environment);
+        // One instance per episode under way: as many as calls may run at once.
+        let mut environments: Vec<Box<dyn Environment>> = Vec::new();
+        for _ in 0..a.max_concurrency {
+            environments.push(match a.environment_file() {
+                Some(file) => Box::new(PythonEnvironment::new(PythonEnvConfig {
+                    file: file.into(),
+                    class: a.environment_class.clone(),
+                    python: a.python.clone(),
+                    timeout,
+                    label_column: cfg.data.label_column.clone(),
+                })?),
+                None => {
+                    let factory =
+                        weir_operators::agent::environment::registered(name).ok_or_else(|| {
+                            format!("agent.environment: no environment {name:?} is registered")
+                        })?;
+                    factory().map_err(|e| format!("agent.environment {name:?}: {e}"))?
+                }
+            });
+        }
+        stage = stage.with_environments(environments);
     }
     Ok(stage)
 }

@@ -441,6 +441,7 @@ mod tests {
             crate::stages::columns::u32_list_array(&[vec![3, 3], vec![3]]),
             crate::stages::columns::bool_list_array(&[vec![false, false], vec![false]]),
             crate::stages::columns::token_kinds_array(&[None, None]),
+            crate::stages::columns::u32_list_array(&[vec![0, 0], vec![0]]),
             crate::stages::columns::float_list_array(&[vec![0.0, 0.0], vec![0.0]]),
         ];
         // The columns as a plain generator writes them (behaviour log-probs

@@ -33,6 +33,8 @@ pub struct AgentSection {
     pub timeout_s: f64,
     /// What a failed call or step does: `observe` or `end`.
     pub on_error: OnError,
+    /// Tool calls or environment steps at once (and environment instances).
+    pub max_concurrency: usize,
     /// The interpreter of the `python` tool and of a Python environment.
     pub python: String,
 }
@@ -48,6 +50,7 @@ impl Default for AgentSection {
             max_observation_tokens: 256,
             timeout_s: 30.0,
             on_error: OnError::default(),
+            max_concurrency: 8,
             python: "python3".into(),
         }
     }
@@ -128,6 +131,9 @@ impl RunConfig {
         if a.max_turns == 0 {
             return bad("agent.max_turns", "0".into(), "must be at least 1");
         }
+        if a.max_concurrency == 0 {
+            return bad("agent.max_concurrency", "0".into(), "must be at least 1");
+        }
         if a.max_observation_tokens == 0 {
             return bad(
                 "agent.max_observation_tokens",
@@ -150,7 +156,7 @@ impl RunConfig {
             return bad(key, value, "remax's greedy baseline rows are single responses, not episodes: use grpo, ppo, reinforce_pp or another RL pipeline");
         }
         if self.generate.max_inflight > 0 {
-            return bad(key, value, "episodes are generated batch by batch, not yet in the streaming pool: set generate.max_inflight = 0");
+            return bad(key, value, "a batch's episodes share a decode pool of their own, and do not yet stream across batches and steps: set generate.max_inflight = 0");
         }
         if self.eval.every > 0 {
             return bad(key, value, "evaluation during training samples single responses, not episodes: set eval.every = 0");

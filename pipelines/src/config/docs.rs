@@ -163,6 +163,7 @@ pub const KEYS: &[Key] = &[
     key("agent", "max_observation_tokens", Agentic, "Tokens of one tool output or environment observation (each message's content) past which it is cut, with a marker saying how many were left out (one that fits exactly is kept whole)."),
     key("agent", "timeout_s", Agentic, "Seconds a tool call (the python tool's wall clock) or an environment's reset or step may take; an environment past it is restarted and its episode ends as timeout."),
     key("agent", "on_error", Agentic, "A failed tool call or environment step: \"observe\" (its error is what the model reads next, and the episode goes on) or \"end\" (the episode ends: finish_reason tool_error, env_error or timeout). Counted either way, as tool_errors or env_errors."),
+    key("agent", "max_concurrency", Agentic, "Tool calls and environment steps running at once, each on a thread of its own, while the other episodes of the batch go on decoding (an episode whose call is out leaves the decode pool and comes back with its observation); with agent.environment also the environment's instances (a Python file: one worker process each), so as many episodes hold one at once."),
     key("agent", "python", Agentic, "The interpreter of the python tool and of a Python environment."),
 ];
 

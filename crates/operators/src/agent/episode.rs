@@ -19,13 +19,14 @@
 //! the budget exactly is kept; one that does not fit ends the episode
 //! ([`Finish::Length`]) with nothing of it appended.
 
-use serde_json::{json, Value};
+use serde_json::Value;
 use weir_gpu::tokenizer::Tokenizer;
 
-use super::environment::{EnvFault, EnvStep, Environment, Observation};
-use super::observe::{appended, ObserveError};
+use super::environment::Environment;
+use super::observe::ObserveError;
 use super::tool_calls::ToolCallParser;
-use super::tools::{answer, schemas, Tool};
+use super::tools::Tool;
+use super::turns::{work, Next};
 use crate::rollout::TokenKind;
 
 /// An episode's limits.
@@ -206,7 +207,7 @@ pub struct Episode {
 }
 
 impl Episode {
-    fn empty() -> Self {
+    pub(crate) fn empty() -> Self {
         Episode {
             tokens: Vec::new(),
             kinds: Vec::new(),
@@ -221,7 +222,13 @@ impl Episode {
         }
     }
 
-    fn push(&mut self, tokens: &[i64], kind: TokenKind, turn: usize, logprobs: Option<&[f32]>) {
+    pub(crate) fn push(
+        &mut self,
+        tokens: &[i64],
+        kind: TokenKind,
+        turn: usize,
+        logprobs: Option<&[f32]>,
+    ) {
         self.tokens.extend_from_slice(tokens);
         self.kinds.extend(std::iter::repeat_n(kind, tokens.len()));
         self.turns
@@ -322,222 +329,46 @@ impl EpisodeRunner<'_> {
         messages: &[Value],
         prompt: &[i64],
     ) -> Result<Episode, EpisodeError> {
-        let observe = |source| EpisodeError::Observe { turn: 0, source };
-        let text = self
-            .tokenizer
-            .decode(prompt, false)
-            .map_err(|e| observe(e.into()))?;
-        let rewritten = match environment.reset(row, &text) {
-            Ok(Some(new)) if new != text => Some(
-                self.tokenizer
-                    .encode(&new, false)
-                    .map_err(|e| observe(e.into()))?,
-            ),
-            Ok(_) => None,
-            Err(fault) => {
-                environment.close();
-                return Ok(Episode {
-                    finish: fault.finish(),
-                    env_error: Some(format!("reset: {}", fault.message())),
-                    ..Episode::empty()
-                });
-            }
-        };
-        let start = rewritten.as_deref().unwrap_or(prompt);
-        let episode = self.run_in(policy, Some(&mut *environment), messages, start);
+        let episode = self.run_in(policy, Some((&mut *environment, row)), messages, prompt);
         environment.close();
-        let mut episode = episode?;
-        episode.prompt = rewritten;
-        Ok(episode)
+        episode
     }
 
+    /// The episode's turns sampled and answered in line, one after another.
     fn run_in(
         &self,
         policy: &mut dyn TurnPolicy,
-        mut environment: Option<&mut dyn Environment>,
+        mut environment: Option<(&mut dyn Environment, &Value)>,
         messages: &[Value],
         prompt: &[i64],
     ) -> Result<Episode, EpisodeError> {
-        let budgets = self.budgets;
-        let schemas = (!self.tools.is_empty()).then(|| schemas(self.tools));
-        let mut history = messages.to_vec();
-        let mut context = prompt.to_vec();
-        let mut episode = Episode::empty();
-        for turn in 0..budgets.max_turns {
-            let left = budgets.max_tokens.saturating_sub(episode.tokens.len());
-            if left == 0 {
-                episode.finish = Finish::Length;
-                return Ok(episode);
-            }
-            let sampled = policy
-                .sample(&context, left)
-                .map_err(|message| EpisodeError::Policy { turn, message })?;
-            if sampled.logprobs.len() != sampled.tokens.len() {
-                return Err(EpisodeError::Policy {
+        let row = environment.as_ref().map(|(_, row)| *row);
+        let (mut state, mut next) = self.begin(messages, prompt, row)?;
+        loop {
+            next = match next {
+                Next::Sample {
+                    context,
+                    max_new,
                     turn,
-                    message: format!(
-                        "{} tokens came with {} log-probs",
-                        sampled.tokens.len(),
-                        sampled.logprobs.len()
-                    ),
-                });
-            }
-            let n = sampled.tokens.len().min(left);
-            episode.push(
-                &sampled.tokens[..n],
-                TokenKind::Generated,
-                turn,
-                Some(&sampled.logprobs[..n]),
-            );
-            context.extend_from_slice(&sampled.tokens[..n]);
-            episode.turns_taken = turn + 1;
-            episode.turn_rewards.push(0.0);
-            if !sampled.stopped || n < sampled.tokens.len() {
-                episode.finish = Finish::Length;
-                return Ok(episode);
-            }
-            let observe = |source| EpisodeError::Observe { turn, source };
-            let text = self
-                .tokenizer
-                .decode(&sampled.tokens, false)
-                .map_err(|e| observe(e.into()))?;
-            let content = text
-                .strip_suffix(self.end_of_turn.as_str())
-                .unwrap_or(&text);
-            if let Some(environment) = environment.as_deref_mut() {
-                let step = match environment.step(content) {
-                    Ok(step) => step,
-                    Err(fault) => {
-                        episode.env_error = Some(format!("turn {turn}: {}", fault.message()));
-                        match (&fault, self.on_error) {
-                            (EnvFault::Error(e), OnError::Observe) => EnvStep {
-                                observation: Observation::Text(format!("\nerror: {e}\n")),
-                                reward: 0.0,
-                                done: false,
-                            },
-                            _ => {
-                                episode.finish = fault.finish();
-                                return Ok(episode);
-                            }
-                        }
-                    }
-                };
-                episode.turn_rewards[turn] = step.reward;
-                if step.done {
-                    episode.finish = Finish::Stop;
-                    return Ok(episode);
+                } => {
+                    let sampled = policy
+                        .sample(&context, max_new)
+                        .map_err(|message| EpisodeError::Policy { turn, message })?;
+                    self.sampled(&mut state, sampled)?
                 }
-                if turn + 1 == budgets.max_turns {
-                    episode.finish = Finish::MaxTurns;
-                    return Ok(episode);
+                Next::Answer(w) => {
+                    let env = environment.as_mut().map(|(env, _)| &mut **env);
+                    let answered = work(self.tools, env, w);
+                    self.answered(&mut state, answered)?
                 }
-                let (boundary, observation, said) = match step.observation {
-                    Observation::Text(text) => {
-                        let text = self.cut(&text).map_err(|e| observe(e.into()))?;
-                        let tokens = self
-                            .tokenizer
-                            .encode(&text, false)
-                            .map_err(|e| observe(e.into()))?;
-                        (Vec::new(), tokens, Vec::new())
-                    }
-                    Observation::Messages(mut said) => {
-                        for message in &mut said {
-                            if let Some(Value::String(content)) = message.get_mut("content") {
-                                *content = self.cut(content).map_err(|e| observe(e.into()))?;
-                            }
-                        }
-                        let next = appended(
-                            self.tokenizer,
-                            &history,
-                            &text,
-                            &self.end_of_turn,
-                            &said,
-                            schemas.as_deref(),
-                        )
-                        .map_err(observe)?;
-                        (next.boundary, next.observation, said)
-                    }
-                };
-                if boundary.len() + observation.len() > budgets.max_tokens - episode.tokens.len() {
-                    episode.finish = Finish::Length;
-                    return Ok(episode);
-                }
-                episode.push(&boundary, TokenKind::Boundary, turn, None);
-                episode.push(&observation, TokenKind::Observation, turn, None);
-                context.extend_from_slice(&boundary);
-                context.extend_from_slice(&observation);
-                history.push(json!({"role": "assistant", "content": content}));
-                history.extend(said);
-                continue;
-            }
-            let calls = self.parser.parse(content);
-            if calls.is_empty() {
-                episode.finish = Finish::Stop;
-                return Ok(episode);
-            }
-            if turn + 1 == budgets.max_turns {
-                episode.finish = Finish::MaxTurns;
-                return Ok(episode);
-            }
-            let mut answers = Vec::with_capacity(calls.len());
-            for call in &calls {
-                let clock = std::time::Instant::now();
-                let output = answer(self.tools, call);
-                let seconds = clock.elapsed().as_secs_f64();
-                let text = self.cut(&output.text).map_err(|e| observe(e.into()))?;
-                let (tool, arguments) = match call {
-                    Ok(c) => (
-                        c.name.clone(),
-                        Value::Object(c.arguments.clone()).to_string(),
-                    ),
-                    Err(m) => (String::new(), m.text.clone()),
-                };
-                answers.push(json!({"role": "tool", "name": tool, "content": text}));
-                episode.calls.push(CallRecord {
-                    turn,
-                    tool,
-                    arguments,
-                    output: text,
-                    ok: output.ok,
-                    seconds,
-                });
-                if !output.ok && self.on_error == OnError::End {
-                    episode.finish = if output.timed_out {
-                        Finish::Timeout
-                    } else {
-                        Finish::ToolError
-                    };
-                    return Ok(episode);
-                }
-            }
-            let next = appended(
-                self.tokenizer,
-                &history,
-                &text,
-                &self.end_of_turn,
-                &answers,
-                schemas.as_deref(),
-            )
-            .map_err(observe)?;
-            let room = budgets.max_tokens - episode.tokens.len();
-            if next.boundary.len() + next.observation.len() > room {
-                episode.finish = Finish::Length;
-                return Ok(episode);
-            }
-            episode.push(&next.boundary, TokenKind::Boundary, turn, None);
-            episode.push(&next.observation, TokenKind::Observation, turn, None);
-            context.extend_from_slice(&next.boundary);
-            context.extend_from_slice(&next.observation);
-            history.push(json!({"role": "assistant", "content": content}));
-            history.extend(answers);
+                Next::Done => return Ok(state.into_episode()),
+            };
         }
-        // Only a budget of zero turns gets here.
-        Ok(episode)
     }
 
     /// `text` cut to `max_observation_tokens` tokens, with a marker saying
     /// how many were left out; text that fits exactly is kept whole.
-    fn cut(&self, text: &str) -> Result<String, weir_gpu::ModelError> {
+    pub(crate) fn cut(&self, text: &str) -> Result<String, weir_gpu::ModelError> {
         let limit = self.budgets.max_observation_tokens;
         let tokens = self.tokenizer.encode(text, false)?;
         if tokens.len() <= limit {

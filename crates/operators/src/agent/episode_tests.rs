@@ -3,9 +3,11 @@
 
 use super::*;
 use crate::agent::environment::{EnvFault, EnvStep};
+use crate::agent::environment::{Environment, Observation};
 use crate::agent::observe::tests::{tokenizer_with, CHATML_TOOLS};
 use crate::agent::tool_calls::Hermes;
-use crate::agent::tools::Calculator;
+use crate::agent::tools::{schemas, Calculator};
+use serde_json::json;
 
 /// A policy that says what it is told, turn by turn.
 struct Script {

@@ -6,11 +6,16 @@
 //! - [`episode`]: one episode as one token trajectory: turns sampled by a
 //!   [`episode::TurnPolicy`], the tools' answers rendered after them, what
 //!   each token is, the budgets and why it ended;
+//! - [`turns`]: an episode as a state machine (what it needs next: a
+//!   turn sampled, its calls answered, nothing), and [`turns::work`],
+//!   which answers a call or an environment's reset or step;
 //! - [`environment`]: the `Environment` trait (reset with a row, a step
 //!   per turn: an observation, a reward, done), observations as messages
 //!   or raw text;
 //! - [`python_env`]: an environment in a Python file in OpenRLHF's agent
 //!   format, run by a long-lived worker process;
+//! - [`pool`]: a batch's episodes in one decode pool, their calls on
+//!   other threads (or in lockstep rounds, to compare);
 //! - [`stage`]: `EpisodeGenerate`, the generator stage that writes one
 //!   episode per row as the rollout's response columns;
 //! - [`tools`]: the `Tool` trait (a name, a JSON schema for the chat
@@ -29,8 +34,10 @@ pub mod calculator;
 pub mod environment;
 pub mod episode;
 pub mod observe;
+pub mod pool;
 pub mod python_env;
 pub mod python_tool;
 pub mod stage;
 pub mod tool_calls;
 pub mod tools;
+pub mod turns;

@@ -2,9 +2,10 @@
 //! expanded prompts × n), its turns sampled by the actor and answered by
 //! the tools, written as the rollout's response columns.
 //!
-//! Each row's episode runs to its end before the next begins (turns in
-//! lockstep within a row; no row waits for a tool while others decode —
-//! that is the streaming pool's work). What the columns hold:
+//! A batch's episodes run together in an episode pool
+//! ([`super::pool`]): their turns decode in one pool of sequences, and an
+//! episode whose call is out leaves it while the others go on. What the
+//! columns hold:
 //! - `response_tokens`: the whole trajectory, generated, boundary and
 //!   observation tokens in order; `token_kinds` says which is which, and
 //!   `token_turns` the turn of each;
@@ -38,7 +39,8 @@ use weir_graph::weights_edge::now_unix_s;
 use weir_graph::{PolicyVersion, Stage, StageError, StepContext, WeightsPayload};
 
 use super::environment::Environment;
-use super::episode::{Budgets, Episode, EpisodeRunner, ModelPolicy, OnError};
+use super::episode::{Budgets, Episode, EpisodeRunner, OnError};
+use super::pool::{run_episodes, EpisodeInput, PoolSettings, Schedule};
 use super::tool_calls::ToolCallParser;
 use super::tools::Tool;
 use crate::rollout::{col, TokenKind};
@@ -62,7 +64,10 @@ pub struct EpisodeGenerate {
     end_of_turn: String,
     budgets: Budgets,
     on_error: OnError,
-    environment: Option<Box<dyn Environment>>,
+    /// Environment instances, one per episode under way (none: tools).
+    environments: Vec<Box<dyn Environment>>,
+    max_concurrency: usize,
+    schedule: Schedule,
 }
 
 impl EpisodeGenerate {
@@ -99,14 +104,30 @@ impl EpisodeGenerate {
             end_of_turn,
             budgets,
             on_error: OnError::default(),
-            environment: None,
+            environments: Vec::new(),
+            max_concurrency: 8,
+            schedule: Schedule::default(),
         })
     }
 
-    /// Each turn answered by `environment` (reset with the row's columns
+    /// Each turn answered by an environment (reset with the row's columns
     /// as JSON) instead of the tools; its turn rewards go to `env_rewards`.
-    pub fn with_environment(mut self, environment: Box<dyn Environment>) -> Self {
-        self.environment = Some(environment);
+    /// Each of `environments` serves one episode at a time: as many
+    /// episodes run at once as there are instances.
+    pub fn with_environments(mut self, environments: Vec<Box<dyn Environment>>) -> Self {
+        self.environments = environments;
+        self
+    }
+
+    /// At most `calls` tool calls or environment steps at once.
+    pub fn with_max_concurrency(mut self, calls: usize) -> Self {
+        self.max_concurrency = calls.max(1);
+        self
+    }
+
+    /// When episodes' turns start (streaming, or in lockstep rounds).
+    pub fn with_schedule(mut self, schedule: Schedule) -> Self {
+        self.schedule = schedule;
         self
     }
 
@@ -153,25 +174,37 @@ impl EpisodeGenerate {
             budgets: self.budgets,
             on_error: self.on_error,
         };
-        let mut episodes = Vec::with_capacity(prompts.len());
-        let (mut seconds, mut started) = (Vec::new(), Vec::new());
-        for (i, prompt) in prompts.iter().enumerate() {
-            let (clock, unix) = (Instant::now(), now_unix_s());
-            let mut policy =
-                ModelPolicy::new(&self.model, self.params.clone(), streams[i]).on(self.backend);
-            let messages = conversation(&texts[i]);
-            let episode = match self.environment.as_deref_mut() {
-                Some(environment) => {
-                    let row = row_json(&batch, i)?;
-                    runner.run_with(&mut policy, environment, &row, &messages, prompt)
-                }
-                None => runner.run(&mut policy, &messages, prompt),
-            }
-            .map_err(|e| format!("row {i}: {e}"))?;
-            episodes.push(episode);
-            seconds.push(clock.elapsed().as_secs_f32());
-            started.push(unix);
-        }
+        let with_rows = !self.environments.is_empty();
+        let inputs = (0..prompts.len())
+            .map(|i| {
+                Ok(EpisodeInput {
+                    messages: conversation(&texts[i]).to_vec(),
+                    prompt: prompts[i].clone(),
+                    stream: streams[i],
+                    row: if with_rows {
+                        row_json(&batch, i)?
+                    } else {
+                        serde_json::Value::Null
+                    },
+                })
+            })
+            .collect::<Result<Vec<_>, StageError>>()?;
+        let (clock, unix) = (Instant::now(), now_unix_s());
+        let settings = PoolSettings {
+            max_concurrency: self.max_concurrency,
+            schedule: self.schedule,
+            backend: self.backend,
+        };
+        let episodes = run_episodes(
+            &runner,
+            &self.model,
+            &self.params,
+            &inputs,
+            &mut self.environments,
+            settings,
+        )?;
+        let seconds = vec![clock.elapsed().as_secs_f32(); episodes.len()];
+        let started = vec![unix; episodes.len()];
         for (name, value) in episode_metrics(&episodes) {
             ctx.record(name, value);
         }
@@ -240,7 +273,7 @@ impl EpisodeGenerate {
             TOOL_CALLS,
             Arc::new(StringArray::from(calls)) as ArrayRef,
         )?;
-        if self.environment.is_some() {
+        if !self.environments.is_empty() {
             let rewards: Vec<Vec<f64>> = episodes.iter().map(turn_rewards_on_tokens).collect();
             b = with_column(&b, col::ENV_REWARDS, float_list_array(&rewards))?;
             let errors: StringArray = episodes.iter().map(|e| e.env_error.as_deref()).collect();
@@ -515,7 +548,7 @@ mod tests {
             budgets,
         )
         .unwrap()
-        .with_environment(Box::new(Again { steps: 0 }));
+        .with_environments(vec![Box::new(Again { steps: 0 })]);
         let prompt = stage
             .tokenizer
             .encode_conversation(&[json!({"role": "user", "content": "3+4="})], None, true)
