@@ -78,7 +78,11 @@ fn main() {
             .map(|v| v.parse().unwrap_or_else(|_| panic!("{name}: a number")))
             .unwrap_or(default)
     };
-    let batches = if benching { var("WEIR_BENCH_BATCHES", 6) } else { 1 };
+    let batches = if benching {
+        var("WEIR_BENCH_BATCHES", 6)
+    } else {
+        1
+    };
     let episodes = if benching { 32 } else { 8 };
     let mean = Duration::from_millis(var("WEIR_BENCH_LATENCY_MS", 20));
     tch::set_num_threads(1);
@@ -109,9 +113,12 @@ fn main() {
         (0..episodes as u64)
             .map(|i| {
                 let (a, b) = ((batch * 31 + i * 7) % 90 + 10, (i * 13) % 90 + 10);
-                let messages = vec![json!({"role": "user", "content": format!("Compute: {a}+{b}")})];
+                let messages =
+                    vec![json!({"role": "user", "content": format!("Compute: {a}+{b}")})];
                 EpisodeInput {
-                    prompt: tokenizer.encode_conversation(&messages, None, true).unwrap(),
+                    prompt: tokenizer
+                        .encode_conversation(&messages, None, true)
+                        .unwrap(),
                     messages,
                     stream: batch << 20 | i,
                     row: json!({"i": i}),
@@ -137,8 +144,15 @@ fn main() {
         };
         let inputs = inputs(batch);
         let clock = Instant::now();
-        let out = run_episodes(&runner, &model, &params, &inputs, &mut environments, settings)
-            .expect("the episodes run");
+        let out = run_episodes(
+            &runner,
+            &model,
+            &params,
+            &inputs,
+            &mut environments,
+            settings,
+        )
+        .expect("the episodes run");
         (out, clock.elapsed())
     };
     let generated = |episodes: &[Episode]| -> usize { episodes.iter().map(|e| e.counts().0).sum() };
@@ -162,7 +176,10 @@ fn main() {
             outs.push(out);
         }
         for (a, b) in outs[0].iter().zip(&outs[1]) {
-            assert_eq!(a.tokens, b.tokens, "both schedules sample the same episodes");
+            assert_eq!(
+                a.tokens, b.tokens,
+                "both schedules sample the same episodes"
+            );
         }
         turns += outs[0].iter().map(|e| e.turns_taken).sum::<usize>();
     }

@@ -259,6 +259,42 @@ fn a_streaming_run_killed_with_sequences_in_flight_resumes_with_every_step_once(
     );
 }
 
+/// With multi-turn episodes answered by a Python environment that takes
+/// 20 ms a step, kills land mid-episode, with its worker processes
+/// answering: nothing of an unfinished episode is in a checkpoint, and the
+/// resume runs it again from its prompt.
+#[test]
+fn an_agentic_run_killed_mid_episode_resumes_with_every_step_once() {
+    let seed = env_u64("WEIR_CRASH_SEED", 7) + 3;
+    let kills = env_u64("WEIR_CRASH_KILLS", 10).div_ceil(2);
+    let tmp = tempfile::tempdir().unwrap();
+    let env = tmp.path().join("agent_func.py");
+    std::fs::write(
+        &env,
+        "import time\n\
+         from openrlhf.utils.agent import AgentInstanceBase\n\
+         class AgentInstance(AgentInstanceBase):\n\
+         \x20   def __init__(self):\n\
+         \x20       self.steps = 0\n\
+         \x20   async def step(self, states):\n\
+         \x20       self.steps += 1\n\
+         \x20       time.sleep(0.02)\n\
+         \x20       return {'rewards': 0.5, 'environment_feedback': '\\nAgain:', 'done': self.steps >= 2}\n",
+    )
+    .unwrap();
+    let environment = format!("agent.environment={:?}", env.display().to_string());
+    kill_and_resume_in(
+        tmp.path(),
+        seed,
+        kills,
+        &[
+            &environment,
+            "generate.max_new_tokens=32",
+            "agent.max_concurrency=2",
+        ],
+    );
+}
+
 /// At k = 0 a run's result does not depend on timing: killed and resumed
 /// over and over, it trains exactly the weights of a run left alone.
 #[test]
