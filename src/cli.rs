@@ -38,6 +38,11 @@ enum Command {
     Inspect {
         /// The run folder (holds metrics.parquet).
         run_dir: PathBuf,
+        /// Show one rollout row turn by turn instead, STEP:ROW (the row's
+        /// place in the step, by group and sample): the model's tokens,
+        /// boundaries and observations marked apart, its tool calls.
+        #[arg(long, value_name = "STEP:ROW")]
+        episode: Option<String>,
     },
     /// Write PNG charts of a run (reward, KL, entropy, loss, staleness, throughput, idle shares) to RUN_DIR/plots.
     Plot {
@@ -66,9 +71,10 @@ pub fn main() {
         Command::Score(args) => crate::model_cli::score(args),
         Command::Merge(args) => crate::model_cli::merge(args),
         Command::Devices => crate::model_cli::devices(),
-        Command::Inspect { run_dir } => {
-            crate::report::inspect(run_dir).map(|text| print!("{text}"))
-        }
+        Command::Inspect { run_dir, episode } => match episode {
+            Some(spec) => crate::report::episode(run_dir, spec).map(|text| print!("{text}")),
+            None => crate::report::inspect(run_dir).map(|text| print!("{text}")),
+        },
         Command::Plot { run_dir } => crate::report::plot(run_dir).map(|paths| {
             for path in paths {
                 println!("{}", path.display());

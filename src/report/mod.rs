@@ -19,9 +19,11 @@ use weir_graph::metrics::{batch_to_rows, names, MetricRow};
 use weir_graph::parquet_log::{read_parquet_dir, read_parquet_file};
 use weir_graph::Step;
 
+mod episode;
 mod inspect;
 mod plot;
 
+pub use self::episode::episode;
 pub use self::inspect::inspect;
 pub use self::plot::plot;
 

@@ -244,3 +244,72 @@ fn inspect_and_plot_read_a_sim_run() {
     );
     assert!(!written.contains("reward.png"), "{written}");
 }
+
+#[test]
+fn inspect_shows_an_episode_turn_by_turn() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("env.py"),
+        "class AgentInstance:\n    def __init__(self):\n        self.steps = 0\n    def reset(self, states):\n        return states\n    def step(self, states):\n        self.steps += 1\n        return {'rewards': 0.25, 'environment_feedback': '\\nAgain:', 'done': self.steps >= 2}\n",
+    )
+    .unwrap();
+    let model = format!(
+        "model.path={:?}",
+        fixtures().join("arith-sft").display().to_string()
+    );
+    let sets = [
+        model.as_str(),
+        "run.steps=1",
+        "data.prompts_per_step=2",
+        "data.samples_per_prompt=2",
+        "generate.max_new_tokens=48",
+        "eval.arith=false",
+        "agent.environment=\"env.py\"",
+    ];
+    let mut args = vec!["run", "grpo", "--quiet", "--out", "run"];
+    for set in &sets {
+        args.extend(["--set", set]);
+    }
+    success(&weir(&args, dir.path()));
+    let mut seen_observation = false;
+    for row in 0..4 {
+        let spec = format!("0:{row}");
+        let text = success(&weir(&["inspect", "run", "--episode", &spec], dir.path()));
+        assert!(
+            text.starts_with(&format!("episode: step 0, row {row} ")),
+            "{text}"
+        );
+        assert!(text.contains("turn 0 model ▸"), "{text}");
+        // The spans' token counts add up to the counts' line.
+        let spans: usize = text
+            .lines()
+            .filter(|l| {
+                l.contains(" ▸ (") || l.contains("◂ observation (") || l.contains("· boundary (")
+            })
+            .map(|l| {
+                let n = l.split(" (").nth(1).unwrap().split(' ').next().unwrap();
+                n.parse::<usize>().unwrap()
+            })
+            .sum();
+        let counts = text.lines().find(|l| l.starts_with("tokens: ")).unwrap();
+        let total: usize = counts
+            .split(|c: char| !c.is_ascii_digit())
+            .filter_map(|n| n.parse::<usize>().ok())
+            .sum();
+        assert_eq!(spans, total, "{text}");
+        if text.contains("◂ observation") {
+            seen_observation = true;
+            assert!(
+                text.contains("◂ observation (") && text.contains("\"\\nAgain:\""),
+                "{text}"
+            );
+            assert!(text.contains("turn 1 model ▸"), "{text}");
+            assert!(text.contains("environment reward 0.25"), "{text}");
+        }
+    }
+    assert!(seen_observation, "no episode got a second turn");
+    let out = weir(&["inspect", "run", "--episode", "0:4"], dir.path());
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("step 0 has 4 rows"), "{err}");
+}
