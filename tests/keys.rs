@@ -854,6 +854,16 @@ fn agent_change(key: &str, dir: &Path) -> (Vec<String>, String) {
         "agent.max_observation_tokens" => (with_env, "3".into()),
         "agent.python" => (with_env, "\"python3-that-is-not-there\"".into()),
         "agent.max_concurrency" => (with_env, "1".into()),
+        // A server of its own: walks run side by side, and a server holds one episode.
+        "agent.action_field" | "agent.observation_field" => {
+            let server = format!("agent.environment={:?}", support::openenv_server(false));
+            let value = if key == "agent.action_field" {
+                "\"text\""
+            } else {
+                "\"tries\""
+            };
+            (vec![budget, server], value.into())
+        }
         "agent.timeout_s" => (
             vec![budget, format!("agent.environment={slow}")],
             "0.1".into(),

@@ -12,6 +12,7 @@ use weir_gpu::{SamplingParams, Tokenizer};
 use weir_graph::{ParquetLog, Stage, StageError, WorkerInfo};
 use weir_operators::agent::environment::Environment;
 use weir_operators::agent::episode::Budgets;
+use weir_operators::agent::http_env::{HttpEnvConfig, HttpEnvironment};
 use weir_operators::agent::python_env::{PythonEnvConfig, PythonEnvironment};
 use weir_operators::agent::python_tool::PythonLimits;
 use weir_operators::agent::stage::EpisodeGenerate;
@@ -131,9 +132,25 @@ fn episodes(
             .with_on_error(a.on_error)
             .with_backend(cfg.generate.backend);
     if let Some(name) = &a.environment {
-        // One instance per episode under way: as many as calls may run at once.
+        // One instance per episode under way: as many as calls may run at
+        // once, or, of OpenEnv servers (one episode each), one per URL.
         let mut environments: Vec<Box<dyn Environment>> = Vec::new();
-        for _ in 0..a.max_concurrency {
+        for url in a.environment_urls().unwrap_or_default() {
+            environments.push(Box::new(HttpEnvironment::new(HttpEnvConfig {
+                url: url.to_string(),
+                timeout,
+                attempts: 3,
+                action_field: a.action_field.clone(),
+                observation_field: (!a.observation_field.is_empty())
+                    .then(|| a.observation_field.clone()),
+            })?));
+        }
+        let instances = if environments.is_empty() {
+            a.max_concurrency
+        } else {
+            0
+        };
+        for _ in 0..instances {
             environments.push(match a.environment_file() {
                 Some(file) => Box::new(PythonEnvironment::new(PythonEnvConfig {
                     file: file.into(),

@@ -323,3 +323,55 @@ fn bad_agent_inputs_are_refused_with_one_line_naming_them() {
     .to_string();
     assert!(e.contains("agent.tools") && e.contains("remax"), "{e}");
 }
+
+#[test]
+fn an_openenv_server_drives_episodes_and_one_that_answers_garbage_fails_the_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let kind = PipelineKind::Grpo;
+    let mut cfg = config(kind, 1);
+    cfg.agent.environment = Some(super::support::openenv_server(false));
+    cfg.agent.max_turns = 4;
+    cfg.generate.max_new_tokens = 48;
+    cfg.reward.kind = RewardKind::None;
+    let dir = tmp.path().join("run");
+    run(kind, cfg.clone(), &dir, false);
+    let tokenizer = weir::gpu::Tokenizer::load(&fixture("arith-sft")).unwrap();
+    let mut hints = 0;
+    for b in read_parquet_dir(&dir.join("rollouts")).unwrap() {
+        let tokens = lists::<arrow::datatypes::Int64Type>(&b, col::RESPONSE_TOKENS);
+        let kinds = lists::<UInt8Type>(&b, col::TOKEN_KINDS);
+        let env = lists::<Float32Type>(&b, col::ENV_REWARDS);
+        for row in 0..b.num_rows() {
+            // The observations are the hints, appended raw.
+            let observed: Vec<i64> = tokens[row]
+                .iter()
+                .zip(&kinds[row])
+                .filter(|(_, &k)| k == TokenKind::Observation as u8)
+                .map(|(&t, _)| t)
+                .collect();
+            let text = tokenizer.decode(&observed, false).unwrap();
+            let words = text.replace("higher", "").replace("lower", "");
+            assert!(words.is_empty(), "observations {text:?}");
+            hints += (text.len() - words.len()).min(1);
+            let total: f32 = env[row].iter().sum();
+            assert!(total == 0.0 || total == 1.0, "{total}");
+        }
+    }
+    assert!(hints > 0, "no episode read a hint");
+    // A server that answers outside the protocol: one line naming it.
+    let garbage = super::support::openenv_server(true);
+    cfg.agent.environment = Some(garbage.clone());
+    let e = weir::pipelines::run(&super::support::request(
+        kind,
+        cfg,
+        &tmp.path().join("bad"),
+        false,
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(!e.contains('\n'), "{e}");
+    assert!(
+        e.contains(&garbage) && e.contains("not OpenEnv's") && e.contains("row "),
+        "{e}"
+    );
+}

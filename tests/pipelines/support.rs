@@ -53,6 +53,48 @@ pub fn run(kind: PipelineKind, cfg: RunConfig, dir: &Path, resume: bool) -> serd
         .summary
 }
 
+/// Serves HTTP on a free local port, each request on a thread of its own:
+/// `answer(path, body)` gives the status and the JSON text. Its URL.
+pub fn serve(answer: impl Fn(&str, &[u8]) -> (u16, String) + Send + Sync + 'static) -> String {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let answer = std::sync::Arc::new(answer);
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { return };
+            let answer = answer.clone();
+            std::thread::spawn(move || {
+                let mut reader = BufReader::new(stream.try_clone().unwrap());
+                let (mut length, mut path) = (0, String::new());
+                loop {
+                    let mut line = String::new();
+                    if reader.read_line(&mut line).unwrap_or(0) == 0 || line.trim().is_empty() {
+                        break;
+                    }
+                    if path.is_empty() {
+                        path = line.split_whitespace().nth(1).unwrap_or("").to_string();
+                    }
+                    if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                        length = v.trim().parse().unwrap();
+                    }
+                }
+                let mut body = vec![0; length];
+                if reader.read_exact(&mut body).is_err() {
+                    return;
+                }
+                let (status, text) = answer(&path, &body);
+                let _ = write!(
+                    stream,
+                    "HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{text}",
+                    text.len()
+                );
+            });
+        }
+    });
+    url
+}
+
 /// The URL of a reward server (OpenRLHF's protocol) for this test process:
 /// it refuses every other copy of a request with 503 (the first, third, …:
 /// so a client needs a retry), answers after 0.5 s (so a short timeout fails),
@@ -60,64 +102,69 @@ pub fn run(kind: PipelineKind, cfg: RunConfig, dir: &Path, resume: bool) -> serd
 /// path ending in `/other`. Each pipeline's walk uses a path of its own, so
 /// walks running side by side do not share request counts.
 pub fn reward_server() -> String {
-    use std::io::{BufRead, BufReader, Read, Write};
     static URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     URL.get_or_init(|| {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
-        let seen = std::sync::Arc::new(std::sync::Mutex::new(std::collections::HashMap::new()));
-        std::thread::spawn(move || {
-            for stream in listener.incoming() {
-                let Ok(mut stream) = stream else { return };
-                let seen = seen.clone();
-                std::thread::spawn(move || {
-                    let mut reader = BufReader::new(stream.try_clone().unwrap());
-                    let (mut length, mut path) = (0, String::new());
-                    loop {
-                        let mut line = String::new();
-                        if reader.read_line(&mut line).unwrap_or(0) == 0 || line.trim().is_empty() {
-                            break;
-                        }
-                        if path.is_empty() {
-                            path = line.split_whitespace().nth(1).unwrap_or("").to_string();
-                        }
-                        if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
-                            length = v.trim().parse().unwrap();
-                        }
-                    }
-                    let mut body = vec![0; length];
-                    if reader.read_exact(&mut body).is_err() {
-                        return;
-                    }
-                    let copies = {
-                        let mut seen = seen.lock().unwrap();
-                        let n = seen.entry((path.clone(), body.clone())).or_insert(0u32);
-                        *n += 1;
-                        *n
-                    };
-                    let (status, text) = if copies % 2 == 1 {
-                        (503, "{}".to_string())
-                    } else {
-                        std::thread::sleep(std::time::Duration::from_millis(500));
-                        let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
-                        let scale = if path.ends_with("/other") { 2e-3 } else { 1e-3 };
-                        let rewards: Vec<f64> = body["query"]
-                            .as_array()
-                            .unwrap()
-                            .iter()
-                            .map(|q| q.as_str().unwrap().len() as f64 * scale)
-                            .collect();
-                        (200, serde_json::json!({ "rewards": rewards }).to_string())
-                    };
-                    let _ = write!(
-                        stream,
-                        "HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{text}",
-                        text.len()
-                    );
-                });
+        let seen = std::sync::Mutex::new(std::collections::HashMap::new());
+        serve(move |path, body| {
+            let copies = {
+                let mut seen = seen.lock().unwrap();
+                let n = seen
+                    .entry((path.to_string(), body.to_vec()))
+                    .or_insert(0u32);
+                *n += 1;
+                *n
+            };
+            if copies % 2 == 1 {
+                return (503, "{}".to_string());
             }
-        });
-        url
+            std::thread::sleep(std::time::Duration::from_millis(500));
+            let body: serde_json::Value = serde_json::from_slice(body).unwrap();
+            let scale = if path.ends_with("/other") { 2e-3 } else { 1e-3 };
+            let rewards: Vec<f64> = body["query"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|q| q.as_str().unwrap().len() as f64 * scale)
+                .collect();
+            (200, serde_json::json!({ "rewards": rewards }).to_string())
+        })
     })
     .clone()
+}
+
+/// An environment server speaking OpenEnv's protocol, one episode at a
+/// time: a guessing game whose number is the reset's seed mod 10. Each
+/// step reads the guess from `action.message` and answers `{"hint":
+/// "higher" | "lower" | "right", "tries": n}`, reward 1 when right, done
+/// when right or after 3 tries. With `garbage`, `/step` answers HTML.
+pub fn openenv_server(garbage: bool) -> String {
+    let game = std::sync::Mutex::new((0i64, 0u64));
+    serve(move |path, body| {
+        let body: serde_json::Value = serde_json::from_slice(body).unwrap_or_default();
+        let mut game = game.lock().unwrap();
+        if path == "/reset" {
+            *game = ((body["seed"].as_u64().unwrap_or(0) % 10) as i64, 0);
+            let answer = serde_json::json!({"observation": {"hint": "go", "tries": 0}, "reward": null, "done": false});
+            return (200, answer.to_string());
+        }
+        if garbage {
+            return (200, "<html>not json</html>".into());
+        }
+        game.1 += 1;
+        let guess: i64 = body["action"]["message"]
+            .as_str()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(-1);
+        let hint = match guess.cmp(&game.0) {
+            std::cmp::Ordering::Less => "higher",
+            std::cmp::Ordering::Greater => "lower",
+            std::cmp::Ordering::Equal => "right",
+        };
+        let answer = serde_json::json!({
+            "observation": {"hint": hint, "tries": game.1},
+            "reward": if hint == "right" { 1.0 } else { 0.0 },
+            "done": hint == "right" || game.1 >= 3,
+        });
+        (200, answer.to_string())
+    })
 }

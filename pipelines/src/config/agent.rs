@@ -25,6 +25,11 @@ pub struct AgentSection {
     pub environment: Option<String>,
     /// The Python file's class.
     pub environment_class: String,
+    /// An OpenEnv server's action field that carries the turn's text.
+    pub action_field: String,
+    /// An OpenEnv server's observation field the model reads ("": its only
+    /// text field, else the observation as JSON).
+    pub observation_field: String,
     /// Turns of the model per episode at most.
     pub max_turns: usize,
     /// Tokens of one tool output or observation past which it is cut, with a marker.
@@ -46,6 +51,8 @@ impl Default for AgentSection {
             tool_format: ToolFormat::default(),
             environment: None,
             environment_class: "AgentInstance".into(),
+            action_field: "message".into(),
+            observation_field: String::new(),
             max_turns: 4,
             max_observation_tokens: 256,
             timeout_s: 30.0,
@@ -65,6 +72,13 @@ impl AgentSection {
     /// The environment's Python file, when it names one.
     pub fn environment_file(&self) -> Option<&str> {
         self.environment.as_deref().filter(|e| e.ends_with(".py"))
+    }
+
+    /// The OpenEnv servers it names (comma-separated URLs), when it names any.
+    pub fn environment_urls(&self) -> Option<Vec<&str>> {
+        let env = self.environment.as_deref()?;
+        (env.starts_with("http://") || env.starts_with("https://"))
+            .then(|| env.split(',').map(str::trim).collect())
     }
 }
 
@@ -86,6 +100,21 @@ impl RunConfig {
         }
         if let Some(env) = &a.environment {
             let known = weir_operators::agent::environment::registered(env).is_some();
+            if let Some(urls) = a.environment_urls() {
+                for url in urls {
+                    let host = url
+                        .strip_prefix("http://")
+                        .or_else(|| url.strip_prefix("https://"));
+                    if !host.is_some_and(|h| !h.is_empty() && !h.contains(char::is_whitespace)) {
+                        return bad(
+                            "agent.environment",
+                            format!("{env:?}"),
+                            &format!("{url:?} is not an http:// or https:// URL"),
+                        );
+                    }
+                }
+                return self.check_agent_rest(pipeline);
+            }
             match a.environment_file() {
                 Some(file) if !std::path::Path::new(file).is_file() => {
                     return bad("agent.environment", format!("{env:?}"), "no such file");
@@ -95,12 +124,18 @@ impl RunConfig {
                     return bad(
                         "agent.environment",
                         format!("{env:?}"),
-                        &format!("neither a .py file nor an environment this binary registered (registered: {names:?})"),
+                        &format!("neither a .py file, an http(s):// URL, nor an environment this binary registered (registered: {names:?})"),
                     );
                 }
                 _ => {}
             }
         }
+        self.check_agent_rest(pipeline)
+    }
+
+    /// `[agent]` past its environment.
+    fn check_agent_rest(&self, pipeline: PipelineKind) -> Result<(), ConfigError> {
+        let a = &self.agent;
         if self.reward.kind == RewardKind::None && a.environment.is_none() {
             return bad(
                 "reward.kind",

@@ -322,6 +322,12 @@ fn agent(cfg: &RunConfig, found: &mut Inert) {
         "agent.environment names a .py file",
     );
     found.unless(
+        a.environment_urls().is_some(),
+        "agent",
+        &["action_field", "observation_field"],
+        "agent.environment names OpenEnv servers (http:// or https:// URLs)",
+    );
+    found.unless(
         a.environment_file().is_some() || a.tools.iter().any(|t| t == "python"),
         "agent",
         &["python"],

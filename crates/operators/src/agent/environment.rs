@@ -40,20 +40,24 @@ pub enum EnvFault {
     Error(String),
     /// It did not answer within its time (its episode's state is lost).
     Timeout(String),
+    /// It answered outside its protocol: not an episode's failure but the
+    /// setup's, which fails the run (a misconfigured server would
+    /// otherwise fail every episode quietly).
+    Protocol(String),
 }
 
 impl EnvFault {
     /// What it says.
     pub fn message(&self) -> &str {
         match self {
-            EnvFault::Error(m) | EnvFault::Timeout(m) => m,
+            EnvFault::Error(m) | EnvFault::Timeout(m) | EnvFault::Protocol(m) => m,
         }
     }
 
     /// The episode's end when it ends on this fault.
     pub fn finish(&self) -> super::episode::Finish {
         match self {
-            EnvFault::Error(_) => super::episode::Finish::EnvError,
+            EnvFault::Error(_) | EnvFault::Protocol(_) => super::episode::Finish::EnvError,
             EnvFault::Timeout(_) => super::episode::Finish::Timeout,
         }
     }

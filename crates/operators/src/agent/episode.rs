@@ -291,6 +291,18 @@ pub enum EpisodeError {
         /// What failed.
         message: String,
     },
+    /// The environment answered outside its protocol.
+    #[error("{0}")]
+    Environment(String),
+    /// What went wrong in one row's episode.
+    #[error("row {row}: {error}")]
+    InRow {
+        /// The row of the batch.
+        row: usize,
+        /// What went wrong (shown whole in the message, not as a source,
+        /// so that reports naming only root causes keep the row).
+        error: Box<EpisodeError>,
+    },
     /// Rendering or tokenizing what follows a turn failed.
     #[error("after turn {turn}: {source}")]
     Observe {

@@ -12,6 +12,8 @@
 //! - [`environment`]: the `Environment` trait (reset with a row, a step
 //!   per turn: an observation, a reward, done), observations as messages
 //!   or raw text;
+//! - [`http_env`]: an environment behind a server speaking OpenEnv's
+//!   HTTP protocol;
 //! - [`python_env`]: an environment in a Python file in OpenRLHF's agent
 //!   format, run by a long-lived worker process;
 //! - [`pool`]: a batch's episodes in one decode pool, their calls on
@@ -33,6 +35,7 @@
 pub mod calculator;
 pub mod environment;
 pub mod episode;
+pub mod http_env;
 pub mod observe;
 pub mod pool;
 pub mod python_env;

@@ -231,7 +231,10 @@ impl Pool<'_, '_> {
                         logprobs: f.generation.logprobs,
                     };
                     let state = self.states[i].as_mut().expect("a decoding episode started");
-                    let next = self.runner.sampled(state, sampled)?;
+                    let next = self
+                        .runner
+                        .sampled(state, sampled)
+                        .map_err(|e| in_row(i, e))?;
                     self.follow(i, next)?;
                 }
                 while let Ok(done) = results.try_recv() {
@@ -268,7 +271,10 @@ impl Pool<'_, '_> {
             };
             self.waiting.pop_front();
             let input = &self.inputs[i];
-            let (state, next) = self.runner.begin(&input.messages, &input.prompt, row)?;
+            let (state, next) = self
+                .runner
+                .begin(&input.messages, &input.prompt, row)
+                .map_err(|e| in_row(i, e))?;
             self.states[i] = Some(state);
             self.follow(i, next)?;
         }
@@ -336,7 +342,10 @@ impl Pool<'_, '_> {
                 let state = self.states[i]
                     .as_mut()
                     .expect("an answered episode started");
-                let next = self.runner.answered(state, answered)?;
+                let next = self
+                    .runner
+                    .answered(state, answered)
+                    .map_err(|e| in_row(i, e))?;
                 self.follow(i, next)
             }
             None => {
@@ -345,6 +354,13 @@ impl Pool<'_, '_> {
                 self.start_waiting()
             }
         }
+    }
+}
+
+fn in_row(row: usize, source: EpisodeError) -> EpisodeError {
+    EpisodeError::InRow {
+        row,
+        error: Box::new(source),
     }
 }
 

@@ -266,6 +266,7 @@ impl EpisodeRunner<'_> {
                 }
             }
             Ok(None) => {}
+            Err(EnvFault::Protocol(e)) => return Err(EpisodeError::Environment(e)),
             Err(fault) => {
                 state.episode.env_error = Some(format!("reset: {}", fault.message()));
                 return Ok(state.end(fault.finish()));
@@ -282,6 +283,7 @@ impl EpisodeRunner<'_> {
         let turn = state.episode.turns_taken - 1;
         let step = match step {
             Ok(step) => step,
+            Err(EnvFault::Protocol(e)) => return Err(EpisodeError::Environment(e)),
             Err(fault) => {
                 state.episode.env_error = Some(format!("turn {turn}: {}", fault.message()));
                 match (&fault, self.on_error) {
