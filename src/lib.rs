@@ -14,6 +14,7 @@ pub use weir_pipelines as pipelines;
 pub mod cli;
 pub mod cluster;
 pub mod demo;
+mod demo_agentic;
 pub mod model_cli;
 pub mod report;
 pub mod run_cli;

@@ -183,6 +183,53 @@ fn demo_writes_a_self_contained_run_folder() {
 }
 
 #[test]
+fn the_agentic_demo_writes_its_summary_and_runs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let args = [
+        "demo",
+        "--agentic",
+        "--quiet",
+        "--out",
+        "a",
+        "--agentic-sft-steps",
+        "3",
+        "--grpo-steps",
+        "2",
+    ];
+    let text = success(&weir(&args, tmp.path()));
+    assert!(
+        text.contains("tool calls") && text.contains("run folder: a"),
+        "{text}"
+    );
+    let dir = tmp.path().join("a");
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap();
+    for key in [
+        "accuracy_before",
+        "accuracy_after",
+        "tool_call_rate_before",
+        "tool_call_rate_after",
+    ] {
+        let v = summary[key].as_f64().unwrap_or(-1.0);
+        assert!((0.0..=1.0).contains(&v), "{key}: {summary}");
+    }
+    assert_eq!(summary["held_out_problems"], 200);
+    for file in [
+        "init/chat_template.jinja",
+        "sft/checkpoints/step-2/actor/model.safetensors",
+        "grpo/checkpoints/step-1/state.json",
+        "grpo/plots/reward.png",
+    ] {
+        assert!(dir.join(file).is_file(), "{file}");
+    }
+    // The GRPO rows are episodes with the calculator's schema in their prompts.
+    let rows = weir::graph::parquet_log::read_parquet_dir(&dir.join("grpo/rollouts")).unwrap();
+    assert!(rows
+        .iter()
+        .all(|b| b.column_by_name("token_kinds").is_some()));
+}
+
+#[test]
 fn run_then_resume_through_the_command_line() {
     let tmp = tempfile::tempdir().unwrap();
     let model = fixtures().join("arith-sft");
