@@ -109,8 +109,9 @@ fn a_tool_turn_then_an_answer_is_one_trajectory_with_exact_kinds() {
         &episode.tokens[episode.tokens.len() - last.len()..],
         &last[..]
     );
-    // The boundary is the newline after <|im_end|>; the observation the
-    // template's tool turn and the next generation prompt.
+    // The boundary is the newline after <|im_end|> (the one verl#6501
+    // dropped); the observation the template's tool turn and the next
+    // generation prompt.
     let boundary_at = first.len();
     assert_eq!(episode.kinds[boundary_at], TokenKind::Boundary);
     let observed: Vec<i64> = episode
@@ -122,7 +123,8 @@ fn a_tool_turn_then_an_answer_is_one_trajectory_with_exact_kinds() {
         .collect();
     let expected = "<|im_start|>user\n<tool_response>\n56088\n</tool_response><|im_end|>\n<|im_start|>assistant\n";
     assert_eq!(observed, setup.tokenizer.encode(expected, false).unwrap());
-    // Log-probs on generated tokens only; turns numbered.
+    // Log-probs on generated tokens only, none a dummy on a template token
+    // (SkyRL#758); turns numbered.
     assert!(episode
         .logprobs
         .iter()
@@ -463,7 +465,8 @@ fn budgets_end_episodes_with_their_reason() {
         (one.finish, one.turns_taken, one.tokens.len()),
         (Finish::MaxTurns, 1, call.len())
     );
-    // A turn cut by the budget.
+    // A turn cut by the budget: no end-of-turn token appended after it
+    // (SkyRL#758 gave such a token mask 1 and a dummy log-prob).
     let cut = run(
         Budgets {
             max_tokens: 5,
@@ -472,6 +475,8 @@ fn budgets_end_episodes_with_their_reason() {
         vec![call.clone()],
     );
     assert_eq!((cut.finish, cut.tokens.len()), (Finish::Length, 5));
+    assert_eq!(cut.tokens, call[..5]);
+    assert!(cut.logprobs.iter().all(Option::is_some));
     // An observation that fits exactly is kept (verl#6309); one token less and it ends the episode.
     let full = run(BUDGETS, vec![call.clone(), turn(&setup, "x")]);
     let through_observation = full.tokens.len() - turn(&setup, "x").len();
@@ -637,5 +642,49 @@ fn a_reset_may_rewrite_the_prompt_and_a_timeout_always_ends_the_episode() {
     assert_eq!(
         episode.env_error.as_deref(),
         Some("turn 0: no answer within 0.1 s")
+    );
+}
+
+/// AReaL#647, TRL#5224: a turn's ids are kept as sampled, even where its
+/// text would tokenize otherwise. The turn here spells "calculator" one
+/// character per token, which BPE encodes in fewer tokens; the episode and
+/// the next turn's context hold the sampled ids, not the re-encoded ones.
+#[test]
+fn a_turns_ids_are_kept_as_sampled_where_its_text_would_encode_otherwise() {
+    let setup = setup();
+    let messages = [json!({"role": "user", "content": "go"})];
+    let prompt = setup
+        .tokenizer
+        .encode_conversation(&messages, None, true)
+        .unwrap();
+    let word = "calculator";
+    let mut spelt: Vec<i64> = word
+        .chars()
+        .flat_map(|c| setup.tokenizer.encode(&c.to_string(), false).unwrap())
+        .collect();
+    let canonical = setup.tokenizer.encode(word, false).unwrap();
+    assert_ne!(spelt, canonical, "the test needs a word BPE merges");
+    spelt.push(setup.end);
+    let mut script = scripted(&setup, vec![spelt.clone()]);
+    let episode = runner(&setup, BUDGETS)
+        .run(&mut script, &messages, &prompt)
+        .unwrap();
+    assert_eq!(episode.finish, Finish::Stop);
+    assert_eq!(episode.tokens, spelt);
+    // With a tool call spelt so, the next turn's context holds those ids too.
+    let mut call: Vec<i64> = CALL
+        .chars()
+        .flat_map(|c| setup.tokenizer.encode(&c.to_string(), false).unwrap())
+        .collect();
+    call.push(setup.end);
+    let mut script = scripted(&setup, vec![call.clone(), turn(&setup, "56088")]);
+    let episode = runner(&setup, BUDGETS)
+        .run(&mut script, &messages, &prompt)
+        .unwrap();
+    assert_eq!(episode.calls.len(), 1, "the call was read from its text");
+    assert_eq!(&episode.tokens[..call.len()], &call[..]);
+    assert_eq!(
+        &script.contexts[1][prompt.len()..prompt.len() + call.len()],
+        &call[..]
     );
 }

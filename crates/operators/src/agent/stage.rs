@@ -584,6 +584,28 @@ mod tests {
             .unwrap()
             .as_string::<i32>();
         assert!((0..out.num_rows()).any(|row| reasons.value(row) == "stop"));
+        // What a reward reads is the model's last turn, never the
+        // environment's words (verl#6392 scored tool output as the model's).
+        let responses = out
+            .column_by_name(col::RESPONSE)
+            .unwrap()
+            .as_string::<i32>();
+        let tokens = token_lists(&out, col::RESPONSE_TOKENS, "t").unwrap();
+        for row in 0..out.num_rows() {
+            let k = kinds.value(row);
+            let k = k.as_primitive::<arrow::datatypes::UInt8Type>().values();
+            let last_turn: Vec<i64> = (0..k.len())
+                .rev()
+                .take_while(|&i| k[i] == TokenKind::Generated as u8)
+                .map(|i| tokens[row][i])
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect();
+            let want = stage.tokenizer.decode(&last_turn, true).unwrap();
+            assert_eq!(responses.value(row), want);
+            assert!(!responses.value(row).contains("again"), "row {row}");
+        }
         for (row, r) in rewards.iter().enumerate() {
             let k = kinds.value(row);
             let k = k

@@ -656,7 +656,8 @@ fn an_episodes_observation_and_boundary_tokens_are_in_no_loss_and_no_count() {
             &plain_weights,
             &scrambled_weights,
         );
-        // ... and the counts are the generated tokens': (2 + 2 + 0 + 3) / 4.
+        // ... and the counts are the generated tokens': (2 + 2 + 0 + 3) / 4
+        // (slime#365 normalised a multi-turn loss by every token's count).
         assert_eq!(plain.response_length, 1.75, "{mode:?}");
         // Without token_kinds, the same rows train on every token.
         let all = uneven_batch(1);
