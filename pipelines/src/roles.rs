@@ -17,6 +17,7 @@ use weir_operators::agent::python_env::{PythonEnvConfig, PythonEnvironment};
 use weir_operators::agent::python_tool::PythonLimits;
 use weir_operators::agent::stage::EpisodeGenerate;
 use weir_operators::agent::tools::{Calculator, Python, Tool};
+use weir_operators::agent::user_tools::{HttpTool, PythonFunctionTool};
 use weir_operators::algorithms::{
     ImportanceCorrection, PolicyLossConfig, PolicyObjective, RatioLevel,
 };
@@ -25,7 +26,7 @@ use weir_operators::stages::generate::{Generate, Generator, Streaming};
 use weir_operators::stages::learner::{Learner, LearnerConfig, LrSchedule};
 use weir_operators::stages::reference::RefLogprob;
 
-use crate::config::{CorrectionChoice, PolicyLossChoice, ScheduleChoice};
+use crate::config::{CorrectionChoice, PolicyLossChoice, ScheduleChoice, ToolSpec};
 use crate::context::{load_frozen, load_policy, RunContext};
 use crate::RunConfig;
 
@@ -108,17 +109,40 @@ fn episodes(
     let tools = a
         .tools
         .iter()
-        .map(|name| -> Result<Box<dyn Tool>, StageError> {
-            Ok(match name.as_str() {
-                "calculator" => Box::new(Calculator),
-                "python" => Box::new(Python {
+        .enumerate()
+        .map(|(i, spec)| -> Result<Box<dyn Tool>, StageError> {
+            let key = format!("agent.tools[{i}]");
+            Ok(match spec {
+                ToolSpec::Builtin(name) if name == "calculator" => Box::new(Calculator),
+                ToolSpec::Builtin(name) if name == "python" => Box::new(Python {
                     interpreter: a.python.clone(),
                     limits: PythonLimits {
                         wall: timeout,
                         ..PythonLimits::default()
                     },
                 }),
-                other => return Err(format!("agent.tools: no built-in tool {other:?}").into()),
+                ToolSpec::Builtin(other) => {
+                    return Err(format!("{key}: no built-in tool {other:?}").into())
+                }
+                ToolSpec::Function(f) => Box::new(
+                    PythonFunctionTool::new(
+                        f.file.clone(),
+                        f.function.clone(),
+                        a.python.clone(),
+                        timeout,
+                    )
+                    .map_err(|e| format!("{key}: {e}"))?,
+                ),
+                ToolSpec::Http(h) => Box::new(
+                    HttpTool::new(
+                        &h.url,
+                        &h.name,
+                        &h.description,
+                        h.parameters.clone(),
+                        timeout,
+                    )
+                    .map_err(|e| format!("{key}: {e}"))?,
+                ),
             })
         })
         .collect::<Result<Vec<_>, _>>()?;

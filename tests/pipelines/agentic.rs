@@ -375,3 +375,71 @@ fn an_openenv_server_drives_episodes_and_one_that_answers_garbage_fails_the_run(
         "{e}"
     );
 }
+
+#[test]
+fn python_function_and_http_tools_reach_the_prompt_with_their_schemas() {
+    use weir::pipelines::config::{FunctionTool, HttpToolSpec, ToolSpec};
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("tools.py");
+    std::fs::write(
+        &file,
+        "def add(a: int, b: int) -> int:\n    \"\"\"Adds two integers.\n\n    Args:\n        a: The first.\n        b: The second.\n    \"\"\"\n    return a + b\n",
+    )
+    .unwrap();
+    let kind = PipelineKind::Grpo;
+    let mut cfg = config(kind, 1);
+    cfg.model.path = with_tool_template(tmp.path());
+    cfg.agent.tools = vec![
+        ToolSpec::Function(FunctionTool {
+            file: file.clone(),
+            function: "add".into(),
+        }),
+        ToolSpec::Http(HttpToolSpec {
+            url: "http://127.0.0.1:9/square".into(),
+            name: "square".into(),
+            description: "Squares n.".into(),
+            parameters: serde_json::json!({"type": "object", "properties": {"n": {"type": "integer"}}}),
+        }),
+    ];
+    cfg.generate.max_new_tokens = 16;
+    let dir = tmp.path().join("run");
+    run(kind, cfg.clone(), &dir, false);
+    let tokenizer = weir::gpu::Tokenizer::load(&fixture("arith-sft")).unwrap();
+    let batches = read_parquet_dir(&dir.join("rollouts")).unwrap();
+    let prompts = lists::<arrow::datatypes::Int64Type>(&batches[0], col::PROMPT_TOKENS);
+    let text = tokenizer.decode(&prompts[0], false).unwrap();
+    // The schema as read from the signature and docstring, and the endpoint's.
+    assert!(
+        text.contains(r#""description":"Adds two integers.""#)
+            && text.contains(r#""a":{"description":"The first.","type":"integer"}"#)
+            && text.contains(r#""name":"square""#),
+        "{text}"
+    );
+    // An undocumented function, or parameters that are no object schema, are refused.
+    std::fs::write(&file, "def add(a, b):\n    return a + b\n").unwrap();
+    let e = weir::pipelines::run(&super::support::request(
+        kind,
+        cfg.clone(),
+        &tmp.path().join("bad"),
+        false,
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("agent.tools[0]") && e.contains("tools.py::add"),
+        "{e}"
+    );
+    let ToolSpec::Http(h) = &mut cfg.agent.tools[1] else {
+        unreachable!()
+    };
+    h.parameters = serde_json::json!({"type": "string"});
+    let e = weir::pipelines::run(&super::support::request(
+        kind,
+        cfg,
+        &tmp.path().join("bad2"),
+        false,
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("agent.tools[1].parameters"), "{e}");
+}

@@ -10,13 +10,76 @@ use super::{ConfigError, OnError, PipelineKind, RewardKind, RunConfig, ToolForma
 /// The built-in tools `agent.tools` may name.
 pub const BUILTIN_TOOLS: &[&str] = &["calculator", "python"];
 
+/// One of `agent.tools`: a built-in's name, a Python function, or an HTTP endpoint.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(
+    untagged,
+    expecting = "a built-in tool's name (\"calculator\", \"python\"), or a table: {file, function} (a Python function) or {url, name, description, parameters} (an HTTP endpoint)"
+)]
+pub enum ToolSpec {
+    /// A built-in, by name.
+    Builtin(String),
+    /// A function in a Python file.
+    Function(FunctionTool),
+    /// An HTTP endpoint.
+    Http(HttpToolSpec),
+}
+
+/// A Python function as a tool: its schema from its signature and docstring.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FunctionTool {
+    /// The `.py` file.
+    pub file: std::path::PathBuf,
+    /// The function, which is also the tool's name.
+    pub function: String,
+}
+
+/// An HTTP endpoint as a tool: a call posts its arguments as JSON.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HttpToolSpec {
+    /// Where calls are posted.
+    pub url: String,
+    /// The name the model calls it by.
+    pub name: String,
+    /// What it does, for the model.
+    #[serde(default)]
+    pub description: String,
+    /// Its arguments' JSON schema (an object schema).
+    pub parameters: serde_json::Value,
+}
+
+impl From<&str> for ToolSpec {
+    fn from(name: &str) -> Self {
+        ToolSpec::Builtin(name.to_string())
+    }
+}
+
+impl ToolSpec {
+    /// The name the model calls it by.
+    pub fn name(&self) -> &str {
+        match self {
+            ToolSpec::Builtin(name) => name,
+            ToolSpec::Function(f) => &f.function,
+            ToolSpec::Http(h) => &h.name,
+        }
+    }
+
+    /// Whether it runs Python (the built-in `python`, or a Python function).
+    pub fn runs_python(&self) -> bool {
+        matches!(self, ToolSpec::Function(_)) || self.name() == "python"
+    }
+}
+
 /// `[agent]`: episodes of several turns, answered by tools or an
 /// environment (on when `tools` or `environment` names one).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AgentSection {
-    /// The built-in tools the model may call: `calculator`, `python`.
-    pub tools: Vec<String>,
+    /// The tools the model may call: built-ins (`calculator`, `python`),
+    /// Python functions, HTTP endpoints.
+    pub tools: Vec<ToolSpec>,
     /// How the model writes its calls: `hermes`, `llama3_json`, `qwen3_coder`.
     pub tool_format: ToolFormat,
     /// A Python file in OpenRLHF's agent format, or an environment the
@@ -87,15 +150,49 @@ impl RunConfig {
     pub(super) fn check_agent(&self, pipeline: PipelineKind) -> Result<(), ConfigError> {
         let a = &self.agent;
         for (i, tool) in a.tools.iter().enumerate() {
-            if !BUILTIN_TOOLS.contains(&tool.as_str()) {
-                return bad(
-                    "agent.tools",
-                    format!("{tool:?}"),
-                    &format!("no built-in tool of that name: the tools are {BUILTIN_TOOLS:?}"),
-                );
+            let key = format!("agent.tools[{i}]");
+            match tool {
+                ToolSpec::Builtin(name) if !BUILTIN_TOOLS.contains(&name.as_str()) => {
+                    return bad(
+                        &key,
+                        format!("{name:?}"),
+                        &format!(
+                            "no built-in tool of that name: the built-ins are {BUILTIN_TOOLS:?}"
+                        ),
+                    );
+                }
+                ToolSpec::Function(f) if !f.file.is_file() => {
+                    return bad(
+                        &format!("{key}.file"),
+                        format!("{:?}", f.file),
+                        "no such file",
+                    );
+                }
+                ToolSpec::Http(h) => {
+                    let p = &h.parameters;
+                    if p["type"] != "object" || !p["properties"].is_object() {
+                        return bad(
+                            &format!("{key}.parameters"),
+                            p.to_string(),
+                            "not a JSON schema of an object (type = \"object\", with properties)",
+                        );
+                    }
+                    if !(h.url.starts_with("http://") || h.url.starts_with("https://")) {
+                        return bad(
+                            &format!("{key}.url"),
+                            format!("{:?}", h.url),
+                            "not an http:// or https:// URL",
+                        );
+                    }
+                }
+                _ => {}
             }
-            if a.tools[..i].contains(tool) {
-                return bad("agent.tools", format!("{tool:?}"), "named twice");
+            if a.tools[..i].iter().any(|t| t.name() == tool.name()) {
+                return bad(
+                    &key,
+                    format!("{:?}", tool.name()),
+                    "a second tool of that name",
+                );
             }
         }
         if let Some(env) = &a.environment {
@@ -185,7 +282,10 @@ impl RunConfig {
         }
         let (key, value) = match &a.environment {
             Some(env) if a.tools.is_empty() => ("agent.environment", format!("{env:?}")),
-            _ => ("agent.tools", format!("{:?}", a.tools)),
+            _ => {
+                let names: Vec<&str> = a.tools.iter().map(ToolSpec::name).collect();
+                ("agent.tools", format!("{names:?}"))
+            }
         };
         if pipeline == PipelineKind::Remax {
             return bad(key, value, "remax's greedy baseline rows are single responses, not episodes: use grpo, ppo, reinforce_pp or another RL pipeline");

@@ -663,7 +663,7 @@ impl LoraSection {
     }
 }
 
-pub use agent::AgentSection;
+pub use agent::{AgentSection, FunctionTool, HttpToolSpec, ToolSpec};
 pub use docs::{applies, reference_page, Key, Readers, KEYS};
 
 /// A config error: the key and what is wrong with its value.
@@ -706,11 +706,20 @@ impl RunConfig {
                 a.environment_class, a.python
             ));
         }
-        if a.tools.iter().any(|t| t == "python") {
-            lines.push(format!(
-                "the model's own Python code (agent.tools: python) with the interpreter `{}`",
-                a.python
-            ));
+        for tool in &a.tools {
+            match tool {
+                agent::ToolSpec::Function(f) => lines.push(format!(
+                    "Python {}:{} (agent.tools) with the interpreter `{}`",
+                    f.file.display(),
+                    f.function,
+                    a.python
+                )),
+                agent::ToolSpec::Builtin(name) if name == "python" => lines.push(format!(
+                    "the model's own Python code (agent.tools: python) with the interpreter `{}`",
+                    a.python
+                )),
+                _ => {}
+            }
         }
         lines
     }

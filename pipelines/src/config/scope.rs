@@ -328,10 +328,10 @@ fn agent(cfg: &RunConfig, found: &mut Inert) {
         "agent.environment names OpenEnv servers (http:// or https:// URLs)",
     );
     found.unless(
-        a.environment_file().is_some() || a.tools.iter().any(|t| t == "python"),
+        a.environment_file().is_some() || a.tools.iter().any(|t| t.runs_python()),
         "agent",
         &["python"],
-        "agent.tools has python or agent.environment names a .py file",
+        "agent.tools has python or a Python function, or agent.environment names a .py file",
     );
 }
 

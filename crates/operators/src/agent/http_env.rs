@@ -207,18 +207,18 @@ pub(crate) mod tests {
     use super::*;
     use std::io::{BufRead, BufReader, Read, Write};
 
-    /// An OpenEnv-style server on a free local port: a guessing game whose
-    /// number is the reset's seed mod 10; each step answers `{"hint":
-    /// "higher"|"lower"|"right", "tries": n}`, reward 1 when right. With
-    /// `garbage`, /step answers text that is not the protocol's.
-    pub(crate) fn guessing_server(garbage: bool) -> String {
+    /// Serves HTTP on a free local port, each request on a thread of its
+    /// own: `answer(path, body as JSON)` gives the status and the body.
+    pub(crate) fn serve(
+        answer: impl Fn(&str, Value) -> (u16, String) + Send + Sync + 'static,
+    ) -> String {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
-        let target = std::sync::Arc::new(std::sync::Mutex::new((0i64, 0u64)));
+        let answer = std::sync::Arc::new(answer);
         std::thread::spawn(move || {
             for stream in listener.incoming() {
                 let Ok(mut stream) = stream else { return };
-                let target = target.clone();
+                let answer = answer.clone();
                 std::thread::spawn(move || {
                     let mut reader = BufReader::new(stream.try_clone().unwrap());
                     let (mut length, mut path) = (0, String::new());
@@ -238,38 +238,56 @@ pub(crate) mod tests {
                     let mut body = vec![0; length];
                     reader.read_exact(&mut body).unwrap();
                     let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-                    let answer = if path == "/reset" {
-                        let mut t = target.lock().unwrap();
-                        *t = ((body["seed"].as_u64().unwrap_or(0) % 10) as i64, 0);
-                        json!({"observation": {"hint": "go", "tries": 0}, "reward": null, "done": false}).to_string()
-                    } else if garbage {
-                        "<html>not json</html>".to_string()
-                    } else {
-                        let mut t = target.lock().unwrap();
-                        t.1 += 1;
-                        let guess: i64 = body["action"]["message"]
-                            .as_str()
-                            .and_then(|s| s.trim().parse().ok())
-                            .unwrap_or(-1);
-                        let hint = match guess.cmp(&t.0) {
-                            std::cmp::Ordering::Less => "higher",
-                            std::cmp::Ordering::Greater => "lower",
-                            std::cmp::Ordering::Equal => "right",
-                        };
-                        json!({"observation": {"hint": hint, "tries": t.1},
-                               "reward": if hint == "right" { 1.0 } else { 0.0 },
-                               "done": hint == "right" || t.1 >= 3})
-                        .to_string()
-                    };
+                    let (status, text) = answer(&path, body);
                     let reply = format!(
-                        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{answer}",
-                        answer.len()
+                        "HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{text}",
+                        text.len()
                     );
                     let _ = stream.write_all(reply.as_bytes());
                 });
             }
         });
         url
+    }
+
+    /// [`serve`] whatever the path.
+    pub(crate) fn serve_json(
+        answer: impl Fn(Value) -> (u16, String) + Send + Sync + 'static,
+    ) -> String {
+        serve(move |_, body| answer(body))
+    }
+
+    /// An OpenEnv-style server: a guessing game whose number is the
+    /// reset's seed mod 10; each step answers `{"hint": "higher"|"lower"|
+    /// "right", "tries": n}`, reward 1 when right. With `garbage`, /step
+    /// answers text that is not the protocol's.
+    fn guessing_server(garbage: bool) -> String {
+        let target = std::sync::Mutex::new((0i64, 0u64));
+        serve(move |path, body| {
+            let mut t = target.lock().unwrap();
+            if path == "/reset" {
+                *t = ((body["seed"].as_u64().unwrap_or(0) % 10) as i64, 0);
+                let answer = json!({"observation": {"hint": "go", "tries": 0}, "reward": null, "done": false});
+                return (200, answer.to_string());
+            }
+            if garbage {
+                return (200, "<html>not json</html>".to_string());
+            }
+            t.1 += 1;
+            let guess: i64 = body["action"]["message"]
+                .as_str()
+                .and_then(|s| s.trim().parse().ok())
+                .unwrap_or(-1);
+            let hint = match guess.cmp(&t.0) {
+                std::cmp::Ordering::Less => "higher",
+                std::cmp::Ordering::Greater => "lower",
+                std::cmp::Ordering::Equal => "right",
+            };
+            let answer = json!({"observation": {"hint": hint, "tries": t.1},
+                                "reward": if hint == "right" { 1.0 } else { 0.0 },
+                                "done": hint == "right" || t.1 >= 3});
+            (200, answer.to_string())
+        })
     }
 
     fn config(url: &str) -> HttpEnvConfig {

@@ -23,6 +23,8 @@
 //! - [`tools`]: the `Tool` trait (a name, a JSON schema for the chat
 //!   template, a call), the built-ins, and [`tools::answer`], which turns
 //!   any failed call into an error observation;
+//! - [`user_tools`]: tools the user writes, a Python function (its schema
+//!   from its signature and docstring) or an HTTP endpoint;
 //! - [`calculator`]: the built-in `calculator` tool, exact arithmetic on
 //!   integers and decimals;
 //! - [`python_tool`]: the built-in `python` tool, code run in a fresh
@@ -44,3 +46,4 @@ pub mod stage;
 pub mod tool_calls;
 pub mod tools;
 pub mod turns;
+pub mod user_tools;

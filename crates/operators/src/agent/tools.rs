@@ -25,7 +25,8 @@ pub struct ToolOutput {
 }
 
 impl ToolOutput {
-    fn ok(text: impl Into<String>) -> Self {
+    /// The call did what it was asked; `text` is its output.
+    pub fn ok(text: impl Into<String>) -> Self {
         ToolOutput {
             text: text.into(),
             ok: true,
@@ -33,11 +34,21 @@ impl ToolOutput {
         }
     }
 
-    fn error(text: impl Into<String>) -> Self {
+    /// The call failed; `text` says why.
+    pub fn error(text: impl Into<String>) -> Self {
         ToolOutput {
             text: text.into(),
             ok: false,
             timed_out: false,
+        }
+    }
+
+    /// The call ran out of time; `text` says so.
+    pub fn timed_out(text: impl Into<String>) -> Self {
+        ToolOutput {
+            text: text.into(),
+            ok: false,
+            timed_out: true,
         }
     }
 }
