@@ -591,13 +591,13 @@ mod tests {
             .unwrap()
             .as_string::<i32>();
         let tokens = token_lists(&out, col::RESPONSE_TOKENS, "t").unwrap();
-        for row in 0..out.num_rows() {
+        for (row, row_tokens) in tokens.iter().enumerate() {
             let k = kinds.value(row);
             let k = k.as_primitive::<arrow::datatypes::UInt8Type>().values();
             let last_turn: Vec<i64> = (0..k.len())
                 .rev()
                 .take_while(|&i| k[i] == TokenKind::Generated as u8)
-                .map(|i| tokens[row][i])
+                .map(|i| row_tokens[i])
                 .collect::<Vec<_>>()
                 .into_iter()
                 .rev()
