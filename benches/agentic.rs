@@ -96,7 +96,7 @@ fn main() {
         seed: 7,
         ..Default::default()
     };
-    let tools: Vec<Box<dyn Tool>> = Vec::new();
+    let tools: std::sync::Arc<Vec<Box<dyn Tool>>> = std::sync::Arc::new(Vec::new());
     let runner = EpisodeRunner {
         tokenizer: &tokenizer,
         parser: &Hermes,
@@ -149,6 +149,7 @@ fn main() {
             &model,
             &params,
             &inputs,
+            tools.clone(),
             &mut environments,
             settings,
         )

@@ -274,7 +274,7 @@ struct Scores {
 fn evaluate(dir: &Path, pairs: &[(u32, u32)], seed: u64) -> anyhow::Result<Scores> {
     let model = Model::load(dir, Device::Cpu, tch::Kind::Float)?;
     let tokenizer = Tokenizer::load(dir)?;
-    let tools: Vec<Box<dyn Tool>> = vec![Box::new(Calculator)];
+    let tools: std::sync::Arc<Vec<Box<dyn Tool>>> = std::sync::Arc::new(vec![Box::new(Calculator)]);
     let schemas = weir_operators::agent::tools::schemas(&tools);
     let runner = EpisodeRunner {
         tokenizer: &tokenizer,
@@ -313,7 +313,15 @@ fn evaluate(dir: &Path, pairs: &[(u32, u32)], seed: u64) -> anyhow::Result<Score
         schedule: Schedule::Streaming,
         backend: weir_gpu::generate::Backend::Auto,
     };
-    let episodes = run_episodes(&runner, &model, &params, &inputs, &mut Vec::new(), settings)?;
+    let episodes = run_episodes(
+        &runner,
+        &model,
+        &params,
+        &inputs,
+        tools.clone(),
+        &mut Vec::new(),
+        settings,
+    )?;
     let (mut right, mut called) = (0, 0);
     for (episode, &(a, b)) in episodes.iter().zip(pairs) {
         let last = episode.generated_by_turn().pop().unwrap_or_default();

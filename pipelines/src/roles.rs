@@ -77,7 +77,14 @@ pub fn actor(
         let tok = Tokenizer::load(Path::new(&cfg.model.path))?;
         let params = cfg.generate.sampling(&tok, cfg.run.seed);
         if cfg.agent.enabled() {
-            return Ok(Box::new(episodes(&cfg, model, tok, params)?));
+            let stage = episodes(&cfg, model, tok, params)?;
+            if cfg.generate.max_inflight > 0 {
+                let g = &cfg.generate;
+                let streamed =
+                    stage.streamed(g.max_inflight, g.on_new_weights, w.steps, version)?;
+                return Ok(Box::new(streamed));
+            }
+            return Ok(Box::new(stage));
         }
         let mut generate =
             Generate::new(model, tok, params.clone()).with_backend(cfg.generate.backend);

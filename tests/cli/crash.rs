@@ -260,9 +260,10 @@ fn a_streaming_run_killed_with_sequences_in_flight_resumes_with_every_step_once(
 }
 
 /// With multi-turn episodes answered by a Python environment that takes
-/// 20 ms a step, kills land mid-episode, with its worker processes
-/// answering: nothing of an unfinished episode is in a checkpoint, and the
-/// resume runs it again from its prompt.
+/// 20 ms a step, streamed across steps (`generate.max_inflight`), kills
+/// land mid-episode, with its worker processes answering: nothing of an
+/// unfinished episode is in a checkpoint, and the resume runs it again
+/// from its prompt.
 #[test]
 fn an_agentic_run_killed_mid_episode_resumes_with_every_step_once() {
     let seed = env_u64("WEIR_CRASH_SEED", 7) + 3;
@@ -290,6 +291,7 @@ fn an_agentic_run_killed_mid_episode_resumes_with_every_step_once() {
         &[
             &environment,
             "generate.max_new_tokens=32",
+            "generate.max_inflight=4",
             "agent.max_concurrency=2",
         ],
     );

@@ -478,6 +478,18 @@ fn grpo_trains_on_multi_turn_episodes_through_the_engine() {
 
     let out = tempfile::tempdir().unwrap();
     let log_dir = out.path().join("rollouts");
+    // The arith checkpoint with a chat template that renders tools.
+    let tools_dir = out.path().join("arith-tools");
+    std::fs::create_dir_all(&tools_dir).unwrap();
+    for entry in std::fs::read_dir(model_dir()).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), tools_dir.join(entry.file_name())).unwrap();
+    }
+    std::fs::write(
+        tools_dir.join("chat_template.jinja"),
+        "{%- if tools %}<|im_start|>system\nTools: {% for t in tools %}{{ t.function.name }}{% endfor %}<|im_end|>\n{% endif %}{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    )
+    .unwrap();
     let (prompts_per_step, samples, steps) = (2usize, 4usize, 2u64);
     let pipeline = Pipeline::new("grpo-episodes")
         .source("rollout", move |w| {
@@ -491,9 +503,9 @@ fn grpo_trains_on_multi_turn_episodes_through_the_engine() {
             )?
             .shard(w.rank, w.role_size))
         })
-        .generate("generate", "rollout", Partition::Local, |_| {
-            let model = Model::load(&model_dir(), Device::Cpu, Kind::Float)?;
-            let tok = Tokenizer::load(&model_dir())?;
+        .generate("generate", "rollout", Partition::Local, move |_| {
+            let model = Model::load(&tools_dir, Device::Cpu, Kind::Float)?;
+            let tok = Tokenizer::load(&tools_dir)?;
             let params = SamplingParams {
                 max_new_tokens: 12,
                 temperature: 1.0,

@@ -290,9 +290,6 @@ impl RunConfig {
         if pipeline == PipelineKind::Remax {
             return bad(key, value, "remax's greedy baseline rows are single responses, not episodes: use grpo, ppo, reinforce_pp or another RL pipeline");
         }
-        if self.generate.max_inflight > 0 {
-            return bad(key, value, "a batch's episodes share a decode pool of their own, and do not yet stream across batches and steps: set generate.max_inflight = 0");
-        }
         if self.eval.every > 0 {
             return bad(key, value, "evaluation during training samples single responses, not episodes: set eval.every = 0");
         }

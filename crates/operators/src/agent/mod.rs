@@ -18,6 +18,8 @@
 //!   format, run by a long-lived worker process;
 //! - [`pool`]: a batch's episodes in one decode pool, their calls on
 //!   other threads (or in lockstep rounds, to compare);
+//! - [`stream`]: `StreamingEpisodes`, episodes streamed across batches
+//!   and steps, weights changing between passes;
 //! - [`stage`]: `EpisodeGenerate`, the generator stage that writes one
 //!   episode per row as the rollout's response columns;
 //! - [`tools`]: the `Tool` trait (a name, a JSON schema for the chat
@@ -43,6 +45,7 @@ pub mod pool;
 pub mod python_env;
 pub mod python_tool;
 pub mod stage;
+pub mod stream;
 pub mod tool_calls;
 pub mod tools;
 pub mod turns;

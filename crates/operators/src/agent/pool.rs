@@ -1,11 +1,18 @@
-//! The episode pool: a batch's episodes run together. Their turns decode
-//! in one pool of sequences (continuous batching, `weir_gpu::Streamer`);
-//! an episode whose turn called a tool, or whose environment must answer,
-//! leaves the pool while its call runs on one of `max_concurrency`
-//! threads, and the others go on decoding; it comes back with its
-//! observation, its context prefilled again. An episode with an
-//! environment holds one instance from its reset to its close; episodes
-//! wait for a free instance when every one is taken.
+//! The episode pool: episodes whose turns decode in one pool of sequences
+//! (continuous batching, `weir_gpu::Streamer`). An episode whose turn
+//! called a tool, or whose environment must answer, leaves the pool while
+//! its call runs on one of `max_concurrency` threads, and the others go on
+//! decoding; it comes back with its observation, its context prefilled
+//! again. An episode with an environment holds one instance from its
+//! reset to its close; episodes wait for a free instance when every one is
+//! taken.
+//!
+//! [`EpisodePool`] is the engine: episodes join it by key
+//! ([`EpisodePool::add`]) and [`EpisodePool::tick`] runs one decode pass
+//! and takes the calls that came back, naming the episodes that ended.
+//! [`run_episodes`] runs a batch's episodes to their ends with it; the
+//! streaming episode generator ([`super::stream`]) keeps one across
+//! batches and steps, its weights changing between passes.
 //!
 //! [`Schedule::Lockstep`] is what batch-level frameworks do instead (TRL's
 //! tool loop): every episode's turn `t` decodes as one batch, then every
@@ -16,9 +23,10 @@
 //! turn), as [`super::episode::ModelPolicy`] does, so a row's episode is
 //! the same whichever schedule runs it.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use serde_json::Value;
 use weir_gpu::generate::{Backend, FinishReason};
@@ -26,6 +34,7 @@ use weir_gpu::{Model, OnNewWeights, Request, SamplingParams, Streamer};
 
 use super::environment::Environment;
 use super::episode::{Episode, EpisodeError, EpisodeRunner, Sampled};
+use super::tools::Tool;
 use super::turns::{work, Answered, EpisodeState, Next, Work};
 
 /// When an episode's next turn may start.
@@ -62,227 +71,327 @@ pub struct PoolSettings {
     pub backend: Backend,
 }
 
-/// A call on its way to a thread, or back: the episode, what it asks
-/// (`None`: close its environment), and the episode's environment.
-struct Job {
-    episode: usize,
-    work: Option<Work>,
-    environment: Option<Box<dyn Environment>>,
-}
-
-struct Done {
-    episode: usize,
-    answered: Option<Answered>,
-    environment: Option<Box<dyn Environment>>,
-}
-
 /// The random stream of `row`'s turn `turn`.
 pub fn turn_stream(row: u64, turn: usize) -> u64 {
     row ^ ((turn as u64) << 48)
 }
 
-/// Runs `inputs` as episodes of `runner`, their turns sampled by `model`
-/// with `params` (one sample each; `eos_token_ids` end a turn), each with
-/// one of `environments` when there are any (each is returned to the
-/// list once its episode closes it). The episodes in input order.
-pub fn run_episodes(
-    runner: &EpisodeRunner<'_>,
-    model: &Model,
-    params: &SamplingParams,
-    inputs: &[EpisodeInput],
-    environments: &mut Vec<Box<dyn Environment>>,
-    settings: PoolSettings,
-) -> Result<Vec<Episode>, EpisodeError> {
-    let n = inputs.len();
-    if n == 0 {
-        return Ok(Vec::new());
-    }
-    let with_environment = !environments.is_empty();
-    let streamer = Streamer::new(
-        model,
-        params.clone(),
-        n,
-        OnNewWeights::Finish,
-        0,
-        settings.backend,
-    )
-    .map_err(|e| EpisodeError::Policy {
-        turn: 0,
-        message: e.to_string(),
-    })?;
-    let (jobs, queue) = mpsc::channel::<Job>();
-    let (answers, results) = mpsc::channel::<Done>();
-    let queue = Arc::new(Mutex::new(queue));
-    let tools = runner.tools;
-    std::thread::scope(|scope| {
-        for _ in 0..settings.max_concurrency.max(1) {
-            let (queue, answers) = (queue.clone(), answers.clone());
-            scope.spawn(move || loop {
-                let job = queue.lock().unwrap_or_else(|e| e.into_inner()).recv();
-                let Ok(Job {
-                    episode,
-                    work: asked,
-                    mut environment,
-                }) = job
-                else {
-                    return;
-                };
-                let answered = match asked {
-                    Some(asked) => Some(work(tools, environment.as_deref_mut(), asked)),
-                    None => {
-                        if let Some(env) = environment.as_deref_mut() {
-                            env.close();
-                        }
-                        None
-                    }
-                };
-                let done = Done {
-                    episode,
-                    answered,
-                    environment,
-                };
-                if answers.send(done).is_err() {
-                    return;
-                }
-            });
-        }
-        drop(answers);
-        let mut pool = Pool {
-            runner,
-            model,
-            inputs,
-            streamer,
-            states: (0..n).map(|_| None).collect(),
-            environments: (0..n).map(|_| None).collect(),
-            free: std::mem::take(environments),
-            waiting: (0..n).collect(),
-            held: Vec::new(),
-            jobs,
-            working: 0,
-            closing: 0,
-            ended: 0,
-            with_environment,
-            schedule: settings.schedule,
-        };
-        let outcome = pool.run(&results);
-        // Whatever happened, the environments come back to the caller.
-        drop(pool.jobs);
-        for done in results.iter() {
-            pool.free.extend(done.environment);
-        }
-        pool.free.extend(pool.environments.into_iter().flatten());
-        *environments = pool.free;
-        outcome?;
-        Ok(pool
-            .states
-            .into_iter()
-            .map(|s| s.expect("every episode ran").into_episode())
-            .collect())
-    })
+/// A call on its way to a thread: the episode, what it asks (`None`:
+/// close its environment), and the episode's environment.
+struct Job {
+    key: u64,
+    work: Option<Work>,
+    environment: Option<Box<dyn Environment>>,
 }
 
-struct Pool<'r, 'a> {
-    runner: &'r EpisodeRunner<'a>,
-    model: &'r Model,
-    inputs: &'r [EpisodeInput],
+/// A call back from a thread.
+struct Done {
+    key: u64,
+    answered: Option<Answered>,
+    environment: Option<Box<dyn Environment>>,
+}
+
+/// Threads that answer calls, as long as the pool lives.
+struct CallThreads {
+    jobs: mpsc::Sender<Job>,
+    done: mpsc::Receiver<Done>,
+}
+
+impl CallThreads {
+    fn start(tools: Arc<Vec<Box<dyn Tool>>>, threads: usize) -> Result<Self, EpisodeError> {
+        let (jobs, queue) = mpsc::channel::<Job>();
+        let (answers, done) = mpsc::channel::<Done>();
+        let queue = Arc::new(Mutex::new(queue));
+        for _ in 0..threads.max(1) {
+            let (queue, answers, tools) = (queue.clone(), answers.clone(), tools.clone());
+            std::thread::Builder::new()
+                .name("weir:episode-calls".into())
+                .spawn(move || loop {
+                    let job = queue.lock().unwrap_or_else(|e| e.into_inner()).recv();
+                    let Ok(Job {
+                        key,
+                        work: asked,
+                        mut environment,
+                    }) = job
+                    else {
+                        return;
+                    };
+                    let answered = match asked {
+                        Some(asked) => Some(work(&tools, environment.as_deref_mut(), asked)),
+                        None => {
+                            if let Some(env) = environment.as_deref_mut() {
+                                env.close();
+                            }
+                            None
+                        }
+                    };
+                    let back = Done {
+                        key,
+                        answered,
+                        environment,
+                    };
+                    if answers.send(back).is_err() {
+                        return;
+                    }
+                })
+                .map_err(|e| policy_error(0, e))?;
+        }
+        Ok(CallThreads { jobs, done })
+    }
+}
+
+/// An episode in the pool.
+struct Entry {
+    input: EpisodeInput,
+    state: Option<EpisodeState>,
+    environment: Option<Box<dyn Environment>>,
+    /// The policy version of each response token so far (an observation's:
+    /// the version of the token before it).
+    versions: Vec<u32>,
+    /// Whether its first turn drew a token yet.
+    started: bool,
+    done: bool,
+}
+
+/// Episodes decoding in one pool, their calls answered on threads.
+pub struct EpisodePool {
     streamer: Streamer,
-    states: Vec<Option<EpisodeState>>,
-    /// The environment each episode holds.
-    environments: Vec<Option<Box<dyn Environment>>>,
+    calls: CallThreads,
+    entries: HashMap<u64, Entry>,
     /// Environments no episode holds.
     free: Vec<Box<dyn Environment>>,
-    /// Episodes not started (waiting for an environment).
-    waiting: VecDeque<usize>,
+    with_environment: bool,
+    /// Episodes not started (waiting for an environment), in arrival order.
+    waiting: VecDeque<u64>,
     /// Turns held for the next lockstep round.
     held: Vec<Request>,
-    jobs: mpsc::Sender<Job>,
     /// Calls out (not counting closes).
     working: usize,
     /// Closes out.
     closing: usize,
-    ended: usize,
-    with_environment: bool,
     schedule: Schedule,
+    /// Episodes whose first turn drew its first token since the last
+    /// [`EpisodePool::take_started`], with the version then.
+    started: Vec<(u64, u32)>,
+    /// Episodes that ended since the last [`EpisodePool::tick`].
+    ended: Vec<u64>,
 }
 
-impl Pool<'_, '_> {
-    fn run(&mut self, results: &mpsc::Receiver<Done>) -> Result<(), EpisodeError> {
-        self.start_waiting()?;
-        let n = self.inputs.len();
-        while self.ended < n || self.closing > 0 {
-            if self.schedule == Schedule::Lockstep
-                && self.working == 0
-                && self.streamer.is_idle()
-                && !self.held.is_empty()
-            {
-                let round = std::mem::take(&mut self.held);
-                self.submit(round)?;
-            }
-            if !self.streamer.is_idle() {
-                let finished = self
-                    .streamer
-                    .advance(self.model)
-                    .map_err(|e| policy_error(0, e))?;
-                for f in finished {
-                    let i = f.key as usize;
-                    let sampled = Sampled {
-                        stopped: f.generation.finish_reason == FinishReason::Stop,
-                        tokens: f.generation.tokens,
-                        logprobs: f.generation.logprobs,
-                    };
-                    let state = self.states[i].as_mut().expect("a decoding episode started");
-                    let next = self
-                        .runner
-                        .sampled(state, sampled)
-                        .map_err(|e| in_row(i, e))?;
-                    self.follow(i, next)?;
-                }
-                while let Ok(done) = results.try_recv() {
-                    self.take(done)?;
-                }
-            } else if self.working + self.closing > 0 {
-                // Nothing to decode: wait for a call to come back.
-                let done = results
-                    .recv()
-                    .map_err(|_| policy_error(0, "the call threads ended"))?;
-                self.take(done)?;
-            } else if self.held.is_empty() {
-                let stuck = self.waiting.len();
-                return Err(policy_error(
-                    0,
-                    format!("{stuck} episode(s) wait for an environment and none will free"),
-                ));
-            }
+impl EpisodePool {
+    /// A pool of `max_inflight` sequences of `model` sampling with `params`
+    /// (one sample each; `eos_token_ids` end a turn) at policy `version`,
+    /// new weights reaching its sequences as `on_new_weights` says; calls
+    /// answered by `tools` or by one of `environments` (each episode holds
+    /// one while it runs).
+    pub fn new(
+        model: &Model,
+        params: &SamplingParams,
+        max_inflight: usize,
+        (on_new_weights, version): (OnNewWeights, u32),
+        tools: Arc<Vec<Box<dyn Tool>>>,
+        environments: Vec<Box<dyn Environment>>,
+        settings: PoolSettings,
+    ) -> Result<Self, EpisodeError> {
+        let streamer = Streamer::new(
+            model,
+            params.clone(),
+            max_inflight,
+            on_new_weights,
+            version,
+            settings.backend,
+        )
+        .map_err(|e| policy_error(0, e))?;
+        Ok(EpisodePool {
+            streamer,
+            calls: CallThreads::start(tools, settings.max_concurrency)?,
+            entries: HashMap::new(),
+            with_environment: !environments.is_empty(),
+            free: environments,
+            waiting: VecDeque::new(),
+            held: Vec::new(),
+            working: 0,
+            closing: 0,
+            schedule: settings.schedule,
+            started: Vec::new(),
+            ended: Vec::new(),
+        })
+    }
+
+    /// The policy version the pool samples with.
+    pub fn version(&self) -> u32 {
+        self.streamer.version()
+    }
+
+    /// The decode pool (for its version and new weights).
+    pub fn streamer(&mut self) -> &mut Streamer {
+        &mut self.streamer
+    }
+
+    /// The pool's environments, when no episode holds one.
+    pub fn into_environments(self) -> Vec<Box<dyn Environment>> {
+        self.free
+    }
+
+    /// Whether anything is under way: sequences to decode, calls out,
+    /// turns held for a round, or episodes waiting to start.
+    pub fn busy(&self) -> bool {
+        !self.streamer.is_idle()
+            || self.working + self.closing > 0
+            || !self.held.is_empty()
+            || !self.waiting.is_empty()
+    }
+
+    /// Whether sequences are decoding (not counting those queued to start).
+    pub fn decoding(&self) -> bool {
+        self.streamer.live() > 0
+    }
+
+    /// Queues the episode `key`; it starts when an environment is free (at once without one).
+    pub fn add(
+        &mut self,
+        runner: &EpisodeRunner<'_>,
+        model: &Model,
+        key: u64,
+        input: EpisodeInput,
+    ) -> Result<(), EpisodeError> {
+        let entry = Entry {
+            input,
+            state: None,
+            environment: None,
+            versions: Vec::new(),
+            started: false,
+            done: false,
+        };
+        self.entries.insert(key, entry);
+        self.waiting.push_back(key);
+        self.start_waiting(runner, model)
+    }
+
+    /// Episodes whose first turn drew its first token since the last call,
+    /// with the policy version then.
+    pub fn take_started(&mut self) -> Vec<(u64, u32)> {
+        std::mem::take(&mut self.started)
+    }
+
+    /// The ended episode `key`, with its tokens' policy versions, leaving the pool.
+    pub fn take(&mut self, key: u64) -> Option<(Episode, Vec<u32>)> {
+        let entry = self.entries.get(&key)?;
+        if !entry.done || entry.environment.is_some() {
+            return None;
         }
-        Ok(())
+        let entry = self.entries.remove(&key)?;
+        Some((entry.state?.into_episode(), entry.versions))
+    }
+
+    /// One pass: a decode pass when sequences are in flight, then the
+    /// calls that came back; waits up to `wait` for a call when nothing
+    /// decodes. Returns the episodes that ended.
+    pub fn tick(
+        &mut self,
+        runner: &EpisodeRunner<'_>,
+        model: &Model,
+        wait: Duration,
+    ) -> Result<Vec<u64>, EpisodeError> {
+        if self.schedule == Schedule::Lockstep
+            && self.working == 0
+            && self.streamer.is_idle()
+            && !self.held.is_empty()
+        {
+            let round = std::mem::take(&mut self.held);
+            self.submit(model, round)?;
+        }
+        if !self.streamer.is_idle() {
+            let finished = self
+                .streamer
+                .advance(model)
+                .map_err(|e| policy_error(0, e))?;
+            for (key, version) in self.streamer.take_started() {
+                if let Some(entry) = self.entries.get_mut(&key) {
+                    if !entry.started {
+                        entry.started = true;
+                        self.started.push((key, version));
+                    }
+                }
+            }
+            for f in finished {
+                let key = f.key;
+                let sampled = Sampled {
+                    stopped: f.generation.finish_reason == FinishReason::Stop,
+                    tokens: f.generation.tokens,
+                    logprobs: f.generation.logprobs,
+                };
+                let entry = self
+                    .entries
+                    .get_mut(&key)
+                    .expect("a decoded key is in the pool");
+                let state = entry.state.as_mut().expect("a decoding episode started");
+                let next = runner.sampled(state, sampled).map_err(|e| in_row(key, e))?;
+                // The turn's tokens kept, each with the version that drew it.
+                let kept = state.episode().tokens.len() - entry.versions.len();
+                entry
+                    .versions
+                    .extend_from_slice(&f.versions[..kept.min(f.versions.len())]);
+                self.follow(model, key, next)?;
+            }
+            while let Ok(done) = self.calls.done.try_recv() {
+                self.back(runner, model, done)?;
+            }
+        } else if self.working + self.closing > 0 {
+            // Nothing to decode: wait for a call to come back.
+            match self.calls.done.recv_timeout(wait) {
+                Ok(done) => self.back(runner, model, done)?,
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(policy_error(0, "the call threads ended"))
+                }
+            }
+        } else if self.held.is_empty() && !self.waiting.is_empty() {
+            let stuck = self.waiting.len();
+            return Err(policy_error(
+                0,
+                format!("{stuck} episode(s) wait for an environment and none will free"),
+            ));
+        }
+        Ok(std::mem::take(&mut self.ended))
     }
 
     /// Starts waiting episodes while there are environments for them.
-    fn start_waiting(&mut self) -> Result<(), EpisodeError> {
-        while let Some(&i) = self.waiting.front() {
-            let row = if self.with_environment {
+    fn start_waiting(
+        &mut self,
+        runner: &EpisodeRunner<'_>,
+        model: &Model,
+    ) -> Result<(), EpisodeError> {
+        while let Some(&key) = self.waiting.front() {
+            let environment = if self.with_environment {
                 let Some(env) = self.free.pop() else {
                     return Ok(());
                 };
-                self.environments[i] = Some(env);
-                Some(&self.inputs[i].row)
+                Some(env)
             } else {
                 None
             };
             self.waiting.pop_front();
-            let input = &self.inputs[i];
-            let (state, next) = self
-                .runner
-                .begin(&input.messages, &input.prompt, row)
-                .map_err(|e| in_row(i, e))?;
-            self.states[i] = Some(state);
-            self.follow(i, next)?;
+            let entry = self
+                .entries
+                .get_mut(&key)
+                .expect("a waiting key is in the pool");
+            let row = environment.as_ref().map(|_| &entry.input.row);
+            let (state, next) = runner
+                .begin(&entry.input.messages, &entry.input.prompt, row)
+                .map_err(|e| in_row(key, e))?;
+            entry.state = Some(state);
+            entry.environment = environment;
+            self.follow(model, key, next)?;
         }
         Ok(())
     }
 
-    /// Does what episode `i` needs next.
-    fn follow(&mut self, i: usize, next: Next) -> Result<(), EpisodeError> {
+    /// Does what episode `key` needs next.
+    fn follow(&mut self, model: &Model, key: u64, next: Next) -> Result<(), EpisodeError> {
+        let entry = self
+            .entries
+            .get_mut(&key)
+            .expect("a followed key is in the pool");
         match next {
             Next::Sample {
                 context,
@@ -290,77 +399,162 @@ impl Pool<'_, '_> {
                 turn,
             } => {
                 let request = Request {
-                    key: i as u64,
+                    key,
                     prompt: context,
-                    stream: turn_stream(self.inputs[i].stream, turn),
+                    stream: turn_stream(entry.input.stream, turn),
                     greedy: false,
                     max_new_tokens: Some(max_new),
                 };
                 match self.schedule {
-                    Schedule::Streaming => self.submit(vec![request])?,
+                    Schedule::Streaming => self.submit(model, vec![request])?,
                     Schedule::Lockstep => self.held.push(request),
                 }
             }
             Next::Answer(asked) => {
                 self.working += 1;
-                self.send(i, Some(asked));
+                self.send(key, Some(asked));
             }
             Next::Done => {
-                self.ended += 1;
-                if self.environments[i].is_some() {
+                entry.done = true;
+                self.ended.push(key);
+                if entry.environment.is_some() {
                     self.closing += 1;
-                    self.send(i, None);
+                    self.send(key, None);
                 }
             }
         }
         Ok(())
     }
 
-    fn send(&mut self, episode: usize, work: Option<Work>) {
+    fn send(&mut self, key: u64, work: Option<Work>) {
+        let entry = self
+            .entries
+            .get_mut(&key)
+            .expect("a sending key is in the pool");
         let job = Job {
-            episode,
+            key,
             work,
-            environment: self.environments[episode].take(),
+            environment: entry.environment.take(),
         };
         // The threads live as long as the pool; a send fails only once they panicked.
-        let _ = self.jobs.send(job);
+        let _ = self.calls.jobs.send(job);
     }
 
-    fn submit(&mut self, requests: Vec<Request>) -> Result<(), EpisodeError> {
+    fn submit(&mut self, model: &Model, requests: Vec<Request>) -> Result<(), EpisodeError> {
         self.streamer
-            .submit(self.model, requests)
+            .submit(model, requests)
             .map_err(|e| policy_error(0, e))
     }
 
     /// Takes a call's answer (or a closed environment back).
-    fn take(&mut self, done: Done) -> Result<(), EpisodeError> {
-        let i = done.episode;
-        match done.answered {
-            Some(answered) => {
-                self.working -= 1;
-                self.environments[i] = done.environment;
-                let state = self.states[i]
-                    .as_mut()
-                    .expect("an answered episode started");
-                let next = self
-                    .runner
-                    .answered(state, answered)
-                    .map_err(|e| in_row(i, e))?;
-                self.follow(i, next)
-            }
-            None => {
-                self.closing -= 1;
-                self.free.extend(done.environment);
-                self.start_waiting()
-            }
-        }
+    fn back(
+        &mut self,
+        runner: &EpisodeRunner<'_>,
+        model: &Model,
+        done: Done,
+    ) -> Result<(), EpisodeError> {
+        let key = done.key;
+        let Some(answered) = done.answered else {
+            self.closing -= 1;
+            self.free.extend(done.environment);
+            return self.start_waiting(runner, model);
+        };
+        self.working -= 1;
+        let entry = self
+            .entries
+            .get_mut(&key)
+            .expect("an answered key is in the pool");
+        entry.environment = done.environment;
+        let state = entry.state.as_mut().expect("an answered episode started");
+        let next = runner
+            .answered(state, answered)
+            .map_err(|e| in_row(key, e))?;
+        // What followed the turn: drawn by no policy, it takes the version
+        // of the token before it.
+        let last = entry
+            .versions
+            .last()
+            .copied()
+            .unwrap_or(self.streamer.version());
+        let added = state.episode().tokens.len() - entry.versions.len();
+        entry.versions.extend(std::iter::repeat_n(last, added));
+        self.follow(model, key, next)
     }
 }
 
-fn in_row(row: usize, source: EpisodeError) -> EpisodeError {
+/// Runs `inputs` as episodes of `runner`, their turns sampled by `model`
+/// with `params` (one sample each; `eos_token_ids` end a turn), each with
+/// one of `environments` when there are any (returned to the list once
+/// every episode closed its own). The episodes in input order.
+pub fn run_episodes(
+    runner: &EpisodeRunner<'_>,
+    model: &Model,
+    params: &SamplingParams,
+    inputs: &[EpisodeInput],
+    tools: Arc<Vec<Box<dyn Tool>>>,
+    environments: &mut Vec<Box<dyn Environment>>,
+    settings: PoolSettings,
+) -> Result<Vec<Episode>, EpisodeError> {
+    let n = inputs.len();
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let mut pool = EpisodePool::new(
+        model,
+        params,
+        n,
+        (OnNewWeights::Finish, 0),
+        tools,
+        std::mem::take(environments),
+        settings,
+    )?;
+    let outcome = (|| {
+        for (i, input) in inputs.iter().enumerate() {
+            pool.add(runner, model, i as u64, input.clone())?;
+        }
+        let mut episodes: Vec<Option<Episode>> = (0..n).map(|_| None).collect();
+        let mut left = n;
+        while left > 0 || pool.busy() {
+            for key in pool.tick(runner, model, Duration::from_secs(3600))? {
+                let (episode, _) = pool.take(key).expect("an ended episode is there");
+                episodes[key as usize] = Some(episode);
+                left -= 1;
+            }
+        }
+        Ok(episodes
+            .into_iter()
+            .map(|e| e.expect("every episode ended"))
+            .collect())
+    })();
+    // Whatever happened, the environments come back to the caller: those
+    // still out come back as their calls end.
+    while pool.working + pool.closing > 0 {
+        match pool.calls.done.recv() {
+            Ok(done) => {
+                pool.free.extend(done.environment);
+                if done.answered.is_some() {
+                    pool.working -= 1;
+                } else {
+                    pool.closing -= 1;
+                }
+            }
+            Err(_) => break,
+        }
+    }
+    let held: Vec<Box<dyn Environment>> = pool
+        .entries
+        .values_mut()
+        .filter_map(|e| e.environment.take())
+        .collect();
+    pool.free.extend(held);
+    *environments = pool.into_environments();
+    outcome
+}
+
+fn in_row(row: u64, error: EpisodeError) -> EpisodeError {
     EpisodeError::InRow {
-        row,
-        error: Box::new(source),
+        row: row as usize,
+        error: Box::new(error),
     }
 }
 
@@ -482,6 +676,7 @@ mod tests {
                 &model,
                 &params,
                 &inputs,
+                Arc::new(Vec::new()),
                 &mut environments,
                 settings,
             )

@@ -55,19 +55,22 @@ pub const ENV_ERROR: &str = "env_error";
 
 /// The actor's episode generator.
 pub struct EpisodeGenerate {
-    model: Model,
+    pub(super) model: Model,
     tokenizer: Tokenizer,
-    params: SamplingParams,
-    backend: Backend,
-    tools: Vec<Box<dyn Tool>>,
+    pub(super) params: SamplingParams,
+    pub(super) backend: Backend,
+    pub(super) tools: Arc<Vec<Box<dyn Tool>>>,
     parser: Box<dyn ToolCallParser>,
     end_of_turn: String,
     budgets: Budgets,
     on_error: OnError,
-    /// Environment instances, one per episode under way (none: tools).
-    environments: Vec<Box<dyn Environment>>,
-    max_concurrency: usize,
-    schedule: Schedule,
+    /// Environment instances, one per episode under way (none: tools);
+    /// a streaming generator's pool holds them.
+    pub(super) environments: Vec<Box<dyn Environment>>,
+    /// Whether an environment answers the turns.
+    with_environment: bool,
+    pub(super) max_concurrency: usize,
+    pub(super) schedule: Schedule,
 }
 
 impl EpisodeGenerate {
@@ -99,12 +102,13 @@ impl EpisodeGenerate {
             tokenizer,
             params: SamplingParams { n: 1, ..params },
             backend: Backend::Auto,
-            tools,
+            tools: Arc::new(tools),
             parser,
             end_of_turn,
             budgets,
             on_error: OnError::default(),
             environments: Vec::new(),
+            with_environment: false,
             max_concurrency: 8,
             schedule: Schedule::default(),
         })
@@ -115,6 +119,7 @@ impl EpisodeGenerate {
     /// Each of `environments` serves one episode at a time: as many
     /// episodes run at once as there are instances.
     pub fn with_environments(mut self, environments: Vec<Box<dyn Environment>>) -> Self {
+        self.with_environment = !environments.is_empty();
         self.environments = environments;
         self
     }
@@ -143,15 +148,29 @@ impl EpisodeGenerate {
         self
     }
 
-    fn episodes(
-        &mut self,
-        ctx: &mut StepContext,
+    /// The episode runner of this generator's settings.
+    pub(super) fn runner(&self) -> EpisodeRunner<'_> {
+        EpisodeRunner {
+            tokenizer: &self.tokenizer,
+            parser: self.parser.as_ref(),
+            tools: &self.tools,
+            end_of_turn: self.end_of_turn.clone(),
+            budgets: self.budgets,
+            on_error: self.on_error,
+        }
+    }
+
+    /// `batch` (stage `stage`'s input) with its prompts rendered again
+    /// with the tools' schemas when there are tools, and its rows as
+    /// episodes to run.
+    pub(super) fn inputs(
+        &self,
+        stage: &str,
         batch: RecordBatch,
-    ) -> Result<RecordBatch, StageError> {
-        let name = ctx.stage();
-        let mut prompts = token_lists(&batch, col::PROMPT_TOKENS, name)?;
-        let texts = strings(&batch, col::PROMPT, name)?;
-        let conversation = |text: &str| [json!({"role": "user", "content": text})];
+    ) -> Result<(RecordBatch, Vec<EpisodeInput>), StageError> {
+        let mut prompts = token_lists(&batch, col::PROMPT_TOKENS, stage)?;
+        let texts = strings(&batch, col::PROMPT, stage)?;
+        let conversation = |text: &str| vec![json!({"role": "user", "content": text})];
         let batch = if self.tools.is_empty() {
             batch
         } else {
@@ -165,21 +184,15 @@ impl EpisodeGenerate {
             }
             with_column(&batch, col::PROMPT_TOKENS, token_list_array(&prompts))?
         };
-        let streams = crate::stages::generate::row_streams(&batch, name)?;
-        let runner = EpisodeRunner {
-            tokenizer: &self.tokenizer,
-            parser: self.parser.as_ref(),
-            tools: &self.tools,
-            end_of_turn: self.end_of_turn.clone(),
-            budgets: self.budgets,
-            on_error: self.on_error,
-        };
-        let with_rows = !self.environments.is_empty();
-        let inputs = (0..prompts.len())
-            .map(|i| {
+        let streams = crate::stages::generate::row_streams(&batch, stage)?;
+        let with_rows = self.with_environment;
+        let inputs = prompts
+            .into_iter()
+            .enumerate()
+            .map(|(i, prompt)| {
                 Ok(EpisodeInput {
-                    messages: conversation(&texts[i]).to_vec(),
-                    prompt: prompts[i].clone(),
+                    messages: conversation(&texts[i]),
+                    prompt,
                     stream: streams[i],
                     row: if with_rows {
                         row_json(&batch, i)?
@@ -189,28 +202,56 @@ impl EpisodeGenerate {
                 })
             })
             .collect::<Result<Vec<_>, StageError>>()?;
+        Ok((batch, inputs))
+    }
+
+    fn episodes(
+        &mut self,
+        ctx: &mut StepContext,
+        batch: RecordBatch,
+    ) -> Result<RecordBatch, StageError> {
+        let (batch, inputs) = self.inputs(ctx.stage(), batch)?;
         let (clock, unix) = (Instant::now(), now_unix_s());
         let settings = PoolSettings {
             max_concurrency: self.max_concurrency,
             schedule: self.schedule,
             backend: self.backend,
         };
+        let mut environments = std::mem::take(&mut self.environments);
         let episodes = run_episodes(
-            &runner,
+            &self.runner(),
             &self.model,
             &self.params,
             &inputs,
-            &mut self.environments,
+            self.tools.clone(),
+            &mut environments,
             settings,
-        )?;
+        );
+        self.environments = environments;
+        let episodes = episodes?;
         let seconds = vec![clock.elapsed().as_secs_f32(); episodes.len()];
         let started = vec![unix; episodes.len()];
         for (name, value) in episode_metrics(&episodes) {
             ctx.record(name, value);
         }
+        let versions = vec![ctx.version; episodes.len()];
+        self.with_episodes(batch, &episodes, versions, seconds, started)
+    }
+
+    /// `batch` with `episodes` as its response columns (their rows'
+    /// prompts as the episodes rewrote them), `versions` their policy versions.
+    pub(super) fn with_episodes(
+        &self,
+        batch: RecordBatch,
+        episodes: &[Episode],
+        versions: Vec<PolicyVersion>,
+        seconds: Vec<f32>,
+        started: Vec<f64>,
+    ) -> Result<RecordBatch, StageError> {
         let batch = if episodes.iter().any(|e| e.prompt.is_some()) {
             // Prompts an environment's reset rewrote: what the model saw.
-            for (prompt, episode) in prompts.iter_mut().zip(&episodes) {
+            let mut prompts = token_lists(&batch, col::PROMPT_TOKENS, "generate")?;
+            for (prompt, episode) in prompts.iter_mut().zip(episodes) {
                 if let Some(rewritten) = &episode.prompt {
                     prompt.clone_from(rewritten);
                 }
@@ -219,17 +260,6 @@ impl EpisodeGenerate {
         } else {
             batch
         };
-        self.with_episodes(batch, &episodes, ctx.version, seconds, started)
-    }
-
-    fn with_episodes(
-        &self,
-        batch: RecordBatch,
-        episodes: &[Episode],
-        version: PolicyVersion,
-        seconds: Vec<f32>,
-        started: Vec<f64>,
-    ) -> Result<RecordBatch, StageError> {
         let mut texts = Vec::with_capacity(episodes.len());
         for episode in episodes {
             let last = episode.generated_by_turn().pop().unwrap_or_default();
@@ -250,14 +280,13 @@ impl EpisodeGenerate {
                 serde_json::Value::Array(calls).to_string()
             })
             .collect();
-        let n = episodes.len();
         let mut b = crate::stages::generate::with_response_columns(
             batch,
             crate::stages::generate::ResponseColumns {
                 texts,
                 tokens: episodes.iter().map(|e| e.tokens.clone()).collect(),
                 logprobs: nullable_logprobs(episodes),
-                versions: vec![version; n],
+                versions,
                 reasons: episodes.iter().map(|e| e.finish.name()).collect(),
                 seconds,
                 started,
@@ -273,7 +302,7 @@ impl EpisodeGenerate {
             TOOL_CALLS,
             Arc::new(StringArray::from(calls)) as ArrayRef,
         )?;
-        if !self.environments.is_empty() {
+        if self.with_environment {
             let rewards: Vec<Vec<f64>> = episodes.iter().map(turn_rewards_on_tokens).collect();
             b = with_column(&b, col::ENV_REWARDS, float_list_array(&rewards))?;
             let errors: StringArray = episodes.iter().map(|e| e.env_error.as_deref()).collect();
@@ -288,7 +317,7 @@ impl EpisodeGenerate {
 /// whose environment failed, the share
 /// of response tokens the model did not write, the tools' latency (median
 /// and 99th percentile) and the seconds episodes spent waiting on tools.
-fn episode_metrics(episodes: &[Episode]) -> Vec<(&'static str, f64)> {
+pub(super) fn episode_metrics(episodes: &[Episode]) -> Vec<(&'static str, f64)> {
     if episodes.is_empty() {
         return Vec::new();
     }

@@ -1,0 +1,335 @@
+//! [`StreamingEpisodes`], episodes as a stream: a pool of sequences that
+//! outlives batches and steps ([`EpisodePool`]), episodes joining it as
+//! their rows arrive and leaving it when they end, their groups leaving
+//! for the step they join ([`StepFill`]) as soon as their last episode
+//! ends. New weights reach the pool between two passes, as in the
+//! streaming generator (`generate.on_new_weights`): an episode waiting on
+//! a call comes back to weights newer than its earlier turns', and each
+//! token's version is recorded (`token_versions`; the row's
+//! `policy_version` is its oldest token's), so the staleness bound holds
+//! for episodes that span versions.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+use arrow::array::{RecordBatch, UInt32Array};
+use weir_gpu::OnNewWeights;
+use weir_graph::batch::with_column;
+use weir_graph::weights_edge::now_unix_s;
+use weir_graph::{
+    PolicyVersion, RunSteps, Stage, StageError, Started, Step, StepContext, StepFill,
+    WeightsPayload,
+};
+
+use super::episode::Episode;
+use super::pool::{EpisodePool, PoolSettings};
+use super::stage::{episode_metrics, EpisodeGenerate};
+use crate::rollout::col;
+use crate::stages::columns::{trained_at, u32_list_array, u64s};
+
+/// Rows of a batch are keyed (batch << 32) | row.
+const ROW_BITS: u32 = 32;
+
+fn split_key(key: u64) -> (u64, usize) {
+    (key >> ROW_BITS, (key & ((1 << ROW_BITS) - 1)) as usize)
+}
+
+/// The episode generator as a stream (`generate.max_inflight` with `[agent]`).
+pub struct StreamingEpisodes {
+    core: EpisodeGenerate,
+    pool: EpisodePool,
+    fill: StepFill,
+    /// Batches with episodes under way, by arrival.
+    batches: BTreeMap<u64, InFlight>,
+    next_batch: u64,
+    /// Weights held back until the sequences in flight end (`finish`).
+    held: Option<(PolicyVersion, WeightsPayload)>,
+    /// Per step: the episodes that left for it (for its metrics).
+    emitted: BTreeMap<Step, Vec<Episode>>,
+    /// Seconds of each weights update since the last step ended.
+    applies: Vec<f64>,
+}
+
+/// A batch whose episodes are under way.
+struct InFlight {
+    batch: RecordBatch,
+    admitted: Instant,
+    admitted_unix: f64,
+    /// Each row's episode, its tokens' versions and its seconds, once ended.
+    results: Vec<Option<(Episode, Vec<u32>, f32)>>,
+    groups: Vec<u64>,
+    /// Rows of each group not ended yet.
+    open: HashMap<u64, usize>,
+    sizes: HashMap<u64, usize>,
+    sent: Vec<bool>,
+    started: HashMap<u64, Started>,
+    /// Per group: its rows whose first token is drawn, and the oldest version among them.
+    first_tokens: HashMap<u64, (usize, u32)>,
+}
+
+impl EpisodeGenerate {
+    /// This generator as a stream: a pool of `max_inflight` sequences
+    /// across batches and steps, new weights reaching it as
+    /// `on_new_weights` says, groups filling the steps of `steps`.
+    pub fn streamed(
+        self,
+        max_inflight: usize,
+        on_new_weights: OnNewWeights,
+        steps: RunSteps,
+        version: PolicyVersion,
+    ) -> Result<StreamingEpisodes, StageError> {
+        let version = u32::try_from(version)
+            .map_err(|_| format!("generate: policy version {version} exceeds u32"))?;
+        let mut core = self;
+        let settings = PoolSettings {
+            max_concurrency: core.max_concurrency,
+            schedule: core.schedule,
+            backend: core.backend,
+        };
+        let pool = EpisodePool::new(
+            &core.model,
+            &core.params,
+            max_inflight,
+            (on_new_weights, version),
+            core.tools.clone(),
+            std::mem::take(&mut core.environments),
+            settings,
+        )?;
+        let barrier = move |s| steps.next_commit(s);
+        Ok(StreamingEpisodes {
+            core,
+            pool,
+            fill: StepFill::new(steps.max_staleness, barrier).starting_at(steps.first),
+            batches: BTreeMap::new(),
+            next_batch: 0,
+            held: None,
+            emitted: BTreeMap::new(),
+            applies: Vec::new(),
+        })
+    }
+}
+
+impl StreamingEpisodes {
+    /// Queues `batch`'s episodes (of step `ctx.step`) in the pool.
+    fn admit(&mut self, ctx: &StepContext, batch: RecordBatch) -> Result<(), StageError> {
+        let (batch, inputs) = self.core.inputs(ctx.stage(), batch)?;
+        let groups = u64s(&batch, col::GROUP_ID, ctx.stage())?;
+        let id = self.next_batch;
+        self.next_batch += 1;
+        let runner = self.core.runner();
+        for (row, input) in inputs.into_iter().enumerate() {
+            self.pool.add(
+                &runner,
+                &self.core.model,
+                id << ROW_BITS | row as u64,
+                input,
+            )?;
+        }
+        let version = u64::from(self.pool.streamer().version());
+        let (mut open, mut started) = (HashMap::new(), HashMap::new());
+        for g in &groups {
+            *open.entry(*g).or_insert(0) += 1;
+            started
+                .entry(*g)
+                .or_insert_with(|| self.fill.start(ctx.step, version));
+        }
+        let n = batch.num_rows();
+        self.batches.insert(
+            id,
+            InFlight {
+                batch,
+                admitted: Instant::now(),
+                admitted_unix: now_unix_s(),
+                results: (0..n).map(|_| None).collect(),
+                sizes: open.clone(),
+                open,
+                groups,
+                sent: vec![false; n],
+                started,
+                first_tokens: HashMap::new(),
+            },
+        );
+        Ok(())
+    }
+
+    /// One pass of the pool; the rows of every group that ended.
+    fn advance_stream(&mut self) -> Result<Vec<(Step, RecordBatch)>, StageError> {
+        if !self.pool.decoding() {
+            if let Some((version, weights)) = self.held.take() {
+                self.apply(version, &weights)?;
+            }
+        }
+        let runner = self.core.runner();
+        let ended = self
+            .pool
+            .tick(&runner, &self.core.model, Duration::from_millis(5))?;
+        // A group's deadline counts from its first tokens.
+        for (key, version) in self.pool.take_started() {
+            let (id, row) = split_key(key);
+            let b = self
+                .batches
+                .get_mut(&id)
+                .expect("a key names a batch in flight");
+            let g = b.groups[row];
+            let first = b.first_tokens.entry(g).or_insert((0, version));
+            first.0 += 1;
+            first.1 = first.1.min(version);
+            if first.0 == b.sizes[&g] {
+                let group = b.started.get_mut(&g).expect("every group started");
+                *group = self.fill.first_tokens_under(*group, u64::from(first.1));
+            }
+        }
+        for key in ended {
+            let (id, row) = split_key(key);
+            let (episode, versions) = self.pool.take(key).expect("an ended episode is there");
+            let b = self
+                .batches
+                .get_mut(&id)
+                .expect("a key names a batch in flight");
+            let seconds = b.admitted.elapsed().as_secs_f32();
+            b.results[row] = Some((episode, versions, seconds));
+            *b.open
+                .get_mut(&b.groups[row])
+                .expect("the row's group is open") -= 1;
+        }
+        self.ready()
+    }
+
+    /// The rows of every group whose episodes all ended, for the steps they join.
+    fn ready(&mut self) -> Result<Vec<(Step, RecordBatch)>, StageError> {
+        let mut out = Vec::new();
+        let ids: Vec<u64> = self.batches.keys().copied().collect();
+        for id in ids {
+            let b = self.batches.get_mut(&id).expect("listed above");
+            let mut placed: BTreeMap<Step, Vec<usize>> = BTreeMap::new();
+            let mut decided: HashMap<u64, Option<Step>> = HashMap::new();
+            for r in 0..b.sent.len() {
+                let g = b.groups[r];
+                if b.sent[r] || b.open[&g] > 0 {
+                    continue;
+                }
+                let fill = &mut self.fill;
+                let to = *decided
+                    .entry(g)
+                    .or_insert_with(|| fill.finish(b.started[&g]));
+                if let Some(step) = to {
+                    placed.entry(step).or_default().push(r);
+                }
+            }
+            for (step, rows) in placed {
+                let b = self.batches.get_mut(&id).expect("listed above");
+                let indices = UInt32Array::from(rows.iter().map(|&r| r as u32).collect::<Vec<_>>());
+                let picked = arrow::compute::take_record_batch(&b.batch, &indices)?;
+                let picked = trained_at(&picked, step)?;
+                let mut episodes = Vec::with_capacity(rows.len());
+                let (mut versions, mut seconds) = (Vec::new(), Vec::new());
+                for &r in &rows {
+                    b.sent[r] = true;
+                    let (episode, v, s) = b.results[r].take().expect("a ready row has its result");
+                    episodes.push(episode);
+                    versions.push(v);
+                    seconds.push(s);
+                }
+                let started = vec![b.admitted_unix; rows.len()];
+                if b.sent.iter().all(|&s| s) {
+                    self.batches.remove(&id);
+                }
+                let current = self.pool.streamer().version();
+                let oldest: Vec<u64> = versions
+                    .iter()
+                    .map(|v| u64::from(v.iter().copied().min().unwrap_or(current)))
+                    .collect();
+                let batch = self
+                    .core
+                    .with_episodes(picked, &episodes, oldest, seconds, started)?;
+                let batch = with_column(&batch, col::TOKEN_VERSIONS, u32_list_array(&versions))?;
+                self.emitted.entry(step).or_default().extend(episodes);
+                out.push((step, batch));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Applies `weights` (policy `version`) between passes.
+    fn apply(
+        &mut self,
+        version: PolicyVersion,
+        weights: &WeightsPayload,
+    ) -> Result<(), StageError> {
+        let started = Instant::now();
+        crate::stages::generate::apply_snapshot(&mut self.core.model, version, weights)?;
+        let version = u32::try_from(version)
+            .map_err(|_| format!("generate: policy version {version} exceeds u32"))?;
+        let streamer = self.pool.streamer();
+        streamer.weights_changed(version);
+        streamer.set_admitting(true);
+        self.applies.push(started.elapsed().as_secs_f64());
+        Ok(())
+    }
+}
+
+impl Stage for StreamingEpisodes {
+    fn process(
+        &mut self,
+        ctx: &mut StepContext,
+        batch: RecordBatch,
+    ) -> Result<Vec<RecordBatch>, StageError> {
+        self.admit(ctx, batch)?;
+        Ok(Vec::new())
+    }
+
+    fn end_step(&mut self, ctx: &mut StepContext) -> Result<Vec<RecordBatch>, StageError> {
+        self.fill
+            .end(ctx.step)
+            .map_err(|e| format!("generate: {e}"))?;
+        let episodes = self.emitted.remove(&ctx.step).unwrap_or_default();
+        for (name, value) in episode_metrics(&episodes) {
+            ctx.record(name, value);
+        }
+        for s in self.applies.drain(..) {
+            ctx.record("weights_apply_s", s);
+        }
+        Ok(Vec::new())
+    }
+
+    fn load_weights(
+        &mut self,
+        version: PolicyVersion,
+        weights: &WeightsPayload,
+    ) -> Result<(), StageError> {
+        let streamer = self.pool.streamer();
+        if streamer.on_new_weights() == OnNewWeights::Finish && self.pool.decoding() {
+            // The sequences in flight finish on the weights they started
+            // with; no new one starts until then.
+            self.held = Some((version, weights.clone()));
+            self.pool.streamer().set_admitting(false);
+            return Ok(());
+        }
+        self.held = None;
+        self.apply(version, weights)
+    }
+
+    fn policy_version(&self) -> Option<PolicyVersion> {
+        Some(PolicyVersion::from(self.pool.version()))
+    }
+
+    fn streaming(&self) -> bool {
+        true
+    }
+
+    fn advance(&mut self) -> Result<Vec<(Step, RecordBatch)>, StageError> {
+        self.advance_stream()
+    }
+
+    fn holds(&self, step: Step) -> bool {
+        if step == Step::MAX {
+            // Work to do: sequences to run, calls out, episodes to start.
+            return self.pool.busy();
+        }
+        self.fill.holds(step)
+    }
+
+    fn input_ended(&mut self, step: Step) {
+        self.fill.input_complete(step);
+    }
+}
