@@ -17,7 +17,6 @@ use std::time::Instant;
 
 use anyhow::Context;
 use serde_json::json;
-use weir_gpu::{Device, Model, ModelConfig};
 use weir_operators::tasks::arith;
 use weir_pipelines::runner::RunRequest;
 use weir_pipelines::task::arith_accuracy;
@@ -64,7 +63,7 @@ pub struct DemoArgs {
     pub quiet: bool,
 }
 
-/// Runs the demo and prints where its run folder is.
+/// Runs the demo (the agentic one with `--agentic`) and prints where its run folder is.
 pub fn demo(args: &DemoArgs) -> anyhow::Result<()> {
     if args.agentic {
         return crate::demo_agentic::run(&crate::demo_agentic::AgenticSettings {
@@ -80,6 +79,11 @@ pub fn demo(args: &DemoArgs) -> anyhow::Result<()> {
             quiet: args.quiet,
         });
     }
+    arith_demo(args)
+}
+
+/// The arith demo: SFT then async GRPO.
+fn arith_demo(args: &DemoArgs) -> anyhow::Result<()> {
     let grpo_steps = args.grpo_steps.unwrap_or(200);
     let started = Instant::now();
     let out = args
@@ -94,7 +98,7 @@ pub fn demo(args: &DemoArgs) -> anyhow::Result<()> {
 
     let init = out.join("init");
     let vocab = make_tokenizer(&init)?;
-    let params = make_model(&init, vocab, args.seed as i64)?;
+    let params = crate::demo_model::make_model(&init, vocab, args.seed as i64)?;
     println!("tokenizer: byte-level BPE, {vocab} tokens; model: Llama, {params} parameters");
 
     // SFT in chunks until greedy accuracy is meaningful (each chunk resumes the last).
@@ -217,46 +221,4 @@ fn corpus() -> Vec<String> {
 
 fn make_tokenizer(dir: &Path) -> anyhow::Result<usize> {
     weir_gpu::tokenizer::train_chatml_bpe(&corpus(), 320, dir).context("training the tokenizer")
-}
-
-/// A fresh Llama in HF layout in `dir` (beside the tokenizer); returns its parameter count.
-pub(crate) fn make_model(dir: &Path, vocab: usize, seed: i64) -> anyhow::Result<i64> {
-    let config = json!({
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": vocab,
-        "hidden_size": 128,
-        "intermediate_size": 352,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
-        "hidden_act": "silu",
-        "max_position_embeddings": 512,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "initializer_range": 0.02,
-        "tie_word_embeddings": false,
-        "attention_bias": false,
-        "mlp_bias": false,
-        "bos_token_id": 0,
-        "eos_token_id": 2,
-        "pad_token_id": 3,
-        "torch_dtype": "float32",
-    });
-    let generation = json!({"bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 3});
-    for (name, value) in [
-        ("config.json", config),
-        ("generation_config.json", generation),
-    ] {
-        std::fs::write(dir.join(name), serde_json::to_string_pretty(&value)?)?;
-    }
-    let mut model = Model::new(ModelConfig::load(dir)?, Device::Cpu, dir)?;
-    model.init_weights(0.02, seed);
-    model.save(dir, None)?;
-    Ok(model
-        .named_tensors()
-        .iter()
-        .map(|(_, t)| t.numel() as i64)
-        .sum())
 }

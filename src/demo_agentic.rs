@@ -149,7 +149,7 @@ pub fn run(s: &AgenticSettings) -> anyhow::Result<()> {
     let vocab = weir_gpu::tokenizer::train_chatml_bpe(&corpus, 400, &init)
         .context("training the tokenizer")?;
     std::fs::write(init.join("chat_template.jinja"), TEMPLATE)?;
-    let params = crate::demo::make_model(&init, vocab, s.seed as i64)?;
+    let params = crate::demo_model::make_model(&init, vocab, s.seed as i64)?;
     println!("tokenizer: byte-level BPE, {vocab} tokens; model: Llama, {params} parameters");
     let sft_file = out.join("sft.jsonl");
     let mut file = std::io::BufWriter::new(std::fs::File::create(&sft_file)?);

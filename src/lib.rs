@@ -15,6 +15,7 @@ pub mod cli;
 pub mod cluster;
 pub mod demo;
 mod demo_agentic;
+mod demo_model;
 pub mod model_cli;
 pub mod report;
 pub mod run_cli;

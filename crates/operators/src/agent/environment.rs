@@ -53,14 +53,6 @@ impl EnvFault {
             EnvFault::Error(m) | EnvFault::Timeout(m) | EnvFault::Protocol(m) => m,
         }
     }
-
-    /// The episode's end when it ends on this fault.
-    pub fn finish(&self) -> super::episode::Finish {
-        match self {
-            EnvFault::Error(_) | EnvFault::Protocol(_) => super::episode::Finish::EnvError,
-            EnvFault::Timeout(_) => super::episode::Finish::Timeout,
-        }
-    }
 }
 
 impl From<String> for EnvFault {

@@ -19,14 +19,12 @@
 //! the budget exactly is kept; one that does not fit ends the episode
 //! ([`Finish::Length`]) with nothing of it appended.
 
-use serde_json::Value;
 use weir_gpu::tokenizer::Tokenizer;
 
-use super::environment::Environment;
+use super::environment::EnvFault;
 use super::observe::ObserveError;
 use super::tool_calls::ToolCallParser;
 use super::tools::Tool;
-use super::turns::{work, Next};
 use crate::rollout::TokenKind;
 
 /// An episode's limits.
@@ -83,6 +81,14 @@ impl Finish {
             Finish::EnvError => "env_error",
             Finish::ToolError => "tool_error",
             Finish::Timeout => "timeout",
+        }
+    }
+
+    /// The end of an episode that ends on the environment's `fault`.
+    pub fn of_fault(fault: &EnvFault) -> Self {
+        match fault {
+            EnvFault::Error(_) | EnvFault::Protocol(_) => Finish::EnvError,
+            EnvFault::Timeout(_) => Finish::Timeout,
         }
     }
 }
@@ -314,70 +320,6 @@ pub enum EpisodeError {
 }
 
 impl EpisodeRunner<'_> {
-    /// Runs one episode from the conversation `messages`, whose rendering
-    /// with the generation prompt is `prompt` (the prompt's tokens), its
-    /// turns answered by the tools they call.
-    pub fn run(
-        &self,
-        policy: &mut dyn TurnPolicy,
-        messages: &[Value],
-        prompt: &[i64],
-    ) -> Result<Episode, EpisodeError> {
-        self.run_in(policy, None, messages, prompt)
-    }
-
-    /// [`EpisodeRunner::run`], each turn answered by `environment` when
-    /// there is one (reset before the first turn with the row `row` and
-    /// the prompt's text, closed after the last): its observation follows
-    /// the turn, its reward is the turn's, and it may end the episode. A
-    /// reset that rewrites the prompt's text (OpenRLHF's agents may) gives
-    /// the episode a new prompt, that text tokenized alone
-    /// ([`Episode::prompt`]); one that returns it unchanged keeps `prompt`.
-    pub fn run_with(
-        &self,
-        policy: &mut dyn TurnPolicy,
-        environment: &mut dyn Environment,
-        row: &Value,
-        messages: &[Value],
-        prompt: &[i64],
-    ) -> Result<Episode, EpisodeError> {
-        let episode = self.run_in(policy, Some((&mut *environment, row)), messages, prompt);
-        environment.close();
-        episode
-    }
-
-    /// The episode's turns sampled and answered in line, one after another.
-    fn run_in(
-        &self,
-        policy: &mut dyn TurnPolicy,
-        mut environment: Option<(&mut dyn Environment, &Value)>,
-        messages: &[Value],
-        prompt: &[i64],
-    ) -> Result<Episode, EpisodeError> {
-        let row = environment.as_ref().map(|(_, row)| *row);
-        let (mut state, mut next) = self.begin(messages, prompt, row)?;
-        loop {
-            next = match next {
-                Next::Sample {
-                    context,
-                    max_new,
-                    turn,
-                } => {
-                    let sampled = policy
-                        .sample(&context, max_new)
-                        .map_err(|message| EpisodeError::Policy { turn, message })?;
-                    self.sampled(&mut state, sampled)?
-                }
-                Next::Answer(w) => {
-                    let env = environment.as_mut().map(|(env, _)| &mut **env);
-                    let answered = work(self.tools, env, w);
-                    self.answered(&mut state, answered)?
-                }
-                Next::Done => return Ok(state.into_episode()),
-            };
-        }
-    }
-
     /// `text` cut to `max_observation_tokens` tokens, with a marker saying
     /// how many were left out; text that fits exactly is kept whole.
     pub(crate) fn cut(&self, text: &str) -> Result<String, weir_gpu::ModelError> {

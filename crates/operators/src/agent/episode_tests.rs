@@ -7,7 +7,7 @@ use crate::agent::environment::{Environment, Observation};
 use crate::agent::observe::tests::{tokenizer_with, CHATML_TOOLS};
 use crate::agent::tool_calls::Hermes;
 use crate::agent::tools::{schemas, Calculator};
-use serde_json::json;
+use serde_json::{json, Value};
 
 /// A policy that says what it is told, turn by turn.
 struct Script {

@@ -13,7 +13,9 @@
 use serde_json::{json, Value};
 
 use super::environment::{EnvFault, EnvStep, Environment, Observation};
-use super::episode::{CallRecord, Episode, EpisodeError, EpisodeRunner, Finish, OnError, Sampled};
+use super::episode::{
+    CallRecord, Episode, EpisodeError, EpisodeRunner, Finish, OnError, Sampled, TurnPolicy,
+};
 use super::observe::appended;
 use super::tool_calls::{MalformedCall, ToolCall};
 use super::tools::{answer, schemas, Tool, ToolOutput};
@@ -269,7 +271,7 @@ impl EpisodeRunner<'_> {
             Err(EnvFault::Protocol(e)) => return Err(EpisodeError::Environment(e)),
             Err(fault) => {
                 state.episode.env_error = Some(format!("reset: {}", fault.message()));
-                return Ok(state.end(fault.finish()));
+                return Ok(state.end(Finish::of_fault(&fault)));
             }
         }
         Ok(self.next_turn(state))
@@ -292,7 +294,7 @@ impl EpisodeRunner<'_> {
                         reward: 0.0,
                         done: false,
                     },
-                    _ => return Ok(state.end(fault.finish())),
+                    _ => return Ok(state.end(Finish::of_fault(&fault))),
                 }
             }
         };
@@ -417,6 +419,72 @@ impl EpisodeRunner<'_> {
             .push(json!({"role": "assistant", "content": content}));
         state.history.extend(said);
         self.next_turn(state)
+    }
+}
+
+impl EpisodeRunner<'_> {
+    /// Runs one episode from the conversation `messages`, whose rendering
+    /// with the generation prompt is `prompt` (the prompt's tokens), its
+    /// turns answered by the tools they call.
+    pub fn run(
+        &self,
+        policy: &mut dyn TurnPolicy,
+        messages: &[Value],
+        prompt: &[i64],
+    ) -> Result<Episode, EpisodeError> {
+        self.run_in(policy, None, messages, prompt)
+    }
+
+    /// [`EpisodeRunner::run`], each turn answered by `environment` when
+    /// there is one (reset before the first turn with the row `row` and
+    /// the prompt's text, closed after the last): its observation follows
+    /// the turn, its reward is the turn's, and it may end the episode. A
+    /// reset that rewrites the prompt's text (OpenRLHF's agents may) gives
+    /// the episode a new prompt, that text tokenized alone
+    /// ([`Episode::prompt`]); one that returns it unchanged keeps `prompt`.
+    pub fn run_with(
+        &self,
+        policy: &mut dyn TurnPolicy,
+        environment: &mut dyn Environment,
+        row: &Value,
+        messages: &[Value],
+        prompt: &[i64],
+    ) -> Result<Episode, EpisodeError> {
+        let episode = self.run_in(policy, Some((&mut *environment, row)), messages, prompt);
+        environment.close();
+        episode
+    }
+
+    /// The episode's turns sampled and answered in line, one after another.
+    fn run_in(
+        &self,
+        policy: &mut dyn TurnPolicy,
+        mut environment: Option<(&mut dyn Environment, &Value)>,
+        messages: &[Value],
+        prompt: &[i64],
+    ) -> Result<Episode, EpisodeError> {
+        let row = environment.as_ref().map(|(_, row)| *row);
+        let (mut state, mut next) = self.begin(messages, prompt, row)?;
+        loop {
+            next = match next {
+                Next::Sample {
+                    context,
+                    max_new,
+                    turn,
+                } => {
+                    let sampled = policy
+                        .sample(&context, max_new)
+                        .map_err(|message| EpisodeError::Policy { turn, message })?;
+                    self.sampled(&mut state, sampled)?
+                }
+                Next::Answer(w) => {
+                    let env = environment.as_mut().map(|(env, _)| &mut **env);
+                    let answered = work(self.tools, env, w);
+                    self.answered(&mut state, answered)?
+                }
+                Next::Done => return Ok(state.into_episode()),
+            };
+        }
     }
 }
 
