@@ -139,6 +139,7 @@ fn main() {
             .collect();
         let settings = PoolSettings {
             max_concurrency: episodes,
+            call_deadline: None,
             schedule,
             backend: Backend::Torch,
         };

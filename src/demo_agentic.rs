@@ -310,6 +310,7 @@ fn evaluate(dir: &Path, pairs: &[(u32, u32)], seed: u64) -> anyhow::Result<Score
     };
     let settings = PoolSettings {
         max_concurrency: 8,
+        call_deadline: None,
         schedule: Schedule::Streaming,
         backend: weir_gpu::generate::Backend::Auto,
     };

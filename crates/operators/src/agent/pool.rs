@@ -26,15 +26,15 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use weir_gpu::generate::{Backend, FinishReason};
 use weir_gpu::{Model, OnNewWeights, Request, SamplingParams, Streamer};
 
-use super::environment::Environment;
+use super::environment::{EnvFault, Environment};
 use super::episode::{Episode, EpisodeError, EpisodeRunner, Sampled};
-use super::tools::Tool;
+use super::tools::{Tool, ToolOutput};
 use super::turns::{work, Answered, EpisodeState, Next, Work};
 
 /// When an episode's next turn may start.
@@ -65,6 +65,11 @@ pub struct EpisodeInput {
 pub struct PoolSettings {
     /// Calls (tools, environment steps) running at once.
     pub max_concurrency: usize,
+    /// How long a call may be out before the pool gives up on it (a
+    /// backstop for tools and environments that do not time themselves
+    /// out): its episode goes on as after a timeout, and the thread and
+    /// environment instance it holds are left to it.
+    pub call_deadline: Option<Duration>,
     /// When turns start.
     pub schedule: Schedule,
     /// Where the turns decode.
@@ -170,6 +175,11 @@ pub struct EpisodePool {
     /// Closes out.
     closing: usize,
     schedule: Schedule,
+    /// Each call out: when the pool gives up on it, and what it asked.
+    deadlines: HashMap<u64, (Instant, Work)>,
+    call_deadline: Option<Duration>,
+    /// Calls given up on, whose answers are dropped when they come.
+    abandoned: std::collections::HashSet<u64>,
     /// Episodes whose first turn drew its first token since the last
     /// [`EpisodePool::take_started`], with the version then.
     started: Vec<(u64, u32)>,
@@ -212,6 +222,9 @@ impl EpisodePool {
             working: 0,
             closing: 0,
             schedule: settings.schedule,
+            deadlines: HashMap::new(),
+            call_deadline: settings.call_deadline,
+            abandoned: Default::default(),
             started: Vec::new(),
             ended: Vec::new(),
         })
@@ -337,7 +350,11 @@ impl EpisodePool {
                 self.back(runner, model, done)?;
             }
         } else if self.working + self.closing > 0 {
-            // Nothing to decode: wait for a call to come back.
+            // Nothing to decode: wait for a call to come back (or to be due).
+            let due = self.deadlines.values().map(|(at, _)| *at).min();
+            let wait = due.map_or(wait, |at| {
+                wait.min(at.saturating_duration_since(Instant::now()))
+            });
             match self.calls.done.recv_timeout(wait) {
                 Ok(done) => self.back(runner, model, done)?,
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
@@ -352,7 +369,44 @@ impl EpisodePool {
                 format!("{stuck} episode(s) wait for an environment and none will free"),
             ));
         }
+        self.give_up_on_overdue(runner, model)?;
         Ok(std::mem::take(&mut self.ended))
+    }
+
+    /// Calls out past their deadline: each episode goes on as after a
+    /// timeout (its tool calls timed out, its environment's reset or step a
+    /// timeout), and the call's answer is dropped when it comes.
+    fn give_up_on_overdue(
+        &mut self,
+        runner: &EpisodeRunner<'_>,
+        model: &Model,
+    ) -> Result<(), EpisodeError> {
+        let now = Instant::now();
+        let overdue: Vec<u64> = self
+            .deadlines
+            .iter()
+            .filter(|(_, (at, _))| *at <= now)
+            .map(|(key, _)| *key)
+            .collect();
+        for key in overdue {
+            let (_, asked) = self.deadlines.remove(&key).expect("listed above");
+            self.working -= 1;
+            self.abandoned.insert(key);
+            let seconds = self.call_deadline.unwrap_or_default().as_secs_f64();
+            let why = format!("no answer within {seconds} s: the pool gave up on the call");
+            let answered = match asked {
+                Work::Tools(calls) => Answered::Tools(
+                    calls
+                        .iter()
+                        .map(|_| (ToolOutput::timed_out(format!("error: {why}")), seconds))
+                        .collect(),
+                ),
+                Work::Reset(..) => Answered::Reset(Err(EnvFault::Timeout(why))),
+                Work::Step(_) => Answered::Step(Err(EnvFault::Timeout(why))),
+            };
+            self.answer(runner, model, key, answered)?;
+        }
+        Ok(())
     }
 
     /// Starts waiting episodes while there are environments for them.
@@ -412,6 +466,10 @@ impl EpisodePool {
             }
             Next::Answer(asked) => {
                 self.working += 1;
+                if let Some(deadline) = self.call_deadline {
+                    self.deadlines
+                        .insert(key, (Instant::now() + deadline, asked.clone()));
+                }
                 self.send(key, Some(asked));
             }
             Next::Done => {
@@ -454,17 +512,39 @@ impl EpisodePool {
         done: Done,
     ) -> Result<(), EpisodeError> {
         let key = done.key;
+        if self.abandoned.remove(&key) {
+            // Given up on: the episode went on without it; its environment
+            // (if it holds one) serves others again.
+            self.free.extend(done.environment);
+            return self.start_waiting(runner, model);
+        }
         let Some(answered) = done.answered else {
             self.closing -= 1;
             self.free.extend(done.environment);
             return self.start_waiting(runner, model);
         };
         self.working -= 1;
+        self.deadlines.remove(&key);
         let entry = self
             .entries
             .get_mut(&key)
             .expect("an answered key is in the pool");
         entry.environment = done.environment;
+        self.answer(runner, model, key, answered)
+    }
+
+    /// Gives episode `key` what answered its call; what follows.
+    fn answer(
+        &mut self,
+        runner: &EpisodeRunner<'_>,
+        model: &Model,
+        key: u64,
+        answered: Answered,
+    ) -> Result<(), EpisodeError> {
+        let entry = self
+            .entries
+            .get_mut(&key)
+            .expect("an answered key is in the pool");
         let state = entry.state.as_mut().expect("an answered episode started");
         let next = runner
             .answered(state, answered)
@@ -532,6 +612,9 @@ pub fn run_episodes(
         match pool.calls.done.recv() {
             Ok(done) => {
                 pool.free.extend(done.environment);
+                if pool.abandoned.remove(&done.key) {
+                    continue;
+                }
                 if done.answered.is_some() {
                     pool.working -= 1;
                 } else {
@@ -668,6 +751,7 @@ mod tests {
             let mut environments = instances(2);
             let settings = PoolSettings {
                 max_concurrency: 4,
+                call_deadline: None,
                 schedule,
                 backend: Backend::Auto,
             };
@@ -726,5 +810,83 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Sleeps through its step.
+    struct Hangs;
+
+    impl Environment for Hangs {
+        fn reset(&mut self, _row: &Value, _prompt: &str) -> Result<Option<String>, EnvFault> {
+            Ok(None)
+        }
+
+        fn step(&mut self, _action: &str) -> Result<EnvStep, EnvFault> {
+            std::thread::sleep(std::time::Duration::from_secs(5));
+            Ok(EnvStep {
+                observation: Observation::Text(String::new()),
+                reward: 1.0,
+                done: true,
+            })
+        }
+    }
+
+    #[test]
+    fn a_call_past_its_deadline_is_given_up_on_and_its_episode_ends_as_a_timeout() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/models/arith-sft");
+        let model = Model::load(&dir, weir_gpu::Device::Cpu, tch::Kind::Float).unwrap();
+        let tokenizer = weir_gpu::Tokenizer::load(&dir).unwrap();
+        let params = SamplingParams {
+            max_new_tokens: 16,
+            eos_token_ids: tokenizer.eos_token_ids().to_vec(),
+            seed: 3,
+            ..Default::default()
+        };
+        let runner = EpisodeRunner {
+            tokenizer: &tokenizer,
+            parser: &Hermes,
+            tools: &[],
+            end_of_turn: "<|im_end|>".into(),
+            budgets: Budgets {
+                max_turns: 2,
+                max_tokens: 16,
+                max_observation_tokens: 8,
+            },
+            on_error: OnError::Observe,
+        };
+        let messages = vec![json!({"role": "user", "content": "1+2="})];
+        let inputs = vec![EpisodeInput {
+            prompt: tokenizer
+                .encode_conversation(&messages, None, true)
+                .unwrap(),
+            messages,
+            stream: 1,
+            row: json!({}),
+        }];
+        let mut environments: Vec<Box<dyn Environment>> = vec![Box::new(Hangs)];
+        let settings = PoolSettings {
+            max_concurrency: 1,
+            call_deadline: Some(std::time::Duration::from_millis(200)),
+            schedule: Schedule::Streaming,
+            backend: Backend::Auto,
+        };
+        let episodes = run_episodes(
+            &runner,
+            &model,
+            &params,
+            &inputs,
+            Arc::new(Vec::new()),
+            &mut environments,
+            settings,
+        )
+        .unwrap();
+        let episode = &episodes[0];
+        assert_eq!(episode.finish, crate::agent::episode::Finish::Timeout);
+        let error = episode.env_error.as_deref().unwrap_or("");
+        assert!(error.contains("the pool gave up on the call"), "{error}");
+        assert!(
+            environments.is_empty(),
+            "the hanging instance is left to its call"
+        );
     }
 }

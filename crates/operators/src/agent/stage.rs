@@ -70,6 +70,7 @@ pub struct EpisodeGenerate {
     /// Whether an environment answers the turns.
     with_environment: bool,
     pub(super) max_concurrency: usize,
+    pub(super) call_deadline: Option<std::time::Duration>,
     pub(super) schedule: Schedule,
 }
 
@@ -110,6 +111,7 @@ impl EpisodeGenerate {
             environments: Vec::new(),
             with_environment: false,
             max_concurrency: 8,
+            call_deadline: None,
             schedule: Schedule::default(),
         })
     }
@@ -127,6 +129,14 @@ impl EpisodeGenerate {
     /// At most `calls` tool calls or environment steps at once.
     pub fn with_max_concurrency(mut self, calls: usize) -> Self {
         self.max_concurrency = calls.max(1);
+        self
+    }
+
+    /// Gives up on a call out longer than `deadline` (a backstop for tools
+    /// and environments that do not time themselves out): its episode goes
+    /// on as after a timeout, and the run never waits on it.
+    pub fn with_call_deadline(mut self, deadline: std::time::Duration) -> Self {
+        self.call_deadline = Some(deadline);
         self
     }
 
@@ -214,6 +224,7 @@ impl EpisodeGenerate {
         let (clock, unix) = (Instant::now(), now_unix_s());
         let settings = PoolSettings {
             max_concurrency: self.max_concurrency,
+            call_deadline: self.call_deadline,
             schedule: self.schedule,
             backend: self.backend,
         };

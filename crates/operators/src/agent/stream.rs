@@ -83,6 +83,7 @@ impl EpisodeGenerate {
         let mut core = self;
         let settings = PoolSettings {
             max_concurrency: core.max_concurrency,
+            call_deadline: core.call_deadline,
             schedule: core.schedule,
             backend: core.backend,
         };
