@@ -367,7 +367,9 @@ fn kill_and_resume_in(root: &Path, seed: u64, kills: u64, more: &[&str]) -> Vec<
             "one line on what the resume did: {text}"
         );
         check_run_folder(&out, seed);
-        // Resuming a finished run, twice: nothing to do, nothing changed.
+        // Resuming a finished run, twice: nothing to do, nothing changed
+        // (the run folder now has its config: these are resumes).
+        let args = run_args_with(&out, more);
         let before = std::fs::read(out.join("summary.json")).unwrap();
         for _ in 0..2 {
             let text = success(&weir(&strs(&args), root));
