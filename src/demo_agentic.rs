@@ -116,59 +116,10 @@ pub fn run(s: &AgenticSettings) -> anyhow::Result<()> {
     );
     let all = pairs(s.seed);
     let (held_out, train) = all.split_at(EVAL_PAIRS);
-
-    // The SFT set, and the tokenizer trained on its conversations.
-    let mut rng = s.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut uniform = || {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        (rng >> 11) as f64 / (1u64 << 53) as f64
-    };
-    let mut rows = Vec::new();
-    for &(a, b) in train {
-        rows.extend(sft_rows(a, b, uniform() < s.tool_share));
-    }
     let init = out.join("init");
-    std::fs::create_dir_all(&init)?;
-    let corpus: Vec<String> = rows
-        .iter()
-        .take(4000)
-        .map(|(messages, target)| {
-            let mut text = String::new();
-            for m in messages {
-                text.push_str(&format!(
-                    "<|im_start|>{}\n{}<|im_end|>\n",
-                    m["role"].as_str().unwrap_or(""),
-                    m["content"].as_str().unwrap_or("")
-                ));
-            }
-            format!("{text}<|im_start|>assistant\n{target}<|im_end|>\n")
-        })
-        .collect();
-    let vocab = weir_gpu::tokenizer::train_chatml_bpe(&corpus, 400, &init)
-        .context("training the tokenizer")?;
-    std::fs::write(init.join("chat_template.jinja"), TEMPLATE)?;
-    let params = crate::demo_model::make_model(&init, vocab, s.seed as i64)?;
+    let (vocab, params) = prepare(s, train, &init)?;
     println!("tokenizer: byte-level BPE, {vocab} tokens; model: Llama, {params} parameters");
-    let sft_file = out.join("sft.jsonl");
-    let mut file = std::io::BufWriter::new(std::fs::File::create(&sft_file)?);
-    for (messages, target) in &rows {
-        writeln!(file, "{}", json!({"messages": messages, "target": target}))?;
-    }
-    file.flush()?;
-    drop(file);
-    let grpo_file = out.join("problems.jsonl");
-    let mut file = std::io::BufWriter::new(std::fs::File::create(&grpo_file)?);
-    for &(a, b) in train {
-        writeln!(
-            file,
-            "{}",
-            json!({"prompt": question(a, b), "answer": (a * b).to_string()})
-        )?;
-    }
-    file.flush()?;
-    drop(file);
+    let (sft_file, grpo_file) = (out.join("sft.jsonl"), out.join("problems.jsonl"));
 
     let mut sft = RunConfig::defaults_for(PipelineKind::Sft);
     sft.model.path = init.clone();
@@ -259,6 +210,67 @@ pub fn run(s: &AgenticSettings) -> anyhow::Result<()> {
         100.0 * after.tool_call_rate
     );
     println!("run folder: {}", out.display());
+    Ok(())
+}
+
+/// Writes the SFT conversations (`DIR/../sft.jsonl`) and the GRPO problems
+/// (`DIR/../problems.jsonl`) of the `train` pairs, and in `init` a tokenizer
+/// trained on the conversations, the chat template and a fresh model;
+/// returns the vocabulary and parameter counts.
+fn prepare(s: &AgenticSettings, train: &[(u32, u32)], init: &Path) -> anyhow::Result<(usize, i64)> {
+    let mut rng = s.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut uniform = || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        (rng >> 11) as f64 / (1u64 << 53) as f64
+    };
+    let mut rows = Vec::new();
+    for &(a, b) in train {
+        rows.extend(sft_rows(a, b, uniform() < s.tool_share));
+    }
+    std::fs::create_dir_all(init)?;
+    let corpus: Vec<String> = rows
+        .iter()
+        .take(4000)
+        .map(|(messages, target)| {
+            let mut text = String::new();
+            for m in messages {
+                text.push_str(&format!(
+                    "<|im_start|>{}\n{}<|im_end|>\n",
+                    m["role"].as_str().unwrap_or(""),
+                    m["content"].as_str().unwrap_or("")
+                ));
+            }
+            format!("{text}<|im_start|>assistant\n{target}<|im_end|>\n")
+        })
+        .collect();
+    let vocab = weir_gpu::tokenizer::train_chatml_bpe(&corpus, 400, init)
+        .context("training the tokenizer")?;
+    std::fs::write(init.join("chat_template.jinja"), TEMPLATE)?;
+    let params = crate::demo_model::make_model(init, vocab, s.seed as i64)?;
+    let sft: Vec<Value> = rows
+        .iter()
+        .map(|(messages, target)| json!({"messages": messages, "target": target}))
+        .collect();
+    write_lines(&s.out.join("sft.jsonl"), &sft)?;
+    let problems: Vec<Value> = train
+        .iter()
+        .map(|&(a, b)| json!({"prompt": question(a, b), "answer": (a * b).to_string()}))
+        .collect();
+    write_lines(&s.out.join("problems.jsonl"), &problems)?;
+    Ok((vocab, params))
+}
+
+/// `values` as JSON lines in `path`.
+fn write_lines(path: &Path, values: &[Value]) -> anyhow::Result<()> {
+    let mut file = std::io::BufWriter::new(
+        std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?,
+    );
+    for v in values {
+        writeln!(file, "{v}")?;
+    }
+    file.flush()?;
     Ok(())
 }
 
