@@ -514,9 +514,31 @@ fn streamed_episodes_match_batch_episodes_at_k0_and_span_versions_at_k1() {
             .column_by_name(col::STALENESS)
             .unwrap()
             .as_primitive::<UInt64Type>();
+        let recomputed = b
+            .column_by_name(col::KV_RECOMPUTED)
+            .unwrap()
+            .as_list::<i32>();
+        let kinds = lists::<UInt8Type>(b, col::TOKEN_KINDS);
+        let turns = lists::<UInt32Type>(b, col::TOKEN_TURNS);
         for row in 0..b.num_rows() {
             rows += 1;
             assert_eq!(versions[row].len(), tokens[row].len());
+            // A turn that rejoined the pool had its context prefilled again
+            // under its first token's weights; the first turn's (under
+            // "keep") was never recomputed, nor are observations.
+            let flags = recomputed.value(row);
+            let flags = flags.as_boolean();
+            assert_eq!(flags.len(), tokens[row].len());
+            for i in 0..flags.len() {
+                let generated = kinds[row][i] == TokenKind::Generated as u8;
+                let opens_turn =
+                    generated && (i == 0 || kinds[row][i - 1] != TokenKind::Generated as u8);
+                if !generated || turns[row][i] == 0 {
+                    assert!(!flags.value(i), "row {row}, token {i}");
+                } else if opens_turn {
+                    assert!(flags.value(i), "row {row}, token {i}");
+                }
+            }
             let oldest = versions[row].iter().min().copied().unwrap_or(0);
             assert_eq!(policy.value(row), u64::from(oldest));
             assert!(staleness.value(row) <= 1);

@@ -153,6 +153,10 @@ struct Entry {
     /// The policy version of each response token so far (an observation's:
     /// the version of the token before it).
     versions: Vec<u32>,
+    /// Whether each token's context was computed under its own version
+    /// (`kv_recomputed`): a turn that rejoins the pool has its whole
+    /// context prefilled again, under the weights of its first token.
+    recomputed: Vec<bool>,
     /// Whether its first turn drew a token yet.
     started: bool,
     done: bool,
@@ -272,6 +276,7 @@ impl EpisodePool {
             state: None,
             environment: None,
             versions: Vec::new(),
+            recomputed: Vec::new(),
             started: false,
             done: false,
         };
@@ -286,14 +291,20 @@ impl EpisodePool {
         std::mem::take(&mut self.started)
     }
 
-    /// The ended episode `key`, with its tokens' policy versions, leaving the pool.
-    pub fn take(&mut self, key: u64) -> Option<(Episode, Vec<u32>)> {
+    /// The ended episode `key`, leaving the pool, with its tokens' policy
+    /// versions and whether each token's context was computed under its
+    /// version.
+    pub fn take(&mut self, key: u64) -> Option<(Episode, Vec<u32>, Vec<bool>)> {
         let entry = self.entries.get(&key)?;
         if !entry.done || entry.environment.is_some() {
             return None;
         }
         let entry = self.entries.remove(&key)?;
-        Some((entry.state?.into_episode(), entry.versions))
+        Some((
+            entry.state?.into_episode(),
+            entry.versions,
+            entry.recomputed,
+        ))
     }
 
     /// One pass: a decode pass when sequences are in flight, then the
@@ -338,12 +349,17 @@ impl EpisodePool {
                     .get_mut(&key)
                     .expect("a decoded key is in the pool");
                 let state = entry.state.as_mut().expect("a decoding episode started");
+                let rejoined = state.episode().turns_taken > 0;
                 let next = runner.sampled(state, sampled).map_err(|e| in_row(key, e))?;
                 // The turn's tokens kept, each with the version that drew it.
-                let kept = state.episode().tokens.len() - entry.versions.len();
-                entry
-                    .versions
-                    .extend_from_slice(&f.versions[..kept.min(f.versions.len())]);
+                let kept =
+                    (state.episode().tokens.len() - entry.versions.len()).min(f.versions.len());
+                let first = f.versions.first().copied();
+                entry.versions.extend_from_slice(&f.versions[..kept]);
+                entry.recomputed.extend((0..kept).map(|i| {
+                    f.recomputed.get(i).copied().unwrap_or(false)
+                        || (rejoined && Some(f.versions[i]) == first)
+                }));
                 self.follow(model, key, next)?;
             }
             while let Ok(done) = self.calls.done.try_recv() {
@@ -558,6 +574,7 @@ impl EpisodePool {
             .unwrap_or(self.streamer.version());
         let added = state.episode().tokens.len() - entry.versions.len();
         entry.versions.extend(std::iter::repeat_n(last, added));
+        entry.recomputed.extend(std::iter::repeat_n(false, added));
         self.follow(model, key, next)
     }
 }
@@ -596,7 +613,7 @@ pub fn run_episodes(
         let mut left = n;
         while left > 0 || pool.busy() {
             for key in pool.tick(runner, model, Duration::from_secs(3600))? {
-                let (episode, _) = pool.take(key).expect("an ended episode is there");
+                let (episode, _, _) = pool.take(key).expect("an ended episode is there");
                 episodes[key as usize] = Some(episode);
                 left -= 1;
             }

@@ -7,7 +7,9 @@
 //! a call comes back to weights newer than its earlier turns', and each
 //! token's version is recorded (`token_versions`; the row's
 //! `policy_version` is its oldest token's), so the staleness bound holds
-//! for episodes that span versions.
+//! for episodes that span versions. `kv_recomputed` says of each token
+//! whether its context was computed under its own version: a turn that
+//! rejoins the pool has its whole context prefilled again.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
@@ -25,7 +27,7 @@ use super::episode::Episode;
 use super::pool::{EpisodePool, PoolSettings};
 use super::stage::{episode_metrics, EpisodeGenerate};
 use crate::rollout::col;
-use crate::stages::columns::{trained_at, u32_list_array, u64s};
+use crate::stages::columns::{bool_list_array, trained_at, u32_list_array, u64s};
 
 /// Rows of a batch are keyed (batch << 32) | row.
 const ROW_BITS: u32 = 32;
@@ -55,8 +57,9 @@ struct InFlight {
     batch: RecordBatch,
     admitted: Instant,
     admitted_unix: f64,
-    /// Each row's episode, its tokens' versions and its seconds, once ended.
-    results: Vec<Option<(Episode, Vec<u32>, f32)>>,
+    /// Each row's episode, its tokens' versions and recomputed contexts,
+    /// and its seconds, once ended.
+    results: Vec<Option<(Episode, Vec<u32>, Vec<bool>, f32)>>,
     groups: Vec<u64>,
     /// Rows of each group not ended yet.
     open: HashMap<u64, usize>,
@@ -182,13 +185,14 @@ impl StreamingEpisodes {
         }
         for key in ended {
             let (id, row) = split_key(key);
-            let (episode, versions) = self.pool.take(key).expect("an ended episode is there");
+            let (episode, versions, recomputed) =
+                self.pool.take(key).expect("an ended episode is there");
             let b = self
                 .batches
                 .get_mut(&id)
                 .expect("a key names a batch in flight");
             let seconds = b.admitted.elapsed().as_secs_f32();
-            b.results[row] = Some((episode, versions, seconds));
+            b.results[row] = Some((episode, versions, recomputed, seconds));
             *b.open
                 .get_mut(&b.groups[row])
                 .expect("the row's group is open") -= 1;
@@ -223,12 +227,15 @@ impl StreamingEpisodes {
                 let picked = arrow::compute::take_record_batch(&b.batch, &indices)?;
                 let picked = trained_at(&picked, step)?;
                 let mut episodes = Vec::with_capacity(rows.len());
-                let (mut versions, mut seconds) = (Vec::new(), Vec::new());
+                let (mut versions, mut recomputed, mut seconds) =
+                    (Vec::new(), Vec::new(), Vec::new());
                 for &r in &rows {
                     b.sent[r] = true;
-                    let (episode, v, s) = b.results[r].take().expect("a ready row has its result");
+                    let (episode, v, k, s) =
+                        b.results[r].take().expect("a ready row has its result");
                     episodes.push(episode);
                     versions.push(v);
+                    recomputed.push(k);
                     seconds.push(s);
                 }
                 let started = vec![b.admitted_unix; rows.len()];
@@ -244,6 +251,7 @@ impl StreamingEpisodes {
                     .core
                     .with_episodes(picked, &episodes, oldest, seconds, started)?;
                 let batch = with_column(&batch, col::TOKEN_VERSIONS, u32_list_array(&versions))?;
+                let batch = with_column(&batch, col::KV_RECOMPUTED, bool_list_array(&recomputed))?;
                 self.emitted.entry(step).or_default().extend(episodes);
                 out.push((step, batch));
             }
