@@ -52,14 +52,22 @@ pub struct StreamingEpisodes {
     applies: Vec<f64>,
 }
 
+/// An ended episode, its tokens' versions and recomputed contexts, and
+/// the seconds since its batch arrived.
+struct Ended {
+    episode: Episode,
+    versions: Vec<u32>,
+    recomputed: Vec<bool>,
+    seconds: f32,
+}
+
 /// A batch whose episodes are under way.
 struct InFlight {
     batch: RecordBatch,
     admitted: Instant,
     admitted_unix: f64,
-    /// Each row's episode, its tokens' versions and recomputed contexts,
-    /// and its seconds, once ended.
-    results: Vec<Option<(Episode, Vec<u32>, Vec<bool>, f32)>>,
+    /// Each row's episode, once ended.
+    results: Vec<Option<Ended>>,
     groups: Vec<u64>,
     /// Rows of each group not ended yet.
     open: HashMap<u64, usize>,
@@ -192,7 +200,12 @@ impl StreamingEpisodes {
                 .get_mut(&id)
                 .expect("a key names a batch in flight");
             let seconds = b.admitted.elapsed().as_secs_f32();
-            b.results[row] = Some((episode, versions, recomputed, seconds));
+            b.results[row] = Some(Ended {
+                episode,
+                versions,
+                recomputed,
+                seconds,
+            });
             *b.open
                 .get_mut(&b.groups[row])
                 .expect("the row's group is open") -= 1;
@@ -231,12 +244,11 @@ impl StreamingEpisodes {
                     (Vec::new(), Vec::new(), Vec::new());
                 for &r in &rows {
                     b.sent[r] = true;
-                    let (episode, v, k, s) =
-                        b.results[r].take().expect("a ready row has its result");
-                    episodes.push(episode);
-                    versions.push(v);
-                    recomputed.push(k);
-                    seconds.push(s);
+                    let ended = b.results[r].take().expect("a ready row has its result");
+                    episodes.push(ended.episode);
+                    versions.push(ended.versions);
+                    recomputed.push(ended.recomputed);
+                    seconds.push(ended.seconds);
                 }
                 let started = vec![b.admitted_unix; rows.len()];
                 if b.sent.iter().all(|&s| s) {
