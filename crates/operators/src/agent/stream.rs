@@ -11,7 +11,7 @@
 //! whether its context was computed under its own version: a turn that
 //! rejoins the pool has its whole context prefilled again.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use arrow::array::{RecordBatch, UInt32Array};
@@ -19,8 +19,7 @@ use weir_gpu::OnNewWeights;
 use weir_graph::batch::with_column;
 use weir_graph::weights_edge::now_unix_s;
 use weir_graph::{
-    PolicyVersion, RunSteps, Stage, StageError, Started, Step, StepContext, StepFill,
-    WeightsPayload,
+    PolicyVersion, RunSteps, Stage, StageError, Step, StepContext, StepFill, WeightsPayload,
 };
 
 use super::episode::Episode;
@@ -28,6 +27,7 @@ use super::pool::{EpisodePool, PoolSettings};
 use super::stage::{episode_metrics, EpisodeGenerate};
 use crate::rollout::col;
 use crate::stages::columns::{bool_list_array, trained_at, u32_list_array, u64s};
+use crate::stages::generate::GroupRows;
 
 /// Rows of a batch are keyed (batch << 32) | row.
 const ROW_BITS: u32 = 32;
@@ -68,14 +68,7 @@ struct InFlight {
     admitted_unix: f64,
     /// Each row's episode, once ended.
     results: Vec<Option<Ended>>,
-    groups: Vec<u64>,
-    /// Rows of each group not ended yet.
-    open: HashMap<u64, usize>,
-    sizes: HashMap<u64, usize>,
-    sent: Vec<bool>,
-    started: HashMap<u64, Started>,
-    /// Per group: its rows whose first token is drawn, and the oldest version among them.
-    first_tokens: HashMap<u64, (usize, u32)>,
+    rows: GroupRows,
 }
 
 impl EpisodeGenerate {
@@ -138,13 +131,7 @@ impl StreamingEpisodes {
             )?;
         }
         let version = u64::from(self.pool.streamer().version());
-        let (mut open, mut started) = (HashMap::new(), HashMap::new());
-        for g in &groups {
-            *open.entry(*g).or_insert(0) += 1;
-            started
-                .entry(*g)
-                .or_insert_with(|| self.fill.start(ctx.step, version));
-        }
+        let rows = GroupRows::new(groups, &mut self.fill, ctx.step, version);
         let n = batch.num_rows();
         self.batches.insert(
             id,
@@ -153,12 +140,7 @@ impl StreamingEpisodes {
                 admitted: Instant::now(),
                 admitted_unix: now_unix_s(),
                 results: (0..n).map(|_| None).collect(),
-                sizes: open.clone(),
-                open,
-                groups,
-                sent: vec![false; n],
-                started,
-                first_tokens: HashMap::new(),
+                rows,
             },
         );
         Ok(())
@@ -182,14 +164,7 @@ impl StreamingEpisodes {
                 .batches
                 .get_mut(&id)
                 .expect("a key names a batch in flight");
-            let g = b.groups[row];
-            let first = b.first_tokens.entry(g).or_insert((0, version));
-            first.0 += 1;
-            first.1 = first.1.min(version);
-            if first.0 == b.sizes[&g] {
-                let group = b.started.get_mut(&g).expect("every group started");
-                *group = self.fill.first_tokens_under(*group, u64::from(first.1));
-            }
+            b.rows.first_token(row, version, &mut self.fill);
         }
         for key in ended {
             let (id, row) = split_key(key);
@@ -206,9 +181,7 @@ impl StreamingEpisodes {
                 recomputed,
                 seconds,
             });
-            *b.open
-                .get_mut(&b.groups[row])
-                .expect("the row's group is open") -= 1;
+            b.rows.ended(row);
         }
         self.ready()
     }
@@ -219,21 +192,7 @@ impl StreamingEpisodes {
         let ids: Vec<u64> = self.batches.keys().copied().collect();
         for id in ids {
             let b = self.batches.get_mut(&id).expect("listed above");
-            let mut placed: BTreeMap<Step, Vec<usize>> = BTreeMap::new();
-            let mut decided: HashMap<u64, Option<Step>> = HashMap::new();
-            for r in 0..b.sent.len() {
-                let g = b.groups[r];
-                if b.sent[r] || b.open[&g] > 0 {
-                    continue;
-                }
-                let fill = &mut self.fill;
-                let to = *decided
-                    .entry(g)
-                    .or_insert_with(|| fill.finish(b.started[&g]));
-                if let Some(step) = to {
-                    placed.entry(step).or_default().push(r);
-                }
-            }
+            let placed = b.rows.ready(&mut self.fill);
             for (step, rows) in placed {
                 let b = self.batches.get_mut(&id).expect("listed above");
                 let indices = UInt32Array::from(rows.iter().map(|&r| r as u32).collect::<Vec<_>>());
@@ -243,7 +202,6 @@ impl StreamingEpisodes {
                 let (mut versions, mut recomputed, mut seconds) =
                     (Vec::new(), Vec::new(), Vec::new());
                 for &r in &rows {
-                    b.sent[r] = true;
                     let ended = b.results[r].take().expect("a ready row has its result");
                     episodes.push(ended.episode);
                     versions.push(ended.versions);
@@ -251,7 +209,7 @@ impl StreamingEpisodes {
                     seconds.push(ended.seconds);
                 }
                 let started = vec![b.admitted_unix; rows.len()];
-                if b.sent.iter().all(|&s| s) {
+                if b.rows.all_sent() {
                     self.batches.remove(&id);
                 }
                 let current = self.pool.streamer().version();

@@ -34,6 +34,7 @@ use crate::rollout::col;
 
 #[path = "generate_stream.rs"]
 mod stream;
+pub(crate) use stream::GroupRows;
 use stream::StreamState;
 pub use stream::StreamingGenerate;
 

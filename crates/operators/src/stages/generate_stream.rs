@@ -62,18 +62,100 @@ pub(super) struct InFlight {
     pub(super) admitted: Instant,
     pub(super) admitted_unix: f64,
     pub(super) results: Vec<Option<(Finished, f32)>>,
-    /// Rows of each group not finished yet.
-    pub(super) open: HashMap<u64, usize>,
-    pub(super) groups: Vec<u64>,
+    pub(super) rows: GroupRows,
+}
+
+/// A streamed batch's rows by group: which have ended, which have left,
+/// and each group's place in the [`StepFill`]. What a streaming stage
+/// needs to send whole groups on, oldest first, to the steps they join.
+pub(crate) struct GroupRows {
+    /// Each row's group.
+    groups: Vec<u64>,
+    /// Rows of each group not ended yet.
+    open: HashMap<u64, usize>,
+    /// Rows per group.
+    sizes: HashMap<u64, usize>,
     /// Rows already sent on.
-    pub(super) sent: Vec<bool>,
+    sent: Vec<bool>,
     /// Each group's place in the step fill.
-    pub(super) started: HashMap<u64, Started>,
+    started: HashMap<u64, Started>,
     /// Per group: its rows whose first token is drawn, and the oldest
     /// version among those tokens.
-    pub(super) first_tokens: HashMap<u64, (usize, u32)>,
-    /// Rows per group.
-    pub(super) sizes: HashMap<u64, usize>,
+    first_tokens: HashMap<u64, (usize, u32)>,
+}
+
+impl GroupRows {
+    /// Rows of `groups` arriving for step `step`, their groups started in
+    /// `fill` under policy `version`.
+    pub(crate) fn new(groups: Vec<u64>, fill: &mut StepFill, step: Step, version: u64) -> Self {
+        let (mut open, mut started) = (HashMap::new(), HashMap::new());
+        for g in &groups {
+            *open.entry(*g).or_insert(0) += 1;
+            started
+                .entry(*g)
+                .or_insert_with(|| fill.start(step, version));
+        }
+        GroupRows {
+            sent: vec![false; groups.len()],
+            sizes: open.clone(),
+            open,
+            groups,
+            started,
+            first_tokens: HashMap::new(),
+        }
+    }
+
+    /// Row `row` drew its first token under `version`: once every row of
+    /// its group has, the group's deadline counts from the oldest of those
+    /// versions (newer weights give it more time).
+    pub(crate) fn first_token(&mut self, row: usize, version: u32, fill: &mut StepFill) {
+        let g = self.groups[row];
+        let first = self.first_tokens.entry(g).or_insert((0, version));
+        first.0 += 1;
+        first.1 = first.1.min(version);
+        if first.0 == self.sizes[&g] {
+            let group = self.started.get_mut(&g).expect("every group started");
+            *group = fill.first_tokens_under(*group, u64::from(first.1));
+        }
+    }
+
+    /// Row `row` ended.
+    pub(crate) fn ended(&mut self, row: usize) {
+        *self
+            .open
+            .get_mut(&self.groups[row])
+            .expect("the row's group is open") -= 1;
+    }
+
+    /// The rows of every group whose rows all ended, by the step each
+    /// group joins (in row order), marked sent.
+    pub(crate) fn ready(&mut self, fill: &mut StepFill) -> BTreeMap<Step, Vec<usize>> {
+        let mut placed: BTreeMap<Step, Vec<usize>> = BTreeMap::new();
+        let mut decided: HashMap<u64, Option<Step>> = HashMap::new();
+        for r in 0..self.sent.len() {
+            let g = self.groups[r];
+            if self.sent[r] || self.open[&g] > 0 {
+                continue;
+            }
+            let to = *decided
+                .entry(g)
+                .or_insert_with(|| fill.finish(self.started[&g]));
+            if let Some(step) = to {
+                placed.entry(step).or_default().push(r);
+            }
+        }
+        for rows in placed.values() {
+            for &r in rows {
+                self.sent[r] = true;
+            }
+        }
+        placed
+    }
+
+    /// Whether every row was sent on.
+    pub(crate) fn all_sent(&self) -> bool {
+        self.sent.iter().all(|&s| s)
+    }
 }
 
 /// Rows of a batch are keyed (batch << 32) | row.
@@ -97,15 +179,8 @@ impl StreamingGenerate {
         let state = &mut self.state;
         state.next_batch += 1;
         state.streamer.submit(&self.core.model, requests)?;
-        let mut open = HashMap::new();
-        let mut started = HashMap::new();
         let version = u64::from(state.streamer.version());
-        for g in &groups {
-            *open.entry(*g).or_insert(0) += 1;
-            started
-                .entry(*g)
-                .or_insert_with(|| state.fill.start(ctx.step, version));
-        }
+        let rows = GroupRows::new(groups, &mut state.fill, ctx.step, version);
         let n = batch.num_rows();
         state.batches.insert(
             id,
@@ -115,12 +190,7 @@ impl StreamingGenerate {
                 admitted: Instant::now(),
                 admitted_unix: now_unix_s(),
                 results: vec![None; n],
-                sizes: open.clone(),
-                open,
-                groups,
-                sent: vec![false; n],
-                started,
-                first_tokens: HashMap::new(),
+                rows,
             },
         );
         Ok(())
@@ -143,14 +213,7 @@ impl StreamingGenerate {
                 .batches
                 .get_mut(&id)
                 .expect("a key names a batch in flight");
-            let g = b.groups[row];
-            let first = b.first_tokens.entry(g).or_insert((0, version));
-            first.0 += 1;
-            first.1 = first.1.min(version);
-            if first.0 == b.sizes[&g] {
-                let group = b.started.get_mut(&g).expect("every group started");
-                *group = state.fill.first_tokens_under(*group, u64::from(first.1));
-            }
+            b.rows.first_token(row, version, &mut state.fill);
         }
         let stats = state.streamer.take_stats();
         if let Some(oldest) = state.batches.values().next() {
@@ -168,11 +231,7 @@ impl StreamingGenerate {
                 .expect("a key names a batch in flight");
             let seconds = b.admitted.elapsed().as_secs_f32();
             b.results[row] = Some((done, seconds));
-            let left = b
-                .open
-                .get_mut(&b.groups[row])
-                .expect("the row's group is open");
-            *left -= 1;
+            b.rows.ended(row);
         }
         let mut out = Vec::new();
         let ids: Vec<u64> = state.batches.keys().copied().collect();
@@ -180,27 +239,10 @@ impl StreamingGenerate {
         for id in ids {
             let state = &mut self.state;
             let b = state.batches.get_mut(&id).expect("listed above");
-            let mut placed: BTreeMap<Step, Vec<usize>> = BTreeMap::new();
-            let mut decided: HashMap<u64, Option<Step>> = HashMap::new();
-            for r in 0..b.sent.len() {
-                let g = b.groups[r];
-                if b.sent[r] || b.open[&g] > 0 {
-                    continue;
-                }
-                let fill = &mut state.fill;
-                let to = *decided
-                    .entry(g)
-                    .or_insert_with(|| fill.finish(b.started[&g]));
-                if let Some(step) = to {
-                    placed.entry(step).or_default().push(r);
-                }
-            }
+            let placed = b.rows.ready(&mut state.fill);
             for (step, ready) in placed {
                 let state = &mut self.state;
                 let b = state.batches.get_mut(&id).expect("listed above");
-                for &r in &ready {
-                    b.sent[r] = true;
-                }
                 let indices =
                     UInt32Array::from(ready.iter().map(|&r| r as u32).collect::<Vec<_>>());
                 let rows = arrow::compute::take_record_batch(&b.batch, &indices)?;
@@ -227,7 +269,7 @@ impl StreamingGenerate {
                     started: vec![b.admitted_unix; ready.len()],
                 };
                 let batch = with_responses(&self.core.tokenizer, rows, responses)?;
-                if b.sent.iter().all(|&s| s) {
+                if b.rows.all_sent() {
                     state.batches.remove(&id);
                 }
                 out.push((step, batch));
@@ -411,8 +453,8 @@ mod tests {
     fn deadlines(generate: &StreamingGenerate) -> Vec<Step> {
         let state = &generate.state;
         let b = state.batches.values().next().unwrap();
-        (0..b.groups.len() as u64)
-            .map(|g| b.started[&g].deadline)
+        (0..b.rows.groups.len() as u64)
+            .map(|g| b.rows.started[&g].deadline)
             .collect()
     }
 
