@@ -17,6 +17,11 @@ use std::time::Duration;
 
 use serde_json::Value;
 
+/// What every worker's script begins with: the protocol's descriptors,
+/// `send`, the user's file (`path`, argv 1) and its loading, and how a
+/// failure in it is named (`last_line`, `where`).
+const PRELUDE: &str = include_str!("python_prelude.py");
+
 /// Why a request got no answer.
 pub(crate) enum Lost {
     /// The worker ended (with what it last wrote to stderr).
@@ -36,7 +41,7 @@ pub(crate) struct Worker {
 
 impl Worker {
     /// Starts `python` (named by the config key `key` in errors) on the
-    /// driver `script` with `args`, and waits for its first line, which
+    /// driver `script` after the prelude, with `args` (the user's file first), and waits for its first line, which
     /// must be `{"ready": true}` (or `{"error": …}`, saying why not),
     /// allowing `timeout`, and a minute at least: loading may import big
     /// libraries.
@@ -51,7 +56,7 @@ impl Worker {
         command
             .arg("-u")
             .arg("-c")
-            .arg(script)
+            .arg(format!("{PRELUDE}\n{script}"))
             .args(args)
             .env_clear()
             .envs(worker_env(std::env::vars_os()))

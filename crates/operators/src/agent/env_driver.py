@@ -1,8 +1,7 @@
-# weir's Python environment worker: loads the user's agent file (OpenRLHF's
-# format: a class with reset / step, sync or async), then answers one JSON
-# request per line of its stdin with one JSON line on its stdout. As in the
-# reward worker, the protocol runs on copies of descriptors 0 and 1: the
-# user's prints go to weir's log.
+# weir's Python environment worker (after python_prelude.py): loads the
+# user's agent file (OpenRLHF's format: a class with reset / step, sync or
+# async), then answers one JSON request per line of its stdin with one JSON
+# line on its stdout.
 #
 # The file runs unchanged with OpenRLHF not installed: when
 # `openrlhf.utils.agent` cannot be imported, a module of that name is put
@@ -17,43 +16,12 @@
 #             {"op": "close", "id": n} -> {"ok": true}
 #   failure:  {"ok": false, "error": "..."}
 import asyncio
-import importlib.util
 import inspect
-import json
 import math
-import os
-import sys
-import traceback
 import types
 
-path, class_name = sys.argv[1], sys.argv[2]
-out = os.fdopen(os.dup(1), "w", encoding="utf-8")
-requests = os.fdopen(os.dup(0), "r", encoding="utf-8")
-sys.stdout.flush()
-os.dup2(2, 1)
-devnull = os.open(os.devnull, os.O_RDONLY)
-os.dup2(devnull, 0)
-os.close(devnull)
-sys.stdout = sys.stderr
-sys.stdin = open(os.devnull, "r")
+class_name = sys.argv[2]
 loop = asyncio.new_event_loop()
-
-
-def send(obj):
-    out.write(json.dumps(obj) + "\n")
-    out.flush()
-
-
-def last_line(exc):
-    return "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()[-1]
-
-
-def where(exc):
-    mine = os.path.realpath(path)
-    frames = [
-        f for f in traceback.extract_tb(exc.__traceback__) if os.path.realpath(f.filename) == mine
-    ]
-    return f" (line {frames[-1].lineno})" if frames else ""
 
 
 def settled(value):
@@ -101,13 +69,7 @@ def stand_in_for_openrlhf():
 
 
 stand_in_for_openrlhf()
-try:
-    spec = importlib.util.spec_from_file_location("weir_user_environment", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-except Exception as exc:
-    send({"ok": False, "error": f"cannot load it: {last_line(exc)}{where(exc)}"})
-    sys.exit(1)
+module = load_user_file("weir_user_environment")
 cls = getattr(module, class_name, None)
 if not inspect.isclass(cls):
     classes = sorted(n for n, v in vars(module).items() if inspect.isclass(v) and v.__module__ == module.__name__)

@@ -1,59 +1,19 @@
-# weir's Python tool worker: loads a function from the user's file, tells
-# its JSON schema (from its signature and docstring, as transformers'
-# get_json_schema reads them), then answers one JSON request per line of
-# its stdin with one JSON line on its stdout. As in the reward worker, the
-# protocol runs on copies of descriptors 0 and 1: the user's prints go to
-# weir's log.
+# weir's Python tool worker (after python_prelude.py): loads a function
+# from the user's file, tells its JSON schema (from its signature and
+# docstring, as transformers' get_json_schema reads them), then answers one
+# JSON request per line of its stdin with one JSON line on its stdout.
 #
 #   argv: FILE FUNCTION
 #   requests: {"op": "schema"} -> {"ok": true, "schema": {...}}
 #             {"op": "call", "arguments": {...}} -> {"ok": true, "output": text}
 #   failure:  {"ok": false, "error": "..."}
-import importlib.util
 import inspect
-import json
-import os
 import re
-import sys
-import traceback
 import typing
 
-path, name = sys.argv[1], sys.argv[2]
-out = os.fdopen(os.dup(1), "w", encoding="utf-8")
-requests = os.fdopen(os.dup(0), "r", encoding="utf-8")
-sys.stdout.flush()
-os.dup2(2, 1)
-devnull = os.open(os.devnull, os.O_RDONLY)
-os.dup2(devnull, 0)
-os.close(devnull)
-sys.stdout = sys.stderr
-sys.stdin = open(os.devnull, "r")
+name = sys.argv[2]
 
-
-def send(obj):
-    out.write(json.dumps(obj) + "\n")
-    out.flush()
-
-
-def last_line(exc):
-    return "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()[-1]
-
-
-def where(exc):
-    mine = os.path.realpath(path)
-    frames = [
-        f for f in traceback.extract_tb(exc.__traceback__) if os.path.realpath(f.filename) == mine
-    ]
-    return f" (line {frames[-1].lineno})" if frames else ""
-
-
-try:
-    spec = importlib.util.spec_from_file_location("weir_user_tool", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-except Exception as exc:
-    send({"ok": False, "error": f"cannot load it: {last_line(exc)}{where(exc)}"})
-    sys.exit(1)
+module = load_user_file("weir_user_tool")
 fn = getattr(module, name, None)
 if not callable(fn):
     send({"ok": False, "error": f"it defines no function `{name}`"})

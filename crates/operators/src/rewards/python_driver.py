@@ -1,8 +1,6 @@
-# weir's Python reward worker: loads the user's reward file, then answers one
-# JSON request per line of its stdin with one JSON line on its stdout. The
-# protocol runs on copies of those descriptors: descriptor 1 then points at
-# stderr and descriptor 0 at /dev/null, so the user's prints, and the output
-# of any subprocess the reward runs, go to weir's log and never corrupt it.
+# weir's Python reward worker (after python_prelude.py): loads the user's
+# reward file, then answers one JSON request per line of its stdin with one
+# JSON line on its stdout.
 #
 #   argv: FILE FUNCTION MODE   (MODE: "batch" = OpenRLHF's
 #         reward_func(queries, prompts, labels, **kwargs); "sample" = verl's
@@ -15,50 +13,11 @@
 #             {"ok": false, "error": "...", "row": i or null}
 # A reward that is not a number is sent as {"bad": "<its repr>"}; NaN and
 # infinities as the strings "nan", "inf", "-inf": weir names the row.
-import importlib.util
-import json
 import math
-import os
-import sys
-import traceback
 
-path, name, mode = sys.argv[1], sys.argv[2], sys.argv[3]
-out = os.fdopen(os.dup(1), "w", encoding="utf-8")
-requests = os.fdopen(os.dup(0), "r", encoding="utf-8")
-sys.stdout.flush()
-os.dup2(2, 1)
-devnull = os.open(os.devnull, os.O_RDONLY)
-os.dup2(devnull, 0)
-os.close(devnull)
-sys.stdout = sys.stderr
-sys.stdin = open(os.devnull, "r")
+name, mode = sys.argv[2], sys.argv[3]
 
-
-def send(obj):
-    out.write(json.dumps(obj) + "\n")
-    out.flush()
-
-
-def last_line(exc):
-    return "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()[-1]
-
-
-def where(exc):
-    # The innermost frame in the user's file, for the error line.
-    mine = os.path.realpath(path)
-    frames = [
-        f for f in traceback.extract_tb(exc.__traceback__) if os.path.realpath(f.filename) == mine
-    ]
-    return f" (line {frames[-1].lineno})" if frames else ""
-
-
-try:
-    spec = importlib.util.spec_from_file_location("weir_user_reward", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-except Exception as exc:
-    send({"ok": False, "error": f"cannot load it: {last_line(exc)}{where(exc)}", "row": None})
-    sys.exit(1)
+module = load_user_file("weir_user_reward")
 fn = getattr(module, name, None)
 if not callable(fn):
     send({"ok": False, "error": f"it defines no function `{name}`", "row": None})
