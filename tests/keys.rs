@@ -29,7 +29,7 @@ use weir::pipelines::{PipelineKind, RunConfig};
 
 #[path = "pipelines/support.rs"]
 mod support;
-use support::{config, fixture, request, reward_server};
+use support::{config, fixture, request, reward_server, with_tool_template};
 
 /// Keys that change speed or memory only (`generate.backend`: the two
 /// runtimes are held to the same tokens by the runtime's tests); and `generate.on_new_weights`,
@@ -811,25 +811,6 @@ class AgentInstance:
     (quoted(&env), quoted(&slow), quoted(&failing))
 }
 
-/// A copy of the arith checkpoint in `dir` whose chat template renders
-/// tools (the fixture's does not), quoted for a config.
-fn tool_checkpoint(dir: &Path) -> String {
-    let to = dir.join("arith-tools");
-    if !to.is_dir() {
-        std::fs::create_dir_all(&to).unwrap();
-        for entry in std::fs::read_dir(fixture("arith-sft")).unwrap() {
-            let entry = entry.unwrap();
-            std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
-        }
-        std::fs::write(
-            to.join("chat_template.jinja"),
-            "{%- if tools %}{{ '<|im_start|>system\nTools:\n' }}{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor %}{{ '<|im_end|>\n' }}{% endif %}             {%- for message in messages %}{{ '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}{%- endfor %}             {%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}",
-        )
-        .unwrap();
-    }
-    format!("{:?}", to.display().to_string())
-}
-
 /// The settings and changed value of an `[agent]` key: episodes of an
 /// environment, with a budget that leaves room for a second turn.
 fn agent_change(key: &str, dir: &Path) -> (Vec<String>, String) {
@@ -838,12 +819,18 @@ fn agent_change(key: &str, dir: &Path) -> (Vec<String>, String) {
     let with_env = vec![budget.clone(), format!("agent.environment={env}")];
     match key {
         "agent.tools" => (
-            vec![format!("model.path={}", tool_checkpoint(dir))],
+            vec![format!(
+                "model.path={:?}",
+                with_tool_template(dir).display().to_string()
+            )],
             "[\"calculator\"]".into(),
         ),
         "agent.tool_format" => (
             vec![
-                format!("model.path={}", tool_checkpoint(dir)),
+                format!(
+                    "model.path={:?}",
+                    with_tool_template(dir).display().to_string()
+                ),
                 "agent.tools=[\"calculator\"]".into(),
             ],
             "\"llama3_json\"".into(),

@@ -3,7 +3,7 @@
 //! the rollout log's per-token columns checked row by row; the bad inputs
 //! of `[agent]`, each refused with one line naming it.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use arrow::array::{Array, AsArray, RecordBatch};
 use arrow::datatypes::{Float32Type, UInt32Type, UInt8Type};
@@ -12,7 +12,7 @@ use weir::operators::rollout::{col, TokenKind};
 use weir::pipelines::config::RewardKind;
 use weir::pipelines::PipelineKind;
 
-use super::support::{config, fixture, run};
+use super::support::{config, fixture, run, with_tool_template};
 
 /// An environment in OpenRLHF's format: async, importing
 /// `openrlhf.utils.agent`; the episode is two turns whatever the model
@@ -177,32 +177,6 @@ fn an_openrlhf_agent_file_drives_episodes_in_grpo_ppo_and_reinforce_pp() {
             assert!(rewards.values().iter().all(|&r| r == 0.0));
         }
     }
-}
-
-/// A copy of the arith checkpoint whose chat template renders tools and
-/// tool results as Qwen2.5's does.
-fn with_tool_template(dir: &Path) -> PathBuf {
-    let to = dir.join("arith-tools");
-    std::fs::create_dir_all(&to).unwrap();
-    for entry in std::fs::read_dir(fixture("arith-sft")).unwrap() {
-        let entry = entry.unwrap();
-        std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
-    }
-    std::fs::write(
-        to.join("chat_template.jinja"),
-        r#"{%- if tools %}{{ "<|im_start|>system\nTools:\n" }}{% for tool in tools %}{{ tool | tojson }}{{ "\n" }}{% endfor %}{{ "<|im_end|>\n" }}{% endif %}
-{%- for message in messages %}
-{%- if message.role == "tool" %}
-{%- if loop.first or messages[loop.index0 - 1].role != "tool" %}{{ "<|im_start|>user" }}{% endif %}
-{{- "\n<tool_response>\n" + message.content + "\n</tool_response>" }}
-{%- if loop.last or messages[loop.index0 + 1].role != "tool" %}{{ "<|im_end|>\n" }}{% endif %}
-{%- else %}{{ "<|im_start|>" + message.role + "\n" + message.content + "<|im_end|>\n" }}
-{%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{ "<|im_start|>assistant\n" }}{% endif %}"#,
-    )
-    .unwrap();
-    to
 }
 
 #[test]

@@ -34,6 +34,35 @@ pub fn config(kind: PipelineKind, steps: u64) -> RunConfig {
     c
 }
 
+/// A copy of the arith checkpoint whose chat template renders tools and
+/// tool results as Qwen2.5's does.
+pub fn with_tool_template(dir: &Path) -> PathBuf {
+    let to = dir.join("arith-tools");
+    if to.is_dir() {
+        return to;
+    }
+    std::fs::create_dir_all(&to).unwrap();
+    for entry in std::fs::read_dir(fixture("arith-sft")).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+    }
+    std::fs::write(
+        to.join("chat_template.jinja"),
+        r#"{%- if tools %}{{ "<|im_start|>system\nTools:\n" }}{% for tool in tools %}{{ tool | tojson }}{{ "\n" }}{% endfor %}{{ "<|im_end|>\n" }}{% endif %}
+{%- for message in messages %}
+{%- if message.role == "tool" %}
+{%- if loop.first or messages[loop.index0 - 1].role != "tool" %}{{ "<|im_start|>user" }}{% endif %}
+{{- "\n<tool_response>\n" + message.content + "\n</tool_response>" }}
+{%- if loop.last or messages[loop.index0 + 1].role != "tool" %}{{ "<|im_end|>\n" }}{% endif %}
+{%- else %}{{ "<|im_start|>" + message.role + "\n" + message.content + "<|im_end|>\n" }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{ "<|im_start|>assistant\n" }}{% endif %}"#,
+    )
+    .unwrap();
+    to
+}
+
 /// The runner's request for a run of `kind` with `cfg` in `dir`.
 pub fn request(kind: PipelineKind, cfg: RunConfig, dir: &Path, resume: bool) -> RunRequest {
     RunRequest {
