@@ -97,6 +97,8 @@ pub struct EpisodeState {
     text: String,
     /// The calls the last turn made.
     calls: Vec<Result<ToolCall, MalformedCall>>,
+    /// The prompt's text, as an environment's reset received it.
+    prompt_text: String,
     done: bool,
 }
 
@@ -145,15 +147,16 @@ impl EpisodeRunner<'_> {
             environment: environment.is_some(),
             text: String::new(),
             calls: Vec::new(),
+            prompt_text: String::new(),
             done: false,
         };
         let next = match environment {
             Some(row) => {
-                let text = self
+                state.prompt_text = self
                     .tokenizer
                     .decode(prompt, false)
                     .map_err(|e| observe_error(0, e.into()))?;
-                Next::Answer(Work::Reset(row.clone(), text))
+                Next::Answer(Work::Reset(row.clone(), state.prompt_text.clone()))
             }
             None => self.next_turn(&mut state),
         };
@@ -254,11 +257,7 @@ impl EpisodeRunner<'_> {
     ) -> Result<Next, EpisodeError> {
         match reset {
             Ok(Some(text)) => {
-                let prompt = self
-                    .tokenizer
-                    .decode(&state.context, false)
-                    .map_err(|e| observe_error(0, e.into()))?;
-                if text != prompt {
+                if text != state.prompt_text {
                     let tokens = self
                         .tokenizer
                         .encode(&text, false)
