@@ -183,12 +183,7 @@ fn arith_demo(args: &DemoArgs) -> anyhow::Result<()> {
         "sft_run": out.join("sft").display().to_string(),
         "grpo_run": out.join("grpo").display().to_string(),
     });
-    let path = out.join("summary.json");
-    std::fs::write(&path, serde_json::to_string_pretty(&summary)?)
-        .with_context(|| format!("writing {}", path.display()))?;
-    for run in [&sft_out.run_dir, &rl.run_dir] {
-        crate::report::plot(run)?;
-    }
+    crate::demo_model::write_summary(&out, &summary, &[&sft_out.run_dir, &rl.run_dir])?;
     let pct = |v: &serde_json::Value| {
         v.as_f64()
             .map_or("?".into(), |x| format!("{:.1}%", 100.0 * x))

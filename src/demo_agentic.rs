@@ -195,12 +195,7 @@ pub fn run(s: &AgenticSettings) -> anyhow::Result<()> {
         "sft_run": out.join("sft").display().to_string(),
         "grpo_run": out.join("grpo").display().to_string(),
     });
-    let path = out.join("summary.json");
-    std::fs::write(&path, serde_json::to_string_pretty(&summary)?)
-        .with_context(|| format!("writing {}", path.display()))?;
-    for run in [&sft_run.run_dir, &rl.run_dir] {
-        crate::report::plot(run)?;
-    }
+    crate::demo_model::write_summary(out, &summary, &[&sft_run.run_dir, &rl.run_dir])?;
     println!(
         "grpo: {} steps in {grpo_wall:.0} s; held-out greedy episodes: accuracy {:.1}% → {:.1}%, tool calls {:.1}% → {:.1}%",
         s.grpo_steps,

@@ -1,7 +1,9 @@
-//! The small Llama both demos train from fresh weights.
+//! What both demos share: the small Llama they train from fresh weights,
+//! and how they leave their summary and plots.
 
 use std::path::Path;
 
+use anyhow::Context;
 use serde_json::json;
 use weir_gpu::{Device, Model, ModelConfig};
 
@@ -45,4 +47,19 @@ pub(crate) fn make_model(dir: &Path, vocab: usize, seed: i64) -> anyhow::Result<
         .iter()
         .map(|(_, t)| t.numel() as i64)
         .sum())
+}
+
+/// Writes `summary` as `out/summary.json` and the plots of each of `runs`.
+pub(crate) fn write_summary(
+    out: &Path,
+    summary: &serde_json::Value,
+    runs: &[&std::path::PathBuf],
+) -> anyhow::Result<()> {
+    let path = out.join("summary.json");
+    std::fs::write(&path, serde_json::to_string_pretty(summary)?)
+        .with_context(|| format!("writing {}", path.display()))?;
+    for run in runs {
+        crate::report::plot(run)?;
+    }
+    Ok(())
 }

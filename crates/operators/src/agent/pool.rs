@@ -674,6 +674,14 @@ mod tests {
     use serde_json::json;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
+    /// The arith checkpoint and its tokenizer.
+    fn arith() -> (Model, weir_gpu::Tokenizer) {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/models/arith-sft");
+        let model = Model::load(&dir, weir_gpu::Device::Cpu, tch::Kind::Float).unwrap();
+        (model, weir_gpu::Tokenizer::load(&dir).unwrap())
+    }
+
     /// Three turns of raw-text feedback, each worth its turn's index; it
     /// counts the episodes it serves at once, and the most it ever saw.
     struct Counted {
@@ -709,10 +717,7 @@ mod tests {
 
     #[test]
     fn streaming_lockstep_and_one_at_a_time_give_the_same_episodes_within_the_instances() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../tests/fixtures/models/arith-sft");
-        let model = Model::load(&dir, weir_gpu::Device::Cpu, tch::Kind::Float).unwrap();
-        let tokenizer = weir_gpu::Tokenizer::load(&dir).unwrap();
+        let (model, tokenizer) = arith();
         let params = SamplingParams {
             max_new_tokens: 40,
             eos_token_ids: tokenizer.eos_token_ids().to_vec(),
@@ -849,10 +854,7 @@ mod tests {
 
     #[test]
     fn a_call_past_its_deadline_is_given_up_on_and_its_episode_ends_as_a_timeout() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../tests/fixtures/models/arith-sft");
-        let model = Model::load(&dir, weir_gpu::Device::Cpu, tch::Kind::Float).unwrap();
-        let tokenizer = weir_gpu::Tokenizer::load(&dir).unwrap();
+        let (model, tokenizer) = arith();
         let params = SamplingParams {
             max_new_tokens: 16,
             eos_token_ids: tokenizer.eos_token_ids().to_vec(),
