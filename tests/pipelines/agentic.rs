@@ -337,7 +337,7 @@ fn an_openenv_server_drives_episodes_and_one_that_answers_garbage_fails_the_run(
     cfg.agent.environment = Some(garbage.clone());
     let e = weir::pipelines::run(&super::support::request(
         kind,
-        cfg,
+        cfg.clone(),
         &tmp.path().join("bad"),
         false,
     ))
@@ -348,6 +348,46 @@ fn an_openenv_server_drives_episodes_and_one_that_answers_garbage_fails_the_run(
         e.contains(&garbage) && e.contains("not OpenEnv's") && e.contains("row "),
         "{e}"
     );
+    // Streamed, an error in a later batch names the row of its batch: a
+    // server that fails only once the second step's episodes reset.
+    let resets = std::sync::atomic::AtomicUsize::new(0);
+    let late = super::support::serve(move |path, _| {
+        use std::sync::atomic::Ordering::SeqCst;
+        let answer =
+            serde_json::json!({"observation": {"hint": "go"}, "reward": 0.0, "done": false});
+        if path == "/reset" {
+            resets.fetch_add(1, SeqCst);
+            return (200, answer.to_string());
+        }
+        if resets.load(SeqCst) > 12 {
+            return (200, "<html>not json</html>".into());
+        }
+        (
+            200,
+            serde_json::json!({"observation": {"hint": "go"}, "reward": 0.0, "done": true})
+                .to_string(),
+        )
+    });
+    let mut streamed = cfg;
+    streamed.agent.environment = Some(late);
+    streamed.generate.max_inflight = 4;
+    streamed.run.steps = 2;
+    streamed.run.max_staleness = 0;
+    let e = weir::pipelines::run(&super::support::request(
+        kind,
+        streamed,
+        &tmp.path().join("bad-streamed"),
+        false,
+    ))
+    .unwrap_err()
+    .to_string();
+    let row: usize = e
+        .split("row ")
+        .nth(1)
+        .and_then(|r| r.split(':').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no row in {e}"));
+    assert!(row < 12, "{e}");
 }
 
 #[test]

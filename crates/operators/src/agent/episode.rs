@@ -305,8 +305,7 @@ pub enum EpisodeError {
     InRow {
         /// The row of the batch.
         row: usize,
-        /// What went wrong (shown whole in the message, not as a source,
-        /// so that reports naming only root causes keep the row).
+        /// What went wrong.
         error: Box<EpisodeError>,
     },
     /// Rendering or tokenizing what follows a turn failed.

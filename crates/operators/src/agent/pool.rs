@@ -651,9 +651,11 @@ pub fn run_episodes(
     outcome
 }
 
-fn in_row(row: u64, error: EpisodeError) -> EpisodeError {
+/// `error` of the episode `key` (its row, for a batch's pool; a streaming
+/// stage names the row of the key's batch).
+fn in_row(key: u64, error: EpisodeError) -> EpisodeError {
     EpisodeError::InRow {
-        row: row as usize,
+        row: key as usize,
         error: Box::new(error),
     }
 }

@@ -22,7 +22,7 @@ use weir_graph::{
     PolicyVersion, RunSteps, Stage, StageError, Step, StepContext, StepFill, WeightsPayload,
 };
 
-use super::episode::Episode;
+use super::episode::{Episode, EpisodeError};
 use super::pool::{EpisodePool, PoolSettings};
 use super::stage::{episode_metrics, EpisodeGenerate};
 use crate::rollout::col;
@@ -34,6 +34,17 @@ const ROW_BITS: u32 = 32;
 
 fn split_key(key: u64) -> (u64, usize) {
     (key >> ROW_BITS, (key & ((1 << ROW_BITS) - 1)) as usize)
+}
+
+/// An error the pool names by key, named by the row of its batch instead.
+fn row_of_key(error: EpisodeError) -> EpisodeError {
+    match error {
+        EpisodeError::InRow { row, error } => EpisodeError::InRow {
+            row: split_key(row as u64).1,
+            error,
+        },
+        other => other,
+    }
 }
 
 /// The episode generator as a stream (`generate.max_inflight` with `[agent]`).
@@ -123,12 +134,14 @@ impl StreamingEpisodes {
         self.next_batch += 1;
         let runner = self.core.runner();
         for (row, input) in inputs.into_iter().enumerate() {
-            self.pool.add(
-                &runner,
-                &self.core.model,
-                id << ROW_BITS | row as u64,
-                input,
-            )?;
+            self.pool
+                .add(
+                    &runner,
+                    &self.core.model,
+                    id << ROW_BITS | row as u64,
+                    input,
+                )
+                .map_err(row_of_key)?;
         }
         let version = u64::from(self.pool.streamer().version());
         let rows = GroupRows::new(groups, &mut self.fill, ctx.step, version);
@@ -156,7 +169,8 @@ impl StreamingEpisodes {
         let runner = self.core.runner();
         let ended = self
             .pool
-            .tick(&runner, &self.core.model, Duration::from_millis(5))?;
+            .tick(&runner, &self.core.model, Duration::from_millis(5))
+            .map_err(row_of_key)?;
         // A group's deadline counts from its first tokens.
         for (key, version) in self.pool.take_started() {
             let (id, row) = split_key(key);
