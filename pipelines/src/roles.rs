@@ -502,5 +502,10 @@ pub fn rollout_log(
     ctx: &RunContext,
 ) -> impl Fn(&WorkerInfo) -> Result<ParquetLog, StageError> + Send + Sync + 'static {
     let (dir, rows) = (ctx.run_dir.join("rollouts"), cfg.run.rows_per_file);
-    move |w| Ok(ParquetLog::new(&dir, w.index, rows)?)
+    move |w| {
+        use weir_operators::rollout::{SCHEMA_VERSION, SCHEMA_VERSION_KEY};
+        Ok(ParquetLog::new(&dir, w.index, rows)?
+            .with_metadata(SCHEMA_VERSION_KEY, SCHEMA_VERSION)
+            .with_metadata("weir.version", env!("CARGO_PKG_VERSION")))
+    }
 }

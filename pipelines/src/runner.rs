@@ -207,6 +207,8 @@ fn prepare(req: &RunRequest) -> Result<Segment, PipelineError> {
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     if leader {
         write_text(&resolved, &resolved_config_text(kind, cfg))?;
+        // What produced the rows: the log's readers check it.
+        crate::manifest::Manifest::of(kind, cfg)?.write(dir)?;
     }
     tch::set_num_threads(cfg.run.threads as i32);
 

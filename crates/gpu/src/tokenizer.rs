@@ -400,6 +400,11 @@ impl Tokenizer {
         &self.sampling
     }
 
+    /// The chat template's text, as the folder gives it (`None`: it has none).
+    pub fn chat_template(&self) -> Option<&str> {
+        self.chat_template.as_deref()
+    }
+
     /// Every end-of-sequence id: the tokenizer's eos token and the
     /// `eos_token_id` of `generation_config.json` and `config.json`.
     pub fn eos_token_ids(&self) -> &[i64] {

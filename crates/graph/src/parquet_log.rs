@@ -53,6 +53,8 @@ pub struct ParquetLog {
     /// Rows of the open file already on disk.
     written_rows: usize,
     schema: Option<SchemaRef>,
+    /// Key–value pairs every file carries in its Parquet metadata.
+    metadata: Vec<(String, String)>,
 }
 
 impl ParquetLog {
@@ -69,7 +71,15 @@ impl ParquetLog {
             buffered_rows: 0,
             written_rows: 0,
             schema: None,
+            metadata: Vec::new(),
         })
+    }
+
+    /// Writes `key` = `value` into every file's Parquet metadata (a
+    /// schema's version, say), where readers find it without reading rows.
+    pub fn with_metadata(mut self, key: &str, value: &str) -> Self {
+        self.metadata.push((key.to_string(), value.to_string()));
+        self
     }
 
     /// A fresh name for a file whose first row is of step `first`.
@@ -102,7 +112,7 @@ impl ParquetLog {
     fn write_open_file(&mut self) -> Result<(), GraphError> {
         if let Some(path) = &self.path {
             if self.buffered_rows > self.written_rows {
-                write_parquet_atomically(path, &self.buffered)?;
+                write_parquet_with(path, &self.buffered, &self.metadata)?;
                 self.written_rows = self.buffered_rows;
             }
         }
@@ -156,6 +166,15 @@ impl Sink for ParquetLog {
 /// Writes `batches` (one schema) to `path` via a temporary file, synced,
 /// and a rename, then syncs the folder.
 pub fn write_parquet_atomically(path: &Path, batches: &[RecordBatch]) -> Result<(), GraphError> {
+    write_parquet_with(path, batches, &[])
+}
+
+/// [`write_parquet_atomically`] with `metadata` in the file's key–value metadata.
+pub fn write_parquet_with(
+    path: &Path,
+    batches: &[RecordBatch],
+    metadata: &[(String, String)],
+) -> Result<(), GraphError> {
     let Some(first) = batches.first() else {
         return Ok(());
     };
@@ -164,8 +183,13 @@ pub fn write_parquet_atomically(path: &Path, batches: &[RecordBatch]) -> Result<
     }
     let tmp = path.with_extension("parquet.tmp");
     let file = File::create(&tmp).map_err(|e| GraphError::io(&tmp, e))?;
+    let kv = metadata
+        .iter()
+        .map(|(k, v)| parquet::file::metadata::KeyValue::new(k.clone(), v.clone()))
+        .collect::<Vec<_>>();
     let props = WriterProperties::builder()
         .set_compression(Compression::ZSTD(ZstdLevel::default()))
+        .set_key_value_metadata((!kv.is_empty()).then_some(kv))
         .build();
     let mut writer = ArrowWriter::try_new(file, first.schema(), Some(props))
         .map_err(|e| GraphError::io(&tmp, e))?;

@@ -16,6 +16,7 @@ pub mod error;
 mod python_worker;
 pub mod rewards;
 pub mod rollout;
+pub mod rollout_log;
 pub mod stages;
 pub mod tasks;
 

@@ -296,18 +296,14 @@ fn fits(expected: &DataType, found: &DataType) -> bool {
     }
 }
 
-/// Checks that `batch` holds every column written up to `phase` with its
-/// type, and that per-token columns align with `response_tokens`.
-pub fn check(batch: &RecordBatch, phase: Phase, stage: &str) -> Result<(), SchemaError> {
-    let response_lengths: Option<Vec<usize>> = batch
-        .column_by_name(col::RESPONSE_TOKENS)
-        .and_then(|c| c.as_list_opt::<i32>())
-        .map(|l| (0..l.len()).map(|i| l.value_length(i) as usize).collect());
-    for (name, ty, nullable, p, per_tok) in columns() {
+/// Checks that `schema` holds every column written up to `phase` (the
+/// optional ones where present) with its type; `stage` names the checker.
+pub fn check_schema(schema: &Schema, phase: Phase, stage: &str) -> Result<(), SchemaError> {
+    for (name, ty, nullable, p, _) in columns() {
         if p > phase {
             continue;
         }
-        let Some(column) = batch.column_by_name(name) else {
+        let Ok(field) = schema.field_with_name(name) else {
             if nullable {
                 continue;
             }
@@ -316,14 +312,33 @@ pub fn check(batch: &RecordBatch, phase: Phase, stage: &str) -> Result<(), Schem
                 column: name.into(),
             });
         };
-        if !fits(&ty, column.data_type()) {
+        if !fits(&ty, field.data_type()) {
             return Err(SchemaError::WrongType {
                 stage: stage.into(),
                 column: name.into(),
                 expected: ty.to_string(),
-                found: column.data_type().to_string(),
+                found: field.data_type().to_string(),
             });
         }
+    }
+    Ok(())
+}
+
+/// Checks that `batch` holds every column written up to `phase` with its
+/// type, and that per-token columns align with `response_tokens`.
+pub fn check(batch: &RecordBatch, phase: Phase, stage: &str) -> Result<(), SchemaError> {
+    check_schema(&batch.schema(), phase, stage)?;
+    let response_lengths: Option<Vec<usize>> = batch
+        .column_by_name(col::RESPONSE_TOKENS)
+        .and_then(|c| c.as_list_opt::<i32>())
+        .map(|l| (0..l.len()).map(|i| l.value_length(i) as usize).collect());
+    for (name, _, _, p, per_tok) in columns() {
+        if p > phase {
+            continue;
+        }
+        let Some(column) = batch.column_by_name(name) else {
+            continue;
+        };
         if let (true, Some(lengths)) = (per_tok, response_lengths.as_ref()) {
             let list = column.as_list::<i32>();
             for (row, want) in lengths.iter().enumerate() {
