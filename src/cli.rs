@@ -44,6 +44,8 @@ enum Command {
         #[arg(long, value_name = "STEP:ROW")]
         episode: Option<String>,
     },
+    /// Replay a run's learner on its logged rows, from the checkpoint before the first step, and compare its metrics with the run's.
+    Replay(crate::log_cli::ReplayArgs),
     /// Write PNG charts of a run (reward, KL, entropy, loss, staleness, throughput, idle shares) to RUN_DIR/plots.
     Plot {
         /// The run folder (holds metrics.parquet).
@@ -75,6 +77,7 @@ pub fn main() {
             Some(spec) => crate::report::episode(run_dir, spec).map(|text| print!("{text}")),
             None => crate::report::inspect(run_dir).map(|text| print!("{text}")),
         },
+        Command::Replay(args) => crate::log_cli::replay(args),
         Command::Plot { run_dir } => crate::report::plot(run_dir).map(|paths| {
             for path in paths {
                 println!("{}", path.display());

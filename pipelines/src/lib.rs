@@ -21,6 +21,7 @@ pub mod placement;
 pub mod preference;
 pub mod progress;
 pub mod prompts;
+pub mod replay;
 pub mod resume;
 pub mod rewards;
 pub mod rl;
@@ -126,6 +127,13 @@ impl PipelineKind {
         )
     }
 
+    /// Whether β·KL to the reference is a term of the learner's loss (the
+    /// group estimators, as GRPO has it) rather than shaped into the reward
+    /// (REINFORCE++, ReMax, PPO).
+    pub fn kl_in_loss(self) -> bool {
+        self.is_group()
+    }
+
     /// How the pipeline trains: on its own rollouts, on targets, or on
     /// preference pairs.
     pub fn trains_on(self) -> TrainsOn {
@@ -196,6 +204,12 @@ pub enum PipelineError {
 impl From<String> for PipelineError {
     fn from(s: String) -> Self {
         PipelineError::Other(s)
+    }
+}
+
+impl From<weir_operators::error::OperatorError> for PipelineError {
+    fn from(e: weir_operators::error::OperatorError) -> Self {
+        PipelineError::Stage(Box::new(e))
     }
 }
 

@@ -16,45 +16,60 @@ use weir_operators::stages::prompt_stats::PromptStats;
 use crate::config::ReferencePlacement;
 use crate::context::RunContext;
 use crate::roles::{self, ROLLOUT, TRAIN};
-use crate::{PipelineError, RunConfig};
+use crate::{PipelineError, PipelineKind, RunConfig};
 
 /// GRPO: group-normalised outcome advantages, β·KL to the reference in the loss.
 pub fn grpo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError> {
-    Ok(group(cfg, ctx, "grpo", GroupEstimator::Grpo))
+    Ok(group(cfg, ctx, PipelineKind::Grpo, GroupEstimator::Grpo))
 }
 
 /// Dr.GRPO: group-centred advantages without the std; its default loss
 /// aggregation is `seq-mean-token-sum-norm`.
 pub fn dr_grpo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError> {
-    Ok(group(cfg, ctx, "dr_grpo", GroupEstimator::DrGrpo))
+    Ok(group(
+        cfg,
+        ctx,
+        PipelineKind::DrGrpo,
+        GroupEstimator::DrGrpo,
+    ))
 }
 
 /// RLOO: each sample's baseline is the mean reward of the others in its group.
 pub fn rloo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError> {
-    Ok(group(cfg, ctx, "rloo", GroupEstimator::Rloo))
+    Ok(group(cfg, ctx, PipelineKind::Rloo, GroupEstimator::Rloo))
 }
 
 /// OPO: each response's baseline is its group's length-weighted mean reward.
 pub fn opo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError> {
-    Ok(group(cfg, ctx, "opo", GroupEstimator::Opo))
+    Ok(group(cfg, ctx, PipelineKind::Opo, GroupEstimator::Opo))
 }
 
 /// GRPO with pass@k advantages: only each group's best response learns,
 /// by its margin over the second best.
 pub fn grpo_passk(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError> {
-    Ok(group(cfg, ctx, "grpo_passk", GroupEstimator::PassK))
+    Ok(group(
+        cfg,
+        ctx,
+        PipelineKind::GrpoPassk,
+        GroupEstimator::PassK,
+    ))
 }
 
 /// GPG: `α (r − mean)` advantages; its default loss is the plain policy
 /// gradient (`algorithm.policy_loss = "gpg"`).
 pub fn gpg(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError> {
-    Ok(group(cfg, ctx, "gpg", GroupEstimator::Gpg))
+    Ok(group(cfg, ctx, PipelineKind::Gpg, GroupEstimator::Gpg))
 }
 
 /// The group estimators' pipeline.
-fn group(cfg: &RunConfig, ctx: &RunContext, name: &str, estimator: GroupEstimator) -> Pipeline {
+fn group(
+    cfg: &RunConfig,
+    ctx: &RunContext,
+    kind: PipelineKind,
+    estimator: GroupEstimator,
+) -> Pipeline {
     let flavor = cfg.algorithm.flavor;
-    let pipeline = rollouts(Pipeline::new(name), cfg, ctx, false);
+    let pipeline = rollouts(Pipeline::new(kind.name()), cfg, ctx, false);
     let (pipeline, regroup) = statistics_and_filter(pipeline, cfg, ctx);
     // GPG's α counts the whole step: its ranks sum their counts.
     let ranks = roles::data_parallel_group(cfg).filter(|_| estimator == GroupEstimator::Gpg);
@@ -77,14 +92,19 @@ fn group(cfg: &RunConfig, ctx: &RunContext, name: &str, estimator: GroupEstimato
             "learn",
             TRAIN,
             Partition::Local,
-            roles::learner(cfg, ctx, true),
+            roles::learner(cfg, ctx, kind),
         )
         .sink("log", TRAIN, Partition::Local, roles::rollout_log(cfg, ctx))
 }
 
 /// REINFORCE++: the KL to the reference shaped into token rewards, returns whitened.
 pub fn reinforce_pp(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError> {
-    Ok(reinforce(cfg, ctx, "reinforce_pp", ReinforceBaseline::None))
+    Ok(reinforce(
+        cfg,
+        ctx,
+        PipelineKind::ReinforcePp,
+        ReinforceBaseline::None,
+    ))
 }
 
 /// REINFORCE++-baseline: the group mean subtracted from the score first.
@@ -92,7 +112,7 @@ pub fn reinforce_pp_baseline(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeli
     Ok(reinforce(
         cfg,
         ctx,
-        "reinforce_pp_baseline",
+        PipelineKind::ReinforcePpBaseline,
         ReinforceBaseline::GroupMean,
     ))
 }
@@ -102,13 +122,18 @@ pub fn reinforce_pp_baseline(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeli
 /// reward, as verl's recipe has it). The greedy rows are scored and then
 /// leave at the advantage stage.
 pub fn remax(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError> {
-    Ok(reinforce(cfg, ctx, "remax", ReinforceBaseline::Greedy))
+    Ok(reinforce(
+        cfg,
+        ctx,
+        PipelineKind::Remax,
+        ReinforceBaseline::Greedy,
+    ))
 }
 
 fn reinforce(
     cfg: &RunConfig,
     ctx: &RunContext,
-    name: &str,
+    kind: PipelineKind,
     baseline: ReinforceBaseline,
 ) -> Pipeline {
     let a = cfg.algorithm.clone();
@@ -116,7 +141,7 @@ fn reinforce(
     let (kl_coef, adaptive_kl) = roles::in_reward_kl(cfg, ctx);
     let greedy = baseline == ReinforceBaseline::Greedy;
     let group = roles::data_parallel_group(cfg);
-    rollouts(Pipeline::new(name), cfg, ctx, greedy)
+    rollouts(Pipeline::new(kind.name()), cfg, ctx, greedy)
         .stage(
             "advantage",
             TRAIN,
@@ -143,7 +168,7 @@ fn reinforce(
             "learn",
             TRAIN,
             Partition::Local,
-            roles::learner(cfg, ctx, false),
+            roles::learner(cfg, ctx, kind),
         )
         .sink("log", TRAIN, Partition::Local, roles::rollout_log(cfg, ctx))
 }
@@ -181,7 +206,7 @@ pub fn ppo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
             "learn",
             TRAIN,
             Partition::Local,
-            roles::learner(cfg, ctx, false),
+            roles::learner(cfg, ctx, PipelineKind::Ppo),
         )
         .stage(
             "critic_learn",

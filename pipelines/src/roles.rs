@@ -28,7 +28,7 @@ use weir_operators::stages::reference::RefLogprob;
 
 use crate::config::{CorrectionChoice, PolicyLossChoice, ScheduleChoice, ToolSpec};
 use crate::context::{load_frozen, load_policy, RunContext};
-use crate::RunConfig;
+use crate::{PipelineKind, RunConfig};
 
 /// Worker set of generation and scoring.
 pub const ROLLOUT: &str = "rollout";
@@ -480,13 +480,13 @@ impl HostReduce for ClusterRank {
 pub fn learner(
     cfg: &RunConfig,
     ctx: &RunContext,
-    kl_in_loss: bool,
+    kind: PipelineKind,
 ) -> impl Fn(&WorkerInfo) -> Result<Learner, StageError> + Send + Sync + 'static {
     let (cfg, ctx) = (cfg.clone(), ctx.clone());
     let group = data_parallel_group(&cfg);
     move |w| {
         let model = load_policy(&cfg, &ctx.actor, w)?;
-        let mut learner = Learner::new(model, learner_config(&cfg, kl_in_loss))?
+        let mut learner = Learner::new(model, learner_config(&cfg, kind.kl_in_loss()))?
             .with_checkpoints(ctx.checkpoint_plan(&cfg));
         if let Some(group) = &group {
             learner = learner.with_data_parallel(group.member(w, "learn")?)?;

@@ -18,6 +18,7 @@ mod bad_input;
 #[path = "../common/mod.rs"]
 mod common;
 mod crash;
+mod log;
 mod models;
 mod report;
 mod runs;

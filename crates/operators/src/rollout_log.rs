@@ -180,7 +180,10 @@ impl RowFilter {
             }
             .map_err(|e| format!("{what}: {e}"))?;
             // A null never matches.
-            let hit = arrow::compute::prep_null_mask_filter(&hit);
+            let hit = match hit.nulls() {
+                Some(_) => arrow::compute::prep_null_mask_filter(&hit),
+                None => hit,
+            };
             keep = arrow::compute::and(&keep, &hit).map_err(|e| format!("{what}: {e}"))?;
         }
         Ok(keep)

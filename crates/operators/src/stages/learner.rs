@@ -173,6 +173,41 @@ impl Learner {
     pub fn model(&self) -> &Model {
         self.core.model()
     }
+
+    /// What the learner records of its last update, as metrics of its
+    /// stage: the loss, gradient norm, clip fraction, entropy, learning
+    /// rate, the KL when it is a loss term (a KL in the reward is the
+    /// advantage stage's), the importance weights' statistics when a
+    /// correction is on, and what the rows looked like (mean reward and
+    /// response length). A run's `metrics.parquet` holds them per step and
+    /// `weir replay` compares its own with them; the engine adds what
+    /// depends on the moment (`row_latency_s`, `weights_bytes`).
+    pub fn update_metrics(&self) -> Vec<(&'static str, f64)> {
+        let u = self.last;
+        let mut out = vec![
+            ("loss", u.loss),
+            ("grad_norm", u.grad_norm),
+            ("clip_fraction", u.clip_fraction),
+            ("entropy", u.entropy),
+            ("lr", self.core.optimizer().lr()),
+        ];
+        if self.cfg.kl_coef > 0.0 {
+            out.push(("kl", u.kl));
+        }
+        if let Some(w) = u.importance_weights {
+            out.extend([
+                ("is_weight_mean", w.mean),
+                ("is_weight_min", w.min),
+                ("is_weight_max", w.max),
+                ("is_masked_fraction", w.masked),
+            ]);
+        }
+        if let Some(reward) = u.reward {
+            out.push(("reward", reward));
+        }
+        out.push(("response_length", u.response_length));
+        out
+    }
 }
 
 /// Mean seconds from each row's `started_unix_s` to now (`None` without the column).
@@ -659,30 +694,9 @@ impl StepStage for Learner {
                 entropy = u.entropy,
                 "policy update"
             );
-            for (name, value) in [
-                ("loss", u.loss),
-                ("grad_norm", u.grad_norm),
-                ("clip_fraction", u.clip_fraction),
-                ("entropy", u.entropy),
-                ("lr", self.core.optimizer().lr()),
-            ] {
+            for (name, value) in self.update_metrics() {
                 ctx.record(name, value);
             }
-            // Only a KL in the loss is the learner's; a KL in the reward is the advantage stage's.
-            if self.cfg.kl_coef > 0.0 {
-                ctx.record("kl", u.kl);
-            }
-            if let Some(w) = u.importance_weights {
-                ctx.record("is_weight_mean", w.mean);
-                ctx.record("is_weight_min", w.min);
-                ctx.record("is_weight_max", w.max);
-                ctx.record("is_masked_fraction", w.masked);
-            }
-            // What the step's rows looked like: the curves users watch first.
-            if let Some(reward) = u.reward {
-                ctx.record("reward", reward);
-            }
-            ctx.record("response_length", u.response_length);
             if let Some(latency) = latency {
                 ctx.record("row_latency_s", latency);
             }
