@@ -46,6 +46,8 @@ enum Command {
     },
     /// Replay a run's learner on its logged rows, from the checkpoint before the first step, and compare its metrics with the run's.
     Replay(crate::log_cli::ReplayArgs),
+    /// Write a run's logged rows as an SFT file (best responses), DPO pairs (best and worst of a group) or a prompt file.
+    Export(crate::log_cli::ExportArgs),
     /// Write PNG charts of a run (reward, KL, entropy, loss, staleness, throughput, idle shares) to RUN_DIR/plots.
     Plot {
         /// The run folder (holds metrics.parquet).
@@ -78,6 +80,7 @@ pub fn main() {
             None => crate::report::inspect(run_dir).map(|text| print!("{text}")),
         },
         Command::Replay(args) => crate::log_cli::replay(args),
+        Command::Export(args) => crate::log_cli::export(args),
         Command::Plot { run_dir } => crate::report::plot(run_dir).map(|paths| {
             for path in paths {
                 println!("{}", path.display());

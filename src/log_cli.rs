@@ -1,8 +1,9 @@
-//! The rollout log as a dataset: `weir replay`.
+//! The rollout log as a dataset: `weir replay` and `weir export`.
 
 use std::path::PathBuf;
 
 use anyhow::bail;
+use weir_pipelines::export::{export as export_log, ExportKind, ExportRequest};
 use weir_pipelines::replay::{replay as replay_run, ReplayRequest};
 
 /// `weir replay`.
@@ -39,6 +40,67 @@ pub fn replay(args: &ReplayArgs) -> anyhow::Result<()> {
     if let Some(difference) = report.first_difference {
         bail!("replay: the first metric that differs: {difference}");
     }
+    Ok(())
+}
+
+/// `weir export`.
+#[derive(clap::Args, Debug)]
+pub struct ExportArgs {
+    /// A run folder, a folder of rollout Parquet files, or one file.
+    pub source: PathBuf,
+    /// What to write: `sft` (the best response of each prompt whose reward
+    /// reaches --min-reward: prompt, response, reward), `dpo` (each group's
+    /// best and worst response when they differ by more than --min-margin:
+    /// prompt, chosen, rejected) or `prompts` (each prompt once, with its
+    /// samples, mean and best reward; --unsolved: only those whose best
+    /// reward misses --min-reward). The dataset's own columns (a reference
+    /// answer) come along.
+    #[arg(long = "as", value_name = "sft|dpo|prompts")]
+    pub kind: String,
+    /// A row filter on the log's numeric columns, conditions joined by
+    /// `and`: e.g. `step >= 10 and policy_version > 2` (skips row groups
+    /// that cannot match).
+    #[arg(long = "where", value_name = "FILTER", default_value = "")]
+    pub filter: String,
+    /// The reward a response must reach (sft), or that a prompt's best
+    /// response misses (prompts --unsolved).
+    #[arg(long, default_value_t = 1.0)]
+    pub min_reward: f64,
+    /// How much more reward a pair's chosen response has than its rejected one (dpo).
+    #[arg(long, default_value_t = 0.0)]
+    pub min_margin: f64,
+    /// prompts: only those no response solved.
+    #[arg(long)]
+    pub unsolved: bool,
+    /// The file to write, `.jsonl` or `.parquet` (it must not exist).
+    #[arg(long)]
+    pub out: PathBuf,
+}
+
+/// Writes a log's rows as an SFT, DPO or prompt file and says how to read it.
+pub fn export(args: &ExportArgs) -> anyhow::Result<()> {
+    let request = ExportRequest {
+        source: args.source.clone(),
+        kind: ExportKind::parse(&args.kind).map_err(anyhow::Error::msg)?,
+        filter: args.filter.clone(),
+        min_reward: args.min_reward,
+        min_margin: args.min_margin,
+        unsolved: args.unsolved,
+        out: args.out.clone(),
+    };
+    let report = export_log(&request)?;
+    if let Some(note) = &report.note {
+        eprintln!("warning: {note}");
+    }
+    if let Some(keys) = &report.read_with {
+        println!("read it with: {}", keys.join(", "));
+    }
+    println!(
+        "export: rows_read={} written={} out={}",
+        report.rows_read,
+        report.written,
+        args.out.display()
+    );
     Ok(())
 }
 

@@ -16,6 +16,7 @@
 pub mod config;
 pub mod context;
 pub mod eval;
+pub mod export;
 pub mod manifest;
 pub mod placement;
 pub mod preference;

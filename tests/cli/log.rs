@@ -137,3 +137,163 @@ fn replay_reproduces_a_logged_run_and_names_the_first_metric_that_differs() {
     );
     assert_eq!(err.lines().count(), 1, "{err}");
 }
+
+/// The `--set` arguments of an export's `read it with:` line.
+fn read_with(text: &str) -> Vec<String> {
+    let line = text
+        .lines()
+        .find_map(|l| l.strip_prefix("read it with: "))
+        .unwrap_or_else(|| panic!("no `read it with:` line in {text}"));
+    line.split(", ")
+        .flat_map(|kv| ["--set".to_string(), kv.replace(" = ", "=")])
+        .collect()
+}
+
+fn jsonl(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+#[test]
+fn exports_feed_the_sft_dpo_and_rl_pipelines() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let model = fixtures().join("arith-sft");
+    let sets = ["run.steps=4", "data.prompts_per_step=6"];
+    run_in(dir, &run_args("grpo", "r", &model, &sets));
+
+    // Rejection sampling: the best response of each prompt that solved it.
+    let text = success(&weir(
+        &["export", "r", "--as", "sft", "--out", "best.jsonl"],
+        dir,
+    ));
+    assert!(
+        last_line(&text).starts_with("export: rows_read=96 written="),
+        "{text}"
+    );
+    let best = jsonl(&dir.join("best.jsonl"));
+    assert!(!best.is_empty());
+    for record in &best {
+        // A reward of 1 on arith is the exact answer.
+        assert_eq!(record["reward"], 1.0, "{record}");
+        assert_eq!(record["response"], record["answer"], "{record}");
+    }
+    let mut sft = vec!["run", "sft", "--quiet", "--out", "sft", "--set"]
+        .into_iter()
+        .map(String::from)
+        .collect::<Vec<_>>();
+    sft.extend([
+        format!("model.path={}", model.display()),
+        "--set".into(),
+        "run.steps=2".into(),
+        "--set".into(),
+        "data.prompts_per_step=2".into(),
+        "--set".into(),
+        "eval.arith=false".into(),
+    ]);
+    sft.extend(read_with(&text));
+    let trained = run_in(dir, &sft);
+    assert!(trained.contains("pipeline: \"sft\""), "{trained}");
+
+    // Preference pairs: each group's best and worst, from step 1 on.
+    let text = success(&weir(
+        &[
+            "export",
+            "r",
+            "--as",
+            "dpo",
+            "--where",
+            "step >= 1",
+            "--out",
+            "pairs.parquet",
+        ],
+        dir,
+    ));
+    assert!(
+        last_line(&text).starts_with("export: rows_read=72 "),
+        "{text}"
+    );
+    let pairs = crate::read(&dir.join("pairs.parquet"));
+    assert!(pairs.num_rows() > 0);
+    let rewards = |name| {
+        pairs
+            .column_by_name(name)
+            .unwrap()
+            .as_any()
+            .downcast_ref::<arrow::array::Float64Array>()
+            .unwrap()
+            .values()
+            .to_vec()
+    };
+    let (chosen, rejected) = (rewards("chosen_reward"), rewards("rejected_reward"));
+    assert!(chosen.iter().zip(&rejected).all(|(c, r)| c > r));
+    let mut dpo: Vec<String> = ["run", "dpo", "--quiet", "--out", "dpo", "--set"]
+        .into_iter()
+        .map(String::from)
+        .collect();
+    dpo.extend([
+        format!("model.path={}", model.display()),
+        "--set".into(),
+        "run.steps=2".into(),
+        "--set".into(),
+        "data.prompts_per_step=2".into(),
+    ]);
+    dpo.extend(read_with(&text));
+    assert!(run_in(dir, &dpo).contains("pipeline: \"dpo\""));
+
+    // The prompts no response solved, as the next run's prompt set.
+    let text = success(&weir(
+        &[
+            "export",
+            "r",
+            "--as",
+            "prompts",
+            "--unsolved",
+            "--out",
+            "hard.jsonl",
+        ],
+        dir,
+    ));
+    let hard = jsonl(&dir.join("hard.jsonl"));
+    assert!(!hard.is_empty(), "{text}");
+    assert!(hard.iter().all(|p| p["best_reward"].as_f64() < Some(1.0)));
+    let mut grpo = run_args("grpo", "again", &model, &["run.steps=1"]);
+    grpo.extend(read_with(&text));
+    let again = run_in(dir, &grpo);
+    assert!(again.contains("steps: 1"), "{again}");
+    // Its prompts are the exported ones (rendered with the chat template).
+    let rows = weir::graph::parquet_log::read_parquet_dir(&dir.join("again/rollouts")).unwrap();
+    let prompts = weir::operators::stages::columns::strings(&rows[0], "prompt", "test").unwrap();
+    let exported: Vec<&str> = hard.iter().map(|p| p["prompt"].as_str().unwrap()).collect();
+    assert!(
+        prompts
+            .iter()
+            .all(|p| exported.iter().any(|e| p.contains(e))),
+        "{prompts:?} {exported:?}"
+    );
+
+    // An existing file is never overwritten; an empty result names the filter.
+    let err = failure(dir, &["export", "r", "--as", "sft", "--out", "best.jsonl"]);
+    assert!(err.contains("the file exists"), "{err}");
+    let err = failure(
+        dir,
+        &[
+            "export",
+            "r",
+            "--as",
+            "sft",
+            "--where",
+            "reward > 5",
+            "--out",
+            "none.jsonl",
+        ],
+    );
+    assert!(
+        err.contains("no row matches the filter \"reward > 5\""),
+        "{err}"
+    );
+    assert!(!dir.join("none.jsonl").exists());
+}
