@@ -333,6 +333,7 @@ fn write_prompts(path: &Path) {
 
 /// The other settings under which `key` acts, and its changed value.
 fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String) {
+    let correction = "algorithm.correction=\"tis\"";
     let file = format!("data.prompts={:?}", prompts.display().to_string());
     let rm = format!("{:?}", fixture("tiny-llama-rm").display().to_string());
     let other_model = format!("{:?}", fixture("tiny-llama").display().to_string());
@@ -411,6 +412,21 @@ fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String
         "data.rejected_column" => return (vec![file], "\"rejected2\"".into()),
         "data.margin_column" => return (vec![file], "\"margin\"".into()),
         "data.epochs" => return (vec![file, "run.steps=5".into()], "1".into()),
+        "data.rollouts" => return (vec![correction.into()], a_log()),
+        // The log's later steps: its advantages are GAE's over a critic
+        // that has trained, which no estimator computes again from rewards.
+        "data.rollouts_where" | "data.replay_fraction" | "data.rollout_advantages" => {
+            let value = match key {
+                "data.rollouts_where" => "\"step >= 1\"",
+                "data.replay_fraction" => "0.5",
+                _ => "\"logged\"",
+            };
+            let mut setting = vec![correction.to_string(), format!("data.rollouts={}", a_log())];
+            if key == "data.rollout_advantages" {
+                setting.push("data.rollouts_where=\"step >= 2\"".into());
+            }
+            return (setting, value.into());
+        }
         "data.prompts_per_step" => (&[], "3".into()),
         "data.samples_per_prompt" => (&[], "3".into()),
         "generate.max_new_tokens" => (&[], "3".into()),
@@ -746,6 +762,26 @@ fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String
         other => panic!("{other}: no changed value in this test; add one"),
     };
     (setting.iter().map(|s| s.to_string()).collect(), value)
+}
+
+/// A rollout log to train from, as `data.rollouts` names it: a three-step
+/// PPO run on the arith checkpoint, made once for the binary.
+fn a_log() -> String {
+    static LOG: std::sync::OnceLock<(tempfile::TempDir, String)> = std::sync::OnceLock::new();
+    let (_, value) = LOG.get_or_init(|| {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("log");
+        weir::pipelines::run(&request(
+            PipelineKind::Ppo,
+            config(PipelineKind::Ppo, 3),
+            &dir,
+            false,
+        ))
+        .unwrap();
+        let value = format!("[{:?}]", dir.display().to_string());
+        (tmp, value)
+    });
+    value.clone()
 }
 
 /// Environment files for the `[agent]` keys, in `dir`: `env.py` (two

@@ -46,6 +46,8 @@ pub struct RunContext {
     pub values: StepValues,
     /// Those values as the checkpoint resumed from stored them.
     pub resumed_values: std::collections::BTreeMap<String, f64>,
+    /// The logged groups replayed in place of generated ones (`data.rollouts`).
+    pub replay: Option<std::sync::Arc<weir_operators::stages::from_log::LoggedGroups>>,
 }
 
 impl RunContext {

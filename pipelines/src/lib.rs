@@ -17,6 +17,7 @@ pub mod config;
 pub mod context;
 pub mod eval;
 pub mod export;
+pub mod from_log;
 pub mod manifest;
 pub mod placement;
 pub mod preference;

@@ -43,8 +43,6 @@ impl ModelHashes {
             weights.update(file.file_name().unwrap_or_default().as_encoded_bytes());
             hash_file(&mut weights, file)?;
         }
-        let mut tokenizer = Sha256::new();
-        hash_file(&mut tokenizer, &dir.join("tokenizer.json"))?;
         let template = weir_gpu::Tokenizer::load(dir)?
             .chat_template()
             .map(|t| hex(&Sha256::digest(t.as_bytes())))
@@ -52,9 +50,16 @@ impl ModelHashes {
         Ok(ModelHashes {
             path: dir.to_path_buf(),
             weights_sha256: hex(&weights.finalize()),
-            tokenizer_sha256: hex(&tokenizer.finalize()),
+            tokenizer_sha256: ModelHashes::tokenizer_sha256(dir)?,
             chat_template_sha256: template,
         })
+    }
+
+    /// SHA-256 of `dir/tokenizer.json` (without hashing the weights).
+    pub fn tokenizer_sha256(dir: &Path) -> Result<String, PipelineError> {
+        let mut tokenizer = Sha256::new();
+        hash_file(&mut tokenizer, &dir.join("tokenizer.json"))?;
+        Ok(hex(&tokenizer.finalize()))
     }
 
     /// The first way `other` differs from `self` (`None`: the same model).

@@ -2,7 +2,7 @@
 //! reward → (reference, critic, statistics, filter) → advantage → learner
 //! → rollout log, with the learner's weights flowing back to `generate`.
 
-use weir_graph::{Partition, Pipeline};
+use weir_graph::{Partition, Pipeline, Stage, StageError, WorkerInfo};
 use weir_operators::rewards::finish::FinishRewards;
 use weir_operators::rewards::overlong::OverlongPenalty;
 use weir_operators::rollout::col;
@@ -11,9 +11,10 @@ use weir_operators::stages::advantage::{
 };
 use weir_operators::stages::critic::Critic;
 use weir_operators::stages::dynamic_sampling::{DynamicSampling, DynamicSamplingConfig};
+use weir_operators::stages::from_log::{PassLogged, Replaying};
 use weir_operators::stages::prompt_stats::PromptStats;
 
-use crate::config::ReferencePlacement;
+use crate::config::{ReferencePlacement, RolloutAdvantages};
 use crate::context::RunContext;
 use crate::roles::{self, ROLLOUT, TRAIN};
 use crate::{PipelineError, PipelineKind, RunConfig};
@@ -74,13 +75,19 @@ fn group(
     // GPG's α counts the whole step: its ranks sum their counts.
     let ranks = roles::data_parallel_group(cfg).filter(|_| estimator == GroupEstimator::Gpg);
     let offload = ranks.is_some();
-    let pipeline = pipeline.stage("advantage", TRAIN, regroup, move |w| {
+    let advantage = move |w: &WorkerInfo| {
         let advantage = GroupAdvantage::new(estimator, flavor);
         Ok(match &ranks {
             Some(group) => advantage.with_data_parallel(group.member(w, "advantage")?),
             None => advantage,
         })
-    });
+    };
+    let pipeline = pipeline.stage(
+        "advantage",
+        TRAIN,
+        regroup,
+        pass_logged(advantage, ctx, logged_advantages(cfg)),
+    );
     let pipeline = if offload {
         // Ranks wait for each other: off the worker thread.
         pipeline.offload(roles::MODEL_QUEUE)
@@ -146,21 +153,25 @@ fn reinforce(
             "advantage",
             TRAIN,
             Partition::ByKey(col::GROUP_ID.into()),
-            move |w| {
-                let mut advantage = ReinforceAdvantage::new(baseline, kl_coef);
-                advantage.adaptive_kl = adaptive_kl.clone();
-                advantage.gamma = a.gamma;
-                advantage.kl_estimator = a.kl_estimator;
-                advantage.flavor = flavor;
-                if greedy {
-                    // verl's ReMax does not clip the score.
-                    advantage.reward_clip = None;
-                }
-                if let Some(group) = &group {
-                    advantage = advantage.with_data_parallel(group.member(w, "advantage")?);
-                }
-                Ok(advantage)
-            },
+            pass_logged(
+                move |w: &WorkerInfo| {
+                    let mut advantage = ReinforceAdvantage::new(baseline, kl_coef);
+                    advantage.adaptive_kl = adaptive_kl.clone();
+                    advantage.gamma = a.gamma;
+                    advantage.kl_estimator = a.kl_estimator;
+                    advantage.flavor = flavor;
+                    if greedy {
+                        // verl's ReMax does not clip the score.
+                        advantage.reward_clip = None;
+                    }
+                    if let Some(group) = &group {
+                        advantage = advantage.with_data_parallel(group.member(w, "advantage")?);
+                    }
+                    Ok(advantage)
+                },
+                ctx,
+                logged_advantages(cfg),
+            ),
         )
         // Ranks wait for each other in their whitening: off the worker thread.
         .offload(roles::MODEL_QUEUE)
@@ -189,17 +200,26 @@ pub fn ppo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
             move |w| Critic::new(&critic, w),
         )
         .offload(roles::MODEL_QUEUE)
-        .stage("advantage", TRAIN, Partition::Local, move |w| {
-            let mut advantage = GaeAdvantage::new(kl_coef);
-            advantage.adaptive_kl = adaptive_kl.clone();
-            (advantage.gamma, advantage.lambda) = (a.gamma, a.lambda);
-            advantage.kl_estimator = a.kl_estimator;
-            advantage.flavor = flavor;
-            if let Some(group) = &group {
-                advantage = advantage.with_data_parallel(group.member(w, "advantage")?);
-            }
-            Ok(advantage)
-        })
+        .stage(
+            "advantage",
+            TRAIN,
+            Partition::Local,
+            pass_logged(
+                move |w: &WorkerInfo| {
+                    let mut advantage = GaeAdvantage::new(kl_coef);
+                    advantage.adaptive_kl = adaptive_kl.clone();
+                    (advantage.gamma, advantage.lambda) = (a.gamma, a.lambda);
+                    advantage.kl_estimator = a.kl_estimator;
+                    advantage.flavor = flavor;
+                    if let Some(group) = &group {
+                        advantage = advantage.with_data_parallel(group.member(w, "advantage")?);
+                    }
+                    Ok(advantage)
+                },
+                ctx,
+                logged_advantages(cfg),
+            ),
+        )
         // Ranks wait for each other in their whitening: off the worker thread.
         .offload(roles::MODEL_QUEUE)
         .learn(
@@ -236,14 +256,14 @@ fn rollouts(pipeline: Pipeline, cfg: &RunConfig, ctx: &RunContext, greedy: bool)
             "generate",
             ROLLOUT,
             Partition::Local,
-            roles::actor(cfg, ctx),
+            replaying(roles::actor(cfg, ctx), ctx),
         )
         .offload(2)
         .stage(
             "reward",
             ROLLOUT,
             Partition::Local,
-            crate::rewards::reward(cfg),
+            pass_logged(crate::rewards::reward(cfg), ctx, true),
         )
         .offload(roles::MODEL_QUEUE);
     let pipeline = if cfg.reward.overlong_buffer > 0 {
@@ -252,7 +272,12 @@ fn rollouts(pipeline: Pipeline, cfg: &RunConfig, ctx: &RunContext, greedy: bool)
             buffer: cfg.reward.overlong_buffer,
             factor: cfg.reward.overlong_penalty_factor,
         };
-        pipeline.stage("overlong", ROLLOUT, Partition::Local, move |_| Ok(penalty))
+        pipeline.stage(
+            "overlong",
+            ROLLOUT,
+            Partition::Local,
+            pass_logged(move |_: &WorkerInfo| Ok(penalty), ctx, true),
+        )
     } else {
         pipeline
     };
@@ -262,9 +287,12 @@ fn rollouts(pipeline: Pipeline, cfg: &RunConfig, ctx: &RunContext, greedy: bool)
         let rules = FinishRewards {
             rules: cfg.reward.on_finish.clone(),
         };
-        pipeline.stage("on_finish", ROLLOUT, Partition::Local, move |_| {
-            Ok(rules.clone())
-        })
+        pipeline.stage(
+            "on_finish",
+            ROLLOUT,
+            Partition::Local,
+            pass_logged(move |_: &WorkerInfo| Ok(rules.clone()), ctx, true),
+        )
     };
     if cfg.algorithm.kl_coef > 0.0 {
         // Beside the generator (balancing a learner-bound step) or on the
@@ -280,6 +308,47 @@ fn rollouts(pipeline: Pipeline, cfg: &RunConfig, ctx: &RunContext, greedy: bool)
     } else {
         pipeline
     }
+}
+
+/// The actor's generator, replaying a share of each step's groups from
+/// `data.rollouts` when the run trains from logs.
+fn replaying<S: Stage + 'static>(
+    actor: impl Fn(&WorkerInfo) -> Result<S, StageError> + Send + Sync + 'static,
+    ctx: &RunContext,
+) -> impl Fn(&WorkerInfo) -> Result<Box<dyn Stage>, StageError> + Send + Sync + 'static {
+    let log = ctx.replay.clone();
+    move |w| -> Result<Box<dyn Stage>, StageError> {
+        let inner = actor(w)?;
+        Ok(match &log {
+            Some(log) => Box::new(Replaying::new(inner, log.clone())),
+            None => Box::new(inner),
+        })
+    }
+}
+
+/// `stage`, which rows replayed from a log pass untouched when the run
+/// trains from logs and `pass` (the reward stages: a replayed row keeps
+/// its logged reward; the advantage stage with `data.rollout_advantages =
+/// "logged"`).
+fn pass_logged<S: Stage + 'static>(
+    stage: impl Fn(&WorkerInfo) -> Result<S, StageError> + Send + Sync + 'static,
+    ctx: &RunContext,
+    pass: bool,
+) -> impl Fn(&WorkerInfo) -> Result<Box<dyn Stage>, StageError> + Send + Sync + 'static {
+    let replays = ctx.replay.is_some() && pass;
+    move |w| -> Result<Box<dyn Stage>, StageError> {
+        let inner = stage(w)?;
+        Ok(if replays {
+            Box::new(PassLogged::new(inner))
+        } else {
+            Box::new(inner)
+        })
+    }
+}
+
+/// Whether replayed rows keep their logged advantages.
+fn logged_advantages(cfg: &RunConfig) -> bool {
+    cfg.data.rollout_advantages == RolloutAdvantages::Logged
 }
 
 /// Per-prompt statistics (for the curriculum) and DAPO's filter, when on;

@@ -110,7 +110,10 @@ pub fn read_resolved(run_dir: &Path) -> Result<(PipelineKind, RunConfig), Pipeli
 /// sets the folder in order (resume), trains, then evaluates and summarises.
 pub fn run(req: &RunRequest) -> Result<RunOutcome, PipelineError> {
     check_request(req)?;
+    // Read before the folder is touched: a log no row of passes is refused.
+    let replay = crate::from_log::logged_groups(req.pipeline, &req.config)?;
     let mut segment = prepare(req)?;
+    segment.ctx.replay = replay;
     let started = std::time::Instant::now();
     let report = if segment.complete {
         RunReport::from_metrics(std::mem::take(&mut segment.prior), 0, 0.0, 0)
@@ -164,6 +167,7 @@ fn check_request(req: &RunRequest) -> Result<(), PipelineError> {
     }
     if kind.is_rl() {
         check_generation(cfg, &policy)?;
+        crate::from_log::check_logs(cfg)?;
     }
     crate::placement::check_data_parallel(cfg)?;
     crate::placement::execution(cfg, &req.cluster)?;
@@ -231,6 +235,7 @@ fn prepare(req: &RunRequest) -> Result<Segment, PipelineError> {
         invariants,
         values: weir_operators::checkpoint::StepValues::new(),
         resumed_values: BTreeMap::new(),
+        replay: None,
     };
     let mut prior = Vec::new();
     if let Some((ck, state)) = &found {

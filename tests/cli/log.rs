@@ -297,3 +297,210 @@ fn exports_feed_the_sft_dpo_and_rl_pipelines() {
     );
     assert!(!dir.join("none.jsonl").exists());
 }
+
+/// The run's summary.json.
+fn summary(dir: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap()
+}
+
+/// Every rollout row of a run folder, as one batch.
+fn rollouts(dir: &Path) -> arrow::array::RecordBatch {
+    let batches = weir::graph::parquet_log::read_parquet_dir(&dir.join("rollouts")).unwrap();
+    weir::graph::concat_by_name(&batches).unwrap()
+}
+
+#[test]
+fn training_from_a_log_improves_accuracy_and_a_mixed_run_logs_both_sources() {
+    use weir::operators::stages::columns::{strings, token_lists, u64s};
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let model = fixtures().join("arith-sft");
+    let common = [
+        "run.steps=24",
+        "run.checkpoint_every=0",
+        "data.prompts_per_step=8",
+        "data.samples_per_prompt=8",
+        "generate.max_new_tokens=8",
+        "algorithm.lr=1e-5",
+    ];
+    // The log: an on-policy GRPO run.
+    run_in(dir, &run_args("grpo", "source", &model, &common));
+
+    // A run that generates nothing: every group replayed from that log,
+    // weighed by TIS; the final evaluation is its greedy accuracy.
+    let mut sets = common.to_vec();
+    sets.extend([
+        "eval.arith=true",
+        "algorithm.correction=\"tis\"",
+        "data.rollouts=[\"source\"]",
+    ]);
+    run_in(dir, &run_args("grpo", "from_log", &model, &sets));
+    let s = summary(&dir.join("from_log"));
+    let (before, after) = (
+        s["eval_accuracy_before"].as_f64().unwrap(),
+        s["eval_accuracy_after"].as_f64().unwrap(),
+    );
+    assert!(after > before, "greedy accuracy {before} → {after}");
+    let rows = rollouts(&dir.join("from_log"));
+    let sources = strings(&rows, "source", "test").unwrap();
+    assert!(sources.iter().all(|s| s == "log"), "{sources:?}");
+    // Every replayed row is a row of the log, as the log holds it.
+    let logged = rollouts(&dir.join("source"));
+    let key = |b: &arrow::array::RecordBatch, step: &str, i: usize| {
+        (
+            u64s(b, step, "t").unwrap()[i],
+            u64s(b, "prompt_id", "t").unwrap()[i],
+            token_lists(b, "response_tokens", "t").unwrap()[i].clone(),
+        )
+    };
+    let logged_keys: std::collections::BTreeSet<_> = (0..logged.num_rows())
+        .map(|i| key(&logged, "step", i))
+        .collect();
+    for i in 0..rows.num_rows() {
+        assert!(
+            logged_keys.contains(&key(&rows, "logged_step", i)),
+            "row {i}"
+        );
+    }
+
+    // Half fresh, half replayed: both sources in the run's own log, the
+    // importance weights and the replayed rows per step in its metrics.
+    let mut sets = common.to_vec();
+    sets.extend([
+        "run.steps=3",
+        "algorithm.correction=\"icepop\"",
+        "data.rollouts=[\"source\"]",
+        "data.replay_fraction=0.5",
+        "data.rollouts_where=\"step >= 20\"",
+    ]);
+    run_in(dir, &run_args("grpo", "mixed", &model, &sets));
+    let rows = rollouts(&dir.join("mixed"));
+    let sources = strings(&rows, "source", "test").unwrap();
+    let replayed = sources.iter().filter(|s| *s == "log").count();
+    assert_eq!(replayed * 2, sources.len(), "{sources:?}");
+    assert!(sources.iter().all(|s| s == "log" || s == "generated"));
+    let logged_steps = rows.column_by_name("logged_step").unwrap();
+    for (i, s) in sources.iter().enumerate() {
+        // Replayed rows name their step in the log (the filter's), generated ones none.
+        assert_eq!(logged_steps.is_null(i), s == "generated", "row {i}");
+        if s == "log" {
+            assert!(u64s(&rows, "logged_step", "t").unwrap()[i] >= 20);
+        }
+    }
+    let metrics = weir::graph::parquet_log::read_parquet_file(&dir.join("mixed/metrics.parquet"))
+        .unwrap()
+        .iter()
+        .flat_map(|b| batch_to_rows(b).unwrap())
+        .collect::<Vec<_>>();
+    let sum = |name: &str| -> f64 {
+        metrics
+            .iter()
+            .filter(|r| r.metric == name)
+            .map(|r| r.value)
+            .sum()
+    };
+    assert_eq!(sum("log_rows") as usize, replayed);
+    assert_eq!(
+        metrics
+            .iter()
+            .filter(|r| r.metric == "is_weight_mean")
+            .count(),
+        3
+    );
+}
+
+#[test]
+fn bad_logs_are_refused_in_one_line_before_anything_is_written() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let model = model_copy(dir);
+    run_in(dir, &run_args("grpo", "r", &model, &["run.steps=2"]));
+    let from = |log: &str, more: &[&str]| -> Vec<String> {
+        let rollouts = format!("data.rollouts=[{log:?}]");
+        let mut sets = vec!["algorithm.correction=\"tis\"", rollouts.as_str()];
+        sets.extend(more);
+        run_args("grpo", "out", &model, &sets)
+    };
+    let refused = |args: Vec<String>, needle: &str| {
+        let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+        let err = failure(dir, &argv);
+        assert!(err.contains(needle), "{needle}: {err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+        assert!(!dir.join("out").exists(), "{needle}: out/ was written");
+    };
+    // No correction for rows of another policy.
+    refused(
+        run_args("grpo", "out", &model, &["data.rollouts=[\"r\"]"]),
+        "set algorithm.correction",
+    );
+    // A filter no row passes, and one that cannot be read.
+    refused(
+        from("r", &["data.rollouts_where=\"reward > 5\""]),
+        "no row matches the filter \"reward > 5\"",
+    );
+    refused(
+        from("r", &["data.rollouts_where=\"reward >\""]),
+        "data.rollouts_where",
+    );
+    refused(
+        from("r", &["data.rollouts_where=\"response > 1\""]),
+        "column `response` is Utf8, not a number",
+    );
+    let part = std::fs::read_dir(dir.join("r/rollouts"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|x| x == "parquet"))
+        .unwrap();
+    let bytes = std::fs::read(&part).unwrap();
+    // A file of another program: the metrics file is Parquet, not a log.
+    let foreign = dir.join("foreign.parquet");
+    std::fs::copy(dir.join("r/metrics.parquet"), &foreign).unwrap();
+    refused(
+        from("foreign.parquet", &[]),
+        "foreign.parquet: not a weir rollout log",
+    );
+    // A truncated file.
+    let cut = dir.join("cut.parquet");
+    std::fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();
+    refused(
+        from("cut.parquet", &[]),
+        "cut.parquet: not a readable Parquet file",
+    );
+    // A column of the wrong type.
+    let log = crate::read(&part);
+    let schema = log.schema();
+    let at = schema.index_of("reward").unwrap();
+    let mut fields: Vec<arrow::datatypes::Field> =
+        schema.fields().iter().map(|f| f.as_ref().clone()).collect();
+    fields[at] = arrow::datatypes::Field::new("reward", arrow::datatypes::DataType::Utf8, false);
+    let mut columns = log.columns().to_vec();
+    columns[at] = std::sync::Arc::new(arrow::array::StringArray::from(vec!["1"; log.num_rows()]));
+    let wrong = arrow::array::RecordBatch::try_new(
+        std::sync::Arc::new(arrow::datatypes::Schema::new(fields)),
+        columns,
+    )
+    .unwrap();
+    let typed = dir.join("typed.parquet");
+    write_parquet_atomically(&typed, &[wrong]).unwrap();
+    refused(from("typed.parquet", &[]), "typed.parquet: ");
+    refused(from("typed.parquet", &[]), "column `reward` is Utf8");
+    // A log of another tokenizer: its ids would mean other text.
+    let other = dir.join("other-model");
+    std::fs::create_dir_all(&other).unwrap();
+    for entry in std::fs::read_dir(&model).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), other.join(entry.file_name())).unwrap();
+    }
+    let mut text = std::fs::read_to_string(other.join("tokenizer.json")).unwrap();
+    text.push('\n');
+    std::fs::write(other.join("tokenizer.json"), text).unwrap();
+    let mut args = from("r", &[]);
+    let at = args
+        .iter()
+        .position(|a| a.starts_with("model.path="))
+        .unwrap();
+    args[at] = format!("model.path={}", other.display());
+    refused(args, "the log's tokenizer.json");
+    // The log itself is untouched by all of it.
+    assert_eq!(std::fs::read(&part).unwrap(), bytes);
+}

@@ -64,7 +64,8 @@ pub use partition::{Partition, Router};
 pub use pipeline::Pipeline;
 pub use placement::{roles, Placement};
 pub use stage::{
-    RunSteps, Sink, Source, SourceContext, Stage, StepBuffer, StepContext, StepStage, WorkerInfo,
+    concat_by_name, RunSteps, Sink, Source, SourceContext, Stage, StepBuffer, StepContext,
+    StepStage, WorkerInfo,
 };
 pub use step_fill::{Started, StepFill};
 pub use weights_edge::{

@@ -384,15 +384,87 @@ impl StepBuffer {
         self.held.entry(step).or_default().push(batch);
     }
 
-    /// The batches of `step` as one batch (they must share a schema), or
-    /// `None` if none arrived; the step is forgotten.
+    /// The batches of `step` as one batch, or `None` if none arrived; the
+    /// step is forgotten. Batches of differing columns (rows generated
+    /// beside rows replayed from a log) are joined by [`concat_by_name`].
     pub fn take(&mut self, step: Step) -> Result<Option<RecordBatch>, StageError> {
         let Some(batches) = self.held.remove(&step) else {
             return Ok(None);
         };
-        let rows = arrow::compute::concat_batches(&batches[0].schema(), &batches)?;
+        let rows = concat_by_name(&batches)?;
         Ok(Some(sorted_by(rows, self.order)?))
     }
+}
+
+/// `batches` as one batch. Batches of one schema are concatenated as they
+/// are; otherwise the columns are matched by name, in the order they first
+/// appear: a column some batch lacks is null in its rows (and nullable), a
+/// list whose items are nullable in one batch is so in all, and a column
+/// of two different types is an error naming it.
+pub fn concat_by_name(batches: &[RecordBatch]) -> Result<RecordBatch, StageError> {
+    let first = batches.first().ok_or("no batches to concatenate")?.schema();
+    if batches.iter().all(|b| b.schema() == first) {
+        return Ok(arrow::compute::concat_batches(&first, batches)?);
+    }
+    use arrow::datatypes::{DataType, Field};
+    let mut fields: Vec<Field> = Vec::new();
+    for batch in batches {
+        for field in batch.schema().fields() {
+            match fields.iter_mut().find(|f| f.name() == field.name()) {
+                None => fields.push(field.as_ref().clone()),
+                Some(have) => {
+                    let ty = match (have.data_type(), field.data_type()) {
+                        (a, b) if a == b => a.clone(),
+                        (DataType::List(a), DataType::List(b))
+                            if a.data_type() == b.data_type() =>
+                        {
+                            DataType::List(std::sync::Arc::new(
+                                a.as_ref()
+                                    .clone()
+                                    .with_nullable(a.is_nullable() || b.is_nullable()),
+                            ))
+                        }
+                        (a, b) => {
+                            return Err(format!(
+                                "column `{}` is {a} in one batch of the step and {b} in another",
+                                field.name()
+                            )
+                            .into())
+                        }
+                    };
+                    let nullable = have.is_nullable() || field.is_nullable();
+                    *have = have.clone().with_data_type(ty).with_nullable(nullable);
+                }
+            }
+        }
+    }
+    for field in &mut fields {
+        if batches
+            .iter()
+            .any(|b| b.column_by_name(field.name()).is_none())
+        {
+            *field = field.clone().with_nullable(true);
+        }
+    }
+    let schema = std::sync::Arc::new(arrow::datatypes::Schema::new_with_metadata(
+        fields.clone(),
+        first.metadata().clone(),
+    ));
+    let unified = batches
+        .iter()
+        .map(|b| {
+            let columns = fields
+                .iter()
+                .map(|f| match b.column_by_name(f.name()) {
+                    Some(c) if c.data_type() == f.data_type() => Ok(c.clone()),
+                    Some(c) => arrow::compute::cast(c, f.data_type()),
+                    None => Ok(arrow::array::new_null_array(f.data_type(), b.num_rows())),
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            RecordBatch::try_new(schema.clone(), columns)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(arrow::compute::concat_batches(&schema, &unified)?)
 }
 
 /// `rows` sorted by the `keys` columns (unchanged without them, or when already in order).
@@ -451,5 +523,72 @@ impl<T: StepStage> Stage for T {
     fn end_step(&mut self, ctx: &mut StepContext) -> Result<Vec<RecordBatch>, StageError> {
         let rows = self.buffer().take(ctx.step)?;
         self.run_step(ctx, rows)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use arrow::array::{Array, Float32Array, ListArray, RecordBatch, StringArray, UInt64Array};
+    use arrow::datatypes::{DataType, Field, Schema};
+
+    use super::concat_by_name;
+
+    #[test]
+    fn batches_of_other_columns_join_by_name_with_nulls() {
+        let list =
+            |nullable| DataType::List(Arc::new(Field::new("item", DataType::Float32, nullable)));
+        let item = Arc::new(Field::new("item", DataType::Float32, false));
+        let lp = ListArray::new(
+            item,
+            arrow::buffer::OffsetBuffer::from_lengths([1, 2]),
+            Arc::new(Float32Array::from(vec![0.5, 1.5, 2.5])),
+            None,
+        );
+        let a = RecordBatch::try_new(
+            Arc::new(Schema::new(vec![
+                Field::new("step", DataType::UInt64, false),
+                Field::new("lp", list(false), false),
+            ])),
+            vec![Arc::new(UInt64Array::from(vec![1, 2])), Arc::new(lp)],
+        );
+        let a = a.unwrap();
+        let b = RecordBatch::try_new(
+            Arc::new(Schema::new(vec![
+                Field::new("source", DataType::Utf8, false),
+                Field::new("step", DataType::UInt64, false),
+            ])),
+            vec![
+                Arc::new(StringArray::from(vec!["log"])),
+                Arc::new(UInt64Array::from(vec![3])),
+            ],
+        )
+        .unwrap();
+        let joined = concat_by_name(&[a.clone(), b]).unwrap();
+        let schema = joined.schema();
+        let names: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
+        assert_eq!(names, ["step", "lp", "source"]);
+        assert_eq!(joined.num_rows(), 3);
+        let lp = joined.column_by_name("lp").unwrap();
+        assert!(lp.is_null(2) && !lp.is_null(0));
+        let source = joined.column_by_name("source").unwrap();
+        assert_eq!(source.null_count(), 2);
+        let values = lp.as_any().downcast_ref::<ListArray>().unwrap().value(1);
+        let values = values.as_any().downcast_ref::<Float32Array>().unwrap();
+        assert_eq!(values.values(), &[1.5, 2.5]);
+        // One schema: concatenated as it is.
+        assert_eq!(
+            concat_by_name(&[a.clone(), a.clone()]).unwrap().schema(),
+            a.schema()
+        );
+        // A column of two types is named.
+        let c = RecordBatch::try_new(
+            Arc::new(Schema::new(vec![Field::new("step", DataType::Utf8, false)])),
+            vec![Arc::new(StringArray::from(vec!["x"]))],
+        )
+        .unwrap();
+        let err = concat_by_name(&[a, c]).unwrap_err().to_string();
+        assert!(err.contains("column `step` is UInt64"), "{err}");
     }
 }

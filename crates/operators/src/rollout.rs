@@ -90,6 +90,18 @@ pub mod col {
     /// add it to the per-token rewards (GAE, REINFORCE++) or its sum to the
     /// row's reward (the group estimators).
     pub const ENV_REWARDS: &str = "env_rewards";
+    /// Where the row came from (utf8; only in runs that train from logs,
+    /// `data.rollouts`): `generated` by this run's actor, or `log`, replayed
+    /// from an earlier run's rollout log.
+    pub const SOURCE: &str = "source";
+    /// A replayed row's step in the log it came from (u64; null for
+    /// generated rows).
+    pub const LOGGED_STEP: &str = "logged_step";
+    /// The policy version that sampled a replayed row (u64; null for
+    /// generated rows): its `policy_version` in the log it came from. The
+    /// row is off-policy by the learner's version less this, which no
+    /// staleness bound limits; the importance correction weighs it.
+    pub const LOGGED_POLICY_VERSION: &str = "logged_policy_version";
     /// ReMax: marks the one greedy response per prompt whose reward is the
     /// group's baseline (bool; only in ReMax runs, dropped with those rows
     /// before the learner).
@@ -216,6 +228,15 @@ pub fn columns() -> Vec<(&'static str, DataType, bool, Phase, bool)> {
             true,
         ),
         (col::ENV_REWARDS, per_token(), true, Phase::Generate, true),
+        (col::SOURCE, Utf8, true, Phase::Generate, false),
+        (col::LOGGED_STEP, UInt64, true, Phase::Generate, false),
+        (
+            col::LOGGED_POLICY_VERSION,
+            UInt64,
+            true,
+            Phase::Generate,
+            false,
+        ),
         (col::REWARD, Float32, false, Phase::Score, false),
         (col::SCORE, Float32, true, Phase::Score, false),
         (col::TOKEN_REWARDS, per_token(), true, Phase::Score, true),

@@ -102,6 +102,16 @@ pub enum ScheduleChoice {
     Cosine,
 }
 
+/// `data.rollout_advantages`: where replayed rows' advantages come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RolloutAdvantages {
+    /// The pipeline's estimator, from the logged rewards.
+    Recompute,
+    /// As the log holds them.
+    Logged,
+}
+
 /// `algorithm.correction`: the off-policy correction of stale rows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]

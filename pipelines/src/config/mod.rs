@@ -21,7 +21,7 @@ use text::none_if_empty;
 pub use choices::{
     Aggregation, Backend, CorrectionChoice, DeviceChoice, Dtype, Flavor, KlEstimator, OnError,
     OnNewWeights, PolicyLossChoice, PreferenceChoice, ReferencePlacement, RewardKind,
-    ScheduleChoice, ToolFormat, WeightsChannelChoice,
+    RolloutAdvantages, ScheduleChoice, ToolFormat, WeightsChannelChoice,
 };
 
 /// A whole run config.
@@ -205,6 +205,17 @@ pub struct DataSection {
     /// Leave out prompts too long for the context beside
     /// `generate.max_new_tokens` (false: such a prompt is an error).
     pub skip_long_prompts: bool,
+    /// Rollout logs to train on: run folders, folders of log files, or
+    /// files (empty: every row is generated).
+    pub rollouts: Vec<PathBuf>,
+    /// A row filter on the logs (`step >= 10 and reward > 0`; empty: every row).
+    #[serde(with = "none_if_empty")]
+    pub rollouts_where: Option<String>,
+    /// The share of each step's groups replayed from the logs (1: all).
+    pub replay_fraction: f64,
+    /// Replayed rows' advantages: computed again from their logged rewards,
+    /// or taken as logged.
+    pub rollout_advantages: RolloutAdvantages,
 }
 
 impl Default for DataSection {
@@ -224,6 +235,10 @@ impl Default for DataSection {
             rejected_column: "rejected".into(),
             margin_column: None,
             skip_long_prompts: false,
+            rollouts: Vec::new(),
+            rollouts_where: None,
+            replay_fraction: 1.0,
+            rollout_advantages: RolloutAdvantages::Recompute,
         }
     }
 }

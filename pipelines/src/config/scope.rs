@@ -71,6 +71,12 @@ fn weights_and_adapters(cfg: &RunConfig, found: &mut Inert) {
 
 /// How prompt files are read (`[data]`: the training set, or the eval set) and evaluated.
 fn prompts(cfg: &RunConfig, found: &mut Inert) {
+    found.unless(
+        !cfg.data.rollouts.is_empty(),
+        "data",
+        &["rollouts_where", "replay_fraction", "rollout_advantages"],
+        "data.rollouts names rollout logs",
+    );
     // Prompt files are read as `[data]` says: the training set, or the eval set.
     let arith_data = cfg.data.prompts == Task::Arith;
     let no_file = arith_data && cfg.eval.prompts.is_none();

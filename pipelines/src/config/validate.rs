@@ -105,12 +105,58 @@ impl RunConfig {
                 "group estimators need at least 2 samples per prompt",
             );
         }
+        self.check_rollouts(pipeline)?;
         let template = &self.data.prompt_template;
         if let Some(template) = template.as_ref().filter(|t| !t.contains("{prompt}")) {
             return bad(
                 "data.prompt_template",
                 format!("{template:?}"),
                 "must contain {prompt}, where each prompt goes",
+            );
+        }
+        Ok(())
+    }
+
+    /// Training from logs: a fraction in (0, 1], a filter that parses, an
+    /// importance correction to weigh rows of other policies, and single
+    /// responses (neither episodes nor ReMax's greedy rows are replayed).
+    fn check_rollouts(&self, pipeline: PipelineKind) -> Result<(), ConfigError> {
+        let d = &self.data;
+        if !(d.replay_fraction > 0.0 && d.replay_fraction <= 1.0) {
+            return bad(
+                "data.replay_fraction",
+                d.replay_fraction.to_string(),
+                "must be in (0, 1]: the share of each step's groups replayed from data.rollouts",
+            );
+        }
+        if let Some(filter) = &d.rollouts_where {
+            if let Err(why) = weir_operators::rollout_log::RowFilter::parse(filter) {
+                return bad("data.rollouts_where", format!("{filter:?}"), &why);
+            }
+        }
+        if d.rollouts.is_empty() || !pipeline.is_rl() {
+            return Ok(());
+        }
+        let value = format!("{:?}", d.rollouts);
+        if self.algorithm.correction == CorrectionChoice::None {
+            return bad(
+                "data.rollouts",
+                value,
+                "logged rows were sampled by other policies, by any number of versions: set algorithm.correction (tis, icepop, seq-mask, seq-tis, geo-rejection, k3-rejection) to weigh them",
+            );
+        }
+        if pipeline == PipelineKind::Remax {
+            return bad(
+                "data.rollouts",
+                value,
+                "remax's baseline is a greedy response generated beside each group, which a log does not hold",
+            );
+        }
+        if self.agent.enabled() {
+            return bad(
+                "data.rollouts",
+                value,
+                "episodes ([agent]) are not replayed from logs yet",
             );
         }
         Ok(())

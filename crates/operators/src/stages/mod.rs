@@ -17,6 +17,7 @@ pub mod columns;
 pub mod critic;
 pub mod cursor;
 pub mod dynamic_sampling;
+pub mod from_log;
 pub mod generate;
 pub mod learner;
 pub mod preference;

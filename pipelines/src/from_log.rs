@@ -1,0 +1,70 @@
+//! Training from logs (`data.rollouts`): the logs checked before a run
+//! starts, and their groups loaded for the actor's generator to replay
+//! (`weir_operators::stages::from_log`).
+
+use std::sync::Arc;
+
+use weir_operators::rollout_log::{self, RowFilter};
+use weir_operators::stages::from_log::LoggedGroups;
+
+use crate::config::RolloutAdvantages;
+use crate::manifest::{Manifest, ModelHashes};
+use crate::{PipelineError, PipelineKind, RunConfig};
+
+/// Checks every file of `data.rollouts` (Parquet, the rollout schema, a
+/// version this weir reads) and that each log's manifest, where it has
+/// one, names the policy's tokenizer: token ids of another tokenizer mean
+/// other text.
+pub fn check_logs(cfg: &RunConfig) -> Result<(), PipelineError> {
+    if cfg.data.rollouts.is_empty() {
+        return Ok(());
+    }
+    let ours = ModelHashes::tokenizer_sha256(&cfg.model.path)?;
+    for source in &cfg.data.rollouts {
+        for path in rollout_log::files_of(source)? {
+            rollout_log::open(&path)?;
+        }
+        if let Some((path, manifest)) = Manifest::find(source)? {
+            let theirs = &manifest.policy;
+            let tokenizer = (theirs.tokenizer_sha256 != ours).then_some((
+                "tokenizer.json",
+                &theirs.tokenizer_sha256,
+                &ours,
+            ));
+            if let Some((what, a, b)) = tokenizer {
+                return Err(format!(
+                    "data.rollouts: {}: the log's {what} (sha256 {}, from {}) differs from model.path's (sha256 {}): its token ids would mean other text",
+                    path.display(),
+                    &a[..12.min(a.len())],
+                    theirs.path.display(),
+                    &b[..12.min(b.len())]
+                )
+                .into());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The logged groups a run of `kind` with `cfg` replays, if it trains from logs.
+pub fn logged_groups(
+    kind: PipelineKind,
+    cfg: &RunConfig,
+) -> Result<Option<Arc<LoggedGroups>>, PipelineError> {
+    let d = &cfg.data;
+    if d.rollouts.is_empty() || !kind.is_rl() {
+        return Ok(None);
+    }
+    let filter = match &d.rollouts_where {
+        Some(text) => RowFilter::parse(text).map_err(|e| format!("data.rollouts_where: {e}"))?,
+        None => RowFilter::default(),
+    };
+    let logged = d.rollout_advantages == RolloutAdvantages::Logged;
+    let groups = LoggedGroups::load(&d.rollouts, &filter, d.replay_fraction, logged)?;
+    tracing::info!(
+        groups = groups.len(),
+        rows = groups.rows,
+        "data.rollouts: replaying logged groups"
+    );
+    Ok(Some(Arc::new(groups)))
+}
