@@ -5,6 +5,12 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ./scripts/setup.sh
+# The readers of docs/rollout-log.md's example, which a test runs on a
+# real run's log (the venv setup.sh made, or one of their own).
+[ -x .venv/bin/python ] || python3 -m venv .venv
+if ! .venv/bin/python -c 'import polars, duckdb' 2>/dev/null; then
+  .venv/bin/pip install -q polars==2.1.0 duckdb==2.0.1
+fi
 # A one-off build gains nothing from incremental state, which would add
 # gigabytes to target/.
 export CARGO_INCREMENTAL=0

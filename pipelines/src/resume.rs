@@ -98,11 +98,14 @@ pub(crate) fn check_resumable(
 /// leaves it (bad input found while the pipeline was built). A new run may
 /// take such a folder over.
 pub(crate) fn holds_no_steps(dir: &Path) -> bool {
-    // Folders of folders only; the top one may also hold the config.
+    // Folders of folders only; the top one may also hold the config, and
+    // `rollouts/` the log's manifest (both written before the first step).
     fn no_files(dir: &Path, top: bool) -> bool {
+        let manifest = dir.file_name().is_some_and(|n| n == "rollouts");
         std::fs::read_dir(dir).is_ok_and(|entries| {
             entries.flatten().all(|e| {
                 (top && e.file_name() == RESOLVED)
+                    || (manifest && e.file_name() == weir_operators::rollout_log::MANIFEST)
                     || (e.file_type().is_ok_and(|t| t.is_dir()) && no_files(&e.path(), false))
             })
         })

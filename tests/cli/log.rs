@@ -165,6 +165,8 @@ fn exports_feed_the_sft_dpo_and_rl_pipelines() {
     let sets = ["run.steps=4", "data.prompts_per_step=6"];
     run_in(dir, &run_args("grpo", "r", &model, &sets));
 
+    the_python_example_reads_the_log_as_the_run_recorded_it(&dir.join("r"));
+
     // Rejection sampling: the best response of each prompt that solved it.
     let text = success(&weir(
         &["export", "r", "--as", "sft", "--out", "best.jsonl"],
@@ -503,4 +505,52 @@ fn bad_logs_are_refused_in_one_line_before_anything_is_written() {
     refused(args, "the log's tokenizer.json");
     // The log itself is untouched by all of it.
     assert_eq!(std::fs::read(&part).unwrap(), bytes);
+}
+
+/// `scripts/read_rollouts.py` (polars and DuckDB, as docs/rollout-log.md
+/// shows them) on `run`: its per-step rows, rewards and lengths are the
+/// learner's, as `metrics.parquet` holds them. The Python is the test
+/// script's venv (`scripts/test.sh` installs polars and duckdb there), or
+/// `WEIR_TEST_PYTHON`.
+fn the_python_example_reads_the_log_as_the_run_recorded_it(run: &Path) {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let python = std::env::var("WEIR_TEST_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| root.join(".venv/bin/python"));
+    let out = std::process::Command::new(&python)
+        .arg(root.join("scripts/read_rollouts.py"))
+        .arg(run)
+        .output()
+        .unwrap_or_else(|e| panic!("{}: {e} (scripts/test.sh sets it up)", python.display()));
+    let text = success(&out);
+    let mut metrics = std::collections::BTreeMap::new();
+    for batch in read_parquet_file(&run.join("metrics.parquet")).unwrap() {
+        for r in batch_to_rows(&batch).unwrap() {
+            if r.stage == "learn" {
+                metrics.insert((r.step, r.metric), r.value);
+            }
+        }
+    }
+    let steps: Vec<&str> = text.lines().filter(|l| l.starts_with("polars ")).collect();
+    assert_eq!(steps.len(), 4, "{text}");
+    for line in steps {
+        let field = |name: &str| -> f64 {
+            line.split_whitespace()
+                .find_map(|kv| kv.strip_prefix(&format!("{name}=")))
+                .unwrap()
+                .parse()
+                .unwrap()
+        };
+        let step = field("step") as u64;
+        assert_eq!(field("rows"), 24.0, "{line}");
+        for name in ["reward", "response_length"] {
+            let logged = metrics[&(step, name.to_string())];
+            assert!(
+                (field(name) - logged).abs() < 1e-6,
+                "{line}: {name} {logged}"
+            );
+        }
+    }
+    let duck = text.lines().find(|l| l.starts_with("duckdb ")).unwrap();
+    assert!(duck.starts_with("duckdb prompts=24 solved="), "{text}");
 }

@@ -386,12 +386,16 @@ mod tests {
     /// and whether it is optional.
     #[test]
     fn the_documented_rollout_schema_is_the_schema() {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/runs.md");
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/rollout-log.md");
         let text = std::fs::read_to_string(&path).unwrap();
         let documented: Vec<(String, String)> = text
-            .split("## The rollout log")
+            .split("## The schema")
             .nth(1)
-            .expect("a rollout log section")
+            .expect("a schema section")
+            .split("\n## ")
+            .next()
+            .expect("the schema section")
             .lines()
             .filter_map(|l| {
                 let cells: Vec<&str> = l.split(" | ").collect();
