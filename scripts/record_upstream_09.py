@@ -358,6 +358,73 @@ for n, threshold in enumerate(["0.9_1.1", "0.5_1.05", "0.95_3.0"]):
         dict(correction="geo-rejection", threshold=threshold, old_logprobs=old, behaviour_logprobs=behaviour, mask=m),
         dict(weights=(w * t(m)).tolist()))
 
+# ---- verl rejection statistics and chains, sequence IcePop; OpenRLHF's divergence --
+# gates and unbiased KL gradient. A seed of its own, so the cases above keep their inputs.
+off_rng = np.random.default_rng(20261205)
+
+
+def off_policy(B, T, spread=0.3):
+    m = np.zeros((B, T))
+    for r in range(B):
+        m[r, : int(off_rng.integers(1, T + 1))] = 1.0
+    # Log-probabilities (≤ 0), the proximal ones a per-response shift and a
+    # per-token spread away from the behaviour's.
+    behaviour = -np.abs(off_rng.standard_normal((B, T)) * 1.2)
+    shift = off_rng.uniform(-spread, spread, size=(B, 1))
+    old = np.minimum(behaviour + shift + off_rng.standard_normal((B, T)) * spread, 0.0)
+    return m.tolist(), behaviour.tolist(), old.tolist()
+
+
+rejections = [
+    ("token_k1", "0.7_1.4"), ("token_k2", "0.05"), ("token_k3", "0.05"),
+    ("seq_sum_k1", "0.5_2.0"), ("seq_sum_k2", "0.2"), ("seq_sum_k3", "0.2"),
+    ("seq_mean_k2", "0.04"), ("seq_max_k2", "0.1"), ("seq_max_k3", "0.1"),
+    ("token_k1,seq_mean_k3", "0.5_2.0,0.1"), ("token_k2,seq_max_k3,seq_sum_k1", "0.08,0.15,0.6_1.8"),
+    ("seq_mean_k1", "1.25"),
+]
+for n, (options, threshold) in enumerate(rejections):
+    m, behaviour, old = off_policy(8, 7)
+    w, _ = corr.compute_rollout_rejection_mask(t(old) - t(behaviour), t(m), rollout_rs=options, rollout_rs_threshold=threshold)
+    add(f"verl09_rejection_{n}", "rejection_09", "verl", f"{corr_src} (compute_rollout_rejection_mask)",
+        dict(options=options, threshold=threshold, old_logprobs=old, behaviour_logprobs=behaviour, mask=m),
+        dict(mask=w.tolist()))
+
+for n, threshold in enumerate(["0.5_2.0", "0.8_1.5"]):
+    m, behaviour, old = off_policy(8, 5, spread=0.15)
+    w, _ = corr.compute_rollout_correction_weights(t(old) - t(behaviour), t(m), rollout_is="sequence", rollout_is_threshold=threshold)
+    add(f"verl09_correction_seq-icepop_{n}", "correction_09", "verl", f"{corr_src} (compute_rollout_correction_weights)",
+        dict(correction="seq-icepop", threshold=threshold, old_logprobs=old, behaviour_logprobs=behaviour, mask=m),
+        dict(weights=(w * t(m)).tolist()))
+
+gates = [("token", "binary_kl", 0.02), ("seq", "binary_kl", 0.06), ("token", "tv", 0.08), ("seq", "tv", 0.05)]
+for n, (level, gating, delta) in enumerate(gates):
+    B, T = 6, 7
+    m, behaviour, old = off_policy(B, T)
+    lp = (np.array(old) + off_rng.standard_normal((B, T)) * 0.2).tolist()
+    adv = (off_rng.standard_normal((B, T))).tolist()
+    x = t(lp).requires_grad_(True)
+    fn = orl_loss.PolicyLoss(is_correction_level=level, is_correction_mode="mask", is_correction_gating=gating,
+                             is_correction_threshold=[0, delta], token_level_loss=level == "token")
+    loss, clip_ratio, ppo_kl, _, _ = fn(x, t(old), t(adv), action_mask=t(m), rollout_log_probs=t(behaviour))
+    loss.backward()
+    name = ("seq-" if level == "seq" else "") + gating.replace("_", "-")
+    add(f"openrlhf011_pg_gate_{n}", "policy_loss", "openrlhf", orl_loss_src,
+        dict(policy_loss_type="ppo", token_level_loss=fn.token_level_loss, clip_low=0.2, clip_high=0.2, dual_clip=None,
+             correction=name, threshold=[0.0, delta], logprobs=lp, old_logprobs=old, behaviour_logprobs=behaviour,
+             advantages=adv, mask=m),
+        dict(loss=loss.item(), grad=x.grad.tolist(), clip_fraction=clip_ratio.item(), approx_kl=ppo_kl.item()))
+
+for n, est in enumerate(["k1", "k2", "k3", "k3"]):
+    B, T = 5, 6
+    m, base, old = off_policy(B, T)
+    lp = (np.array(old) + off_rng.standard_normal((B, T)) * (0.2 if n < 3 else 1.5)).tolist()
+    x = t(lp).requires_grad_(True)
+    kl = orl_utils.compute_approx_kl(x, t(base), log_probs_old=t(old), kl_estimator=est, unbiased_gradient=True)
+    (kl * t(m)).sum().backward()
+    add(f"openrlhf011_kl_unbiased_{n}", "kl_unbiased", "openrlhf", f"openrlhf=={OPENRLHF} openrlhf/models/utils.py (compute_approx_kl, unbiased_gradient=True)",
+        dict(estimator=est, logprobs=lp, ref_logprobs=base, old_logprobs=old, mask=m),
+        dict(kl=kl.detach().tolist(), grad=x.grad.tolist()))
+
 doc = dict(
     about="Recorded by scripts/record_upstream_09.py from the PyPI wheels named in `upstream`, torch float64.",
     upstream={"verl": VERL, "openrlhf": OPENRLHF},

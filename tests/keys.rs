@@ -703,6 +703,24 @@ fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String
                 "1.0000001".into()
             },
         ),
+        // Rows a version stale under a large rate: some tokens' ratios leave the band.
+        "algorithm.rejection" => (
+            &["run.max_staleness=1", "algorithm.lr=0.01"],
+            "\"token_k1\"".into(),
+        ),
+        "algorithm.rejection_threshold" => (
+            &[
+                "algorithm.rejection=\"token_k1\"",
+                "run.max_staleness=1",
+                "algorithm.lr=0.01",
+            ],
+            "\"0.99_1.01\"".into(),
+        ),
+        // Its gradient differs from the estimator's once the policy has left its reference.
+        "algorithm.kl_unbiased_gradient" => (
+            &["algorithm.lr=0.05", "algorithm.kl_coef=0.5", "run.steps=3"],
+            "true".into(),
+        ),
         "dynamic_sampling.enabled" => (&[], "true".into()),
         "dynamic_sampling.target_groups" => (
             &[
@@ -909,6 +927,11 @@ fn more_values(key: &str) -> &'static [&'static str] {
             "\"seq-tis\"",
             "\"geo-rejection\"",
             "\"k3-rejection\"",
+            "\"seq-icepop\"",
+            "\"binary-kl\"",
+            "\"seq-binary-kl\"",
+            "\"tv\"",
+            "\"seq-tv\"",
         ],
         "algorithm.preference_loss" => &["\"cdpo\""],
         "generate.on_new_weights" => &["\"keep\""],

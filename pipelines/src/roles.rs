@@ -19,7 +19,8 @@ use weir_operators::agent::stage::EpisodeGenerate;
 use weir_operators::agent::tools::{Calculator, Python, Tool};
 use weir_operators::agent::user_tools::{HttpTool, PythonFunctionTool};
 use weir_operators::algorithms::{
-    ImportanceCorrection, PolicyLossConfig, PolicyObjective, RatioLevel,
+    GateDivergence, ImportanceCorrection, PolicyLossConfig, PolicyObjective, RatioLevel,
+    RejectionChain,
 };
 use weir_operators::stages::critic::{CriticLearner, PerWorker};
 use weir_operators::stages::generate::{Generate, Generator, Streaming};
@@ -341,14 +342,41 @@ pub fn learner_config(cfg: &RunConfig, kl_in_loss: bool) -> LearnerConfig {
                     CorrectionChoice::K3Rejection => {
                         Some(ImportanceCorrection::K3Rejection { high })
                     }
+                    CorrectionChoice::SeqIcepop => {
+                        Some(ImportanceCorrection::SequenceIcePop { low, high })
+                    }
+                    CorrectionChoice::BinaryKl
+                    | CorrectionChoice::SeqBinaryKl
+                    | CorrectionChoice::Tv
+                    | CorrectionChoice::SeqTv => Some(ImportanceCorrection::DivergenceGate {
+                        divergence: match a.correction {
+                            CorrectionChoice::Tv | CorrectionChoice::SeqTv => GateDivergence::Tv,
+                            _ => GateDivergence::BinaryKl,
+                        },
+                        sequence: matches!(
+                            a.correction,
+                            CorrectionChoice::SeqBinaryKl | CorrectionChoice::SeqTv
+                        ),
+                        high,
+                    }),
                     CorrectionChoice::None => None,
                 }
             },
             loss_scale_factor: Some(loss_scale_factor(cfg)),
+            // Checked when the config was read.
+            rejection: a
+                .rejection
+                .as_deref()
+                .map(|options| {
+                    RejectionChain::parse(options, &a.rejection_threshold)
+                        .expect("validated with the config")
+                })
+                .unwrap_or_default(),
         },
         temperature: cfg.generate.temperature,
         kl_coef: if kl_in_loss { a.kl_coef } else { 0.0 },
         kl_estimator: a.kl_estimator,
+        kl_unbiased_gradient: a.kl_unbiased_gradient,
         ppo_epochs: a.ppo_epochs,
         mini_batches: a.mini_batches,
         schedule: schedule(cfg),

@@ -58,8 +58,8 @@ use weir_operators::algorithms::stats::{masked_mean, masked_var, masked_whiten};
 use weir_operators::algorithms::{
     aggregate, discounted_returns, gae, gpg, grpo, grpo_passk, importance_weights, kl_tensor,
     kl_tokens, opo, overlong_penalty, policy_loss, remax, rloo, token_rewards, value_loss,
-    whiten_advantages, Aggregation, Flavor, ImportanceCorrection, KlController, KlEstimator,
-    PolicyLossConfig, PolicyObjective, RatioLevel,
+    whiten_advantages, Aggregation, Flavor, GateDivergence, ImportanceCorrection, KlController,
+    KlEstimator, PolicyLossConfig, PolicyObjective, RatioLevel, RejectionChain,
 };
 
 const TOL: f64 = 1e-6;
@@ -377,6 +377,17 @@ fn policy_loss_case(c: &mut Check, name: &str, flavor: Flavor, i: &Value, e: &Va
             "tis" => ImportanceCorrection::Tis { low, high },
             "icepop" => ImportanceCorrection::IcePop { low, high },
             "seq-mask-tis" => ImportanceCorrection::SequenceMask { low, high },
+            gate @ ("binary-kl" | "seq-binary-kl" | "tv" | "seq-tv") => {
+                ImportanceCorrection::DivergenceGate {
+                    divergence: if gate.ends_with("tv") {
+                        GateDivergence::Tv
+                    } else {
+                        GateDivergence::BinaryKl
+                    },
+                    sequence: gate.starts_with("seq-"),
+                    high,
+                }
+            }
             other => panic!("unknown correction {other}"),
         })
     };
@@ -391,6 +402,7 @@ fn policy_loss_case(c: &mut Check, name: &str, flavor: Flavor, i: &Value, e: &Va
         },
         aggregation,
         correction,
+        rejection: Default::default(),
         flavor,
         loss_scale_factor: None,
         objective: Default::default(),
@@ -650,6 +662,7 @@ fn policy_loss_09_case(c: &mut Check, name: &str, i: &Value, e: &Value) {
             _ => aggregation(string(&i["mode"])),
         },
         correction: None,
+        rejection: Default::default(),
         flavor: Flavor::Verl,
         loss_scale_factor: opt_num(&i["loss_scale_factor"]),
         objective,
@@ -697,6 +710,7 @@ fn correction_09_case(c: &mut Check, name: &str, i: &Value, e: &Value) {
         "seq-tis" => ImportanceCorrection::SequenceTis { low, high },
         "geo-rejection" => ImportanceCorrection::GeometricRejection { low, high },
         "k3-rejection" => ImportanceCorrection::K3Rejection { high },
+        "seq-icepop" => ImportanceCorrection::SequenceIcePop { low, high },
         other => panic!("unknown correction {other}"),
     };
     let mask = tensor(&matrix(&i["mask"]));
@@ -712,6 +726,42 @@ fn correction_09_case(c: &mut Check, name: &str, i: &Value, e: &Value) {
         &to_matrix(&(w * &mask)),
         &matrix(&e["weights"]),
     );
+}
+
+/// verl 0.9's rejection sampling: the mask a chain of criteria leaves.
+fn rejection_09_case(c: &mut Check, name: &str, i: &Value, e: &Value) {
+    let chain = RejectionChain::parse(string(&i["options"]), string(&i["threshold"]))
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+    let keep = chain.keep(
+        &tensor(&matrix(&i["old_logprobs"])),
+        &tensor(&matrix(&i["behaviour_logprobs"])),
+        &tensor(&matrix(&i["mask"])),
+    );
+    c.matrix(name, "mask", &to_matrix(&keep), &matrix(&e["mask"]));
+}
+
+/// OpenRLHF 0.11's KL with `unbiased_gradient`: the estimator's value and
+/// the importance-weighted reverse-KL gradient of the masked sum.
+fn kl_unbiased_case(c: &mut Check, name: &str, i: &Value, e: &Value) {
+    let x = tensor(&matrix(&i["logprobs"])).set_requires_grad(true);
+    let reference = tensor(&matrix(&i["ref_logprobs"]));
+    let kl = weir_operators::algorithms::kl_tensor(
+        &x,
+        &reference,
+        estimator(string(&i["estimator"])),
+        Flavor::OpenRlhf,
+    );
+    let kl = weir_operators::algorithms::kl_unbiased_gradient(
+        &kl,
+        &x,
+        &reference,
+        &tensor(&matrix(&i["old_logprobs"])),
+    );
+    c.matrix(name, "kl", &to_matrix(&kl.detach()), &matrix(&e["kl"]));
+    (kl * tensor(&matrix(&i["mask"])))
+        .sum(Kind::Double)
+        .backward();
+    c.matrix(name, "grad", &to_matrix(&x.grad()), &matrix(&e["grad"]));
 }
 
 fn pairwise_09_case(c: &mut Check, name: &str, i: &Value, e: &Value) {
@@ -750,6 +800,8 @@ fn weir_matches_verl_0_9_and_openrlhf_0_11_releases() {
             "pairwise_09" => pairwise_09_case(&mut check, name, i, e),
             "policy_loss_09" => policy_loss_09_case(&mut check, name, i, e),
             "correction_09" => correction_09_case(&mut check, name, i, e),
+            "rejection_09" => rejection_09_case(&mut check, name, i, e),
+            "kl_unbiased" => kl_unbiased_case(&mut check, name, i, e),
             "policy_loss" => policy_loss_case(&mut check, name, flavor, i, e),
             "advantages_openrlhf" => advantages_openrlhf_case(&mut check, name, i, e),
             other => panic!("{name}: unknown kind {other}"),

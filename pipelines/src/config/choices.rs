@@ -130,6 +130,32 @@ pub enum CorrectionChoice {
     GeoRejection,
     /// K3 rejection: responses whose mean K3 exceeds `correction_high` dropped.
     K3Rejection,
+    /// Sequence IcePop: each response weighted by its whole ratio, 0 outside the bounds.
+    SeqIcepop,
+    /// OpenRLHF's binary-KL gate per token: ρ where the divergence is at most `correction_high`.
+    BinaryKl,
+    /// The binary-KL gate on each response's mean divergence.
+    SeqBinaryKl,
+    /// OpenRLHF's total-variation gate per token.
+    Tv,
+    /// The total-variation gate on each response's mean.
+    SeqTv,
+}
+
+impl CorrectionChoice {
+    /// Whether the correction reads `correction_low` (the gates and K3
+    /// rejection have an upper bound only).
+    pub fn has_low(self) -> bool {
+        !matches!(
+            self,
+            CorrectionChoice::None
+                | CorrectionChoice::K3Rejection
+                | CorrectionChoice::BinaryKl
+                | CorrectionChoice::SeqBinaryKl
+                | CorrectionChoice::Tv
+                | CorrectionChoice::SeqTv
+        )
+    }
 }
 
 /// `algorithm.policy_loss` (verl's `policy_loss.loss_mode` names where it has them).

@@ -506,12 +506,19 @@ pub struct AlgorithmSection {
     pub preference_loss: PreferenceChoice,
     /// ε of cDPO: the probability a preference label is flipped.
     pub label_smoothing: f64,
-    /// Off-policy correction of stale rows: `none`, `tis`, `icepop`, `seq-mask`, `seq-tis`, `geo-rejection`, `k3-rejection`.
+    /// Off-policy correction of stale rows (`CorrectionChoice`).
     pub correction: CorrectionChoice,
     /// The correction's lower bound on the importance ratio.
     pub correction_low: f64,
     /// The correction's upper bound.
     pub correction_high: f64,
+    /// verl's rejection criteria, comma-separated (`token_k1,seq_max_k2`; none: off).
+    #[serde(with = "none_if_empty")]
+    pub rejection: Option<String>,
+    /// Their thresholds, one shared or one per criterion (`0.5_2.0,0.01`).
+    pub rejection_threshold: String,
+    /// The KL loss term's gradient as OpenRLHF's `unbiased_gradient`.
+    pub kl_unbiased_gradient: bool,
 }
 
 impl Default for AlgorithmSection {
@@ -559,6 +566,9 @@ impl Default for AlgorithmSection {
             correction: CorrectionChoice::None,
             correction_low: 0.0,
             correction_high: 2.0,
+            rejection: None,
+            rejection_threshold: "2.0".into(),
+            kl_unbiased_gradient: false,
         }
     }
 }

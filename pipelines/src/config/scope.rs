@@ -194,6 +194,12 @@ fn kl(cfg: &RunConfig, pipeline: PipelineKind, found: &mut Inert) {
         found.unless(kl, "placement", &["reference"], "algorithm.kl_coef > 0");
         found.unless(kl, "model", &["reference"], "algorithm.kl_coef > 0");
         found.unless(kl, "algorithm", &["kl_estimator"], "algorithm.kl_coef > 0");
+        found.unless(
+            kl,
+            "algorithm",
+            &["kl_unbiased_gradient"],
+            "algorithm.kl_coef > 0",
+        );
         found.unless(kl, "algorithm", &["kl_target"], "algorithm.kl_coef > 0");
         found.unless(
             kl && a.kl_target > 0.0,
@@ -273,13 +279,16 @@ fn policy_loss(cfg: &RunConfig, pipeline: PipelineKind, found: &mut Inert) {
         "algorithm.correction is set",
     );
     found.unless(
-        !matches!(
-            a.correction,
-            CorrectionChoice::None | CorrectionChoice::K3Rejection
-        ),
+        a.correction.has_low(),
         "algorithm",
         &["correction_low"],
-        "algorithm.correction has a lower bound (all but \"k3-rejection\")",
+        "algorithm.correction has a lower bound (all but \"k3-rejection\" and the gates)",
+    );
+    found.unless(
+        a.rejection.is_some(),
+        "algorithm",
+        &["rejection_threshold"],
+        "algorithm.rejection names criteria",
     );
     found.unless(
         a.aggregation == Aggregation::SeqMeanTokenSumNorm,

@@ -138,11 +138,12 @@ impl RunConfig {
             return Ok(());
         }
         let value = format!("{:?}", d.rollouts);
-        if self.algorithm.correction == CorrectionChoice::None {
+        if self.algorithm.correction == CorrectionChoice::None && self.algorithm.rejection.is_none()
+        {
             return bad(
                 "data.rollouts",
                 value,
-                "logged rows were sampled by other policies, by any number of versions: set algorithm.correction (tis, icepop, seq-mask, seq-tis, geo-rejection, k3-rejection) to weigh them",
+                "logged rows were sampled by other policies, by any number of versions: set algorithm.correction (tis, icepop, seq-mask, seq-tis, seq-icepop, geo-rejection, k3-rejection, binary-kl, tv, …) or algorithm.rejection to weigh them",
             );
         }
         if pipeline == PipelineKind::Remax {
@@ -465,6 +466,25 @@ impl RunConfig {
         for (key, value) in [("algorithm.gamma", a.gamma), ("algorithm.lambda", a.lambda)] {
             if !(0.0..=1.0).contains(&value) {
                 return bad(key, value.to_string(), "must be in [0, 1]");
+            }
+        }
+        if let Some(options) = &a.rejection {
+            let thresholds = a.rejection_threshold.as_str();
+            if let Err(why) = weir_operators::algorithms::RejectionChain::parse(options, thresholds)
+            {
+                let key =
+                    if why.contains("threshold") || why.contains("number") || why.contains("bound")
+                    {
+                        "algorithm.rejection_threshold"
+                    } else {
+                        "algorithm.rejection"
+                    };
+                let value = if key == "algorithm.rejection" {
+                    options
+                } else {
+                    thresholds
+                };
+                return bad(key, format!("{value:?}"), &why);
             }
         }
         if a.correction != CorrectionChoice::None

@@ -56,6 +56,33 @@ pub enum ImportanceCorrection {
         /// Upper bound.
         high: f64,
     },
+    /// Sequence IcePop (verl's `rollout_is = "sequence"` with a
+    /// `"low_high"` threshold): every token of a response weighted by the
+    /// response's whole ratio `exp(clamp(Σ_t log ρ, −20, 20))` where it lies
+    /// in [low, high], and dropped (weight 0) where it does not.
+    SequenceIcePop {
+        /// Lower bound.
+        low: f64,
+        /// Upper bound.
+        high: f64,
+    },
+    /// OpenRLHF 0.11's divergence gating (`is_correction_gating =
+    /// "binary_kl"` or `"tv"`, mode `mask`): with p and q the probabilities
+    /// of the sampled token under the behaviour and the proximal policy
+    /// (`exp` of their log-probs, each clamped to [1e-6, 1 − 1e-6]), the
+    /// statistic is the binary KL `p ln(p/q) + (1−p) ln((1−p)/(1−q))` or
+    /// the total variation `|p − q|` — per token, or with `sequence` its
+    /// mean over the response's tokens; a token whose statistic lies in
+    /// [0, high] keeps its weight ρ, the others weigh 0 (a trust region;
+    /// FlashREINFORCE gates the sequence mean of the binary KL).
+    DivergenceGate {
+        /// The divergence.
+        divergence: GateDivergence,
+        /// Gate whole responses by their mean.
+        sequence: bool,
+        /// The largest divergence kept.
+        high: f64,
+    },
     /// K3 rejection (verl's `rollout_rs = "seq_mean_k3"`): a response is
     /// kept, with weight 1, iff its mean K3 estimate `mean_t (ρ − 1 − log ρ)`
     /// (log ρ clamped to ±20) is at most `high`.
@@ -63,6 +90,15 @@ pub enum ImportanceCorrection {
         /// The largest mean K3 kept.
         high: f64,
     },
+}
+
+/// The divergence an [`ImportanceCorrection::DivergenceGate`] reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GateDivergence {
+    /// The binary KL between the sampled token's two probabilities.
+    BinaryKl,
+    /// Their total variation, `|p − q|`.
+    Tv,
 }
 
 /// The importance weights of a micro-batch over its valid tokens: mean,
@@ -111,6 +147,28 @@ impl WeightStats {
     }
 }
 
+/// The weights a policy loss multiplies in, when it corrects at all: those
+/// of `correction` (every weight 1 without one) times the keep mask of the
+/// `rejection` chain (verl's `rollout_is` weights and `rollout_rs` mask
+/// together); `None` when neither is set.
+pub fn correction_weights(
+    correction: Option<ImportanceCorrection>,
+    rejection: &crate::algorithms::RejectionChain,
+    old_logprobs: &Tensor,
+    behaviour_logprobs: &Tensor,
+    mask: &Tensor,
+) -> Option<Tensor> {
+    let weights = correction.map(|c| importance_weights(c, old_logprobs, behaviour_logprobs, mask));
+    if rejection.is_empty() {
+        return weights;
+    }
+    let keep = rejection.keep(old_logprobs, behaviour_logprobs, mask);
+    Some(match weights {
+        Some(w) => w * keep,
+        None => keep,
+    })
+}
+
 /// The importance weights of `correction` (no gradient): `ρ = exp(log π_old − log π_behaviour)`
 /// per token, then as [`ImportanceCorrection`] says.
 pub fn importance_weights(
@@ -153,6 +211,33 @@ pub fn importance_weights(
             // K1 = −log ρ.
             let mean = response_mean(-safe());
             inside(&mean, low.ln(), high.ln()).expand_as(&rho) * mask
+        }
+        ImportanceCorrection::SequenceIcePop { low, high } => {
+            let total = (&log_rho * mask).sum_dim_intlist(-1, true, kind);
+            let whole = total.clamp(-20.0, 20.0).exp().expand_as(&rho) * mask;
+            &whole * inside(&whole, low, high)
+        }
+        ImportanceCorrection::DivergenceGate {
+            divergence,
+            sequence,
+            high,
+        } => {
+            let p = behaviour_logprobs.detach().exp().clamp(1e-6, 1.0 - 1e-6);
+            let q = old_logprobs.detach().exp().clamp(1e-6, 1.0 - 1e-6);
+            let token = match divergence {
+                GateDivergence::BinaryKl => {
+                    let (not_p, not_q): (Tensor, Tensor) = (1.0 - &p, 1.0 - &q);
+                    &p * (&p / &q).log() + &not_p * (&not_p / &not_q).log()
+                }
+                GateDivergence::Tv => (&p - &q).abs(),
+            };
+            let statistic = if sequence {
+                (&token * mask).sum_dim_intlist(-1, true, kind)
+                    / mask.sum_dim_intlist(-1, true, kind)
+            } else {
+                token
+            };
+            &rho * inside(&statistic, 0.0, high).expand_as(&rho)
         }
         ImportanceCorrection::K3Rejection { high } => {
             // K3 = ρ − 1 − log ρ.

@@ -210,6 +210,24 @@ pub fn kl_tensor(
     }
 }
 
+/// OpenRLHF 0.11's `unbiased_gradient` KL loss term: the value of `kl`
+/// (an estimator's, [`kl_tensor`]) with the gradient of
+/// `w · ½ (log π − log π_ref)²`, `w = min(exp(log π − log π_old), 10)` held
+/// constant — the importance-weighted reverse-KL gradient
+/// `E_{π_old}[w · k1 · ∇log π]`, the same for every estimator, which then
+/// differ in value only (a straight-through term).
+pub fn kl_unbiased_gradient(
+    kl: &tch::Tensor,
+    logprobs: &tch::Tensor,
+    ref_logprobs: &tch::Tensor,
+    old_logprobs: &tch::Tensor,
+) -> tch::Tensor {
+    let w = (logprobs - old_logprobs).exp().clamp_max(10.0).detach();
+    let r = logprobs - ref_logprobs;
+    let surrogate = w * r.square() * 0.5;
+    kl.detach() + &surrogate - surrogate.detach()
+}
+
 #[cfg(test)]
 mod tensor_tests {
     use super::*;

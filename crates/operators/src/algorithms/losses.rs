@@ -7,10 +7,13 @@ use tch::{Kind, Tensor};
 
 pub use super::aggregation::{aggregate, aggregate_in_step, Aggregation, StepScale};
 use super::aggregation::{masked_mean, sum_kind};
-pub use super::corrections::{importance_weights, ImportanceCorrection, WeightStats};
+pub use super::corrections::{
+    correction_weights, importance_weights, ImportanceCorrection, WeightStats,
+};
 pub use super::objectives::PolicyObjective;
 use super::objectives::{objective_loss, ObjectiveLoss};
 use super::Flavor;
+use super::RejectionChain;
 
 /// The ratio's granularity.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -50,6 +53,9 @@ pub struct PolicyLossConfig {
     pub aggregation: Aggregation,
     /// Off-policy correction, if any.
     pub correction: Option<ImportanceCorrection>,
+    /// Rejection criteria every token must pass besides (verl's
+    /// `rollout_rs`; empty: none).
+    pub rejection: RejectionChain,
     /// Whose definitions to follow where they differ.
     pub flavor: Flavor,
     /// `T` of [`Aggregation::SeqMeanTokenSumNorm`] (verl's `loss_scale_factor`;
@@ -69,6 +75,7 @@ impl Default for PolicyLossConfig {
             ratio_level: RatioLevel::Token,
             aggregation: Aggregation::TokenMean,
             correction: None,
+            rejection: RejectionChain::default(),
             flavor: Flavor::OpenRlhf,
             loss_scale_factor: None,
             objective: PolicyObjective::Clipped,
@@ -77,6 +84,11 @@ impl Default for PolicyLossConfig {
 }
 
 impl PolicyLossConfig {
+    /// Whether the loss weighs stale rows: a correction, a rejection chain, or both.
+    pub fn corrects(&self) -> bool {
+        self.correction.is_some() || !self.rejection.is_empty()
+    }
+
     /// verl's defaults: ε = 0.2, dual clip c = 3, token mean.
     pub fn verl() -> Self {
         PolicyLossConfig {
@@ -211,10 +223,17 @@ pub fn policy_loss_in_step(
         }
     };
     let mut weight_stats = WeightStats::default();
-    let loss = if let (Some(correction), Some(behaviour), None) =
-        (cfg.correction, behaviour_logprobs, gspo_behaviour)
-    {
-        let weight = importance_weights(correction, old_logprobs, behaviour, mask);
+    let weight = match (behaviour_logprobs, gspo_behaviour) {
+        (Some(behaviour), None) => correction_weights(
+            cfg.correction,
+            &cfg.rejection,
+            old_logprobs,
+            behaviour,
+            mask,
+        ),
+        _ => None,
+    };
+    let loss = if let Some(weight) = weight {
         weight_stats = WeightStats::of(&weight, mask);
         // Outside any no-grad guard: autograd must see the product.
         loss * weight
@@ -260,15 +279,15 @@ fn other_objective(
         behaviour_logprobs,
         (cfg.clip_low, cfg.clip_high),
     );
-    let weight = match (cfg.correction, behaviour_logprobs) {
-        (Some(correction), Some(behaviour)) => Some(importance_weights(
-            correction,
+    let weight = behaviour_logprobs.and_then(|behaviour| {
+        correction_weights(
+            cfg.correction,
+            &cfg.rejection,
             old_logprobs,
             behaviour,
             mask,
-        )),
-        _ => None,
-    };
+        )
+    });
     let weight_stats = weight
         .as_ref()
         .map_or_else(WeightStats::default, |w| WeightStats::of(w, mask));

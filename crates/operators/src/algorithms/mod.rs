@@ -14,6 +14,7 @@ pub mod corrections;
 pub mod kl;
 pub mod losses;
 pub mod objectives;
+pub mod rejection;
 pub mod shaping;
 pub mod stats;
 
@@ -21,13 +22,15 @@ pub use advantages::{
     discounted_returns, gae, gpg, gpg_alpha, gpg_counts, gpg_with_alpha, greedy_baselines, grpo,
     grpo_passk, opo, remax, rloo, whiten_advantages, whiten_advantages_over, GroupError,
 };
-pub use kl::{kl, kl_tensor, kl_tokens, token_rewards, KlEstimator};
+pub use corrections::GateDivergence;
+pub use kl::{kl, kl_tensor, kl_tokens, kl_unbiased_gradient, token_rewards, KlEstimator};
 pub use losses::{
-    aggregate, aggregate_in_step, importance_weights, policy_loss, policy_loss_in_step, value_loss,
-    value_loss_in_step, Aggregation, ImportanceCorrection, PolicyLoss, PolicyLossConfig,
-    RatioLevel, StepScale, WeightStats,
+    aggregate, aggregate_in_step, correction_weights, importance_weights, policy_loss,
+    policy_loss_in_step, value_loss, value_loss_in_step, Aggregation, ImportanceCorrection,
+    PolicyLoss, PolicyLossConfig, RatioLevel, StepScale, WeightStats,
 };
 pub use objectives::PolicyObjective;
+pub use rejection::RejectionChain;
 pub use shaping::{overlong_penalty, KlController};
 pub use stats::Tokens;
 

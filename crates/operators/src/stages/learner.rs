@@ -22,8 +22,8 @@ use super::sequences::{response_backward, response_logprobs, ResponseForward};
 pub use super::train_step::LrSchedule;
 use super::train_step::{step_scale_counted, TrainerCore};
 use crate::algorithms::{
-    aggregate_in_step, kl_tensor, policy_loss_in_step, KlEstimator, PolicyLossConfig, StepScale,
-    WeightStats,
+    aggregate_in_step, kl_tensor, kl_unbiased_gradient, policy_loss_in_step, KlEstimator,
+    PolicyLossConfig, StepScale, WeightStats,
 };
 use crate::checkpoint::CheckpointPlan;
 use crate::error::OperatorError;
@@ -55,6 +55,10 @@ pub struct LearnerConfig {
     pub kl_coef: f64,
     /// The KL estimator of that term.
     pub kl_estimator: KlEstimator,
+    /// The term's gradient as OpenRLHF's `unbiased_gradient` has it
+    /// ([`crate::algorithms::kl_unbiased_gradient`]): the estimator's value,
+    /// the importance-weighted reverse-KL gradient.
+    pub kl_unbiased_gradient: bool,
     /// Passes over each step's rows; the proximal log-probs are those
     /// before the first pass.
     pub ppo_epochs: usize,
@@ -87,6 +91,7 @@ impl Default for LearnerConfig {
             temperature: 1.0,
             kl_coef: 0.0,
             kl_estimator: KlEstimator::K3,
+            kl_unbiased_gradient: false,
             ppo_epochs: 1,
             mini_batches: 1,
             schedule: LrSchedule::Constant { warmup: 0 },
@@ -636,7 +641,10 @@ impl MicroBatch<'_> {
         if let Some(refs) = &self.rows.references {
             // KL to the reference as a loss term (GRPO's β · KL).
             let ref_t = padded(&refs[start..end], width, self.device);
-            let kl = kl_tensor(&lp, &ref_t, cfg.kl_estimator, flavor);
+            let mut kl = kl_tensor(&lp, &ref_t, cfg.kl_estimator, flavor);
+            if cfg.kl_unbiased_gradient {
+                kl = kl_unbiased_gradient(&kl, &lp, &ref_t, &old);
+            }
             stats[2] += (kl.detach() * &mask).sum(Kind::Double).double_value(&[]) / total_tokens;
             loss += aggregate_in_step(&kl, &mask, side, flavor, scale) * cfg.kl_coef;
         }
@@ -652,7 +660,7 @@ impl MicroBatch<'_> {
         }
         stats[0] += loss.double_value(&[]);
         stats[1] += out.clip_fraction * share;
-        if cfg.policy.correction.is_some() {
+        if cfg.policy.corrects() {
             let w = out.weight_stats;
             stats[4] += w.mean * share;
             stats[5] += w.masked * share;
