@@ -425,6 +425,16 @@ for n, est in enumerate(["k1", "k2", "k3", "k3"]):
         dict(estimator=est, logprobs=lp, ref_logprobs=base, old_logprobs=old, mask=m),
         dict(kl=kl.detach().tolist(), grad=x.grad.tolist()))
 
+# verl's batch-normalised importance weights (rollout_is_batch_normalize), token and sequence level.
+for n, (level, threshold) in enumerate([("token", "2.0"), ("token", "0.5_2.0"), ("sequence", "5.0"), ("sequence", "0.5_3.0")]):
+    m, behaviour, old = off_policy(8, 6, spread=0.2)
+    w, metrics = corr.compute_rollout_correction_weights(t(old) - t(behaviour), t(m), rollout_is=level,
+                                                         rollout_is_threshold=threshold, rollout_is_batch_normalize=True)
+    name = {("token", False): "tis", ("token", True): "icepop", ("sequence", False): "seq-tis", ("sequence", True): "seq-icepop"}[(level, "_" in threshold)]
+    add(f"verl09_correction_{name}_batch_normalized_{n}", "correction_09", "verl", f"{corr_src} (compute_rollout_correction_weights, rollout_is_batch_normalize=True)",
+        dict(correction=name, threshold=threshold, batch_normalize=True, old_logprobs=old, behaviour_logprobs=behaviour, mask=m),
+        dict(weights=(w * t(m)).tolist(), normalizer=metrics["rollout_is_batch_norm_factor"]))
+
 doc = dict(
     about="Recorded by scripts/record_upstream_09.py from the PyPI wheels named in `upstream`, torch float64.",
     upstream={"verl": VERL, "openrlhf": OPENRLHF},

@@ -703,6 +703,10 @@ fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String
                 "1.0000001".into()
             },
         ),
+        "algorithm.correction_batch_normalize" => (
+            &["algorithm.correction=tis", "run.max_staleness=1"],
+            "true".into(),
+        ),
         // Rows a version stale under a large rate: some tokens' ratios leave the band.
         "algorithm.rejection" => (
             &["run.max_staleness=1", "algorithm.lr=0.01"],

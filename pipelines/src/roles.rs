@@ -363,6 +363,8 @@ pub fn learner_config(cfg: &RunConfig, kl_in_loss: bool) -> LearnerConfig {
                 }
             },
             loss_scale_factor: Some(loss_scale_factor(cfg)),
+            // The learner measures it each step, when weights are normalised.
+            weight_normalizer: 1.0,
             // Checked when the config was read.
             rejection: a
                 .rejection
@@ -373,6 +375,7 @@ pub fn learner_config(cfg: &RunConfig, kl_in_loss: bool) -> LearnerConfig {
                 })
                 .unwrap_or_default(),
         },
+        normalize_weights: a.correction_batch_normalize,
         temperature: cfg.generate.temperature,
         kl_coef: if kl_in_loss { a.kl_coef } else { 0.0 },
         kl_estimator: a.kl_estimator,

@@ -54,6 +54,7 @@ use std::path::PathBuf;
 use serde_json::Value;
 use tch::{Kind, Tensor};
 use weir_operators::algorithms::advantages::block_groups;
+use weir_operators::algorithms::corrections::{batch_normalizer, weight_sums};
 use weir_operators::algorithms::stats::{masked_mean, masked_var, masked_whiten};
 use weir_operators::algorithms::{
     aggregate, discounted_returns, gae, gpg, grpo, grpo_passk, importance_weights, kl_tensor,
@@ -403,6 +404,7 @@ fn policy_loss_case(c: &mut Check, name: &str, flavor: Flavor, i: &Value, e: &Va
         aggregation,
         correction,
         rejection: Default::default(),
+        weight_normalizer: 1.0,
         flavor,
         loss_scale_factor: None,
         objective: Default::default(),
@@ -663,6 +665,7 @@ fn policy_loss_09_case(c: &mut Check, name: &str, i: &Value, e: &Value) {
         },
         correction: None,
         rejection: Default::default(),
+        weight_normalizer: 1.0,
         flavor: Flavor::Verl,
         loss_scale_factor: opt_num(&i["loss_scale_factor"]),
         objective,
@@ -714,12 +717,19 @@ fn correction_09_case(c: &mut Check, name: &str, i: &Value, e: &Value) {
         other => panic!("unknown correction {other}"),
     };
     let mask = tensor(&matrix(&i["mask"]));
-    let w = importance_weights(
+    let mut w = importance_weights(
         correction,
         &tensor(&matrix(&i["old_logprobs"])),
         &tensor(&matrix(&i["behaviour_logprobs"])),
         &mask,
     );
+    if i["batch_normalize"].as_bool() == Some(true) {
+        let per_response = correction.per_response();
+        let (sum, count) = weight_sums(&w, &mask, per_response);
+        let normalizer = batch_normalizer(sum, count, per_response);
+        c.close(name, "normalizer", normalizer, num(&e["normalizer"]));
+        w /= normalizer;
+    }
     c.matrix(
         name,
         "weights",

@@ -512,6 +512,8 @@ pub struct AlgorithmSection {
     pub correction_low: f64,
     /// The correction's upper bound.
     pub correction_high: f64,
+    /// Divide the correction's weights by their mean over the step.
+    pub correction_batch_normalize: bool,
     /// verl's rejection criteria, comma-separated (`token_k1,seq_max_k2`; none: off).
     #[serde(with = "none_if_empty")]
     pub rejection: Option<String>,
@@ -566,6 +568,7 @@ impl Default for AlgorithmSection {
             correction: CorrectionChoice::None,
             correction_low: 0.0,
             correction_high: 2.0,
+            correction_batch_normalize: false,
             rejection: None,
             rejection_threshold: "2.0".into(),
             kl_unbiased_gradient: false,

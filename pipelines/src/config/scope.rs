@@ -285,6 +285,18 @@ fn policy_loss(cfg: &RunConfig, pipeline: PipelineKind, found: &mut Inert) {
         "algorithm.correction has a lower bound (all but \"k3-rejection\" and the gates)",
     );
     found.unless(
+        matches!(
+            a.correction,
+            CorrectionChoice::Tis
+                | CorrectionChoice::Icepop
+                | CorrectionChoice::SeqTis
+                | CorrectionChoice::SeqIcepop
+        ),
+        "algorithm",
+        &["correction_batch_normalize"],
+        "algorithm.correction weights by the ratio (tis, icepop, seq-tis, seq-icepop)",
+    );
+    found.unless(
         a.rejection.is_some(),
         "algorithm",
         &["rejection_threshold"],

@@ -92,6 +92,68 @@ pub enum ImportanceCorrection {
     },
 }
 
+impl ImportanceCorrection {
+    /// Whether its weights are one per response (sequence TIS and IcePop),
+    /// as verl's batch normaliser counts them.
+    pub fn per_response(&self) -> bool {
+        matches!(
+            self,
+            ImportanceCorrection::SequenceTis { .. } | ImportanceCorrection::SequenceIcePop { .. }
+        )
+    }
+
+    /// Whether verl normalises its weights over the batch
+    /// (`rollout_is_batch_normalize` applies to its IS weights: TIS and
+    /// IcePop, per token or per response).
+    pub fn batch_normalizable(&self) -> bool {
+        matches!(
+            self,
+            ImportanceCorrection::Tis { .. }
+                | ImportanceCorrection::IcePop { .. }
+                | ImportanceCorrection::SequenceTis { .. }
+                | ImportanceCorrection::SequenceIcePop { .. }
+        )
+    }
+}
+
+/// The sum and the count whose ratio is verl's batch normaliser of
+/// `weights` (`rollout_is_batch_normalize`): over the valid tokens of
+/// `mask`, or with `per_response` over the responses that have a token,
+/// each counted by its mean weight (over its tokens + 1e-8). Sums of a
+/// step's micro-batches and ranks add up to the step's.
+pub fn weight_sums(weights: &Tensor, mask: &Tensor, per_response: bool) -> (f64, f64) {
+    let _guard = tch::no_grad_guard();
+    let kind = Kind::Double;
+    let (w, m) = (weights.to_kind(kind), mask.to_kind(kind));
+    if !per_response {
+        let sum = (&w * &m).sum(kind).double_value(&[]);
+        return (sum, m.sum(kind).double_value(&[]));
+    }
+    let count = m.sum_dim_intlist(-1, false, kind);
+    let mean = (&w * &m).sum_dim_intlist(-1, false, kind) / (&count + 1e-8);
+    let valid = count.gt(0.0).to_kind(kind);
+    (
+        (mean * &valid).sum(kind).double_value(&[]),
+        valid.sum(kind).double_value(&[]),
+    )
+}
+
+/// verl's batch normaliser from a step's [`weight_sums`]: the mean weight,
+/// `sum / (count + 1e-8)` per token or `sum / max(count, 1e-8)` per
+/// response; 1 (the weights left as they are) where it is at most 1e-8.
+pub fn batch_normalizer(sum: f64, count: f64, per_response: bool) -> f64 {
+    let mean = if per_response {
+        sum / count.max(1e-8)
+    } else {
+        sum / (count + 1e-8)
+    };
+    if mean > 1e-8 {
+        mean
+    } else {
+        1.0
+    }
+}
+
 /// The divergence an [`ImportanceCorrection::DivergenceGate`] reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GateDivergence {
@@ -148,17 +210,26 @@ impl WeightStats {
 }
 
 /// The weights a policy loss multiplies in, when it corrects at all: those
-/// of `correction` (every weight 1 without one) times the keep mask of the
+/// of `correction` (every weight 1 without one), divided by `normalizer`
+/// (verl's batch normalisation; 1: none), times the keep mask of the
 /// `rejection` chain (verl's `rollout_is` weights and `rollout_rs` mask
 /// together); `None` when neither is set.
 pub fn correction_weights(
     correction: Option<ImportanceCorrection>,
+    normalizer: f64,
     rejection: &crate::algorithms::RejectionChain,
     old_logprobs: &Tensor,
     behaviour_logprobs: &Tensor,
     mask: &Tensor,
 ) -> Option<Tensor> {
-    let weights = correction.map(|c| importance_weights(c, old_logprobs, behaviour_logprobs, mask));
+    let weights = correction.map(|c| {
+        let w = importance_weights(c, old_logprobs, behaviour_logprobs, mask);
+        if normalizer == 1.0 {
+            w
+        } else {
+            w / normalizer
+        }
+    });
     if rejection.is_empty() {
         return weights;
     }

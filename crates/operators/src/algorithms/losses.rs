@@ -56,6 +56,10 @@ pub struct PolicyLossConfig {
     /// Rejection criteria every token must pass besides (verl's
     /// `rollout_rs`; empty: none).
     pub rejection: RejectionChain,
+    /// What the correction's weights are divided by: the step's mean
+    /// weight under verl's batch normalisation, which the learner measures
+    /// before the step's first update (1: none).
+    pub weight_normalizer: f64,
     /// Whose definitions to follow where they differ.
     pub flavor: Flavor,
     /// `T` of [`Aggregation::SeqMeanTokenSumNorm`] (verl's `loss_scale_factor`;
@@ -76,6 +80,7 @@ impl Default for PolicyLossConfig {
             aggregation: Aggregation::TokenMean,
             correction: None,
             rejection: RejectionChain::default(),
+            weight_normalizer: 1.0,
             flavor: Flavor::OpenRlhf,
             loss_scale_factor: None,
             objective: PolicyObjective::Clipped,
@@ -226,6 +231,7 @@ pub fn policy_loss_in_step(
     let weight = match (behaviour_logprobs, gspo_behaviour) {
         (Some(behaviour), None) => correction_weights(
             cfg.correction,
+            cfg.weight_normalizer,
             &cfg.rejection,
             old_logprobs,
             behaviour,
@@ -282,6 +288,7 @@ fn other_objective(
     let weight = behaviour_logprobs.and_then(|behaviour| {
         correction_weights(
             cfg.correction,
+            cfg.weight_normalizer,
             &cfg.rejection,
             old_logprobs,
             behaviour,

@@ -21,9 +21,10 @@ use super::columns::{float_lists, token_lists};
 use super::sequences::{response_backward, response_logprobs, ResponseForward};
 pub use super::train_step::LrSchedule;
 use super::train_step::{step_scale_counted, TrainerCore};
+use crate::algorithms::corrections::{batch_normalizer, weight_sums};
 use crate::algorithms::{
-    aggregate_in_step, kl_tensor, kl_unbiased_gradient, policy_loss_in_step, KlEstimator,
-    PolicyLossConfig, StepScale, WeightStats,
+    aggregate_in_step, importance_weights, kl_tensor, kl_unbiased_gradient, policy_loss_in_step,
+    KlEstimator, PolicyLossConfig, StepScale, WeightStats,
 };
 use crate::checkpoint::CheckpointPlan;
 use crate::error::OperatorError;
@@ -49,6 +50,11 @@ pub struct LearnerConfig {
     pub micro_batch_tokens: usize,
     /// The policy loss.
     pub policy: PolicyLossConfig,
+    /// Divide the correction's weights by their mean over the step (verl's
+    /// `rollout_is_batch_normalize`; TIS and IcePop, per token or per
+    /// response): measured on the proximal pass, which then always runs,
+    /// over every rank's rows, and recorded as `is_weight_normalizer`.
+    pub normalize_weights: bool,
     /// Sampling temperature the log-probs are computed at.
     pub temperature: f64,
     /// β of the KL-to-reference loss term (needs `ref_logprobs`; 0 turns it off).
@@ -88,6 +94,7 @@ impl Default for LearnerConfig {
             micro_batch: 16,
             micro_batch_tokens: 0,
             policy: PolicyLossConfig::default(),
+            normalize_weights: false,
             temperature: 1.0,
             kl_coef: 0.0,
             kl_estimator: KlEstimator::K3,
@@ -133,6 +140,8 @@ pub struct Learner {
     /// Run the proximal pass even where the training forward's log-probs
     /// serve (tests hold the two alike).
     proximal_pass_always: bool,
+    /// The last step's weight normaliser, when the weights are normalised.
+    normalizer: Option<f64>,
 }
 
 impl Learner {
@@ -144,6 +153,7 @@ impl Learner {
             held: super::rows_in_order(),
             last: UpdateStats::default(),
             proximal_pass_always: false,
+            normalizer: None,
         })
     }
 
@@ -207,11 +217,52 @@ impl Learner {
                 ("is_masked_fraction", w.masked),
             ]);
         }
+        if let Some(normalizer) = self.normalizer {
+            out.push(("is_weight_normalizer", normalizer));
+        }
         if let Some(reward) = u.reward {
             out.push(("reward", reward));
         }
         out.push(("response_length", u.response_length));
         out
+    }
+
+    /// The correction whose weights are normalised over the step, if they are.
+    fn normalized_correction(&self) -> Option<crate::algorithms::ImportanceCorrection> {
+        self.cfg
+            .policy
+            .correction
+            .filter(|c| self.cfg.normalize_weights && c.batch_normalizable())
+    }
+
+    /// verl's batch normaliser of the correction's weights: their mean over
+    /// the step's valid tokens (or responses) on every rank, from the
+    /// proximal log-probs of each micro-batch.
+    fn weight_normalizer(
+        &self,
+        rows: &LearnRows,
+        ranges: &[Vec<(usize, usize)>],
+        proximal: Option<&Vec<Vec<Tensor>>>,
+    ) -> Result<Option<f64>, StageError> {
+        let Some(correction) = self.normalized_correction() else {
+            return Ok(None);
+        };
+        let proximal = proximal.ok_or("normalised weights need the proximal pass")?;
+        let per_response = correction.per_response();
+        let mut sums = [0.0, 0.0];
+        for (mini, olds) in ranges.iter().zip(proximal) {
+            for (&(start, end), old) in mini.iter().zip(olds) {
+                let (width, device) = (old.size()[1] as usize, old.device());
+                let behaviour = padded(&rows.behaviour[start..end], width, device);
+                let mask = padded(&rows.generated[start..end], width, device);
+                let weights = importance_weights(correction, old, &behaviour, &mask);
+                let (sum, count) = weight_sums(&weights, &mask, per_response);
+                sums[0] += sum;
+                sums[1] += count;
+            }
+        }
+        sum_scalars(self.core.member(), &mut sums)?;
+        Ok(Some(batch_normalizer(sums[0], sums[1], per_response)))
     }
 }
 
@@ -299,6 +350,8 @@ impl Learner {
         let minis = self.cfg.mini_batches.max(1);
         let ranges = rows.micro_batches(minis, self.cfg.micro_batch, self.cfg.micro_batch_tokens);
         let proximal = self.proximal_logprobs(&rows, &ranges)?;
+        self.normalizer = self.weight_normalizer(&rows, &ranges, proximal.as_ref())?;
+        self.cfg.policy.weight_normalizer = self.normalizer.unwrap_or(1.0);
         // The weights change at the first optimizer step: the CPU kernels'
         // packing of them is not needed beside the backward passes.
         self.core.model().release_cpu_packing();
@@ -363,7 +416,8 @@ impl Learner {
         let one_update = self.cfg.ppo_epochs.max(1) == 1
             && ranges.len() == 1
             && !dropout
-            && !self.proximal_pass_always;
+            && !self.proximal_pass_always
+            && self.normalized_correction().is_none();
         if one_update {
             return Ok(None);
         }

@@ -669,3 +669,63 @@ fn an_episodes_observation_and_boundary_tokens_are_in_no_loss_and_no_count() {
         );
     }
 }
+
+#[test]
+fn batch_normalised_weights_average_one_and_divide_the_loss() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/models/tiny-llama");
+    let responses = vec![vec![5i64, 6, 7], vec![8, 9], vec![10, 11]];
+    let advantages = vec![vec![1.0; 3], vec![-0.5; 2], vec![0.75; 2]];
+    // Behaviour log-probs far from the policy's: weights well away from 1.
+    let behaviour = vec![vec![-1.0, -0.5, -1.5], vec![-0.5, -1.0], vec![-2.0, -1.0]];
+    let batch = RecordBatch::try_from_iter([
+        (
+            col::PROMPT_TOKENS,
+            token_list_array(&[vec![1, 2], vec![1, 3, 4], vec![1, 2]]),
+        ),
+        (col::RESPONSE_TOKENS, token_list_array(&responses)),
+        (col::ADVANTAGES, float_list_array(&advantages)),
+        (col::BEHAVIOR_LOGPROBS, float_list_array(&behaviour)),
+    ])
+    .unwrap();
+    let run = |normalize: bool| {
+        let model = Model::load(&dir, weir_gpu::Device::Cpu, Kind::Float).unwrap();
+        let mut cfg = LearnerConfig {
+            micro_batch: 2,
+            normalize_weights: normalize,
+            ..LearnerConfig::default()
+        };
+        cfg.policy.correction = Some(crate::algorithms::ImportanceCorrection::Tis {
+            low: 0.0,
+            high: 1e6,
+        });
+        let mut learner = Learner::new(model, cfg).unwrap();
+        // Both through the proximal pass, so that only the normaliser differs.
+        learner.proximal_pass_always = true;
+        let stats = learner.update(&batch).unwrap();
+        let recorded: std::collections::BTreeMap<_, _> =
+            learner.update_metrics().into_iter().collect();
+        (stats, recorded)
+    };
+    let (plain, plain_metrics) = run(false);
+    let (normal, metrics) = run(true);
+    let normalizer = metrics["is_weight_normalizer"];
+    assert!(!plain_metrics.contains_key("is_weight_normalizer"));
+    let plain_mean = plain.importance_weights.unwrap().mean;
+    // The normaliser is the weights' mean over the step's tokens: after it, they average 1.
+    assert!(
+        (normalizer - plain_mean).abs() < 1e-6 * plain_mean,
+        "{normalizer} vs {plain_mean}"
+    );
+    assert!((normalizer - 1.0).abs() > 0.5, "{normalizer}");
+    let mean = normal.importance_weights.unwrap().mean;
+    assert!((mean - 1.0).abs() < 1e-6, "{mean}");
+    // The token-mean policy loss is linear in the weights (to float32 rounding
+    // of a loss 500 times smaller).
+    assert!(
+        (normal.loss - plain.loss / normalizer).abs() < 1e-3 * normal.loss.abs(),
+        "{} vs {} / {normalizer}",
+        normal.loss,
+        plain.loss
+    );
+}
