@@ -45,76 +45,187 @@ const NOT_REPLAYED: [&str; 5] = [
     col::LOGGED_POLICY_VERSION,
 ];
 
-/// The logged groups a run replays, and how often.
+/// The logged groups a run replays, and how often. Only an index is kept
+/// in memory (each group's file, step and id); a group's rows are read when
+/// it is replayed, a file at a time (groups replay in the order they were
+/// trained, so one file serves many in a row), and the last two files read
+/// are kept: memory is bounded by the log's files, not by the log.
 #[derive(Debug)]
 pub struct LoggedGroups {
-    groups: Vec<RecordBatch>,
+    files: Vec<rollout_log::LogFile>,
+    /// Every logged group: the files holding its rows, its step and id.
+    index: Vec<(Vec<usize>, u64, u64)>,
+    filter: RowFilter,
+    keep_advantages: bool,
     fraction: f64,
-    /// The rows read.
+    /// The files read last, each grouped: (file, (step, group) → rows).
+    cache: std::sync::Mutex<Vec<(usize, Grouped)>>,
+    /// The rows the filter keeps.
     pub rows: usize,
 }
 
+/// A file's replayable rows by `(step, group_id)`.
+type Grouped = std::collections::HashMap<(u64, u64), RecordBatch>;
+
 impl LoggedGroups {
-    /// Reads the rows of `sources` that `filter` keeps, grouped; `fraction`
-    /// of the groups replay; `keep_advantages`: the logged advantages and
-    /// returns stay (else the advantage stage computes them again).
+    /// Indexes the groups of `sources` that `filter` keeps (only their
+    /// step and group columns are read); `fraction` of a step's groups
+    /// replay; `keep_advantages`: the logged advantages and returns stay
+    /// (else the advantage stage computes them again).
     pub fn load(
         sources: &[PathBuf],
         filter: &RowFilter,
         fraction: f64,
         keep_advantages: bool,
     ) -> Result<Self, OperatorError> {
-        let batches = rollout_log::read_all(sources, filter, None)?;
-        let rows =
-            rollout_log::in_step_order(&batches)?.expect("read_all returns rows or an error");
-        let what = || {
-            sources
-                .iter()
-                .map(|s| s.display().to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
-        };
-        let ids = |name| {
-            crate::stages::columns::u64s(&rows, name, "data.rollouts")
-                .map_err(|e| OperatorError::file(what(), e.to_string()))
-        };
-        let (steps, groups) = (ids(col::STEP)?, ids(col::GROUP_ID)?);
-        let rows =
-            replayable(&rows, keep_advantages).map_err(|e| OperatorError::file(what(), e))?;
-        let mut starts = Vec::new();
-        for i in 0..steps.len() {
-            if i == 0 || (steps[i], groups[i]) != (steps[i - 1], groups[i - 1]) {
-                starts.push(i);
+        let mut files = Vec::new();
+        for source in sources {
+            for path in rollout_log::files_of(source)? {
+                files.push(rollout_log::open(&path)?);
             }
         }
-        starts.push(steps.len());
-        let groups = starts
-            .windows(2)
-            .map(|w| rows.slice(w[0], w[1] - w[0]))
-            .collect();
+        let mut groups: BTreeMap<(u64, u64), Vec<usize>> = BTreeMap::new();
+        let mut rows = 0;
+        for (at, file) in files.iter().enumerate() {
+            for batch in rollout_log::read(file, filter, Some(&[col::STEP, col::GROUP_ID]))? {
+                let ids = |name| {
+                    crate::stages::columns::u64s(&batch, name, "data.rollouts")
+                        .map_err(|e| OperatorError::file(&file.path, e.to_string()))
+                };
+                let (steps, ids) = (ids(col::STEP)?, ids(col::GROUP_ID)?);
+                rows += steps.len();
+                for key in steps.into_iter().zip(ids) {
+                    let holders = groups.entry(key).or_default();
+                    if holders.last() != Some(&at) {
+                        holders.push(at);
+                    }
+                }
+            }
+        }
+        if groups.is_empty() {
+            let named: Vec<String> = sources.iter().map(|s| s.display().to_string()).collect();
+            return Err(OperatorError::file(
+                named.join(", "),
+                if filter.is_empty() {
+                    "the log holds no rows".to_string()
+                } else {
+                    format!(
+                        "no row matches the filter {:?}",
+                        rollout_log::filter_text(filter)
+                    )
+                },
+            ));
+        }
         Ok(LoggedGroups {
-            groups,
+            files,
+            index: groups
+                .into_iter()
+                .map(|((step, group), holders)| (holders, step, group))
+                .collect(),
+            filter: filter.clone(),
+            keep_advantages,
             fraction,
-            rows: steps.len(),
+            cache: std::sync::Mutex::new(Vec::new()),
+            rows,
         })
     }
 
     /// The logged groups.
     pub fn len(&self) -> usize {
-        self.groups.len()
+        self.index.len()
     }
 
     /// Whether there are none.
     pub fn is_empty(&self) -> bool {
-        self.groups.is_empty()
+        self.index.is_empty()
     }
 
-    /// The logged group that group `group` of a step replays, if it does.
-    pub fn replaces(&self, group: u64) -> Option<&RecordBatch> {
+    /// Which logged group (in the order they were trained) group `group`
+    /// of a step replays, if it does.
+    pub fn replaces(&self, group: u64) -> Option<usize> {
         let f = self.fraction;
         let (at, next) = ((group as f64 * f).floor(), ((group + 1) as f64 * f).floor());
-        (next > at && !self.groups.is_empty())
-            .then(|| &self.groups[at as usize % self.groups.len()])
+        (next > at && !self.index.is_empty()).then(|| at as usize % self.index.len())
+    }
+
+    /// The rows of logged group `at`, with the columns a replayed row carries.
+    pub fn group(&self, at: usize) -> Result<RecordBatch, OperatorError> {
+        let (holders, step, group) = &self.index[at];
+        let mut parts = Vec::new();
+        for &file in holders {
+            let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+            if !cache.iter().any(|(f, _)| *f == file) {
+                let grouped = self.read_file(file)?;
+                if cache.len() == 2 {
+                    cache.remove(0);
+                }
+                cache.push((file, grouped));
+            }
+            let (_, grouped) = cache.iter().find(|(f, _)| *f == file).expect("just cached");
+            if let Some(rows) = grouped.get(&(*step, *group)) {
+                parts.push(rows.clone());
+            }
+        }
+        let what = || self.files[holders[0]].path.clone();
+        let rows = rollout_log::in_step_order(&parts)?.ok_or_else(|| {
+            OperatorError::file(what(), format!("group {group} of step {step} is gone"))
+        })?;
+        Ok(rows)
+    }
+
+    /// File `at`'s replayable rows, grouped.
+    fn read_file(&self, at: usize) -> Result<Grouped, OperatorError> {
+        let file = &self.files[at];
+        // What a replayed row keeps, and what its logged step and version come from.
+        let wanted: Vec<&str> = file
+            .schema
+            .fields()
+            .iter()
+            .map(|f| f.name().as_str())
+            .filter(|name| {
+                replayed(name, self.keep_advantages)
+                    || [col::POLICY_VERSION, col::LOGGED_POLICY_VERSION].contains(name)
+            })
+            .collect();
+        let batches = rollout_log::read(file, &self.filter, Some(&wanted))?;
+        let mut out = Grouped::new();
+        let Some(rows) = rollout_log::in_step_order(&batches)? else {
+            return Ok(out);
+        };
+        let ids = |name| {
+            crate::stages::columns::u64s(&rows, name, "data.rollouts")
+                .map_err(|e| OperatorError::file(&file.path, e.to_string()))
+        };
+        let (steps, groups) = (ids(col::STEP)?, ids(col::GROUP_ID)?);
+        let rows = replayable(&rows, self.keep_advantages)
+            .map_err(|e| OperatorError::file(&file.path, e))?;
+        let mut start = 0;
+        for end in 1..=steps.len() {
+            if end == steps.len() || (steps[end], groups[end]) != (steps[start], groups[start]) {
+                out.insert(
+                    (steps[start], groups[start]),
+                    rows.slice(start, end - start),
+                );
+                start = end;
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Whether a replayed row keeps column `name` of its log: the dataset's
+/// columns, the prompt's and the generator's (but this run's own), the
+/// scores, and with `keep_advantages` the advantages and returns.
+fn replayed(name: &str, keep_advantages: bool) -> bool {
+    let phase = rollout::columns()
+        .into_iter()
+        .find(|c| c.0 == name)
+        .map(|c| c.3);
+    match phase {
+        None => true,
+        Some(_) if NOT_REPLAYED.contains(&name) => false,
+        Some(Phase::Prompt | Phase::Generate) => true,
+        Some(_) => SCORED.contains(&name) || (keep_advantages && ADVANTAGES.contains(&name)),
     }
 }
 
@@ -122,19 +233,9 @@ impl LoggedGroups {
 /// dataset's, the logged rewards (and advantages), `logged_step` and
 /// `logged_policy_version` (kept from the log where it replayed a log itself).
 fn replayable(rows: &RecordBatch, keep_advantages: bool) -> Result<RecordBatch, String> {
-    let known: BTreeMap<&str, Phase> = rollout::columns()
-        .into_iter()
-        .map(|(name, _, _, phase, _)| (name, phase))
-        .collect();
-    let keep = |name: &str| match known.get(name) {
-        None => true,
-        Some(_) if NOT_REPLAYED.contains(&name) => false,
-        Some(Phase::Prompt | Phase::Generate) => true,
-        Some(_) => SCORED.contains(&name) || (keep_advantages && ADVANTAGES.contains(&name)),
-    };
     let schema = rows.schema();
     let indices: Vec<usize> = (0..schema.fields().len())
-        .filter(|&i| keep(schema.field(i).name()))
+        .filter(|&i| replayed(schema.field(i).name(), keep_advantages))
         .collect();
     let mut out = rows.project(&indices).map_err(|e| e.to_string())?;
     let earlier = |name: &str| {
@@ -231,6 +332,7 @@ impl<S: Stage> Stage for Replaying<S> {
             .iter()
             .map(|&g| Some(self.log.replaces(g).is_none()))
             .collect();
+
         let mut out = Vec::new();
         let generate = arrow::compute::filter_record_batch(&batch, &fresh)?;
         if generate.num_rows() > 0 {
@@ -241,8 +343,8 @@ impl<S: Stage> Stage for Replaying<S> {
             if !seen.insert(g) {
                 continue;
             }
-            if let Some(logged) = self.log.replaces(g) {
-                let rows = as_group(logged, ctx.step, g)?;
+            if let Some(at) = self.log.replaces(g) {
+                let rows = as_group(&self.log.group(at)?, ctx.step, g)?;
                 let versions =
                     crate::stages::columns::u64s(&rows, col::LOGGED_POLICY_VERSION, ctx.stage())?;
                 let tally = self.replayed.entry(ctx.step).or_default();
@@ -381,23 +483,18 @@ mod tests {
 
     #[test]
     fn a_fraction_of_groups_replays_each_logged_group_in_turn() {
-        let group = |i: u64| {
-            RecordBatch::try_from_iter([("x", Arc::new(UInt64Array::from(vec![i])) as ArrayRef)])
-                .unwrap()
-        };
         let log = |fraction| LoggedGroups {
-            groups: (0..3).map(group).collect(),
+            files: Vec::new(),
+            index: (0..3).map(|g| (vec![0], 0, g)).collect(),
+            filter: RowFilter::default(),
+            keep_advantages: false,
             fraction,
+            cache: Default::default(),
             rows: 3,
         };
-        let picks = |f: f64| -> Vec<Option<u64>> {
+        let picks = |f: f64| -> Vec<Option<usize>> {
             let log = log(f);
-            (0..8)
-                .map(|g| {
-                    log.replaces(g)
-                        .map(|b| crate::stages::columns::u64s(b, "x", "t").unwrap()[0])
-                })
-                .collect()
+            (0..8).map(|g| log.replaces(g)).collect()
         };
         assert_eq!(picks(1.0), [0, 1, 2, 0, 1, 2, 0, 1].map(Some));
         assert_eq!(
