@@ -1,5 +1,8 @@
 //! The flags that make a command one process of a multi-process run
-//! (timely's cluster mode): `weir run` and `weir sim` share them.
+//! (timely's cluster mode): `weir run` and `weir sim` share them. Where a
+//! launcher started the process (Slurm, torchrun, a Kubernetes indexed
+//! Job), its environment supplies what the flags leave out
+//! ([`crate::launch`]).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -11,13 +14,17 @@ use weir_pipelines::placement::Cluster;
 /// `--connect-timeout-s`, `--cluster-secret-file`.
 #[derive(Clone, Debug, PartialEq, clap::Args)]
 pub struct ClusterArgs {
-    /// Processes in the run; start each with the same flags and its own --process-id.
-    #[arg(long, default_value_t = 1)]
-    pub processes: usize,
-    /// This process's id, 0..processes.
-    #[arg(long = "process-id", default_value_t = 0)]
-    pub process_id: usize,
-    /// A file of host:port lines, one per process in id order (default: localhost:2101, 2102, …).
+    /// Processes in the run; start each with the same flags and its own
+    /// --process-id (default: the launcher's, SLURM_NTASKS or WORLD_SIZE, else 1).
+    #[arg(long)]
+    pub processes: Option<usize>,
+    /// This process's id, 0..processes (default: the launcher's,
+    /// SLURM_PROCID, RANK or JOB_COMPLETION_INDEX, else 0).
+    #[arg(long = "process-id")]
+    pub process_id: Option<usize>,
+    /// A file of host:port lines, one per process in id order (default:
+    /// the launcher's — SLURM_STEP_NODELIST, WEIR_HOSTS, WEIR_HOST_PATTERN,
+    /// MASTER_ADDR on one node — else localhost:2101, 2102, …).
     #[arg(long)]
     pub hostfile: Option<PathBuf>,
     /// Seconds a silent peer process is tolerated during the run.
@@ -35,14 +42,20 @@ pub struct ClusterArgs {
     pub cluster_secret_file: Option<PathBuf>,
 }
 
+/// What the launcher's environment says of this process.
+fn launch() -> anyhow::Result<crate::launch::Launch> {
+    let vars: std::collections::HashMap<String, String> = std::env::vars().collect();
+    crate::launch::Launch::from_vars(&vars).map_err(anyhow::Error::msg)
+}
+
 /// The environment variable holding a run's cluster secret.
 pub const SECRET_VAR: &str = weir_graph::cluster_secret::ENV_VAR;
 
 impl Default for ClusterArgs {
     fn default() -> Self {
         ClusterArgs {
-            processes: 1,
-            process_id: 0,
+            processes: None,
+            process_id: None,
             hostfile: None,
             peer_timeout_s: 60.0,
             connect_timeout_s: 120.0,
@@ -52,8 +65,33 @@ impl Default for ClusterArgs {
 }
 
 impl ClusterArgs {
-    /// The cluster these flags describe (the process id is checked by the engine).
+    /// The cluster these flags describe, with what the launcher's
+    /// environment says where they are silent (the process id is checked
+    /// by the engine).
     pub fn cluster(&self) -> anyhow::Result<Cluster> {
+        self.cluster_with(launch()?)
+    }
+
+    /// This process's id: `--process-id`, else the launcher's, else 0.
+    pub fn process(&self) -> anyhow::Result<usize> {
+        Ok(self.process_id.or(launch()?.process).unwrap_or(0))
+    }
+
+    /// [`ClusterArgs::cluster`] with `launch` for the environment.
+    pub fn cluster_with(&self, launch: crate::launch::Launch) -> anyhow::Result<Cluster> {
+        let processes = self.processes.or(launch.processes).unwrap_or(1);
+        let process = self.process_id.or(launch.process).unwrap_or(0);
+        let hosts = if self.hostfile.is_some() {
+            None
+        } else {
+            launch.hosts
+        };
+        if processes > 1 && !launch.source.is_empty() {
+            eprintln!(
+                "cluster: process {process} of {processes}, from {}",
+                launch.source.join(", ")
+            );
+        }
         let seconds = |flag: &str, value: f64| {
             if value.is_finite() && value > 0.0 {
                 Ok(Duration::from_secs_f64(value))
@@ -64,9 +102,10 @@ impl ClusterArgs {
             }
         };
         Ok(Cluster {
-            processes: self.processes,
-            process: self.process_id,
+            processes,
+            process,
             hostfile: self.hostfile.clone(),
+            hosts,
             peer_timeout: seconds("--peer-timeout-s", self.peer_timeout_s)?,
             connect_timeout: seconds("--connect-timeout-s", self.connect_timeout_s)?,
             secret: self.secret()?,

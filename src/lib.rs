@@ -16,6 +16,7 @@ pub mod cluster;
 pub mod demo;
 mod demo_agentic;
 mod demo_model;
+pub mod launch;
 pub mod log_cli;
 pub mod model_cli;
 pub mod report;

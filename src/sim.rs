@@ -15,7 +15,7 @@ use weir_graph::synthetic::{
     SyntheticStreamingGenerate,
 };
 use weir_graph::{
-    roles, Execution, ParquetLog, Partition, Pipeline, Placement, RunReport, RunSettings, Stage,
+    roles, ParquetLog, Partition, Pipeline, Placement, RunReport, RunSettings, Stage,
     WeightsChannel,
 };
 
@@ -191,12 +191,7 @@ pub fn run_sim(args: &SimArgs) -> anyhow::Result<RunReport> {
         );
     }
     let cluster = args.cluster.cluster()?;
-    let execution = Execution::cluster(
-        args.workers,
-        cluster.processes,
-        cluster.process,
-        cluster.hostfile.as_deref(),
-    )?;
+    let execution = cluster.execution(args.workers)?;
     let placement = args.placement(execution.total_workers())?;
     let secret = execution.cluster_secret(cluster.secret.clone(), &args.out)?;
     let settings = RunSettings::new(execution, placement)
@@ -219,7 +214,7 @@ pub fn run_sim(args: &SimArgs) -> anyhow::Result<RunReport> {
 fn fingerprint(args: &SimArgs) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut shared = args.clone();
-    shared.cluster.process_id = 0;
+    shared.cluster.process_id = None;
     // Each machine may keep the secret in its own file.
     shared.cluster.cluster_secret_file = None;
     let mut h = std::collections::hash_map::DefaultHasher::new();
@@ -230,7 +225,7 @@ fn fingerprint(args: &SimArgs) -> u64 {
 /// Runs the simulation and prints its summary; the last line is `steps_per_s=<float>`.
 pub fn main_with(args: &SimArgs) -> anyhow::Result<()> {
     let report = run_sim(args)?;
-    if args.cluster.process_id == 0 {
+    if args.cluster.process()? == 0 {
         for (stage, t) in &report.stages {
             println!(
                 "stage {stage:<10} workers={} busy_s={:.3} idle_s={:.3} batches_in={} rows_in={} rows_out={} queue_peak={}",

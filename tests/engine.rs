@@ -465,8 +465,8 @@ fn bad_settings_are_reported_not_panicked() {
     assert!(format!("{err:#}").contains("worker 5"), "{err:#}");
     let err = run_sim(&SimArgs {
         cluster: weir::cluster::ClusterArgs {
-            processes: 2,
-            process_id: 2,
+            processes: Some(2),
+            process_id: Some(2),
             ..Default::default()
         },
         ..sim_args(dir.path())

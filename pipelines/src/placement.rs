@@ -30,6 +30,9 @@ pub struct Cluster {
     /// `host:port` of every process, one per line in process-id order
     /// (default: `localhost:2101`, `2102`, …).
     pub hostfile: Option<PathBuf>,
+    /// `host:port` of every process, as a launcher's environment gives
+    /// them (read when there is no hostfile).
+    pub hosts: Option<Vec<String>>,
     /// How long a silent peer is tolerated during the run.
     pub peer_timeout: Duration,
     /// How long start-up waits for every peer to connect.
@@ -44,6 +47,7 @@ impl Default for Cluster {
             processes: 1,
             process: 0,
             hostfile: None,
+            hosts: None,
             peer_timeout: Duration::from_secs(60),
             connect_timeout: Duration::from_secs(120),
             secret: None,
@@ -55,6 +59,24 @@ impl Cluster {
     /// Process 0 writes what concerns the whole run (config, metrics, summary).
     pub fn is_leader(&self) -> bool {
         self.process == 0
+    }
+
+    /// The engine's execution of this cluster with `threads` workers a
+    /// process: its hosts from the hostfile, else the launcher's, else
+    /// `localhost:2101…`.
+    pub fn execution(&self, threads: usize) -> Result<Execution, weir_graph::GraphError> {
+        match (&self.hostfile, &self.hosts) {
+            (None, Some(hosts)) => Execution::cluster_on(
+                threads,
+                self.processes,
+                self.process,
+                hosts.clone(),
+                "the launcher's hosts",
+            ),
+            (hostfile, _) => {
+                Execution::cluster(threads, self.processes, self.process, hostfile.as_deref())
+            }
+        }
     }
 
     /// This process's workers when the run has `workers` in all.
@@ -75,12 +97,7 @@ pub(crate) fn execution(cfg: &RunConfig, cluster: &Cluster) -> Result<Execution,
         )
         .into());
     }
-    Ok(Execution::cluster(
-        workers / cluster.processes,
-        cluster.processes,
-        cluster.process,
-        cluster.hostfile.as_deref(),
-    )?)
+    Ok(cluster.execution(workers / cluster.processes)?)
 }
 
 /// The prompt cursors of a process that trains but draws no prompts: derived

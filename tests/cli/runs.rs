@@ -315,6 +315,55 @@ fn run_two(args: &[String], dir: &Path) -> (String, String) {
     (success(&o0), success(&o1))
 }
 
+/// A port p with p, p + 1, … p + n − 1 all free.
+fn consecutive_free_ports(n: u16) -> u16 {
+    loop {
+        let p = super::common::free_ports(1)[0];
+        let free = (1..n).all(|i| {
+            p.checked_add(i)
+                .is_some_and(|q| std::net::TcpListener::bind(("127.0.0.1", q)).is_ok())
+        });
+        if free {
+            return p;
+        }
+    }
+}
+
+/// Runs `args` as two processes started without cluster flags, process
+/// `i`'s place in the environment `vars(i)`; their outputs (stdout, then
+/// stderr's launcher line).
+fn run_launched(
+    args: &[String],
+    dir: &Path,
+    vars: &dyn Fn(usize) -> Vec<(&'static str, String)>,
+) -> Vec<String> {
+    let spawn = |i: usize| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_weir"))
+            .args(args)
+            .envs(vars(i))
+            .current_dir(dir)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("weir binary starts")
+    };
+    let (p0, p1) = (spawn(0), spawn(1));
+    let deadline = std::time::Duration::from_secs(240);
+    let outputs = [
+        super::common::wait_with_deadline(p0, deadline),
+        super::common::wait_with_deadline(p1, deadline),
+    ];
+    outputs
+        .iter()
+        .map(|o| {
+            let text = success(o);
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert!(err.contains("cluster: process"), "{err}");
+            text
+        })
+        .collect()
+}
+
 pub(crate) fn strs(args: &[String]) -> Vec<&str> {
     args.iter().map(String::as_str).collect()
 }
@@ -421,6 +470,54 @@ fn a_run_over_two_processes_matches_one_process_and_resumes() {
         summary(&two)["eval_accuracy_after"]
     );
     assert!(two.join("plots/reward.png").is_file());
+
+    // The same two processes as a launcher starts them, their ids, count
+    // and peers from its variables alone: srun's and torchrun's.
+    let base = consecutive_free_ports(3);
+    let slurm = |id: usize| {
+        vec![
+            ("SLURM_PROCID", id.to_string()),
+            ("SLURM_NTASKS", "2".to_string()),
+            ("SLURM_STEP_NODELIST", "127.0.0.[1]".to_string()),
+            ("SLURM_STEP_TASKS_PER_NODE", "2".to_string()),
+            ("WEIR_PORT", base.to_string()),
+        ]
+    };
+    let torchrun = |id: usize| {
+        vec![
+            ("RANK", id.to_string()),
+            ("WORLD_SIZE", "2".to_string()),
+            ("LOCAL_WORLD_SIZE", "2".to_string()),
+            ("MASTER_ADDR", "127.0.0.1".to_string()),
+            // Its own ports are the next two.
+            ("MASTER_PORT", (base - 1).to_string()),
+        ]
+    };
+    for (name, vars) in [
+        (
+            "slurm",
+            &slurm as &dyn Fn(usize) -> Vec<(&'static str, String)>,
+        ),
+        ("torchrun", &torchrun),
+    ] {
+        let outputs = run_launched(&args(name, &[]), tmp.path(), vars);
+        assert!(
+            outputs[1].contains("process 1 of 2: done"),
+            "{name}: {}",
+            outputs[1]
+        );
+        let launched = tmp.path().join(name);
+        for file in [
+            "checkpoints/step-3/actor/model.safetensors",
+            "config.resolved.toml",
+        ] {
+            assert!(
+                file_bytes(&one.join(file)) == file_bytes(&launched.join(file)),
+                "{file} differs between one process and {name}'s two"
+            );
+        }
+        assert_eq!(metric_values(&one), metric_values(&launched), "{name}");
+    }
 
     // Two more steps, resumed from step 3's checkpoint, in both layouts;
     // the weights now cross on timely's connections instead of the direct

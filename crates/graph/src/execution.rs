@@ -57,21 +57,13 @@ impl Execution {
                     .filter(|l| !l.is_empty() && !l.starts_with('#'))
                     .map(String::from)
                     .collect();
-                if let Some((i, bad)) = hosts.iter().enumerate().find(|(_, h)| !h.contains(':')) {
-                    return Err(GraphError::Execution(format!(
-                        "{}: line {}: `{bad}` is not host:port",
-                        path.display(),
-                        i + 1
-                    )));
-                }
-                if hosts.len() < processes {
-                    return Err(GraphError::Execution(format!(
-                        "{}: {} addresses for {processes} processes",
-                        path.display(),
-                        hosts.len()
-                    )));
-                }
-                hosts.into_iter().take(processes).collect()
+                return Execution::cluster_on(
+                    threads,
+                    processes,
+                    process,
+                    hosts,
+                    &path.display().to_string(),
+                );
             }
             None => (0..processes)
                 .map(|i| format!("localhost:{}", 2101 + i))
@@ -81,6 +73,48 @@ impl Execution {
             threads,
             process,
             hosts,
+        })
+    }
+
+    /// A cluster of `processes` processes at `hosts` (`host:port` each, in
+    /// process-id order; the first `processes` are taken), which `what`
+    /// names in errors (a hostfile, the variables of a launcher).
+    pub fn cluster_on(
+        threads: usize,
+        processes: usize,
+        process: usize,
+        hosts: Vec<String>,
+        what: &str,
+    ) -> Result<Self, GraphError> {
+        if processes == 0 || threads == 0 {
+            return Err(GraphError::Execution(
+                "processes and threads must be at least 1".into(),
+            ));
+        }
+        if process >= processes {
+            return Err(GraphError::Execution(format!(
+                "process id {process} is not below the process count {processes}"
+            )));
+        }
+        if processes == 1 {
+            return Ok(Execution::Threads(threads));
+        }
+        if let Some((i, bad)) = hosts.iter().enumerate().find(|(_, h)| !h.contains(':')) {
+            return Err(GraphError::Execution(format!(
+                "{what}: line {}: `{bad}` is not host:port",
+                i + 1
+            )));
+        }
+        if hosts.len() < processes {
+            return Err(GraphError::Execution(format!(
+                "{what}: {} addresses for {processes} processes",
+                hosts.len()
+            )));
+        }
+        Ok(Execution::Cluster {
+            threads,
+            process,
+            hosts: hosts.into_iter().take(processes).collect(),
         })
     }
 

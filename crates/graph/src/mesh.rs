@@ -131,9 +131,24 @@ pub(crate) fn connect(
     encrypt: bool,
     timeout: Duration,
 ) -> Result<Mesh, GraphError> {
-    let listener = TcpListener::bind(hosts[me].as_str()).map_err(|e| {
-        GraphError::Execution(format!("process {me} cannot listen on {}: {e}", hosts[me]))
-    })?;
+    // A name that does not resolve yet (a pod's, before its service
+    // publishes it) is waited for, as peers are.
+    let started = Instant::now();
+    let listener = loop {
+        let resolves = std::net::ToSocketAddrs::to_socket_addrs(hosts[me].as_str()).is_ok();
+        match TcpListener::bind(hosts[me].as_str()) {
+            Ok(listener) => break listener,
+            Err(_) if !resolves && started.elapsed() < timeout => {
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            Err(e) => {
+                return Err(GraphError::Execution(format!(
+                    "process {me} cannot listen on {}: {e}",
+                    hosts[me]
+                )))
+            }
+        }
+    };
     connect_on(listener, hosts, me, secret, fingerprint, encrypt, timeout)
 }
 
