@@ -1523,6 +1523,38 @@ fn data_parallel_learners_train_like_one() {
         );
     }
 
+    // A checkpoint outlives its rank count: two ranks resumed as one, one
+    // as two, each go on from the checkpoint's weights and AdamW state,
+    // like the run that never changed (to the ranks' rounding).
+    let layout = |cfg: &mut weir::pipelines::RunConfig, ranks: usize| {
+        cfg.placement.workers = 1 + ranks;
+        cfg.placement.rollout = vec![0];
+        cfg.placement.train = (1..=ranks).collect();
+    };
+    let four = |ranks: usize, steps: u64| {
+        let mut cfg = base();
+        cfg.run.steps = steps;
+        cfg.run.checkpoint_every = 2;
+        layout(&mut cfg, ranks);
+        cfg
+    };
+    let straight = tmp.path().join("straight");
+    run(PipelineKind::Grpo, four(1, 4), &straight, false);
+    for (before, after) in [(2, 1), (1, 2)] {
+        let dir = tmp.path().join(format!("ranks-{before}-to-{after}"));
+        run(PipelineKind::Grpo, four(before, 2), &dir, false);
+        let resumed = run(PipelineKind::Grpo, four(after, 4), &dir, true);
+        assert_eq!(resumed["resumed_at_step"], 2, "{resumed}");
+        for name in ["loss", "grad_norm", "kl", "reward"] {
+            assert_curves_match(
+                &metric(&straight, "learn", name),
+                &metric(&dir, "learn", name),
+                4,
+                &format!("learn {name}, {before} ranks resumed as {after}"),
+            );
+        }
+    }
+
     // One group per step: a rank with no rows still ends every step with the other.
     let mut single = cfg.clone();
     single.data.prompts_per_step = 1;

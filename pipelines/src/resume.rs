@@ -35,7 +35,6 @@ pub fn resume_invariants(kind: PipelineKind, cfg: &RunConfig) -> BTreeMap<String
         ("data.prompt_column", d.prompt_column.clone()),
         ("data.messages_column", plain(&d.messages_column)),
         ("run.seed", cfg.run.seed.to_string()),
-        ("placement.workers", cfg.placement.workers.to_string()),
     ]
     .into_iter()
     // Prompts left out for their length make the prompt set depend on
