@@ -320,6 +320,37 @@ fn a_synchronous_run_killed_at_random_moments_trains_the_uninterrupted_weights()
     }
 }
 
+/// Training from a log (half of each step's groups replayed from another
+/// run's log, half generated) at k = 0: which groups replay depends on
+/// their ids alone, so killed and resumed over and over, the run trains
+/// exactly the weights of one left alone.
+#[test]
+fn a_run_training_from_a_log_killed_at_random_moments_trains_the_uninterrupted_weights() {
+    let seed = env_u64("WEIR_CRASH_SEED", 7) + 4;
+    let tmp = tempfile::tempdir().unwrap();
+    let log = tmp.path().join("log");
+    success(&weir(&strs(&run_args_with(&log, &[])), tmp.path()));
+    let rollouts = format!("data.rollouts=[{:?}]", log.display().to_string());
+    let more = [
+        "run.max_staleness=0",
+        "algorithm.correction=\"tis\"",
+        "data.replay_fraction=0.5",
+        rollouts.as_str(),
+    ];
+    let straight = tmp.path().join("straight");
+    success(&weir(&strs(&run_args_with(&straight, &more)), tmp.path()));
+    let last = format!("checkpoints/step-{}/actor/model.safetensors", STEPS - 1);
+    let want = std::fs::read(straight.join(&last)).unwrap();
+    let kills = env_u64("WEIR_CRASH_KILLS", 10).div_ceil(2);
+    for run in kill_and_resume_in(tmp.path(), seed, kills, &more) {
+        assert!(
+            std::fs::read(run.join(&last)).unwrap() == want,
+            "WEIR_CRASH_SEED={seed}: {} trained other weights than the run left alone",
+            run.display()
+        );
+    }
+}
+
 /// Kills `weir run grpo` (with `more` settings) `kills` times at seeded
 /// random moments, resuming after each, and checks every finished run folder.
 fn kill_and_resume(seed: u64, kills: u64, more: &[&str]) {
