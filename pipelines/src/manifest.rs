@@ -129,7 +129,7 @@ impl Manifest {
     /// The manifest of a run of `kind` with `cfg`.
     pub fn of(kind: PipelineKind, cfg: &RunConfig) -> Result<Self, PipelineError> {
         let g = &cfg.generate;
-        let resolved = crate::runner::resolved_config_text(kind, cfg);
+        let resolved = crate::resume::resolved_config_text(kind, cfg);
         Ok(Manifest {
             schema_version: SCHEMA_VERSION.to_string(),
             weir_version: env!("CARGO_PKG_VERSION").to_string(),

@@ -18,6 +18,12 @@ use crate::{PipelineError, PipelineKind, RunConfig};
 /// The file holding a run's resolved config.
 pub const RESOLVED: &str = "config.resolved.toml";
 
+/// The resolved config's text: `pipeline = "…"` then every section.
+pub fn resolved_config_text(kind: PipelineKind, cfg: &RunConfig) -> String {
+    let body = toml::to_string(cfg).expect("a config serialises");
+    format!("pipeline = \"{}\"\n\n{body}", kind.name())
+}
+
 /// The config values a resumed run must keep: the checkpoint's weights,
 /// prompt cursor and components mean something only under them. Other keys
 /// (the number of steps, learning rate, logging, threads) may change.

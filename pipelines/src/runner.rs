@@ -79,13 +79,7 @@ pub struct RunOutcome {
     pub note: Option<String>,
 }
 
-pub use crate::resume::RESOLVED;
-
-/// Writes the resolved config: `pipeline = "…"` then every section.
-pub fn resolved_config_text(kind: PipelineKind, cfg: &RunConfig) -> String {
-    let body = toml::to_string(cfg).expect("a config serialises");
-    format!("pipeline = \"{}\"\n\n{body}", kind.name())
-}
+pub use crate::resume::{resolved_config_text, RESOLVED};
 
 /// Reads a run folder's resolved config (for `weir run --resume`).
 pub fn read_resolved(run_dir: &Path) -> Result<(PipelineKind, RunConfig), PipelineError> {

@@ -315,16 +315,13 @@ fn run_two(args: &[String], dir: &Path) -> (String, String) {
     (success(&o0), success(&o1))
 }
 
-/// A port p with p, p + 1, … p + n − 1 all free.
-fn consecutive_free_ports(n: u16) -> u16 {
+/// A port p with p, p + 1, … p + n − 1 all free, taken through
+/// `free_ports` so that no other test of this process is handed one of them.
+fn consecutive_free_ports(n: usize) -> u16 {
     loop {
-        let p = super::common::free_ports(1)[0];
-        let free = (1..n).all(|i| {
-            p.checked_add(i)
-                .is_some_and(|q| std::net::TcpListener::bind(("127.0.0.1", q)).is_ok())
-        });
-        if free {
-            return p;
+        let ports = super::common::free_ports(n);
+        if ports.windows(2).all(|w| w[1] == w[0] + 1) {
+            return ports[0];
         }
     }
 }
