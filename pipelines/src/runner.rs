@@ -126,6 +126,10 @@ struct Segment {
     complete: bool,
     /// On `--resume`, the one line on what the resume did.
     note: Option<String>,
+    /// The log's manifest being written (process 0): hashing a large
+    /// checkpoint's weights takes a while, so it runs beside the training
+    /// and the run waits for it at its end.
+    manifest: Option<std::thread::JoinHandle<Result<(), String>>>,
 }
 
 /// Everything that can be checked before a folder is touched: the config,
@@ -205,9 +209,16 @@ fn prepare(req: &RunRequest) -> Result<Segment, PipelineError> {
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     if leader {
         write_text(&resolved, &resolved_config_text(kind, cfg))?;
-        // What produced the rows: the log's readers check it.
-        crate::manifest::Manifest::of(kind, cfg)?.write(dir)?;
     }
+    // What produced the rows, for the log's readers to check.
+    let manifest = leader.then(|| {
+        let (cfg, dir) = (cfg.clone(), dir.clone());
+        std::thread::spawn(move || {
+            crate::manifest::Manifest::of(kind, &cfg)
+                .and_then(|m| m.write(&dir))
+                .map_err(|e| e.to_string())
+        })
+    });
     tch::set_num_threads(cfg.run.threads as i32);
 
     let mut ctx = RunContext {
@@ -280,6 +291,7 @@ fn prepare(req: &RunRequest) -> Result<Segment, PipelineError> {
         prior,
         complete,
         note,
+        manifest,
     })
 }
 
@@ -381,8 +393,20 @@ fn finish(
         ctx,
         complete,
         note,
+        manifest,
         ..
     } = segment;
+    if let Some(job) = manifest {
+        let written = job
+            .join()
+            .unwrap_or_else(|_| Err("its thread panicked".into()));
+        if let Err(e) = written {
+            tracing::warn!(
+                "{}: the rollout log's manifest was not written: {e}",
+                dir.display()
+            );
+        }
+    }
     let final_actor = dir
         .join("checkpoints")
         .join(format!("step-{}", ctx.last_step))
