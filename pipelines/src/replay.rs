@@ -7,7 +7,8 @@
 //! none), builds the learner the run built (the resolved config: the same
 //! objective, micro-batching, learning-rate schedule and thread count),
 //! and feeds it each step's logged rows in the order the run's learner took
-//! them (by group, then sample). Each step's learner metrics (loss,
+//! them (by group, then sample); a run's data-parallel ranks are replayed
+//! as ranks too, each fed its worker's rows. Each step's learner metrics (loss,
 //! gradient norm, clip fraction, entropy, learning rate, KL, importance
 //! weights, reward, response length) are compared with `metrics.parquet`.
 //! On the CPU the same kernels, thread count and rows give the same bits;
@@ -90,14 +91,6 @@ pub fn replay(
         )
         .into());
     }
-    if cfg.placement.train.len() > 1 {
-        return Err(format!(
-            "{}: placement.train holds {} data-parallel ranks; `weir replay` replays one learner",
-            dir.display(),
-            cfg.placement.train.len()
-        )
-        .into());
-    }
     check_model(dir, &cfg.model.path)?;
     let logged = logged_metrics(dir)?;
     let steps = logged_steps(dir)?;
@@ -140,33 +133,31 @@ pub fn replay(
         say("note: lora.dropout > 0 draws from libtorch's random state, which no checkpoint keeps: replayed metrics will differ");
     }
     tch::set_num_threads(cfg.run.threads as i32);
-    let worker = WorkerInfo {
-        index: cfg.placement.train[0],
-        ..WorkerInfo::single()
-    };
-    let model = load_policy(&cfg, &start_dir, &worker)?;
-    let mut learner = Learner::new(model, crate::roles::learner_config(&cfg, kind.kl_in_loss()))?;
-    if let Some((ck, _)) = &checkpoint {
-        load_optimizer(&ck.join("actor"), learner.optimizer_mut())?;
-    }
     say(&format!(
-        "replaying steps {start}..={last} of {} from {}",
+        "replaying steps {start}..={last} of {} from {}{}",
         dir.display(),
-        start_dir.display()
+        start_dir.display(),
+        match cfg.placement.train.len() {
+            1 => String::new(),
+            n => format!(" on {n} data-parallel ranks"),
+        }
     ));
+    let start_from = Start {
+        dir: start_dir,
+        optimizer: checkpoint.as_ref().map(|(ck, _)| ck.join("actor")),
+    };
+    let replayed = learn(&cfg, kind, dir, &start_from, start..=last)?;
     let mut report = ReplayReport {
         steps: 0,
         metrics: 0,
         max_abs_diff: 0.0,
         first_difference: None,
     };
-    for step in start..=last {
-        let rows = step_rows(dir, step)?;
-        learner.update(&rows)?;
+    for (step, metrics) in replayed {
         report.steps += 1;
         let mut line = format!("step {step}:");
         let recorded = logged.get(&step);
-        for (name, value) in learner.update_metrics() {
+        for (name, value) in metrics {
             let Some(&was) = recorded.and_then(|m| m.get(name)) else {
                 report.first_difference.get_or_insert_with(|| {
                     format!("step {step}: `{name}` = {value} is not in metrics.parquet")
@@ -189,6 +180,88 @@ pub fn replay(
         say(&line);
     }
     Ok(report)
+}
+
+/// Each replayed step's learner metrics, in step order.
+type StepMetrics = Vec<(u64, Vec<(&'static str, f64)>)>;
+
+/// Where the replayed learner starts: a checkpoint's `actor/` (weights and
+/// optimizer state) or `model.path`.
+struct Start {
+    dir: PathBuf,
+    optimizer: Option<PathBuf>,
+}
+
+/// The learner metrics of each step of `steps`, from the run's learner (or
+/// its data-parallel ranks, each on a thread of its own, summing through a
+/// group as in the run) fed the logged rows.
+fn learn(
+    cfg: &crate::RunConfig,
+    kind: crate::PipelineKind,
+    dir: &Path,
+    start: &Start,
+    steps: std::ops::RangeInclusive<u64>,
+) -> Result<StepMetrics, PipelineError> {
+    let workers = cfg.placement.train.clone();
+    let ranks = workers.len();
+    let group = weir_gpu::collective::HostGroup::new(ranks);
+    let rank = |r: usize| -> Result<StepMetrics, PipelineError> {
+        let worker = WorkerInfo {
+            index: workers[r],
+            rank: r,
+            role_size: ranks,
+            ..WorkerInfo::single()
+        };
+        let model = load_policy(cfg, &start.dir, &worker)?;
+        let mut learner =
+            Learner::new(model, crate::roles::learner_config(cfg, kind.kl_in_loss()))?;
+        if ranks > 1 {
+            learner = learner.with_data_parallel(group.member(r))?;
+        }
+        if let Some(actor) = &start.optimizer {
+            load_optimizer(actor, learner.optimizer_mut())?;
+        }
+        let mut out = Vec::new();
+        for step in steps.clone() {
+            // A rank trains the rows the run routed to it: its worker's files.
+            let only = (ranks > 1).then_some(workers[r]);
+            let rows = step_rows(dir, step, only)?;
+            if ranks == 1 && rows.is_none() {
+                return Err(format!("{}: no rows of step {step}", dir.display()).into());
+            }
+            learner.update_as_rank(rows.as_ref())?;
+            if learner.leads() {
+                out.push((step, learner.update_metrics()));
+            }
+        }
+        Ok(out)
+    };
+    if ranks == 1 {
+        return rank(0);
+    }
+    let results: Vec<_> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..ranks)
+            .map(|r| {
+                let rank = &rank;
+                scope.spawn(move || rank(r).map_err(|e| e.to_string()))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("a rank's thread panicked".into()))
+            })
+            .collect()
+    });
+    let mut lead = Vec::new();
+    for (r, result) in results.into_iter().enumerate() {
+        let metrics = result.map_err(|e| format!("rank {r}: {e}"))?;
+        if r == 0 {
+            lead = metrics;
+        }
+    }
+    Ok(lead)
 }
 
 /// Refuses a log whose manifest names other weights, tokenizer or chat
@@ -247,10 +320,29 @@ fn logged_steps(dir: &Path) -> Result<Vec<u64>, PipelineError> {
     Ok(steps.into_iter().collect())
 }
 
-/// The rows of `step`, in the order the run's learner took them.
-fn step_rows(dir: &Path, step: u64) -> Result<RecordBatch, PipelineError> {
+/// The rows of `step` (of worker `only`'s files, when given), in the
+/// order the run's learner took them; `None` when there are none.
+fn step_rows(
+    dir: &Path,
+    step: u64,
+    only: Option<usize>,
+) -> Result<Option<RecordBatch>, PipelineError> {
     let filter = RowFilter::parse(&format!("step == {step}"))?;
-    let batches = rollout_log::read_all(&[dir.to_path_buf()], &filter, None)?;
-    Ok(rollout_log::in_step_order(&batches)?
-        .ok_or_else(|| format!("{}: no rows of step {step}", dir.display()))?)
+    let prefix = only.map(|w| format!("part-{w:04}-"));
+    let mut batches = Vec::new();
+    for path in rollout_log::files_of(dir)? {
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+        if prefix
+            .as_ref()
+            .is_some_and(|p| !name.is_some_and(|n| n.starts_with(p.as_str())))
+        {
+            continue;
+        }
+        batches.extend(rollout_log::read(
+            &rollout_log::open(&path)?,
+            &filter,
+            None,
+        )?);
+    }
+    Ok(rollout_log::in_step_order(&batches)?)
 }

@@ -97,6 +97,19 @@ fn replay_reproduces_a_logged_run_and_names_the_first_metric_that_differs() {
         "{text}"
     );
 
+    // Two data-parallel learner ranks, each fed the rows its worker logged,
+    // summing through a group as in the run: the same bits.
+    let mut ranks = sets.to_vec();
+    ranks.extend(["placement.workers=3", "placement.train=[1, 2]"]);
+    run_in(tmp.path(), &run_args("grpo", "ranks", &model, &ranks));
+    let text = success(&weir(&["replay", "ranks", "--steps", "2.."], tmp.path()));
+    assert!(text.contains("on 2 data-parallel ranks"), "{text}");
+    assert_eq!(
+        last_line(&text),
+        "replay: steps=2 metrics=24 max_abs_diff=0e0",
+        "{text}"
+    );
+
     // A run whose metrics say otherwise: the first differing metric is named.
     let metrics = tmp.path().join("r/metrics.parquet");
     let mut rows = Vec::new();

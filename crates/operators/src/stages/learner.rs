@@ -331,6 +331,23 @@ impl Learner {
         self.update_rows(Some(batch), "learn")
     }
 
+    /// [`Learner::update`] for one data-parallel rank, which may have got
+    /// no rows of the step (`None`) and still takes part in the ranks'
+    /// sums, as in a pipeline; `false` when it had nothing to do (no rows,
+    /// no ranks).
+    pub fn update_as_rank(&mut self, batch: Option<&RecordBatch>) -> Result<bool, StageError> {
+        if !self.core.runs(batch.is_some()) {
+            return Ok(false);
+        }
+        self.update_rows(batch, "learn")?;
+        Ok(true)
+    }
+
+    /// Whether this learner records the step's metrics (rank 0, or the only one).
+    pub fn leads(&self) -> bool {
+        self.core.leads()
+    }
+
     /// [`Learner::update`] as stage `stage`; a data-parallel rank that got
     /// no rows this step passes `None` and still takes part in the ranks' sums.
     fn update_rows(
