@@ -385,6 +385,7 @@ pub fn learner_config(cfg: &RunConfig, kl_in_loss: bool) -> LearnerConfig {
         schedule: schedule(cfg),
         entropy_coef: a.entropy_coef,
         gradient_checkpointing: a.gradient_checkpointing,
+        packing: a.packing,
         logprob_chunk: a.logprob_chunk,
     }
 }

@@ -159,20 +159,38 @@ impl Attention {
             None => (k, v),
         };
         let scale = 1.0 / (self.head_dim as f64).sqrt();
-        let y = match mask {
-            Mask::Bias(bias) if t == 1 => self.decode_attention(&q, &k, &v, Some(bias), scale),
-            Mask::Causal if t == 1 => self.decode_attention(&q, &k, &v, None, scale),
-            // No bias tensor: SDPA may pick a fused (flash) kernel.
-            Mask::Causal => Tensor::scaled_dot_product_attention::<Tensor>(
-                &q,
-                &k,
-                &v,
+        let causal = |q: &Tensor, k: &Tensor, v: &Tensor| {
+            Tensor::scaled_dot_product_attention::<Tensor>(
+                q,
+                k,
+                v,
                 None,
                 0.0,
                 true,
                 scale,
                 self.kv_heads != self.heads,
-            ),
+            )
+        };
+        let y = match mask {
+            // Rows packed into one sequence: each attends within itself only,
+            // causally, and no position is spent on padding.
+            Mask::Segments(lengths) => {
+                let mut start = 0;
+                let parts: Vec<Tensor> = lengths
+                    .iter()
+                    .map(|&n| {
+                        let part = |x: &Tensor| x.narrow(2, start, n);
+                        let y = causal(&part(&q), &part(&k), &part(&v));
+                        start += n;
+                        y
+                    })
+                    .collect();
+                Tensor::cat(&parts, 2)
+            }
+            Mask::Bias(bias) if t == 1 => self.decode_attention(&q, &k, &v, Some(bias), scale),
+            Mask::Causal if t == 1 => self.decode_attention(&q, &k, &v, None, scale),
+            // No bias tensor: SDPA may pick a fused (flash) kernel.
+            Mask::Causal => causal(&q, &k, &v),
             Mask::Bias(bias) => Tensor::scaled_dot_product_attention(
                 &q,
                 &k,
@@ -334,16 +352,44 @@ impl Decoder {
         input_ids: &Tensor,
         key_mask: Option<&Tensor>,
         position_ids: &Tensor,
+        cache: Option<&mut KvCache>,
+    ) -> Tensor {
+        let past = cache.as_ref().map_or(0, |c| c.past());
+        let mask = Mask::new(key_mask, input_ids, past, self.embed.kind());
+        self.run(input_ids, &mask, position_ids, cache)
+    }
+
+    /// Final hidden states `[1, T, hidden]` of rows packed end to end into
+    /// `input_ids` `[1, T]`, of `lengths` (summing to T), each attending
+    /// within itself only; `position_ids` `[1, T]` restart at each row. The
+    /// same states as each row run on its own, with no position of padding.
+    pub fn forward_packed(
+        &self,
+        input_ids: &Tensor,
+        lengths: &[i64],
+        position_ids: &Tensor,
+    ) -> Tensor {
+        self.run(
+            input_ids,
+            &Mask::Segments(lengths.to_vec()),
+            position_ids,
+            None,
+        )
+    }
+
+    fn run(
+        &self,
+        input_ids: &Tensor,
+        mask: &Mask,
+        position_ids: &Tensor,
         mut cache: Option<&mut KvCache>,
     ) -> Tensor {
         let kind = self.embed.kind();
         let mut h = Tensor::embedding(&self.embed, input_ids, -1, false, false);
         let (cos, sin) = self.rope.tables(position_ids, kind);
-        let past = cache.as_ref().map_or(0, |c| c.past());
-        let mask = Mask::new(key_mask, input_ids, past, kind);
         for (i, layer) in self.layers.iter().enumerate() {
             let slot = cache.as_mut().map(|c| c.layer(i));
-            h = layer.forward(&h, &cos, &sin, &mask, slot);
+            h = layer.forward(&h, &cos, &sin, mask, slot);
         }
         self.norm.forward(&h)
     }
@@ -365,16 +411,39 @@ impl Decoder {
         position_ids: &Tensor,
         loss_of: impl FnOnce(&Tensor) -> Result<Tensor, E>,
     ) -> Result<Tensor, E> {
+        let mask = Mask::new(key_mask, input_ids, 0, self.embed.kind());
+        self.backward_with(input_ids, &mask, position_ids, loss_of)
+    }
+
+    /// [`Decoder::backward_checkpointed`] over rows packed end to end, as
+    /// [`Decoder::forward_packed`] runs them.
+    pub fn backward_checkpointed_packed<E>(
+        &self,
+        input_ids: &Tensor,
+        lengths: &[i64],
+        position_ids: &Tensor,
+        loss_of: impl FnOnce(&Tensor) -> Result<Tensor, E>,
+    ) -> Result<Tensor, E> {
+        let mask = Mask::Segments(lengths.to_vec());
+        self.backward_with(input_ids, &mask, position_ids, loss_of)
+    }
+
+    fn backward_with<E>(
+        &self,
+        input_ids: &Tensor,
+        mask: &Mask,
+        position_ids: &Tensor,
+        loss_of: impl FnOnce(&Tensor) -> Result<Tensor, E>,
+    ) -> Result<Tensor, E> {
         let kind = self.embed.kind();
         let (cos, sin) = self.rope.tables(position_ids, kind);
-        let mask = Mask::new(key_mask, input_ids, 0, kind);
         let mut inputs = Vec::with_capacity(self.layers.len());
         let last = {
             let _guard = tch::no_grad_guard();
             let mut h = Tensor::embedding(&self.embed, input_ids, -1, false, false);
             for layer in &self.layers {
                 inputs.push(h.shallow_clone());
-                h = layer.forward(&h, &cos, &sin, &mask, None);
+                h = layer.forward(&h, &cos, &sin, mask, None);
             }
             h
         };
@@ -384,12 +453,15 @@ impl Decoder {
         let mut grad = last.grad();
         for (layer, input) in self.layers.iter().zip(inputs).rev() {
             let x = input.detach().set_requires_grad(true);
-            let y = layer.forward(&x, &cos, &sin, &mask, None);
+            let y = layer.forward(&x, &cos, &sin, mask, None);
             (y * &grad).sum(kind).backward();
             grad = x.grad();
         }
-        let embedded = Tensor::embedding(&self.embed, input_ids, -1, false, false);
-        (embedded * grad).sum(kind).backward();
+        // A frozen embedding (LoRA trains adapters only) takes no gradient.
+        if self.embed.requires_grad() {
+            let embedded = Tensor::embedding(&self.embed, input_ids, -1, false, false);
+            (embedded * grad).sum(kind).backward();
+        }
         Ok(loss.detach())
     }
 }
@@ -418,6 +490,9 @@ enum Mask {
     Causal,
     /// An additive bias `[B, 1, T, S]` (padding, or a cache before the new positions).
     Bias(Tensor),
+    /// One row of rows packed end to end, of these lengths: each position
+    /// sees the earlier positions of its own row only.
+    Segments(Vec<i64>),
 }
 
 impl Mask {

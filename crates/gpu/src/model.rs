@@ -263,6 +263,54 @@ impl Model {
         Ok(self.decoder.forward(&ids, mask.as_ref(), &positions, None))
     }
 
+    /// Final hidden states `[1, T, hidden]` of rows packed end to end into
+    /// `input_ids` `[1, T]`, of `lengths`: each row attends within itself
+    /// only and its positions start at 0, so every row's states are those
+    /// it has run alone, and no position is spent on padding.
+    pub fn hidden_states_packed(
+        &self,
+        input_ids: &Tensor,
+        lengths: &[i64],
+    ) -> Result<Tensor, ModelError> {
+        let (ids, positions) = self.packed_inputs(input_ids, lengths)?;
+        Ok(self.decoder.forward_packed(&ids, lengths, &positions))
+    }
+
+    /// [`Model::backward_checkpointed_hidden`] over rows packed as
+    /// [`Model::hidden_states_packed`] runs them.
+    pub fn backward_checkpointed_hidden_packed<E: From<ModelError>>(
+        &self,
+        input_ids: &Tensor,
+        lengths: &[i64],
+        loss_of: impl FnOnce(&Tensor) -> Result<Tensor, E>,
+    ) -> Result<Tensor, E> {
+        let (ids, positions) = self.packed_inputs(input_ids, lengths)?;
+        self.decoder
+            .backward_checkpointed_packed(&ids, lengths, &positions, loss_of)
+    }
+
+    /// Checked packed ids and their positions, restarting at each row.
+    fn packed_inputs(
+        &self,
+        input_ids: &Tensor,
+        lengths: &[i64],
+    ) -> Result<(Tensor, Tensor), ModelError> {
+        self.check_weights_held()?;
+        let ids = self.check_ids(input_ids)?;
+        let total: i64 = lengths.iter().sum();
+        if ids.size() != [1, total] || lengths.iter().any(|&n| n < 1) {
+            return Err(ModelError::Input(format!(
+                "packed ids of shape {:?} for rows of lengths {lengths:?}",
+                ids.size()
+            )));
+        }
+        let positions: Vec<i64> = lengths.iter().flat_map(|&n| 0..n).collect();
+        let positions = Tensor::from_slice(&positions)
+            .view([1, total])
+            .to_device(self.device());
+        Ok((ids, positions))
+    }
+
     /// Checked ids, mask and positions on the model's device. Without a
     /// mask, attention is plain causal and positions count from 0.
     fn inputs(

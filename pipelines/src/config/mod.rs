@@ -445,6 +445,8 @@ pub struct AlgorithmSection {
     pub micro_batch_tokens: usize,
     /// Recompute layer activations in the backward pass (actor learner, SFT).
     pub gradient_checkpointing: bool,
+    /// Run a micro-batch's rows end to end as one sequence (actor learner).
+    pub packing: bool,
     /// Response positions the output head runs on at a time in log-prob passes (0: all at once).
     pub logprob_chunk: usize,
     /// Optimizer passes over each step's rows.
@@ -535,6 +537,7 @@ impl Default for AlgorithmSection {
             micro_batch: 64,
             micro_batch_tokens: 0,
             gradient_checkpointing: false,
+            packing: false,
             logprob_chunk: 1024,
             ppo_epochs: 1,
             mini_batches: 1,

@@ -81,6 +81,11 @@ pub struct LearnerConfig {
     /// Recompute layer activations in the backward pass instead of keeping
     /// them: less memory for one more forward pass, the same gradients.
     pub gradient_checkpointing: bool,
+    /// Run each micro-batch's rows end to end as one sequence, attention
+    /// within each row, no padding ([`super::sequences::pack_flat`]); with
+    /// `micro_batch_tokens`, a micro-batch holds rows up to that many tokens
+    /// in all. The same losses and gradients.
+    pub packing: bool,
     /// Response positions the output head runs on at a time in the
     /// log-prob passes (0: all at once): bounds the logits' memory.
     pub logprob_chunk: usize,
@@ -104,6 +109,7 @@ impl Default for LearnerConfig {
             schedule: LrSchedule::Constant { warmup: 0 },
             entropy_coef: 0.0,
             gradient_checkpointing: false,
+            packing: false,
             logprob_chunk: 0,
         }
     }
@@ -365,7 +371,11 @@ impl Learner {
         let member = self.core.member();
         sum_scalars(member, &mut step_totals)?;
         let minis = self.cfg.mini_batches.max(1);
-        let ranges = rows.micro_batches(minis, self.cfg.micro_batch, self.cfg.micro_batch_tokens);
+        let ranges = if self.cfg.packing {
+            rows.packed_micro_batches(minis, self.cfg.micro_batch, self.cfg.micro_batch_tokens)?
+        } else {
+            rows.micro_batches(minis, self.cfg.micro_batch, self.cfg.micro_batch_tokens)
+        };
         let proximal = self.proximal_logprobs(&rows, &ranges)?;
         self.normalizer = self.weight_normalizer(&rows, &ranges, proximal.as_ref())?;
         self.cfg.policy.weight_normalizer = self.normalizer.unwrap_or(1.0);
@@ -490,6 +500,7 @@ impl Learner {
                     Some(cfg.policy.flavor.entropy_temperature(cfg.temperature)),
                     cfg.gradient_checkpointing,
                     cfg.logprob_chunk,
+                    cfg.packing,
                     micro_loss,
                 )?;
             }
@@ -609,6 +620,48 @@ impl LearnRows {
                     .collect()
             })
             .collect()
+    }
+
+    /// The micro-batches of each of `minis` mini-batches when rows run
+    /// packed end to end: at most `micro` rows, and with a token `budget`
+    /// (> 0) rows in order up to that many tokens in all (no row is split:
+    /// one longer than the budget is an error naming the key).
+    fn packed_micro_batches(
+        &self,
+        minis: usize,
+        micro: usize,
+        budget: usize,
+    ) -> Result<Vec<Vec<(usize, usize)>>, StageError> {
+        let micro = micro.max(1);
+        if budget > 0 {
+            if let Some(i) = (0..self.len()).find(|&i| self.width(i) > budget) {
+                return Err(format!(
+                    "algorithm.micro_batch_tokens = {budget}: a row of {} tokens (prompt and response) does not fit, and packed rows are not split",
+                    self.width(i)
+                )
+                .into());
+            }
+        }
+        Ok((0..minis)
+            .map(|k| {
+                let (lo, hi) = self.mini_batch(k, minis);
+                let mut cuts = Vec::new();
+                let (mut start, mut tokens) = (lo, 0);
+                for i in lo..hi {
+                    let full =
+                        i - start == micro || (budget > 0 && tokens + self.width(i) > budget);
+                    if full && i > start {
+                        cuts.push((start, i));
+                        (start, tokens) = (i, 0);
+                    }
+                    tokens += self.width(i);
+                }
+                if hi > start {
+                    cuts.push((start, hi));
+                }
+                cuts
+            })
+            .collect())
     }
 
     /// Sorts the rows of each of `minis` mini-batches by width.

@@ -729,3 +729,108 @@ fn batch_normalised_weights_average_one_and_divide_the_loss() {
         plain.loss
     );
 }
+
+#[test]
+fn packed_rows_train_like_padded_ones() {
+    use crate::algorithms::Aggregation;
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/models/tiny-qwen2");
+    // Lengths far apart (a long prompt with a one-token answer, a short one
+    // with a long answer), a repeated prompt, an empty response.
+    let prompts = vec![
+        vec![1i64, 2, 3, 4, 5, 6, 7, 8, 9],
+        vec![1, 3],
+        vec![1, 3],
+        vec![7],
+        vec![2, 4, 6],
+    ];
+    let responses = vec![
+        vec![5i64],
+        vec![8, 9, 10, 11, 12, 13, 14, 15],
+        vec![6, 7],
+        vec![20, 21, 22, 23],
+        vec![],
+    ];
+    let advantages: Vec<Vec<f64>> = responses
+        .iter()
+        .enumerate()
+        .map(|(i, r)| vec![if i % 2 == 0 { 1.0 } else { -0.5 }; r.len()])
+        .collect();
+    let behaviour: Vec<Vec<f64>> = responses.iter().map(|r| vec![-2.0; r.len()]).collect();
+    let batch = RecordBatch::try_from_iter([
+        (col::PROMPT_TOKENS, token_list_array(&prompts)),
+        (col::RESPONSE_TOKENS, token_list_array(&responses)),
+        (col::ADVANTAGES, float_list_array(&advantages)),
+        (col::BEHAVIOR_LOGPROBS, float_list_array(&behaviour)),
+    ])
+    .unwrap();
+    let run = |packing: bool, aggregation: Aggregation, checkpointed: bool, lora: bool| {
+        let mut model = Model::load(&dir, weir_gpu::Device::Cpu, Kind::Float).unwrap();
+        if lora {
+            let adapters = weir_gpu::adapter::LoraConfig {
+                rank: 4,
+                alpha: 8.0,
+                dropout: 0.0,
+                target_modules: vec!["q_proj".into(), "v_proj".into(), "down_proj".into()],
+            };
+            model.add_lora(&adapters, 3).unwrap();
+        }
+        let mut cfg = LearnerConfig {
+            entropy_coef: 0.1,
+            micro_batch: 3,
+            // Packed: rows up to 14 tokens a micro-batch; padded: sorted by width.
+            micro_batch_tokens: 14,
+            ppo_epochs: 2,
+            gradient_checkpointing: checkpointed,
+            packing,
+            ..LearnerConfig::default()
+        };
+        cfg.policy.aggregation = aggregation;
+        cfg.policy.correction = Some(crate::algorithms::ImportanceCorrection::Tis {
+            low: 0.5,
+            high: 2.0,
+        });
+        cfg.adamw.lr = 1e-2;
+        cfg.adamw.eps = 1e-6;
+        let mut learner = Learner::new(model, cfg).unwrap();
+        let stats = learner.update(&batch).unwrap();
+        (stats, learner.model().named_tensors())
+    };
+    for (aggregation, checkpointed, lora) in [
+        (Aggregation::TokenMean, false, false),
+        (Aggregation::SeqMeanTokenMean, true, false),
+        (Aggregation::SeqMeanTokenSum, false, true),
+        (Aggregation::SeqMeanTokenSumNorm, true, true),
+        (Aggregation::TokenSum, false, false),
+    ] {
+        // Gradient checkpointing with LoRA (a frozen embedding) too: it
+        // failed on the padded path before (its backward reached the embedding).
+        let (padded, padded_weights) = run(false, aggregation, checkpointed, lora);
+        let (packed, packed_weights) = run(true, aggregation, checkpointed, lora);
+        assert!(packed.grad_norm > 0.0);
+        assert_same_update(
+            &format!("{aggregation:?}, checkpointed {checkpointed}, lora {lora}"),
+            &[
+                (padded.loss, packed.loss),
+                (padded.grad_norm, packed.grad_norm),
+                (padded.entropy, packed.entropy),
+                (padded.clip_fraction, packed.clip_fraction),
+            ],
+            &padded_weights,
+            &packed_weights,
+        );
+    }
+    // A budget below the longest row names the key.
+    let model = Model::load(&dir, weir_gpu::Device::Cpu, Kind::Float).unwrap();
+    let cfg = LearnerConfig {
+        micro_batch_tokens: 5,
+        packing: true,
+        ..LearnerConfig::default()
+    };
+    let err = Learner::new(model, cfg)
+        .unwrap()
+        .update(&batch)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("algorithm.micro_batch_tokens = 5"), "{err}");
+}

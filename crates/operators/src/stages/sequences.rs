@@ -56,6 +56,69 @@ pub fn pack(prompts: &[Vec<i64>], responses: &[Vec<i64>], pad: i64, device: tch:
     }
 }
 
+/// `prompt ++ response` rows packed end to end into one sequence, with no
+/// padding: the model runs them as one row whose positions restart and
+/// whose attention stays within each row ([`Model::hidden_states_packed`]).
+pub struct Flat {
+    /// Token ids `[1, T]`, T the rows' total length.
+    pub ids: Tensor,
+    /// Each row's length.
+    pub lengths: Vec<i64>,
+    /// The position in the sequence predicting each response token `[B, R]`
+    /// (R = the longest response; padded entries repeat the row's last).
+    pub index: Tensor,
+    /// The response tokens `[B, R]` (`pad` where a response is shorter).
+    pub targets: Tensor,
+    /// 1.0 on real response tokens `[B, R]`.
+    pub response_mask: Tensor,
+}
+
+/// Packs `prompts[i] ++ responses[i]` end to end, on `device`.
+pub fn pack_flat(
+    prompts: &[Vec<i64>],
+    responses: &[Vec<i64>],
+    pad: i64,
+    device: tch::Device,
+) -> Flat {
+    let r_max = responses.iter().map(Vec::len).max().unwrap_or(1).max(1);
+    let (mut ids, mut lengths, mut index, mut targets, mut rmask) =
+        (vec![], vec![], vec![], vec![], vec![]);
+    for (p, r) in prompts.iter().zip(responses) {
+        let start = ids.len();
+        ids.extend(p.iter().chain(r).copied());
+        lengths.push((p.len() + r.len()) as i64);
+        for j in 0..r_max {
+            index.push((start + p.len() + j.min(r.len().saturating_sub(1))) as i64 - 1);
+            targets.push(r.get(j).copied().unwrap_or(pad));
+            rmask.push(if j < r.len() { 1.0f32 } else { 0.0 });
+        }
+    }
+    let (b, r) = (prompts.len() as i64, r_max as i64);
+    Flat {
+        ids: Tensor::from_slice(&ids).view([1, -1]).to_device(device),
+        lengths,
+        index: Tensor::from_slice(&index).view([b, r]).to_device(device),
+        targets: Tensor::from_slice(&targets).view([b, r]).to_device(device),
+        response_mask: Tensor::from_slice(&rmask).view([b, r]).to_device(device),
+    }
+}
+
+/// The response positions of packed `states` `[1, T, d]`: (`[B, R, d]`,
+/// targets `[B, R]`, mask `[B, R]`).
+fn gather_flat(states: &Tensor, flat: &Flat) -> (Tensor, Tensor, Tensor) {
+    let (b, r) = (flat.index.size()[0], flat.index.size()[1]);
+    let d = states.size()[2];
+    let at = states
+        .squeeze_dim(0)
+        .index_select(0, &flat.index.flatten(0, -1))
+        .view([b, r, d]);
+    (
+        at,
+        flat.targets.shallow_clone(),
+        flat.response_mask.shallow_clone(),
+    )
+}
+
 /// [`pack`] with `model`'s padding id, on its device, after checking on
 /// the host that every token id lies in its vocabulary (so no device
 /// has to be asked).
@@ -64,6 +127,17 @@ pub fn pack_for(
     prompts: &[Vec<i64>],
     responses: &[Vec<i64>],
 ) -> Result<Packed, StageError> {
+    let pad = checked_pad(model, prompts, responses)?;
+    Ok(pack(prompts, responses, pad, model.device()))
+}
+
+/// `model`'s padding id, once every token id is checked on the host to lie
+/// in its vocabulary (so no device has to be asked).
+fn checked_pad(
+    model: &Model,
+    prompts: &[Vec<i64>],
+    responses: &[Vec<i64>],
+) -> Result<i64, StageError> {
     let vocab = model.config.vocab_size;
     if let Some(bad) = prompts
         .iter()
@@ -77,8 +151,7 @@ pub fn pack_for(
         )
         .into());
     }
-    let pad = model.config.pad_token_id.unwrap_or(0).max(0);
-    Ok(pack(prompts, responses, pad, model.device()))
+    Ok(model.config.pad_token_id.unwrap_or(0).max(0))
 }
 
 /// Log-probs `[B, R]` of each row's response tokens given its prompt (at
@@ -326,6 +399,9 @@ fn read_responses(
 /// more response positions than `chunk` (> 0), the output head runs
 /// `chunk` positions at a time forward and backward ([`chunked_loss`]), so
 /// at most `chunk × vocab` logits exist at once; the gradients are the same.
+/// With `packed`, the rows run end to end as one sequence ([`pack_flat`]):
+/// no position of padding, the same states (each distinct prompt is then
+/// run once per row rather than once).
 #[allow(clippy::too_many_arguments)]
 pub fn response_backward<T>(
     model: &Model,
@@ -335,6 +411,7 @@ pub fn response_backward<T>(
     entropy_at: Option<f64>,
     checkpointed: bool,
     chunk: usize,
+    packed: bool,
     loss_of: impl FnOnce(ResponseForward) -> Result<(Tensor, T), StageError>,
 ) -> Result<T, StageError> {
     let chunked = chunks(responses, chunk);
@@ -362,6 +439,26 @@ pub fn response_backward<T>(
             entropy_at,
         ))
     };
+    if packed {
+        let pad = checked_pad(model, prompts, responses)?;
+        let flat = pack_flat(prompts, responses, pad, model.device());
+        if !checkpointed {
+            let hidden = model.hidden_states_packed(&flat.ids, &flat.lengths)?;
+            let (at, targets, mask) = gather_flat(&hidden, &flat);
+            let (loss, measured) = head(&at, &targets, mask)?;
+            loss.backward();
+            return Ok(measured);
+        }
+        let mut measured = None;
+        let _loss =
+            model.backward_checkpointed_hidden_packed(&flat.ids, &flat.lengths, |hidden| {
+                let (at, targets, mask) = gather_flat(hidden, &flat);
+                let (loss, m) = head(&at, &targets, mask)?;
+                measured = Some(m);
+                Ok::<_, StageError>(loss)
+            })?;
+        return Ok(measured.expect("loss_of ran"));
+    }
     if !checkpointed {
         let (hidden, targets, mask) = response_hidden(model, prompts, responses)?;
         let (loss, measured) = head(&hidden, &targets, mask)?;

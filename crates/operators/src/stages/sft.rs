@@ -128,6 +128,7 @@ impl SftTrainer {
                     None,
                     cfg.gradient_checkpointing,
                     cfg.logprob_chunk,
+                    false,
                     |f| {
                         let nll = -f.logprobs;
                         let loss = aggregate_in_step(
