@@ -4,26 +4,23 @@
 
 use std::sync::Arc;
 
-use weir_operators::rollout_log::{self, RowFilter};
+use weir_operators::rollout_log::RowFilter;
 use weir_operators::stages::from_log::LoggedGroups;
 
 use crate::config::RolloutAdvantages;
 use crate::manifest::{Manifest, ModelHashes};
 use crate::{PipelineError, PipelineKind, RunConfig};
 
-/// Checks every file of `data.rollouts` (Parquet, the rollout schema, a
-/// version this weir reads) and that each log's manifest, where it has
-/// one, names the policy's tokenizer: token ids of another tokenizer mean
-/// other text.
+/// Checks that each log of `data.rollouts` whose manifest names a
+/// tokenizer names the policy's: token ids of another tokenizer mean other
+/// text. (Its files are checked as [`logged_groups`] indexes them, before
+/// the run folder is touched.)
 pub fn check_logs(cfg: &RunConfig) -> Result<(), PipelineError> {
     if cfg.data.rollouts.is_empty() {
         return Ok(());
     }
     let ours = ModelHashes::tokenizer_sha256(&cfg.model.path)?;
     for source in &cfg.data.rollouts {
-        for path in rollout_log::files_of(source)? {
-            rollout_log::open(&path)?;
-        }
         if let Some((path, manifest)) = Manifest::find(source)? {
             let theirs = &manifest.policy;
             let tokenizer = (theirs.tokenizer_sha256 != ours).then_some((

@@ -93,7 +93,9 @@ pub fn replay(
     }
     check_model(dir, &cfg.model.path)?;
     let logged = logged_metrics(dir)?;
-    let steps = logged_steps(dir)?;
+    // Opened and checked once; each step's rows are read from them.
+    let files = rollout_log::open_all(&[dir.to_path_buf()])?;
+    let steps = logged_steps(&files)?;
     let (Some(&log_first), Some(&log_last)) = (steps.first(), steps.last()) else {
         return Err(format!("{}: the rollout log holds no rows", dir.display()).into());
     };
@@ -146,7 +148,7 @@ pub fn replay(
         dir: start_dir,
         optimizer: checkpoint.as_ref().map(|(ck, _)| ck.join("actor")),
     };
-    let replayed = learn(&cfg, kind, dir, &start_from, start..=last)?;
+    let replayed = learn(&cfg, kind, &files, &start_from, start..=last)?;
     let mut report = ReplayReport {
         steps: 0,
         metrics: 0,
@@ -198,7 +200,7 @@ struct Start {
 fn learn(
     cfg: &crate::RunConfig,
     kind: crate::PipelineKind,
-    dir: &Path,
+    files: &[rollout_log::LogFile],
     start: &Start,
     steps: std::ops::RangeInclusive<u64>,
 ) -> Result<StepMetrics, PipelineError> {
@@ -221,13 +223,22 @@ fn learn(
         if let Some(actor) = &start.optimizer {
             load_optimizer(actor, learner.optimizer_mut())?;
         }
+        // A rank trains the rows the run routed to it: its worker's files.
+        let prefix = format!("part-{:04}-", workers[r]);
+        let own: Vec<&rollout_log::LogFile> = files
+            .iter()
+            .filter(|f| {
+                ranks == 1
+                    || f.path
+                        .file_name()
+                        .is_some_and(|n| n.to_string_lossy().starts_with(&prefix))
+            })
+            .collect();
         let mut out = Vec::new();
         for step in steps.clone() {
-            // A rank trains the rows the run routed to it: its worker's files.
-            let only = (ranks > 1).then_some(workers[r]);
-            let rows = step_rows(dir, step, only)?;
+            let rows = step_rows(&own, step)?;
             if ranks == 1 && rows.is_none() {
-                return Err(format!("{}: no rows of step {step}", dir.display()).into());
+                return Err(format!("the rollout log holds no rows of step {step}").into());
             }
             learner.update_as_rank(rows.as_ref())?;
             if learner.leads() {
@@ -306,43 +317,30 @@ fn logged_metrics(dir: &Path) -> Result<BTreeMap<u64, BTreeMap<String, f64>>, Pi
 }
 
 /// The steps the log holds rows of, in order.
-fn logged_steps(dir: &Path) -> Result<Vec<u64>, PipelineError> {
-    let batches = rollout_log::read_all(
-        &[dir.to_path_buf()],
-        &RowFilter::default(),
-        Some(&[col::STEP]),
-    )?;
+fn logged_steps(files: &[rollout_log::LogFile]) -> Result<Vec<u64>, PipelineError> {
     let mut steps = std::collections::BTreeSet::new();
-    for batch in &batches {
-        let column = weir_operators::stages::columns::u64s(batch, col::STEP, "replay")?;
-        steps.extend(column);
+    for file in files {
+        for batch in rollout_log::read(file, &RowFilter::default(), Some(&[col::STEP]))? {
+            steps.extend(weir_operators::stages::columns::u64s(
+                &batch,
+                col::STEP,
+                "replay",
+            )?);
+        }
     }
     Ok(steps.into_iter().collect())
 }
 
-/// The rows of `step` (of worker `only`'s files, when given), in the
-/// order the run's learner took them; `None` when there are none.
+/// The rows of `step` in `files`, in the order the run's learner took
+/// them; `None` when there are none.
 fn step_rows(
-    dir: &Path,
+    files: &[&rollout_log::LogFile],
     step: u64,
-    only: Option<usize>,
 ) -> Result<Option<RecordBatch>, PipelineError> {
     let filter = RowFilter::parse(&format!("step == {step}"))?;
-    let prefix = only.map(|w| format!("part-{w:04}-"));
     let mut batches = Vec::new();
-    for path in rollout_log::files_of(dir)? {
-        let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
-        if prefix
-            .as_ref()
-            .is_some_and(|p| !name.is_some_and(|n| n.starts_with(p.as_str())))
-        {
-            continue;
-        }
-        batches.extend(rollout_log::read(
-            &rollout_log::open(&path)?,
-            &filter,
-            None,
-        )?);
+    for file in files {
+        batches.extend(rollout_log::read(file, &filter, None)?);
     }
     Ok(rollout_log::in_step_order(&batches)?)
 }

@@ -35,45 +35,22 @@ impl Execution {
         process: usize,
         hostfile: Option<&Path>,
     ) -> Result<Self, GraphError> {
-        if processes == 0 || threads == 0 {
-            return Err(GraphError::Execution(
-                "processes and threads must be at least 1".into(),
-            ));
-        }
-        if process >= processes {
-            return Err(GraphError::Execution(format!(
-                "process id {process} is not below the process count {processes}"
-            )));
-        }
-        if processes == 1 {
-            return Ok(Execution::Threads(threads));
-        }
         let hosts: Vec<String> = match hostfile {
-            Some(path) => {
+            // One process reads no addresses.
+            Some(path) if processes > 1 => {
                 let text = std::fs::read_to_string(path).map_err(|e| GraphError::io(path, e))?;
-                let hosts: Vec<String> = text
-                    .lines()
+                text.lines()
                     .map(str::trim)
                     .filter(|l| !l.is_empty() && !l.starts_with('#'))
                     .map(String::from)
-                    .collect();
-                return Execution::cluster_on(
-                    threads,
-                    processes,
-                    process,
-                    hosts,
-                    &path.display().to_string(),
-                );
+                    .collect()
             }
-            None => (0..processes)
+            _ => (0..processes)
                 .map(|i| format!("localhost:{}", 2101 + i))
                 .collect(),
         };
-        Ok(Execution::Cluster {
-            threads,
-            process,
-            hosts,
-        })
+        let what = hostfile.map_or_else(|| "the default hosts".into(), |p| p.display().to_string());
+        Execution::cluster_on(threads, processes, process, hosts, &what)
     }
 
     /// A cluster of `processes` processes at `hosts` (`host:port` each, in

@@ -429,6 +429,17 @@ pub fn read(
     Ok(out)
 }
 
+/// Every file of the logs under `sources`, each checked ([`open`]).
+pub fn open_all(sources: &[PathBuf]) -> Result<Vec<LogFile>, OperatorError> {
+    let mut files = Vec::new();
+    for source in sources {
+        for path in files_of(source)? {
+            files.push(open(&path)?);
+        }
+    }
+    Ok(files)
+}
+
 /// Every row of the logs under `sources` that `filter` keeps (each
 /// source checked first), with an error naming the filter when none does.
 pub fn read_all(
@@ -436,28 +447,28 @@ pub fn read_all(
     filter: &RowFilter,
     columns: Option<&[&str]>,
 ) -> Result<Vec<RecordBatch>, OperatorError> {
-    let mut files = Vec::new();
-    for source in sources {
-        for path in files_of(source)? {
-            files.push(open(&path)?);
-        }
-    }
+    let files = open_all(sources)?;
     let mut out = Vec::new();
     for file in &files {
         out.extend(read(file, filter, columns)?);
     }
     if out.is_empty() {
-        let named: Vec<String> = sources.iter().map(|s| s.display().to_string()).collect();
-        return Err(OperatorError::file(
-            named.join(", "),
-            if filter.is_empty() {
-                "the log holds no rows".to_string()
-            } else {
-                format!("no row matches the filter {:?}", filter_text(filter))
-            },
-        ));
+        return Err(no_rows(sources, filter));
     }
     Ok(out)
+}
+
+/// The error of logs `sources` of which `filter` keeps no row.
+pub fn no_rows(sources: &[PathBuf], filter: &RowFilter) -> OperatorError {
+    let named: Vec<String> = sources.iter().map(|s| s.display().to_string()).collect();
+    OperatorError::file(
+        named.join(", "),
+        if filter.is_empty() {
+            "the log holds no rows".to_string()
+        } else {
+            format!("no row matches the filter {:?}", filter_text(filter))
+        },
+    )
 }
 
 /// The filter as text.

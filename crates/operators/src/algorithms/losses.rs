@@ -89,6 +89,21 @@ impl Default for PolicyLossConfig {
 }
 
 impl PolicyLossConfig {
+    /// The weights its correction and rejection chain put on each token
+    /// ([`correction_weights`]); `None` without either, or without the
+    /// behaviour log-probs they read.
+    fn weights(&self, old: &Tensor, behaviour: Option<&Tensor>, mask: &Tensor) -> Option<Tensor> {
+        let behaviour = behaviour?;
+        correction_weights(
+            self.correction,
+            self.weight_normalizer,
+            &self.rejection,
+            old,
+            behaviour,
+            mask,
+        )
+    }
+
     /// Whether the loss weighs stale rows: a correction, a rejection chain, or both.
     pub fn corrects(&self) -> bool {
         self.correction.is_some() || !self.rejection.is_empty()
@@ -228,16 +243,10 @@ pub fn policy_loss_in_step(
         }
     };
     let mut weight_stats = WeightStats::default();
-    let weight = match (behaviour_logprobs, gspo_behaviour) {
-        (Some(behaviour), None) => correction_weights(
-            cfg.correction,
-            cfg.weight_normalizer,
-            &cfg.rejection,
-            old_logprobs,
-            behaviour,
-            mask,
-        ),
-        _ => None,
+    // OpenRLHF's GSPO weighs its ratio itself.
+    let weight = match gspo_behaviour {
+        None => cfg.weights(old_logprobs, behaviour_logprobs, mask),
+        Some(_) => None,
     };
     let loss = if let Some(weight) = weight {
         weight_stats = WeightStats::of(&weight, mask);
@@ -285,16 +294,7 @@ fn other_objective(
         behaviour_logprobs,
         (cfg.clip_low, cfg.clip_high),
     );
-    let weight = behaviour_logprobs.and_then(|behaviour| {
-        correction_weights(
-            cfg.correction,
-            cfg.weight_normalizer,
-            &cfg.rejection,
-            old_logprobs,
-            behaviour,
-            mask,
-        )
-    });
+    let weight = cfg.weights(old_logprobs, behaviour_logprobs, mask);
     let weight_stats = weight
         .as_ref()
         .map_or_else(WeightStats::default, |w| WeightStats::of(w, mask));

@@ -120,13 +120,13 @@ impl RejectionChain {
         // A copy: `to_kind` of a mask already of that kind is the mask
         // itself, which the products below must not change.
         let mut keep = mask.to_kind(kind).copy();
+        let on = mask.to_kind(kind);
         for c in self.criteria() {
             let token = match c.divergence {
                 Divergence::K1 => -&log_rho,
                 Divergence::K2 => log_rho.square() * 0.5,
                 Divergence::K3 => log_rho.exp() - 1.0 - &log_rho,
             };
-            let on = mask.to_kind(kind);
             let statistic = match c.level {
                 Level::Token => token,
                 Level::SequenceSum => (&token * &on).sum_dim_intlist(-1, true, kind),

@@ -78,12 +78,7 @@ impl LoggedGroups {
         fraction: f64,
         keep_advantages: bool,
     ) -> Result<Self, OperatorError> {
-        let mut files = Vec::new();
-        for source in sources {
-            for path in rollout_log::files_of(source)? {
-                files.push(rollout_log::open(&path)?);
-            }
-        }
+        let files = rollout_log::open_all(sources)?;
         let mut groups: BTreeMap<(u64, u64), Vec<usize>> = BTreeMap::new();
         let mut rows = 0;
         for (at, file) in files.iter().enumerate() {
@@ -103,18 +98,7 @@ impl LoggedGroups {
             }
         }
         if groups.is_empty() {
-            let named: Vec<String> = sources.iter().map(|s| s.display().to_string()).collect();
-            return Err(OperatorError::file(
-                named.join(", "),
-                if filter.is_empty() {
-                    "the log holds no rows".to_string()
-                } else {
-                    format!(
-                        "no row matches the filter {:?}",
-                        rollout_log::filter_text(filter)
-                    )
-                },
-            ));
+            return Err(rollout_log::no_rows(sources, filter));
         }
         Ok(LoggedGroups {
             files,
@@ -298,6 +282,36 @@ fn generated(batch: RecordBatch) -> Result<RecordBatch, StageError> {
     )?)
 }
 
+/// The [`Stage`] methods a wrapper hands to its `inner` stage as they are:
+/// weights, the version held, streaming and what it holds.
+macro_rules! inner_stage {
+    () => {
+        fn load_weights(
+            &mut self,
+            version: PolicyVersion,
+            weights: &WeightsPayload,
+        ) -> Result<(), StageError> {
+            self.inner.load_weights(version, weights)
+        }
+
+        fn policy_version(&self) -> Option<PolicyVersion> {
+            self.inner.policy_version()
+        }
+
+        fn streaming(&self) -> bool {
+            self.inner.streaming()
+        }
+
+        fn holds(&self, step: Step) -> bool {
+            self.inner.holds(step)
+        }
+
+        fn input_ended(&mut self, step: Step) {
+            self.inner.input_ended(step)
+        }
+    };
+}
+
 /// The actor's generator, with a share of each step's groups replayed from logs.
 pub struct Replaying<S> {
     inner: S,
@@ -368,21 +382,7 @@ impl<S: Stage> Stage for Replaying<S> {
         Ok(out)
     }
 
-    fn load_weights(
-        &mut self,
-        version: PolicyVersion,
-        weights: &WeightsPayload,
-    ) -> Result<(), StageError> {
-        self.inner.load_weights(version, weights)
-    }
-
-    fn policy_version(&self) -> Option<PolicyVersion> {
-        self.inner.policy_version()
-    }
-
-    fn streaming(&self) -> bool {
-        self.inner.streaming()
-    }
+    inner_stage!();
 
     fn advance(&mut self) -> Result<Vec<(Step, RecordBatch)>, StageError> {
         self.inner
@@ -390,14 +390,6 @@ impl<S: Stage> Stage for Replaying<S> {
             .into_iter()
             .map(|(step, batch)| Ok((step, generated(batch)?)))
             .collect()
-    }
-
-    fn holds(&self, step: Step) -> bool {
-        self.inner.holds(step)
-    }
-
-    fn input_ended(&mut self, step: Step) {
-        self.inner.input_ended(step)
     }
 }
 
@@ -448,32 +440,10 @@ impl<S: Stage> Stage for PassLogged<S> {
         self.inner.end_step(ctx)
     }
 
-    fn load_weights(
-        &mut self,
-        version: PolicyVersion,
-        weights: &WeightsPayload,
-    ) -> Result<(), StageError> {
-        self.inner.load_weights(version, weights)
-    }
-
-    fn policy_version(&self) -> Option<PolicyVersion> {
-        self.inner.policy_version()
-    }
-
-    fn streaming(&self) -> bool {
-        self.inner.streaming()
-    }
+    inner_stage!();
 
     fn advance(&mut self) -> Result<Vec<(Step, RecordBatch)>, StageError> {
         self.inner.advance()
-    }
-
-    fn holds(&self, step: Step) -> bool {
-        self.inner.holds(step)
-    }
-
-    fn input_ended(&mut self, step: Step) {
-        self.inner.input_ended(step)
     }
 }
 

@@ -5,6 +5,22 @@ use super::*;
 use crate::algorithms::Flavor;
 use crate::stages::columns::{float_list_array, token_list_array};
 
+/// A learner's input: prompts, responses, per-token advantages and behaviour log-probs.
+fn learn_rows(
+    prompts: &[Vec<i64>],
+    responses: &[Vec<i64>],
+    advantages: &[Vec<f64>],
+    behaviour: &[Vec<f64>],
+) -> RecordBatch {
+    RecordBatch::try_from_iter([
+        (col::PROMPT_TOKENS, token_list_array(prompts)),
+        (col::RESPONSE_TOKENS, token_list_array(responses)),
+        (col::ADVANTAGES, float_list_array(advantages)),
+        (col::BEHAVIOR_LOGPROBS, float_list_array(behaviour)),
+    ])
+    .unwrap()
+}
+
 fn entropy_after_two_updates(coef: f64) -> (f64, f64) {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../tests/fixtures/models/tiny-llama");
@@ -18,16 +34,7 @@ fn entropy_after_two_updates(coef: f64) -> (f64, f64) {
     let mut learner = Learner::new(model, cfg).unwrap();
     let responses = vec![vec![5i64, 6, 7], vec![8, 9]];
     let zeros: Vec<Vec<f64>> = responses.iter().map(|r| vec![0.0; r.len()]).collect();
-    let batch = RecordBatch::try_from_iter([
-        (
-            col::PROMPT_TOKENS,
-            token_list_array(&[vec![1, 2], vec![1, 3, 4]]),
-        ),
-        (col::RESPONSE_TOKENS, token_list_array(&responses)),
-        (col::ADVANTAGES, float_list_array(&zeros)),
-        (col::BEHAVIOR_LOGPROBS, float_list_array(&zeros)),
-    ])
-    .unwrap();
+    let batch = learn_rows(&[vec![1, 2], vec![1, 3, 4]], &responses, &zeros, &zeros);
     let first = learner.update(&batch).unwrap();
     let second = learner.update(&batch).unwrap();
     assert!(first.loss.is_finite() && first.entropy > 0.0);
@@ -155,16 +162,12 @@ fn one_update_takes_its_proximal_logprobs_from_the_training_forward() {
         .iter()
         .map(|r| (0..r.len()).map(|t| -4.0 - t as f64).collect())
         .collect();
-    let batch = RecordBatch::try_from_iter([
-        (
-            col::PROMPT_TOKENS,
-            token_list_array(&[vec![1, 2], vec![1, 3, 4], vec![1, 2]]),
-        ),
-        (col::RESPONSE_TOKENS, token_list_array(&responses)),
-        (col::ADVANTAGES, float_list_array(&advantages)),
-        (col::BEHAVIOR_LOGPROBS, float_list_array(&behaviour)),
-    ])
-    .unwrap();
+    let batch = learn_rows(
+        &[vec![1, 2], vec![1, 3, 4], vec![1, 2]],
+        &responses,
+        &advantages,
+        &behaviour,
+    );
     let run = |pass: bool, checkpointed: bool, chunk: usize| {
         let model = Model::load(&dir, weir_gpu::Device::Cpu, Kind::Float).unwrap();
         let mut cfg = LearnerConfig {
@@ -678,16 +681,12 @@ fn batch_normalised_weights_average_one_and_divide_the_loss() {
     let advantages = vec![vec![1.0; 3], vec![-0.5; 2], vec![0.75; 2]];
     // Behaviour log-probs far from the policy's: weights well away from 1.
     let behaviour = vec![vec![-1.0, -0.5, -1.5], vec![-0.5, -1.0], vec![-2.0, -1.0]];
-    let batch = RecordBatch::try_from_iter([
-        (
-            col::PROMPT_TOKENS,
-            token_list_array(&[vec![1, 2], vec![1, 3, 4], vec![1, 2]]),
-        ),
-        (col::RESPONSE_TOKENS, token_list_array(&responses)),
-        (col::ADVANTAGES, float_list_array(&advantages)),
-        (col::BEHAVIOR_LOGPROBS, float_list_array(&behaviour)),
-    ])
-    .unwrap();
+    let batch = learn_rows(
+        &[vec![1, 2], vec![1, 3, 4], vec![1, 2]],
+        &responses,
+        &advantages,
+        &behaviour,
+    );
     let run = |normalize: bool| {
         let model = Model::load(&dir, weir_gpu::Device::Cpu, Kind::Float).unwrap();
         let mut cfg = LearnerConfig {
@@ -757,13 +756,7 @@ fn packed_rows_train_like_padded_ones() {
         .map(|(i, r)| vec![if i % 2 == 0 { 1.0 } else { -0.5 }; r.len()])
         .collect();
     let behaviour: Vec<Vec<f64>> = responses.iter().map(|r| vec![-2.0; r.len()]).collect();
-    let batch = RecordBatch::try_from_iter([
-        (col::PROMPT_TOKENS, token_list_array(&prompts)),
-        (col::RESPONSE_TOKENS, token_list_array(&responses)),
-        (col::ADVANTAGES, float_list_array(&advantages)),
-        (col::BEHAVIOR_LOGPROBS, float_list_array(&behaviour)),
-    ])
-    .unwrap();
+    let batch = learn_rows(&prompts, &responses, &advantages, &behaviour);
     let run = |packing: bool, aggregation: Aggregation, checkpointed: bool, lora: bool| {
         let mut model = Model::load(&dir, weir_gpu::Device::Cpu, Kind::Float).unwrap();
         if lora {
