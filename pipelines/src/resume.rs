@@ -184,7 +184,12 @@ pub(crate) fn trim_rollouts(dir: &Path, last_step: Option<u64>) -> Result<(), Pi
         .iter()
         .filter(|p| p.extension().is_some_and(|x| x == "tmp"))
     {
-        std::fs::remove_file(tmp).map_err(|e| format!("{}: {e}", tmp.display()))?;
+        match std::fs::remove_file(tmp) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(format!("{}: {e}", tmp.display()).into())
+            }
+            _ => {}
+        }
     }
     let mut files: Vec<PathBuf> = paths
         .into_iter()

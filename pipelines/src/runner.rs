@@ -210,15 +210,6 @@ fn prepare(req: &RunRequest) -> Result<Segment, PipelineError> {
     if leader {
         write_text(&resolved, &resolved_config_text(kind, cfg))?;
     }
-    // What produced the rows, for the log's readers to check.
-    let manifest = leader.then(|| {
-        let (cfg, dir) = (cfg.clone(), dir.clone());
-        std::thread::spawn(move || {
-            crate::manifest::Manifest::of(kind, &cfg)
-                .and_then(|m| m.write(&dir))
-                .map_err(|e| e.to_string())
-        })
-    });
     tch::set_num_threads(cfg.run.threads as i32);
 
     let mut ctx = RunContext {
@@ -286,6 +277,16 @@ fn prepare(req: &RunRequest) -> Result<Segment, PipelineError> {
         // Checkpoints are written here, but the prompts are drawn elsewhere.
         ctx.cursors = crate::placement::derived_cursors(kind, cfg, &ctx, cluster)?;
     }
+    // What produced the rows, for the log's readers to check: once the
+    // folder is in order (a resume's tidying removes half-written files).
+    let manifest = leader.then(|| {
+        let (cfg, dir) = (cfg.clone(), dir.clone());
+        std::thread::spawn(move || {
+            crate::manifest::Manifest::of(kind, &cfg)
+                .and_then(|m| m.write(&dir))
+                .map_err(|e| e.to_string())
+        })
+    });
     Ok(Segment {
         ctx,
         prior,
