@@ -1555,6 +1555,43 @@ fn data_parallel_learners_train_like_one() {
         }
     }
 
+    // The optimizer state sharded over the two ranks (ZeRO): the same
+    // weights byte for byte, and a sharded checkpoint resumes on one rank,
+    // one rank's on two sharded ranks, like the unsharded ones.
+    let mut zero = cfg.clone();
+    zero.placement.shard_optimizer = true;
+    let sharded = tmp.path().join("sharded");
+    run(PipelineKind::Grpo, zero, &sharded, false);
+    let bytes = |dir: &Path, file: &str| std::fs::read(dir.join(file)).unwrap();
+    let weights = "checkpoints/step-2/actor/model.safetensors";
+    assert!(bytes(&two, weights) == bytes(&sharded, weights));
+    for (before, after) in [(2, 1), (1, 2)] {
+        let dir = tmp.path().join(format!("sharded-{before}-to-{after}"));
+        let sharding = |mut cfg: weir::pipelines::RunConfig, ranks: usize| {
+            cfg.placement.shard_optimizer = ranks > 1;
+            cfg
+        };
+        run(
+            PipelineKind::Grpo,
+            sharding(four(before, 2), before),
+            &dir,
+            false,
+        );
+        let resumed = run(
+            PipelineKind::Grpo,
+            sharding(four(after, 4), after),
+            &dir,
+            true,
+        );
+        assert_eq!(resumed["resumed_at_step"], 2, "{resumed}");
+        let unsharded = tmp.path().join(format!("ranks-{before}-to-{after}"));
+        let last = "checkpoints/step-3/actor/model.safetensors";
+        assert!(
+            bytes(&unsharded, last) == bytes(&dir, last),
+            "{before} ranks resumed as {after}, sharded and not"
+        );
+    }
+
     // One group per step: a rank with no rows still ends every step with the other.
     let mut single = cfg.clone();
     single.data.prompts_per_step = 1;

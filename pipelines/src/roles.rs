@@ -459,6 +459,7 @@ pub fn data_parallel_group(cfg: &RunConfig) -> Option<DataParallel> {
     (workers.len() > 1).then(|| DataParallel {
         host: HostGroup::new(workers.len()),
         workers,
+        shard_optimizer: cfg.placement.shard_optimizer,
     })
 }
 
@@ -470,6 +471,8 @@ pub fn data_parallel_group(cfg: &RunConfig) -> Option<DataParallel> {
 pub struct DataParallel {
     workers: Vec<usize>,
     host: Arc<HostGroup>,
+    /// Trainers shard their optimizer state over the ranks (`placement.shard_optimizer`).
+    shard_optimizer: bool,
 }
 
 impl DataParallel {
@@ -478,11 +481,13 @@ impl DataParallel {
     pub fn member(&self, w: &WorkerInfo, name: &str) -> Result<GroupMember, StageError> {
         let one_process = weir_graph::collective::local_workers(w)
             .is_none_or(|local| self.workers.iter().all(|x| local.contains(x)));
-        if one_process {
-            return Ok(self.host.member(w.rank));
-        }
-        let handle = weir_graph::collective::join(w, name, &self.workers)?;
-        Ok(GroupMember::over(Box::new(ClusterRank(handle))))
+        let member = if one_process {
+            self.host.member(w.rank)
+        } else {
+            let handle = weir_graph::collective::join(w, name, &self.workers)?;
+            GroupMember::over(Box::new(ClusterRank(handle)))
+        };
+        Ok(member.sharding_optimizer(self.shard_optimizer))
     }
 }
 
@@ -505,6 +510,19 @@ impl HostReduce for ClusterRank {
         scalars: Vec<f64>,
     ) -> Result<(Vec<f32>, Vec<f64>), String> {
         self.0.all_reduce(values, scalars)
+    }
+
+    fn reduce_scatter(
+        &self,
+        values: Vec<f32>,
+        bounds: &[usize],
+        scalars: Vec<f64>,
+    ) -> Result<(Vec<f32>, Vec<f64>), String> {
+        self.0.reduce_scatter(values, bounds, scalars)
+    }
+
+    fn all_gather(&self, chunk: Vec<f32>, bounds: &[usize]) -> Result<Vec<f32>, String> {
+        self.0.all_gather(chunk, bounds)
     }
 }
 

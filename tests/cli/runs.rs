@@ -682,4 +682,79 @@ fn data_parallel_ranks_in_two_processes_match_one_process_and_resume() {
         "checkpoints/step-5/state.json",
     ]);
     assert_eq!(metric_values(&one), metric_values(&two));
+
+    // The optimizer state sharded over the two processes' ranks (ZeRO):
+    // the same weights byte for byte, each rank holding about half the
+    // state, rank 0 writing one file per rank that together hold the
+    // unsharded state; resumed across processes, still the same.
+    let sharded: Vec<String> = args("zero")
+        .into_iter()
+        .chain(["--set".into(), "placement.shard_optimizer=true".into()])
+        .collect();
+    run_two(&sharded, tmp.path());
+    let zero = tmp.path().join("zero");
+    for file in [
+        "checkpoints/step-1/actor/model.safetensors",
+        "checkpoints/step-3/actor/model.safetensors",
+    ] {
+        assert!(
+            file_bytes(&one.join(file)) == file_bytes(&zero.join(file)),
+            "{file}"
+        );
+    }
+    let tensors = |dir: &Path, files: &[&str]| {
+        let mut all: Vec<(String, Vec<u8>)> = Vec::new();
+        for f in files {
+            let bytes = file_bytes(&dir.join("checkpoints/step-3/actor").join(f));
+            let (named, meta) = weir::gpu::snapshot::from_safetensors(&bytes).unwrap();
+            // Four steps of two optimizer steps each.
+            assert_eq!(meta["steps"], "8", "{f}");
+            for (n, t) in named {
+                let mut raw = vec![0u8; t.numel() * 4];
+                t.copy_data_u8(&mut raw, t.numel());
+                all.push((n, raw));
+            }
+        }
+        all.sort();
+        all
+    };
+    assert!(!zero
+        .join("checkpoints/step-3/actor/optimizer.safetensors")
+        .exists());
+    assert!(
+        tensors(&one, &["optimizer.safetensors"])
+            == tensors(
+                &zero,
+                &[
+                    "optimizer-00001-of-00002.safetensors",
+                    "optimizer-00002-of-00002.safetensors"
+                ]
+            ),
+        "the shards hold the unsharded state"
+    );
+    let state_bytes = |dir: &Path| -> Vec<String> {
+        metric_values(dir)
+            .into_iter()
+            .filter(|r| r.starts_with("learn optimizer_state_bytes 3 "))
+            .collect()
+    };
+    let bytes_of =
+        |rows: Vec<String>| -> f64 { rows[0].rsplit(' ').next().unwrap().parse().unwrap() };
+    let share = bytes_of(state_bytes(&zero)) / bytes_of(state_bytes(&one));
+    assert!(
+        (share - 0.5).abs() < 0.2,
+        "rank 0 holds {share} of the state"
+    );
+    let without_state_bytes = |dir: &Path| -> Vec<String> {
+        metric_values(dir)
+            .into_iter()
+            .filter(|r| !r.starts_with("learn optimizer_state_bytes "))
+            .collect()
+    };
+    run_two(&resume_to_six("zero"), tmp.path());
+    assert!(
+        file_bytes(&one.join("checkpoints/step-5/actor/model.safetensors"))
+            == file_bytes(&zero.join("checkpoints/step-5/actor/model.safetensors"))
+    );
+    assert_eq!(without_state_bytes(&one), without_state_bytes(&zero));
 }

@@ -87,6 +87,7 @@ impl HostGroup {
                 group: self.clone(),
                 rank,
             },
+            shard_optimizer: false,
         }
     }
 
@@ -100,7 +101,16 @@ impl HostGroup {
         self.changed.notify_all();
     }
 
-    fn all_reduce(&self, rank: usize, values: Tensor, scalars: Vec<f64>) -> Result<Sums, String> {
+    /// One round: every rank deposits `values` and `scalars`; the last to
+    /// arrive combines them (`sum` in rank order, else end to end), and
+    /// every rank takes the result.
+    fn round(
+        &self,
+        rank: usize,
+        values: Tensor,
+        scalars: Vec<f64>,
+        sum: bool,
+    ) -> Result<Sums, String> {
         let mut round = self.lock();
         // Wait until the previous round's sums are taken and this rank's slot is free.
         while round.result.is_some() || round.deposits[rank].is_some() {
@@ -115,7 +125,12 @@ impl HostGroup {
         let generation = round.generation;
         round.deposits[rank] = Some((values, scalars));
         if round.deposits.iter().all(Option::is_some) {
-            match sum_in_rank_order(&mut round.deposits) {
+            let combined = if sum {
+                sum_in_rank_order(&mut round.deposits)
+            } else {
+                concatenate(&mut round.deposits)
+            };
+            match combined {
                 Ok(sums) => round.result = Some(sums),
                 Err(why) => {
                     // The others are waiting for this round: they fail with the same reason.
@@ -175,6 +190,26 @@ fn sum_in_rank_order(deposits: &mut [Option<(Tensor, Vec<f64>)>]) -> Result<Sums
     Ok((values, Arc::new(scalars)))
 }
 
+/// The ranks' values end to end in rank order, on rank 0's device, and their
+/// scalars summed; empties the deposits.
+fn concatenate(deposits: &mut [Option<(Tensor, Vec<f64>)>]) -> Result<Sums, String> {
+    let _guard = tch::no_grad_guard();
+    let taken: Vec<(Tensor, Vec<f64>)> = deposits
+        .iter_mut()
+        .map(|d| d.take().expect("all deposited"))
+        .collect();
+    let device = taken[0].0.device();
+    let parts: Vec<Tensor> = taken
+        .iter()
+        .map(|(v, _)| v.to_kind(Kind::Float).reshape([-1]).to_device(device))
+        .collect();
+    let mut scalars = taken[0].1.clone();
+    for (_, s) in &taken[1..] {
+        scalars.iter_mut().zip(s).for_each(|(a, b)| *a += b);
+    }
+    Ok((Tensor::cat(&parts, 0), Arc::new(scalars)))
+}
+
 /// The all-reduce of a group whose ranks live in several processes, over
 /// host memory: every rank hands in as many values and scalars, and gets
 /// back their element-wise sums, added in rank order from rank 0's.
@@ -189,12 +224,25 @@ pub trait HostReduce: Send + std::fmt::Debug {
         values: Vec<f32>,
         scalars: Vec<f64>,
     ) -> Result<(Vec<f32>, Vec<f64>), String>;
+    /// Waits for every rank; returns this rank's chunk
+    /// `bounds[rank]..bounds[rank + 1]` of the sums of the ranks' `values`
+    /// (the all-reduce's bits), and the sums of their scalars.
+    fn reduce_scatter(
+        &self,
+        values: Vec<f32>,
+        bounds: &[usize],
+        scalars: Vec<f64>,
+    ) -> Result<(Vec<f32>, Vec<f64>), String>;
+    /// Waits for every rank; returns the ranks' chunks end to end (rank
+    /// `r`'s of length `bounds[r + 1] - bounds[r]`).
+    fn all_gather(&self, chunk: Vec<f32>, bounds: &[usize]) -> Result<Vec<f32>, String>;
 }
 
 /// One rank of a data-parallel group; dropping a [`HostGroup`]'s member closes that group.
 #[derive(Debug)]
 pub struct GroupMember {
     link: Link,
+    shard_optimizer: bool,
 }
 
 #[derive(Debug)]
@@ -208,7 +256,21 @@ impl GroupMember {
     pub fn over(reduce: Box<dyn HostReduce>) -> Self {
         GroupMember {
             link: Link::Remote(reduce),
+            shard_optimizer: false,
         }
+    }
+
+    /// This rank's trainers shard their optimizer state over the group
+    /// (ZeRO stages 1 and 2, `placement.shard_optimizer`): see
+    /// [`crate::optim::Optimizer::shard`].
+    pub fn sharding_optimizer(mut self, shard: bool) -> Self {
+        self.shard_optimizer = shard;
+        self
+    }
+
+    /// Whether trainers of this rank shard their optimizer state over the group.
+    pub fn shards_optimizer(&self) -> bool {
+        self.shard_optimizer
     }
 
     /// This member's rank.
@@ -234,19 +296,110 @@ impl GroupMember {
     pub fn all_reduce(&self, values: Tensor, scalars: Vec<f64>) -> Result<Sums, String> {
         match &self.link {
             Link::Local { group, rank } => group
-                .all_reduce(*rank, values, scalars)
+                .round(*rank, values, scalars, true)
                 .map_err(|why| format!("data-parallel group: {why}")),
             Link::Remote(reduce) => {
-                let flat = values
-                    .to_kind(Kind::Float)
-                    .to_device(tch::Device::Cpu)
-                    .reshape([-1]);
-                let host = Vec::<f32>::try_from(&flat).map_err(|e| e.to_string())?;
-                let (sums, scalars) = reduce.all_reduce(host, scalars)?;
+                let (sums, scalars) = reduce.all_reduce(host_values(&values)?, scalars)?;
                 Ok((Tensor::from_slice(&sums), Arc::new(scalars)))
             }
         }
     }
+}
+
+impl GroupMember {
+    /// Waits for every rank and returns this rank's chunk
+    /// `bounds[rank]..bounds[rank + 1]` of the element-wise sums of their
+    /// flat `values` (float32, on this rank's device: the bits of
+    /// [`GroupMember::all_reduce`]), and the sums of their `scalars`.
+    /// `bounds` (`size() + 1` offsets from 0 to the values' length) must be
+    /// the same on every rank.
+    pub fn reduce_scatter(
+        &self,
+        values: Tensor,
+        bounds: &[usize],
+        scalars: Vec<f64>,
+    ) -> Result<Sums, String> {
+        check_bounds(bounds, self.size(), values.numel())?;
+        let rank = self.rank();
+        let (from, to) = (bounds[rank], bounds[rank + 1]);
+        match &self.link {
+            Link::Local { group, .. } => {
+                let device = values.device();
+                let (sums, scalars) = group
+                    .round(rank, values, scalars, true)
+                    .map_err(|why| format!("data-parallel group: {why}"))?;
+                let mine = sums
+                    .narrow(0, from as i64, (to - from) as i64)
+                    .to_device(device)
+                    .copy();
+                Ok((mine, scalars))
+            }
+            Link::Remote(reduce) => {
+                let device = values.device();
+                let (chunk, scalars) =
+                    reduce.reduce_scatter(host_values(&values)?, bounds, scalars)?;
+                Ok((
+                    Tensor::from_slice(&chunk).to_device(device),
+                    Arc::new(scalars),
+                ))
+            }
+        }
+    }
+
+    /// Waits for every rank and returns their `chunk`s end to end, float32
+    /// on this rank's device (rank `r`'s chunk has `bounds[r + 1] -
+    /// bounds[r]` values; it may be empty, so one rank's values reach all).
+    pub fn all_gather(&self, chunk: Tensor, bounds: &[usize]) -> Result<Tensor, String> {
+        check_bounds(bounds, self.size(), *bounds.last().unwrap_or(&0))?;
+        let rank = self.rank();
+        let owned = bounds[rank + 1] - bounds[rank];
+        if chunk.numel() != owned {
+            return Err(format!(
+                "data-parallel group: rank {rank} owns {owned} values, handed in {}",
+                chunk.numel()
+            ));
+        }
+        let device = chunk.device();
+        match &self.link {
+            Link::Local { group, .. } => {
+                let (all, _) = group
+                    .round(rank, chunk, Vec::new(), false)
+                    .map_err(|why| format!("data-parallel group: {why}"))?;
+                let n = *bounds.last().unwrap_or(&0);
+                if all.numel() != n {
+                    return Err(format!(
+                        "data-parallel group: the ranks handed in {} values in all, not {n}",
+                        all.numel()
+                    ));
+                }
+                Ok(all.to_device(device))
+            }
+            Link::Remote(reduce) => {
+                let all = reduce.all_gather(host_values(&chunk)?, bounds)?;
+                Ok(Tensor::from_slice(&all).to_device(device))
+            }
+        }
+    }
+}
+
+/// Checks that `bounds` cut `n` values into `ranks` chunks.
+fn check_bounds(bounds: &[usize], ranks: usize, n: usize) -> Result<(), String> {
+    let ordered = bounds.windows(2).all(|w| w[0] <= w[1]);
+    if bounds.len() != ranks + 1 || bounds[0] != 0 || bounds[ranks] != n || !ordered {
+        return Err(format!(
+            "data-parallel group: chunk bounds {bounds:?} do not cut {n} values among {ranks} ranks"
+        ));
+    }
+    Ok(())
+}
+
+/// A tensor's values as flat float32 in host memory.
+fn host_values(values: &Tensor) -> Result<Vec<f32>, String> {
+    let flat = values
+        .to_kind(Kind::Float)
+        .to_device(tch::Device::Cpu)
+        .reshape([-1]);
+    Vec::<f32>::try_from(&flat).map_err(|e| e.to_string())
 }
 
 /// Whether a trainer with `member` (or alone, `None`) is the one that

@@ -130,6 +130,15 @@ pub type NamedTensors = Vec<(String, Tensor)>;
 pub fn from_safetensors(
     bytes: &[u8],
 ) -> Result<(NamedTensors, HashMap<String, String>), ModelError> {
+    from_safetensors_where(bytes, |_| true)
+}
+
+/// [`from_safetensors`] of the tensors whose names `keep` takes (the others
+/// are never copied out of `bytes`).
+pub fn from_safetensors_where(
+    bytes: &[u8],
+    keep: impl Fn(&str) -> bool,
+) -> Result<(NamedTensors, HashMap<String, String>), ModelError> {
     let (_, meta) = SafeTensors::read_metadata(bytes)
         .map_err(|e| ModelError::Input(format!("not safetensors bytes: {e:?}")))?;
     let metadata = meta.metadata().clone().unwrap_or_default();
@@ -137,7 +146,9 @@ pub fn from_safetensors(
         .map_err(|e| ModelError::Input(format!("not safetensors bytes: {e:?}")))?;
     let mut tensors = Vec::new();
     for (name, v) in st.tensors() {
-        tensors.push((name, Tensor::try_from(v)?));
+        if keep(&name) {
+            tensors.push((name, Tensor::try_from(v)?));
+        }
     }
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
     Ok((tensors, metadata))

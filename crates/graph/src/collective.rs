@@ -11,7 +11,10 @@
 //! Every chunk is summed in rank order, starting from rank 0's, which is the
 //! order [`weir_gpu`'s in-process group] sums in: the same ranks give the same
 //! bits whether they share a process or not. Scalars go to every rank, and
-//! each sums them in rank order.
+//! each sums them in rank order. The two halves are also collectives of
+//! their own, with chunks of any lengths: [`GroupHandle::reduce_scatter`]
+//! and [`GroupHandle::all_gather`], which a trainer that shards its
+//! optimizer state over the ranks (ZeRO) runs around its update.
 //!
 //! How it runs: each worker's dataflow holds a small side-path, `Collective`
 //! out (a source that drains the worker's outbox when an engine thread
@@ -382,9 +385,10 @@ fn group_id(name: &str, workers: &[usize]) -> u64 {
     h
 }
 
-/// The range of `n` values that rank `c` of `ranks` owns.
-fn chunk(n: usize, ranks: usize, c: usize) -> Range<usize> {
-    n * c / ranks..n * (c + 1) / ranks
+/// The offsets that cut `n` values into `ranks` chunks of (nearly) equal
+/// length: rank `c` owns `bounds[c]..bounds[c + 1]` of an all-reduce.
+fn even_bounds(n: usize, ranks: usize) -> Vec<usize> {
+    (0..=ranks).map(|c| n * c / ranks).collect()
 }
 
 /// `range` cut into pieces of at most [`PIECE`] values.
@@ -415,20 +419,70 @@ impl GroupHandle {
         values: Vec<f32>,
         scalars: Vec<f64>,
     ) -> Result<(Vec<f32>, Vec<f64>), String> {
+        self.round_of("all-reduce", |round| self.reduce(round, values, scalars))
+    }
+
+    /// Waits for every rank and returns this rank's chunk,
+    /// `bounds[rank]..bounds[rank + 1]`, of the element-wise sums of their
+    /// `values`, and the sums of their `scalars` (ZeRO's reduce-scatter: a
+    /// rank keeps the sums of the values it owns). `bounds` are the ranks'
+    /// offsets into `values`, `size() + 1` of them from 0 to its length, the
+    /// same on every rank. The bits are [`GroupHandle::all_reduce`]'s.
+    pub fn reduce_scatter(
+        &self,
+        values: Vec<f32>,
+        bounds: &[usize],
+        scalars: Vec<f64>,
+    ) -> Result<(Vec<f32>, Vec<f64>), String> {
+        self.round_of("reduce-scatter", |round| {
+            check_bounds(bounds, self.size(), values.len())?;
+            self.scatter(round, &values, bounds, scalars)
+        })
+    }
+
+    /// Waits for every rank and returns every rank's `chunk` end to end:
+    /// rank `r`'s is `bounds[r]..bounds[r + 1]` of the result (ZeRO's
+    /// all-gather of the parameters each rank updated). A rank may own
+    /// nothing (an empty chunk), so one rank's values reach all: a broadcast.
+    pub fn all_gather(&self, chunk: Vec<f32>, bounds: &[usize]) -> Result<Vec<f32>, String> {
+        self.round_of("all-gather", |round| {
+            let n = *bounds.last().unwrap_or(&0);
+            check_bounds(bounds, self.size(), n)?;
+            let mine = bounds[self.rank]..bounds[self.rank + 1];
+            if chunk.len() != mine.len() {
+                return Err(format!(
+                    "rank {} owns {} values, handed in {}",
+                    self.rank,
+                    mine.len(),
+                    chunk.len()
+                ));
+            }
+            let mut values = vec![0.0; n];
+            values[mine].copy_from_slice(&chunk);
+            self.gather(round, &mut values, bounds)?;
+            Ok(values)
+        })
+    }
+
+    /// Runs `body` as the next round, from an engine thread.
+    fn round_of<T>(
+        &self,
+        what: &str,
+        body: impl FnOnce(u64) -> Result<T, String>,
+    ) -> Result<T, String> {
         if std::thread::current()
             .name()
             .is_some_and(|n| n.starts_with("timely:work"))
         {
             // Waiting here would stop this worker's own side of the exchange.
             return Err(format!(
-                "data-parallel group (rank {}): an all-reduce must run on an engine thread \
+                "data-parallel group (rank {}): an {what} must run on an engine thread \
                  (offload the stage), not on a timely worker",
                 self.rank
             ));
         }
         let round = self.round.fetch_add(1, Ordering::Relaxed);
-        self.reduce(round, values, scalars)
-            .map_err(|why| format!("data-parallel group (rank {}): {why}", self.rank))
+        body(round).map_err(|why| format!("data-parallel group (rank {}): {why}", self.rank))
     }
 
     fn reduce(
@@ -441,57 +495,54 @@ impl GroupHandle {
         if ranks == 1 {
             return Ok((values, scalars));
         }
-        let (me, n) = (self.rank, values.len());
-        let lengths = (n as u64, scalars.len() as u32);
-        let my_worker = self.workers[me];
+        let n = values.len();
+        let bounds = even_bounds(n, ranks);
+        let (sum, totals) = self.scatter(round, &values, &bounds, scalars)?;
+        values[bounds[self.rank]..bounds[self.rank + 1]].copy_from_slice(&sum);
+        self.gather(round, &mut values, &bounds)?;
+        Ok((values, totals))
+    }
+
+    /// Sends, receives and files the pieces of one phase of a round.
+    fn link(&self, round: u64, lengths: (u64, u32)) -> Result<Link<'_>, String> {
+        let worker = self.workers[self.rank];
         let slot = self
             .collectives
-            .slot(my_worker)
-            .expect("a rank runs in its worker's process");
-        let key = |phase, from_rank: usize, index| Key {
-            group: self.group,
+            .slot(worker)
+            .ok_or("a rank runs in its worker's process")?;
+        Ok(Link {
+            group: self,
             round,
-            phase,
-            from_rank: from_rank as u32,
-            index,
-        };
-        let send = |to: usize, key: Key, part: Vec<f32>, scalars: Vec<f64>| {
-            self.collectives.send(
-                my_worker,
-                Piece {
-                    to: self.workers[to] as u32,
-                    key,
-                    lengths,
-                    values: Values(part),
-                    scalars,
-                },
-            )
-        };
-        let receive = |key: Key| -> Result<Piece, String> {
-            let piece = self.collectives.take(slot, key)?;
-            if piece.lengths != lengths {
-                return Err(format!(
-                    "rank {} handed in {} values and {} scalars, rank {me} {} and {}",
-                    key.from_rank, piece.lengths.0, piece.lengths.1, lengths.0, lengths.1
-                ));
-            }
-            Ok(piece)
-        };
+            lengths,
+            worker,
+            slot,
+        })
+    }
 
-        // Reduce-scatter: every other rank gets its chunk of these values, and the scalars.
+    /// The reduce-scatter half of a round: every rank's chunk
+    /// `bounds[c]..bounds[c + 1]` of `values` goes to rank `c`, which sums
+    /// it in rank order from rank 0's; the scalars go to every rank.
+    fn scatter(
+        &self,
+        round: u64,
+        values: &[f32],
+        bounds: &[usize],
+        scalars: Vec<f64>,
+    ) -> Result<(Vec<f32>, Vec<f64>), String> {
+        let (ranks, me) = (self.size(), self.rank);
+        let chunk = |c: usize| bounds[c]..bounds[c + 1];
+        if ranks == 1 {
+            return Ok((values.to_vec(), scalars));
+        }
+        let link = self.link(round, (values.len() as u64, scalars.len() as u32))?;
         for c in (0..ranks).filter(|&c| c != me) {
-            for (i, range) in pieces(chunk(n, ranks, c)) {
-                send(
-                    c,
-                    key(Phase::Scatter, me, i),
-                    values[range].to_vec(),
-                    Vec::new(),
-                );
+            for (i, range) in pieces(chunk(c)) {
+                link.send(c, Phase::Scatter, i, values[range].to_vec(), Vec::new());
             }
-            send(c, key(Phase::Scalars, me, 0), Vec::new(), scalars.clone());
+            link.send(c, Phase::Scalars, 0, Vec::new(), scalars.clone());
         }
         // This rank's chunk, summed in rank order from rank 0's.
-        let mine = chunk(n, ranks, me);
+        let mine = chunk(me);
         let mut sum: Vec<f32> = Vec::with_capacity(mine.len());
         for r in 0..ranks {
             for (i, range) in pieces(mine.clone()) {
@@ -499,7 +550,7 @@ impl GroupHandle {
                 let part: &[f32] = if r == me {
                     &values[range.clone()]
                 } else {
-                    received = receive(key(Phase::Scatter, r, i))?;
+                    received = link.receive(Phase::Scatter, r, i)?;
                     &received.values.0
                 };
                 if r == 0 {
@@ -518,7 +569,7 @@ impl GroupHandle {
             let part: &[f64] = if r == me {
                 &scalars
             } else {
-                received = receive(key(Phase::Scalars, r, 0))?;
+                received = link.receive(Phase::Scalars, r, 0)?;
                 &received.scalars
             };
             if r == 0 {
@@ -527,26 +578,93 @@ impl GroupHandle {
                 totals.iter_mut().zip(part).for_each(|(t, v)| *t += v);
             }
         }
-        // All-gather: every rank gets every summed chunk.
+        Ok((sum, totals))
+    }
+
+    /// The all-gather half of a round: this rank's chunk of `values` goes
+    /// to every other rank, and theirs fill the rest of `values`.
+    fn gather(&self, round: u64, values: &mut [f32], bounds: &[usize]) -> Result<(), String> {
+        let (ranks, me) = (self.size(), self.rank);
+        if ranks == 1 {
+            return Ok(());
+        }
+        let chunk = |c: usize| bounds[c]..bounds[c + 1];
+        let link = self.link(round, (values.len() as u64, 0))?;
         for c in (0..ranks).filter(|&c| c != me) {
-            for (i, range) in pieces(mine.clone()) {
-                let at = range.start - mine.start;
-                send(
-                    c,
-                    key(Phase::Gather, me, i),
-                    sum[at..at + range.len()].to_vec(),
-                    Vec::new(),
-                );
+            for (i, range) in pieces(chunk(me)) {
+                link.send(c, Phase::Gather, i, values[range].to_vec(), Vec::new());
             }
         }
-        values[mine.clone()].copy_from_slice(&sum);
         for c in (0..ranks).filter(|&c| c != me) {
-            for (i, range) in pieces(chunk(n, ranks, c)) {
-                let piece = receive(key(Phase::Gather, c, i))?;
+            for (i, range) in pieces(chunk(c)) {
+                let piece = link.receive(Phase::Gather, c, i)?;
+                if piece.values.0.len() != range.len() {
+                    return Err(format!(
+                        "rank {c} sent {} values for {}",
+                        piece.values.0.len(),
+                        range.len()
+                    ));
+                }
                 values[range].copy_from_slice(&piece.values.0);
             }
         }
-        Ok((values, totals))
+        Ok(())
+    }
+}
+
+/// Checks that `bounds` cut `n` values into `ranks` chunks.
+fn check_bounds(bounds: &[usize], ranks: usize, n: usize) -> Result<(), String> {
+    let ordered = bounds.windows(2).all(|w| w[0] <= w[1]);
+    if bounds.len() != ranks + 1 || bounds[0] != 0 || bounds[ranks] != n || !ordered {
+        return Err(format!(
+            "chunk bounds {bounds:?} do not cut {n} values among {ranks} ranks"
+        ));
+    }
+    Ok(())
+}
+
+/// One rank's side of one round: where its pieces go and come from.
+struct Link<'a> {
+    group: &'a GroupHandle,
+    round: u64,
+    /// The sender's value and scalar counts (ranks must agree).
+    lengths: (u64, u32),
+    worker: usize,
+    slot: usize,
+}
+
+impl Link<'_> {
+    fn key(&self, phase: Phase, from_rank: usize, index: u32) -> Key {
+        Key {
+            group: self.group.group,
+            round: self.round,
+            phase,
+            from_rank: from_rank as u32,
+            index,
+        }
+    }
+
+    fn send(&self, to: usize, phase: Phase, index: u32, values: Vec<f32>, scalars: Vec<f64>) {
+        let piece = Piece {
+            to: self.group.workers[to] as u32,
+            key: self.key(phase, self.group.rank, index),
+            lengths: self.lengths,
+            values: Values(values),
+            scalars,
+        };
+        self.group.collectives.send(self.worker, piece)
+    }
+
+    fn receive(&self, phase: Phase, from: usize, index: u32) -> Result<Piece, String> {
+        let key = self.key(phase, from, index);
+        let piece = self.group.collectives.take(self.slot, key)?;
+        if piece.lengths != self.lengths {
+            return Err(format!(
+                "rank {from} handed in {} values and {} scalars, rank {} {} and {}",
+                piece.lengths.0, piece.lengths.1, self.group.rank, self.lengths.0, self.lengths.1
+            ));
+        }
+        Ok(piece)
     }
 }
 
@@ -558,8 +676,9 @@ mod tests {
     fn chunks_and_pieces_cover_every_value_once() {
         for (n, ranks) in [(0, 2), (1, 3), (10, 3), (2 * PIECE + 5, 2)] {
             let mut seen = vec![0u8; n];
+            let bounds = even_bounds(n, ranks);
             for c in 0..ranks {
-                for (_, r) in pieces(chunk(n, ranks, c)) {
+                for (_, r) in pieces(bounds[c]..bounds[c + 1]) {
                     assert!(r.len() <= PIECE);
                     r.for_each(|i| seen[i] += 1);
                 }
@@ -618,6 +737,45 @@ mod tests {
                 assert_eq!(r[round].0, expect);
                 assert_eq!(r[round].1, vec![3.0, 3.0]);
             }
+        }
+    }
+
+    /// A reduce-scatter and an all-gather with uneven chunks (one empty)
+    /// give the all-reduce's bits, chunk by chunk.
+    #[test]
+    fn reduce_scatter_then_all_gather_is_the_all_reduce() {
+        let shared = Arc::new(RunShared::new(1));
+        let c = Collectives::register(shared, 0..3);
+        let w = |index| WorkerInfo {
+            index,
+            peers: 3,
+            process: 0,
+            rank: index,
+            role_size: 3,
+            run: c.run(),
+            steps: crate::RunSteps::default(),
+        };
+        let bounds = [0, 5, 5, 11];
+        let value = |i: usize, j: usize| (i as f32 + 1.0) * 0.37 + j as f32 * 1e-3;
+        let handles: Vec<_> = (0..3)
+            .map(|i| {
+                let g = join(&w(i), "g", &[0, 1, 2]).unwrap();
+                std::thread::spawn(move || {
+                    let v: Vec<f32> = (0..11).map(|j| value(i, j)).collect();
+                    let (all, _) = g.all_reduce(v.clone(), vec![]).unwrap();
+                    let (chunk, totals) = g.reduce_scatter(v, &bounds, vec![i as f64]).unwrap();
+                    let gathered = g.all_gather(chunk.clone(), &bounds).unwrap();
+                    let wrong = g.all_gather(vec![0.0; 3], &bounds).unwrap_err();
+                    (all, chunk, totals, gathered, wrong)
+                })
+            })
+            .collect();
+        for (i, h) in handles.into_iter().enumerate() {
+            let (all, chunk, totals, gathered, wrong) = h.join().unwrap();
+            assert_eq!(chunk, all[bounds[i]..bounds[i + 1]]);
+            assert_eq!(totals, vec![3.0]);
+            assert_eq!(gathered, all);
+            assert!(wrong.contains("handed in 3"), "{wrong}");
         }
     }
 

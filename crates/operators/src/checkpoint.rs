@@ -3,7 +3,9 @@
 //! ```text
 //! checkpoints/step-N/
 //!   actor/            HF layout (config.json, model.safetensors, tokenizer files)
-//!     optimizer.safetensors   AdamW moments, metadata `steps`
+//!     optimizer.safetensors   AdamW moments, metadata `steps`; or, with the
+//!                             state sharded over N ranks, one file per rank:
+//!     optimizer-00001-of-0000N.safetensors …
 //!   critic/           the same, for pipelines with a critic
 //!   state.json        {"step", "version", "cursor": {"epoch", "position"}, "seed", "components"}
 //! ```
@@ -25,8 +27,9 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use serde_json::{json, Value};
+use weir_gpu::collective::GroupMember;
 use weir_gpu::optim::Optimizer;
-use weir_gpu::snapshot::{from_safetensors, save_safetensors, sync_tree, write_atomically};
+use weir_gpu::snapshot::{from_safetensors_where, save_safetensors, sync_tree, write_atomically};
 use weir_gpu::Model;
 use weir_graph::StageError;
 
@@ -183,21 +186,19 @@ impl Checkpointer {
         self.root.join(format!("step-{step}"))
     }
 
-    /// Saves `model` (HF layout) and `optimizer` as `component` of step `step`.
+    /// Saves `model` (HF layout) and the optimizer state as `component` of step `step`.
     pub fn save_component(
         &self,
         step: u64,
         component: &str,
         model: &Model,
-        optimizer: &Optimizer,
+        optimizer: OptimizerSave<'_>,
     ) -> Result<PathBuf, StageError> {
         let dir = self.dir(step);
         let tmp = dir.join(format!(".{component}.partial"));
         let _ = std::fs::remove_dir_all(&tmp);
         model.save_sharded(&tmp, None, self.max_shard_bytes)?;
-        let (tensors, steps) = optimizer.state();
-        let meta = std::collections::HashMap::from([("steps".to_string(), steps.to_string())]);
-        save_safetensors(&tmp.join("optimizer.safetensors"), &tensors, None, &meta)?;
+        save_optimizer(Some(&tmp), optimizer)?;
         // Every file on disk before the folder takes its name, and the name
         // before `state.json` (the commit point) can name the component.
         sync_tree(&tmp, true)?;
@@ -216,6 +217,43 @@ impl Checkpointer {
         write_atomically(&dir.join("state.json"), text.as_bytes())?;
         Ok(())
     }
+}
+
+/// Where a trainer's optimizer state is when a checkpoint saves it.
+pub enum OptimizerSave<'a> {
+    /// All of it in this optimizer.
+    Whole(&'a Optimizer),
+    /// Sharded over the ranks of the member's group.
+    Sharded(&'a Optimizer, &'a GroupMember),
+}
+
+/// The name of rank `rank`'s file of an optimizer state sharded over `ranks`.
+fn shard_file(rank: usize, ranks: usize) -> String {
+    format!("optimizer-{:05}-of-{ranks:05}.safetensors", rank + 1)
+}
+
+/// Writes the optimizer state into `dir`: `optimizer.safetensors`, or one
+/// file per rank of a sharded state (written by the rank given a `dir` as
+/// each rank's share arrives; a rank given none only hands its share over).
+pub fn save_optimizer(dir: Option<&Path>, optimizer: OptimizerSave<'_>) -> Result<(), StageError> {
+    let write = |file: String, tensors: &[(String, tch::Tensor)], steps: u64| {
+        let Some(dir) = dir else { return Ok(()) };
+        let meta = std::collections::HashMap::from([("steps".to_string(), steps.to_string())]);
+        save_safetensors(&dir.join(file), tensors, None, &meta)
+    };
+    match optimizer {
+        OptimizerSave::Whole(optimizer) => {
+            let (tensors, steps) = optimizer.state();
+            write("optimizer.safetensors".into(), &tensors, steps)?;
+        }
+        OptimizerSave::Sharded(optimizer, member) => {
+            let steps = optimizer.steps();
+            optimizer.gather_state(member, |rank, ranks, tensors| {
+                write(shard_file(rank, ranks), &tensors, steps)
+            })?;
+        }
+    }
+    Ok(())
 }
 
 /// Checkpoint states whose components are saved, waiting for their commit point.
@@ -281,17 +319,14 @@ pub struct CheckpointPlan {
 }
 
 impl CheckpointPlan {
-    /// Saves `model` and `optimizer` as the actor of `step`, then the state, if `step` is due.
-    pub fn save_actor_if_due(
+    /// Saves `model` and `optimizer` as the actor of `step`, then the state.
+    pub fn save_actor(
         &self,
         step: u64,
         version: u64,
         model: &Model,
-        optimizer: &Optimizer,
+        optimizer: OptimizerSave<'_>,
     ) -> Result<(), StageError> {
-        if !self.checkpointer.due(step) {
-            return Ok(());
-        }
         self.checkpointer
             .save_component(step, "actor", model, optimizer)?;
         let state = CheckpointState {
@@ -316,18 +351,74 @@ impl CheckpointPlan {
     }
 }
 
-/// Restores `optimizer` from `component_dir/optimizer.safetensors`.
+/// The optimizer files of a component: `optimizer.safetensors`, or every
+/// rank's file of a sharded state (all of them, or an error naming the
+/// first one missing).
+fn optimizer_files(component_dir: &Path) -> Result<Vec<PathBuf>, StageError> {
+    let whole = component_dir.join("optimizer.safetensors");
+    if whole.is_file() {
+        return Ok(vec![whole]);
+    }
+    let ranks = std::fs::read_dir(component_dir)
+        .map_err(|e| OperatorError::file(component_dir, e))?
+        .flatten()
+        .find_map(|e| {
+            let name = e.file_name().to_string_lossy().to_string();
+            let (_, of) = name.strip_prefix("optimizer-")?.split_once("-of-")?;
+            of.strip_suffix(".safetensors")?.parse::<usize>().ok()
+        });
+    let Some(ranks) = ranks else {
+        return Err(
+            OperatorError::file(&whole, "no such file (nor the files of a sharded state)").into(),
+        );
+    };
+    (0..ranks)
+        .map(|r| {
+            let path = component_dir.join(shard_file(r, ranks));
+            if path.is_file() {
+                Ok(path)
+            } else {
+                Err(OperatorError::file(
+                    &path,
+                    format!("missing: the optimizer state was sharded over {ranks} ranks"),
+                )
+                .into())
+            }
+        })
+        .collect()
+}
+
+/// Restores `optimizer` from the component folder `component_dir`: the
+/// state this rank holds, from `optimizer.safetensors` or from the files of
+/// a state sharded over any number of ranks (a checkpoint resumes on
+/// another rank count, sharded or not); each file is read in turn and only
+/// the tensors this rank needs are kept.
 pub fn load_optimizer(component_dir: &Path, optimizer: &mut Optimizer) -> Result<(), StageError> {
-    let path = component_dir.join("optimizer.safetensors");
-    let bytes = std::fs::read(&path).map_err(|e| OperatorError::file(&path, e))?;
-    let (tensors, meta) = from_safetensors(&bytes).map_err(|e| OperatorError::file(&path, e))?;
-    let steps = meta
-        .get("steps")
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| format!("{}: no `steps` in the metadata", path.display()))?;
+    let wanted: std::collections::HashSet<String> = optimizer.state_names().into_iter().collect();
+    let mut tensors = Vec::new();
+    let mut steps = None;
+    let files = optimizer_files(component_dir)?;
+    for path in &files {
+        let bytes = std::fs::read(path).map_err(|e| OperatorError::file(path, e))?;
+        let (named, meta) = from_safetensors_where(&bytes, |n| wanted.contains(n))
+            .map_err(|e| OperatorError::file(path, e))?;
+        let these: u64 = meta
+            .get("steps")
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| format!("{}: no `steps` in the metadata", path.display()))?;
+        if steps.is_some_and(|s| s != these) {
+            return Err(format!(
+                "{}: holds step {these} of the optimizer, its sibling files another",
+                path.display()
+            )
+            .into());
+        }
+        steps = Some(these);
+        tensors.extend(named);
+    }
     optimizer
-        .load_state(&tensors, steps)
-        .map_err(|e| OperatorError::file(&path, e).into())
+        .load_state(&tensors, steps.unwrap_or(0))
+        .map_err(|e| OperatorError::file(&files[0], e).into())
 }
 
 /// The newest complete checkpoint under `root`: its folder and state.

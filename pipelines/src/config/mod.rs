@@ -112,6 +112,8 @@ pub struct PlacementSection {
     pub weights_bucket_mib: usize,
     /// Encrypt every byte between the processes of a cluster.
     pub encrypt: bool,
+    /// Shard the trainers' optimizer state over the data-parallel ranks (ZeRO stages 1 and 2).
+    pub shard_optimizer: bool,
 }
 
 impl Default for PlacementSection {
@@ -125,6 +127,7 @@ impl Default for PlacementSection {
             weights_port: 0,
             weights_bucket_mib: 64,
             encrypt: false,
+            shard_optimizer: false,
         }
     }
 }

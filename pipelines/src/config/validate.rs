@@ -72,6 +72,16 @@ impl RunConfig {
         if p.workers == 0 {
             return bad("placement.workers", "0".into(), "must be at least 1");
         }
+        if p.shard_optimizer && p.train.len() < 2 {
+            return bad(
+                "placement.shard_optimizer",
+                "true".into(),
+                &format!(
+                    "shards the optimizer state over data-parallel ranks, and placement.train = {:?} is one rank: name two or more train workers, or set it false",
+                    p.train
+                ),
+            );
+        }
         for (key, set) in [
             ("placement.rollout", &p.rollout),
             ("placement.train", &p.train),

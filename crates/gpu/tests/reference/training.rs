@@ -293,3 +293,167 @@ fn bf16_training_updates_float32_master_weights() {
         "{moved} weights moved by more than two bf16 steps"
     );
 }
+
+/// Named tensors.
+type Named = Vec<(String, Tensor)>;
+
+/// Weights, optimizer state and its step count to start from.
+type Resume = (Named, Named, u64);
+
+fn copies(named: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
+    named.iter().map(|(n, t)| (n.clone(), t.copy())).collect()
+}
+
+/// The weights, every rank's optimizer state and state bytes after `steps`
+/// steps of `ranks` data-parallel ranks (each with its own input; one rank
+/// takes both inputs as two backward passes), the state `shard`ed or not.
+fn data_parallel_steps(
+    kind: Kind,
+    ranks: usize,
+    shard: bool,
+    steps: usize,
+    resume: Option<&Resume>,
+) -> (Vec<Named>, Named, Vec<u64>) {
+    use weir_gpu::collective::HostGroup;
+    use weir_gpu::optim::{AdamWConfig, Optimizer};
+    let dir = fixtures().join("models/tiny-llama");
+    let inputs = [
+        Tensor::from_slice(&[1i64, 286, 202, 305, 29]).view([1, -1]),
+        Tensor::from_slice(&[7i64, 11, 93, 4, 250, 31, 2]).view([1, -1]),
+    ];
+    let group = HostGroup::new(ranks);
+    let threads: Vec<_> = (0..ranks)
+        .map(|rank| {
+            let member = group.member(rank).sharding_optimizer(shard);
+            let (dir, inputs) = (
+                dir.clone(),
+                inputs.iter().map(Tensor::copy).collect::<Vec<_>>(),
+            );
+            let resume = resume.map(|(w, t, s)| (copies(w), copies(t), *s));
+            std::thread::spawn(move || {
+                let model = Model::load(&dir, Device::Cpu, kind).unwrap();
+                let config = AdamWConfig {
+                    lr: 1e-3,
+                    weight_decay: 0.01,
+                    ..AdamWConfig::default()
+                };
+                if let Some((weights, _, _)) = &resume {
+                    let _guard = tch::no_grad_guard();
+                    for ((_, mut p), (_, w)) in model.named_tensors().into_iter().zip(weights) {
+                        p.copy_(w);
+                    }
+                }
+                let mut opt = Optimizer::adamw(&model, config).unwrap();
+                opt.share_rank0_parameters(&member).unwrap();
+                if member.shards_optimizer() {
+                    opt.shard(&member).unwrap();
+                }
+                if let Some((_, state, steps)) = &resume {
+                    let wanted = opt.state_names();
+                    let mine: Vec<_> = state
+                        .iter()
+                        .filter(|(n, _)| wanted.contains(n))
+                        .map(|(n, t)| (n.clone(), t.shallow_clone()))
+                        .collect();
+                    opt.load_state(&mine, *steps).unwrap();
+                }
+                let mine: Vec<&Tensor> = if ranks == 1 {
+                    inputs.iter().collect()
+                } else {
+                    vec![&inputs[rank]]
+                };
+                for _ in 0..steps {
+                    opt.zero_grad();
+                    for ids in &mine {
+                        let logits = model.logits(ids, None, None).unwrap();
+                        (logits.to_kind(Kind::Float).square().mean(Kind::Float) * 10.0).backward();
+                    }
+                    let mut stats = [1.0];
+                    opt.all_reduce_gradients(&member, &mut stats).unwrap();
+                    assert_eq!(stats, [ranks as f64]);
+                    // A small bound: every step clips.
+                    let norm = opt.step_sharded(Some(0.05), &member).unwrap();
+                    assert!(norm > 0.05, "{norm}");
+                }
+                let mut gathered = Vec::new();
+                opt.gather_state(&member, |_, _, tensors| {
+                    gathered.extend(tensors);
+                    Ok(())
+                })
+                .unwrap();
+                (model.named_tensors(), gathered, opt.state_bytes())
+            })
+        })
+        .collect();
+    let mut weights = Vec::new();
+    let mut states = Vec::new();
+    let mut bytes = Vec::new();
+    for t in threads {
+        let (w, s, b) = t.join().unwrap();
+        weights.push(w);
+        states.push(s);
+        bytes.push(b);
+    }
+    // Every rank gathered the same whole state.
+    for s in &states[1..] {
+        assert_bits_equal(&states[0], s, "gathered state");
+    }
+    (weights, states.swap_remove(0), bytes)
+}
+
+fn assert_bits_equal(a: &[(String, Tensor)], b: &[(String, Tensor)], what: &str) {
+    let mut a: Vec<_> = a.iter().collect();
+    let mut b: Vec<_> = b.iter().collect();
+    a.sort_by(|x, y| x.0.cmp(&y.0));
+    b.sort_by(|x, y| x.0.cmp(&y.0));
+    assert_eq!(a.len(), b.len(), "{what}: counts");
+    for ((n, x), (m, y)) in a.iter().zip(&b) {
+        assert_eq!(n, m, "{what}");
+        assert!(x.equal(y), "{what}: {n} differs");
+    }
+}
+
+/// ZeRO: ranks that shard the optimizer state step to the unsharded
+/// ranks' weights and state, bit for bit, in float32 and in bf16 (float32
+/// masters sharded too), each holding about half the state; a state
+/// gathered from sharded ranks resumes on one rank and on two sharded
+/// ones to the uninterrupted run's bits.
+#[test]
+fn sharded_optimizer_ranks_step_to_the_unsharded_bits() {
+    for kind in [Kind::Float, Kind::BFloat16] {
+        let (plain, plain_state, plain_bytes) = data_parallel_steps(kind, 2, false, 3, None);
+        let (sharded, sharded_state, sharded_bytes) = data_parallel_steps(kind, 2, true, 3, None);
+        for (p, s) in plain.iter().zip(&sharded) {
+            assert_bits_equal(p, s, "weights");
+        }
+        assert_bits_equal(&plain[0], &plain[1], "ranks' weights");
+        assert_bits_equal(&plain_state, &sharded_state, "optimizer state");
+        assert_eq!(plain_bytes[0], plain_bytes[1]);
+        let total = plain_bytes[0];
+        assert_eq!(
+            sharded_bytes.iter().sum::<u64>(),
+            total,
+            "{sharded_bytes:?}"
+        );
+        for b in &sharded_bytes {
+            // Within one parameter of an even split (the embedding is the largest).
+            assert!(
+                (*b as f64 / total as f64 - 0.5).abs() < 0.2,
+                "{sharded_bytes:?} of {total}"
+            );
+        }
+        // One rank taking both inputs: the same sums, in the same order.
+        let (single, _, _) = data_parallel_steps(kind, 1, false, 3, None);
+        assert_bits_equal(&single[0], &plain[0], "one rank against two");
+
+        // Resume: 3 steps, then 2 more from the gathered state (the
+        // weights after 3 steps are whole on every rank), on 2 sharded ranks
+        // and on 1: the bits of 5 steps straight.
+        let (five, _, _) = data_parallel_steps(kind, 2, false, 5, None);
+        let start = (copies(&plain[0]), sharded_state, 3);
+        for (ranks, shard) in [(2, true), (1, false)] {
+            let (resumed, _, _) = data_parallel_steps(kind, ranks, shard, 2, Some(&start));
+            assert_bits_equal(&resumed[0], &five[0], "resumed");
+        }
+    }
+}

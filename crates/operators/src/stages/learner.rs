@@ -832,6 +832,9 @@ impl StepStage for Learner {
             if let Some(latency) = latency {
                 ctx.record("row_latency_s", latency);
             }
+            // Rank 0's share, with the optimizer sharded over the ranks.
+            let state = self.core.optimizer().state_bytes();
+            ctx.record("optimizer_state_bytes", state as f64);
         }
         if leads {
             // Published even when no rows reached this learner: the generators
@@ -840,8 +843,9 @@ impl StepStage for Learner {
             // What the weights edge carries (a LoRA actor's: its adapters only).
             ctx.record("weights_bytes", snapshot.len() as f64);
             ctx.publish_weights(WeightsPayload::from(snapshot))?;
-            self.core.save_if_due(ctx.step, ctx.version + 1)?;
         }
+        // Every rank: a sharded optimizer's ranks hand their state to rank 0.
+        self.core.save_if_due(ctx.step, ctx.version + 1)?;
         Ok(out)
     }
 }

@@ -129,13 +129,12 @@ impl Trainer {
         })
     }
 
-    /// Records the step's metrics and saves a due checkpoint (rank 0 of data-parallel ranks).
+    /// Records the step's metrics (rank 0 of data-parallel ranks) and saves a due checkpoint.
     fn finish(&self, ctx: &mut StepContext, metrics: &[(&str, f64)]) -> Result<(), StageError> {
-        if !self.core.leads() {
-            return Ok(());
-        }
-        for (name, value) in metrics {
-            ctx.record(name, *value);
+        if self.core.leads() {
+            for (name, value) in metrics {
+                ctx.record(name, *value);
+            }
         }
         self.core.save_if_due(ctx.step, ctx.step + 1)
     }

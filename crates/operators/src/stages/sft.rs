@@ -168,12 +168,11 @@ impl StepStage for SftTrainer {
         let (loss, grad_norm) = self
             .train_rows(rows.as_ref(), ctx.stage())
             .map_err(|e| OperatorError::step(ctx.step, e))?;
-        if !self.core.leads() {
-            return Ok(rows.into_iter().collect());
+        if self.core.leads() {
+            ctx.record("loss", loss);
+            ctx.record("grad_norm", grad_norm);
+            ctx.record("lr", self.core.optimizer().lr());
         }
-        ctx.record("loss", loss);
-        ctx.record("grad_norm", grad_norm);
-        ctx.record("lr", self.core.optimizer().lr());
         self.core.save_if_due(ctx.step, ctx.step + 1)?;
         Ok(rows.into_iter().collect())
     }

@@ -19,7 +19,7 @@ use weir_gpu::Model;
 use weir_graph::StageError;
 
 use crate::algorithms::StepScale;
-use crate::checkpoint::{CheckpointPlan, Checkpointer};
+use crate::checkpoint::{save_optimizer, CheckpointPlan, Checkpointer, OptimizerSave};
 
 /// Learning rate over optimizer steps: linear warm-up from 0, then constant or cosine decay.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -153,9 +153,14 @@ impl<M: HeldModel> TrainerCore<M> {
     /// a step's rows and the ranks sum their gradients before every
     /// optimizer step, so their weights stay equal; rank 0 publishes, saves
     /// and records. Every rank calls this together: they start from rank
-    /// 0's weights.
+    /// 0's weights. A member that shards the optimizer
+    /// ([`GroupMember::shards_optimizer`]) keeps the AdamW state of its
+    /// share of the parameters only ([`Optimizer::shard`]).
     pub fn join_data_parallel(&mut self, member: GroupMember) -> Result<(), StageError> {
         self.optimizer.share_rank0_parameters(&member)?;
+        if member.shards_optimizer() {
+            self.optimizer.shard(&member)?;
+        }
         self.data_parallel = Some(member);
         Ok(())
     }
@@ -225,19 +230,35 @@ impl<M: HeldModel> TrainerCore<M> {
     }
 
     /// Saves the model and optimizer (as policy `version`, for the actor)
-    /// when step `step` is due a checkpoint (only the rank that leads).
+    /// when step `step` is due a checkpoint: the rank that leads writes;
+    /// with the optimizer sharded, every rank hands it its share, so every
+    /// rank calls this.
     pub fn save_if_due(&self, step: u64, version: u64) -> Result<(), StageError> {
+        let state = match (self.member(), self.optimizer.is_sharded()) {
+            (Some(member), true) => OptimizerSave::Sharded(&self.optimizer, member),
+            _ => OptimizerSave::Whole(&self.optimizer),
+        };
+        let (checkpointer, component) = match &self.checkpoints {
+            Some(Saves::Actor(plan)) => (&plan.checkpointer, "actor"),
+            Some(Saves::Component(checkpointer, name)) => (checkpointer, *name),
+            None => return Ok(()),
+        };
+        if !checkpointer.due(step) {
+            return Ok(());
+        }
+        if !self.leads() {
+            // A rank that does not write hands its share of a sharded state over.
+            return match state {
+                OptimizerSave::Sharded(..) => save_optimizer(None, state),
+                OptimizerSave::Whole(_) => Ok(()),
+            };
+        }
+        let model = self.model.hold()?;
         match &self.checkpoints {
-            Some(Saves::Actor(plan)) if self.leads() => {
-                plan.save_actor_if_due(step, version, &*self.model.hold()?, &self.optimizer)
-            }
-            Some(Saves::Component(checkpointer, name))
-                if self.leads() && checkpointer.due(step) =>
-            {
-                checkpointer.save_component(step, name, &*self.model.hold()?, &self.optimizer)?;
-                Ok(())
-            }
-            _ => Ok(()),
+            Some(Saves::Actor(plan)) => plan.save_actor(step, version, &model, state),
+            _ => checkpointer
+                .save_component(step, component, &model, state)
+                .map(|_| ()),
         }
     }
 }
@@ -310,10 +331,13 @@ fn optimizer_step(
     optimizer.set_lr(lr);
     optimizer.zero_grad();
     backward(stats)?;
-    if let Some(member) = member {
-        optimizer.all_reduce_gradients(member, stats)?;
-    }
-    let norm = optimizer.step(max_grad_norm);
+    let norm = match member {
+        Some(member) => {
+            optimizer.all_reduce_gradients(member, stats)?;
+            optimizer.step_sharded(max_grad_norm, member)?
+        }
+        None => optimizer.step(max_grad_norm),
+    };
     let loss = stats.first().copied().unwrap_or(0.0);
     if !loss.is_finite() || !norm.is_finite() {
         return Err(format!("the loss ({loss}) or gradient norm ({norm}) is not finite").into());
