@@ -10,7 +10,7 @@
 //! another setting (a bound of the correction needs a correction): those
 //! are changed on top of that setting, compared with a base that has it.
 //! A few keys are speed and memory knobs by design (threads, idle workers,
-//! micro-batches, gradient checkpointing, the evaluation's batch): their runs must succeed and are
+//! micro-batches, gradient checkpointing, the optimizer's sharding, the evaluation's batch): their runs must succeed and are
 //! held to the same results elsewhere (the learner's tests); they are
 //! listed in [`PERFORMANCE`].
 //!
@@ -47,6 +47,7 @@ const PERFORMANCE: &[&str] = &[
     "placement.weights_port",
     "placement.weights_bucket_mib",
     "placement.encrypt",
+    "placement.shard_optimizer",
     "algorithm.micro_batch",
     "algorithm.micro_batch_tokens",
     "algorithm.gradient_checkpointing",
@@ -375,6 +376,10 @@ fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String
         "placement.weights_channel" => (&[], "\"timely\"".into()),
         "placement.weights_port" => (&[], "4321".into()),
         "placement.encrypt" => (&[], "true".into()),
+        "placement.shard_optimizer" => (
+            &["placement.workers=2", "placement.train=[0, 1]"],
+            "true".into(),
+        ),
         "placement.weights_bucket_mib" => (&["placement.weights_channel=\"timely\""], "1".into()),
         "model.path" => (&[], other_model),
         "model.dtype" => (&[], "\"bf16\"".into()),

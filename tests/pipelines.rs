@@ -29,6 +29,19 @@ fn run_err(kind: PipelineKind, cfg: RunConfig, dir: &Path) -> String {
         .to_string()
 }
 
+/// Copies the folder `from` to `to`, recursively.
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap().flatten() {
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), &target).unwrap();
+        }
+    }
+}
+
 /// Asserts that two per-step curves cover `steps` steps and agree within
 /// 1e-4 relative (1e-6 absolute near zero).
 fn assert_curves_match(a: &BTreeMap<u64, f64>, b: &BTreeMap<u64, f64>, steps: usize, what: &str) {
@@ -1565,6 +1578,24 @@ fn data_parallel_learners_train_like_one() {
     let bytes = |dir: &Path, file: &str| std::fs::read(dir.join(file)).unwrap();
     let weights = "checkpoints/step-2/actor/model.safetensors";
     assert!(bytes(&two, weights) == bytes(&sharded, weights));
+    // A sharded checkpoint missing a rank's file: the resume names it.
+    let lost = tmp.path().join("lost-shard");
+    copy_dir(&sharded, &lost);
+    std::fs::remove_file(
+        lost.join("checkpoints/step-2/actor/optimizer-00002-of-00002.safetensors"),
+    )
+    .unwrap();
+    let mut longer = cfg.clone();
+    longer.placement.shard_optimizer = true;
+    longer.run.steps = 4;
+    let err = weir::pipelines::run(&request(PipelineKind::Grpo, longer, &lost, true))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("optimizer-00002-of-00002.safetensors")
+            && err.contains("sharded over 2 ranks"),
+        "{err}"
+    );
     for (before, after) in [(2, 1), (1, 2)] {
         let dir = tmp.path().join(format!("sharded-{before}-to-{after}"));
         let sharding = |mut cfg: weir::pipelines::RunConfig, ranks: usize| {

@@ -214,6 +214,13 @@ fn a_catalogue_of_bad_run_input_gets_one_line_each() {
             "placement.train",
         ),
         (
+            "the optimizer sharded over one rank",
+            "grpo",
+            set("placement.shard_optimizer=true"),
+            none(),
+            "placement.shard_optimizer",
+        ),
+        (
             "data-parallel ranks with dynamic sampling",
             "grpo",
             args(&[
