@@ -29,9 +29,13 @@ use weir::pipelines::placement::Cluster;
 use weir::pipelines::{PipelineKind, RunConfig, RunRequest};
 
 fn peak_mb() -> f64 {
+    status_mb("VmHWM:")
+}
+
+fn status_mb(key: &str) -> f64 {
     let text = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     text.lines()
-        .find(|l| l.starts_with("VmHWM:"))
+        .find(|l| l.starts_with(key))
         .and_then(|l| l.split_whitespace().nth(1))
         .and_then(|v| v.parse::<f64>().ok())
         .unwrap_or(f64::NAN)
@@ -40,6 +44,9 @@ fn peak_mb() -> f64 {
 
 /// Process `process` of the two-process SFT run in `out`.
 fn rank(model: &Path, out: &Path, hosts: &Path, process: usize, shard: bool, steps: u64) {
+    // libtorch and the engine, loaded, before the run starts.
+    let _ = tch::Tensor::zeros([1], (tch::Kind::Float, tch::Device::Cpu));
+    let start = status_mb("VmRSS:");
     let mut c = RunConfig::defaults_for(PipelineKind::Sft);
     c.model.path = model.to_path_buf();
     c.data.prompts = weir::pipelines::config::Task::Arith;
@@ -66,6 +73,8 @@ fn rank(model: &Path, out: &Path, hosts: &Path, process: usize, shard: bool, ste
         },
     })
     .unwrap();
+    // Before this process loads anything more.
+    let peak = peak_mb();
     // The state this rank held: AdamW's two float32 moments of its parameters.
     let loaded = Model::load(model, Device::Cpu, tch::Kind::Float).unwrap();
     let numels: Vec<usize> = loaded
@@ -80,8 +89,8 @@ fn rank(model: &Path, out: &Path, hosts: &Path, process: usize, shard: bool, ste
         numels.iter().sum()
     };
     println!(
-        "rank peak_mb={:.1} state_mb={:.1}",
-        peak_mb(),
+        "rank start_mb={start:.1} peak_mb={:.1} state_mb={:.1}",
+        peak,
         (mine * 8) as f64 / (1024.0 * 1024.0)
     );
 }
@@ -110,8 +119,8 @@ fn field(line: &str, key: &str) -> f64 {
         .unwrap_or(f64::NAN)
 }
 
-/// Both ranks' (peak MiB, state MiB), as two processes of this bench.
-fn two_ranks(model: &Path, tmp: &Path, shard: bool, full: bool) -> Vec<(f64, f64)> {
+/// Both ranks' (peak MiB, state MiB, MiB at start), as two processes of this bench.
+fn two_ranks(model: &Path, tmp: &Path, shard: bool, full: bool) -> Vec<(f64, f64, f64)> {
     let out = tmp.join(if shard { "sharded" } else { "whole" });
     let hosts = hostfile(tmp);
     let spawn = |process: usize| {
@@ -145,7 +154,11 @@ fn two_ranks(model: &Path, tmp: &Path, shard: bool, full: bool) -> Vec<(f64, f64
                 .rfind(|l| l.starts_with("rank "))
                 .unwrap()
                 .to_string();
-            (field(&line, "peak_mb="), field(&line, "state_mb="))
+            (
+                field(&line, "peak_mb="),
+                field(&line, "state_mb="),
+                field(&line, "start_mb="),
+            )
         })
         .collect()
 }
@@ -184,10 +197,13 @@ fn main() {
     for shard in [false, true] {
         let ranks = two_ranks(&model, tmp.path(), shard, full);
         let label = if shard { "sharded" } else { "unsharded" };
-        for (r, (peak, state)) in ranks.iter().enumerate() {
-            println!("{label}: rank {r} peak_mb={peak:.1} optimizer_state_mb={state:.1}");
+        for (r, (peak, state, start)) in ranks.iter().enumerate() {
+            println!(
+                "{label}: rank {r} peak_mb={peak:.1} (at start {start:.1}: the run added {:.1}) optimizer_state_mb={state:.1}",
+                peak - start
+            );
         }
-        let max = |f: fn(&(f64, f64)) -> f64| ranks.iter().map(f).fold(0.0, f64::max);
+        let max = |f: fn(&(f64, f64, f64)) -> f64| ranks.iter().map(f).fold(0.0, f64::max);
         largest.push((max(|r| r.0), max(|r| r.1)));
     }
     println!(

@@ -294,12 +294,19 @@ impl GroupMember {
     /// `scalars`, the same bits on every rank. Fails when a rank has left
     /// the group or the ranks' lengths differ.
     pub fn all_reduce(&self, values: Tensor, scalars: Vec<f64>) -> Result<Sums, String> {
+        self.all_reduce_parts(&[values], scalars)
+    }
+
+    /// [`GroupMember::all_reduce`] of `parts` laid end to end (flat): in
+    /// one process they are joined on the first part's device; across
+    /// processes each is copied once into the host buffer that travels.
+    pub fn all_reduce_parts(&self, parts: &[Tensor], scalars: Vec<f64>) -> Result<Sums, String> {
         match &self.link {
             Link::Local { group, rank } => group
-                .round(*rank, values, scalars, true)
+                .round(*rank, joined(parts), scalars, true)
                 .map_err(|why| format!("data-parallel group: {why}")),
             Link::Remote(reduce) => {
-                let (sums, scalars) = reduce.all_reduce(host_values(&values)?, scalars)?;
+                let (sums, scalars) = reduce.all_reduce(host_values(parts)?, scalars)?;
                 Ok((Tensor::from_slice(&sums), Arc::new(scalars)))
             }
         }
@@ -309,24 +316,24 @@ impl GroupMember {
 impl GroupMember {
     /// Waits for every rank and returns this rank's chunk
     /// `bounds[rank]..bounds[rank + 1]` of the element-wise sums of their
-    /// flat `values` (float32, on this rank's device: the bits of
-    /// [`GroupMember::all_reduce`]), and the sums of their `scalars`.
-    /// `bounds` (`size() + 1` offsets from 0 to the values' length) must be
-    /// the same on every rank.
+    /// values, `parts` laid end to end (float32, on the first part's
+    /// device: the bits of [`GroupMember::all_reduce`]), and the sums of
+    /// their `scalars`. `bounds` (`size() + 1` offsets from 0 to the
+    /// values' length) must be the same on every rank.
     pub fn reduce_scatter(
         &self,
-        values: Tensor,
+        parts: &[Tensor],
         bounds: &[usize],
         scalars: Vec<f64>,
     ) -> Result<Sums, String> {
-        check_bounds(bounds, self.size(), values.numel())?;
+        check_bounds(bounds, self.size(), parts.iter().map(Tensor::numel).sum())?;
         let rank = self.rank();
         let (from, to) = (bounds[rank], bounds[rank + 1]);
+        let device = device_of(parts);
         match &self.link {
             Link::Local { group, .. } => {
-                let device = values.device();
                 let (sums, scalars) = group
-                    .round(rank, values, scalars, true)
+                    .round(rank, joined(parts), scalars, true)
                     .map_err(|why| format!("data-parallel group: {why}"))?;
                 let mine = sums
                     .narrow(0, from as i64, (to - from) as i64)
@@ -335,9 +342,8 @@ impl GroupMember {
                 Ok((mine, scalars))
             }
             Link::Remote(reduce) => {
-                let device = values.device();
                 let (chunk, scalars) =
-                    reduce.reduce_scatter(host_values(&values)?, bounds, scalars)?;
+                    reduce.reduce_scatter(host_values(parts)?, bounds, scalars)?;
                 Ok((
                     Tensor::from_slice(&chunk).to_device(device),
                     Arc::new(scalars),
@@ -346,22 +352,32 @@ impl GroupMember {
         }
     }
 
-    /// Waits for every rank and returns their `chunk`s end to end, float32
-    /// on this rank's device (rank `r`'s chunk has `bounds[r + 1] -
-    /// bounds[r]` values; it may be empty, so one rank's values reach all).
-    pub fn all_gather(&self, chunk: Tensor, bounds: &[usize]) -> Result<Tensor, String> {
+    /// Waits for every rank and returns their chunks end to end, float32
+    /// on `device`; this rank's chunk is `parts` laid end to end (rank
+    /// `r`'s has `bounds[r + 1] - bounds[r]` values; it may be empty, so
+    /// one rank's values reach all).
+    pub fn all_gather(
+        &self,
+        parts: &[Tensor],
+        bounds: &[usize],
+        device: tch::Device,
+    ) -> Result<Tensor, String> {
         check_bounds(bounds, self.size(), *bounds.last().unwrap_or(&0))?;
         let rank = self.rank();
         let owned = bounds[rank + 1] - bounds[rank];
-        if chunk.numel() != owned {
+        let handed: usize = parts.iter().map(Tensor::numel).sum();
+        if handed != owned {
             return Err(format!(
-                "data-parallel group: rank {rank} owns {owned} values, handed in {}",
-                chunk.numel()
+                "data-parallel group: rank {rank} owns {owned} values, handed in {handed}"
             ));
         }
-        let device = chunk.device();
         match &self.link {
             Link::Local { group, .. } => {
+                let chunk = if parts.is_empty() {
+                    Tensor::zeros([0], (Kind::Float, device))
+                } else {
+                    joined(parts)
+                };
                 let (all, _) = group
                     .round(rank, chunk, Vec::new(), false)
                     .map_err(|why| format!("data-parallel group: {why}"))?;
@@ -375,7 +391,7 @@ impl GroupMember {
                 Ok(all.to_device(device))
             }
             Link::Remote(reduce) => {
-                let all = reduce.all_gather(host_values(&chunk)?, bounds)?;
+                let all = reduce.all_gather(host_values(parts)?, bounds)?;
                 Ok(Tensor::from_slice(&all).to_device(device))
             }
         }
@@ -393,13 +409,42 @@ fn check_bounds(bounds: &[usize], ranks: usize, n: usize) -> Result<(), String> 
     Ok(())
 }
 
-/// A tensor's values as flat float32 in host memory.
-fn host_values(values: &Tensor) -> Result<Vec<f32>, String> {
-    let flat = values
-        .to_kind(Kind::Float)
-        .to_device(tch::Device::Cpu)
-        .reshape([-1]);
-    Vec::<f32>::try_from(&flat).map_err(|e| e.to_string())
+/// `parts` end to end as one flat float32 tensor, on the first part's device.
+fn joined(parts: &[Tensor]) -> Tensor {
+    let device = device_of(parts);
+    let flat: Vec<Tensor> = parts
+        .iter()
+        .map(|p| p.to_kind(Kind::Float).reshape([-1]).to_device(device))
+        .collect();
+    match flat.len() {
+        0 => Tensor::zeros([0], (Kind::Float, device)),
+        1 => flat.into_iter().next().unwrap_or_else(|| unreachable!()),
+        _ => Tensor::cat(&flat, 0),
+    }
+}
+
+/// The device of the first of `parts` (the CPU for none).
+fn device_of(parts: &[Tensor]) -> tch::Device {
+    parts.first().map_or(tch::Device::Cpu, Tensor::device)
+}
+
+/// `parts`' values end to end as float32 in host memory, each copied once.
+fn host_values(parts: &[Tensor]) -> Result<Vec<f32>, String> {
+    let n = parts.iter().map(Tensor::numel).sum();
+    let mut out = vec![0f32; n];
+    let mut at = 0;
+    for p in parts {
+        let len = p.numel();
+        let flat = p
+            .to_kind(Kind::Float)
+            .to_device(tch::Device::Cpu)
+            .reshape([-1])
+            .contiguous();
+        flat.f_copy_data(&mut out[at..at + len], len)
+            .map_err(|e| e.to_string())?;
+        at += len;
+    }
+    Ok(out)
 }
 
 /// Whether a trainer with `member` (or alone, `None`) is the one that

@@ -272,7 +272,7 @@ impl Optimizer {
             .map(|g| g.to_kind(Kind::Float).reshape([-1]))
             .collect();
         let (mine, sums) = member
-            .reduce_scatter(Tensor::cat(&flat, 0), &shard.values, scalars.to_vec())
+            .reduce_scatter(&flat, &shard.values, scalars.to_vec())
             .map_err(ModelError::Input)?;
         drop(flat);
         scalars.copy_from_slice(&sums);
@@ -375,15 +375,10 @@ impl Optimizer {
             .iter()
             .map(|s| s.param.to_kind(Kind::Float).reshape([-1]))
             .collect();
-        let chunk = if mine.is_empty() {
-            Tensor::zeros([0], (Kind::Float, self.device()))
-        } else {
-            Tensor::cat(&mine, 0)
-        };
-        drop(mine);
         let all = member
-            .all_gather(chunk, &shard.values)
+            .all_gather(&mine, &shard.values, self.device())
             .map_err(ModelError::Input)?;
+        drop(mine);
         let mut offset = 0;
         for (i, slot) in self.slots.iter().enumerate() {
             let n = slot.param.numel() as i64;
@@ -522,20 +517,15 @@ impl Optimizer {
                 .sum();
             let mut bounds = vec![0; ranks + 1];
             bounds[owner + 1..].iter_mut().for_each(|b| *b = total);
-            let chunk = if owner == shard.rank && total > 0 {
-                let parts: Vec<Tensor> = self
-                    .state()
-                    .0
-                    .into_iter()
-                    .map(|(_, t)| t.reshape([-1]))
-                    .collect();
-                Tensor::cat(&parts, 0)
+            let parts: Vec<Tensor> = if owner == shard.rank {
+                self.state().0.into_iter().map(|(_, t)| t).collect()
             } else {
-                Tensor::zeros([0], (Kind::Float, self.device()))
+                Vec::new()
             };
             let all = member
-                .all_gather(chunk, &bounds)
+                .all_gather(&parts, &bounds, self.device())
                 .map_err(ModelError::Input)?;
+            drop(parts);
             let mut offset = 0;
             let mut tensors = Vec::with_capacity(layout.len());
             for (name, size) in layout {
@@ -622,7 +612,7 @@ fn all_reduce(
         })
         .collect();
     let (sums, scalar_sums) = member
-        .all_reduce(Tensor::cat(&flat, 0), scalars.to_vec())
+        .all_reduce_parts(&flat, scalars.to_vec())
         .map_err(ModelError::Input)?;
     scalars.copy_from_slice(&scalar_sums);
     let mut offset = 0;
