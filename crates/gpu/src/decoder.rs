@@ -174,19 +174,7 @@ impl Attention {
         let y = match mask {
             // Rows packed into one sequence: each attends within itself only,
             // causally, and no position is spent on padding.
-            Mask::Segments(lengths) => {
-                let mut start = 0;
-                let parts: Vec<Tensor> = lengths
-                    .iter()
-                    .map(|&n| {
-                        let part = |x: &Tensor| x.narrow(2, start, n);
-                        let y = causal(&part(&q), &part(&k), &part(&v));
-                        start += n;
-                        y
-                    })
-                    .collect();
-                Tensor::cat(&parts, 2)
-            }
+            Mask::Segments(segments) => segments.attend(&q, &k, &v, self.head_dim, causal),
             Mask::Bias(bias) if t == 1 => self.decode_attention(&q, &k, &v, Some(bias), scale),
             Mask::Causal if t == 1 => self.decode_attention(&q, &k, &v, None, scale),
             // No bias tensor: SDPA may pick a fused (flash) kernel.
@@ -371,7 +359,7 @@ impl Decoder {
     ) -> Tensor {
         self.run(
             input_ids,
-            &Mask::Segments(lengths.to_vec()),
+            &Mask::Segments(Segments::new(lengths, input_ids.device())),
             position_ids,
             None,
         )
@@ -424,7 +412,7 @@ impl Decoder {
         position_ids: &Tensor,
         loss_of: impl FnOnce(&Tensor) -> Result<Tensor, E>,
     ) -> Result<Tensor, E> {
-        let mask = Mask::Segments(lengths.to_vec());
+        let mask = Mask::Segments(Segments::new(lengths, input_ids.device()));
         self.backward_with(input_ids, &mask, position_ids, loss_of)
     }
 
@@ -490,9 +478,136 @@ enum Mask {
     Causal,
     /// An additive bias `[B, 1, T, S]` (padding, or a cache before the new positions).
     Bias(Tensor),
-    /// One row of rows packed end to end, of these lengths: each position
-    /// sees the earlier positions of its own row only.
-    Segments(Vec<i64>),
+    /// One row of rows packed end to end: each position sees the earlier
+    /// positions of its own row only.
+    Segments(Segments),
+}
+
+/// Rows packed end to end into one sequence, as attention runs them: in a
+/// few buckets of rows of similar lengths, each bucket one causal SDPA
+/// call over its rows right-padded to its longest (a real query never
+/// sees a padded key, which all come after it; padded queries are
+/// dropped), instead of one call per row.
+///
+/// The projections, the MLP and the norms, most of a layer's work, run on
+/// the packed rows and never on padding; only attention's query × key
+/// pairs may include some. A bucket takes the next longest row while its
+/// padded pairs stay within 1.5× its rows' own plus 64² a row, so the
+/// padded pairs are bounded and short rows (where a call costs more than
+/// its arithmetic) share one call.
+#[derive(Debug)]
+struct Segments {
+    buckets: Vec<Bucket>,
+    /// Each packed position's place among the buckets' real slots laid end to end.
+    order: Tensor,
+}
+
+/// Rows sharing one attention call.
+#[derive(Debug)]
+struct Bucket {
+    rows: i64,
+    width: i64,
+    /// `[rows · width]`: the packed position of each slot (a padding slot
+    /// repeats its row's last).
+    gather: Tensor,
+    /// The real slots, in row order.
+    real: Tensor,
+}
+
+/// How much wider than its rows' own attention pairs a bucket may grow
+/// (and the slack each row adds, in pairs).
+const BUCKET_WASTE: f64 = 1.5;
+const BUCKET_SLACK_PAIRS: f64 = 64.0 * 64.0;
+
+impl Segments {
+    fn new(lengths: &[i64], device: tch::Device) -> Segments {
+        let mut starts = Vec::with_capacity(lengths.len());
+        let mut at = 0;
+        for &n in lengths {
+            starts.push(at);
+            at += n;
+        }
+        let mut by_length: Vec<usize> = (0..lengths.len()).collect();
+        by_length.sort_by_key(|&i| std::cmp::Reverse(lengths[i]));
+        let mut buckets = Vec::new();
+        let mut place = vec![0i64; at as usize];
+        let mut placed = 0i64;
+        let mut i = 0;
+        while i < by_length.len() {
+            let width = lengths[by_length[i]];
+            let mut own = (width * width) as f64;
+            let mut j = i + 1;
+            while j < by_length.len() {
+                let n = lengths[by_length[j]];
+                let rows = (j - i + 1) as f64;
+                let padded = rows * (width * width) as f64;
+                if padded > BUCKET_WASTE * (own + (n * n) as f64) + BUCKET_SLACK_PAIRS * rows {
+                    break;
+                }
+                own += (n * n) as f64;
+                j += 1;
+            }
+            let (mut gather, mut real) = (Vec::new(), Vec::new());
+            for (r, &row) in by_length[i..j].iter().enumerate() {
+                let (start, n) = (starts[row], lengths[row]);
+                for s in 0..width {
+                    gather.push(start + s.min((n - 1).max(0)));
+                    if s < n {
+                        real.push(r as i64 * width + s);
+                        place[(start + s) as usize] = placed;
+                        placed += 1;
+                    }
+                }
+            }
+            buckets.push(Bucket {
+                rows: (j - i) as i64,
+                width,
+                gather: Tensor::from_slice(&gather).to_device(device),
+                real: Tensor::from_slice(&real).to_device(device),
+            });
+            i = j;
+        }
+        Segments {
+            buckets,
+            order: Tensor::from_slice(&place).to_device(device),
+        }
+    }
+
+    /// Attention of packed `q` `[1, H, T, d]`, `k` and `v` `[1, KV, T, d]`
+    /// (`causal` runs one SDPA call), each row within itself.
+    fn attend(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        head_dim: i64,
+        causal: impl Fn(&Tensor, &Tensor, &Tensor) -> Tensor,
+    ) -> Tensor {
+        let outs: Vec<Tensor> = self
+            .buckets
+            .iter()
+            .map(|b| {
+                // [1, heads, T, d] → [rows, heads, width, d]
+                let take = |x: &Tensor| {
+                    let heads = x.size()[1];
+                    x.index_select(2, &b.gather)
+                        .view([heads, b.rows, b.width, head_dim])
+                        .transpose(0, 1)
+                };
+                let y = causal(&take(q), &take(k), &take(v));
+                let heads = y.size()[1];
+                y.transpose(0, 1)
+                    .reshape([1, heads, b.rows * b.width, head_dim])
+                    .index_select(2, &b.real)
+            })
+            .collect();
+        let all = if outs.len() == 1 {
+            outs.into_iter().next().unwrap_or_else(|| unreachable!())
+        } else {
+            Tensor::cat(&outs, 2)
+        };
+        all.index_select(2, &self.order)
+    }
 }
 
 impl Mask {

@@ -251,3 +251,49 @@ fn broken_checkpoints_give_errors_naming_the_file_and_tensor() {
         .to_string();
     assert!(err.contains("config.json"), "{err}");
 }
+
+/// Rows packed end to end give each row's own hidden states, and their
+/// gradients, whatever attention buckets the lengths fall into: very long
+/// rows alone, short ones sharing a call, a one-token row (float64, tiny
+/// Qwen3 with its q/k norms and grouped keys).
+#[test]
+fn packed_rows_attend_within_themselves_in_buckets() {
+    let model = load("tiny-qwen3", Kind::Double);
+    let vocab = model.config.vocab_size;
+    // Long rows in buckets of their own, a run of short ones together.
+    let lengths = [150i64, 3, 97, 1, 20, 140, 12, 12, 5, 60];
+    tch::manual_seed(11);
+    let rows: Vec<Tensor> = lengths
+        .iter()
+        .map(|&n| Tensor::randint(vocab, [1, n], (Kind::Int64, tch::Device::Cpu)))
+        .collect();
+    let packed = Tensor::cat(&rows, 1);
+    let hidden = model.hidden_states_packed(&packed, &lengths).unwrap();
+    let weights = Tensor::randn(hidden.size().as_slice(), (Kind::Double, tch::Device::Cpu));
+    (&hidden * &weights).sum(Kind::Double).backward();
+    let packed_grads: Vec<Tensor> = model
+        .named_tensors()
+        .iter()
+        .map(|(_, p)| p.grad().copy())
+        .collect();
+    for (_, mut p) in model.named_tensors() {
+        p.zero_grad();
+    }
+    let mut at = 0;
+    for (row, &n) in rows.iter().zip(&lengths) {
+        let alone = model.hidden_states(row, None, None).unwrap();
+        let d = (&alone - hidden.narrow(1, at, n))
+            .abs()
+            .max()
+            .double_value(&[]);
+        assert!(d < 1e-10, "row of {n} tokens at {at}: differs by {d:e}");
+        (&alone * weights.narrow(1, at, n))
+            .sum(Kind::Double)
+            .backward();
+        at += n;
+    }
+    for ((name, p), g) in model.named_tensors().iter().zip(&packed_grads) {
+        let d = (p.grad() - g).abs().max().double_value(&[]);
+        assert!(d < 1e-9, "gradient of {name} differs by {d:e}");
+    }
+}
