@@ -8,12 +8,11 @@
 //!
 //! Each layout runs one warm-up update and then `WEIR_BENCH_UPDATES` (8)
 //! timed ones (forward, backward and AdamW, one thread) on the same rows;
-//! tokens/s counts each row's prompt and response once. The padding share
-//! is the share of the positions the decoder layers run that hold no
-//! token of a row (the padded pass runs a group's shared prompt once, so
-//! its share can be below the rows' spread); the output head, which both
-//! run over each micro-batch's response width, is counted alike and left
-//! out. The last line is
+//! tokens/s counts each row's prompt and response once. Both layouts run a
+//! prompt that rows of a micro-batch share once. The padding share is the
+//! share of the positions the decoder layers run that hold no token; the
+//! output head, which both run over each micro-batch's response width, is
+//! counted alike and left out. The last line is
 //!
 //! ```text
 //! packed_vs_padded_tokens_per_s=<packed ÷ padded> padding_share=<packed's>
@@ -67,40 +66,63 @@ fn rows(vocab: i64) -> (Vec<Vec<i64>>, Vec<Vec<i64>>) {
     (prompts, responses)
 }
 
-/// Positions the decoder layers run for `rows` under each layout, and the rows' own tokens.
-fn positions(prompts: &[Vec<i64>], responses: &[Vec<i64>]) -> (usize, usize, usize) {
+/// The share of the positions the decoder layers run that hold no token,
+/// under each layout (padded, packed): each micro-batch runs its distinct
+/// prompts once and every row's response.
+fn padding_shares(prompts: &[Vec<i64>], responses: &[Vec<i64>]) -> (f64, f64) {
     let width = |i: usize| prompts[i].len() + responses[i].len().max(1);
-    let real: usize = (0..prompts.len())
-        .map(|i| prompts[i].len() + responses[i].len())
-        .sum();
-    // Padded: rows sorted by width, cut where rows × the widest passes the budget;
-    // each micro-batch runs its distinct prompts once (left-padded to the
-    // longest) and every row's response to the longest response.
-    let mut order: Vec<usize> = (0..prompts.len()).collect();
-    order.sort_by_key(|&i| width(i));
-    let mut padded = 0;
-    let mut start = 0;
-    let cut = |rows: &[usize]| -> usize {
+    // (tokens, positions) of the rows `rows` as one micro-batch: distinct
+    // prompts once, responses but the last token (whose state predicts
+    // nothing); `padded` pads each to the micro-batch's longest.
+    let count = |rows: &[usize], padded: bool| -> (usize, usize) {
         let mut distinct: Vec<&Vec<i64>> = rows.iter().map(|&i| &prompts[i]).collect();
         distinct.sort();
         distinct.dedup();
+        let prompt_tokens: usize = distinct.iter().map(|p| p.len()).sum();
+        let response = |i: usize| responses[i].len().saturating_sub(1);
+        let tokens = prompt_tokens + rows.iter().map(|&i| response(i)).sum::<usize>();
+        if !padded {
+            return (tokens, tokens);
+        }
         let prompt_width = distinct.iter().map(|p| p.len()).max().unwrap_or(0);
-        let response_width = rows
-            .iter()
-            .map(|&i| responses[i].len())
-            .max()
-            .unwrap_or(1)
-            .max(1);
-        distinct.len() * prompt_width + rows.len() * (response_width - 1)
+        let response_width = rows.iter().map(|&i| response(i)).max().unwrap_or(0);
+        (
+            tokens,
+            distinct.len() * prompt_width + rows.len() * response_width,
+        )
     };
+    let share = |cuts: Vec<Vec<usize>>, padded: bool| {
+        let (tokens, positions) = cuts
+            .iter()
+            .map(|rows| count(rows, padded))
+            .fold((0, 0), |(t, p), (a, b)| (t + a, p + b));
+        1.0 - tokens as f64 / positions as f64
+    };
+    // Padded: rows sorted by width, cut where rows × the widest passes the budget.
+    let mut order: Vec<usize> = (0..prompts.len()).collect();
+    order.sort_by_key(|&i| width(i));
+    let mut padded = Vec::new();
+    let mut start = 0;
     for end in 1..=order.len() {
         if (end - start) * width(order[end - 1]) > BUDGET && end - 1 > start {
-            padded += cut(&order[start..end - 1]);
+            padded.push(order[start..end - 1].to_vec());
             start = end - 1;
         }
     }
-    padded += cut(&order[start..]);
-    (real, padded, real)
+    padded.push(order[start..].to_vec());
+    // Packed: rows in order, cut where their tokens pass the budget.
+    let mut packed = Vec::new();
+    let (mut start, mut tokens) = (0, 0);
+    for i in 0..prompts.len() {
+        let row = prompts[i].len() + responses[i].len();
+        if tokens + row > BUDGET && i > start {
+            packed.push((start..i).collect());
+            (start, tokens) = (i, 0);
+        }
+        tokens += row;
+    }
+    packed.push((start..prompts.len()).collect());
+    (share(padded, true), share(packed, false))
 }
 
 /// Tokens/s of `updates` updates of the layout (after one warm-up).
@@ -164,8 +186,12 @@ fn main() {
             .config
             .vocab_size,
     );
-    let (real, padded_positions, packed_positions) = positions(&prompts, &responses);
-    let share = |positions: usize| 1.0 - real as f64 / positions as f64;
+    let (padded_share, packed_share) = padding_shares(&prompts, &responses);
+    let real: usize = prompts
+        .iter()
+        .zip(&responses)
+        .map(|(p, r)| p.len() + r.len())
+        .sum();
     let lengths: Vec<usize> = responses.iter().map(Vec::len).collect();
     println!(
         "rows={} response_lengths min={} max={} tokens={real}",
@@ -175,17 +201,10 @@ fn main() {
     );
     let padded = tokens_per_s(&dir, false, updates);
     let packed = tokens_per_s(&dir, true, updates);
+    println!("padded tokens_per_s={padded:.0} padding_share={padded_share:.4}");
+    println!("packed tokens_per_s={packed:.0} padding_share={packed_share:.4}");
     println!(
-        "padded tokens_per_s={padded:.0} layer_positions={padded_positions} padding_share={:.4}",
-        share(padded_positions)
-    );
-    println!(
-        "packed tokens_per_s={packed:.0} layer_positions={packed_positions} padding_share={:.4}",
-        share(packed_positions)
-    );
-    println!(
-        "packed_vs_padded_tokens_per_s={:.3} padding_share={:.4}",
-        packed / padded,
-        share(packed_positions)
+        "packed_vs_padded_tokens_per_s={:.3} padding_share={packed_share:.4}",
+        packed / padded
     );
 }

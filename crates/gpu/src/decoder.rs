@@ -348,18 +348,19 @@ impl Decoder {
     }
 
     /// Final hidden states `[1, T, hidden]` of rows packed end to end into
-    /// `input_ids` `[1, T]`, of `lengths` (summing to T), each attending
-    /// within itself only; `position_ids` `[1, T]` restart at each row. The
-    /// same states as each row run on its own, with no position of padding.
+    /// `input_ids` `[1, T]` as `layout` lays them out (its attention rows,
+    /// each attending within itself; `position_ids` `[1, T]` its
+    /// positions). The same states as each row run on its own, with no
+    /// position of padding.
     pub fn forward_packed(
         &self,
         input_ids: &Tensor,
-        lengths: &[i64],
+        layout: &PackedLayout,
         position_ids: &Tensor,
     ) -> Tensor {
         self.run(
             input_ids,
-            &Mask::Segments(Segments::new(lengths, input_ids.device())),
+            &Mask::Segments(Segments::new(layout, input_ids.device())),
             position_ids,
             None,
         )
@@ -408,11 +409,11 @@ impl Decoder {
     pub fn backward_checkpointed_packed<E>(
         &self,
         input_ids: &Tensor,
-        lengths: &[i64],
+        layout: &PackedLayout,
         position_ids: &Tensor,
         loss_of: impl FnOnce(&Tensor) -> Result<Tensor, E>,
     ) -> Result<Tensor, E> {
-        let mask = Mask::Segments(Segments::new(lengths, input_ids.device()));
+        let mask = Mask::Segments(Segments::new(layout, input_ids.device()));
         self.backward_with(input_ids, &mask, position_ids, loss_of)
     }
 
@@ -483,15 +484,106 @@ enum Mask {
     Segments(Segments),
 }
 
-/// Rows packed end to end into one sequence, as attention runs them: in a
-/// few buckets of rows of similar lengths, each bucket one causal SDPA
-/// call over its rows right-padded to its longest (a real query never
-/// sees a padded key, which all come after it; padded queries are
+/// Rows packed into one sequence: each token's position id, and the
+/// attention rows. An attention row lists the packed positions it attends
+/// over, in order; its first `context` positions are keys only (their
+/// queries belong to another row), the rest are its queries. A group's
+/// shared prompt is packed once, as a row of its own, and each sample's
+/// response is a row whose context is that prompt: the prompt's
+/// projections and MLP run once for the group.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PackedLayout {
+    /// Each packed token's position id.
+    pub positions: Vec<i64>,
+    /// The attention rows; every packed position is a query of exactly one.
+    pub rows: Vec<AttentionRow>,
+}
+
+/// One attention row of a [`PackedLayout`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct AttentionRow {
+    /// The packed positions the row attends over, in sequence order.
+    pub keys: Vec<i64>,
+    /// How many of `keys`, from the first, are context only.
+    pub context: usize,
+}
+
+impl PackedLayout {
+    /// Rows of `lengths` end to end, each attending within itself, its
+    /// positions from 0.
+    pub fn rows(lengths: &[i64]) -> PackedLayout {
+        let mut at = 0;
+        let mut rows = Vec::with_capacity(lengths.len());
+        for &n in lengths {
+            rows.push(AttentionRow {
+                keys: (at..at + n).collect(),
+                context: 0,
+            });
+            at += n;
+        }
+        PackedLayout {
+            positions: lengths.iter().flat_map(|&n| 0..n).collect(),
+            rows,
+        }
+    }
+
+    /// The packed sequence's length.
+    pub fn len(&self) -> usize {
+        self.positions.len()
+    }
+
+    /// Whether nothing is packed.
+    pub fn is_empty(&self) -> bool {
+        self.positions.is_empty()
+    }
+
+    /// Checks that every packed position is the query of exactly one row
+    /// and that every key lies in the sequence.
+    pub fn check(&self) -> Result<(), String> {
+        let n = self.len();
+        let mut queried = vec![false; n];
+        for (r, row) in self.rows.iter().enumerate() {
+            if row.context > row.keys.len() {
+                return Err(format!(
+                    "attention row {r}: context {} of {} keys",
+                    row.context,
+                    row.keys.len()
+                ));
+            }
+            for (i, &k) in row.keys.iter().enumerate() {
+                if k < 0 || k as usize >= n {
+                    return Err(format!(
+                        "attention row {r}: key {k} outside the {n} packed positions"
+                    ));
+                }
+                if i >= row.context {
+                    if queried[k as usize] {
+                        return Err(format!(
+                            "packed position {k} is a query of two attention rows"
+                        ));
+                    }
+                    queried[k as usize] = true;
+                }
+            }
+        }
+        match queried.iter().position(|q| !q) {
+            Some(k) => Err(format!(
+                "packed position {k} is the query of no attention row"
+            )),
+            None => Ok(()),
+        }
+    }
+}
+
+/// A [`PackedLayout`] as attention runs it: in a few buckets of rows of
+/// similar lengths, each bucket one causal SDPA call over its rows
+/// right-padded to its longest (a real query never sees a padded key,
+/// which all come after it; padded queries and context queries are
 /// dropped), instead of one call per row.
 ///
 /// The projections, the MLP and the norms, most of a layer's work, run on
-/// the packed rows and never on padding; only attention's query × key
-/// pairs may include some. A bucket takes the next longest row while its
+/// the packed tokens and never on padding; only attention's query × key
+/// pairs may include some (and a response row's context queries). A bucket takes the next longest row while its
 /// padded pairs stay within 1.5× its rows' own plus 64² a row, so the
 /// padded pairs are bounded and short rows (where a call costs more than
 /// its arithmetic) share one call.
@@ -520,27 +612,24 @@ const BUCKET_WASTE: f64 = 1.5;
 const BUCKET_SLACK_PAIRS: f64 = 64.0 * 64.0;
 
 impl Segments {
-    fn new(lengths: &[i64], device: tch::Device) -> Segments {
-        let mut starts = Vec::with_capacity(lengths.len());
-        let mut at = 0;
-        for &n in lengths {
-            starts.push(at);
-            at += n;
-        }
-        let mut by_length: Vec<usize> = (0..lengths.len()).collect();
-        by_length.sort_by_key(|&i| std::cmp::Reverse(lengths[i]));
+    fn new(layout: &PackedLayout, device: tch::Device) -> Segments {
+        let width = |r: usize| layout.rows[r].keys.len() as i64;
+        let mut by_length: Vec<usize> = (0..layout.rows.len())
+            .filter(|&r| layout.rows[r].keys.len() > layout.rows[r].context)
+            .collect();
+        by_length.sort_by_key(|&r| std::cmp::Reverse(width(r)));
         let mut buckets = Vec::new();
-        let mut place = vec![0i64; at as usize];
+        let mut place = vec![0i64; layout.len()];
         let mut placed = 0i64;
         let mut i = 0;
         while i < by_length.len() {
-            let width = lengths[by_length[i]];
-            let mut own = (width * width) as f64;
+            let widest = width(by_length[i]);
+            let mut own = (widest * widest) as f64;
             let mut j = i + 1;
             while j < by_length.len() {
-                let n = lengths[by_length[j]];
+                let n = width(by_length[j]);
                 let rows = (j - i + 1) as f64;
-                let padded = rows * (width * width) as f64;
+                let padded = rows * (widest * widest) as f64;
                 if padded > BUCKET_WASTE * (own + (n * n) as f64) + BUCKET_SLACK_PAIRS * rows {
                     break;
                 }
@@ -549,19 +638,20 @@ impl Segments {
             }
             let (mut gather, mut real) = (Vec::new(), Vec::new());
             for (r, &row) in by_length[i..j].iter().enumerate() {
-                let (start, n) = (starts[row], lengths[row]);
-                for s in 0..width {
-                    gather.push(start + s.min((n - 1).max(0)));
-                    if s < n {
-                        real.push(r as i64 * width + s);
-                        place[(start + s) as usize] = placed;
+                let AttentionRow { keys, context } = &layout.rows[row];
+                let last = *keys.last().unwrap_or(&0);
+                for s in 0..widest as usize {
+                    gather.push(keys.get(s).copied().unwrap_or(last));
+                    if s >= *context && s < keys.len() {
+                        real.push(r as i64 * widest + s as i64);
+                        place[keys[s] as usize] = placed;
                         placed += 1;
                     }
                 }
             }
             buckets.push(Bucket {
                 rows: (j - i) as i64,
-                width,
+                width: widest,
                 gather: Tensor::from_slice(&gather).to_device(device),
                 real: Tensor::from_slice(&real).to_device(device),
             });

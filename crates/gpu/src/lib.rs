@@ -37,6 +37,7 @@ pub mod stream;
 pub mod tokenizer;
 
 pub use config::{Family, Head, ModelConfig};
+pub use decoder::{AttentionRow, PackedLayout};
 pub use device::{Device, DeviceError};
 pub use error::ModelError;
 pub use generate::{generate, generate_on, generate_with_ids};

@@ -16,7 +16,7 @@ use tch::{Kind, Tensor};
 
 use crate::checkpoint::{check_config_fits, visit_tensors};
 use crate::config::{Head, ModelConfig};
-use crate::decoder::{linear, Decoder, Fill, KvCache};
+use crate::decoder::{linear, Decoder, Fill, KvCache, PackedLayout};
 use crate::device::Device;
 use crate::error::ModelError;
 
@@ -263,17 +263,18 @@ impl Model {
         Ok(self.decoder.forward(&ids, mask.as_ref(), &positions, None))
     }
 
-    /// Final hidden states `[1, T, hidden]` of rows packed end to end into
-    /// `input_ids` `[1, T]`, of `lengths`: each row attends within itself
-    /// only and its positions start at 0, so every row's states are those
-    /// it has run alone, and no position is spent on padding.
+    /// Final hidden states `[1, T, hidden]` of rows packed into `input_ids`
+    /// `[1, T]` as `layout` lays them out ([`PackedLayout::rows`]: end to
+    /// end, each attending within itself, its positions from 0; or with a
+    /// group's shared prompt packed once): every row's states are those it
+    /// has run alone, and no position is spent on padding.
     pub fn hidden_states_packed(
         &self,
         input_ids: &Tensor,
-        lengths: &[i64],
+        layout: &PackedLayout,
     ) -> Result<Tensor, ModelError> {
-        let (ids, positions) = self.packed_inputs(input_ids, lengths)?;
-        Ok(self.decoder.forward_packed(&ids, lengths, &positions))
+        let (ids, positions) = self.packed_inputs(input_ids, layout)?;
+        Ok(self.decoder.forward_packed(&ids, layout, &positions))
     }
 
     /// [`Model::backward_checkpointed_hidden`] over rows packed as
@@ -281,31 +282,31 @@ impl Model {
     pub fn backward_checkpointed_hidden_packed<E: From<ModelError>>(
         &self,
         input_ids: &Tensor,
-        lengths: &[i64],
+        layout: &PackedLayout,
         loss_of: impl FnOnce(&Tensor) -> Result<Tensor, E>,
     ) -> Result<Tensor, E> {
-        let (ids, positions) = self.packed_inputs(input_ids, lengths)?;
+        let (ids, positions) = self.packed_inputs(input_ids, layout)?;
         self.decoder
-            .backward_checkpointed_packed(&ids, lengths, &positions, loss_of)
+            .backward_checkpointed_packed(&ids, layout, &positions, loss_of)
     }
 
-    /// Checked packed ids and their positions, restarting at each row.
+    /// Checked packed ids and the layout's positions.
     fn packed_inputs(
         &self,
         input_ids: &Tensor,
-        lengths: &[i64],
+        layout: &PackedLayout,
     ) -> Result<(Tensor, Tensor), ModelError> {
         self.check_weights_held()?;
         let ids = self.check_ids(input_ids)?;
-        let total: i64 = lengths.iter().sum();
-        if ids.size() != [1, total] || lengths.iter().any(|&n| n < 1) {
+        let total = layout.len() as i64;
+        if ids.size() != [1, total] {
             return Err(ModelError::Input(format!(
-                "packed ids of shape {:?} for rows of lengths {lengths:?}",
+                "packed ids of shape {:?} for a layout of {total} positions",
                 ids.size()
             )));
         }
-        let positions: Vec<i64> = lengths.iter().flat_map(|&n| 0..n).collect();
-        let positions = Tensor::from_slice(&positions)
+        layout.check().map_err(ModelError::Input)?;
+        let positions = Tensor::from_slice(&layout.positions)
             .view([1, total])
             .to_device(self.device());
         Ok((ids, positions))

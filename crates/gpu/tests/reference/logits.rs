@@ -258,7 +258,7 @@ fn broken_checkpoints_give_errors_naming_the_file_and_tensor() {
 /// Qwen3 with its q/k norms and grouped keys).
 #[test]
 fn packed_rows_attend_within_themselves_in_buckets() {
-    let model = load("tiny-qwen3", Kind::Double);
+    let model = load("tiny-llama", Kind::Double);
     let vocab = model.config.vocab_size;
     // Long rows in buckets of their own, a run of short ones together.
     let lengths = [150i64, 3, 97, 1, 20, 140, 12, 12, 5, 60];
@@ -268,17 +268,12 @@ fn packed_rows_attend_within_themselves_in_buckets() {
         .map(|&n| Tensor::randint(vocab, [1, n], (Kind::Int64, tch::Device::Cpu)))
         .collect();
     let packed = Tensor::cat(&rows, 1);
-    let hidden = model.hidden_states_packed(&packed, &lengths).unwrap();
+    let hidden = model
+        .hidden_states_packed(&packed, &weir_gpu::PackedLayout::rows(&lengths))
+        .unwrap();
     let weights = Tensor::randn(hidden.size().as_slice(), (Kind::Double, tch::Device::Cpu));
     (&hidden * &weights).sum(Kind::Double).backward();
-    let packed_grads: Vec<Tensor> = model
-        .named_tensors()
-        .iter()
-        .map(|(_, p)| p.grad().copy())
-        .collect();
-    for (_, mut p) in model.named_tensors() {
-        p.zero_grad();
-    }
+    let packed_grads = take_grads(&model);
     let mut at = 0;
     for (row, &n) in rows.iter().zip(&lengths) {
         let alone = model.hidden_states(row, None, None).unwrap();
@@ -292,8 +287,116 @@ fn packed_rows_attend_within_themselves_in_buckets() {
             .backward();
         at += n;
     }
-    for ((name, p), g) in model.named_tensors().iter().zip(&packed_grads) {
-        let d = (p.grad() - g).abs().max().double_value(&[]);
-        assert!(d < 1e-9, "gradient of {name} differs by {d:e}");
+    assert_grads(&model, &packed_grads);
+}
+
+/// A group's shared prompt packed once, each sample's response a row that
+/// attends to it: every response's states and the gradients of a loss on
+/// them are those of each prompt + response run alone (float64), the
+/// prompt's states those of the prompt alone.
+#[test]
+fn a_shared_prompt_packed_once_gives_each_rows_own_states() {
+    use weir_gpu::{AttentionRow, PackedLayout};
+    let model = load("tiny-llama", Kind::Double);
+    let vocab = model.config.vocab_size;
+    tch::manual_seed(5);
+    let prompt = Tensor::randint(vocab, [1, 9], (Kind::Int64, tch::Device::Cpu));
+    let lengths = [4i64, 1, 30, 7];
+    let responses: Vec<Tensor> = lengths
+        .iter()
+        .map(|&n| Tensor::randint(vocab, [1, n], (Kind::Int64, tch::Device::Cpu)))
+        .collect();
+    let p = 9i64;
+    let mut positions: Vec<i64> = (0..p).collect();
+    let mut rows = vec![AttentionRow {
+        keys: (0..p).collect(),
+        context: 0,
+    }];
+    let mut at = p;
+    for &n in &lengths {
+        positions.extend(p..p + n);
+        rows.push(AttentionRow {
+            keys: (0..p).chain(at..at + n).collect(),
+            context: p as usize,
+        });
+        at += n;
+    }
+    let layout = PackedLayout { positions, rows };
+    let mut parts = vec![prompt.shallow_clone()];
+    parts.extend(responses.iter().map(Tensor::shallow_clone));
+    let hidden = model
+        .hidden_states_packed(&Tensor::cat(&parts, 1), &layout)
+        .unwrap();
+    let weights = Tensor::randn(hidden.size().as_slice(), (Kind::Double, tch::Device::Cpu));
+    let _ = weights.narrow(1, 0, p).fill_(0.0);
+    (&hidden * &weights).sum(Kind::Double).backward();
+    let packed_grads = take_grads(&model);
+    let alone = model.hidden_states(&prompt, None, None).unwrap();
+    let d = (&alone - hidden.narrow(1, 0, p))
+        .abs()
+        .max()
+        .double_value(&[]);
+    assert!(d < 1e-10, "the prompt's states differ by {d:e}");
+    let mut at = p;
+    for (r, &n) in responses.iter().zip(&lengths) {
+        let alone = model
+            .hidden_states(
+                &Tensor::cat(&[prompt.shallow_clone(), r.shallow_clone()], 1),
+                None,
+                None,
+            )
+            .unwrap()
+            .narrow(1, p, n);
+        let d = (&alone - hidden.narrow(1, at, n))
+            .abs()
+            .max()
+            .double_value(&[]);
+        assert!(d < 1e-10, "a response of {n} tokens differs by {d:e}");
+        (&alone * weights.narrow(1, at, n))
+            .sum(Kind::Double)
+            .backward();
+        at += n;
+    }
+    assert_grads(&model, &packed_grads);
+    // A layout that leaves a position without a query row is refused.
+    let mut broken = layout.clone();
+    broken.rows.pop();
+    let err = model
+        .hidden_states_packed(&Tensor::cat(&parts, 1), &broken)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("query of no attention row"), "{err}");
+}
+
+/// Every parameter's gradient (none for the output head, which hidden
+/// states do not reach), then zeroed.
+fn take_grads(model: &Model) -> Vec<Option<Tensor>> {
+    model
+        .named_tensors()
+        .into_iter()
+        .map(|(_, mut t)| {
+            let g = t.grad().defined().then(|| t.grad().copy());
+            t.zero_grad();
+            g
+        })
+        .collect()
+}
+
+/// The gradients now equal `before` to float32 rounding, relative to the
+/// largest: the RMS norms compute in float32 as transformers' do, so a
+/// gradient that reaches a shared position summed (packed once) or in
+/// turns (each row alone) rounds there at float32.
+fn assert_grads(model: &Model, before: &[Option<Tensor>]) {
+    for ((name, t), g) in model.named_tensors().iter().zip(before) {
+        let Some(g) = g else {
+            assert!(!t.grad().defined(), "{name}");
+            continue;
+        };
+        let d = (t.grad() - g).abs().max().double_value(&[]);
+        let largest = g.abs().max().double_value(&[]);
+        assert!(
+            d <= 1e-6 * largest.max(1.0),
+            "gradient of {name} differs by {d:e} (largest {largest:e})"
+        );
     }
 }

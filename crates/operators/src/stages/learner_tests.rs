@@ -735,20 +735,24 @@ fn packed_rows_train_like_padded_ones() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../tests/fixtures/models/tiny-qwen2");
     // Lengths far apart (a long prompt with a one-token answer, a short one
-    // with a long answer), a repeated prompt, an empty response.
+    // with a long answer), repeated prompts, an empty response.
     let prompts = vec![
         vec![1i64, 2, 3, 4, 5, 6, 7, 8, 9],
         vec![1, 3],
         vec![1, 3],
         vec![7],
         vec![2, 4, 6],
+        vec![2, 4, 6],
     ];
+    // Packed, the rows sharing a micro-batch and a prompt run it once
+    // (one of them with an empty response).
     let responses = vec![
         vec![5i64],
         vec![8, 9, 10, 11, 12, 13, 14, 15],
         vec![6, 7],
         vec![20, 21, 22, 23],
         vec![],
+        vec![9, 9, 3],
     ];
     let advantages: Vec<Vec<f64>> = responses
         .iter()

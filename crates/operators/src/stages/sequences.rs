@@ -3,8 +3,10 @@
 //! log-probs, entropy, and the training step's loss — for the learner, the
 //! reference, SFT and the preference trainers.
 
+use std::collections::HashMap;
+
 use tch::Tensor;
-use weir_gpu::Model;
+use weir_gpu::{AttentionRow, Model, PackedLayout};
 use weir_graph::StageError;
 
 /// Right-padded `prompt ++ response` rows, and for each response token `j`
@@ -56,14 +58,16 @@ pub fn pack(prompts: &[Vec<i64>], responses: &[Vec<i64>], pad: i64, device: tch:
     }
 }
 
-/// `prompt ++ response` rows packed end to end into one sequence, with no
-/// padding: the model runs them as one row whose positions restart and
-/// whose attention stays within each row ([`Model::hidden_states_packed`]).
+/// `prompt ++ response` rows packed into one sequence, with no padding:
+/// the model runs them as one row whose attention stays within each row
+/// ([`Model::hidden_states_packed`]). A prompt that several rows share (a
+/// group's samples) is packed once, and each of their responses attends
+/// to it, so its layers run once for the group.
 pub struct Flat {
-    /// Token ids `[1, T]`, T the rows' total length.
+    /// Token ids `[1, T]`, T the packed tokens.
     pub ids: Tensor,
-    /// Each row's length.
-    pub lengths: Vec<i64>,
+    /// The positions and attention rows of the packed tokens.
+    pub layout: PackedLayout,
     /// The position in the sequence predicting each response token `[B, R]`
     /// (R = the longest response; padded entries repeat the row's last).
     pub index: Tensor,
@@ -73,7 +77,7 @@ pub struct Flat {
     pub response_mask: Tensor,
 }
 
-/// Packs `prompts[i] ++ responses[i]` end to end, on `device`.
+/// Packs `prompts[i] ++ responses[i]`, a prompt several rows share once, on `device`.
 pub fn pack_flat(
     prompts: &[Vec<i64>],
     responses: &[Vec<i64>],
@@ -81,14 +85,54 @@ pub fn pack_flat(
     device: tch::Device,
 ) -> Flat {
     let r_max = responses.iter().map(Vec::len).max().unwrap_or(1).max(1);
-    let (mut ids, mut lengths, mut index, mut targets, mut rmask) =
-        (vec![], vec![], vec![], vec![], vec![]);
+    let mut uses: HashMap<&[i64], usize> = HashMap::new();
+    for p in prompts {
+        *uses.entry(p.as_slice()).or_default() += 1;
+    }
+    // Where a shared prompt was packed.
+    let mut shared: HashMap<&[i64], Vec<i64>> = HashMap::new();
+    let (mut ids, mut positions, mut rows) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut index, mut targets, mut rmask) = (vec![], vec![], vec![]);
+    let mut append = |tokens: &[i64], from: i64, ids: &mut Vec<i64>| -> Vec<i64> {
+        let at = ids.len() as i64;
+        ids.extend_from_slice(tokens);
+        positions.extend(from..from + tokens.len() as i64);
+        (at..at + tokens.len() as i64).collect()
+    };
     for (p, r) in prompts.iter().zip(responses) {
-        let start = ids.len();
-        ids.extend(p.iter().chain(r).copied());
-        lengths.push((p.len() + r.len()) as i64);
+        let sharing = uses[p.as_slice()] > 1 && !p.is_empty();
+        let prompt_at = match shared.get(p.as_slice()) {
+            Some(at) => at.clone(),
+            None => {
+                let at = append(p, 0, &mut ids);
+                if sharing {
+                    rows.push(AttentionRow {
+                        keys: at.clone(),
+                        context: 0,
+                    });
+                    shared.insert(p.as_slice(), at.clone());
+                }
+                at
+            }
+        };
+        let response_at = append(r, p.len() as i64, &mut ids);
+        // The keys of the row: its prompt (context only when shared), then its response.
+        let context = if sharing { p.len() } else { 0 };
+        if !(sharing && r.is_empty()) {
+            rows.push(AttentionRow {
+                keys: prompt_at.iter().chain(&response_at).copied().collect(),
+                context,
+            });
+        }
+        let predictor = |j: usize| -> i64 {
+            if j == 0 {
+                prompt_at.last().copied().unwrap_or(0)
+            } else {
+                response_at[j - 1]
+            }
+        };
         for j in 0..r_max {
-            index.push((start + p.len() + j.min(r.len().saturating_sub(1))) as i64 - 1);
+            index.push(predictor(j.min(r.len().saturating_sub(1))));
             targets.push(r.get(j).copied().unwrap_or(pad));
             rmask.push(if j < r.len() { 1.0f32 } else { 0.0 });
         }
@@ -96,7 +140,7 @@ pub fn pack_flat(
     let (b, r) = (prompts.len() as i64, r_max as i64);
     Flat {
         ids: Tensor::from_slice(&ids).view([1, -1]).to_device(device),
-        lengths,
+        layout: PackedLayout { positions, rows },
         index: Tensor::from_slice(&index).view([b, r]).to_device(device),
         targets: Tensor::from_slice(&targets).view([b, r]).to_device(device),
         response_mask: Tensor::from_slice(&rmask).view([b, r]).to_device(device),
@@ -399,9 +443,9 @@ fn read_responses(
 /// more response positions than `chunk` (> 0), the output head runs
 /// `chunk` positions at a time forward and backward ([`chunked_loss`]), so
 /// at most `chunk × vocab` logits exist at once; the gradients are the same.
-/// With `packed`, the rows run end to end as one sequence ([`pack_flat`]):
-/// no position of padding, the same states (each distinct prompt is then
-/// run once per row rather than once).
+/// With `packed`, the rows run as one sequence ([`pack_flat`]): no
+/// position of padding, the same states, a prompt several rows share run
+/// once.
 #[allow(clippy::too_many_arguments)]
 pub fn response_backward<T>(
     model: &Model,
@@ -443,7 +487,7 @@ pub fn response_backward<T>(
         let pad = checked_pad(model, prompts, responses)?;
         let flat = pack_flat(prompts, responses, pad, model.device());
         if !checkpointed {
-            let hidden = model.hidden_states_packed(&flat.ids, &flat.lengths)?;
+            let hidden = model.hidden_states_packed(&flat.ids, &flat.layout)?;
             let (at, targets, mask) = gather_flat(&hidden, &flat);
             let (loss, measured) = head(&at, &targets, mask)?;
             loss.backward();
@@ -451,7 +495,7 @@ pub fn response_backward<T>(
         }
         let mut measured = None;
         let _loss =
-            model.backward_checkpointed_hidden_packed(&flat.ids, &flat.lengths, |hidden| {
+            model.backward_checkpointed_hidden_packed(&flat.ids, &flat.layout, |hidden| {
                 let (at, targets, mask) = gather_flat(hidden, &flat);
                 let (loss, m) = head(&at, &targets, mask)?;
                 measured = Some(m);
@@ -504,6 +548,42 @@ pub fn response_targets(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A prompt two rows share is packed once: a row of its own, and each
+    /// response's row attends to it as context; a prompt of one row packs
+    /// with its response; each response token is read where it is predicted.
+    #[test]
+    fn a_shared_prompt_packs_once() {
+        let prompts = vec![vec![1i64, 2], vec![1, 2], vec![3]];
+        let responses = vec![vec![4i64], vec![5, 6], vec![]];
+        let flat = pack_flat(&prompts, &responses, 0, tch::Device::Cpu);
+        assert_eq!(
+            Vec::<i64>::try_from(flat.ids.view([-1])).unwrap(),
+            [1, 2, 4, 5, 6, 3]
+        );
+        let row = |keys: Vec<i64>, context| AttentionRow { keys, context };
+        assert_eq!(
+            flat.layout,
+            PackedLayout {
+                positions: vec![0, 1, 2, 2, 3, 0],
+                rows: vec![
+                    row(vec![0, 1], 0),
+                    row(vec![0, 1, 2], 2),
+                    row(vec![0, 1, 3, 4], 2),
+                    row(vec![5], 0),
+                ],
+            }
+        );
+        flat.layout.check().unwrap();
+        assert_eq!(
+            Vec::<i64>::try_from(flat.index.view([-1])).unwrap(),
+            [1, 1, 1, 3, 5, 5]
+        );
+        assert_eq!(
+            Vec::<i64>::try_from(flat.targets.view([-1])).unwrap(),
+            [4, 0, 5, 6, 0, 0]
+        );
+    }
 
     #[test]
     fn a_chunked_head_gives_the_same_log_probs() {
