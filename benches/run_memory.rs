@@ -177,7 +177,7 @@ fn breakdown(dir: &Path, lora: bool) {
     let responses: Vec<Vec<i64>> = generations.iter().map(|g| g.tokens.clone()).collect();
     let refs = part("reference_logprobs", || {
         let _guard = tch::no_grad_guard();
-        response_logprobs(&reference, &prompts, &responses, 1.0, 1024)
+        response_logprobs(&reference, &prompts, &responses, 1.0, 1024, false)
             .unwrap()
             .0
     });

@@ -190,6 +190,7 @@ pub fn ppo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
     let fit = critic.clone();
     let (a, flavor) = (cfg.algorithm.clone(), cfg.algorithm.flavor);
     let (kl_coef, adaptive_kl) = roles::in_reward_kl(cfg, ctx);
+    let packing = cfg.algorithm.packing;
     let group = roles::data_parallel_group(cfg);
     Ok(rollouts(Pipeline::new("ppo"), cfg, ctx, false)
         // By group, so that data-parallel ranks each get a share of every step.
@@ -197,7 +198,7 @@ pub fn ppo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
             "critic",
             TRAIN,
             Partition::ByKey(col::GROUP_ID.into()),
-            move |w| Critic::new(&critic, w),
+            move |w| Ok(Critic::new(&critic, w)?.with_packing(packing)),
         )
         .offload(roles::MODEL_QUEUE)
         .stage(

@@ -273,6 +273,7 @@ pub fn critic_learner(
         .with_schedule(schedule(&cfg))
         .with_epochs(a.ppo_epochs)
         .with_mini_batches(a.mini_batches)
+        .with_packing(a.packing)
         .with_checkpoints(checkpoints.clone());
         if let Some(group) = &group {
             learner = learner.with_data_parallel(group.member(w, "critic_learn")?)?;
@@ -293,7 +294,8 @@ pub fn reference(
         // On the CPU kernels the reference's packing alone holds its weights.
         model.keep_only_cpu_packing()?;
         Ok(RefLogprob::new(model, cfg.generate.temperature)
-            .with_logprob_chunk(cfg.algorithm.logprob_chunk))
+            .with_logprob_chunk(cfg.algorithm.logprob_chunk)
+            .with_packing(cfg.algorithm.packing))
     }
 }
 

@@ -492,6 +492,16 @@ impl Model {
         Ok(score.forward(&self.hidden_states(input_ids, attention_mask, None)?))
     }
 
+    /// [`Model::position_scores`] of rows packed as [`Model::hidden_states_packed`] runs them: `[1, T, labels]`.
+    pub fn position_scores_packed(
+        &self,
+        input_ids: &Tensor,
+        layout: &PackedLayout,
+    ) -> Result<Tensor, ModelError> {
+        let score = self.score_head()?;
+        Ok(score.forward(&self.hidden_states_packed(input_ids, layout)?))
+    }
+
     fn score_head(&self) -> Result<&nn::Linear, ModelError> {
         self.score.as_ref().ok_or_else(|| {
             ModelError::Input(format!("{} has no score head", self.config.architecture))

@@ -239,6 +239,7 @@ fn a_models_turn_after_an_observation_has_the_log_probs_of_a_pass_over_the_traje
             std::slice::from_ref(&episode.tokens),
             1.0,
             0,
+            false,
         )
         .unwrap();
         for i in sampled {

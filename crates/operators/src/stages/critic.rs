@@ -16,7 +16,7 @@ use weir_graph::batch::with_column;
 use weir_graph::{Stage, StageError, StepBuffer, StepContext, StepStage, WorkerInfo};
 
 use super::columns::{float_list_array, float_lists, token_lists};
-use super::sequences::pack_for;
+use super::sequences::{checked_pad, pack_flat, pack_for};
 use super::train_step::{step_scale_counted, HeldModel, LrSchedule, TrainerCore};
 use crate::algorithms::{value_loss_in_step, Aggregation, Flavor};
 use crate::checkpoint::Checkpointer;
@@ -59,12 +59,26 @@ impl<T: Send> PerWorker<T> {
 
 /// Value of each response token `t`: the critic's output at the position
 /// before it (the state in which token `t` was chosen), `[B, R]`, and the
-/// mask of real tokens.
+/// mask of real tokens. With `packed`, the rows run as one sequence
+/// without padding ([`pack_flat`]).
 fn response_values(
     model: &Model,
     prompts: &[Vec<i64>],
     responses: &[Vec<i64>],
+    packed: bool,
 ) -> Result<(Tensor, Tensor), StageError> {
+    if packed {
+        let pad = checked_pad(model, prompts, responses)?;
+        let flat = pack_flat(prompts, responses, pad, model.device());
+        let scores = model
+            .position_scores_packed(&flat.ids, &flat.layout)?
+            .select(2, 0)
+            .to_kind(Kind::Float)
+            .squeeze_dim(0);
+        let (b, r) = (flat.index.size()[0], flat.index.size()[1]);
+        let values = scores.index_select(0, &flat.index.view([-1])).view([b, r]);
+        return Ok((values, flat.response_mask));
+    }
     let packed = pack_for(model, prompts, responses)?;
     let scores = model
         .position_scores(&packed.ids, None)?
@@ -88,6 +102,7 @@ fn rows_of(t: &Tensor, lengths: &[usize]) -> Result<Vec<Vec<f64>>, StageError> {
 /// Writes `values` with this worker's critic.
 pub struct Critic {
     model: Arc<Mutex<Model>>,
+    packed: bool,
 }
 
 impl Critic {
@@ -95,7 +110,14 @@ impl Critic {
     pub fn new(handle: &PerWorker<Model>, worker: &WorkerInfo) -> Result<Self, StageError> {
         Ok(Critic {
             model: handle.get(worker)?,
+            packed: false,
         })
+    }
+
+    /// Runs a batch's rows as one sequence without padding (`algorithm.packing`).
+    pub fn with_packing(mut self, packed: bool) -> Self {
+        self.packed = packed;
+        self
     }
 }
 
@@ -109,7 +131,7 @@ impl Stage for Critic {
         let responses = token_lists(&batch, col::RESPONSE_TOKENS, ctx.stage())?;
         let _guard = tch::no_grad_guard();
         let model = self.model.hold()?;
-        let (values, _) = response_values(&model, &prompts, &responses)?;
+        let (values, _) = response_values(&model, &prompts, &responses, self.packed)?;
         let lengths: Vec<usize> = responses.iter().map(Vec::len).collect();
         Ok(vec![with_column(
             &batch,
@@ -129,6 +151,7 @@ pub struct CriticLearner {
     flavor: Flavor,
     epochs: usize,
     mini_batches: usize,
+    packed: bool,
     /// The last step's value loss.
     pub last_loss: f64,
 }
@@ -151,6 +174,7 @@ impl CriticLearner {
             flavor: Flavor::OpenRlhf,
             epochs: 1,
             mini_batches: 1,
+            packed: false,
             last_loss: f64::NAN,
         })
     }
@@ -195,6 +219,12 @@ impl CriticLearner {
     /// as the actor's learner takes them.
     pub fn with_mini_batches(mut self, mini_batches: usize) -> Self {
         self.mini_batches = mini_batches.max(1);
+        self
+    }
+
+    /// Runs each mini-batch's rows as one sequence without padding (`algorithm.packing`).
+    pub fn with_packing(mut self, packed: bool) -> Self {
+        self.packed = packed;
         self
     }
 
@@ -255,7 +285,8 @@ impl StepStage for CriticLearner {
             None => Vec::new(),
         };
         let (n, minis) = (prompts.len(), self.mini_batches);
-        let (clip, aggregation, flavor) = (self.clip, self.aggregation, self.flavor);
+        let (clip, aggregation, flavor, packed) =
+            (self.clip, self.aggregation, self.flavor, self.packed);
         let (mut loss_sum, mut clip_fraction) = (0.0, 0.0);
         for _epoch in 0..self.epochs {
             (loss_sum, clip_fraction) = (0.0, 0.0);
@@ -279,7 +310,7 @@ impl StepStage for CriticLearner {
                             return Ok(());
                         }
                         let (values, real) =
-                            response_values(model, &prompts[lo..hi], &responses[lo..hi])?;
+                            response_values(model, &prompts[lo..hi], &responses[lo..hi], packed)?;
                         let (width, device) = (values.size()[1] as usize, model.device());
                         let mask = real * padded(&generated[lo..hi], width, device);
                         let (loss, clipped) = value_loss_in_step(
@@ -320,6 +351,23 @@ mod tests {
     use super::*;
     use crate::rollout::TokenKind::{Generated, Observation};
     use crate::stages::columns::{token_kinds_array, token_list_array};
+
+    /// Packed (a shared prompt once, no padding), the critic's values are
+    /// the padded pass's.
+    #[test]
+    fn packed_values_are_the_padded_ones() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/models/tiny-llama-rm");
+        let model = Model::load_critic(&dir, weir_gpu::Device::Cpu, Kind::Double).unwrap();
+        let prompts = vec![vec![1i64, 2, 3], vec![1, 2, 3], vec![4], vec![1, 2, 3]];
+        let responses = vec![vec![5i64, 6], vec![7, 8, 9, 10, 11], vec![12], vec![]];
+        let (padded, mask) = response_values(&model, &prompts, &responses, false).unwrap();
+        let (packed, packed_mask) = response_values(&model, &prompts, &responses, true).unwrap();
+        assert_eq!(mask, packed_mask);
+        let d = ((&padded - &packed) * &mask).abs().max().double_value(&[]);
+        assert!(d < 1e-6, "{d:e}");
+        assert!(padded.abs().sum(Kind::Double).double_value(&[]) > 0.0);
+    }
 
     /// The critic's value loss after one fit on two rows; row 0's middle
     /// token is an observation when `kinds`, and its return is `observed`.

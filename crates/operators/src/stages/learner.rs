@@ -458,6 +458,7 @@ impl Learner {
                         &rows.responses[start..end],
                         self.cfg.temperature,
                         self.cfg.logprob_chunk,
+                        self.cfg.packing,
                     )
                     .map(|(lp, _)| lp)
                 })

@@ -15,6 +15,7 @@ pub struct RefLogprob {
     model: Model,
     temperature: f64,
     chunk: usize,
+    packed: bool,
 }
 
 impl RefLogprob {
@@ -24,7 +25,15 @@ impl RefLogprob {
             model,
             temperature,
             chunk: 0,
+            packed: false,
         }
+    }
+
+    /// Runs a batch's rows as one sequence without padding (`algorithm.packing`;
+    /// on weir's CPU kernels rows never pad anyway).
+    pub fn with_packing(mut self, packed: bool) -> Self {
+        self.packed = packed;
+        self
     }
 
     /// Runs the output head on `chunk` response positions at a time (0: all at once).
@@ -49,6 +58,7 @@ impl Stage for RefLogprob {
             &responses,
             self.temperature,
             self.chunk,
+            self.packed,
         )?;
         let lp = lp.to_kind(Kind::Double);
         let rows: Vec<Vec<f64>> = responses

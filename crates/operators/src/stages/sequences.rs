@@ -75,6 +75,12 @@ pub struct Flat {
     pub targets: Tensor,
     /// 1.0 on real response tokens `[B, R]`.
     pub response_mask: Tensor,
+    /// The position predicting each real response token `[N]`, row by row.
+    pub real: Tensor,
+    /// Those tokens `[N]`.
+    pub real_targets: Tensor,
+    /// Their places in the `[B, R]` grid, flattened `[N]`.
+    pub slots: Tensor,
 }
 
 /// Packs `prompts[i] ++ responses[i]`, a prompt several rows share once, on `device`.
@@ -93,6 +99,7 @@ pub fn pack_flat(
     let mut shared: HashMap<&[i64], Vec<i64>> = HashMap::new();
     let (mut ids, mut positions, mut rows) = (Vec::new(), Vec::new(), Vec::new());
     let (mut index, mut targets, mut rmask) = (vec![], vec![], vec![]);
+    let (mut real, mut real_targets, mut slots) = (vec![], vec![], vec![]);
     let mut append = |tokens: &[i64], from: i64, ids: &mut Vec<i64>| -> Vec<i64> {
         let at = ids.len() as i64;
         ids.extend_from_slice(tokens);
@@ -135,16 +142,61 @@ pub fn pack_flat(
             index.push(predictor(j.min(r.len().saturating_sub(1))));
             targets.push(r.get(j).copied().unwrap_or(pad));
             rmask.push(if j < r.len() { 1.0f32 } else { 0.0 });
+            if j < r.len() {
+                slots.push(targets.len() as i64 - 1);
+                real.push(predictor(j));
+                real_targets.push(r[j]);
+            }
         }
     }
     let (b, r) = (prompts.len() as i64, r_max as i64);
+    let on_device = |v: &[i64]| Tensor::from_slice(v).to_device(device);
     Flat {
         ids: Tensor::from_slice(&ids).view([1, -1]).to_device(device),
         layout: PackedLayout { positions, rows },
         index: Tensor::from_slice(&index).view([b, r]).to_device(device),
         targets: Tensor::from_slice(&targets).view([b, r]).to_device(device),
         response_mask: Tensor::from_slice(&rmask).view([b, r]).to_device(device),
+        real: on_device(&real),
+        real_targets: on_device(&real_targets),
+        slots: on_device(&slots),
     }
+}
+
+/// Log-probs (and, at the temperature `entropy_at`, the entropy) of packed
+/// rows' response tokens from their states `[1, T, d]`, the output head run
+/// at the real response positions only, laid out `[B, R]` (0 where a
+/// response is shorter).
+fn read_flat(
+    model: &Model,
+    states: &Tensor,
+    flat: &Flat,
+    temperature: f64,
+    entropy_at: Option<f64>,
+) -> Result<ResponseForward, StageError> {
+    let at = states
+        .squeeze_dim(0)
+        .index_select(0, &flat.real)
+        .unsqueeze(0);
+    let logits = model.lm_logits(&at)?;
+    let read = read_responses(
+        &logits,
+        &flat.real_targets.unsqueeze(0),
+        flat.response_mask.shallow_clone(),
+        temperature,
+        entropy_at,
+    );
+    let (b, r) = (flat.index.size()[0], flat.index.size()[1]);
+    let grid = |x: Tensor| {
+        Tensor::zeros([b * r], (x.kind(), x.device()))
+            .index_copy(0, &flat.slots, &x.view([-1]))
+            .view([b, r])
+    };
+    Ok(ResponseForward {
+        logprobs: grid(read.logprobs),
+        mask: read.mask,
+        entropy: read.entropy.map(grid),
+    })
 }
 
 /// The response positions of packed `states` `[1, T, d]`: (`[B, R, d]`,
@@ -177,7 +229,7 @@ pub fn pack_for(
 
 /// `model`'s padding id, once every token id is checked on the host to lie
 /// in its vocabulary (so no device has to be asked).
-fn checked_pad(
+pub(crate) fn checked_pad(
     model: &Model,
     prompts: &[Vec<i64>],
     responses: &[Vec<i64>],
@@ -202,15 +254,31 @@ fn checked_pad(
 /// `temperature`), with the response mask `[B, R]` (R = the longest
 /// response), without gradients. A float32 model on an AVX2 CPU runs on
 /// weir's CPU kernels (equal prompts, e.g. a group's samples, run once);
-/// anything else through [`response_forward`], or with the output head
-/// applied `chunk` positions at a time when the rows hold more (0: never).
+/// anything else through [`response_forward`], or with `packed` as one
+/// sequence without padding ([`pack_flat`], the output head at the real
+/// response positions only), or with the output head applied `chunk`
+/// positions at a time when the rows hold more (0: never).
 pub fn response_logprobs(
     model: &Model,
     prompts: &[Vec<i64>],
     responses: &[Vec<i64>],
     temperature: f64,
     chunk: usize,
+    packed: bool,
 ) -> Result<(Tensor, Tensor), StageError> {
+    if !model.runs_on_cpu_kernels() && packed {
+        let _guard = tch::no_grad_guard();
+        let pad = checked_pad(model, prompts, responses)?;
+        let flat = pack_flat(prompts, responses, pad, model.device());
+        let hidden = model.hidden_states_packed(&flat.ids, &flat.layout)?;
+        if chunks(responses, chunk) {
+            let (at, targets, mask) = gather_flat(&hidden, &flat);
+            let f = head_in_chunks(model, &at, &targets, mask, temperature, None, chunk)?;
+            return Ok((f.logprobs, f.mask));
+        }
+        let f = read_flat(model, &hidden, &flat, temperature, None)?;
+        return Ok((f.logprobs, f.mask));
+    }
     if !model.runs_on_cpu_kernels() {
         let _guard = tch::no_grad_guard();
         if chunks(responses, chunk) {
@@ -460,44 +528,60 @@ pub fn response_backward<T>(
 ) -> Result<T, StageError> {
     let chunked = chunks(responses, chunk);
     let _training = model.training();
-    // The loss to backpropagate, from the hidden states at the response positions.
-    let head = |hidden: &Tensor, targets: &Tensor, mask: Tensor| {
-        if chunked {
-            return chunked_loss(
+    // The loss to backpropagate, from the hidden states at the response
+    // positions (a grid `[B, R, d]`), or from packed rows' states, whose
+    // output head runs at the real response positions only unless chunked.
+    let head = |states: Responses<'_>| match states {
+        Responses::Grid(hidden, targets, mask) if chunked => chunked_loss(
+            model,
+            hidden,
+            &targets,
+            mask,
+            temperature,
+            entropy_at,
+            chunk,
+            loss_of,
+        ),
+        Responses::Grid(hidden, targets, mask) => {
+            let logits = model.lm_logits(hidden)?;
+            loss_of(read_responses(
+                &logits,
+                &targets,
+                mask,
+                temperature,
+                entropy_at,
+            ))
+        }
+        Responses::Packed(states, flat) if chunked => {
+            let (at, targets, mask) = gather_flat(states, flat);
+            chunked_loss(
                 model,
-                hidden,
-                targets,
+                &at,
+                &targets,
                 mask,
                 temperature,
                 entropy_at,
                 chunk,
                 loss_of,
-            );
+            )
         }
-        let logits = model.lm_logits(hidden)?;
-        loss_of(read_responses(
-            &logits,
-            targets,
-            mask,
-            temperature,
-            entropy_at,
-        ))
+        Responses::Packed(states, flat) => {
+            loss_of(read_flat(model, states, flat, temperature, entropy_at)?)
+        }
     };
     if packed {
         let pad = checked_pad(model, prompts, responses)?;
         let flat = pack_flat(prompts, responses, pad, model.device());
         if !checkpointed {
             let hidden = model.hidden_states_packed(&flat.ids, &flat.layout)?;
-            let (at, targets, mask) = gather_flat(&hidden, &flat);
-            let (loss, measured) = head(&at, &targets, mask)?;
+            let (loss, measured) = head(Responses::Packed(&hidden, &flat))?;
             loss.backward();
             return Ok(measured);
         }
         let mut measured = None;
         let _loss =
             model.backward_checkpointed_hidden_packed(&flat.ids, &flat.layout, |hidden| {
-                let (at, targets, mask) = gather_flat(hidden, &flat);
-                let (loss, m) = head(&at, &targets, mask)?;
+                let (loss, m) = head(Responses::Packed(hidden, &flat))?;
                 measured = Some(m);
                 Ok::<_, StageError>(loss)
             })?;
@@ -505,7 +589,7 @@ pub fn response_backward<T>(
     }
     if !checkpointed {
         let (hidden, targets, mask) = response_hidden(model, prompts, responses)?;
-        let (loss, measured) = head(&hidden, &targets, mask)?;
+        let (loss, measured) = head(Responses::Grid(&hidden, targets, mask))?;
         loss.backward();
         return Ok(measured);
     }
@@ -514,11 +598,19 @@ pub fn response_backward<T>(
     let mut measured = None;
     let _loss = model.backward_checkpointed_hidden(&ids, None, |hidden| {
         let (at, targets, mask) = gather_responses(hidden, packed);
-        let (loss, m) = head(&at, &targets, mask)?;
+        let (loss, m) = head(Responses::Grid(&at, targets, mask))?;
         measured = Some(m);
         Ok::<_, StageError>(loss)
     })?;
     Ok(measured.expect("loss_of ran"))
+}
+
+/// What the output head reads in a training pass.
+enum Responses<'a> {
+    /// States at the response positions `[B, R, d]`, the tokens and the mask `[B, R]`.
+    Grid(&'a Tensor, Tensor, Tensor),
+    /// Packed rows' states `[1, T, d]`.
+    Packed(&'a Tensor, &'a Flat),
 }
 
 /// Each row's `column` text tokenised (no special tokens) with the
@@ -586,26 +678,28 @@ mod tests {
     }
 
     #[test]
-    fn a_chunked_head_gives_the_same_log_probs() {
+    fn chunked_and_packed_passes_give_the_same_log_probs() {
         // float64: the libtorch path (the CPU kernels take float32 only).
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../../tests/fixtures/models/tiny-llama");
         let model = Model::load(&dir, weir_gpu::Device::Cpu, tch::Kind::Double).unwrap();
         let prompts = vec![vec![1i64, 2], vec![1, 2], vec![3, 4, 5]];
         let responses = vec![vec![5i64, 6, 7], vec![8], vec![9, 10]];
-        let (whole, mask) = response_logprobs(&model, &prompts, &responses, 0.7, 0).unwrap();
-        for chunk in [1, 2, 4] {
-            let (chunked, m) = response_logprobs(&model, &prompts, &responses, 0.7, chunk).unwrap();
+        let (whole, mask) = response_logprobs(&model, &prompts, &responses, 0.7, 0, false).unwrap();
+        // Chunked, packed (a shared prompt once, the head at real positions only), both.
+        for (chunk, packed) in [(1, false), (2, false), (4, false), (0, true), (2, true)] {
+            let (other, m) =
+                response_logprobs(&model, &prompts, &responses, 0.7, chunk, packed).unwrap();
             assert_eq!(m, mask);
-            let d = (&chunked - &whole).abs().max().double_value(&[]);
-            assert!(d < 1e-12, "chunk {chunk}: {d:e}");
+            let d = ((&other - &whole) * &mask).abs().max().double_value(&[]);
+            assert!(d < 1e-12, "chunk {chunk}, packed {packed}: {d:e}");
         }
         // A token outside the vocabulary is named before anything runs
         // (on the host: no device is asked to check).
         let vocab = model.config.vocab_size;
         for bad in [vocab, -1] {
             let rows = vec![vec![1i64, bad]];
-            let err = response_logprobs(&model, &prompts[..1], &rows, 1.0, 0)
+            let err = response_logprobs(&model, &prompts[..1], &rows, 1.0, 0, false)
                 .err()
                 .unwrap()
                 .to_string();
