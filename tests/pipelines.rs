@@ -1670,7 +1670,11 @@ fn packed_ppo_trains_like_padded_ppo() {
     ] {
         // In bf16 the layouts round apart, and from the second step on the
         // samples drawn from the weights differ: one step.
-        let steps = if dtype == weir::pipelines::config::Dtype::F32 { 3 } else { 1 };
+        let steps = if dtype == weir::pipelines::config::Dtype::F32 {
+            3
+        } else {
+            1
+        };
         let base = || {
             let mut cfg = config(PipelineKind::Ppo, steps);
             cfg.run.max_staleness = 0;

@@ -738,12 +738,20 @@ fn data_parallel_ranks_in_two_processes_match_one_process_and_resume() {
             .filter(|r| r.starts_with("learn optimizer_state_bytes 3 "))
             .collect()
     };
-    let bytes_of =
-        |rows: Vec<String>| -> f64 { rows[0].rsplit(' ').next().unwrap().parse().unwrap() };
-    let share = bytes_of(state_bytes(&zero)) / bytes_of(state_bytes(&one));
+    // Each rank records its own state's bytes: whole, the same on both;
+    // sharded, about half each, together the whole.
+    let bytes_of = |rows: Vec<String>| -> Vec<f64> {
+        rows.iter()
+            .map(|r| r.rsplit(' ').next().unwrap().parse().unwrap())
+            .collect()
+    };
+    let (whole, shares) = (bytes_of(state_bytes(&one)), bytes_of(state_bytes(&zero)));
+    assert!(whole.len() == 2 && whole[0] == whole[1], "{whole:?}");
+    assert_eq!(shares.len(), 2, "{shares:?}");
+    assert_eq!(shares.iter().sum::<f64>(), whole[0]);
     assert!(
-        (share - 0.5).abs() < 0.2,
-        "rank 0 holds {share} of the state"
+        shares.iter().all(|s| (s / whole[0] - 0.5).abs() < 0.2),
+        "{shares:?} of {whole:?}"
     );
     let without_state_bytes = |dir: &Path| -> Vec<String> {
         metric_values(dir)

@@ -833,7 +833,9 @@ impl StepStage for Learner {
             if let Some(latency) = latency {
                 ctx.record("row_latency_s", latency);
             }
-            // Rank 0's share, with the optimizer sharded over the ranks.
+        }
+        if leads || self.core.member().is_some() {
+            // Each rank's own: its share, with the optimizer sharded over the ranks.
             let state = self.core.optimizer().state_bytes();
             ctx.record("optimizer_state_bytes", state as f64);
         }
