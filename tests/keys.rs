@@ -376,6 +376,13 @@ fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String
         "placement.weights_channel" => (&[], "\"timely\"".into()),
         "placement.weights_port" => (&[], "4321".into()),
         "placement.encrypt" => (&[], "true".into()),
+        "placement.teacher" => (&[], "\"rollout\"".into()),
+        "teacher.path" => (
+            &[],
+            format!("{:?}", fixture("tiny-qwen2").display().to_string()),
+        ),
+        "algorithm.distill_coef" => (&[], "0.5".into()),
+        "algorithm.distill_task" => (&[], "\"rloo\"".into()),
         "placement.shard_optimizer" => (
             &["placement.workers=2", "placement.train=[0, 1]"],
             "true".into(),
@@ -619,7 +626,7 @@ fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String
         // and KL estimates beyond the clamps: a policy far from its reference.
         // GRPO's flavors differ otherwise only in the whitening epsilon (1e-9
         // against 1e-6), a change at rounding level in a two-step run.
-        "algorithm.flavor" if kind.is_group() => (
+        "algorithm.flavor" if kind.is_group() || kind == PipelineKind::Distill => (
             &[
                 "algorithm.lr=0.5",
                 "algorithm.kl_estimator=\"k2\"",
@@ -1174,6 +1181,11 @@ fn every_reinforce_pp_key_changes_the_run_or_is_refused() {
 fn every_remax_key_changes_the_run_or_is_refused() {
     // ReMax's rollouts have greedy rows of their own: every key.
     walk(PipelineKind::Remax, Keys::All);
+}
+
+#[test]
+fn every_distill_key_changes_the_run_or_is_refused() {
+    walk(PipelineKind::Distill, Keys::All);
 }
 
 #[test]

@@ -143,6 +143,7 @@ fn every_rl_pipeline_runs_logs_and_checkpoints() {
         PipelineKind::ReinforcePpBaseline,
         PipelineKind::Remax,
         PipelineKind::Ppo,
+        PipelineKind::Distill,
     ] {
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path().join("run");
@@ -178,6 +179,10 @@ fn every_rl_pipeline_runs_logs_and_checkpoints() {
             PipelineKind::Opo => {
                 cfg.reward.overlong_buffer = 4;
                 cfg.reward.overlong_penalty_factor = 2.0;
+            }
+            // The teacher beside the generator, the reference on the train worker.
+            PipelineKind::Distill => {
+                cfg.placement.teacher = ReferencePlacement::Rollout;
             }
             // Every role colocated on one worker.
             PipelineKind::ReinforcePp => {
@@ -396,6 +401,31 @@ fn check_advantages(kind: PipelineKind, cfg: &RunConfig, batches: &[RecordBatch]
     use weir::operators::algorithms::{self as alg, Flavor};
     let name = kind.name();
     let flavor = cfg.algorithm.flavor;
+    if kind == PipelineKind::Distill {
+        // The teacher's log-prob less the student's, token by token (no task advantage).
+        assert_eq!(
+            cfg.algorithm.distill_task,
+            weir::pipelines::config::DistillTask::None
+        );
+        for b in batches {
+            let (a, s, t) = (
+                float_rows(b, col::ADVANTAGES),
+                float_rows(b, col::BEHAVIOR_LOGPROBS),
+                float_rows(b, col::TEACHER_LOGPROBS),
+            );
+            for ((a, s), t) in a.iter().zip(&s).zip(&t) {
+                assert_eq!(a.len(), s.len());
+                for ((a, s), t) in a.iter().zip(s).zip(t) {
+                    let want = cfg.algorithm.distill_coef * (t - s);
+                    assert!(
+                        (a - want).abs() <= 1e-5,
+                        "distill: advantage {a}, want {want}"
+                    );
+                }
+            }
+        }
+        return;
+    }
     let close = |what: &str, step: u64, got: &[Vec<f64>], want: &[Vec<f64>]| {
         assert_eq!(got.len(), want.len(), "{name}: step {step}: {what} rows");
         for (i, (g, w)) in got.iter().zip(want).enumerate() {
@@ -433,6 +463,8 @@ fn check_advantages(kind: PipelineKind, cfg: &RunConfig, batches: &[RecordBatch]
             | PipelineKind::ReinforcePp
             | PipelineKind::ReinforcePpBaseline
             | PipelineKind::Remax => None,
+            // Held to its formula above.
+            PipelineKind::Distill => return,
             PipelineKind::Sft | PipelineKind::Rm | PipelineKind::Dpo => return,
         };
         if let Some(expected) = group {
@@ -2111,3 +2143,104 @@ fn each_policy_loss_trains_its_own_objective() {
 
 #[path = "pipelines/streaming.rs"]
 mod streaming;
+
+/// Every rollout row's list column `name` (float32), in log order.
+fn float_list_column(dir: &Path, name: &str) -> Vec<Vec<f64>> {
+    read_parquet_dir(&dir.join("rollouts"))
+        .unwrap()
+        .iter()
+        .flat_map(|b| weir::operators::stages::columns::float_lists(b, name, "test").unwrap())
+        .collect()
+}
+
+/// On-policy distillation: each token's logged advantage is the teacher's
+/// log-prob less the student's (behaviour) one, plus a task's group
+/// advantage when one is named; a student that is its own teacher sees a
+/// zero reverse KL; against another teacher the reverse KL falls as the
+/// student trains; a bad teacher is refused naming `teacher.path`.
+#[test]
+fn distillation_moves_the_student_toward_its_teacher() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base = |teacher: &str, steps: u64| {
+        let mut cfg = config(PipelineKind::Distill, steps);
+        cfg.teacher.path = fixture(teacher);
+        cfg.run.max_staleness = 0;
+        cfg
+    };
+    // Its own teacher: nothing to learn.
+    let own = tmp.path().join("own");
+    run(PipelineKind::Distill, base("arith-sft", 1), &own, false);
+    let kl = metric(&own, "advantage", "teacher_kl");
+    assert!(kl[&0].abs() < 1e-4, "{kl:?}");
+
+    let mut cfg = base("tiny-llama", 8);
+    cfg.algorithm.lr = 3e-3;
+    let other = tmp.path().join("other");
+    run(PipelineKind::Distill, cfg, &other, false);
+    let (student, teacher) = (
+        float_list_column(&other, col::BEHAVIOR_LOGPROBS),
+        float_list_column(&other, col::TEACHER_LOGPROBS),
+    );
+    let advantages = float_list_column(&other, col::ADVANTAGES);
+    assert_eq!(advantages.len(), 8 * 3 * 4);
+    for ((a, s), t) in advantages.iter().zip(&student).zip(&teacher) {
+        assert_eq!(a.len(), s.len());
+        for ((a, s), t) in a.iter().zip(s).zip(t) {
+            assert!(
+                (a - (t - s)).abs() < 1e-5,
+                "advantage {a}, teacher {t}, student {s}"
+            );
+        }
+    }
+    let kl = metric(&other, "advantage", "teacher_kl");
+    assert!(kl[&0] > 0.5, "{kl:?}");
+    assert!(kl[&7] < 0.8 * kl[&0], "the reverse KL did not fall: {kl:?}");
+
+    // Mixed with GRPO's advantage of the task's reward, at half weight.
+    let mut cfg = base("tiny-llama", 1);
+    cfg.algorithm.distill_task = weir::pipelines::config::DistillTask::Grpo;
+    cfg.algorithm.distill_coef = 0.5;
+    let mixed = tmp.path().join("mixed");
+    run(PipelineKind::Distill, cfg.clone(), &mixed, false);
+    let (student, teacher) = (
+        float_list_column(&mixed, col::BEHAVIOR_LOGPROBS),
+        float_list_column(&mixed, col::TEACHER_LOGPROBS),
+    );
+    let rewards = reward_column(&mixed);
+    let groups: Vec<u64> = read_parquet_dir(&mixed.join("rollouts"))
+        .unwrap()
+        .iter()
+        .flat_map(|b| u64s(b, col::GROUP_ID))
+        .collect();
+    let task =
+        weir::operators::algorithms::grpo(&rewards, &groups, true, cfg.algorithm.flavor).unwrap();
+    let advantages = float_list_column(&mixed, col::ADVANTAGES);
+    for (i, a) in advantages.iter().enumerate() {
+        for (j, a) in a.iter().enumerate() {
+            let want = task[i] + 0.5 * (teacher[i][j] - student[i][j]);
+            assert!((a - want).abs() < 1e-5, "row {i} token {j}: {a} vs {want}");
+        }
+    }
+
+    // A missing teacher, or one with another tokenizer: one line naming the key, nothing written.
+    let other_tokenizer = tmp.path().join("other-tokenizer");
+    std::fs::create_dir_all(&other_tokenizer).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture("tiny-llama").join(f), other_tokenizer.join(f)).unwrap();
+    }
+    std::fs::write(other_tokenizer.join("tokenizer.json"), "{}").unwrap();
+    for (teacher, needle) in [
+        (tmp.path().join("nowhere"), "no config.json"),
+        (other_tokenizer, "tokenizer.json"),
+    ] {
+        let mut cfg = base("tiny-llama", 1);
+        cfg.teacher.path = teacher;
+        let dir = tmp.path().join("refused");
+        let err = run_err(PipelineKind::Distill, cfg, &dir);
+        assert!(
+            err.contains("teacher.path") && err.contains(needle),
+            "{err}"
+        );
+        assert!(!dir.exists());
+    }
+}

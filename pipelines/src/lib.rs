@@ -59,6 +59,9 @@ pub enum PipelineKind {
     ReinforcePpBaseline,
     /// ReMax: a greedy response per prompt is the baseline.
     Remax,
+    /// On-policy distillation: the teacher's log-prob of each sampled token
+    /// less the student's is its advantage (plus, optionally, a task's).
+    Distill,
     /// Supervised fine-tuning on a target column.
     Sft,
     /// Bradley–Terry reward-model training on preference pairs.
@@ -80,6 +83,7 @@ impl PipelineKind {
         PipelineKind::ReinforcePp,
         PipelineKind::ReinforcePpBaseline,
         PipelineKind::Remax,
+        PipelineKind::Distill,
         PipelineKind::Sft,
         PipelineKind::Rm,
         PipelineKind::Dpo,
@@ -98,6 +102,7 @@ impl PipelineKind {
             PipelineKind::ReinforcePp => "reinforce_pp",
             PipelineKind::ReinforcePpBaseline => "reinforce_pp_baseline",
             PipelineKind::Remax => "remax",
+            PipelineKind::Distill => "distill",
             PipelineKind::Sft => "sft",
             PipelineKind::Rm => "rm",
             PipelineKind::Dpo => "dpo",
@@ -130,10 +135,10 @@ impl PipelineKind {
     }
 
     /// Whether β·KL to the reference is a term of the learner's loss (the
-    /// group estimators, as GRPO has it) rather than shaped into the reward
-    /// (REINFORCE++, ReMax, PPO).
+    /// group estimators, as GRPO has it, and distillation) rather than
+    /// shaped into the reward (REINFORCE++, ReMax, PPO).
     pub fn kl_in_loss(self) -> bool {
-        self.is_group()
+        self.is_group() || self == PipelineKind::Distill
     }
 
     /// How the pipeline trains: on its own rollouts, on targets, or on
@@ -149,7 +154,8 @@ impl PipelineKind {
             | PipelineKind::Gpg
             | PipelineKind::ReinforcePp
             | PipelineKind::ReinforcePpBaseline
-            | PipelineKind::Remax => TrainsOn::Rollouts,
+            | PipelineKind::Remax
+            | PipelineKind::Distill => TrainsOn::Rollouts,
             PipelineKind::Sft => TrainsOn::Targets,
             PipelineKind::Rm | PipelineKind::Dpo => TrainsOn::Pairs,
         }

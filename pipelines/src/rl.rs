@@ -10,11 +10,12 @@ use weir_operators::stages::advantage::{
     GaeAdvantage, GroupAdvantage, GroupEstimator, ReinforceAdvantage, ReinforceBaseline,
 };
 use weir_operators::stages::critic::Critic;
+use weir_operators::stages::distill::DistillAdvantage;
 use weir_operators::stages::dynamic_sampling::{DynamicSampling, DynamicSamplingConfig};
 use weir_operators::stages::from_log::{PassLogged, Replaying};
 use weir_operators::stages::prompt_stats::PromptStats;
 
-use crate::config::{ReferencePlacement, RolloutAdvantages};
+use crate::config::{DistillTask, ReferencePlacement, RolloutAdvantages};
 use crate::context::RunContext;
 use crate::roles::{self, ROLLOUT, TRAIN};
 use crate::{PipelineError, PipelineKind, RunConfig};
@@ -70,7 +71,7 @@ fn group(
     estimator: GroupEstimator,
 ) -> Pipeline {
     let flavor = cfg.algorithm.flavor;
-    let pipeline = rollouts(Pipeline::new(kind.name()), cfg, ctx, false);
+    let pipeline = rollouts(Pipeline::new(kind.name()), cfg, ctx, false, false);
     let (pipeline, regroup) = statistics_and_filter(pipeline, cfg, ctx);
     // GPG's α counts the whole step: its ranks sum their counts.
     let ranks = roles::data_parallel_group(cfg).filter(|_| estimator == GroupEstimator::Gpg);
@@ -102,6 +103,63 @@ fn group(
             roles::learner(cfg, ctx, kind),
         )
         .sink("log", TRAIN, Partition::Local, roles::rollout_log(cfg, ctx))
+}
+
+/// On-policy distillation: the teacher scores every sampled token, and
+/// each token's advantage is `distill_coef · (log π_teacher − log
+/// π_student)`, added to a task's group advantage when
+/// `algorithm.distill_task` names an estimator
+/// ([`DistillAdvantage`]); β·KL to the reference, if any, in the loss.
+pub fn distill(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError> {
+    let flavor = cfg.algorithm.flavor;
+    let pipeline = rollouts(Pipeline::new("distill"), cfg, ctx, false, true);
+    let task = match cfg.algorithm.distill_task {
+        DistillTask::None => None,
+        DistillTask::Grpo => Some(GroupEstimator::Grpo),
+        DistillTask::DrGrpo => Some(GroupEstimator::DrGrpo),
+        DistillTask::Rloo => Some(GroupEstimator::Rloo),
+    };
+    // Whole groups reach one worker: the task's estimator needs them.
+    let by_group = Partition::ByKey(col::GROUP_ID.into());
+    // Rows trained from logs keep their logged advantages when asked to.
+    let logged = logged_advantages(cfg);
+    let pipeline = match task {
+        Some(estimator) => pipeline.stage(
+            "task_advantage",
+            TRAIN,
+            by_group,
+            pass_logged(
+                move |_: &WorkerInfo| Ok(GroupAdvantage::new(estimator, flavor)),
+                ctx,
+                logged,
+            ),
+        ),
+        None => pipeline,
+    };
+    let coef = cfg.algorithm.distill_coef;
+    let partition = if task.is_some() {
+        Partition::Local
+    } else {
+        Partition::ByKey(col::GROUP_ID.into())
+    };
+    Ok(pipeline
+        .stage(
+            "advantage",
+            TRAIN,
+            partition,
+            pass_logged(
+                move |_: &WorkerInfo| Ok(DistillAdvantage::new(coef)),
+                ctx,
+                logged,
+            ),
+        )
+        .learn(
+            "learn",
+            TRAIN,
+            Partition::Local,
+            roles::learner(cfg, ctx, PipelineKind::Distill),
+        )
+        .sink("log", TRAIN, Partition::Local, roles::rollout_log(cfg, ctx)))
 }
 
 /// REINFORCE++: the KL to the reference shaped into token rewards, returns whitened.
@@ -148,7 +206,7 @@ fn reinforce(
     let (kl_coef, adaptive_kl) = roles::in_reward_kl(cfg, ctx);
     let greedy = baseline == ReinforceBaseline::Greedy;
     let group = roles::data_parallel_group(cfg);
-    rollouts(Pipeline::new(kind.name()), cfg, ctx, greedy)
+    rollouts(Pipeline::new(kind.name()), cfg, ctx, greedy, false)
         .stage(
             "advantage",
             TRAIN,
@@ -192,7 +250,7 @@ pub fn ppo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
     let (kl_coef, adaptive_kl) = roles::in_reward_kl(cfg, ctx);
     let packing = cfg.algorithm.packing;
     let group = roles::data_parallel_group(cfg);
-    Ok(rollouts(Pipeline::new("ppo"), cfg, ctx, false)
+    Ok(rollouts(Pipeline::new("ppo"), cfg, ctx, false, false)
         // By group, so that data-parallel ranks each get a share of every step.
         .stage(
             "critic",
@@ -242,7 +300,13 @@ pub fn ppo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
 /// Prompts (with ReMax's greedy row per prompt when `greedy`), generation
 /// and reward on the rollout workers, then the reference log-probs on the
 /// train workers when the KL term is on.
-fn rollouts(pipeline: Pipeline, cfg: &RunConfig, ctx: &RunContext, greedy: bool) -> Pipeline {
+fn rollouts(
+    pipeline: Pipeline,
+    cfg: &RunConfig,
+    ctx: &RunContext,
+    greedy: bool,
+    teacher: bool,
+) -> Pipeline {
     let prompts = crate::prompts::prompts(cfg, ctx, cfg.data.samples_per_prompt);
     let pipeline = pipeline
         .source(ROLLOUT, move |w| {
@@ -295,20 +359,31 @@ fn rollouts(pipeline: Pipeline, cfg: &RunConfig, ctx: &RunContext, greedy: bool)
             pass_logged(move |_: &WorkerInfo| Ok(rules.clone()), ctx, true),
         )
     };
+    // The frozen scorers: the reference (for β·KL) and distillation's
+    // teacher, each beside the generator (balancing a learner-bound step)
+    // or on the train workers, by group: each of them scores a share of
+    // every batch (whole batches in turn would leave all but one idle).
+    // Those beside the generator come first: rows reach the train workers once.
+    let mut scorers = Vec::new();
     if cfg.algorithm.kl_coef > 0.0 {
-        // Beside the generator (balancing a learner-bound step) or on the
-        // train workers, by group: each of them scores a share of every
-        // batch (whole batches in turn would leave all but one idle).
-        let (role, partition) = match cfg.placement.reference {
+        scorers.push(("reference", cfg.placement.reference));
+    }
+    if teacher {
+        scorers.push(("teacher", cfg.placement.teacher));
+    }
+    scorers.sort_by_key(|(_, at)| *at == ReferencePlacement::Train);
+    scorers.into_iter().fold(pipeline, |pipeline, (name, at)| {
+        let (role, partition) = match at {
             ReferencePlacement::Rollout => (ROLLOUT, Partition::Local),
             ReferencePlacement::Train => (TRAIN, Partition::ByKey(col::GROUP_ID.into())),
         };
-        pipeline
-            .stage("reference", role, partition, roles::reference(cfg))
-            .offload(roles::MODEL_QUEUE)
-    } else {
-        pipeline
-    }
+        let pipeline = if name == "teacher" {
+            pipeline.stage(name, role, partition, roles::teacher(cfg))
+        } else {
+            pipeline.stage(name, role, partition, roles::reference(cfg))
+        };
+        pipeline.offload(roles::MODEL_QUEUE)
+    })
 }
 
 /// The actor's generator, replaying a share of each step's groups from

@@ -299,6 +299,22 @@ pub fn reference(
     }
 }
 
+/// The distillation teacher: a frozen model writing `teacher_logprobs`,
+/// placed and batched as the reference is.
+pub fn teacher(
+    cfg: &RunConfig,
+) -> impl Fn(&WorkerInfo) -> Result<RefLogprob, StageError> + Send + Sync + 'static {
+    let cfg = cfg.clone();
+    move |w| {
+        let mut model = load_frozen(&cfg, &cfg.teacher.path, w)?;
+        model.keep_only_cpu_packing()?;
+        Ok(RefLogprob::new(model, cfg.generate.temperature)
+            .with_logprob_chunk(cfg.algorithm.logprob_chunk)
+            .with_packing(cfg.algorithm.packing)
+            .writing(weir_operators::rollout::col::TEACHER_LOGPROBS))
+    }
+}
+
 /// The learner settings of the config.
 pub fn learner_config(cfg: &RunConfig, kl_in_loss: bool) -> LearnerConfig {
     let a = &cfg.algorithm;

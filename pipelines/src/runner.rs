@@ -310,6 +310,7 @@ fn train(req: &RunRequest, segment: &mut Segment) -> Result<RunReport, PipelineE
         PipelineKind::ReinforcePp => rl::reinforce_pp(cfg, ctx)?,
         PipelineKind::ReinforcePpBaseline => rl::reinforce_pp_baseline(cfg, ctx)?,
         PipelineKind::Remax => rl::remax(cfg, ctx)?,
+        PipelineKind::Distill => rl::distill(cfg, ctx)?,
         PipelineKind::Ppo => rl::ppo(cfg, ctx)?,
         PipelineKind::Sft => sft::sft(cfg, ctx)?,
         PipelineKind::Rm => preference::rm(cfg, ctx)?,

@@ -31,6 +31,9 @@ pub fn config(kind: PipelineKind, steps: u64) -> RunConfig {
     if kind != PipelineKind::Rm {
         c.eval.arith = false;
     }
+    if kind == PipelineKind::Distill {
+        c.teacher.path = fixture("tiny-llama");
+    }
     c
 }
 

@@ -53,6 +53,8 @@ pub mod col {
     pub const TOKEN_REWARDS: &str = "token_rewards";
     /// Per-token log-probs under the reference model (list<f32>).
     pub const REF_LOGPROBS: &str = "ref_logprobs";
+    /// Per-token log-probs of the sampled tokens under the teacher (list<f32>; `distill`).
+    pub const TEACHER_LOGPROBS: &str = "teacher_logprobs";
     /// Per-token critic values (list<f32>).
     pub const VALUES: &str = "values";
     /// Per-token advantages (list<f32>).

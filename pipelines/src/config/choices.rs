@@ -30,6 +30,20 @@ pub enum ReferencePlacement {
     Rollout,
 }
 
+/// `algorithm.distill_task`: the task advantage distillation adds its term to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DistillTask {
+    /// None: the distillation term alone.
+    None,
+    /// GRPO's group-normalised advantage.
+    Grpo,
+    /// Dr.GRPO's group-centred advantage.
+    DrGrpo,
+    /// RLOO's leave-one-out advantage.
+    Rloo,
+}
+
 /// `placement.weights_channel`: how the learner's weights cross to another process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

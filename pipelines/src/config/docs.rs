@@ -53,12 +53,14 @@ pub const KEYS: &[Key] = &[
     key("placement", "weights_bucket_mib", Rl, "The largest piece, in MiB, in which the learner's weights cross to another process over timely's channel (the buckets travel while generation goes on)."),
     key("placement", "encrypt", All, "Encrypt every byte the processes of a multi-process run exchange (rows and control on timely's connections, weights on the direct channel) with AES-256-GCM, under keys each connection derives from the cluster secret and an X25519 exchange of its own (see docs/security.md for what it costs); every process must set it alike. No effect in one process."),
     key("placement", "shard_optimizer", All, "Shard the trainers' optimizer state over the data-parallel ranks of placement.train (ZeRO stages 1 and 2): each rank keeps the AdamW moments (and float32 master weights) of its run of whole parameters only, about 1/N of them; the ranks' gradients are reduce-scattered (each keeps the sums of its own, the rest are freed), each updates its parameters, and they are all-gathered. The weights equal the unsharded ranks' to the bit. Checkpoints then hold one optimizer file per rank (optimizer-0000r-of-0000N.safetensors, written by rank 0 as each arrives) and resume on any rank count, sharded or not. Needs two or more train workers."),
+    key("placement", "teacher", Distill, "Where the distillation teacher runs: \"train\" (with the learner, each train worker scoring a share of every batch) or \"rollout\" (beside the generator)."),
     key("placement", "reference", Rl, "Where the reference model runs: \"train\" (with the learner) or \"rollout\" (beside the generator, to balance a learner-bound step)."),
     key("model", "path", All, "The actor's HuggingFace checkpoint folder (required)."),
     key("model", "dtype", All, "Compute dtype: \"f32\", \"bf16\" or \"f16\". Trainers of a half-precision model keep float32 master weights and AdamW moments (saved in optimizer.safetensors as master.*): the update lands on the master, the weights are it rounded."),
     key("model", "reference", RlAndDpo, "The frozen reference's checkpoint (empty: the actor's)."),
     key("model", "reward_model", RlAndRm, "A reward model checkpoint, for reward.kind = \"model\"."),
     key("model", "critic", Ppo, "The critic's initial checkpoint (ppo; empty: the reward model, else the actor with a fresh value head)."),
+    key("teacher", "path", Distill, "The distillation teacher's HuggingFace checkpoint folder (required by distill). Its tokenizer.json must be the student's (model.path's), byte for byte: the teacher scores the student's token ids."),
     key("data", "prompts", All, "\"arith\" (the built-in task, its 9,500 training pairs) or a .jsonl / .parquet prompt file."),
     key("data", "prompt_column", All, "The column with plain-text prompts."),
     key("data", "messages_column", All, "The column with chat messages (rendered with the chat template); empty: use prompt_column."),
@@ -100,6 +102,8 @@ pub const KEYS: &[Key] = &[
     key("reward", "overlong_buffer", Rl, "DAPO's soft overlong punishment: the last N tokens below generate.max_new_tokens where a response's reward falls linearly, to −overlong_penalty_factor at the maximum (0: off; any reward kind)."),
     key("reward", "overlong_penalty_factor", Rl, "The overlong penalty at generate.max_new_tokens."),
     key("reward", "on_finish", Rl, "Rewards that replace a row's by how it ended, a table from finish_reason (stop, length; for episodes also max_turns, tool_error, env_error, timeout) to the reward, e.g. {length = 0.0} to zero truncated responses; an episode's environment turn rewards are zeroed with it. Applied after every other reward shaping; finish_replaced records the share of rows replaced."),
+    key("algorithm", "distill_coef", Distill, "The weight of on-policy distillation's per-token term in the advantage: coef · (log π_teacher − log π_student) of each sampled token (the student's behaviour log-prob), whose policy gradient lowers the reverse KL to the teacher on the student's samples; added to the task's advantage when algorithm.distill_task names one."),
+    key("algorithm", "distill_task", Distill, "The task advantage distillation adds its term to: \"none\" (the term alone; the rewards are still computed and logged), \"grpo\", \"dr_grpo\" or \"rloo\" (that group estimator's advantage of the reward)."),
     key("algorithm", "lr", All, "Peak learning rate. The defaults suit small models (the demo's); real checkpoints train at about 1e-6 (RL) or 1e-5 (SFT), and a run warns when a default meets a checkpoint past 50M weights."),
     key("algorithm", "warmup_steps", All, "Linear warm-up steps."),
     key("algorithm", "schedule", All, "\"constant\" or \"cosine\" (decays to min_lr_ratio · lr at the last step)."),
@@ -203,6 +207,8 @@ pub enum Readers {
     InRewardKl,
     /// ppo.
     Ppo,
+    /// distill.
+    Distill,
     /// dpo.
     Dpo,
     /// rm.
@@ -213,7 +219,8 @@ pub enum Readers {
     /// responses: no room to leave).
     NotPreference,
     /// The RL pipelines whose rows may be episodes: all but remax (whose
-    /// greedy baseline rows are single responses).
+    /// greedy baseline rows are single responses) and distill (whose
+    /// teacher scores single responses).
     Agentic,
     /// Every pipeline but rm: a reward model has no policy to evaluate, and
     /// trains its score head, which adapters do not reach.
@@ -236,12 +243,13 @@ impl Readers {
                 matches!(pipeline, Ppo | ReinforcePp | ReinforcePpBaseline | Remax)
             }
             Readers::Ppo => pipeline == Ppo,
+            Readers::Distill => pipeline == Distill,
             Readers::Dpo => pipeline == Dpo,
             Readers::Rm => pipeline == Rm,
             Readers::Preference => matches!(pipeline, Rm | Dpo),
             Readers::NotPreference => !matches!(pipeline, Rm | Dpo),
             Readers::NotRm => pipeline != Rm,
-            Readers::Agentic => pipeline.is_rl() && pipeline != Remax,
+            Readers::Agentic => pipeline.is_rl() && !matches!(pipeline, Remax | Distill),
         }
     }
 }

@@ -19,8 +19,8 @@ mod validate;
 use text::none_if_empty;
 
 pub use choices::{
-    Aggregation, Backend, CorrectionChoice, DeviceChoice, Dtype, Flavor, KlEstimator, OnError,
-    OnNewWeights, PolicyLossChoice, PreferenceChoice, ReferencePlacement, RewardKind,
+    Aggregation, Backend, CorrectionChoice, DeviceChoice, DistillTask, Dtype, Flavor, KlEstimator,
+    OnError, OnNewWeights, PolicyLossChoice, PreferenceChoice, ReferencePlacement, RewardKind,
     RolloutAdvantages, ScheduleChoice, ToolFormat, WeightsChannelChoice,
 };
 
@@ -52,6 +52,16 @@ pub struct RunConfig {
     pub lora: LoraSection,
     /// Multi-turn episodes with tools and environments.
     pub agent: AgentSection,
+    /// The teacher of on-policy distillation.
+    pub teacher: TeacherSection,
+}
+
+/// `[teacher]`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TeacherSection {
+    /// The teacher's HF checkpoint folder (`distill`; required there).
+    pub path: PathBuf,
 }
 
 /// `[run]`.
@@ -112,6 +122,8 @@ pub struct PlacementSection {
     pub weights_bucket_mib: usize,
     /// Encrypt every byte between the processes of a cluster.
     pub encrypt: bool,
+    /// Where the distillation teacher runs: `train` or `rollout`.
+    pub teacher: ReferencePlacement,
     /// Shard the trainers' optimizer state over the data-parallel ranks (ZeRO stages 1 and 2).
     pub shard_optimizer: bool,
 }
@@ -127,6 +139,7 @@ impl Default for PlacementSection {
             weights_port: 0,
             weights_bucket_mib: 64,
             encrypt: false,
+            teacher: ReferencePlacement::Train,
             shard_optimizer: false,
         }
     }
@@ -432,6 +445,10 @@ impl RewardTerm {
 pub struct AlgorithmSection {
     /// Peak learning rate.
     pub lr: f64,
+    /// The weight of distillation's per-token term in the advantage.
+    pub distill_coef: f64,
+    /// The task advantage distillation adds its term to.
+    pub distill_task: DistillTask,
     /// Linear warm-up steps.
     pub warmup_steps: u64,
     /// `constant` or `cosine`.
@@ -532,6 +549,8 @@ impl Default for AlgorithmSection {
     fn default() -> Self {
         AlgorithmSection {
             lr: 1e-4,
+            distill_coef: 1.0,
+            distill_task: DistillTask::None,
             warmup_steps: 0,
             schedule: ScheduleChoice::Constant,
             min_lr_ratio: 0.1,
@@ -812,8 +831,9 @@ impl RunConfig {
                     c.algorithm.warmup_steps = 10;
                 }
             }
-            // The group estimators keep the defaults above.
-            PipelineKind::Grpo
+            // The group estimators and distillation keep the defaults above.
+            PipelineKind::Distill
+            | PipelineKind::Grpo
             | PipelineKind::Rloo
             | PipelineKind::Opo
             | PipelineKind::GrpoPassk => {}

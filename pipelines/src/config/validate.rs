@@ -21,6 +21,7 @@ impl RunConfig {
     /// Checks values that parse but make no sense, naming the key.
     pub fn validate(&self, pipeline: PipelineKind) -> Result<(), ConfigError> {
         self.check_run()?;
+        self.check_teacher(pipeline)?;
         self.check_placement()?;
         self.check_data(pipeline)?;
         self.check_generate()?;
@@ -54,6 +55,42 @@ impl RunConfig {
                 "run.max_shard_size",
                 format!("{:?}", self.run.max_shard_size),
                 "a size such as \"5GB\", \"500MB\" or \"2GiB\"",
+            );
+        }
+        Ok(())
+    }
+
+    /// `[teacher]`: distill's teacher is a checkpoint folder whose
+    /// tokenizer is the student's.
+    fn check_teacher(&self, pipeline: PipelineKind) -> Result<(), ConfigError> {
+        if pipeline != PipelineKind::Distill {
+            return Ok(());
+        }
+        let teacher = &self.teacher.path;
+        let shown = format!("{:?}", teacher.display().to_string());
+        if teacher.as_os_str().is_empty() {
+            return bad(
+                "teacher.path",
+                shown,
+                "distill needs the teacher's checkpoint folder",
+            );
+        }
+        if !teacher.join("config.json").is_file() {
+            return bad(
+                "teacher.path",
+                shown,
+                "no config.json there: not a HuggingFace checkpoint folder",
+            );
+        }
+        let tokenizer = |dir: &std::path::Path| std::fs::read(dir.join("tokenizer.json")).ok();
+        if tokenizer(teacher) != tokenizer(&self.model.path) {
+            return bad(
+                "teacher.path",
+                shown,
+                &format!(
+                    "its tokenizer.json is not the student's ({}): the teacher must score the student's token ids",
+                    self.model.path.join("tokenizer.json").display()
+                ),
             );
         }
         Ok(())

@@ -5,7 +5,8 @@
 //! - The reward stages live with the rewards (`crate::rewards`).
 //! - [`dynamic_sampling::DynamicSampling`]: DAPO's filter of groups whose rewards all agree, refilled from a staleness-bounded pool.
 //! - [`prompt_stats::PromptStats`]: per-prompt solve rate and reward variance across epochs, a differential-dataflow view the prompt source can use as a curriculum.
-//! - [`reference::RefLogprob`]: the frozen reference model's log-probs.
+//! - [`reference::RefLogprob`]: the frozen reference model's log-probs (or the teacher's).
+//! - [`distill::DistillAdvantage`]: on-policy distillation's per-token advantage, the teacher's log-prob less the student's.
 //! - [`advantage::GroupAdvantage`]: GRPO / Dr.GRPO / RLOO over whole prompt groups; [`advantage::ReinforceAdvantage`]: REINFORCE++ (-baseline); [`advantage::GaeAdvantage`]: PPO's KL-shaped rewards and GAE.
 //! - [`critic::Critic`] and [`critic::CriticLearner`]: values before the advantage, the value fit after it.
 //! - [`preference::RewardTrainer`] (Bradley–Terry) and [`preference::DpoTrainer`] (DPO, cDPO, IPO): training on preference pairs.
@@ -16,6 +17,7 @@ pub mod advantage;
 pub mod columns;
 pub mod critic;
 pub mod cursor;
+pub mod distill;
 pub mod dynamic_sampling;
 pub mod from_log;
 pub mod generate;

@@ -1,4 +1,5 @@
-//! `RefLogprob`: the frozen reference model's log-probs of each response.
+//! `RefLogprob`: a frozen model's log-probs of each response's tokens: the
+//! reference's, or a distillation teacher's.
 
 use arrow::array::RecordBatch;
 use tch::Kind;
@@ -16,6 +17,7 @@ pub struct RefLogprob {
     temperature: f64,
     chunk: usize,
     packed: bool,
+    column: &'static str,
 }
 
 impl RefLogprob {
@@ -26,7 +28,15 @@ impl RefLogprob {
             temperature,
             chunk: 0,
             packed: false,
+            column: col::REF_LOGPROBS,
         }
+    }
+
+    /// Writes the log-probs to `column` instead of `ref_logprobs` (a
+    /// teacher's, `teacher_logprobs`).
+    pub fn writing(mut self, column: &'static str) -> Self {
+        self.column = column;
+        self
     }
 
     /// Runs a batch's rows as one sequence without padding (`algorithm.packing`;
@@ -71,7 +81,7 @@ impl Stage for RefLogprob {
             .collect::<Result<_, _>>()?;
         Ok(vec![with_column(
             &batch,
-            col::REF_LOGPROBS,
+            self.column,
             float_list_array(&rows),
         )?])
     }
