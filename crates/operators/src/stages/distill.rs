@@ -28,13 +28,16 @@ use weir_graph::{Stage, StageError, StepContext};
 use super::columns::{float_list_array, float_lists, generated_masks};
 use crate::rollout::col;
 
+/// The summed student − teacher log-probs of generated tokens, and their count.
+pub type LogProbGap = (f64, f64);
+
 /// Writes (or adds to) `advantages` the distillation term of each token,
 /// and the same as `returns`.
 #[derive(Clone, Debug)]
 pub struct DistillAdvantage {
     coef: f64,
     /// The step's sum of student − teacher log-probs and its token count.
-    kl: (f64, f64),
+    kl: LogProbGap,
 }
 
 impl DistillAdvantage {
@@ -54,7 +57,7 @@ impl DistillAdvantage {
         teacher: &[Vec<f64>],
         generated: &[Vec<f64>],
         task: Option<&[Vec<f64>]>,
-    ) -> Result<(Vec<Vec<f64>>, (f64, f64)), String> {
+    ) -> Result<(Vec<Vec<f64>>, LogProbGap), String> {
         let mut kl = (0.0, 0.0);
         let rows = student
             .iter()
