@@ -2195,6 +2195,12 @@ fn distillation_moves_the_student_toward_its_teacher() {
     let kl = metric(&other, "advantage", "teacher_kl");
     assert!(kl[&0] > 0.5, "{kl:?}");
     assert!(kl[&7] < 0.8 * kl[&0], "the reverse KL did not fall: {kl:?}");
+    // `weir plot` draws it.
+    let plots = weir::report::plot(&other).unwrap();
+    assert!(
+        plots.iter().any(|p| p.ends_with("teacher_kl.png")),
+        "{plots:?}"
+    );
 
     // Mixed with GRPO's advantage of the task's reward, at half weight.
     let mut cfg = base("tiny-llama", 1);

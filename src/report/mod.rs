@@ -28,9 +28,11 @@ pub use self::inspect::inspect;
 pub use self::plot::plot;
 
 /// Learner metrics, in the order `inspect` lists them.
-const LEARNER_METRICS: [&str; 7] = [
+const LEARNER_METRICS: [&str; 8] = [
     "reward",
     "kl",
+    // Distillation's reverse KL to the teacher (its advantage stage's).
+    "teacher_kl",
     "entropy",
     "loss",
     "grad_norm",

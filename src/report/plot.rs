@@ -14,7 +14,14 @@ use super::inspect::SPARK_WIDTH;
 use super::RunMetrics;
 
 /// The per-step curves `plot` draws, each when recorded.
-const PLOTTED: [&str; 5] = ["reward", "kl", "entropy", "loss", "row_latency_s"];
+const PLOTTED: [&str; 6] = [
+    "reward",
+    "kl",
+    "teacher_kl",
+    "entropy",
+    "loss",
+    "row_latency_s",
+];
 
 /// A streaming generator's per-step figures, each drawn when recorded:
 /// (metric, y axis, whether the axis starts at zero).
@@ -47,7 +54,8 @@ const FONT_FAMILY: &str = "sans-serif";
 const FONT: &[u8] = include_bytes!("../../assets/fonts/DejaVuSans-subset.ttf");
 
 /// Writes PNG charts of the run in `run_dir` to `RUN_DIR/plots/`: one per
-/// recorded learner curve (`reward.png`, `kl.png`, `entropy.png`,
+/// recorded learner curve (`reward.png`, `kl.png`, distillation's
+/// `teacher_kl.png`, `entropy.png`,
 /// `loss.png`, `row_latency_s.png`: from a row's start to its training), a
 /// streaming generator's `generate_slot_occupancy.png`,
 /// `generate_inflight.png`, `generate_partial_ratio.png` and

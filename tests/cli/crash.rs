@@ -50,7 +50,8 @@ fn run_args(out: &Path) -> Vec<String> {
     run_args_with(out, &[])
 }
 
-/// [`run_args`] with more `--set` items for a new run.
+/// [`run_args`] with more `--set` items for a new run (an item
+/// `pipeline=NAME` runs that pipeline instead of grpo).
 fn run_args_with(out: &Path, more: &[&str]) -> Vec<String> {
     let out_s = out.display().to_string();
     if out.join("config.resolved.toml").is_file() {
@@ -60,7 +61,11 @@ fn run_args_with(out: &Path, more: &[&str]) -> Vec<String> {
             .collect();
     }
     let model = fixtures().join("arith-sft");
-    let mut args: Vec<String> = ["run", "grpo", "--quiet", "--out", &out_s]
+    let pipeline = more
+        .iter()
+        .find_map(|m| m.strip_prefix("pipeline="))
+        .unwrap_or("grpo");
+    let mut args: Vec<String> = ["run", pipeline, "--quiet", "--out", &out_s]
         .iter()
         .map(|s| s.to_string())
         .collect();
@@ -75,8 +80,11 @@ fn run_args_with(out: &Path, more: &[&str]) -> Vec<String> {
         "eval.arith=false".into(),
     ]
     .into_iter()
-    .chain(more.iter().map(|s| s.to_string()))
-    {
+    .chain(
+        more.iter()
+            .filter(|m| !m.starts_with("pipeline="))
+            .map(|s| s.to_string()),
+    ) {
         args.extend(["--set".to_string(), set]);
     }
     args
@@ -312,6 +320,29 @@ fn a_synchronous_run_killed_at_random_moments_trains_the_uninterrupted_weights()
     let runs = kill_and_resume_in(tmp.path(), seed, kills, &more);
     assert!(!runs.is_empty());
     for run in runs {
+        assert!(
+            std::fs::read(run.join(&last)).unwrap() == want,
+            "WEIR_CRASH_SEED={seed}: {} trained other weights than the run left alone",
+            run.display()
+        );
+    }
+}
+
+/// On-policy distillation at k = 0, killed and resumed over and over,
+/// trains exactly the weights of a run left alone (the teacher's scores
+/// and the advantages lose nothing to a crash).
+#[test]
+fn a_distillation_run_killed_at_random_moments_trains_the_uninterrupted_weights() {
+    let seed = env_u64("WEIR_CRASH_SEED", 7) + 6;
+    let teacher = format!("teacher.path={}", fixtures().join("tiny-llama").display());
+    let more = ["pipeline=distill", "run.max_staleness=0", teacher.as_str()];
+    let tmp = tempfile::tempdir().unwrap();
+    let straight = tmp.path().join("straight");
+    success(&weir(&strs(&run_args_with(&straight, &more)), tmp.path()));
+    let last = format!("checkpoints/step-{}/actor/model.safetensors", STEPS - 1);
+    let want = std::fs::read(straight.join(&last)).unwrap();
+    let kills = env_u64("WEIR_CRASH_KILLS", 10).div_ceil(2);
+    for run in kill_and_resume_in(tmp.path(), seed, kills, &more) {
         assert!(
             std::fs::read(run.join(&last)).unwrap() == want,
             "WEIR_CRASH_SEED={seed}: {} trained other weights than the run left alone",
