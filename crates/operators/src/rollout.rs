@@ -243,6 +243,7 @@ pub fn columns() -> Vec<(&'static str, DataType, bool, Phase, bool)> {
         (col::SCORE, Float32, true, Phase::Score, false),
         (col::TOKEN_REWARDS, per_token(), true, Phase::Score, true),
         (col::REF_LOGPROBS, per_token(), true, Phase::Score, true),
+        (col::TEACHER_LOGPROBS, per_token(), true, Phase::Score, true),
         (col::VALUES, per_token(), true, Phase::Score, true),
         (col::ADVANTAGES, per_token(), false, Phase::Advantage, true),
         (col::RETURNS, per_token(), false, Phase::Advantage, true),
