@@ -2228,6 +2228,23 @@ fn distillation_moves_the_student_toward_its_teacher() {
         }
     }
 
+    // A LoRA student, two data-parallel learner ranks, streaming
+    // generation at staleness 1: every step trains, the teacher scoring
+    // each rank's share.
+    let mut cfg = base("tiny-llama", 3);
+    cfg.lora.rank = 4;
+    cfg.lora.alpha = 8.0;
+    cfg.placement.workers = 3;
+    cfg.placement.train = vec![1, 2];
+    cfg.run.max_staleness = 1;
+    cfg.generate.max_inflight = 8;
+    let spread = tmp.path().join("spread");
+    run(PipelineKind::Distill, cfg, &spread, false);
+    let kl = metric(&spread, "advantage", "teacher_kl");
+    assert_eq!(kl.len(), 3, "{kl:?}");
+    assert!(kl.values().all(|k| k.is_finite() && *k > 0.0), "{kl:?}");
+    assert_eq!(metric(&spread, "learn", "loss").len(), 3);
+
     // A missing teacher, or one with another tokenizer: one line naming the key, nothing written.
     let other_tokenizer = tmp.path().join("other-tokenizer");
     std::fs::create_dir_all(&other_tokenizer).unwrap();

@@ -36,8 +36,9 @@ pub type LogProbGap = (f64, f64);
 #[derive(Clone, Debug)]
 pub struct DistillAdvantage {
     coef: f64,
-    /// The step's sum of student − teacher log-probs and its token count.
-    kl: LogProbGap,
+    /// Each open step's sum of student − teacher log-probs and its token
+    /// count (a later step's rows may come before an earlier one ends).
+    kl: std::collections::BTreeMap<u64, LogProbGap>,
 }
 
 impl DistillAdvantage {
@@ -45,7 +46,7 @@ impl DistillAdvantage {
     pub fn new(coef: f64) -> Self {
         DistillAdvantage {
             coef,
-            kl: (0.0, 0.0),
+            kl: Default::default(),
         }
     }
 
@@ -108,7 +109,8 @@ impl Stage for DistillAdvantage {
         let (rows, kl) = self
             .advantages(&student, &teacher, &generated, task.as_deref())
             .map_err(|e| format!("{stage}: {e}"))?;
-        self.kl = (self.kl.0 + kl.0, self.kl.1 + kl.1);
+        let step = self.kl.entry(ctx.step).or_default();
+        *step = (step.0 + kl.0, step.1 + kl.1);
         // No value baseline: the return is the advantage, as the
         // outcome-only estimators write it.
         let batch = with_column(&batch, col::ADVANTAGES, float_list_array(&rows))?;
@@ -120,7 +122,7 @@ impl Stage for DistillAdvantage {
     }
 
     fn end_step(&mut self, ctx: &mut StepContext) -> Result<Vec<RecordBatch>, StageError> {
-        let (sum, tokens) = std::mem::take(&mut self.kl);
+        let (sum, tokens) = self.kl.remove(&ctx.step).unwrap_or_default();
         if tokens > 0.0 {
             ctx.record("teacher_kl", sum / tokens);
         }
