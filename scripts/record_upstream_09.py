@@ -435,6 +435,19 @@ for n, (level, threshold) in enumerate([("token", "2.0"), ("token", "0.5_2.0"), 
         dict(correction=name, threshold=threshold, batch_normalize=True, old_logprobs=old, behaviour_logprobs=behaviour, mask=m),
         dict(weights=(w * t(m)).tolist(), normalizer=metrics["rollout_is_batch_norm_factor"]))
 
+# ---- OpenRLHF ProRL stop-properly penalty: apply_stop_properly_penalty itself ------
+from openrlhf.trainer.ppo_utils import length_penalty as orl_length  # noqa: E402
+
+for n, coef in enumerate([0.0, 0.5, 1.0, -0.5, -1.0]):
+    rewards = (rng.standard_normal(6) * 2).tolist()
+    truncated = [bool(x) for x in rng.integers(0, 2, 6)]
+    exp = NS(rewards=t(rewards), truncated=torch.tensor(truncated))
+    orl_length.apply_stop_properly_penalty([exp], coef)
+    add(f"openrlhf011_stop_properly_{n}", "stop_properly", "openrlhf",
+        f"openrlhf=={OPENRLHF} openrlhf/trainer/ppo_utils/length_penalty.py (apply_stop_properly_penalty)",
+        dict(coef=coef, rewards=rewards, truncated=truncated),
+        dict(rewards=exp.rewards.tolist()))
+
 doc = dict(
     about="Recorded by scripts/record_upstream_09.py from the PyPI wheels named in `upstream`, torch float64.",
     upstream={"verl": VERL, "openrlhf": OPENRLHF},

@@ -377,6 +377,8 @@ fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String
         "placement.weights_port" => (&[], "4321".into()),
         "placement.encrypt" => (&[], "true".into()),
         "placement.teacher" => (&[], "\"rollout\"".into()),
+        // Two tokens: some responses are cut.
+        "reward.stop_properly_coef" => (&["generate.max_new_tokens=2"], "-1.0".into()),
         "teacher.path" => (
             &[],
             format!("{:?}", fixture("tiny-qwen2").display().to_string()),

@@ -3,7 +3,7 @@
 //! → rollout log, with the learner's weights flowing back to `generate`.
 
 use weir_graph::{Partition, Pipeline, Stage, StageError, WorkerInfo};
-use weir_operators::rewards::finish::FinishRewards;
+use weir_operators::rewards::finish::{FinishRewards, StopProperly};
 use weir_operators::rewards::overlong::OverlongPenalty;
 use weir_operators::rollout::col;
 use weir_operators::stages::advantage::{
@@ -339,6 +339,19 @@ fn rollouts(
         };
         pipeline.stage(
             "overlong",
+            ROLLOUT,
+            Partition::Local,
+            pass_logged(move |_: &WorkerInfo| Ok(penalty), ctx, true),
+        )
+    } else {
+        pipeline
+    };
+    let pipeline = if cfg.reward.stop_properly_coef != 1.0 {
+        let penalty = StopProperly {
+            coef: cfg.reward.stop_properly_coef,
+        };
+        pipeline.stage(
+            "stop_properly",
             ROLLOUT,
             Partition::Local,
             pass_logged(move |_: &WorkerInfo| Ok(penalty), ctx, true),

@@ -214,6 +214,13 @@ fn a_catalogue_of_bad_run_input_gets_one_line_each() {
             "placement.train",
         ),
         (
+            "a stop-properly scale above 1",
+            "grpo",
+            set("reward.stop_properly_coef=1.5"),
+            none(),
+            "reward.stop_properly_coef",
+        ),
+        (
             "the optimizer sharded over one rank",
             "grpo",
             set("placement.shard_optimizer=true"),

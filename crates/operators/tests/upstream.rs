@@ -58,9 +58,9 @@ use weir_operators::algorithms::corrections::{batch_normalizer, weight_sums};
 use weir_operators::algorithms::stats::{masked_mean, masked_var, masked_whiten};
 use weir_operators::algorithms::{
     aggregate, discounted_returns, gae, gpg, grpo, grpo_passk, importance_weights, kl_tensor,
-    kl_tokens, opo, overlong_penalty, policy_loss, remax, rloo, token_rewards, value_loss,
-    whiten_advantages, Aggregation, Flavor, GateDivergence, ImportanceCorrection, KlController,
-    KlEstimator, PolicyLossConfig, PolicyObjective, RatioLevel, RejectionChain,
+    kl_tokens, opo, overlong_penalty, policy_loss, remax, rloo, stop_properly, token_rewards,
+    value_loss, whiten_advantages, Aggregation, Flavor, GateDivergence, ImportanceCorrection,
+    KlController, KlEstimator, PolicyLossConfig, PolicyObjective, RatioLevel, RejectionChain,
 };
 
 const TOL: f64 = 1e-6;
@@ -752,6 +752,18 @@ fn rejection_09_case(c: &mut Check, name: &str, i: &Value, e: &Value) {
 
 /// OpenRLHF 0.11's KL with `unbiased_gradient`: the estimator's value and
 /// the importance-weighted reverse-KL gradient of the masked sum.
+/// ProRL's stop-properly penalty against OpenRLHF's `apply_stop_properly_penalty`.
+fn stop_properly_case(c: &mut Check, name: &str, i: &Value, e: &Value) {
+    let coef = num(&i["coef"]);
+    let truncated = i["truncated"].as_array().unwrap();
+    let got: Vec<f64> = vector(&i["rewards"])
+        .iter()
+        .zip(truncated)
+        .map(|(r, cut)| stop_properly(*r, cut.as_bool().unwrap(), coef))
+        .collect();
+    c.vector(name, "rewards", &got, &vector(&e["rewards"]));
+}
+
 fn kl_unbiased_case(c: &mut Check, name: &str, i: &Value, e: &Value) {
     let x = tensor(&matrix(&i["logprobs"])).set_requires_grad(true);
     let reference = tensor(&matrix(&i["ref_logprobs"]));
@@ -814,6 +826,7 @@ fn weir_matches_verl_0_9_and_openrlhf_0_11_releases() {
             "kl_unbiased" => kl_unbiased_case(&mut check, name, i, e),
             "policy_loss" => policy_loss_case(&mut check, name, flavor, i, e),
             "advantages_openrlhf" => advantages_openrlhf_case(&mut check, name, i, e),
+            "stop_properly" => stop_properly_case(&mut check, name, i, e),
             other => panic!("{name}: unknown kind {other}"),
         }
         *kinds

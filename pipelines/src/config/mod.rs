@@ -367,6 +367,8 @@ pub struct RewardSection {
     pub overlong_buffer: usize,
     /// The overlong penalty at `generate.max_new_tokens`.
     pub overlong_penalty_factor: f64,
+    /// ProRL's stop-properly coefficient on truncated responses (1.0: off).
+    pub stop_properly_coef: f64,
     /// Rewards that replace a row's by its `finish_reason` (e.g. `length = 0.0`).
     pub on_finish: std::collections::BTreeMap<String, f64>,
 }
@@ -387,6 +389,7 @@ impl Default for RewardSection {
             terms: Vec::new(),
             overlong_buffer: 0,
             overlong_penalty_factor: 1.0,
+            stop_properly_coef: 1.0,
             on_finish: Default::default(),
         }
     }

@@ -238,6 +238,14 @@ impl RunConfig {
     /// `[reward]` and the reward model it needs.
     fn check_reward(&self, pipeline: PipelineKind) -> Result<(), ConfigError> {
         self.check_reward_terms()?;
+        let coef = self.reward.stop_properly_coef;
+        if !coef.is_finite() || coef > 1.0 {
+            return bad(
+                "reward.stop_properly_coef",
+                coef.to_string(),
+                "a scale in [0, 1] for a truncated response's reward, or a negative reward to give it",
+            );
+        }
         if self.reward.kind == RewardKind::Rule
             && weir_operators::rewards::rule_reward(&self.reward.rule).is_none()
             && weir_operators::rewards::registered(&self.reward.rule).is_none()

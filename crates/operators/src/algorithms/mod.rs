@@ -31,7 +31,7 @@ pub use losses::{
 };
 pub use objectives::PolicyObjective;
 pub use rejection::RejectionChain;
-pub use shaping::{overlong_penalty, KlController};
+pub use shaping::{overlong_penalty, stop_properly, KlController};
 pub use stats::Tokens;
 
 /// Which reference implementation a function follows where they disagree

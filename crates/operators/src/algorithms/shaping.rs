@@ -13,6 +13,19 @@ pub fn overlong_penalty(len: usize, max_len: usize, buffer: usize, factor: f64) 
     (-exceed / buffer as f64 * factor).min(0.0)
 }
 
+/// ProRL's stop-properly penalty (OpenRLHF 0.11's
+/// `apply_stop_properly_penalty`, `--reward.stop_properly_penalty_coef`):
+/// the reward of a truncated response (`finish_reason = "length"`) is
+/// scaled by `coef` when `coef ≥ 0` (in [0, 1]) and replaced by `coef`
+/// when it is negative; a response that stopped keeps its reward.
+pub fn stop_properly(reward: f64, truncated: bool, coef: f64) -> f64 {
+    match (truncated, coef < 0.0) {
+        (false, _) => reward,
+        (true, true) => coef,
+        (true, false) => reward * coef,
+    }
+}
+
 /// The KL coefficient: fixed, or adapted towards a target KL (Ziegler et al.
 /// 2019, as OpenRLHF and verl implement it).
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -67,6 +67,42 @@ impl Stage for FinishRewards {
     }
 }
 
+/// ProRL's stop-properly penalty on truncated responses
+/// ([`crate::algorithms::stop_properly`], `reward.stop_properly_coef`):
+/// the reward of a row whose `finish_reason` is `length` is scaled by
+/// `coef` (≥ 0) or replaced by it (< 0). Records `stop_properly_truncated`,
+/// the share of rows it touched.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StopProperly {
+    /// The scale (in [0, 1]) or, negative, the reward of a truncated row.
+    pub coef: f64,
+}
+
+impl Stage for StopProperly {
+    fn process(
+        &mut self,
+        ctx: &mut StepContext,
+        batch: RecordBatch,
+    ) -> Result<Vec<RecordBatch>, StageError> {
+        let stage = ctx.stage().to_string();
+        let reasons = strings(&batch, col::FINISH_REASON, &stage)?;
+        let mut rewards = f32s(&batch, col::REWARD, &stage)?;
+        let mut truncated = 0;
+        for (reward, reason) in rewards.iter_mut().zip(&reasons) {
+            let cut = reason == "length";
+            truncated += usize::from(cut);
+            *reward = crate::algorithms::stop_properly(*reward, cut, self.coef);
+        }
+        if !rewards.is_empty() {
+            ctx.record(
+                "stop_properly_truncated",
+                truncated as f64 / rewards.len() as f64,
+            );
+        }
+        Ok(vec![with_rewards(&batch, &rewards)?])
+    }
+}
+
 /// Every row's reward is 0.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct NoReward;
