@@ -448,6 +448,28 @@ for n, coef in enumerate([0.0, 0.5, 1.0, -0.5, -1.0]):
         dict(coef=coef, rewards=rewards, truncated=truncated),
         dict(rewards=exp.rewards.tolist()))
 
+# ---- verl DPPO (trust region on the sampled token's probability), values and gradients ------
+# Real log-probabilities (the binary KL needs π < 1), moved enough that some tokens leave the region.
+dppo = [("dppo_tv", 0.05, 0.08, 3.0), ("dppo_tv", 0.1, 0.1, 1.5), ("dppo_kl", 0.01, 0.02, 3.0), ("dppo_kl", 0.05, 0.05, 20.0)]
+for n, (loss_name, low, high, cap) in enumerate(dppo):
+    for mode in modes:
+        B, T = 4, 6
+        m = mask(B, T)
+        old = (-np.abs(rng.standard_normal((B, T))) * 1.5 - 0.02).tolist()
+        lp = np.minimum(np.array(old) + rng.standard_normal((B, T)) * 0.4, -1e-3).tolist()
+        adv = mat(B, T)
+        scale = None if mode != "seq-mean-token-sum-norm" else 16.0
+        cfg = Cfg(clip_ratio=0.2, clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=cap,
+                  global_batch_info=dict(dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=scale))
+        x = t(lp).requires_grad_(True)
+        fn = verl_algos.get_policy_loss_fn(loss_name)
+        loss, metrics = fn(old_log_prob=t(old), log_prob=x, advantages=t(adv), response_mask=t(m), loss_agg_mode=mode, config=cfg)
+        loss.backward()
+        add(f"verl09_pg_{loss_name}_{n}_{mode}", "policy_loss_09", "verl", f"{verl_src} ({fn.__name__})",
+            dict(policy_loss=loss_name, mode=mode, loss_scale_factor=scale, logprobs=lp, old_logprobs=old, advantages=adv, mask=m,
+                 clip_low=low, clip_high=high, dual_clip=cap),
+            dict(loss=loss.item(), grad=x.grad.tolist(), clip_fraction=metrics["actor/pg_clipfrac"], approx_kl=metrics["actor/ppo_kl"]))
+
 doc = dict(
     about="Recorded by scripts/record_upstream_09.py from the PyPI wheels named in `upstream`, torch float64.",
     upstream={"verl": VERL, "openrlhf": OPENRLHF},

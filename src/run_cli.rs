@@ -10,7 +10,7 @@ use weir_pipelines::{PipelineKind, RunConfig};
 #[derive(clap::Args, Debug)]
 pub struct RunArgs {
     /// The pipeline: ppo, grpo, dr_grpo, rloo, opo, grpo_passk, gpg,
-    /// reinforce_pp, reinforce_pp_baseline, remax, sft, rm or dpo.
+    /// reinforce_pp, reinforce_pp_baseline, remax, distill, sft, rm or dpo.
     pub pipeline: Option<String>,
     /// A TOML config (`weir config PIPELINE` prints every key with its default).
     #[arg(long)]

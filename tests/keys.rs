@@ -963,6 +963,8 @@ fn more_values(key: &str) -> &'static [&'static str] {
             "\"reinforce\"",
             "\"clip_cov\"",
             "\"kl_cov\"",
+            "\"dppo_tv\"",
+            "\"dppo_kl\"",
         ],
         "algorithm.kl_estimator" => &["\"k2\"", "\"abs\"", "\"k1+\"", "\"k3+\""],
         "algorithm.aggregation" => &[

@@ -338,7 +338,9 @@ pub fn learner_config(cfg: &RunConfig, kl_in_loss: bool) -> LearnerConfig {
                 | PolicyLossChoice::Gpg
                 | PolicyLossChoice::Reinforce
                 | PolicyLossChoice::ClipCov
-                | PolicyLossChoice::KlCov => RatioLevel::Token,
+                | PolicyLossChoice::KlCov
+                | PolicyLossChoice::DppoTv
+                | PolicyLossChoice::DppoKl => RatioLevel::Token,
             },
             objective: objective(cfg),
             aggregation: a.aggregation,
@@ -431,6 +433,20 @@ pub fn objective(cfg: &RunConfig) -> PolicyObjective {
         PolicyLossChoice::KlCov => PolicyObjective::KlCov {
             ratio: a.kl_cov_ratio,
             coef: a.kl_cov_coef,
+        },
+        PolicyLossChoice::DppoTv | PolicyLossChoice::DppoKl => PolicyObjective::Dppo {
+            divergence: if a.policy_loss == PolicyLossChoice::DppoTv {
+                GateDivergence::Tv
+            } else {
+                GateDivergence::BinaryKl
+            },
+            // verl's clip_ratio_c: the config's dual clip, else the
+            // flavor's default, else its function's fallback.
+            cap: if a.dual_clip > 0.0 {
+                a.dual_clip
+            } else {
+                a.flavor.default_dual_clip().unwrap_or(20.0)
+            },
         },
     }
 }

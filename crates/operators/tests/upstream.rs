@@ -645,6 +645,14 @@ fn policy_loss_09_case(c: &mut Check, name: &str, i: &Value, e: &Value) {
         "reinforce" => PolicyObjective::Reinforce {
             cap: num(&i["cap"]),
         },
+        "dppo_tv" | "dppo_kl" => PolicyObjective::Dppo {
+            divergence: if loss_name == "dppo_tv" {
+                GateDivergence::Tv
+            } else {
+                GateDivergence::BinaryKl
+            },
+            cap: num(&i["dual_clip"]),
+        },
         other => panic!("unknown policy loss {other}"),
     };
     // REINFORCE's bypass mode: the old policy is the rollout's.
@@ -682,7 +690,9 @@ fn policy_loss_09_case(c: &mut Check, name: &str, i: &Value, e: &Value) {
     c.close(name, "loss", out.loss_value(), num(&e["loss"]));
     out.loss.backward();
     c.matrix(name, "grad", &to_matrix(&x.grad()), &matrix(&e["grad"]));
-    if !e["clip_fraction"].is_null() && matches!(loss_name, "vanilla" | "gspo") {
+    if !e["clip_fraction"].is_null()
+        && matches!(loss_name, "vanilla" | "gspo" | "dppo_tv" | "dppo_kl")
+    {
         c.close(
             name,
             "clip_fraction",

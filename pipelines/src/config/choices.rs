@@ -195,6 +195,10 @@ pub enum PolicyLossChoice {
     ClipCov,
     /// KL-Cov: `−A · r` with a KL penalty on the highest-covariance tokens.
     KlCov,
+    /// DPPO with a total-variation trust region on the sampled token's probability.
+    DppoTv,
+    /// DPPO with a binary-KL trust region on the sampled token's probability.
+    DppoKl,
 }
 
 /// `algorithm.preference_loss`.

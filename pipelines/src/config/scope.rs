@@ -222,18 +222,21 @@ fn policy_loss(cfg: &RunConfig, pipeline: PipelineKind, found: &mut Inert) {
     );
     let loss = a.policy_loss;
     use PolicyLossChoice as L;
-    let clipping = matches!(loss, L::Ppo | L::Gspo | L::Cispo | L::Gmpo | L::ClipCov);
+    let clipping = matches!(
+        loss,
+        L::Ppo | L::Gspo | L::Cispo | L::Gmpo | L::ClipCov | L::DppoTv | L::DppoKl
+    );
     found.unless(
         clipping,
         "algorithm",
         &["clip_low", "clip_high"],
-        "algorithm.policy_loss clips (ppo, gspo, cispo, gmpo, clip_cov)",
+        "algorithm.policy_loss clips (ppo, gspo, cispo, gmpo, clip_cov, dppo_tv, dppo_kl)",
     );
     found.unless(
-        matches!(loss, L::Ppo | L::Gspo),
+        matches!(loss, L::Ppo | L::Gspo | L::DppoTv | L::DppoKl),
         "algorithm",
         &["dual_clip"],
-        "algorithm.policy_loss = \"ppo\" or \"gspo\"",
+        "algorithm.policy_loss is \"ppo\", \"gspo\" or DPPO's (whose ratio cap it is)",
     );
     found.unless(
         loss != L::Gmpo,

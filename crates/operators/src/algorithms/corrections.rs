@@ -154,7 +154,9 @@ pub fn batch_normalizer(sum: f64, count: f64, per_response: bool) -> f64 {
     }
 }
 
-/// The divergence an [`ImportanceCorrection::DivergenceGate`] reads.
+/// A divergence between the sampled token's probabilities under two
+/// policies: what an [`ImportanceCorrection::DivergenceGate`] reads, and
+/// DPPO's trust region ([`super::PolicyObjective::Dppo`]) bounds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GateDivergence {
     /// The binary KL between the sampled token's two probabilities.

@@ -288,7 +288,7 @@ fn other_objective(
     let (loss, clip_fraction) = objective_loss(
         cfg.objective,
         logprobs,
-        log_ratio,
+        old_logprobs,
         advantages,
         mask,
         behaviour_logprobs,

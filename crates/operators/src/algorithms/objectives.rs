@@ -8,6 +8,7 @@
 use tch::{Kind, Tensor};
 
 use super::aggregation::masked_mean;
+use super::corrections::GateDivergence;
 
 /// Which objective [`super::policy_loss`] optimises.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -62,6 +63,22 @@ pub enum PolicyObjective {
         /// Upper covariance bound (verl: 5.0).
         ub: f64,
     },
+    /// DPPO (Divergence PPO, arXiv 2602.04879; verl 0.9
+    /// `compute_policy_loss_dppo_tv` / `compute_policy_loss_dppo_kl`): the
+    /// trust region on the sampled token's probability instead of the
+    /// ratio. `ℓ = −A · sg[min(r, cap)] · log π · v`, where `v` drops a token
+    /// whose move leaves the region in the direction its advantage pushes:
+    /// for `A > 0`, `π − π_old ≤ ε_high` (TV) or `D ≤ ε_high ∨ π ≤ π_old`
+    /// (binary KL); else `π − π_old ≥ −ε_low` or `D ≤ ε_low ∨ π ≥ π_old`,
+    /// with `D = π_old log(π_old/π) + (1 − π_old) log((1 − π_old + 1e-8) /
+    /// (1 − π + 1e-8))`; `r = exp(clamp(log π − log π_old, −20, 20))`. The
+    /// clip fraction is the share of dropped tokens.
+    Dppo {
+        /// Total variation or binary KL.
+        divergence: GateDivergence,
+        /// The truncation of the ratio (verl's `clip_ratio_c`).
+        cap: f64,
+    },
     /// KL-Cov (same paper; verl `compute_policy_loss_kl_cov`): the
     /// unclipped `−A · r`, plus `coef · |log π − log π_old|` on the
     /// `max(1, ⌊ratio · n⌋)` valid tokens of largest covariance.
@@ -86,12 +103,13 @@ pub(super) enum ObjectiveLoss {
 pub(super) fn objective_loss(
     objective: PolicyObjective,
     logprobs: &Tensor,
-    log_ratio: &Tensor,
+    old_logprobs: &Tensor,
     advantages: &Tensor,
     mask: &Tensor,
     behaviour_logprobs: Option<&Tensor>,
     (clip_low, clip_high): (f64, f64),
 ) -> (ObjectiveLoss, f64) {
+    let log_ratio = &(logprobs - old_logprobs);
     match objective {
         PolicyObjective::Clipped => unreachable!("the clipped loss is policy_loss's own"),
         PolicyObjective::Cispo => {
@@ -163,6 +181,33 @@ pub(super) fn objective_loss(
                 ObjectiveLoss::Tokens(pg1.maximum(&pg2) * keep),
                 fraction.double_value(&[]),
             )
+        }
+        PolicyObjective::Dppo { divergence, cap } => {
+            let ratio = log_ratio.clamp(-20.0, 20.0).exp();
+            let truncated = ratio.clamp_max(cap).detach();
+            let (lp, old_lp) = (logprobs.detach(), old_logprobs.detach());
+            let (prob, old_prob) = (lp.exp(), old_lp.exp());
+            let (up, down) = match divergence {
+                GateDivergence::Tv => {
+                    let moved = &prob - &old_prob;
+                    (moved.le(clip_high), moved.ge(-clip_low))
+                }
+                GateDivergence::BinaryKl => {
+                    let d = &old_prob * (&old_lp - &lp)
+                        + (-&old_prob + 1.0)
+                            * ((-&old_prob + 1.0 + 1e-8) / (-&prob + 1.0 + 1e-8)).log();
+                    (
+                        d.le(clip_high).logical_or(&prob.le_tensor(&old_prob)),
+                        d.le(clip_low).logical_or(&prob.ge_tensor(&old_prob)),
+                    )
+                }
+            };
+            let valid = up
+                .where_self(&advantages.gt(0.0), &down)
+                .to_kind(logprobs.kind());
+            let fraction = masked_mean(&(-&valid + 1.0), mask);
+            let loss = -(advantages * truncated * logprobs * valid);
+            (ObjectiveLoss::Tokens(loss), fraction.double_value(&[]))
         }
         PolicyObjective::KlCov { ratio, coef } => {
             let r = log_ratio.exp();
