@@ -470,6 +470,26 @@ for n, (loss_name, low, high, cap) in enumerate(dppo):
                  clip_low=low, clip_high=high, dual_clip=cap),
             dict(loss=loss.item(), grad=x.grad.tolist(), clip_fraction=metrics["actor/pg_clipfrac"], approx_kl=metrics["actor/ppo_kl"]))
 
+# ---- verl DRO (a quadratic log-ratio penalty), values and gradients ------
+for n, beta in enumerate([0.05, 0.5]):
+    for mode in modes:
+        B, T = 4, 6
+        m = mask(B, T)
+        old = mat(B, T, 0.5)
+        lp = (np.array(old) + rng.standard_normal((B, T)) * 0.3).tolist()
+        adv = mat(B, T)
+        scale = None if mode != "seq-mean-token-sum-norm" else 16.0
+        cfg = Cfg(clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=None, policy_loss=Cfg(dro_beta=beta),
+                  global_batch_info=dict(dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=scale))
+        x = t(lp).requires_grad_(True)
+        fn = verl_algos.get_policy_loss_fn("dro")
+        loss, metrics = fn(old_log_prob=t(old), log_prob=x, advantages=t(adv), response_mask=t(m), loss_agg_mode=mode, config=cfg)
+        loss.backward()
+        add(f"verl09_pg_dro_{n}_{mode}", "policy_loss_09", "verl", f"{verl_src} ({fn.__name__})",
+            dict(policy_loss="dro", mode=mode, loss_scale_factor=scale, logprobs=lp, old_logprobs=old, advantages=adv, mask=m,
+                 clip_low=0.2, clip_high=0.2, dual_clip=3.0, dro_beta=beta),
+            dict(loss=loss.item(), grad=x.grad.tolist(), clip_fraction=None, approx_kl=metrics["actor/ppo_kl"]))
+
 doc = dict(
     about="Recorded by scripts/record_upstream_09.py from the PyPI wheels named in `upstream`, torch float64.",
     upstream={"verl": VERL, "openrlhf": OPENRLHF},

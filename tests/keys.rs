@@ -674,6 +674,14 @@ fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String
             ],
             "-50".into(),
         ),
+        "algorithm.dro_beta" => (
+            &[
+                "algorithm.policy_loss=dro",
+                "algorithm.ppo_epochs=3",
+                "algorithm.lr=0.01",
+            ],
+            "5.0".into(),
+        ),
         "algorithm.reinforce_is_cap" => (
             &[
                 "algorithm.policy_loss=reinforce",
@@ -965,6 +973,7 @@ fn more_values(key: &str) -> &'static [&'static str] {
             "\"kl_cov\"",
             "\"dppo_tv\"",
             "\"dppo_kl\"",
+            "\"dro\"",
         ],
         "algorithm.kl_estimator" => &["\"k2\"", "\"abs\"", "\"k1+\"", "\"k3+\""],
         "algorithm.aggregation" => &[

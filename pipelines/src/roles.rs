@@ -340,7 +340,8 @@ pub fn learner_config(cfg: &RunConfig, kl_in_loss: bool) -> LearnerConfig {
                 | PolicyLossChoice::ClipCov
                 | PolicyLossChoice::KlCov
                 | PolicyLossChoice::DppoTv
-                | PolicyLossChoice::DppoKl => RatioLevel::Token,
+                | PolicyLossChoice::DppoKl
+                | PolicyLossChoice::Dro => RatioLevel::Token,
             },
             objective: objective(cfg),
             aggregation: a.aggregation,
@@ -434,6 +435,7 @@ pub fn objective(cfg: &RunConfig) -> PolicyObjective {
             ratio: a.kl_cov_ratio,
             coef: a.kl_cov_coef,
         },
+        PolicyLossChoice::Dro => PolicyObjective::Dro { beta: a.dro_beta },
         PolicyLossChoice::DppoTv | PolicyLossChoice::DppoKl => PolicyObjective::Dppo {
             divergence: if a.policy_loss == PolicyLossChoice::DppoTv {
                 GateDivergence::Tv

@@ -645,6 +645,9 @@ fn policy_loss_09_case(c: &mut Check, name: &str, i: &Value, e: &Value) {
         "reinforce" => PolicyObjective::Reinforce {
             cap: num(&i["cap"]),
         },
+        "dro" => PolicyObjective::Dro {
+            beta: num(&i["dro_beta"]),
+        },
         "dppo_tv" | "dppo_kl" => PolicyObjective::Dppo {
             divergence: if loss_name == "dppo_tv" {
                 GateDivergence::Tv

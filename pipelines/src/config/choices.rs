@@ -199,6 +199,8 @@ pub enum PolicyLossChoice {
     DppoTv,
     /// DPPO with a binary-KL trust region on the sampled token's probability.
     DppoKl,
+    /// DRO: `−A·log π` with a quadratic penalty on the log-ratio.
+    Dro,
 }
 
 /// `algorithm.preference_loss`.

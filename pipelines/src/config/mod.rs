@@ -515,6 +515,8 @@ pub struct AlgorithmSection {
     pub kl_cov_coef: f64,
     /// REINFORCE: the cap of its importance ratio to the behaviour policy.
     pub reinforce_is_cap: f64,
+    /// DRO: β of the quadratic log-ratio penalty.
+    pub dro_beta: f64,
     /// `openrlhf` or `verl` semantics where they differ.
     pub flavor: Flavor,
     /// Discount γ (ppo's GAE, reinforce_pp's returns).
@@ -585,6 +587,7 @@ impl Default for AlgorithmSection {
             kl_cov_ratio: 0.0002,
             kl_cov_coef: 0.1,
             reinforce_is_cap: 2.0,
+            dro_beta: 0.05,
             flavor: Flavor::OpenRlhf,
             gamma: 1.0,
             lambda: 1.0,

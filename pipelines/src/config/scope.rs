@@ -268,6 +268,12 @@ fn policy_loss(cfg: &RunConfig, pipeline: PipelineKind, found: &mut Inert) {
         &["kl_cov_ratio", "kl_cov_coef"],
         "algorithm.policy_loss = \"kl_cov\"",
     );
+    found.unless(
+        loss == L::Dro,
+        "algorithm",
+        &["dro_beta"],
+        "algorithm.policy_loss = \"dro\"",
+    );
     // A step's first optimizer step starts at the proximal policy: ratio 1, nothing to clip.
     found.unless(
         a.ppo_epochs > 1 || a.mini_batches > 1,

@@ -499,6 +499,7 @@ impl RunConfig {
             ("algorithm.clip_cov_ratio", a.clip_cov_ratio),
             ("algorithm.kl_cov_ratio", a.kl_cov_ratio),
             ("algorithm.reinforce_is_cap", a.reinforce_is_cap),
+            ("algorithm.dro_beta", a.dro_beta),
         ] {
             if !(value > 0.0 && value.is_finite()) {
                 return bad(key, value.to_string(), "must be > 0");

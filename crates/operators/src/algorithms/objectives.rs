@@ -88,6 +88,13 @@ pub enum PolicyObjective {
         /// The penalty's coefficient (verl's `ppo_kl_coef`: 0.1).
         coef: f64,
     },
+    /// DRO (Direct Reward Optimization with a quadratic log-ratio penalty;
+    /// verl 0.9 `compute_policy_loss_dro`): `ℓ = −(A · log π − ½ β (log π −
+    /// log π_old)²)`, no clip.
+    Dro {
+        /// β of the quadratic penalty (verl's `policy_loss.dro_beta`).
+        beta: f64,
+    },
 }
 
 /// What an objective produced.
@@ -225,6 +232,10 @@ pub(super) fn objective_loss(
             };
             let penalty = log_ratio.abs() * coef * top.to_kind(pg.kind());
             (ObjectiveLoss::Tokens(pg + penalty), 0.0)
+        }
+        PolicyObjective::Dro { beta } => {
+            let loss = -(advantages * logprobs - log_ratio.square() * (0.5 * beta));
+            (ObjectiveLoss::Tokens(loss), 0.0)
         }
     }
 }
