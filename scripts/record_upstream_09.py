@@ -490,6 +490,41 @@ for n, beta in enumerate([0.05, 0.5]):
                  clip_low=0.2, clip_high=0.2, dual_clip=3.0, dro_beta=beta),
             dict(loss=loss.item(), grad=x.grad.tolist(), clip_fraction=None, approx_kl=metrics["actor/ppo_kl"]))
 
+# ---- verl GDPO: each reward dimension group-normalised on its own, summed, whitened ------
+# verl reads the dimensions from compute_score's dict (non_tensor_batch) and casts them to
+# float32; the module's float32 is float64 here so that the record is float64 like the rest.
+class _Float64(types.SimpleNamespace):
+    pass
+
+
+_np64 = _Float64(**{k: getattr(np, k) for k in dir(np) if not k.startswith("__")})
+_np64.float32 = np.float64
+_torch64 = _Float64(**{k: getattr(torch, k) for k in dir(torch) if not k.startswith("__")})
+_torch64.float32 = torch.float64
+_saved = (verl_algos.np, verl_algos.torch)
+verl_algos.np, verl_algos.torch = _np64, _torch64
+for n in range(6):
+    B, T, P = 10, 6, 3
+    m = mask(B, T)
+    index = [int(i) for i in rng.integers(0, 3, size=B)]
+    dims = 2 + n % 2
+    keys = [f"r{k}" for k in range(dims)]
+    # Typical terms: 0/1 correctness, a format bonus, a continuous penalty.
+    comps = {k: (rng.integers(0, 2, size=B).astype(float) if j < 2 else -rng.random(B)).tolist() for j, k in enumerate(keys)}
+    weights = None if n < 2 else [float(w) for w in rng.uniform(0.2, 2.0, size=dims)]
+    norm = n % 3 != 2
+    attention = np.concatenate([np.ones((B, P)), np.array(m)], axis=1)
+    cfg = Cfg(gdpo_reward_keys=keys, gdpo_reward_weights=weights, norm_adv_by_std_in_grpo=norm)
+    a, _ = verl_algos.compute_gdpo_outcome_advantage(
+        token_level_rewards=t(np.zeros((B, T))), response_mask=t(m), index=np.array(index),
+        norm_adv_by_std_in_grpo=norm, config=cfg, non_tensor_batch={k: np.array(v) for k, v in comps.items()},
+        batch=dict(prompts=torch.zeros((B, P), dtype=torch.long), attention_mask=torch.tensor(attention, dtype=torch.long)))
+    add(f"verl09_gdpo_{n}", "gdpo_09", "verl", f"{verl_src} (compute_gdpo_outcome_advantage)",
+        dict(terms=[[comps[k][i] for k in keys] for i in range(B)], weights=weights or [1.0] * dims, index=index, mask=m,
+             norm_adv_by_std_in_grpo=norm),
+        dict(advantages=a.tolist()))
+verl_algos.np, verl_algos.torch = _saved
+
 doc = dict(
     about="Recorded by scripts/record_upstream_09.py from the PyPI wheels named in `upstream`, torch float64.",
     upstream={"verl": VERL, "openrlhf": OPENRLHF},

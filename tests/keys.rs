@@ -674,6 +674,13 @@ fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String
             ],
             "-50".into(),
         ),
+        "algorithm.gdpo" => (
+            &[
+                "reward.kind=\"terms\"",
+                "reward.terms=[{rule = \"arith_exact_match\"}, {rule = \"length\", max_tokens = 6, weight = 0.3}]",
+            ],
+            "true".into(),
+        ),
         "algorithm.dro_beta" => (
             &[
                 "algorithm.policy_loss=dro",

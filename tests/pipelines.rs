@@ -1814,6 +1814,105 @@ fn ppo_reinforce_pp_and_gpg_ranks_train_like_one() {
     }
 }
 
+/// GDPO: the rollout log keeps each reward term's own score; every step's
+/// logged advantages are GDPO's (each term normalised in its group, the
+/// weighted sum whitened over the whole step: zero mean over the step's
+/// tokens) on the logged rows, whether one worker trains or two ranks each
+/// hold some of the groups; the two train alike. Without reward terms, or
+/// with a shaping key that would change only the summed reward, the config
+/// is refused naming the key.
+#[test]
+fn gdpo_normalises_each_term_and_whitens_over_the_whole_step() {
+    use weir::pipelines::config::{RewardKind, RewardTerm};
+    let tmp = tempfile::tempdir().unwrap();
+    let kind = PipelineKind::Grpo;
+    let base = || {
+        let mut cfg = config(kind, 3);
+        cfg.run.max_staleness = 0;
+        cfg.data.prompts_per_step = 4;
+        cfg.algorithm.aggregation = Aggregation::TokenMean;
+        cfg.algorithm.gdpo = true;
+        cfg.reward.kind = RewardKind::Terms;
+        cfg.reward.terms = vec![
+            RewardTerm {
+                rule: Some("arith_exact_match".into()),
+                ..Default::default()
+            },
+            RewardTerm {
+                rule: Some("length".into()),
+                max_tokens: 6,
+                weight: 0.3,
+                ..Default::default()
+            },
+        ];
+        cfg
+    };
+    let one = tmp.path().join("one");
+    run(kind, base(), &one, false);
+    let mut cfg = base();
+    cfg.placement.workers = 3;
+    cfg.placement.train = vec![1, 2];
+    let two = tmp.path().join("two");
+    run(kind, cfg, &two, false);
+    for dir in [&one, &two] {
+        let batches = read_parquet_dir(&dir.join("rollouts")).unwrap();
+        // Per step: each row's term scores, its group, its logged advantages.
+        type Rows = (Vec<Vec<f64>>, Vec<u64>, Vec<Vec<f64>>);
+        let mut steps: BTreeMap<u64, Rows> = BTreeMap::new();
+        for b in &batches {
+            let terms = float_rows(b, col::REWARD_TERMS);
+            let advantages = float_rows(b, col::ADVANTAGES);
+            for (i, (step, group)) in u64s(b, col::STEP)
+                .into_iter()
+                .zip(u64s(b, col::GROUP_ID))
+                .enumerate()
+            {
+                let rows = steps.entry(step).or_default();
+                rows.0.push(terms[i].clone());
+                rows.1.push(group);
+                rows.2.push(advantages[i].clone());
+            }
+        }
+        assert_eq!(steps.len(), 3, "{}", dir.display());
+        let mut spread = false;
+        for (step, (terms, groups, logged)) in &steps {
+            assert!(terms.iter().all(|t| t.len() == 2));
+            // The length term differs within groups where the rule does not.
+            spread |= terms.iter().any(|t| (t[1] - terms[0][1]).abs() > 1e-6);
+            let mask: Vec<Vec<f64>> = logged.iter().map(|a| vec![1.0; a.len()]).collect();
+            let want =
+                weir::operators::algorithms::gdpo(terms, &[1.0, 0.3], groups, &mask, true).unwrap();
+            for (w, l) in want.iter().zip(logged) {
+                for (a, b) in w.iter().zip(l) {
+                    assert!((a - b).abs() < 1e-5, "step {step}: {want:?} vs {logged:?}");
+                }
+            }
+        }
+        assert!(spread, "the terms never differed");
+    }
+    for name in ["loss", "grad_norm"] {
+        let (a, b) = (metric(&one, "learn", name), metric(&two, "learn", name));
+        assert_curves_match(
+            &a,
+            &b,
+            3,
+            &format!("gdpo learn {name}, one worker vs two ranks"),
+        );
+    }
+    // Bad input: no terms to decouple; a shaping key GDPO would ignore.
+    let mut bad = base();
+    bad.reward.kind = RewardKind::Rule;
+    let err = run_err(kind, bad, &tmp.path().join("bad"));
+    assert!(
+        err.contains("algorithm.gdpo") && err.contains("terms"),
+        "{err}"
+    );
+    let mut bad = base();
+    bad.reward.stop_properly_coef = 0.5;
+    let err = run_err(kind, bad, &tmp.path().join("bad2"));
+    assert!(err.contains("reward.stop_properly_coef"), "{err}");
+}
+
 #[test]
 fn bad_configs_fail_before_anything_runs() {
     let tmp = tempfile::tempdir().unwrap();
@@ -1979,6 +2078,9 @@ fn every_policy_loss_and_correction_trains_through_grpo() {
             ],
         ),
         ("kl_cov", &["algorithm.policy_loss=kl_cov"]),
+        ("dppo_tv", &["algorithm.policy_loss=dppo_tv"]),
+        ("dppo_kl", &["algorithm.policy_loss=dppo_kl"]),
+        ("dro", &["algorithm.policy_loss=dro"]),
         (
             "icepop",
             &["algorithm.correction=icepop", "run.max_staleness=1"],
@@ -2006,7 +2108,7 @@ fn every_policy_loss_and_correction_trains_through_grpo() {
     }
     // The objectives differ from PPO's in their losses.
     let ppo = &losses[0].1;
-    for (name, loss) in &losses[1..9] {
+    for (name, loss) in &losses[1..12] {
         assert!(
             loss.iter().any(|(s, l)| (l - ppo[s]).abs() > 1e-6),
             "{name} gives PPO's losses: {loss:?}"

@@ -73,11 +73,23 @@ fn group(
     let flavor = cfg.algorithm.flavor;
     let pipeline = rollouts(Pipeline::new(kind.name()), cfg, ctx, false, false);
     let (pipeline, regroup) = statistics_and_filter(pipeline, cfg, ctx);
-    // GPG's α counts the whole step: its ranks sum their counts.
-    let ranks = roles::data_parallel_group(cfg).filter(|_| estimator == GroupEstimator::Gpg);
+    // GDPO: the reward terms' weights.
+    let gdpo = cfg.algorithm.gdpo.then(|| {
+        cfg.reward
+            .terms
+            .iter()
+            .map(|t| t.weight)
+            .collect::<Vec<_>>()
+    });
+    // GPG's α and GDPO's whitening count the whole step: ranks sum their figures.
+    let ranks = roles::data_parallel_group(cfg)
+        .filter(|_| estimator == GroupEstimator::Gpg || gdpo.is_some());
     let offload = ranks.is_some();
     let advantage = move |w: &WorkerInfo| {
-        let advantage = GroupAdvantage::new(estimator, flavor);
+        let mut advantage = GroupAdvantage::new(estimator, flavor);
+        if let Some(weights) = &gdpo {
+            advantage = advantage.with_gdpo(weights.clone());
+        }
         Ok(match &ranks {
             Some(group) => advantage.with_data_parallel(group.member(w, "advantage")?),
             None => advantage,

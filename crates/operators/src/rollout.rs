@@ -49,6 +49,10 @@ pub mod col {
     /// applies): what the dynamic-sampling filter and the curriculum judge,
     /// as verl's DAPO filters on `acc`, the score without the penalty.
     pub const SCORE: &str = "score";
+    /// Each `[[reward.terms]]` term's own score, unweighted, in the
+    /// config's order (list<f32>; `reward.kind = "terms"`): what GDPO
+    /// (`algorithm.gdpo`) normalises term by term.
+    pub const REWARD_TERMS: &str = "reward_terms";
     /// Per-token rewards, KL penalty included (list<f32>, optional).
     pub const TOKEN_REWARDS: &str = "token_rewards";
     /// Per-token log-probs under the reference model (list<f32>).
@@ -241,6 +245,7 @@ pub fn columns() -> Vec<(&'static str, DataType, bool, Phase, bool)> {
         ),
         (col::REWARD, Float32, false, Phase::Score, false),
         (col::SCORE, Float32, true, Phase::Score, false),
+        (col::REWARD_TERMS, per_token(), true, Phase::Score, false),
         (col::TOKEN_REWARDS, per_token(), true, Phase::Score, true),
         (col::REF_LOGPROBS, per_token(), true, Phase::Score, true),
         (col::TEACHER_LOGPROBS, per_token(), true, Phase::Score, true),

@@ -777,6 +777,25 @@ fn stop_properly_case(c: &mut Check, name: &str, i: &Value, e: &Value) {
     c.vector(name, "rewards", &got, &vector(&e["rewards"]));
 }
 
+/// verl 0.9's GDPO: each term normalised in its group, weighted, whitened.
+fn gdpo_case(c: &mut Check, name: &str, i: &Value, e: &Value) {
+    let groups: Vec<u64> = i["index"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| g.as_u64().unwrap())
+        .collect();
+    let got = weir_operators::algorithms::gdpo(
+        &matrix(&i["terms"]),
+        &vector(&i["weights"]),
+        &groups,
+        &matrix(&i["mask"]),
+        i["norm_adv_by_std_in_grpo"].as_bool().unwrap(),
+    )
+    .unwrap();
+    c.matrix(name, "advantages", &got, &matrix(&e["advantages"]));
+}
+
 fn kl_unbiased_case(c: &mut Check, name: &str, i: &Value, e: &Value) {
     let x = tensor(&matrix(&i["logprobs"])).set_requires_grad(true);
     let reference = tensor(&matrix(&i["ref_logprobs"]));
@@ -840,6 +859,7 @@ fn weir_matches_verl_0_9_and_openrlhf_0_11_releases() {
             "policy_loss" => policy_loss_case(&mut check, name, flavor, i, e),
             "advantages_openrlhf" => advantages_openrlhf_case(&mut check, name, i, e),
             "stop_properly" => stop_properly_case(&mut check, name, i, e),
+            "gdpo_09" => gdpo_case(&mut check, name, i, e),
             other => panic!("{name}: unknown kind {other}"),
         }
         *kinds

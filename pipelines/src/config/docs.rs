@@ -138,6 +138,7 @@ pub const KEYS: &[Key] = &[
     key("algorithm", "kl_cov_ratio", Rl, "KL-Cov: the fraction of tokens (those of largest covariance) given the KL penalty."),
     key("algorithm", "kl_cov_coef", Rl, "KL-Cov: the penalty's coefficient on |log π − log π_old|."),
     key("algorithm", "dro_beta", Rl, "DRO: β of the quadratic penalty ½β(log π − log π_old)² (verl's policy_loss.dro_beta, which has no default; 0.05 is the value of verl's own test)."),
+    key("algorithm", "gdpo", GrpoFamily, "GDPO (verl 0.9's gdpo estimator): each [[reward.terms]] term's own score normalised within its group on its own (grpo: by the std; dr_grpo: centred), summed with the terms' weights (an episode's environment rewards one more term of weight 1), then whitened over the whole step's generated tokens, under verl's semantics whatever algorithm.flavor: a term with a small spread is not drowned by a large one. Needs reward.kind = \"terms\"; the reward shaping keys (overlong, stop-properly, on_finish), which change only the summed reward, are refused."),
     key("algorithm", "reinforce_is_cap", Rl, "REINFORCE: its importance ratio π / π_behaviour is truncated at this value (verl's rollout_is_threshold)."),
     key("algorithm", "flavor", Rl, "\"openrlhf\" or \"verl\": whose semantics where the two differ (KL clamping, GAE and REINFORCE++ returns over masked tokens, whitening, GSPO's gradient, group edge cases, the score clip, the dual clip, how the critic's loss and the KL and entropy terms aggregate, the entropy's temperature)."),
     key("algorithm", "gamma", Returns, "Discount γ of ppo's GAE and reinforce_pp's returns."),
@@ -209,6 +210,8 @@ pub enum Readers {
     InRewardKl,
     /// ppo.
     Ppo,
+    /// grpo and dr_grpo (GDPO's per-term normalisation).
+    GrpoFamily,
     /// distill.
     Distill,
     /// dpo.
@@ -245,6 +248,7 @@ impl Readers {
                 matches!(pipeline, Ppo | ReinforcePp | ReinforcePpBaseline | Remax)
             }
             Readers::Ppo => pipeline == Ppo,
+            Readers::GrpoFamily => matches!(pipeline, Grpo | DrGrpo),
             Readers::Distill => pipeline == Distill,
             Readers::Dpo => pipeline == Dpo,
             Readers::Rm => pipeline == Rm,

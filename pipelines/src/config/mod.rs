@@ -517,6 +517,8 @@ pub struct AlgorithmSection {
     pub reinforce_is_cap: f64,
     /// DRO: β of the quadratic log-ratio penalty.
     pub dro_beta: f64,
+    /// GDPO: each reward term normalised within its group on its own.
+    pub gdpo: bool,
     /// `openrlhf` or `verl` semantics where they differ.
     pub flavor: Flavor,
     /// Discount γ (ppo's GAE, reinforce_pp's returns).
@@ -588,6 +590,7 @@ impl Default for AlgorithmSection {
             kl_cov_coef: 0.1,
             reinforce_is_cap: 2.0,
             dro_beta: 0.05,
+            gdpo: false,
             flavor: Flavor::OpenRlhf,
             gamma: 1.0,
             lambda: 1.0,

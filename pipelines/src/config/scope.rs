@@ -269,6 +269,17 @@ fn policy_loss(cfg: &RunConfig, pipeline: PipelineKind, found: &mut Inert) {
         "algorithm.policy_loss = \"kl_cov\"",
     );
     found.unless(
+        !a.gdpo,
+        "reward",
+        &[
+            "overlong_buffer",
+            "overlong_penalty_factor",
+            "stop_properly_coef",
+            "on_finish",
+        ],
+        "algorithm.gdpo is off (GDPO normalises each reward term's own score, not the shaped sum)",
+    );
+    found.unless(
         loss == L::Dro,
         "algorithm",
         &["dro_beta"],

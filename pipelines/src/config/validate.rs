@@ -326,6 +326,16 @@ impl RunConfig {
 
     /// `[[reward.terms]]`.
     fn check_reward_terms(&self) -> Result<(), ConfigError> {
+        if self.algorithm.gdpo && self.reward.kind != RewardKind::Terms {
+            return bad(
+                "algorithm.gdpo",
+                "true".into(),
+                &format!(
+                    "GDPO normalises each reward term on its own: it needs reward.kind = \"terms\" (not {:?})",
+                    self.reward.kind
+                ),
+            );
+        }
         if self.reward.kind == RewardKind::Terms {
             if self.reward.terms.is_empty() {
                 return bad(

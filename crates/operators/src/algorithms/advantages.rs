@@ -235,6 +235,68 @@ pub fn grpo(
     Ok(out)
 }
 
+/// GDPO's combined score (group reward-decoupled normalisation, arXiv
+/// 2601.05242; verl 0.9 `compute_gdpo_outcome_advantage`): each reward
+/// term normalised within its group on its own ([`grpo`] under verl's
+/// semantics, by the std or not), then summed with the terms' weights,
+/// `Σ_k w_k · Â_k`. verl then whitens that sum over the step's response
+/// tokens ([`whiten_advantages_over`], verl's flavor): see [`gdpo`].
+/// `terms[i]` holds row `i`'s score of every term, in `weights`' order.
+pub fn gdpo_combined(
+    terms: &[Vec<f64>],
+    weights: &[f64],
+    groups: &[u64],
+    scale_by_std: bool,
+) -> Result<Vec<f64>, GroupError> {
+    let mut combined = vec![0.0; terms.len()];
+    for (k, weight) in weights.iter().enumerate() {
+        let scores: Vec<f64> = terms.iter().map(|row| row[k]).collect();
+        let normalised = grpo(&scores, groups, scale_by_std, Flavor::Verl)?;
+        for (sum, a) in combined.iter_mut().zip(normalised) {
+            *sum += weight * a;
+        }
+    }
+    Ok(combined)
+}
+
+/// GDPO's advantages on one worker: [`gdpo_combined`] on every response
+/// token, whitened over the step's tokens (`mask`), zero off the mask.
+pub fn gdpo(
+    terms: &[Vec<f64>],
+    weights: &[f64],
+    groups: &[u64],
+    mask: &Tokens,
+    scale_by_std: bool,
+) -> Result<Vec<Vec<f64>>, GroupError> {
+    let alone = |_: &mut [f64]| Ok::<(), GroupError>(());
+    gdpo_over(terms, weights, groups, mask, scale_by_std, alone)
+}
+
+/// [`gdpo`] of a step whose rows are split over data-parallel ranks (each
+/// holding whole groups): `sum` adds the whitening's sums up over every
+/// rank, as in [`whiten_advantages_over`].
+pub fn gdpo_over<E: From<GroupError>>(
+    terms: &[Vec<f64>],
+    weights: &[f64],
+    groups: &[u64],
+    mask: &Tokens,
+    scale_by_std: bool,
+    sum: impl FnMut(&mut [f64]) -> Result<(), E>,
+) -> Result<Vec<Vec<f64>>, E> {
+    let combined = gdpo_combined(terms, weights, groups, scale_by_std)?;
+    let tokens: Vec<Vec<f64>> = combined
+        .iter()
+        .zip(mask)
+        .map(|(a, m)| m.iter().map(|k| a * k).collect())
+        .collect();
+    let whitened = whiten_advantages_over(&tokens, mask, false, Flavor::Verl, sum)?;
+    Ok(whitened
+        .into_iter()
+        .zip(mask)
+        .map(|(row, m)| row.iter().zip(m).map(|(a, k)| a * k).collect())
+        .collect())
+}
+
 /// OPO's optimal baseline (arXiv 2505.23585; verl
 /// `compute_opo_outcome_advantage`): each score minus its group's
 /// length-weighted mean score, `s_i − Σ_g |y_j| s_j / Σ_g |y_j|`, with

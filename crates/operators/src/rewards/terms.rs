@@ -10,7 +10,8 @@ use super::python::PythonReward;
 use super::rules;
 use super::{check_scores, Reward, RewardRows, RuleReward};
 use crate::rollout::col;
-use crate::stages::columns::{strings, token_lists, with_rewards};
+use crate::stages::columns::{float_list_array, strings, token_lists, with_rewards};
+use weir_graph::batch::with_column;
 
 /// What one term computes.
 pub enum TermKind {
@@ -75,6 +76,7 @@ impl Stage for RewardTerms {
             _ => None,
         };
         let mut total = vec![0.0; n];
+        let mut scores = vec![Vec::with_capacity(self.terms.len()); n];
         for term in &mut self.terms {
             let values: Vec<f64> = match &mut term.kind {
                 TermKind::Rule(rule) => {
@@ -126,11 +128,17 @@ impl Stage for RewardTerms {
                     values.iter().sum::<f64>() / n as f64,
                 );
             }
-            for (sum, v) in total.iter_mut().zip(&values) {
+            for ((sum, row), v) in total.iter_mut().zip(&mut scores).zip(&values) {
                 *sum += term.weight * v;
+                row.push(*v);
             }
         }
-        Ok(vec![with_rewards(&batch, &total)?])
+        let batch = with_rewards(&batch, &total)?;
+        Ok(vec![with_column(
+            &batch,
+            col::REWARD_TERMS,
+            float_list_array(&scores),
+        )?])
     }
 }
 
@@ -198,6 +206,15 @@ mod tests {
         let want = [1.0 + 0.5 - 0.05, 1.0 + 0.0 - 0.025, 0.0 + 0.5 - 0.1];
         for (got, want) in rewards.iter().zip(want) {
             assert!((f64::from(*got) - want).abs() < 1e-6, "{rewards:?}");
+        }
+        // Each term's own score, unweighted, in the terms' order.
+        let scores = crate::stages::columns::float_lists(&out, col::REWARD_TERMS, "t").unwrap();
+        let want = [[1.0, 1.0, -0.5], [1.0, 0.0, -0.25], [0.0, 1.0, -1.0]];
+        for (got, want) in scores.iter().zip(want) {
+            assert_eq!(got.len(), 3);
+            for (g, w) in got.iter().zip(want) {
+                assert!((g - w).abs() < 1e-6, "{scores:?}");
+            }
         }
         assert!(RewardTerms::new(Vec::new(), "answer").is_err());
     }

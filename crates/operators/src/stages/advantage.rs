@@ -44,6 +44,8 @@ pub struct GroupAdvantage {
     pub reward_clip: Option<(f64, f64)>,
     held: StepBuffer,
     data_parallel: Option<GroupMember>,
+    /// GDPO: the reward terms' weights ([`GroupAdvantage::with_gdpo`]).
+    gdpo: Option<Vec<f64>>,
 }
 
 impl GroupAdvantage {
@@ -59,7 +61,20 @@ impl GroupAdvantage {
             reward_clip: openrlhf_estimator.then_some((-10.0, 10.0)),
             held: super::rows_in_order(),
             data_parallel: None,
+            gdpo: None,
         }
+    }
+
+    /// GDPO (verl 0.9's `gdpo` estimator, [`crate::algorithms::gdpo`]):
+    /// each term of `reward_terms` normalised within its group on its own
+    /// (by the std under GRPO, centred only under Dr.GRPO), summed with
+    /// `weights` (an episode's environment rewards, if any, one more term
+    /// of weight 1), and whitened over the step's generated tokens, all
+    /// under verl's semantics. With data-parallel ranks the whitening is the
+    /// whole step's. The estimator's own baseline is not used.
+    pub fn with_gdpo(mut self, weights: Vec<f64>) -> Self {
+        self.gdpo = Some(weights);
+        self
     }
 
     /// One rank of the step's train workers: GPG's α counts the whole
@@ -95,6 +110,10 @@ impl StepStage for GroupAdvantage {
                 // A rank with no rows still joins the step's counts.
                 self.gpg_alpha(&[])?;
             }
+            if self.gdpo.is_some() && self.data_parallel.is_some() {
+                // … and the step's whitening.
+                whiten(&[], &[], Flavor::Verl, self.data_parallel.as_ref())?;
+            }
             return Ok(Vec::new());
         };
         let mut rewards = rewards(&batch, ctx.stage())?;
@@ -104,10 +123,15 @@ impl StepStage for GroupAdvantage {
             .map(Vec::len)
             .collect();
         // An episode's environment rewards count toward its reward.
-        if let Some(turns) = super::columns::env_rewards(&batch, &lengths, ctx.stage())? {
+        let env = super::columns::env_rewards(&batch, &lengths, ctx.stage())?;
+        if let Some(turns) = &env {
             for (r, turn) in rewards.iter_mut().zip(turns) {
                 *r += turn.iter().sum::<f64>();
             }
+        }
+        if let Some(weights) = &self.gdpo {
+            let per_token = self.gdpo_advantages(ctx, &batch, weights, &lengths, env)?;
+            return Ok(vec![with_advantages(&batch, &per_token)?]);
         }
         let per_response = match self.estimator {
             GroupEstimator::Grpo => grpo(&rewards, &groups, true, self.flavor)?,
@@ -135,18 +159,68 @@ impl StepStage for GroupAdvantage {
             .zip(&lengths)
             .map(|(a, n)| vec![a; *n])
             .collect();
-        let batch = with_column(
-            &batch,
-            col::ADVANTAGES,
-            super::columns::float_list_array(&per_token),
-        )?;
-        let batch = with_column(
-            &batch,
-            col::RETURNS,
-            super::columns::float_list_array(&per_token),
-        )?;
-        Ok(vec![batch])
+        Ok(vec![with_advantages(&batch, &per_token)?])
     }
+}
+
+impl GroupAdvantage {
+    /// GDPO's per-token advantages of `batch` ([`GroupAdvantage::with_gdpo`]).
+    fn gdpo_advantages(
+        &self,
+        ctx: &StepContext,
+        batch: &RecordBatch,
+        weights: &[f64],
+        lengths: &[usize],
+        env: Option<Vec<Vec<f64>>>,
+    ) -> Result<Vec<Vec<f64>>, StageError> {
+        let stage = ctx.stage();
+        if batch.column_by_name(col::REWARD_TERMS).is_none() {
+            return Err(format!(
+                "stage `{stage}`: GDPO (algorithm.gdpo) normalises each reward term on its own: \
+                 it needs reward.kind = \"terms\" (the column `{}`)",
+                col::REWARD_TERMS
+            )
+            .into());
+        }
+        let mut terms = float_lists(batch, col::REWARD_TERMS, stage)?;
+        let mut weights = weights.to_vec();
+        if let Some(turns) = env {
+            weights.push(1.0);
+            for (row, turn) in terms.iter_mut().zip(turns) {
+                row.push(turn.iter().sum());
+            }
+        }
+        if let Some(row) = terms.iter().position(|t| t.len() != weights.len()) {
+            return Err(format!(
+                "stage `{stage}`: row {row} has {} reward terms, the config {}",
+                terms[row].len(),
+                weights.len()
+            )
+            .into());
+        }
+        let groups = u64s(batch, col::GROUP_ID, stage)?;
+        let by_std = self.estimator != GroupEstimator::DrGrpo;
+        let masks = super::columns::generated_masks(batch, lengths, stage)?;
+        let member = self.data_parallel.as_ref();
+        crate::algorithms::advantages::gdpo_over(&terms, &weights, &groups, &masks, by_std, |xs| {
+            sum_scalars(member, xs).map_err(StageError::from)
+        })
+    }
+}
+
+/// `batch` with `per_token` as its advantages and its returns (outcome-only
+/// estimators define them alike).
+fn with_advantages(batch: &RecordBatch, per_token: &[Vec<f64>]) -> Result<RecordBatch, StageError> {
+    let batch = with_column(
+        batch,
+        col::ADVANTAGES,
+        super::columns::float_list_array(per_token),
+    )?;
+    Ok(with_column(
+        &batch,
+        col::RETURNS,
+        super::columns::float_list_array(per_token),
+    )?)
 }
 
 /// ReMax's split of a step's rows: each group's baseline from its greedy
