@@ -525,6 +525,31 @@ for n in range(6):
         dict(advantages=a.tolist()))
 verl_algos.np, verl_algos.torch = _saved
 
+# ---- verl optimal token baseline, single-turn and multi-turn (tool output masked) ------
+for n in range(6):
+    multi = n >= 3
+    B, T = 9, 8
+    m = mask(B, T, gaps=multi)
+    index = [int(i) for i in rng.integers(0, 3, size=B)]
+    if n == 1:
+        index[0] = 7  # a group of one
+    old = (-np.abs(rng.standard_normal((B, T))) * 1.2 - 0.01)
+    # Σπ² lies between the sampled token's π² and 1.
+    pi = np.exp(old)
+    sq = (pi ** 2 + rng.random((B, T)) * (1 - pi ** 2) * 0.5)
+    scores = (rng.integers(0, 2, size=B).astype(float) + rng.standard_normal(B) * 0.1 * (n % 2)).tolist()
+    tlr = np.zeros((B, T))
+    for r in range(B):
+        last = max(i for i in range(T) if m[r][i] > 0)
+        tlr[r, last] = scores[r]
+    fn = (verl_algos.compute_multi_turn_optimal_token_baseline_advantage if multi
+          else verl_algos.compute_optimal_token_baseline_advantage)
+    a, _ = fn(token_level_rewards=t(tlr), response_mask=t(m), index=np.array(index), old_log_probs=t(old),
+              sum_pi_squared=t(sq), handle_zero_tail=True)
+    add(f"verl09_otb_{'multi' if multi else 'single'}_{n}", "otb_09", "verl", f"{verl_src} ({fn.__name__})",
+        dict(rewards=scores, index=index, mask=m, logprobs=old.tolist(), sum_pi_squared=sq.tolist()),
+        dict(advantages=a.tolist()))
+
 doc = dict(
     about="Recorded by scripts/record_upstream_09.py from the PyPI wheels named in `upstream`, torch float64.",
     upstream={"verl": VERL, "openrlhf": OPENRLHF},

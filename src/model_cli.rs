@@ -392,6 +392,7 @@ pub fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
         seed: args.seed,
         eos_token_ids: eos,
         ignore_eos: args.ignore_eos,
+        sum_pi_squared: false,
     };
     let bar = progress(prompts.len(), "generate");
     let (mut prompt_index, mut sample_index, mut tokens, mut logprobs, mut texts, mut reasons) =

@@ -9,7 +9,7 @@ use weir_pipelines::{PipelineKind, RunConfig};
 /// `weir run`.
 #[derive(clap::Args, Debug)]
 pub struct RunArgs {
-    /// The pipeline: ppo, grpo, dr_grpo, rloo, opo, grpo_passk, gpg,
+    /// The pipeline: ppo, grpo, dr_grpo, rloo, opo, grpo_passk, gpg, otb,
     /// reinforce_pp, reinforce_pp_baseline, remax, distill, sft, rm or dpo.
     pub pipeline: Option<String>,
     /// A TOML config (`weir config PIPELINE` prints every key with its default).

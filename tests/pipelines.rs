@@ -139,6 +139,7 @@ fn every_rl_pipeline_runs_logs_and_checkpoints() {
         PipelineKind::Opo,
         PipelineKind::GrpoPassk,
         PipelineKind::Gpg,
+        PipelineKind::Otb,
         PipelineKind::ReinforcePp,
         PipelineKind::ReinforcePpBaseline,
         PipelineKind::Remax,
@@ -325,6 +326,7 @@ struct StepRows {
     rewards: Vec<f64>,
     groups: Vec<u64>,
     behaviour: Vec<Vec<f64>>,
+    sum_pi_squared: Vec<Vec<f64>>,
     reference: Vec<Vec<f64>>,
     values: Vec<Vec<f64>>,
     baselines: Vec<f64>,
@@ -347,7 +349,9 @@ fn step_rows(
             .unwrap()
             .as_primitive::<Float32Type>();
         let optional = |name: &str, on: bool| on.then(|| float_rows(b, name));
-        let behaviour = optional(col::BEHAVIOR_LOGPROBS, token_level);
+        let otb = kind == PipelineKind::Otb;
+        let behaviour = optional(col::BEHAVIOR_LOGPROBS, token_level || otb);
+        let squares = optional(col::SUM_PI_SQUARED, otb);
         let reference = optional(
             col::REF_LOGPROBS,
             token_level && cfg.algorithm.kl_coef > 0.0,
@@ -375,6 +379,7 @@ fn step_rows(
                 }
             };
             take(&behaviour, &mut rows.behaviour);
+            take(&squares, &mut rows.sum_pi_squared);
             take(&reference, &mut rows.reference);
             take(&values, &mut rows.values);
             take(&token_rewards, &mut rows.token_rewards);
@@ -459,6 +464,20 @@ fn check_advantages(kind: PipelineKind, cfg: &RunConfig, batches: &[RecordBatch]
             PipelineKind::Opo => Some(alg::opo(rewards, &lengths, groups)),
             PipelineKind::GrpoPassk => Some(alg::grpo_passk(rewards, groups, true)),
             PipelineKind::Gpg => Some(alg::gpg(rewards, groups)),
+            // Per token: a baseline per position from the sampler's Σ π².
+            PipelineKind::Otb => {
+                let masks: Vec<Vec<f64>> = lengths.iter().map(|&n| vec![1.0; n]).collect();
+                let want = alg::optimal_token_baseline(
+                    rewards,
+                    &rows.behaviour,
+                    &rows.sum_pi_squared,
+                    &masks,
+                    groups,
+                )
+                .unwrap();
+                close("advantage", step, &rows.advantages, &want);
+                continue;
+            }
             PipelineKind::Ppo
             | PipelineKind::ReinforcePp
             | PipelineKind::ReinforcePpBaseline
@@ -1911,6 +1930,95 @@ fn gdpo_normalises_each_term_and_whitens_over_the_whole_step() {
     bad.reward.stop_properly_coef = 0.5;
     let err = run_err(kind, bad, &tmp.path().join("bad2"));
     assert!(err.contains("reward.stop_properly_coef"), "{err}");
+}
+
+/// The optimal token baseline of an `otb` run's log, step by step: the
+/// logged advantages are the estimator's on the logged rewards (an
+/// episode's environment rewards added), behaviour log-probs, `Σ π²` and
+/// generated-token masks; each generated token's `Σ π²` lies in [π², 1]
+/// (its distribution's, which holds at least the sampled token), 0 on an
+/// episode's other tokens. Returns the rows checked.
+fn check_otb(dir: &Path) -> usize {
+    use weir::operators::stages::columns::{env_rewards, generated_masks};
+    let batches = read_parquet_dir(&dir.join("rollouts")).unwrap();
+    type Rows = (Vec<f64>, Vec<u64>, [Vec<Vec<f64>>; 4]);
+    let mut steps: BTreeMap<u64, Rows> = BTreeMap::new();
+    for b in &batches {
+        let behaviour = float_rows(b, col::BEHAVIOR_LOGPROBS);
+        let lengths: Vec<usize> = behaviour.iter().map(Vec::len).collect();
+        let squares = float_rows(b, col::SUM_PI_SQUARED);
+        let masks = generated_masks(b, &lengths, "test").unwrap();
+        let env = env_rewards(b, &lengths, "test").unwrap();
+        let advantages = float_rows(b, col::ADVANTAGES);
+        let rewards = b
+            .column_by_name(col::REWARD)
+            .unwrap()
+            .as_primitive::<Float32Type>();
+        for (i, (step, group)) in u64s(b, col::STEP)
+            .into_iter()
+            .zip(u64s(b, col::GROUP_ID))
+            .enumerate()
+        {
+            for ((lp, sq), m) in behaviour[i].iter().zip(&squares[i]).zip(&masks[i]) {
+                if *m > 0.0 {
+                    let p2 = (2.0 * lp).exp();
+                    assert!(*sq >= p2 - 1e-5 && *sq <= 1.0 + 1e-5, "Σπ² {sq}, π² {p2}");
+                } else {
+                    assert_eq!(*sq, 0.0);
+                }
+            }
+            let turns: f64 = env.as_ref().map_or(0.0, |e| e[i].iter().sum());
+            let rows = steps.entry(step).or_default();
+            rows.0.push(f64::from(rewards.value(i)) + turns);
+            rows.1.push(group);
+            for (to, from) in rows
+                .2
+                .iter_mut()
+                .zip([&behaviour, &squares, &masks, &advantages])
+            {
+                to.push(from[i].clone());
+            }
+        }
+    }
+    let mut checked = 0;
+    for (step, (rewards, groups, [behaviour, squares, masks, logged])) in &steps {
+        let want = weir::operators::algorithms::optimal_token_baseline(
+            rewards, behaviour, squares, masks, groups,
+        )
+        .unwrap();
+        for (row, (w, l)) in want.iter().zip(logged).enumerate() {
+            assert_eq!(w.len(), l.len());
+            for (t, (a, b)) in w.iter().zip(l).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-4 * a.abs().max(1.0),
+                    "step {step} row {row} token {t}: logged {b}, the estimator gives {a}"
+                );
+            }
+        }
+        checked += logged.len();
+    }
+    checked
+}
+
+/// `otb` on libtorch's sampler and with streaming generation at staleness
+/// 1 (rows whose tokens span weights versions): the generator records
+/// each token's `Σ π²` and the logged advantages are the estimator's.
+#[test]
+fn the_optimal_token_baseline_reads_each_samplers_sum_pi_squared() {
+    let tmp = tempfile::tempdir().unwrap();
+    let kind = PipelineKind::Otb;
+    let mut torch = config(kind, 2);
+    torch.generate.backend = weir::pipelines::config::Backend::Torch;
+    let mut streamed = config(kind, 3);
+    streamed.generate.max_inflight = 5;
+    streamed.run.max_staleness = 1;
+    for (name, cfg) in [("torch", torch), ("streamed", streamed)] {
+        let dir = tmp.path().join(name);
+        run(kind, cfg.clone(), &dir, false);
+        let rows = check_otb(&dir);
+        let want = cfg.run.steps as usize * cfg.data.prompts_per_step * cfg.data.samples_per_prompt;
+        assert_eq!(rows, want, "{name}");
+    }
 }
 
 #[test]

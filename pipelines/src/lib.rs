@@ -53,6 +53,9 @@ pub enum PipelineKind {
     GrpoPassk,
     /// GPG: `α (r − mean)` advantages and the plain policy-gradient loss.
     Gpg,
+    /// The optimal token baseline: a baseline per position of a group's
+    /// tokens, weighted by each path's accumulated variance.
+    Otb,
     /// REINFORCE++: KL-shaped token rewards, whitened returns.
     ReinforcePp,
     /// REINFORCE++-baseline: group-mean baseline first.
@@ -80,6 +83,7 @@ impl PipelineKind {
         PipelineKind::Opo,
         PipelineKind::GrpoPassk,
         PipelineKind::Gpg,
+        PipelineKind::Otb,
         PipelineKind::ReinforcePp,
         PipelineKind::ReinforcePpBaseline,
         PipelineKind::Remax,
@@ -99,6 +103,7 @@ impl PipelineKind {
             PipelineKind::Opo => "opo",
             PipelineKind::GrpoPassk => "grpo_passk",
             PipelineKind::Gpg => "gpg",
+            PipelineKind::Otb => "otb",
             PipelineKind::ReinforcePp => "reinforce_pp",
             PipelineKind::ReinforcePpBaseline => "reinforce_pp_baseline",
             PipelineKind::Remax => "remax",
@@ -131,6 +136,7 @@ impl PipelineKind {
                 | PipelineKind::Opo
                 | PipelineKind::GrpoPassk
                 | PipelineKind::Gpg
+                | PipelineKind::Otb
         )
     }
 
@@ -152,6 +158,7 @@ impl PipelineKind {
             | PipelineKind::Opo
             | PipelineKind::GrpoPassk
             | PipelineKind::Gpg
+            | PipelineKind::Otb
             | PipelineKind::ReinforcePp
             | PipelineKind::ReinforcePpBaseline
             | PipelineKind::Remax

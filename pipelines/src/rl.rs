@@ -63,6 +63,18 @@ pub fn gpg(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
     Ok(group(cfg, ctx, PipelineKind::Gpg, GroupEstimator::Gpg))
 }
 
+/// The optimal token baseline (verl 0.9's `optimal_token_baseline`, and its
+/// multi-turn form for episodes): the generator records each token's
+/// `Σ π²` ([`weir_operators::rollout::col::SUM_PI_SQUARED`]).
+pub fn otb(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError> {
+    Ok(group(
+        cfg,
+        ctx,
+        PipelineKind::Otb,
+        GroupEstimator::OptimalTokenBaseline,
+    ))
+}
+
 /// The group estimators' pipeline.
 fn group(
     cfg: &RunConfig,
@@ -71,7 +83,7 @@ fn group(
     estimator: GroupEstimator,
 ) -> Pipeline {
     let flavor = cfg.algorithm.flavor;
-    let pipeline = rollouts(Pipeline::new(kind.name()), cfg, ctx, false, false);
+    let pipeline = rollouts(kind, cfg, ctx);
     let (pipeline, regroup) = statistics_and_filter(pipeline, cfg, ctx);
     // GDPO: the reward terms' weights.
     let gdpo = cfg.algorithm.gdpo.then(|| {
@@ -124,7 +136,7 @@ fn group(
 /// ([`DistillAdvantage`]); β·KL to the reference, if any, in the loss.
 pub fn distill(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError> {
     let flavor = cfg.algorithm.flavor;
-    let pipeline = rollouts(Pipeline::new("distill"), cfg, ctx, false, true);
+    let pipeline = rollouts(PipelineKind::Distill, cfg, ctx);
     let task = match cfg.algorithm.distill_task {
         DistillTask::None => None,
         DistillTask::Grpo => Some(GroupEstimator::Grpo),
@@ -218,7 +230,7 @@ fn reinforce(
     let (kl_coef, adaptive_kl) = roles::in_reward_kl(cfg, ctx);
     let greedy = baseline == ReinforceBaseline::Greedy;
     let group = roles::data_parallel_group(cfg);
-    rollouts(Pipeline::new(kind.name()), cfg, ctx, greedy, false)
+    rollouts(kind, cfg, ctx)
         .stage(
             "advantage",
             TRAIN,
@@ -262,7 +274,7 @@ pub fn ppo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
     let (kl_coef, adaptive_kl) = roles::in_reward_kl(cfg, ctx);
     let packing = cfg.algorithm.packing;
     let group = roles::data_parallel_group(cfg);
-    Ok(rollouts(Pipeline::new("ppo"), cfg, ctx, false, false)
+    Ok(rollouts(PipelineKind::Ppo, cfg, ctx)
         // By group, so that data-parallel ranks each get a share of every step.
         .stage(
             "critic",
@@ -309,16 +321,12 @@ pub fn ppo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
         .sink("log", TRAIN, Partition::Local, roles::rollout_log(cfg, ctx)))
 }
 
-/// Prompts (with ReMax's greedy row per prompt when `greedy`), generation
-/// and reward on the rollout workers, then the reference log-probs on the
-/// train workers when the KL term is on.
-fn rollouts(
-    pipeline: Pipeline,
-    cfg: &RunConfig,
-    ctx: &RunContext,
-    greedy: bool,
-    teacher: bool,
-) -> Pipeline {
+/// `kind`'s prompts (with ReMax's greedy row per prompt), generation and
+/// reward on the rollout workers, then the reference's (and distillation's
+/// teacher's) log-probs where they are placed.
+fn rollouts(kind: PipelineKind, cfg: &RunConfig, ctx: &RunContext) -> Pipeline {
+    let (greedy, teacher) = (kind == PipelineKind::Remax, kind == PipelineKind::Distill);
+    let pipeline = Pipeline::new(kind.name());
     let prompts = crate::prompts::prompts(cfg, ctx, cfg.data.samples_per_prompt);
     let pipeline = pipeline
         .source(ROLLOUT, move |w| {
@@ -333,7 +341,7 @@ fn rollouts(
             "generate",
             ROLLOUT,
             Partition::Local,
-            replaying(roles::actor(cfg, ctx), ctx),
+            replaying(roles::actor(cfg, ctx, kind == PipelineKind::Otb), ctx),
         )
         .offload(2)
         .stage(

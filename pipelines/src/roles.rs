@@ -67,16 +67,21 @@ pub fn in_reward_kl(
 }
 
 /// The actor's generator, starting from the run's actor checkpoint; with
-/// `eval.every`, one that evaluates the policy it holds every so many steps.
+/// `eval.every`, one that evaluates the policy it holds every so many
+/// steps; recording each token's `Σ π²` when `sum_pi_squared`.
 pub fn actor(
     cfg: &RunConfig,
     ctx: &RunContext,
+    sum_pi_squared: bool,
 ) -> impl Fn(&WorkerInfo) -> Result<Box<dyn Stage>, StageError> + Send + Sync + 'static {
     let (cfg, actor, version) = (cfg.clone(), ctx.actor.clone(), ctx.version);
     move |w| -> Result<Box<dyn Stage>, StageError> {
         let model = load_policy(&cfg, &actor, w)?;
         let tok = Tokenizer::load(Path::new(&cfg.model.path))?;
-        let params = cfg.generate.sampling(&tok, cfg.run.seed);
+        let params = SamplingParams {
+            sum_pi_squared,
+            ..cfg.generate.sampling(&tok, cfg.run.seed)
+        };
         if cfg.agent.enabled() {
             let stage = episodes(&cfg, model, tok, params)?;
             if cfg.generate.max_inflight > 0 {

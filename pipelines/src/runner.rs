@@ -305,6 +305,7 @@ fn train(req: &RunRequest, segment: &mut Segment) -> Result<RunReport, PipelineE
         PipelineKind::DrGrpo => rl::dr_grpo(cfg, ctx)?,
         PipelineKind::Rloo => rl::rloo(cfg, ctx)?,
         PipelineKind::Opo => rl::opo(cfg, ctx)?,
+        PipelineKind::Otb => rl::otb(cfg, ctx)?,
         PipelineKind::GrpoPassk => rl::grpo_passk(cfg, ctx)?,
         PipelineKind::Gpg => rl::gpg(cfg, ctx)?,
         PipelineKind::ReinforcePp => rl::reinforce_pp(cfg, ctx)?,

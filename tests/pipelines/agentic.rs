@@ -179,6 +179,32 @@ fn an_openrlhf_agent_file_drives_episodes_in_grpo_ppo_and_reinforce_pp() {
     }
 }
 
+/// The optimal token baseline over episodes (verl's multi-turn form): its
+/// positions count the model's own tokens only, the observations between
+/// turns skipped.
+#[test]
+fn the_optimal_token_baseline_counts_only_the_models_tokens_of_an_episode() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("agent_func.py");
+    std::fs::write(&file, TWO_TURNS).unwrap();
+    let kind = PipelineKind::Otb;
+    let mut cfg = config(kind, 2);
+    cfg.agent.environment = Some(file.display().to_string());
+    cfg.agent.max_turns = 3;
+    cfg.generate.max_new_tokens = 24;
+    cfg.reward.kind = RewardKind::None;
+    let dir = tmp.path().join("otb");
+    run(kind, cfg, &dir, false);
+    let batches = read_parquet_dir(&dir.join("rollouts")).unwrap();
+    let tokenizer = weir::gpu::Tokenizer::load(&fixture("arith-sft")).unwrap();
+    let feedback = tokenizer.encode("\nAgain:", false).unwrap();
+    assert!(
+        check_episode_rows(&batches, &feedback) > 0,
+        "no episode got past its first turn"
+    );
+    assert!(super::check_otb(&dir) > 0);
+}
+
 #[test]
 fn the_calculator_tool_runs_in_grpo_and_its_schema_reaches_the_prompt() {
     let tmp = tempfile::tempdir().unwrap();

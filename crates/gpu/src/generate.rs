@@ -163,8 +163,9 @@ fn generate_torch(
         let uniforms: Vec<f32> = active.iter().map(|&r| streams[r].next_f32()).collect();
         let picks = slots.pick(&both, &vec![false; active.len()], &uniforms)?;
         let (mut steps, mut ended) = (Vec::new(), Vec::new());
-        for (&r, &(token, logprob)) in active.iter().zip(&picks) {
-            if out[r].record(token, logprob, params) {
+        for (&r, &pick) in active.iter().zip(&picks) {
+            if out[r].record(pick, params) {
+                let token = pick.token;
                 let position = prompts[rows[r].0].len() + out[r].tokens.len() - 1;
                 steps.push((r, token, position));
             } else {

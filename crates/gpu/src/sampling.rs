@@ -28,6 +28,10 @@ pub struct SamplingParams {
     pub eos_token_ids: Vec<i64>,
     /// Generate exactly `max_new_tokens`, never stopping at an eos id.
     pub ignore_eos: bool,
+    /// Record each token's `Σ_v π(v)²` of the distribution it was drawn
+    /// from ([`Generation::sum_pi_squared`]; the optimal token baseline's
+    /// path variance needs it).
+    pub sum_pi_squared: bool,
 }
 
 impl Default for SamplingParams {
@@ -42,6 +46,7 @@ impl Default for SamplingParams {
             seed: 0,
             eos_token_ids: Vec::new(),
             ignore_eos: false,
+            sum_pi_squared: false,
         }
     }
 }
@@ -115,6 +120,9 @@ pub struct Generation {
     pub tokens: Vec<i64>,
     /// log-prob of each new token under the distribution it was drawn from.
     pub logprobs: Vec<f32>,
+    /// `Σ_v π(v)²` of the distribution each new token was drawn from (only
+    /// with [`SamplingParams::sum_pi_squared`]; empty otherwise).
+    pub sum_pi_squared: Vec<f32>,
     /// Why it ended.
     pub finish_reason: FinishReason,
 }
@@ -133,21 +141,38 @@ impl Generation {
             sample,
             tokens: Vec::new(),
             logprobs: Vec::new(),
+            sum_pi_squared: Vec::new(),
             finish_reason: FinishReason::Length,
         }
     }
 
     /// Appends a token; false when the sequence has ended (an eos id, or
     /// `max_new_tokens` reached).
-    pub(crate) fn record(&mut self, token: i64, logprob: f32, params: &SamplingParams) -> bool {
+    pub(crate) fn record(&mut self, pick: Pick, params: &SamplingParams) -> bool {
+        let token = pick.token;
         self.tokens.push(token);
-        self.logprobs.push(logprob);
+        self.logprobs.push(pick.logprob);
+        if params.sum_pi_squared {
+            self.sum_pi_squared.push(pick.sum_pi_squared);
+        }
         if !params.ignore_eos && params.eos_token_ids.contains(&token) {
             self.finish_reason = FinishReason::Stop;
             return false;
         }
         self.tokens.len() < params.max_new_tokens
     }
+}
+
+/// One picked token.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Pick {
+    /// The token id.
+    pub token: i64,
+    /// Its log-prob under the distribution it was drawn from.
+    pub logprob: f32,
+    /// `Σ_v π(v)²` of that distribution (with
+    /// [`SamplingParams::sum_pi_squared`]; 0 otherwise).
+    pub sum_pi_squared: f32,
 }
 
 /// Which implementation runs a generation (config spelling,
@@ -163,22 +188,30 @@ pub enum Backend {
     Torch,
 }
 
-/// Picks one token per row of `logits` `[B, V]`; returns the tokens and
-/// their log-probs under the distribution they were drawn from.
-pub(crate) fn pick(logits: &Tensor, params: &SamplingParams, uniforms: &[f32]) -> (Tensor, Tensor) {
+/// Picks one token per row of `logits` `[B, V]`; returns the tokens, their
+/// log-probs under the distribution they were drawn from and, with
+/// `params.sum_pi_squared`, that distribution's `Σ_v π(v)²`.
+pub(crate) fn pick(
+    logits: &Tensor,
+    params: &SamplingParams,
+    uniforms: &[f32],
+) -> (Tensor, Tensor, Option<Tensor>) {
     let logits = logits.to_kind(if logits.kind() == Kind::Double {
         Kind::Double
     } else {
         Kind::Float
     });
     let kind = logits.kind();
+    let squares = |logp: &Tensor| {
+        params
+            .sum_pi_squared
+            .then(|| (logp * 2.0).exp().sum_dim_intlist(-1, false, kind))
+    };
     if params.greedy {
         let tokens = logits.argmax(-1, false);
-        let logp = logits
-            .log_softmax(-1, kind)
-            .gather(-1, &tokens.unsqueeze(-1), false)
-            .squeeze_dim(-1);
-        return (tokens, logp);
+        let all = logits.log_softmax(-1, kind);
+        let logp = all.gather(-1, &tokens.unsqueeze(-1), false).squeeze_dim(-1);
+        return (tokens, logp, squares(&all));
     }
     let mut scaled = logits / params.temperature;
     let vocab = scaled.size()[1];
@@ -213,7 +246,7 @@ pub(crate) fn pick(logits: &Tensor, params: &SamplingParams, uniforms: &[f32]) -
     let chosen = logp
         .gather(-1, &tokens.unsqueeze(-1), false)
         .squeeze_dim(-1);
-    (tokens, chosen)
+    (tokens, chosen, squares(&logp))
 }
 
 /// A small, seedable random stream (splitmix64 → xorshift64*).

@@ -6,7 +6,7 @@ use tch::{Kind, Tensor};
 
 use crate::error::ModelError;
 use crate::model::Model;
-use crate::sampling::{pick, SamplingParams};
+use crate::sampling::{pick, Pick, SamplingParams};
 
 /// A decoder backend: cache slots, forward passes over them, and the pick
 /// of the next tokens. The [`Streamer`](crate::stream::Streamer) and batch
@@ -40,7 +40,7 @@ pub(crate) trait Slots {
         params: &[SamplingParams; 2],
         greedy: &[bool],
         uniforms: &[f32],
-    ) -> Result<Vec<(i64, f32)>, ModelError>;
+    ) -> Result<Vec<Pick>, ModelError>;
 
     /// The sequences of `slots` ended.
     fn free(&mut self, slots: &[usize]) -> Result<(), ModelError>;
@@ -182,10 +182,10 @@ impl Slots for TorchSlots {
         params: &[SamplingParams; 2],
         greedy: &[bool],
         uniforms: &[f32],
-    ) -> Result<Vec<(i64, f32)>, ModelError> {
+    ) -> Result<Vec<Pick>, ModelError> {
         let _guard = tch::no_grad_guard();
         let logits = self.logits.take().expect("forward ran before pick");
-        let mut out = vec![(0i64, 0f32); greedy.len()];
+        let mut out = vec![Pick::default(); greedy.len()];
         for (want, params) in [false, true].into_iter().zip(params) {
             let idx: Vec<i64> = (0..greedy.len() as i64)
                 .filter(|&i| greedy[i as usize] == want)
@@ -195,13 +195,23 @@ impl Slots for TorchSlots {
             }
             let rows = Tensor::from_slice(&idx).to_device(logits.device());
             let u: Vec<f32> = idx.iter().map(|&i| uniforms[i as usize]).collect();
-            let (tokens, logprobs) = pick(&logits.index_select(0, &rows), params, &u);
-            let tokens =
-                Vec::<i64>::try_from(&tokens).map_err(|e| ModelError::Torch(e.to_string()))?;
-            let logprobs = Vec::<f32>::try_from(&logprobs.to_kind(Kind::Float))
-                .map_err(|e| ModelError::Torch(e.to_string()))?;
-            for ((&i, t), l) in idx.iter().zip(tokens).zip(logprobs) {
-                out[i as usize] = (t, l);
+            let (tokens, logprobs, squares) = pick(&logits.index_select(0, &rows), params, &u);
+            let torch = |e: tch::TchError| ModelError::Torch(e.to_string());
+            let tokens = Vec::<i64>::try_from(&tokens).map_err(torch)?;
+            let floats = |t: &Tensor| Vec::<f32>::try_from(&t.to_kind(Kind::Float)).map_err(torch);
+            let logprobs = floats(&logprobs)?;
+            let squares = match &squares {
+                Some(s) => floats(s)?,
+                None => vec![0.0; tokens.len()],
+            };
+            for (((&i, token), logprob), sum_pi_squared) in
+                idx.iter().zip(tokens).zip(logprobs).zip(squares)
+            {
+                out[i as usize] = Pick {
+                    token,
+                    logprob,
+                    sum_pi_squared,
+                };
             }
         }
         Ok(out)

@@ -389,7 +389,7 @@ impl Streamer {
         self.stats.tokens += picks.len() as u64;
 
         let mut ended = vec![false; self.live.len()];
-        for (&i, &(token, logprob)) in order.iter().zip(&picks) {
+        for (&i, &pick) in order.iter().zip(&picks) {
             let s = &mut self.live[i];
             let params = &self.params[usize::from(s.request.greedy)];
             s.cached = true;
@@ -398,7 +398,7 @@ impl Streamer {
             }
             s.versions.push(self.version);
             s.recomputed.push(s.context_recomputed);
-            let more = s.generation.record(token, logprob, params);
+            let more = s.generation.record(pick, params);
             ended[i] = !more || s.generation.tokens.len() >= s.request.limit(params);
         }
         let (done, live): (Vec<_>, Vec<_>) = std::mem::take(&mut self.live)

@@ -41,6 +41,10 @@ pub mod col {
     /// `token_versions` (the engine stamps the generator's version on rows
     /// that lack it); staleness is measured on it.
     pub const POLICY_VERSION: &str = weir_graph::columns::POLICY_VERSION;
+    /// Each generated token's `Σ_v π(v)²` under the distribution it was
+    /// sampled from (list<f32>, aligned with the response tokens, 0 on an
+    /// episode's other tokens; the `otb` pipeline's path variance).
+    pub const SUM_PI_SQUARED: &str = "sum_pi_squared";
     /// `stop` or `length` (utf8).
     pub const FINISH_REASON: &str = "finish_reason";
     /// The response's scalar reward (f32).
@@ -234,6 +238,13 @@ pub fn columns() -> Vec<(&'static str, DataType, bool, Phase, bool)> {
             true,
         ),
         (col::ENV_REWARDS, per_token(), true, Phase::Generate, true),
+        (
+            col::SUM_PI_SQUARED,
+            per_token(),
+            true,
+            Phase::Generate,
+            true,
+        ),
         (col::SOURCE, Utf8, true, Phase::Generate, false),
         (col::LOGGED_STEP, UInt64, true, Phase::Generate, false),
         (

@@ -796,6 +796,25 @@ fn gdpo_case(c: &mut Check, name: &str, i: &Value, e: &Value) {
     c.matrix(name, "advantages", &got, &matrix(&e["advantages"]));
 }
 
+/// verl 0.9's optimal token baseline (single- and multi-turn).
+fn otb_case(c: &mut Check, name: &str, i: &Value, e: &Value) {
+    let groups: Vec<u64> = i["index"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| g.as_u64().unwrap())
+        .collect();
+    let got = weir_operators::algorithms::optimal_token_baseline(
+        &vector(&i["rewards"]),
+        &matrix(&i["logprobs"]),
+        &matrix(&i["sum_pi_squared"]),
+        &matrix(&i["mask"]),
+        &groups,
+    )
+    .unwrap();
+    c.matrix(name, "advantages", &got, &matrix(&e["advantages"]));
+}
+
 fn kl_unbiased_case(c: &mut Check, name: &str, i: &Value, e: &Value) {
     let x = tensor(&matrix(&i["logprobs"])).set_requires_grad(true);
     let reference = tensor(&matrix(&i["ref_logprobs"]));
@@ -860,6 +879,7 @@ fn weir_matches_verl_0_9_and_openrlhf_0_11_releases() {
             "advantages_openrlhf" => advantages_openrlhf_case(&mut check, name, i, e),
             "stop_properly" => stop_properly_case(&mut check, name, i, e),
             "gdpo_09" => gdpo_case(&mut check, name, i, e),
+            "otb_09" => otb_case(&mut check, name, i, e),
             other => panic!("{name}: unknown kind {other}"),
         }
         *kinds

@@ -845,7 +845,8 @@ impl RunConfig {
             | PipelineKind::Grpo
             | PipelineKind::Rloo
             | PipelineKind::Opo
-            | PipelineKind::GrpoPassk => {}
+            | PipelineKind::GrpoPassk
+            | PipelineKind::Otb => {}
         }
         c
     }

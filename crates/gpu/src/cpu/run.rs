@@ -14,7 +14,7 @@ use super::sample::Picker;
 use super::state::{Cache, RopeTables, Row, Scratch};
 use crate::error::ModelError;
 use crate::model::Model;
-use crate::sampling::{Generation, SamplingParams, Stream};
+use crate::sampling::{Generation, Pick, SamplingParams, Stream};
 use crate::slots::Slots;
 
 /// Prompt tokens run through the model at once during prefill.
@@ -201,10 +201,9 @@ pub fn generate(
         let p = r / n;
         row_logits.clear();
         row_logits.extend_from_slice(&first[r * vocab..(r + 1) * vocab]);
-        let (token, logprob) =
-            unsafe { picker.pick(&mut row_logits, params, streams[r].next_f32()) };
-        if generation.record(token, logprob, params) {
-            live.push((r, token, prompts[p].len()));
+        let pick = unsafe { picker.pick(&mut row_logits, params, streams[r].next_f32()) };
+        if generation.record(pick, params) {
+            live.push((r, pick.token, prompts[p].len()));
         }
     }
     let (mut ids, mut rows, mut all) = (Vec::new(), Vec::new(), Vec::new());
@@ -223,10 +222,9 @@ pub fn generate(
             let (r, _, pos) = live[i];
             row_logits.clear();
             row_logits.extend_from_slice(&logits[i * vocab..(i + 1) * vocab]);
-            let (token, logprob) =
-                unsafe { picker.pick(&mut row_logits, params, streams[r].next_f32()) };
-            if out[r].record(token, logprob, params) {
-                live[kept] = (r, token, pos + 1);
+            let pick = unsafe { picker.pick(&mut row_logits, params, streams[r].next_f32()) };
+            if out[r].record(pick, params) {
+                live[kept] = (r, pick.token, pos + 1);
                 kept += 1;
             }
         }
@@ -395,7 +393,7 @@ impl Slots for CpuSlots {
         params: &[SamplingParams; 2],
         greedy: &[bool],
         uniforms: &[f32],
-    ) -> Result<Vec<(i64, f32)>, ModelError> {
+    ) -> Result<Vec<Pick>, ModelError> {
         let vocab = self.logits.len() / greedy.len().max(1);
         Ok(self
             .logits

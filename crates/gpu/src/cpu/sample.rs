@@ -3,7 +3,7 @@
 //! then an inverse-CDF draw with the sequence's own uniform number.
 
 use super::math;
-use crate::sampling::SamplingParams;
+use crate::sampling::{Pick, SamplingParams};
 
 /// Reusable buffers for [`pick`].
 #[derive(Debug, Default)]
@@ -14,16 +14,12 @@ pub struct Picker {
 
 impl Picker {
     /// Picks a token from `logits` (overwritten) with uniform `u` in [0, 1);
-    /// returns it and its log-prob under the distribution it was drawn from.
+    /// returns it and its log-prob under the distribution it was drawn from
+    /// (and, with `params.sum_pi_squared`, that distribution's `Σ π²`).
     ///
     /// # Safety
     /// The CPU must support AVX2 and FMA.
-    pub unsafe fn pick(
-        &mut self,
-        logits: &mut [f32],
-        params: &SamplingParams,
-        u: f32,
-    ) -> (i64, f32) {
+    pub unsafe fn pick(&mut self, logits: &mut [f32], params: &SamplingParams, u: f32) -> Pick {
         let vocab = logits.len();
         if params.greedy {
             // The first of the largest, as argmax does.
@@ -34,7 +30,11 @@ impl Picker {
                 }
             }
             let logp = logits[best] - self.log_sum_exp(logits);
-            return (best as i64, logp);
+            return Pick {
+                token: best as i64,
+                logprob: logp,
+                sum_pi_squared: self.sum_squares(params),
+            };
         }
         let temperature = params.temperature as f32;
         for v in logits.iter_mut() {
@@ -92,7 +92,25 @@ impl Picker {
                 break;
             }
         }
-        (token as i64, logits[token] - lse)
+        Pick {
+            token: token as i64,
+            logprob: logits[token] - lse,
+            sum_pi_squared: self.sum_squares(params),
+        }
+    }
+
+    /// `Σ π²` of the distribution whose shifted exponentials
+    /// [`Picker::log_sum_exp`] left in `self.probs` (0 unless asked for).
+    fn sum_squares(&self, params: &SamplingParams) -> f32 {
+        if !params.sum_pi_squared {
+            return 0.0;
+        }
+        let (mut total, mut squares) = (0.0f64, 0.0f64);
+        for &e in &self.probs {
+            total += e as f64;
+            squares += e as f64 * e as f64;
+        }
+        (squares / (total * total)) as f32
     }
 
     /// `exp(x − shift)` of every logit into `self.probs` (−∞ gives 0).
@@ -132,6 +150,51 @@ impl Picker {
 mod tests {
     use super::*;
 
+    /// `Σ π²` is that of the distribution a token is drawn from (after the
+    /// temperature and the truncations; greedy: the plain softmax), on the
+    /// libtorch path and the CPU kernels' picker alike.
+    #[test]
+    fn sum_pi_squared_is_that_of_the_sampled_distribution() {
+        let logits = [1.5f32, 0.2, -0.7, 2.0, 0.0];
+        let by_hand = |t: f64, keep: usize| {
+            let mut x: Vec<f64> = logits.iter().map(|&l| f64::from(l) / t).collect();
+            x.sort_by(|a, b| b.total_cmp(a));
+            x.truncate(keep);
+            let z: f64 = x.iter().map(|v| v.exp()).sum();
+            x.iter().map(|v| (v.exp() / z).powi(2)).sum::<f64>()
+        };
+        let cases = [
+            (false, 0.7, None, by_hand(0.7, 5)),
+            (false, 1.3, Some(3), by_hand(1.3, 3)),
+            (true, 1.0, None, by_hand(1.0, 5)),
+        ];
+        for (greedy, temperature, top_k, want) in cases {
+            let params = SamplingParams {
+                greedy,
+                temperature,
+                top_k,
+                sum_pi_squared: true,
+                ..Default::default()
+            };
+            let rows = tch::Tensor::from_slice(&logits).view([1, -1]);
+            let (_, _, squares) = crate::sampling::pick(&rows, &params, &[0.3]);
+            let got = Vec::<f32>::try_from(squares.unwrap()).unwrap()[0];
+            assert!(
+                (f64::from(got) - want).abs() < 1e-6,
+                "libtorch {got} vs {want}"
+            );
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                let mut row = logits.to_vec();
+                // SAFETY: AVX2 and FMA were just detected.
+                let pick = unsafe { Picker::default().pick(&mut row, &params, 0.3) };
+                let got = f64::from(pick.sum_pi_squared);
+                assert!((got - want).abs() < 1e-6, "cpu {got} vs {want}");
+            }
+        }
+    }
+
     /// Top-p keeps the smallest set of tokens whose mass reaches p (HF's
     /// and vLLM's rule), a tie at the boundary included, on the CPU
     /// kernels' picker and on the libtorch path alike.
@@ -154,7 +217,7 @@ mod tests {
             let rows = tch::Tensor::from_slice(&logits)
                 .view([1, -1])
                 .repeat([uniforms.len() as i64, 1]);
-            let (tokens, logps) = crate::sampling::pick(&rows, &params, &uniforms);
+            let (tokens, logps, _) = crate::sampling::pick(&rows, &params, &uniforms);
             let tokens = Vec::<i64>::try_from(tokens).unwrap();
             let logps = Vec::<f32>::try_from(logps).unwrap();
             let drawn: std::collections::BTreeSet<i64> = tokens.iter().copied().collect();
@@ -172,7 +235,11 @@ mod tests {
                 for &u in &uniforms {
                     let mut row = logits.clone();
                     // SAFETY: AVX2 and FMA were just detected.
-                    let (token, logp) = unsafe { picker.pick(&mut row, &params, u) };
+                    let Pick {
+                        token,
+                        logprob: logp,
+                        ..
+                    } = unsafe { picker.pick(&mut row, &params, u) };
                     drawn.insert(token);
                     if token == 0 {
                         assert!((f64::from(logp) - first).abs() < 1e-6, "cpu, p {p}");

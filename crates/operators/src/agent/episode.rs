@@ -100,6 +100,9 @@ pub struct Sampled {
     pub tokens: Vec<i64>,
     /// Each token's log-prob under the distribution it was sampled from.
     pub logprobs: Vec<f32>,
+    /// Each token's `Σ π²` of that distribution (empty unless the sampling
+    /// parameters ask for it).
+    pub sum_pi_squared: Vec<f32>,
     /// Whether the turn ended on an end-of-turn token (else: its budget).
     pub stopped: bool,
 }
@@ -166,6 +169,7 @@ impl TurnPolicy for ModelPolicy<'_> {
             stopped: generation.finish_reason == weir_gpu::generate::FinishReason::Stop,
             tokens: generation.tokens,
             logprobs: generation.logprobs,
+            sum_pi_squared: generation.sum_pi_squared,
         })
     }
 }
@@ -198,6 +202,9 @@ pub struct Episode {
     pub turns: Vec<u32>,
     /// Each generated token's log-prob; `None` on the others.
     pub logprobs: Vec<Option<f32>>,
+    /// Each generated token's `Σ π²` where the sampler recorded it; 0 on
+    /// the others.
+    pub sum_pi_squared: Vec<f32>,
     /// Every tool call, in order.
     pub calls: Vec<CallRecord>,
     /// Turns the model took.
@@ -219,6 +226,7 @@ impl Episode {
             kinds: Vec::new(),
             turns: Vec::new(),
             logprobs: Vec::new(),
+            sum_pi_squared: Vec::new(),
             calls: Vec::new(),
             turns_taken: 0,
             turn_rewards: Vec::new(),
@@ -233,18 +241,22 @@ impl Episode {
         tokens: &[i64],
         kind: TokenKind,
         turn: usize,
-        logprobs: Option<&[f32]>,
+        sampled: Option<(&[f32], &[f32])>,
     ) {
         self.tokens.extend_from_slice(tokens);
         self.kinds.extend(std::iter::repeat_n(kind, tokens.len()));
         self.turns
             .extend(std::iter::repeat_n(turn as u32, tokens.len()));
+        let (logprobs, squares) = sampled.unzip();
         match logprobs {
             Some(lp) => self.logprobs.extend(lp.iter().map(|&x| Some(x))),
             None => self
                 .logprobs
                 .extend(std::iter::repeat_n(None, tokens.len())),
         }
+        let squares = squares.unwrap_or_default();
+        self.sum_pi_squared
+            .extend((0..tokens.len()).map(|i| squares.get(i).copied().unwrap_or(0.0)));
     }
 
     /// The positions of each turn's generated tokens, turn by turn.

@@ -27,6 +27,7 @@ impl TurnPolicy for Script {
         Ok(Sampled {
             tokens,
             logprobs,
+            sum_pi_squared: Vec::new(),
             stopped,
         })
     }
@@ -175,6 +176,7 @@ impl TurnPolicy for Forced<'_> {
         match self.first.take() {
             Some(tokens) => Ok(Sampled {
                 logprobs: vec![0.0; tokens.len()],
+                sum_pi_squared: Vec::new(),
                 tokens,
                 stopped: true,
             }),

@@ -343,6 +343,7 @@ impl EpisodePool {
                     stopped: f.generation.finish_reason == FinishReason::Stop,
                     tokens: f.generation.tokens,
                     logprobs: f.generation.logprobs,
+                    sum_pi_squared: f.generation.sum_pi_squared,
                 };
                 let entry = self
                     .entries

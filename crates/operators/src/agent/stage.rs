@@ -297,6 +297,12 @@ impl EpisodeGenerate {
                 texts,
                 tokens: episodes.iter().map(|e| e.tokens.clone()).collect(),
                 logprobs: nullable_logprobs(episodes),
+                sum_pi_squared: self.params.sum_pi_squared.then(|| {
+                    episodes
+                        .iter()
+                        .map(|e| e.sum_pi_squared.iter().map(|x| f64::from(*x)).collect())
+                        .collect()
+                }),
                 versions,
                 reasons: episodes.iter().map(|e| e.finish.name()).collect(),
                 seconds,

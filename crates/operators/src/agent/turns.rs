@@ -210,7 +210,10 @@ impl EpisodeRunner<'_> {
             &sampled.tokens[..n],
             TokenKind::Generated,
             turn,
-            Some(&sampled.logprobs[..n]),
+            Some((
+                &sampled.logprobs[..n],
+                &sampled.sum_pi_squared[..n.min(sampled.sum_pi_squared.len())],
+            )),
         );
         state.context.extend_from_slice(&sampled.tokens[..n]);
         state.episode.turns_taken = turn + 1;

@@ -297,6 +297,86 @@ pub fn gdpo_over<E: From<GroupError>>(
         .collect())
 }
 
+/// The optimal token baseline (verl 0.9 `compute_optimal_token_baseline_advantage`
+/// and, for episodes whose responses hold tool output,
+/// `compute_multi_turn_optimal_token_baseline_advantage`): a baseline per
+/// position `k` of a group's generated tokens, weighted by each path's
+/// accumulated variance,
+/// `b_k = Σ_i G_i W_{i,k} / (Σ_i W_{i,k} + 1e-8)`, `W_{i,k} = Σ_{j ≤ k} (1 − 2π_{i,j} + Σ_v π_{i,j}(v)²)`,
+/// where `k` counts only the model's own tokens (`masks`), `π_{i,j}` is the
+/// sampled token's probability and `Σ π²` that of its whole distribution
+/// (both the sampler's), and `G_i` the response's reward (the outcome
+/// reward is every position's reward-to-go). `A_{i,k} = G_i − b_k`. A group
+/// of one has baseline 0; so do the positions of a group's single longest
+/// response past its second longest (verl's `handle_zero_tail`). Returns
+/// per-token advantages on `masks`' positions, 0 on the others.
+pub fn optimal_token_baseline(
+    rewards: &[f64],
+    logprobs: &Tokens,
+    sum_pi_squared: &Tokens,
+    masks: &Tokens,
+    groups: &[u64],
+) -> Result<Vec<Vec<f64>>, GroupError> {
+    // Each row's generated positions and their accumulated path variance.
+    let mut positions: Vec<Vec<usize>> = Vec::with_capacity(rewards.len());
+    let mut variance: Vec<Vec<f64>> = Vec::with_capacity(rewards.len());
+    for ((lp, sq), m) in logprobs.iter().zip(sum_pi_squared).zip(masks) {
+        let kept: Vec<usize> = (0..m.len()).filter(|&t| m[t] > 0.0).collect();
+        let mut total = 0.0;
+        let w = kept
+            .iter()
+            .map(|&t| {
+                total += 1.0 - 2.0 * lp[t].exp() + sq[t];
+                total
+            })
+            .collect();
+        positions.push(kept);
+        variance.push(w);
+    }
+    let mut advantages: Vec<Vec<f64>> = masks.iter().map(|m| vec![0.0; m.len()]).collect();
+    for (_, rows) in members(rewards, groups)? {
+        let rows: Vec<usize> = rows
+            .into_iter()
+            .filter(|&i| !positions[i].is_empty())
+            .collect();
+        let longest = rows.iter().map(|&i| positions[i].len()).max().unwrap_or(0);
+        let mut baseline = vec![0.0; longest];
+        if rows.len() > 1 {
+            let (mut weighted, mut weights) = (vec![0.0; longest], vec![0.0; longest]);
+            for &i in &rows {
+                for (k, w) in variance[i].iter().enumerate() {
+                    weighted[k] += rewards[i] * w;
+                    weights[k] += w;
+                }
+            }
+            for k in 0..longest {
+                baseline[k] = weighted[k] / (weights[k] + 1e-8);
+            }
+        }
+        // The single longest response's tail past the second longest: no baseline.
+        let mut lengths: Vec<usize> = rows.iter().map(|&i| positions[i].len()).collect();
+        lengths.sort_unstable();
+        let tail = match lengths[..] {
+            [.., second, first] if first > second => rows
+                .iter()
+                .copied()
+                .find(|&i| positions[i].len() == first)
+                .map(|i| (i, second)),
+            _ => None,
+        };
+        for &i in &rows {
+            for (k, &t) in positions[i].iter().enumerate() {
+                let b = match tail {
+                    Some((row, from)) if row == i && k >= from => 0.0,
+                    _ => baseline[k],
+                };
+                advantages[i][t] = rewards[i] - b;
+            }
+        }
+    }
+    Ok(advantages)
+}
+
 /// OPO's optimal baseline (arXiv 2505.23585; verl
 /// `compute_opo_outcome_advantage`): each score minus its group's
 /// length-weighted mean score, `s_i − Σ_g |y_j| s_j / Σ_g |y_j|`, with

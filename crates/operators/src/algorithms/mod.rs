@@ -20,8 +20,8 @@ pub mod stats;
 
 pub use advantages::{
     discounted_returns, gae, gdpo, gdpo_combined, gpg, gpg_alpha, gpg_counts, gpg_with_alpha,
-    greedy_baselines, grpo, grpo_passk, opo, remax, rloo, whiten_advantages,
-    whiten_advantages_over, GroupError,
+    greedy_baselines, grpo, grpo_passk, opo, optimal_token_baseline, remax, rloo,
+    whiten_advantages, whiten_advantages_over, GroupError,
 };
 pub use corrections::GateDivergence;
 pub use kl::{kl, kl_tensor, kl_tokens, kl_unbiased_gradient, token_rewards, KlEstimator};

@@ -30,6 +30,11 @@ pub enum GroupEstimator {
     /// GPG: `α (r − mean)` ([`crate::algorithms::gpg`]; α counts the
     /// stage's rows, the step's when it trains on one worker).
     Gpg,
+    /// A baseline per position of the group's generated tokens, weighted
+    /// by each path's accumulated variance
+    /// ([`crate::algorithms::optimal_token_baseline`]); reads the
+    /// generator's `sum_pi_squared`.
+    OptimalTokenBaseline,
 }
 
 /// Computes `advantages` (the group-relative advantage on every response
@@ -133,6 +138,24 @@ impl StepStage for GroupAdvantage {
             let per_token = self.gdpo_advantages(ctx, &batch, weights, &lengths, env)?;
             return Ok(vec![with_advantages(&batch, &per_token)?]);
         }
+        if self.estimator == GroupEstimator::OptimalTokenBaseline {
+            let stage = ctx.stage();
+            if batch.column_by_name(col::SUM_PI_SQUARED).is_none() {
+                return Err(format!(
+                    "stage `{stage}`: the optimal token baseline needs the generator's `{}` column",
+                    col::SUM_PI_SQUARED
+                )
+                .into());
+            }
+            let squares = float_lists(&batch, col::SUM_PI_SQUARED, stage)?;
+            // An episode's observation tokens hold null log-probs, off the mask.
+            let logprobs = float_lists(&batch, col::BEHAVIOR_LOGPROBS, stage)?;
+            let masks = super::columns::generated_masks(&batch, &lengths, stage)?;
+            let per_token = crate::algorithms::optimal_token_baseline(
+                &rewards, &logprobs, &squares, &masks, &groups,
+            )?;
+            return Ok(vec![with_advantages(&batch, &per_token)?]);
+        }
         let per_response = match self.estimator {
             GroupEstimator::Grpo => grpo(&rewards, &groups, true, self.flavor)?,
             GroupEstimator::DrGrpo => grpo(&rewards, &groups, false, self.flavor)?,
@@ -147,6 +170,7 @@ impl StepStage for GroupAdvantage {
                 let alpha = self.gpg_alpha(&rewards)?;
                 crate::algorithms::gpg_with_alpha(&rewards, &groups, alpha)?
             }
+            GroupEstimator::OptimalTokenBaseline => unreachable!("per token, above"),
         };
         let per_token: Vec<Vec<f64>> = per_response
             .iter()

@@ -278,6 +278,8 @@ pub(crate) struct ResponseColumns<'a> {
     pub tokens: Vec<Vec<i64>>,
     /// `behavior_logprobs`, built by the generator (an episode's hold nulls).
     pub logprobs: ArrayRef,
+    /// `sum_pi_squared`, where the sampler recorded it.
+    pub sum_pi_squared: Option<Vec<Vec<f64>>>,
     /// `policy_version`.
     pub versions: Vec<u64>,
     pub reasons: Vec<&'a str>,
@@ -297,6 +299,9 @@ pub(crate) fn with_response_columns(
     )?;
     b = with_column(&b, col::RESPONSE_TOKENS, token_list_array(&columns.tokens))?;
     b = with_column(&b, col::BEHAVIOR_LOGPROBS, columns.logprobs)?;
+    if let Some(squares) = &columns.sum_pi_squared {
+        b = with_column(&b, col::SUM_PI_SQUARED, float_list_array(squares))?;
+    }
     let rows: [(&str, ArrayRef); 4] = [
         (
             col::POLICY_VERSION,
@@ -337,6 +342,9 @@ fn with_responses(
             .iter()
             .map(|g| tokenizer.decode(&g.tokens, true))
             .collect::<Result<_, _>>()?;
+        // Recorded for every token of every row, or for none.
+        let squares = out.iter().all(|g| g.sum_pi_squared.len() == g.tokens.len())
+            && out.iter().any(|g| !g.sum_pi_squared.is_empty());
         let reasons: Vec<&str> = out.iter().map(|g| g.finish_reason.as_str()).collect();
         let oldest: Vec<u64> = r
             .versions
@@ -349,6 +357,11 @@ fn with_responses(
                 texts,
                 tokens,
                 logprobs: float_list_array(&logprobs),
+                sum_pi_squared: squares.then(|| {
+                    out.iter()
+                        .map(|g| g.sum_pi_squared.iter().map(|x| f64::from(*x)).collect())
+                        .collect()
+                }),
                 versions: oldest,
                 reasons,
                 seconds: r.seconds,
