@@ -1181,7 +1181,11 @@ fn every_algorithm_key_of_dr_grpo_rloo_and_opo_changes_the_run_or_is_refused() {
 
 #[test]
 fn every_algorithm_key_of_grpo_passk_gpg_and_otb_changes_the_run_or_is_refused() {
-    for kind in [PipelineKind::GrpoPassk, PipelineKind::Gpg, PipelineKind::Otb] {
+    for kind in [
+        PipelineKind::GrpoPassk,
+        PipelineKind::Gpg,
+        PipelineKind::Otb,
+    ] {
         walk(kind, Keys::Algorithm);
     }
 }
