@@ -29,7 +29,7 @@ use weir::pipelines::{PipelineKind, RunConfig};
 
 #[path = "pipelines/support.rs"]
 mod support;
-use support::{config, fixture, request, reward_server, with_tool_template};
+use support::{config, echo_judge, fixture, request, reward_server, with_tool_template};
 
 /// Keys that change speed or memory only (`generate.backend`: the two
 /// runtimes are held to the same tokens by the runtime's tests); and `generate.on_new_weights`,
@@ -67,13 +67,16 @@ const MODEL_DEPENDENT: &[&str] = &["agent.tool_format"];
 /// Keys whose effect is to let a run go on that fails without them (with
 /// an error naming the key): the run with the key must run, the one
 /// without it must fail so.
-const RESCUES: &[&str] = &["data.skip_long_prompts"];
+const RESCUES: &[&str] = &["data.skip_long_prompts", "judge.verdict_tokens"];
 
 /// Changes that make a run fail with an error that does not name the key
 /// (it names what went wrong instead), with a part of that error: any
 /// other failure must name its key, so that a run that fails for an
 /// unrelated reason never counts as the key changing the run.
-const REFUSALS: &[(&str, &str)] = &[];
+const REFUSALS: &[(&str, &str)] = &[
+    // A probability verdict needs its tokens.
+    ("judge.verdict", "judge.verdict_tokens"),
+];
 
 /// Metrics that depend on timing, not on what the run computed.
 const TIMING: &[&str] = &[
@@ -383,6 +386,41 @@ fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String
             &[],
             format!("{:?}", fixture("tiny-qwen2").display().to_string()),
         ),
+        // The echo judge repeats the scripted verdict: "111" where the
+        // response is the label, "xxx" (unparsed: 0.25) elsewhere.
+        k if k.starts_with("judge.") => {
+            let judge = echo_judge(prompts.parent().unwrap());
+            let mut setting = vec![
+                "reward.kind=\"judge\"".to_string(),
+                format!("judge.path={:?}", judge.display().to_string()),
+                "judge.template=\"{% if response == label %}1{% else %}x{% endif %}\"".into(),
+                "judge.chat=false".into(),
+                "judge.max_new_tokens=3".into(),
+                "judge.on_unparsed=\"reward\"".into(),
+                "judge.unparsed_reward=0.25".into(),
+            ];
+            let value = match k {
+                "judge.path" => other_model,
+                "judge.template" => "\"{% if response == label %}2{% else %}x{% endif %}\"".into(),
+                "judge.chat" => "true".into(),
+                "judge.verdict" => "\"probability\"".into(),
+                "judge.pattern" => "\"^(\\\\d)$\"".into(),
+                "judge.verdict_tokens" => {
+                    setting.retain(|s| !s.contains("on_unparsed") && !s.contains("unparsed_reward") && !s.contains("max_new_tokens"));
+                    setting.push("judge.verdict=\"probability\"".into());
+                    "[\"1\"]".into()
+                }
+                "judge.max_new_tokens" => "1".into(),
+                "judge.temperature" => "1.0".into(),
+                "judge.on_unparsed" => "\"error\"".into(),
+                "judge.unparsed_reward" => "0.75".into(),
+                other => panic!("{other}: no changed value in this test; add one"),
+            };
+            if k == "judge.on_unparsed" {
+                setting.retain(|s| !s.contains("unparsed_reward"));
+            }
+            return (setting, value);
+        }
         "algorithm.distill_coef" => (&[], "0.5".into()),
         "algorithm.distill_task" => (&[], "\"rloo\"".into()),
         "placement.shard_optimizer" => (

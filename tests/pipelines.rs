@@ -20,6 +20,8 @@ mod support;
 
 #[path = "pipelines/agentic.rs"]
 mod agentic;
+#[path = "pipelines/judge.rs"]
+mod judge;
 use support::{config, fixture, request, reward_server, run};
 
 /// The error of a run that must fail.

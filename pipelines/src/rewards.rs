@@ -7,6 +7,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use weir_graph::{StageError, WorkerInfo};
+use weir_operators::rewards::judge::{Judge, JudgeConfig, JudgeReward, Verdict};
 use weir_operators::rewards::model::RewardModel;
 use weir_operators::rewards::python::{PythonReward, PythonRewardConfig};
 use weir_operators::rewards::remote::{RemoteReward, RemoteRewardConfig};
@@ -15,7 +16,7 @@ use weir_operators::rewards::terms::{RewardTerms, Term, TermKind};
 use weir_operators::rewards::{rule_reward, rules};
 use weir_operators::stages::prompt_files::PromptRecords;
 
-use crate::config::{RewardKind, Task};
+use crate::config::{JudgeVerdict, OnUnparsed, RewardKind, Task};
 use crate::context::load;
 use crate::RunConfig;
 
@@ -40,7 +41,7 @@ impl FileColumnsOnce {
                     return Ok(FileColumns::default());
                 };
                 let records = PromptRecords::read(path).map_err(|e| e.to_string())?;
-                let columns = if python_rewards(cfg) {
+                let columns = if file_column_rewards(cfg) {
                     other_columns(cfg, &records)
                 } else {
                     Vec::new()
@@ -106,6 +107,9 @@ pub fn reward(
                             )?)?))
                         }
                         (Some("regex"), _) => TermKind::Regex(rules::full_match(&t.pattern)?),
+                        (Some("judge"), _) => {
+                            TermKind::Judge(Box::new(judge(&cfg, w, &file_columns.get(&cfg)?)?))
+                        }
                         (Some("length"), _) => TermKind::Length {
                             max: match t.max_tokens {
                                 0 => cfg.generate.max_new_tokens,
@@ -123,6 +127,7 @@ pub fn reward(
                 Box::new(RewardTerms::new(terms, label(&cfg))?)
             }
             RewardKind::None => Box::new(weir_operators::rewards::finish::NoReward),
+            RewardKind::Judge => Box::new(JudgeReward(judge(&cfg, w, &file_columns.get(&cfg)?)?)),
             RewardKind::Rule => match rule_reward(&cfg.reward.rule) {
                 Some(rule) => Box::new(RuleReward::new(rule, label(&cfg))),
                 // A reward the user's binary registered: one term of weight 1.
@@ -137,6 +142,42 @@ pub fn reward(
             },
         })
     }
+}
+
+/// The `[judge]` of `cfg` on worker `w`, its template reading the
+/// prompt file's `file_columns`.
+fn judge(cfg: &RunConfig, w: &WorkerInfo, file_columns: &FileColumns) -> Result<Judge, StageError> {
+    let j = &cfg.judge;
+    let tokenizer = weir_gpu::Tokenizer::load(&j.path)?;
+    let verdict = match j.verdict {
+        JudgeVerdict::Regex => {
+            Verdict::regex(&j.pattern).map_err(|e| format!("judge.pattern {e}"))?
+        }
+        JudgeVerdict::Probability => Verdict::probability(&tokenizer, &j.verdict_tokens)
+            .map_err(|e| format!("judge.verdict_tokens: {e}"))?,
+    };
+    let greedy = j.temperature == 0.0;
+    let params = weir_gpu::SamplingParams {
+        max_new_tokens: j.max_new_tokens,
+        greedy,
+        temperature: if greedy { 1.0 } else { j.temperature },
+        eos_token_ids: tokenizer.eos_token_ids().to_vec(),
+        seed: cfg.run.seed,
+        ..Default::default()
+    };
+    let model = load(cfg, &j.path, w)?;
+    let config = JudgeConfig {
+        template: j.template.clone(),
+        chat: j.chat,
+        verdict,
+        params,
+        backend: cfg.generate.backend,
+        unparsed: (j.on_unparsed == OnUnparsed::Reward).then_some(j.unparsed_reward),
+        label_column: cfg.data.label_column.clone(),
+        columns: file_columns.columns.clone(),
+        micro_batch: cfg.algorithm.micro_batch,
+    };
+    Ok(Judge::new(model, tokenizer, config)?)
 }
 
 /// A built-in rule, or a reward the user's binary registered, by name.
@@ -185,26 +226,32 @@ fn python_reward(
     })
 }
 
-/// The prompt-file columns a Python reward receives besides the prompt and
-/// the label: every other column all records have.
+/// The prompt-file columns a Python reward or a judge's template receives
+/// besides the prompt and the label: every other column all records have.
 pub fn reward_columns(cfg: &RunConfig) -> Result<Vec<String>, StageError> {
     let Task::File(path) = &cfg.data.prompts else {
         return Ok(Vec::new());
     };
-    if !python_rewards(cfg) {
+    if !file_column_rewards(cfg) {
         return Ok(Vec::new());
     }
     let records = PromptRecords::read(path)?;
     Ok(other_columns(cfg, &records))
 }
 
-/// Whether a Python function computes the reward (or one of its terms).
-fn python_rewards(cfg: &RunConfig) -> bool {
-    match cfg.reward.kind {
-        RewardKind::Python => true,
-        RewardKind::Terms => cfg.reward.terms.iter().any(|t| t.file.is_some()),
-        RewardKind::Rule | RewardKind::Model | RewardKind::Remote | RewardKind::None => false,
-    }
+/// Whether the reward (or one of its terms) reads the prompt file's
+/// other columns: a Python function, or a judge's template.
+fn file_column_rewards(cfg: &RunConfig) -> bool {
+    cfg.uses_judge()
+        || match cfg.reward.kind {
+            RewardKind::Python => true,
+            RewardKind::Terms => cfg.reward.terms.iter().any(|t| t.file.is_some()),
+            RewardKind::Rule
+            | RewardKind::Model
+            | RewardKind::Remote
+            | RewardKind::None
+            | RewardKind::Judge => false,
+        }
 }
 
 /// The columns all `records` have but the prompt's and the label's.

@@ -15,6 +15,51 @@ pub fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
+/// The arith checkpoint as an echo judge, in `dir` (made once): attention
+/// and MLP outputs zeroed, so each position sees only its own token, and
+/// the output head the unit embeddings, so that token is the most likely
+/// next one — the judge repeats its prompt's last token.
+pub fn echo_judge(dir: &Path) -> PathBuf {
+    let from = fixture("arith-sft");
+    let to = dir.join("echo-judge");
+    if to.join("model.safetensors").is_file() {
+        return to;
+    }
+    std::fs::create_dir_all(&to).unwrap();
+    for entry in std::fs::read_dir(&from).unwrap() {
+        let entry = entry.unwrap();
+        if entry.file_name() != "model.safetensors" {
+            std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+        }
+    }
+    let tensors = tch::Tensor::read_safetensors(from.join("model.safetensors")).unwrap();
+    let embed = tensors
+        .iter()
+        .find(|(n, _)| n == "model.embed_tokens.weight")
+        .unwrap()
+        .1
+        .shallow_clone();
+    // (A padding row may be all zeros.)
+    let unit = &embed / embed.norm_scalaropt_dim(2, [1], true).clamp_min(1e-6);
+    let rewired: Vec<(String, tch::Tensor)> = tensors
+        .into_iter()
+        .map(|(name, t)| {
+            let t = if name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight") {
+                t.zeros_like()
+            } else if name == "model.norm.weight" {
+                t.ones_like()
+            } else if name == "lm_head.weight" {
+                unit.copy()
+            } else {
+                t
+            };
+            (name, t)
+        })
+        .collect();
+    tch::Tensor::write_safetensors(&rewired, to.join("model.safetensors")).unwrap();
+    to
+}
+
 /// A small config of `kind` on the arith-sft checkpoint.
 pub fn config(kind: PipelineKind, steps: u64) -> RunConfig {
     let mut c = RunConfig::defaults_for(kind);

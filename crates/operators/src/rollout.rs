@@ -57,6 +57,10 @@ pub mod col {
     /// config's order (list<f32>; `reward.kind = "terms"`): what GDPO
     /// (`algorithm.gdpo`) normalises term by term.
     pub const REWARD_TERMS: &str = "reward_terms";
+    /// The judge's answer to the row (utf8; a `[judge]` reward): its
+    /// generated text, or under a probability verdict its most likely
+    /// first token.
+    pub const JUDGE_RESPONSE: &str = "judge_response";
     /// Per-token rewards, KL penalty included (list<f32>, optional).
     pub const TOKEN_REWARDS: &str = "token_rewards";
     /// Per-token log-probs under the reference model (list<f32>).
@@ -257,6 +261,7 @@ pub fn columns() -> Vec<(&'static str, DataType, bool, Phase, bool)> {
         (col::REWARD, Float32, false, Phase::Score, false),
         (col::SCORE, Float32, true, Phase::Score, false),
         (col::REWARD_TERMS, per_token(), true, Phase::Score, false),
+        (col::JUDGE_RESPONSE, Utf8, true, Phase::Score, false),
         (col::TOKEN_REWARDS, per_token(), true, Phase::Score, true),
         (col::REF_LOGPROBS, per_token(), true, Phase::Score, true),
         (col::TEACHER_LOGPROBS, per_token(), true, Phase::Score, true),

@@ -104,6 +104,28 @@ pub enum RewardKind {
     /// No task reward: every row's is 0, and the environment's turn
     /// rewards (`agent.environment`) are the rewards.
     None,
+    /// A generative judge's verdict (`[judge]`).
+    Judge,
+}
+
+/// `judge.verdict`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JudgeVerdict {
+    /// The first group of `judge.pattern` in the judge's answer, as a number.
+    Regex,
+    /// The probability of `judge.verdict_tokens` at the judge's first position.
+    Probability,
+}
+
+/// `judge.on_unparsed`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnUnparsed {
+    /// The run stops with an error naming the row and the judge's answer.
+    Error,
+    /// The row gets `judge.unparsed_reward`.
+    Reward,
 }
 
 /// `algorithm.schedule`.

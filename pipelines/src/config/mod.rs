@@ -19,9 +19,10 @@ mod validate;
 use text::none_if_empty;
 
 pub use choices::{
-    Aggregation, Backend, CorrectionChoice, DeviceChoice, DistillTask, Dtype, Flavor, KlEstimator,
-    OnError, OnNewWeights, PolicyLossChoice, PreferenceChoice, ReferencePlacement, RewardKind,
-    RolloutAdvantages, ScheduleChoice, ToolFormat, WeightsChannelChoice,
+    Aggregation, Backend, CorrectionChoice, DeviceChoice, DistillTask, Dtype, Flavor, JudgeVerdict,
+    KlEstimator, OnError, OnNewWeights, OnUnparsed, PolicyLossChoice, PreferenceChoice,
+    ReferencePlacement, RewardKind, RolloutAdvantages, ScheduleChoice, ToolFormat,
+    WeightsChannelChoice,
 };
 
 /// A whole run config.
@@ -54,6 +55,52 @@ pub struct RunConfig {
     pub agent: AgentSection,
     /// The teacher of on-policy distillation.
     pub teacher: TeacherSection,
+    /// A generative judge's reward (`reward.kind = "judge"`, or a term).
+    pub judge: JudgeSection,
+}
+
+/// `[judge]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct JudgeSection {
+    /// The judge's HF checkpoint folder (a causal LM).
+    pub path: PathBuf,
+    /// The minijinja template of the judge's prompt.
+    pub template: String,
+    /// Give the rendered template to the judge as a user message through
+    /// its tokenizer's chat template.
+    pub chat: bool,
+    /// How the judge's answer becomes the reward.
+    pub verdict: JudgeVerdict,
+    /// `verdict = "regex"`: the pattern whose first group is the reward.
+    pub pattern: String,
+    /// `verdict = "probability"`: the tokens whose probability is the reward.
+    pub verdict_tokens: Vec<String>,
+    /// Tokens the judge generates at most.
+    pub max_new_tokens: usize,
+    /// The judge's sampling temperature (0: greedy).
+    pub temperature: f64,
+    /// What an answer the pattern does not parse gets.
+    pub on_unparsed: OnUnparsed,
+    /// `on_unparsed = "reward"`: that reward.
+    pub unparsed_reward: f64,
+}
+
+impl Default for JudgeSection {
+    fn default() -> Self {
+        JudgeSection {
+            path: PathBuf::new(),
+            template: "Question: {{ prompt }} Response: {{ response }} How good is the response, from 0 (wrong) to 10 (perfect)? Answer with the number only.".into(),
+            chat: true,
+            verdict: JudgeVerdict::Regex,
+            pattern: r"(-?\d+(?:\.\d+)?)".into(),
+            verdict_tokens: Vec::new(),
+            max_new_tokens: 32,
+            temperature: 0.0,
+            on_unparsed: OnUnparsed::Error,
+            unparsed_reward: 0.0,
+        }
+    }
 }
 
 /// `[teacher]`.
@@ -739,6 +786,15 @@ pub struct ConfigError {
 }
 
 impl RunConfig {
+    /// Whether a `[judge]` scores the rows: `reward.kind = "judge"`, or a
+    /// `[[reward.terms]]` entry with `rule = "judge"`.
+    pub fn uses_judge(&self) -> bool {
+        let r = &self.reward;
+        r.kind == RewardKind::Judge
+            || (r.kind == RewardKind::Terms
+                && r.terms.iter().any(|t| t.rule.as_deref() == Some("judge")))
+    }
+
     /// The code outside weir this config runs: a line per Python reward
     /// (its file, function and interpreter), what `--resume` shows first,
     /// since a run folder's config decides what runs.
@@ -759,7 +815,11 @@ impl RunConfig {
                     .iter()
                     .filter_map(|t| t.file.as_ref().map(|f| line(f, &t.function))),
             ),
-            RewardKind::Rule | RewardKind::Model | RewardKind::Remote | RewardKind::None => {}
+            RewardKind::Rule
+            | RewardKind::Model
+            | RewardKind::Remote
+            | RewardKind::None
+            | RewardKind::Judge => {}
         }
         let a = &self.agent;
         if let Some(file) = a.environment_file() {

@@ -5,8 +5,8 @@
 
 use super::docs::{applies, Key, KEYS};
 use super::{
-    Aggregation, ConfigError, CorrectionChoice, PolicyLossChoice, PreferenceChoice, RewardKind,
-    RunConfig, ScheduleChoice, Task, WeightsChannelChoice,
+    Aggregation, ConfigError, CorrectionChoice, JudgeVerdict, OnUnparsed, PolicyLossChoice,
+    PreferenceChoice, RewardKind, RunConfig, ScheduleChoice, Task, WeightsChannelChoice,
 };
 use crate::PipelineKind;
 
@@ -175,6 +175,49 @@ fn rewards(cfg: &RunConfig, pipeline: PipelineKind, found: &mut Inert) {
         "reward",
         &["terms"],
         "reward.kind = \"terms\"",
+    );
+    let judge = cfg.uses_judge();
+    found.unless(
+        judge,
+        "judge",
+        &[
+            "path",
+            "template",
+            "chat",
+            "verdict",
+            "pattern",
+            "verdict_tokens",
+            "max_new_tokens",
+            "temperature",
+            "on_unparsed",
+            "unparsed_reward",
+        ],
+        "a judge scores (reward.kind = \"judge\", or a term with rule = \"judge\")",
+    );
+    let regex = cfg.judge.verdict == JudgeVerdict::Regex;
+    found.unless(
+        !judge || regex,
+        "judge",
+        &[
+            "pattern",
+            "max_new_tokens",
+            "temperature",
+            "on_unparsed",
+            "unparsed_reward",
+        ],
+        "judge.verdict = \"regex\"",
+    );
+    found.unless(
+        !judge || !regex,
+        "judge",
+        &["verdict_tokens"],
+        "judge.verdict = \"probability\"",
+    );
+    found.unless(
+        !judge || !regex || cfg.judge.on_unparsed == OnUnparsed::Reward,
+        "judge",
+        &["unparsed_reward"],
+        "judge.on_unparsed = \"reward\"",
     );
     if pipeline.is_rl() && pipeline != PipelineKind::Ppo {
         found.unless(

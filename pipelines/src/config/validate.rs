@@ -4,8 +4,8 @@
 
 use super::text::spelt;
 use super::{
-    Aggregation, ConfigError, CorrectionChoice, KlEstimator, PolicyLossChoice, PreferenceChoice,
-    RewardKind, RunConfig,
+    Aggregation, ConfigError, CorrectionChoice, JudgeVerdict, KlEstimator, PolicyLossChoice,
+    PreferenceChoice, RewardKind, RunConfig,
 };
 use crate::PipelineKind;
 
@@ -22,6 +22,7 @@ impl RunConfig {
     pub fn validate(&self, pipeline: PipelineKind) -> Result<(), ConfigError> {
         self.check_run()?;
         self.check_teacher(pipeline)?;
+        self.check_judge()?;
         self.check_placement()?;
         self.check_data(pipeline)?;
         self.check_generate()?;
@@ -91,6 +92,84 @@ impl RunConfig {
                     "its tokenizer.json is not the student's ({}): the teacher must score the student's token ids",
                     self.model.path.join("tokenizer.json").display()
                 ),
+            );
+        }
+        Ok(())
+    }
+
+    /// `[judge]`, when a judge scores: a causal LM checkpoint folder, a
+    /// template that compiles, a pattern with a group, verdict tokens of
+    /// one token each, a chat template when asked for one. (The names the
+    /// template reads are checked against the prompt file's columns when
+    /// the judge starts.)
+    fn check_judge(&self) -> Result<(), ConfigError> {
+        use weir_operators::rewards::judge::Verdict;
+        if !self.uses_judge() {
+            return Ok(());
+        }
+        let j = &self.judge;
+        let shown = format!("{:?}", j.path.display().to_string());
+        if j.path.as_os_str().is_empty() {
+            return bad(
+                "judge.path",
+                shown,
+                "a judge reward needs the judge's checkpoint folder",
+            );
+        }
+        if !j.path.join("config.json").is_file() {
+            return bad(
+                "judge.path",
+                shown,
+                "no config.json there: not a HuggingFace checkpoint folder",
+            );
+        }
+        let tokenizer = match weir_gpu::Tokenizer::load(&j.path) {
+            Ok(t) => t,
+            Err(e) => return bad("judge.path", shown, &e.to_string()),
+        };
+        if j.chat && tokenizer.chat_template().is_none() {
+            return bad(
+                "judge.chat",
+                "true".into(),
+                "the judge's tokenizer has no chat template (false gives the judge the text as is)",
+            );
+        }
+        if let Err(why) = weir_operators::rewards::judge::compile(&j.template) {
+            return bad("judge.template", format!("{:?}", j.template), &why);
+        }
+        match j.verdict {
+            JudgeVerdict::Regex => {
+                if let Err(why) = Verdict::regex(&j.pattern) {
+                    return bad("judge.pattern", format!("{:?}", j.pattern), &why);
+                }
+                if j.max_new_tokens == 0 {
+                    return bad(
+                        "judge.max_new_tokens",
+                        "0".into(),
+                        "the judge must answer: at least 1",
+                    );
+                }
+                if j.temperature != 0.0 {
+                    if let Some(why) = weir_gpu::temperature_error(j.temperature) {
+                        return bad("judge.temperature", j.temperature.to_string(), why);
+                    }
+                }
+            }
+            JudgeVerdict::Probability => {
+                if let Err(why) = Verdict::probability(&tokenizer, &j.verdict_tokens) {
+                    return bad(
+                        "judge.verdict_tokens",
+                        format!("{:?}", j.verdict_tokens),
+                        &why,
+                    );
+                }
+            }
+        }
+        if !j.unparsed_reward.is_finite() {
+            return bad(
+                "judge.unparsed_reward",
+                j.unparsed_reward.to_string(),
+                "must be a finite number",
             );
         }
         Ok(())
@@ -358,11 +437,11 @@ impl RunConfig {
                 let known = |r: &str| {
                     weir_operators::rewards::rule_reward(r).is_some()
                         || weir_operators::rewards::registered(r).is_some()
-                        || matches!(r, "regex" | "length")
+                        || matches!(r, "regex" | "length" | "judge")
                 };
                 if let Some(r) = rule.filter(|r| !known(r)) {
                     let mut rules = known_rules();
-                    rules.extend(["regex".to_string(), "length".to_string()]);
+                    rules.extend(["regex", "length", "judge"].map(String::from));
                     return bad(
                         &key("rule"),
                         format!("{r:?}"),

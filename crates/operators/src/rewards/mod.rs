@@ -4,7 +4,8 @@
 //!   the arith task's `arith_exact_match`), as a stage in `rule_stage.rs`;
 //! - rewards written in Rust by a user's own binary ([`Reward`], [`register`]);
 //! - Python reward functions (`python.rs`);
-//! - a reward model (`model.rs`) and an HTTP reward server (`remote.rs`);
+//! - a reward model (`model.rs`), a generative judge (`judge.rs`) and an
+//!   HTTP reward server (`remote.rs`);
 //! - weighted sums of these (`terms.rs`);
 //! - and DAPO's overlong penalty, shaping a reward (`overlong.rs`).
 //!
@@ -18,6 +19,7 @@ use arrow::array::RecordBatch;
 use weir_graph::StageError;
 
 pub mod finish;
+pub mod judge;
 pub mod model;
 pub mod overlong;
 pub mod python;

@@ -28,6 +28,8 @@ pub enum TermKind {
     Python(Box<PythonReward>),
     /// A reward written in Rust, registered by the user's binary.
     Custom(Box<dyn Reward>),
+    /// A generative judge's verdict (its answers logged as `judge_response`).
+    Judge(Box<super::judge::Judge>),
 }
 
 /// One weighted term.
@@ -67,16 +69,19 @@ impl Stage for RewardTerms {
     ) -> Result<Vec<RecordBatch>, StageError> {
         let n = batch.num_rows();
         let responses = strings(&batch, col::RESPONSE, ctx.stage())?;
-        let needs_labels = self
-            .terms
-            .iter()
-            .any(|t| !matches!(t.kind, TermKind::Regex(_) | TermKind::Length { .. }));
+        let needs_labels = self.terms.iter().any(|t| {
+            !matches!(
+                t.kind,
+                TermKind::Regex(_) | TermKind::Length { .. } | TermKind::Judge(_)
+            )
+        });
         let labels = match (needs_labels, self.label_column.is_empty()) {
             (true, false) => Some(strings(&batch, &self.label_column, ctx.stage())?),
             _ => None,
         };
         let mut total = vec![0.0; n];
         let mut scores = vec![Vec::with_capacity(self.terms.len()); n];
+        let mut judged = None;
         for term in &mut self.terms {
             let values: Vec<f64> = match &mut term.kind {
                 TermKind::Rule(rule) => {
@@ -121,6 +126,13 @@ impl Stage for RewardTerms {
                     }
                     scores.rewards
                 }
+                TermKind::Judge(judge) => {
+                    let started = std::time::Instant::now();
+                    let (rewards, texts, unparsed) = judge.judge(&batch, ctx.stage())?;
+                    super::judge::record(ctx, n, unparsed, started);
+                    judged = Some(texts);
+                    rewards
+                }
             };
             if n > 0 {
                 ctx.record(
@@ -133,7 +145,10 @@ impl Stage for RewardTerms {
                 row.push(*v);
             }
         }
-        let batch = with_rewards(&batch, &total)?;
+        let mut batch = with_rewards(&batch, &total)?;
+        if let Some(texts) = judged {
+            batch = super::judge::with_judge_texts(&batch, texts)?;
+        }
         Ok(vec![with_column(
             &batch,
             col::REWARD_TERMS,
