@@ -52,7 +52,8 @@ class _Any(types.ModuleType):
 
 
 class _Stubs(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    roots = ("flash_attn", "deepspeed", "vllm", "ring_flash_attn", "liger_kernel", "bitsandbytes")
+    roots = ("flash_attn", "deepspeed", "vllm", "ring_flash_attn", "liger_kernel", "bitsandbytes",
+             "datasets", "PIL", "pandas")
 
     def find_spec(self, name, path, target=None):
         if name.split(".")[0] in self.roots:
@@ -549,6 +550,32 @@ for n in range(6):
     add(f"verl09_otb_{'multi' if multi else 'single'}_{n}", "otb_09", "verl", f"{verl_src} ({fn.__name__})",
         dict(rewards=scores, index=index, mask=m, logprobs=old.tolist(), sum_pi_squared=sq.tolist()),
         dict(advantages=a.tolist()))
+
+# ---- verl top-k forward-KL distillation (teacher's top k, student's whole distribution) ------
+import verl.trainer.distillation.fsdp.losses as verl_kd  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+kd_src = f"verl=={VERL} verl/trainer/distillation/fsdp/losses.py"
+kd_config = SimpleNamespace(distillation_loss=SimpleNamespace(log_prob_min_clamp=None, use_chunked_topk=False))
+for n, k in enumerate([1, 3, 5, 11, 3]):
+    T, V = 6, 11
+    teacher_logits = torch.tensor(rng.standard_normal((T, V)) * 1.5)
+    # The last case's student is the teacher sharpened: it holds more of the
+    # support than the teacher does, and the partial sums fall below 0.
+    student_logits = teacher_logits * 3.0 if n == 4 else torch.tensor(rng.standard_normal((T, V)))
+    top, ids = teacher_logits.log_softmax(-1).topk(k, dim=-1)
+    out = verl_kd.compute_forward_kl_topk(
+        student_logits=student_logits.unsqueeze(0),
+        teacher_topk_log_probs=torch.nested.nested_tensor([top], layout=torch.jagged),
+        teacher_topk_ids=torch.nested.nested_tensor([ids], layout=torch.jagged),
+        config=kd_config,
+        data_format="thd",
+    )
+    # verl/trainer/distillation/losses.py::compute_forward_kl_topk clamps them at 0.
+    losses = out["distillation_losses"][0].clamp_min(0.0)
+    add(f"verl09_forward_kl_topk_{n}", "forward_kl_topk_09", "verl", f"{kd_src} (compute_forward_kl_topk)",
+        dict(student_logits=student_logits.tolist(), teacher_topk_logprobs=top.tolist(), teacher_topk_ids=ids.tolist()),
+        dict(losses=losses.tolist(), unclamped=out["distillation_losses"][0].tolist()))
 
 doc = dict(
     about="Recorded by scripts/record_upstream_09.py from the PyPI wheels named in `upstream`, torch float64.",

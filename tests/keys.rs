@@ -388,7 +388,7 @@ fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String
         ),
         // The echo judge repeats the scripted verdict: "111" where the
         // response is the label, "xxx" (unparsed: 0.25) elsewhere.
-        k if k.starts_with("judge.") => {
+        k if k.starts_with("judge.") || k == "placement.judge" => {
             let judge = echo_judge(prompts.parent().unwrap());
             let mut setting = vec![
                 "reward.kind=\"judge\"".to_string(),
@@ -414,6 +414,10 @@ fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String
                 "judge.temperature" => "1.0".into(),
                 "judge.on_unparsed" => "\"error\"".into(),
                 "judge.unparsed_reward" => "0.75".into(),
+                "placement.judge" => {
+                    setting.push("placement.workers=3".into());
+                    "[2]".into()
+                }
                 other => panic!("{other}: no changed value in this test; add one"),
             };
             if k == "judge.on_unparsed" {
@@ -422,6 +426,10 @@ fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String
             return (setting, value);
         }
         "algorithm.distill_coef" => (&[], "0.5".into()),
+        "teacher.top_k" => (&[], "3".into()),
+        "algorithm.gkd_beta" => (&["teacher.top_k=3"], "0.0".into()),
+        "algorithm.gkd_coef" => (&["teacher.top_k=3"], "0.5".into()),
+        "algorithm.gkd_tail" => (&["teacher.top_k=3"], "\"drop\"".into()),
         "algorithm.distill_task" => (&[], "\"rloo\"".into()),
         "placement.shard_optimizer" => (
             &["placement.workers=2", "placement.train=[0, 1]"],

@@ -2353,6 +2353,92 @@ fn each_policy_loss_trains_its_own_objective() {
     }
 }
 
+/// Distillation over the teacher's top k: the teacher's k most likely
+/// tokens at every position are logged (k per token, descending, the
+/// sampled token's log-prob among them where it is one of them, at most
+/// the k-th elsewhere); GKD's term alone (no per-token advantage) brings
+/// the student towards the teacher; its keys' bad values name the key.
+#[test]
+fn a_teachers_top_k_is_logged_and_its_divergence_trains_the_student() {
+    let tmp = tempfile::tempdir().unwrap();
+    let k = 5;
+    // A random student, the arith model its teacher.
+    let steps = 10;
+    let mut cfg = config(PipelineKind::Distill, steps);
+    cfg.model.path = fixture("tiny-llama");
+    cfg.teacher.path = fixture("arith-sft");
+    cfg.teacher.top_k = k;
+    cfg.algorithm.distill_coef = 0.0;
+    cfg.algorithm.lr = 1e-2;
+    cfg.run.max_staleness = 0;
+    let dir = tmp.path().join("topk");
+    run(PipelineKind::Distill, cfg.clone(), &dir, false);
+    let sampled = float_list_column(&dir, col::TEACHER_LOGPROBS);
+    let top = float_list_column(&dir, col::TEACHER_TOPK_LOGPROBS);
+    let batches = read_parquet_dir(&dir.join("rollouts")).unwrap();
+    let lists = |name| -> Vec<Vec<i64>> {
+        batches
+            .iter()
+            .flat_map(|b| weir::operators::stages::columns::token_lists(b, name, "test").unwrap())
+            .collect()
+    };
+    let (ids, responses) = (lists(col::TEACHER_TOPK_IDS), lists(col::RESPONSE_TOKENS));
+    assert_eq!(top.len(), steps as usize * 3 * 4);
+    let mut among = 0;
+    for i in 0..top.len() {
+        assert_eq!(top[i].len(), k * responses[i].len(), "row {i}");
+        assert_eq!(ids[i].len(), k * responses[i].len(), "row {i}");
+        for (j, token) in responses[i].iter().enumerate() {
+            let (t, id) = (&top[i][j * k..(j + 1) * k], &ids[i][j * k..(j + 1) * k]);
+            assert!(
+                t.windows(2).all(|w| w[0] >= w[1]),
+                "row {i} token {j}: {t:?}"
+            );
+            match id.iter().position(|x| x == token) {
+                Some(at) => {
+                    among += 1;
+                    assert!((t[at] - sampled[i][j]).abs() < 1e-5, "row {i} token {j}");
+                }
+                None => assert!(sampled[i][j] <= t[k - 1] + 1e-5, "row {i} token {j}"),
+            }
+        }
+    }
+    assert!(among > 0);
+    let gkd = metric(&dir, "learn", "gkd_divergence");
+    let last = steps - 1;
+    assert_eq!(gkd.len(), steps as usize, "{gkd:?}");
+    assert!(
+        gkd[&last] < 0.8 * gkd[&0],
+        "the divergence did not fall: {gkd:?}"
+    );
+    // Advantages are zero: the term alone trains, and the reverse KL falls too.
+    let kl = metric(&dir, "advantage", "teacher_kl");
+    assert!(kl[&last] < 0.8 * kl[&0], "{kl:?}");
+
+    for (key, value, needle) in [
+        ("algorithm.gkd_beta", "1.5", "[0, 1]"),
+        ("teacher.top_k", "100000", "vocabulary"),
+    ] {
+        let bad = cfg
+            .clone()
+            .with_overrides(&[format!("{key}={value}")])
+            .unwrap();
+        let err = run_err(PipelineKind::Distill, bad, &tmp.path().join("bad"));
+        assert!(err.contains(key) && err.contains(needle), "{err}");
+    }
+    // Its keys without a teacher's top k change nothing: refused.
+    let mut inert = cfg.clone();
+    inert.teacher.top_k = 0;
+    let inert = inert
+        .with_overrides(&["algorithm.gkd_beta=1.0".into()])
+        .unwrap();
+    let err = run_err(PipelineKind::Distill, inert, &tmp.path().join("inert"));
+    assert!(
+        err.contains("algorithm.gkd_beta") && err.contains("teacher.top_k"),
+        "{err}"
+    );
+}
+
 #[path = "pipelines/streaming.rs"]
 mod streaming;
 

@@ -323,7 +323,10 @@ pub fn ppo(cfg: &RunConfig, ctx: &RunContext) -> Result<Pipeline, PipelineError>
 
 /// `kind`'s prompts (with ReMax's greedy row per prompt), generation and
 /// reward on the rollout workers, then the reference's (and distillation's
-/// teacher's) log-probs where they are placed.
+/// teacher's) log-probs where they are placed. A judge placed on workers of
+/// its own (`placement.judge`) takes the reward stages there, last, each
+/// judge worker a share of every batch by group, while the rollout workers
+/// go on generating.
 fn rollouts(kind: PipelineKind, cfg: &RunConfig, ctx: &RunContext) -> Pipeline {
     let (greedy, teacher) = (kind == PipelineKind::Remax, kind == PipelineKind::Distill);
     let pipeline = Pipeline::new(kind.name());
@@ -343,54 +346,12 @@ fn rollouts(kind: PipelineKind, cfg: &RunConfig, ctx: &RunContext) -> Pipeline {
             Partition::Local,
             replaying(roles::actor(cfg, ctx, kind == PipelineKind::Otb), ctx),
         )
-        .offload(2)
-        .stage(
-            "reward",
-            ROLLOUT,
-            Partition::Local,
-            pass_logged(crate::rewards::reward(cfg), ctx, true),
-        )
-        .offload(roles::MODEL_QUEUE);
-    let pipeline = if cfg.reward.overlong_buffer > 0 {
-        let penalty = OverlongPenalty {
-            max_len: cfg.generate.max_new_tokens,
-            buffer: cfg.reward.overlong_buffer,
-            factor: cfg.reward.overlong_penalty_factor,
-        };
-        pipeline.stage(
-            "overlong",
-            ROLLOUT,
-            Partition::Local,
-            pass_logged(move |_: &WorkerInfo| Ok(penalty), ctx, true),
-        )
-    } else {
-        pipeline
-    };
-    let pipeline = if cfg.reward.stop_properly_coef != 1.0 {
-        let penalty = StopProperly {
-            coef: cfg.reward.stop_properly_coef,
-        };
-        pipeline.stage(
-            "stop_properly",
-            ROLLOUT,
-            Partition::Local,
-            pass_logged(move |_: &WorkerInfo| Ok(penalty), ctx, true),
-        )
-    } else {
-        pipeline
-    };
-    let pipeline = if cfg.reward.on_finish.is_empty() {
+        .offload(2);
+    let judged_apart = !cfg.placement.judge.is_empty();
+    let pipeline = if judged_apart {
         pipeline
     } else {
-        let rules = FinishRewards {
-            rules: cfg.reward.on_finish.clone(),
-        };
-        pipeline.stage(
-            "on_finish",
-            ROLLOUT,
-            Partition::Local,
-            pass_logged(move |_: &WorkerInfo| Ok(rules.clone()), ctx, true),
-        )
+        rewards(pipeline, cfg, ctx, ROLLOUT, Partition::Local)
     };
     // The frozen scorers: the reference (for β·KL) and distillation's
     // teacher, each beside the generator (balancing a learner-bound step)
@@ -405,7 +366,7 @@ fn rollouts(kind: PipelineKind, cfg: &RunConfig, ctx: &RunContext) -> Pipeline {
         scorers.push(("teacher", cfg.placement.teacher));
     }
     scorers.sort_by_key(|(_, at)| *at == ReferencePlacement::Train);
-    scorers.into_iter().fold(pipeline, |pipeline, (name, at)| {
+    let pipeline = scorers.into_iter().fold(pipeline, |pipeline, (name, at)| {
         let (role, partition) = match at {
             ReferencePlacement::Rollout => (ROLLOUT, Partition::Local),
             ReferencePlacement::Train => (TRAIN, Partition::ByKey(col::GROUP_ID.into())),
@@ -416,7 +377,80 @@ fn rollouts(kind: PipelineKind, cfg: &RunConfig, ctx: &RunContext) -> Pipeline {
             pipeline.stage(name, role, partition, roles::reference(cfg))
         };
         pipeline.offload(roles::MODEL_QUEUE)
-    })
+    });
+    if judged_apart {
+        rewards(
+            pipeline,
+            cfg,
+            ctx,
+            roles::JUDGE,
+            Partition::ByKey(col::GROUP_ID.into()),
+        )
+    } else {
+        pipeline
+    }
+}
+
+/// The reward stages on `role`, the first reached over `partition`: the
+/// reward, then the overlong penalty, ProRL's stop-properly factor and the
+/// finish-reason rewards when configured. Rows replayed from a log keep
+/// their logged rewards.
+fn rewards(
+    pipeline: Pipeline,
+    cfg: &RunConfig,
+    ctx: &RunContext,
+    role: &str,
+    partition: Partition,
+) -> Pipeline {
+    let pipeline = pipeline
+        .stage(
+            "reward",
+            role,
+            partition,
+            pass_logged(crate::rewards::reward(cfg), ctx, true),
+        )
+        .offload(roles::MODEL_QUEUE);
+    let pipeline = if cfg.reward.overlong_buffer > 0 {
+        let penalty = OverlongPenalty {
+            max_len: cfg.generate.max_new_tokens,
+            buffer: cfg.reward.overlong_buffer,
+            factor: cfg.reward.overlong_penalty_factor,
+        };
+        pipeline.stage(
+            "overlong",
+            role,
+            Partition::Local,
+            pass_logged(move |_: &WorkerInfo| Ok(penalty), ctx, true),
+        )
+    } else {
+        pipeline
+    };
+    let pipeline = if cfg.reward.stop_properly_coef != 1.0 {
+        let penalty = StopProperly {
+            coef: cfg.reward.stop_properly_coef,
+        };
+        pipeline.stage(
+            "stop_properly",
+            role,
+            Partition::Local,
+            pass_logged(move |_: &WorkerInfo| Ok(penalty), ctx, true),
+        )
+    } else {
+        pipeline
+    };
+    if cfg.reward.on_finish.is_empty() {
+        pipeline
+    } else {
+        let rules = FinishRewards {
+            rules: cfg.reward.on_finish.clone(),
+        };
+        pipeline.stage(
+            "on_finish",
+            role,
+            Partition::Local,
+            pass_logged(move |_: &WorkerInfo| Ok(rules.clone()), ctx, true),
+        )
+    }
 }
 
 /// The actor's generator, replaying a share of each step's groups from

@@ -19,7 +19,7 @@ use weir_operators::agent::stage::EpisodeGenerate;
 use weir_operators::agent::tools::{Calculator, Python, Tool};
 use weir_operators::agent::user_tools::{HttpTool, PythonFunctionTool};
 use weir_operators::algorithms::{
-    GateDivergence, ImportanceCorrection, PolicyLossConfig, PolicyObjective, RatioLevel,
+    GateDivergence, GkdLoss, ImportanceCorrection, PolicyLossConfig, PolicyObjective, RatioLevel,
     RejectionChain,
 };
 use weir_operators::stages::critic::{CriticLearner, PerWorker};
@@ -35,6 +35,8 @@ use crate::{PipelineKind, RunConfig};
 pub const ROLLOUT: &str = "rollout";
 /// Worker set of the reference, critic, advantage and learner.
 pub const TRAIN: &str = "train";
+/// Worker set of a judge reward placed apart (`placement.judge`).
+pub const JUDGE: &str = "judge";
 
 /// Queue length of the engine thread of every stage that holds a model
 /// (`Pipeline::offload`): the calls are long, and the worker must stay free
@@ -312,10 +314,15 @@ pub fn teacher(
     let cfg = cfg.clone();
     move |w| {
         let mut model = load_frozen(&cfg, &cfg.teacher.path, w)?;
-        model.keep_only_cpu_packing()?;
+        let top_k = cfg.teacher.top_k;
+        if top_k == 0 {
+            // Its top k is read on libtorch: it keeps those weights then.
+            model.keep_only_cpu_packing()?;
+        }
         Ok(RefLogprob::new(model, cfg.generate.temperature)
             .with_logprob_chunk(cfg.algorithm.logprob_chunk)
             .with_packing(cfg.algorithm.packing)
+            .with_top_k(top_k)
             .writing(weir_operators::rollout::col::TEACHER_LOGPROBS))
     }
 }
@@ -413,6 +420,13 @@ pub fn learner_config(cfg: &RunConfig, kl_in_loss: bool) -> LearnerConfig {
         gradient_checkpointing: a.gradient_checkpointing,
         packing: a.packing,
         logprob_chunk: a.logprob_chunk,
+        // Distill's teacher records its top k only there.
+        gkd: (cfg.teacher.top_k > 0).then(|| GkdLoss {
+            k: cfg.teacher.top_k,
+            beta: a.gkd_beta,
+            coef: a.gkd_coef,
+            tail: a.gkd_tail.tail(),
+        }),
     }
 }
 

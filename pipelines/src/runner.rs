@@ -321,6 +321,11 @@ fn train(req: &RunRequest, segment: &mut Segment) -> Result<RunReport, PipelineE
     let placement = Placement::new(p.workers)
         .assign(ROLLOUT, p.rollout.iter().copied())
         .assign(TRAIN, p.train.iter().copied());
+    let placement = if p.judge.is_empty() {
+        placement
+    } else {
+        placement.assign(crate::roles::JUDGE, p.judge.iter().copied())
+    };
     let (observer, bar) = crate::progress::observer(
         kind.name(),
         ctx.first_step,

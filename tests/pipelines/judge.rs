@@ -109,6 +109,33 @@ fn a_judge_reward_scores_as_its_verdict_rule_reads_the_judges_answer() {
     }
     assert_eq!(super::metric(&dir, "reward", "judge_unparsed").len(), 3);
 
+    // The judge on a worker of its own: the reward stages run there alone,
+    // and the run is the colocated judge's row for row and step for step.
+    let mut apart = cfg.clone();
+    apart.placement.workers = 3;
+    apart.placement.judge = vec![2];
+    let apart_dir = tmp.path().join("apart");
+    run(kind, apart, &apart_dir, false);
+    let sorted = |mut rows: Vec<(u64, String, String, f64, String)>| {
+        rows.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        rows
+    };
+    assert_eq!(sorted(judged_rows(&apart_dir)), sorted(rows.clone()));
+    assert_eq!(
+        super::metric(&apart_dir, "learn", "loss"),
+        super::metric(&dir, "learn", "loss")
+    );
+    let workers = |d: &Path, stage: &str| -> std::collections::BTreeSet<u32> {
+        super::metric_rows(d)
+            .into_iter()
+            .filter(|r| r.stage == stage)
+            .map(|r| r.worker)
+            .collect()
+    };
+    assert_eq!(workers(&apart_dir, "reward"), [2].into());
+    assert_eq!(workers(&dir, "reward"), [0].into());
+    assert!(!workers(&apart_dir, "generate").contains(&2));
+
     // The judge as a term of weight 2: its verdict doubled, its answers logged.
     let mut terms = cfg.clone();
     terms.reward.kind = RewardKind::Terms;

@@ -67,6 +67,12 @@ pub mod col {
     pub const REF_LOGPROBS: &str = "ref_logprobs";
     /// Per-token log-probs of the sampled tokens under the teacher (list<f32>; `distill`).
     pub const TEACHER_LOGPROBS: &str = "teacher_logprobs";
+    /// The teacher's `teacher.top_k` largest log-probs at each response
+    /// position, descending, position after position (list<f32> of
+    /// k × response length; `distill` with `teacher.top_k`).
+    pub const TEACHER_TOPK_LOGPROBS: &str = "teacher_topk_logprobs";
+    /// Their token ids, laid out alike (list<i64>).
+    pub const TEACHER_TOPK_IDS: &str = "teacher_topk_ids";
     /// Per-token critic values (list<f32>).
     pub const VALUES: &str = "values";
     /// Per-token advantages (list<f32>).
@@ -265,6 +271,20 @@ pub fn columns() -> Vec<(&'static str, DataType, bool, Phase, bool)> {
         (col::TOKEN_REWARDS, per_token(), true, Phase::Score, true),
         (col::REF_LOGPROBS, per_token(), true, Phase::Score, true),
         (col::TEACHER_LOGPROBS, per_token(), true, Phase::Score, true),
+        (
+            col::TEACHER_TOPK_LOGPROBS,
+            per_token(),
+            true,
+            Phase::Score,
+            false,
+        ),
+        (
+            col::TEACHER_TOPK_IDS,
+            DataType::List(Arc::new(Field::new("item", DataType::Int64, false))),
+            true,
+            Phase::Score,
+            false,
+        ),
         (col::VALUES, per_token(), true, Phase::Score, true),
         (col::ADVANTAGES, per_token(), false, Phase::Advantage, true),
         (col::RETURNS, per_token(), false, Phase::Advantage, true),

@@ -796,6 +796,24 @@ fn gdpo_case(c: &mut Check, name: &str, i: &Value, e: &Value) {
     c.matrix(name, "advantages", &got, &matrix(&e["advantages"]));
 }
 
+/// verl 0.9's top-k forward KL distillation loss: weir's top-k
+/// divergence at β = 0 with the tail dropped, the student's log-probs of
+/// the teacher's ids read from its whole distribution.
+fn forward_kl_topk_case(c: &mut Check, name: &str, i: &Value, e: &Value) {
+    let logits = tensor(&matrix(&i["student_logits"]));
+    let ids = tensor(&matrix(&i["teacher_topk_ids"])).to_kind(Kind::Int64);
+    let student = logits.log_softmax(-1, Kind::Double).gather(-1, &ids, false);
+    let teacher = tensor(&matrix(&i["teacher_topk_logprobs"]));
+    let got = weir_operators::algorithms::topk_divergence(
+        &student,
+        &teacher,
+        0.0,
+        weir_operators::algorithms::TopKTail::Drop,
+    );
+    let got = Vec::<f64>::try_from(got).unwrap();
+    c.vector(name, "losses", &got, &vector(&e["losses"]));
+}
+
 /// verl 0.9's optimal token baseline (single- and multi-turn).
 fn otb_case(c: &mut Check, name: &str, i: &Value, e: &Value) {
     let groups: Vec<u64> = i["index"]
@@ -880,6 +898,7 @@ fn weir_matches_verl_0_9_and_openrlhf_0_11_releases() {
             "stop_properly" => stop_properly_case(&mut check, name, i, e),
             "gdpo_09" => gdpo_case(&mut check, name, i, e),
             "otb_09" => otb_case(&mut check, name, i, e),
+            "forward_kl_topk_09" => forward_kl_topk_case(&mut check, name, i, e),
             other => panic!("{name}: unknown kind {other}"),
         }
         *kinds

@@ -44,6 +44,27 @@ pub enum DistillTask {
     Rloo,
 }
 
+/// `algorithm.gkd_tail`: what the top-k distillation divergence does with
+/// the mass outside the teacher's top k.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GkdTail {
+    /// One more outcome, "any other token", on both sides: a proper divergence.
+    Add,
+    /// Sums over the k tokens alone (verl's `forward_kl_topk` at β = 0).
+    Drop,
+}
+
+impl GkdTail {
+    /// The learner's setting.
+    pub fn tail(self) -> weir_operators::algorithms::TopKTail {
+        match self {
+            GkdTail::Add => weir_operators::algorithms::TopKTail::Add,
+            GkdTail::Drop => weir_operators::algorithms::TopKTail::Drop,
+        }
+    }
+}
+
 /// `placement.weights_channel`: how the learner's weights cross to another process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

@@ -19,10 +19,10 @@ mod validate;
 use text::none_if_empty;
 
 pub use choices::{
-    Aggregation, Backend, CorrectionChoice, DeviceChoice, DistillTask, Dtype, Flavor, JudgeVerdict,
-    KlEstimator, OnError, OnNewWeights, OnUnparsed, PolicyLossChoice, PreferenceChoice,
-    ReferencePlacement, RewardKind, RolloutAdvantages, ScheduleChoice, ToolFormat,
-    WeightsChannelChoice,
+    Aggregation, Backend, CorrectionChoice, DeviceChoice, DistillTask, Dtype, Flavor, GkdTail,
+    JudgeVerdict, KlEstimator, OnError, OnNewWeights, OnUnparsed, PolicyLossChoice,
+    PreferenceChoice, ReferencePlacement, RewardKind, RolloutAdvantages, ScheduleChoice,
+    ToolFormat, WeightsChannelChoice,
 };
 
 /// A whole run config.
@@ -109,6 +109,8 @@ impl Default for JudgeSection {
 pub struct TeacherSection {
     /// The teacher's HF checkpoint folder (`distill`; required there).
     pub path: PathBuf,
+    /// Tokens the teacher records at each position for a top-k loss term (0: none).
+    pub top_k: usize,
 }
 
 /// `[run]`.
@@ -173,6 +175,8 @@ pub struct PlacementSection {
     pub teacher: ReferencePlacement,
     /// Shard the trainers' optimizer state over the data-parallel ranks (ZeRO stages 1 and 2).
     pub shard_optimizer: bool,
+    /// Workers the judge reward runs on (empty: the rollout workers).
+    pub judge: Vec<usize>,
 }
 
 impl Default for PlacementSection {
@@ -188,6 +192,7 @@ impl Default for PlacementSection {
             encrypt: false,
             teacher: ReferencePlacement::Train,
             shard_optimizer: false,
+            judge: Vec::new(),
         }
     }
 }
@@ -499,6 +504,12 @@ pub struct AlgorithmSection {
     pub distill_coef: f64,
     /// The task advantage distillation adds its term to.
     pub distill_task: DistillTask,
+    /// GKD's β of the top-k distillation term.
+    pub gkd_beta: f64,
+    /// The weight of the top-k distillation term in the loss.
+    pub gkd_coef: f64,
+    /// The mass outside the teacher's top k.
+    pub gkd_tail: GkdTail,
     /// Linear warm-up steps.
     pub warmup_steps: u64,
     /// `constant` or `cosine`.
@@ -605,6 +616,9 @@ impl Default for AlgorithmSection {
             lr: 1e-4,
             distill_coef: 1.0,
             distill_task: DistillTask::None,
+            gkd_beta: 0.5,
+            gkd_coef: 1.0,
+            gkd_tail: GkdTail::Add,
             warmup_steps: 0,
             schedule: ScheduleChoice::Constant,
             min_lr_ratio: 0.1,

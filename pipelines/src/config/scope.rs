@@ -18,6 +18,7 @@ fn inert(cfg: &RunConfig, pipeline: PipelineKind) -> Vec<(&'static str, &'static
     prompts(cfg, &mut found);
     rewards(cfg, pipeline, &mut found);
     kl(cfg, pipeline, &mut found);
+    distillation(cfg, pipeline, &mut found);
     policy_loss(cfg, pipeline, &mut found);
     prompt_selection(cfg, &mut found);
     agent(cfg, &mut found);
@@ -230,6 +231,18 @@ fn rewards(cfg: &RunConfig, pipeline: PipelineKind, found: &mut Inert) {
 }
 
 /// The reference and the KL penalty, read only with a KL coefficient.
+/// Distillation's top-k term: its keys act only when the teacher records its top k.
+fn distillation(cfg: &RunConfig, pipeline: PipelineKind, found: &mut Inert) {
+    if pipeline == PipelineKind::Distill {
+        found.unless(
+            cfg.teacher.top_k > 0,
+            "algorithm",
+            &["gkd_beta", "gkd_coef", "gkd_tail"],
+            "teacher.top_k > 0",
+        );
+    }
+}
+
 fn kl(cfg: &RunConfig, pipeline: PipelineKind, found: &mut Inert) {
     let a = &cfg.algorithm;
     if pipeline.is_rl() {

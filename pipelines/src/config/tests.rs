@@ -179,6 +179,8 @@ fn bad_keys_and_values_are_named() {
     for (items, key) in [
         (&["algorithm.kl_estimator=k9"][..], "algorithm.kl_estimator"),
         (&["placement.train=[5]"][..], "placement.train"),
+        // Workers for a judge no reward uses.
+        (&["placement.judge=[1]"][..], "placement.judge"),
         (
             &["data.samples_per_prompt=1"][..],
             "data.samples_per_prompt",

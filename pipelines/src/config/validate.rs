@@ -94,6 +94,35 @@ impl RunConfig {
                 ),
             );
         }
+        let a = &self.algorithm;
+        if !(0.0..=1.0).contains(&a.gkd_beta) {
+            return bad(
+                "algorithm.gkd_beta",
+                a.gkd_beta.to_string(),
+                "GKD's β lies in [0, 1] (0 the forward KL, 1 the reverse KL)",
+            );
+        }
+        if !a.gkd_coef.is_finite() {
+            return bad(
+                "algorithm.gkd_coef",
+                a.gkd_coef.to_string(),
+                "must be a finite number",
+            );
+        }
+        let k = self.teacher.top_k;
+        if k > 0 {
+            let vocab = match weir_gpu::ModelConfig::load(teacher) {
+                Ok(c) => c.vocab_size,
+                Err(e) => return bad("teacher.path", shown, &e.to_string()),
+            };
+            if k as i64 > vocab {
+                return bad(
+                    "teacher.top_k",
+                    k.to_string(),
+                    &format!("the teacher's vocabulary has {vocab} tokens"),
+                );
+            }
+        }
         Ok(())
     }
 
@@ -198,11 +227,19 @@ impl RunConfig {
                 ),
             );
         }
+        if !p.judge.is_empty() && !self.uses_judge() {
+            return bad(
+                "placement.judge",
+                format!("{:?}", p.judge),
+                "places a judge, and no reward uses one (reward.kind = \"judge\" or a judge term): leave it empty",
+            );
+        }
         for (key, set) in [
             ("placement.rollout", &p.rollout),
             ("placement.train", &p.train),
+            ("placement.judge", &p.judge),
         ] {
-            if set.is_empty() {
+            if set.is_empty() && key != "placement.judge" {
                 return bad(key, "[]".into(), "needs at least one worker");
             }
             if let Some(w) = set.iter().find(|w| **w >= p.workers) {

@@ -11,6 +11,7 @@
 pub mod advantages;
 pub mod aggregation;
 pub mod corrections;
+pub mod gkd;
 pub mod kl;
 pub mod losses;
 pub mod objectives;
@@ -24,6 +25,7 @@ pub use advantages::{
     whiten_advantages, whiten_advantages_over, GroupError,
 };
 pub use corrections::GateDivergence;
+pub use gkd::{topk_divergence, GkdLoss, TopKTail};
 pub use kl::{kl, kl_tensor, kl_tokens, kl_unbiased_gradient, token_rewards, KlEstimator};
 pub use losses::{
     aggregate, aggregate_in_step, correction_weights, importance_weights, policy_loss,

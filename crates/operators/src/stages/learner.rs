@@ -24,11 +24,12 @@ use super::train_step::{step_scale_counted, TrainerCore};
 use crate::algorithms::corrections::{batch_normalizer, weight_sums};
 use crate::algorithms::{
     aggregate_in_step, importance_weights, kl_tensor, kl_unbiased_gradient, policy_loss_in_step,
-    KlEstimator, PolicyLossConfig, StepScale, WeightStats,
+    topk_divergence, GkdLoss, KlEstimator, PolicyLossConfig, StepScale, WeightStats,
 };
 use crate::checkpoint::CheckpointPlan;
 use crate::error::OperatorError;
 use crate::rollout::col;
+use weir_gpu::logprobs::HeadReads;
 
 /// Learner settings.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -89,6 +90,11 @@ pub struct LearnerConfig {
     /// Response positions the output head runs on at a time in the
     /// log-prob passes (0: all at once): bounds the logits' memory.
     pub logprob_chunk: usize,
+    /// Distillation over a teacher's top-k tokens (`teacher_topk_ids`,
+    /// `teacher_topk_logprobs`): `coef ·` the divergence at each generated
+    /// token, aggregated as the KL term, added to the loss
+    /// ([`crate::algorithms::gkd`]).
+    pub gkd: Option<GkdLoss>,
 }
 
 impl Default for LearnerConfig {
@@ -111,6 +117,7 @@ impl Default for LearnerConfig {
             gradient_checkpointing: false,
             packing: false,
             logprob_chunk: 0,
+            gkd: None,
         }
     }
 }
@@ -135,6 +142,8 @@ pub struct UpdateStats {
     pub importance_weights: Option<WeightStats>,
     /// Mean reward of the step's rows, when they carry one.
     pub reward: Option<f64>,
+    /// Mean top-k divergence to the teacher per generated token (0 without [`LearnerConfig::gkd`]).
+    pub gkd: f64,
 }
 
 /// The actor's learner.
@@ -214,6 +223,9 @@ impl Learner {
         ];
         if self.cfg.kl_coef > 0.0 {
             out.push(("kl", u.kl));
+        }
+        if self.cfg.gkd.is_some() {
+            out.push(("gkd_divergence", u.gkd));
         }
         if let Some(w) = u.importance_weights {
             out.extend([
@@ -329,6 +341,19 @@ fn padded(rows: &[Vec<f64>], width: usize, device: tch::Device) -> Tensor {
         .to_device(device)
 }
 
+/// Rows of ids, `k` per position, as `[rows, width, k]` (0 past each row's end).
+fn top_grid(rows: &[Vec<i64>], width: usize, k: usize, device: tch::Device) -> Tensor {
+    let mut flat = Vec::with_capacity(rows.len() * width * k);
+    for r in rows {
+        let n = r.len().min(width * k);
+        flat.extend_from_slice(&r[..n]);
+        flat.extend(std::iter::repeat_n(0, width * k - n));
+    }
+    Tensor::from_slice(&flat)
+        .view([rows.len() as i64, width as i64, k as i64])
+        .to_device(device)
+}
+
 impl Learner {
     /// One policy update (`ppo_epochs` optimizer steps) on `batch`'s rows,
     /// outside a pipeline (its errors name the stage `learn`); what it
@@ -361,7 +386,7 @@ impl Learner {
         batch: Option<&RecordBatch>,
         stage: &str,
     ) -> Result<UpdateStats, StageError> {
-        let mut rows = LearnRows::read(batch, self.cfg.kl_coef > 0.0, stage)?;
+        let mut rows = LearnRows::read(batch, self.cfg.kl_coef > 0.0, self.cfg.gkd, stage)?;
         // Over every rank: rows, the rewards' sum and how many there were.
         let mut step_totals = [
             rows.len() as f64,
@@ -422,6 +447,7 @@ impl Learner {
             response_length: step_tokens / step_totals[0].max(1.0),
             reward: (step_totals[2] > 0.0).then(|| step_totals[1] / step_totals[2]),
             importance_weights: weights,
+            gkd: pass.gkd,
         };
         Ok(self.last)
     }
@@ -479,7 +505,7 @@ impl Learner {
         scale: &StepScale,
     ) -> Result<PassFigures, StageError> {
         let mut bounds = None;
-        let mut stats = [0.0; 6];
+        let mut stats = [0.0; 7];
         let cfg = &self.cfg;
         let grad_norm = self.core.step(&mut stats, |model, stats| {
             for (j, &(start, end)) in mini.iter().enumerate() {
@@ -493,12 +519,22 @@ impl Learner {
                 };
                 let micro_loss =
                     |fwd: ResponseForward| Ok((terms.loss(fwd, stats, &mut bounds), ()));
+                let support = rows.top.as_ref().map(|top| {
+                    let width = rows.responses[start..end].iter().map(Vec::len).max();
+                    let width = width.unwrap_or(1).max(1);
+                    top_grid(&top.ids[start..end], width, top.k, model.device())
+                });
+                let reads = HeadReads {
+                    entropy_at: Some(cfg.policy.flavor.entropy_temperature(cfg.temperature)),
+                    support: support.as_ref(),
+                    top_k: 0,
+                };
                 response_backward(
                     model,
                     &rows.prompts[start..end],
                     &rows.responses[start..end],
                     cfg.temperature,
-                    Some(cfg.policy.flavor.entropy_temperature(cfg.temperature)),
+                    reads,
                     cfg.gradient_checkpointing,
                     cfg.logprob_chunk,
                     cfg.packing,
@@ -507,8 +543,9 @@ impl Learner {
             }
             Ok(())
         })?;
-        let [loss, clip_fraction, kl, entropy, weight_mean, masked] = stats;
+        let [loss, clip_fraction, kl, entropy, weight_mean, masked, gkd] = stats;
         Ok(PassFigures {
+            gkd,
             loss,
             clip_fraction,
             kl,
@@ -534,14 +571,26 @@ struct LearnRows {
     /// 1.0 on each response token the model generated, 0.0 on an
     /// episode's observation and boundary tokens (`token_kinds`).
     generated: Vec<Vec<f64>>,
+    /// The teacher's top-k tokens and log-probs, when a top-k loss term reads them.
+    top: Option<TopK>,
+}
+
+/// Each row's teacher top-k ids and log-probs: `k` per response position,
+/// position after position.
+struct TopK {
+    k: usize,
+    ids: Vec<Vec<i64>>,
+    logprobs: Vec<Vec<f64>>,
 }
 
 impl LearnRows {
     /// `batch`'s rows (none for a rank without rows; stage `stage`'s
-    /// input), with the reference's log-probs if `references`.
+    /// input), with the reference's log-probs if `references`, and the
+    /// teacher's top-k tokens for a `gkd` term.
     fn read(
         batch: Option<&RecordBatch>,
         references: bool,
+        gkd: Option<GkdLoss>,
         stage: &str,
     ) -> Result<Self, StageError> {
         let tokens = |name| batch.map_or(Ok(Vec::new()), |b| token_lists(b, name, stage));
@@ -561,7 +610,31 @@ impl LearnRows {
         let generated = batch.map_or(Ok(Vec::new()), |b| {
             super::columns::generated_masks(b, &lengths, stage)
         })?;
+        let top = match gkd {
+            None => None,
+            Some(g) => {
+                let top = TopK {
+                    k: g.k,
+                    ids: tokens(col::TEACHER_TOPK_IDS)?,
+                    logprobs: floats(col::TEACHER_TOPK_LOGPROBS)?,
+                };
+                for (i, len) in lengths.iter().enumerate() {
+                    let want = len * g.k;
+                    if top.ids[i].len() != want || top.logprobs[i].len() != want {
+                        return Err(format!(
+                            "{stage}: row {i}: {} teacher top-k ids and {} log-probs for {len} response tokens, and teacher.top_k = {} wants {want} of each",
+                            top.ids[i].len(),
+                            top.logprobs[i].len(),
+                            g.k
+                        )
+                        .into());
+                    }
+                }
+                Some(top)
+            }
+        };
         Ok(LearnRows {
+            top,
             prompts: tokens(col::PROMPT_TOKENS)?,
             responses,
             advantages: floats(col::ADVANTAGES)?,
@@ -682,6 +755,10 @@ impl LearnRows {
         if let Some(refs) = self.references.as_mut() {
             permute(refs, &order);
         }
+        if let Some(top) = self.top.as_mut() {
+            permute(&mut top.ids, &order);
+            permute(&mut top.logprobs, &order);
+        }
     }
 }
 
@@ -691,6 +768,7 @@ impl LearnRows {
 /// gradient norm, and the importance weights' bounds on this rank.
 #[derive(Clone, Copy, Debug, Default)]
 struct PassFigures {
+    gkd: f64,
     loss: f64,
     clip_fraction: f64,
     kl: f64,
@@ -705,6 +783,7 @@ impl PassFigures {
     /// Adds one of `minis` mini-batches' figures to the pass's mean.
     fn add(&mut self, step: &PassFigures, minis: usize) {
         let m = minis as f64;
+        self.gkd += step.gkd / m;
         self.loss += step.loss / m;
         self.clip_fraction += step.clip_fraction / m;
         self.kl += step.kl / m;
@@ -772,6 +851,18 @@ impl MicroBatch<'_> {
             }
             stats[2] += (kl.detach() * &mask).sum(Kind::Double).double_value(&[]) / total_tokens;
             loss += aggregate_in_step(&kl, &mask, side, flavor, scale) * cfg.kl_coef;
+        }
+        if let (Some(gkd), Some(student), Some(top)) = (cfg.gkd, &fwd.support, &self.rows.top) {
+            // Distillation over the teacher's top k (GKD's divergence).
+            let k = gkd.k as i64;
+            let teacher = padded(&top.logprobs[start..end], width * gkd.k, self.device).view([
+                -1,
+                width as i64,
+                k,
+            ]);
+            let d = topk_divergence(student, &teacher, gkd.beta, gkd.tail);
+            stats[6] += (d.detach() * &mask).sum(Kind::Double).double_value(&[]) / total_tokens;
+            loss += aggregate_in_step(&d, &mask, side, flavor, scale) * gkd.coef;
         }
         if let Some(entropy) = &fwd.entropy {
             if cfg.entropy_coef != 0.0 {

@@ -831,3 +831,163 @@ fn packed_rows_train_like_padded_ones() {
         .to_string();
     assert!(err.contains("algorithm.micro_batch_tokens = 5"), "{err}");
 }
+
+/// A teacher's top-k term (GKD's divergence over the teacher's top k):
+/// the learner's measured divergence is the one computed directly from
+/// the student's full distribution; every path (the chunked head, packed
+/// rows, gradient checkpointing, LoRA) makes the same update; repeated
+/// updates bring the student towards the teacher; rows whose top-k
+/// columns do not hold k per token are refused naming the row.
+#[test]
+fn a_teachers_top_k_term_is_gkds_divergence_on_every_path() {
+    use crate::algorithms::{topk_divergence, TopKTail};
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/models/tiny-qwen2");
+    let prompts = vec![
+        vec![1i64, 2, 3, 4, 5, 6, 7, 8, 9],
+        vec![1, 3],
+        vec![1, 3],
+        vec![7],
+        vec![2, 4, 6],
+    ];
+    let responses = vec![
+        vec![5i64],
+        vec![8, 9, 10, 11, 12, 13, 14, 15],
+        vec![6, 7],
+        vec![],
+        vec![9, 9, 3],
+    ];
+    let k = 4;
+    // The teacher: the same checkpoint, sharper (temperature 0.5).
+    let teacher = Model::load(&dir, weir_gpu::Device::Cpu, Kind::Float).unwrap();
+    let read = super::super::sequences::response_top_logprobs(
+        &teacher, &prompts, &responses, 0.5, k, 3, false,
+    )
+    .unwrap();
+    let row = |t: &Tensor, i: usize| t.get(i as i64).narrow(0, 0, responses[i].len() as i64);
+    let top_ids: Vec<Vec<i64>> = (0..responses.len())
+        .map(|i| Vec::<i64>::try_from(row(&read.ids, i).reshape([-1])).unwrap())
+        .collect();
+    let top_logprobs: Vec<Vec<f64>> = (0..responses.len())
+        .map(|i| {
+            Vec::<f64>::try_from(row(&read.top, i).reshape([-1]).to_kind(Kind::Double)).unwrap()
+        })
+        .collect();
+    let zeros: Vec<Vec<f64>> = responses.iter().map(|r| vec![0.0; r.len()]).collect();
+    let batch = |ids: &[Vec<i64>]| {
+        let b = learn_rows(&prompts, &responses, &zeros, &zeros);
+        let b = weir_graph::batch::with_column(&b, col::TEACHER_TOPK_IDS, token_list_array(ids))
+            .unwrap();
+        weir_graph::batch::with_column(
+            &b,
+            col::TEACHER_TOPK_LOGPROBS,
+            float_list_array(&top_logprobs),
+        )
+        .unwrap()
+    };
+    let gkd = GkdLoss {
+        k,
+        beta: 0.5,
+        coef: 1.0,
+        tail: TopKTail::Add,
+    };
+    let learner = |epochs, chunk, packing, checkpointed, lora: bool| {
+        let mut model = Model::load(&dir, weir_gpu::Device::Cpu, Kind::Float).unwrap();
+        if lora {
+            let adapters = weir_gpu::adapter::LoraConfig {
+                rank: 4,
+                alpha: 8.0,
+                dropout: 0.0,
+                target_modules: vec!["q_proj".into(), "v_proj".into(), "down_proj".into()],
+            };
+            model.add_lora(&adapters, 3).unwrap();
+        }
+        let mut cfg = LearnerConfig {
+            micro_batch: 2,
+            micro_batch_tokens: if packing { 14 } else { 0 },
+            ppo_epochs: epochs,
+            logprob_chunk: chunk,
+            packing,
+            gradient_checkpointing: checkpointed,
+            gkd: Some(gkd),
+            ..LearnerConfig::default()
+        };
+        cfg.adamw.lr = 1e-2;
+        cfg.adamw.eps = 1e-6;
+        Learner::new(model, cfg).unwrap()
+    };
+
+    // The divergence the learner measures before its one step, and directly.
+    let mut one = learner(1, 0, false, false, false);
+    let measured = one.update(&batch(&top_ids)).unwrap().gkd;
+    let student = Model::load(&dir, weir_gpu::Device::Cpu, Kind::Float).unwrap();
+    let (mut sum, mut tokens) = (0.0, 0.0);
+    for (i, (p, r)) in prompts.iter().zip(&responses).enumerate() {
+        if r.is_empty() {
+            continue;
+        }
+        let ids = Tensor::from_slice(&[p.as_slice(), r.as_slice()].concat()).view([1, -1]);
+        let logits = student.logits(&ids, None, None).unwrap().get(0);
+        let at = logits.narrow(0, p.len() as i64 - 1, r.len() as i64);
+        let support = Tensor::from_slice(&top_ids[i]).view([r.len() as i64, k as i64]);
+        let s = at.log_softmax(-1, Kind::Double).gather(-1, &support, false);
+        let t = Tensor::from_slice(&top_logprobs[i]).view([r.len() as i64, k as i64]);
+        let d = topk_divergence(&s, &t, gkd.beta, gkd.tail);
+        sum += d.sum(Kind::Double).double_value(&[]);
+        tokens += r.len() as f64;
+    }
+    assert!(measured > 1e-3, "{measured}");
+    assert!(
+        (measured - sum / tokens).abs() < 1e-5 * measured,
+        "learner {measured} vs direct {}",
+        sum / tokens
+    );
+
+    // The same two-pass update on every path.
+    let run = |chunk, packing, checkpointed, lora| {
+        let mut l = learner(2, chunk, packing, checkpointed, lora);
+        let stats = l.update(&batch(&top_ids)).unwrap();
+        (stats, l.model().named_tensors())
+    };
+    for lora in [false, true] {
+        let (plain, plain_weights) = run(0, false, false, lora);
+        assert!(plain.grad_norm > 0.0 && plain.gkd > 0.0);
+        for (chunk, packing, checkpointed) in [(2, false, false), (0, true, true), (3, true, false)]
+        {
+            let (other, weights) = run(chunk, packing, checkpointed, lora);
+            assert_same_update(
+                &format!(
+                    "chunk {chunk}, packed {packing}, checkpointed {checkpointed}, lora {lora}"
+                ),
+                &[
+                    (plain.loss, other.loss),
+                    (plain.grad_norm, other.grad_norm),
+                    (plain.gkd, other.gkd),
+                ],
+                &plain_weights,
+                &weights,
+            );
+        }
+    }
+
+    // Updates on the term alone bring the student towards the teacher.
+    let mut l = learner(1, 0, false, false, false);
+    let first = l.update(&batch(&top_ids)).unwrap().gkd;
+    let mut last = first;
+    for _ in 0..5 {
+        last = l.update(&batch(&top_ids)).unwrap().gkd;
+    }
+    assert!(last < 0.8 * first, "{first} → {last}");
+
+    // Top-k columns that do not hold k per token: the row named.
+    let mut short = top_ids.clone();
+    short[2].pop();
+    let err = learner(1, 0, false, false, false)
+        .update(&batch(&short))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("row 2") && err.contains("teacher.top_k = 4"),
+        "{err}"
+    );
+}

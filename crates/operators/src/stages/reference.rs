@@ -1,5 +1,6 @@
 //! `RefLogprob`: a frozen model's log-probs of each response's tokens: the
-//! reference's, or a distillation teacher's.
+//! reference's, or a distillation teacher's (with its top-k tokens at each
+//! position, when asked).
 
 use arrow::array::RecordBatch;
 use tch::Kind;
@@ -7,8 +8,8 @@ use weir_gpu::Model;
 use weir_graph::batch::with_column;
 use weir_graph::{Stage, StageError, StepContext};
 
-use super::columns::{float_list_array, token_lists};
-use super::sequences::response_logprobs;
+use super::columns::{float_list_array, token_list_array, token_lists};
+use super::sequences::{response_logprobs, response_top_logprobs};
 use crate::rollout::col;
 
 /// Writes `ref_logprobs` with a frozen model.
@@ -18,6 +19,7 @@ pub struct RefLogprob {
     chunk: usize,
     packed: bool,
     column: &'static str,
+    top_k: usize,
 }
 
 impl RefLogprob {
@@ -29,7 +31,17 @@ impl RefLogprob {
             chunk: 0,
             packed: false,
             column: col::REF_LOGPROBS,
+            top_k: 0,
         }
+    }
+
+    /// Also writes the `k` most likely tokens at each response position
+    /// and their log-probs (`teacher_topk_ids`, `teacher_topk_logprobs`;
+    /// 0: not). Read on libtorch (the CPU kernels read sampled tokens only),
+    /// so the model keeps its libtorch weights.
+    pub fn with_top_k(mut self, k: usize) -> Self {
+        self.top_k = k;
+        self
     }
 
     /// Writes the log-probs to `column` instead of `ref_logprobs` (a
@@ -62,22 +74,47 @@ impl Stage for RefLogprob {
         let prompts = token_lists(&batch, col::PROMPT_TOKENS, ctx.stage())?;
         let responses = token_lists(&batch, col::RESPONSE_TOKENS, ctx.stage())?;
         let _guard = tch::no_grad_guard();
-        let (lp, _) = response_logprobs(
-            &self.model,
-            &prompts,
-            &responses,
-            self.temperature,
-            self.chunk,
-            self.packed,
-        )?;
+        let lengths: Vec<i64> = responses.iter().map(|r| r.len() as i64).collect();
+        // Row i's first `len` entries along dimension 1, flattened.
+        let row =
+            |t: &tch::Tensor, i: usize| t.get(i as i64).narrow(0, 0, lengths[i]).reshape([-1]);
+        let mut batch = batch;
+        let lp = if self.top_k > 0 {
+            let read = response_top_logprobs(
+                &self.model,
+                &prompts,
+                &responses,
+                self.temperature,
+                self.top_k,
+                self.chunk,
+                self.packed,
+            )?;
+            let (top, ids) = (
+                read.top.to_kind(Kind::Double),
+                read.ids.to_kind(Kind::Int64),
+            );
+            let (mut tops, mut top_ids) = (Vec::new(), Vec::new());
+            for i in 0..responses.len() {
+                tops.push(Vec::<f64>::try_from(row(&top, i)).map_err(|e| e.to_string())?);
+                top_ids.push(Vec::<i64>::try_from(row(&ids, i)).map_err(|e| e.to_string())?);
+            }
+            batch = with_column(&batch, col::TEACHER_TOPK_LOGPROBS, float_list_array(&tops))?;
+            batch = with_column(&batch, col::TEACHER_TOPK_IDS, token_list_array(&top_ids))?;
+            read.logprobs
+        } else {
+            response_logprobs(
+                &self.model,
+                &prompts,
+                &responses,
+                self.temperature,
+                self.chunk,
+                self.packed,
+            )?
+            .0
+        };
         let lp = lp.to_kind(Kind::Double);
-        let rows: Vec<Vec<f64>> = responses
-            .iter()
-            .enumerate()
-            .map(|(i, r)| {
-                Vec::<f64>::try_from(lp.get(i as i64).narrow(0, 0, r.len() as i64))
-                    .map_err(|e| e.to_string())
-            })
+        let rows: Vec<Vec<f64>> = (0..responses.len())
+            .map(|i| Vec::<f64>::try_from(row(&lp, i)).map_err(|e| e.to_string()))
             .collect::<Result<_, _>>()?;
         Ok(vec![with_column(
             &batch,

@@ -6,6 +6,7 @@
 use std::collections::HashMap;
 
 use tch::Tensor;
+use weir_gpu::logprobs::{HeadGrads, HeadReads};
 use weir_gpu::{AttentionRow, Model, PackedLayout};
 use weir_graph::StageError;
 
@@ -163,39 +164,52 @@ pub fn pack_flat(
     }
 }
 
-/// Log-probs (and, at the temperature `entropy_at`, the entropy) of packed
-/// rows' response tokens from their states `[1, T, d]`, the output head run
-/// at the real response positions only, laid out `[B, R]` (0 where a
-/// response is shorter).
+/// Log-probs (and what `reads` asks for besides) of packed rows' response
+/// tokens from their states `[1, T, d]`, the output head run at the real
+/// response positions only, laid out `[B, R]` (`[B, R, k]` for support
+/// ids `[B, R, k]`; 0 where a response is shorter).
 fn read_flat(
     model: &Model,
     states: &Tensor,
     flat: &Flat,
     temperature: f64,
-    entropy_at: Option<f64>,
+    reads: HeadReads<'_>,
 ) -> Result<ResponseForward, StageError> {
     let at = states
         .squeeze_dim(0)
         .index_select(0, &flat.real)
         .unsqueeze(0);
     let logits = model.lm_logits(&at)?;
+    let (b, r) = (flat.index.size()[0], flat.index.size()[1]);
+    // The support ids at the real positions `[1, N, k]`.
+    let support = reads.support.map(|ids| {
+        let k = ids.size()[2];
+        ids.view([b * r, k])
+            .index_select(0, &flat.slots)
+            .unsqueeze(0)
+    });
     let read = read_responses(
         &logits,
         &flat.real_targets.unsqueeze(0),
         flat.response_mask.shallow_clone(),
         temperature,
-        entropy_at,
+        HeadReads {
+            support: support.as_ref(),
+            ..reads
+        },
     );
-    let (b, r) = (flat.index.size()[0], flat.index.size()[1]);
     let grid = |x: Tensor| {
-        Tensor::zeros([b * r], (x.kind(), x.device()))
-            .index_copy(0, &flat.slots, &x.view([-1]))
-            .view([b, r])
+        let k = if x.dim() == 3 { x.size()[2] } else { 1 };
+        let shape: &[i64] = if x.dim() == 3 { &[b, r, k] } else { &[b, r] };
+        Tensor::zeros([b * r, k], (x.kind(), x.device()))
+            .index_copy(0, &flat.slots, &x.view([-1, k]))
+            .view(shape)
     };
     Ok(ResponseForward {
         logprobs: grid(read.logprobs),
         mask: read.mask,
         entropy: read.entropy.map(grid),
+        support: read.support.map(grid),
     })
 }
 
@@ -273,17 +287,17 @@ pub fn response_logprobs(
         let hidden = model.hidden_states_packed(&flat.ids, &flat.layout)?;
         if chunks(responses, chunk) {
             let (at, targets, mask) = gather_flat(&hidden, &flat);
-            let f = head_in_chunks(model, &at, &targets, mask, temperature, None, chunk)?;
+            let f = head_in_chunks(model, &at, &targets, mask, temperature, chunk)?;
             return Ok((f.logprobs, f.mask));
         }
-        let f = read_flat(model, &hidden, &flat, temperature, None)?;
+        let f = read_flat(model, &hidden, &flat, temperature, HeadReads::default())?;
         return Ok((f.logprobs, f.mask));
     }
     if !model.runs_on_cpu_kernels() {
         let _guard = tch::no_grad_guard();
         if chunks(responses, chunk) {
             let (hidden, targets, mask) = response_hidden(model, prompts, responses)?;
-            let f = head_in_chunks(model, &hidden, &targets, mask, temperature, None, chunk)?;
+            let f = head_in_chunks(model, &hidden, &targets, mask, temperature, chunk)?;
             return Ok((f.logprobs, f.mask));
         }
         let f = response_forward(model, prompts, responses, temperature, None)?;
@@ -320,6 +334,64 @@ pub fn response_logprobs(
     ))
 }
 
+/// A frozen model's reads of each row's response tokens with its most
+/// likely tokens at each position ([`response_top_logprobs`]).
+pub struct TopLogprobs {
+    /// `log p(response token | prefix)` `[B, R]`.
+    pub logprobs: Tensor,
+    /// 1.0 on real response tokens `[B, R]`.
+    pub mask: Tensor,
+    /// The `k` largest log-probs at each position `[B, R, k]`, descending.
+    pub top: Tensor,
+    /// Their token ids `[B, R, k]`.
+    pub ids: Tensor,
+}
+
+/// Log-probs of each row's response tokens at `temperature` and the `k`
+/// most likely tokens at each response position with their log-probs,
+/// without gradients, on libtorch (the CUDA path; on the CPU too: the
+/// CPU kernels read the sampled tokens only), the rows padded or `packed`,
+/// the output head `chunk` positions at a time (0: all at once).
+pub fn response_top_logprobs(
+    model: &Model,
+    prompts: &[Vec<i64>],
+    responses: &[Vec<i64>],
+    temperature: f64,
+    k: usize,
+    chunk: usize,
+    packed: bool,
+) -> Result<TopLogprobs, StageError> {
+    let _guard = tch::no_grad_guard();
+    let (hidden, targets, mask) = if packed {
+        let pad = checked_pad(model, prompts, responses)?;
+        let flat = pack_flat(prompts, responses, pad, model.device());
+        let states = model.hidden_states_packed(&flat.ids, &flat.layout)?;
+        gather_flat(&states, &flat)
+    } else {
+        response_hidden(model, prompts, responses)?
+    };
+    let (b, r, h) = hidden.size3().map_err(|e| e.to_string())?;
+    let out = weir_gpu::logprobs::head_forward_chunked(
+        &model.lm_weight()?,
+        &hidden.reshape([b * r, h]),
+        &targets.reshape([b * r]),
+        temperature,
+        HeadReads {
+            top_k: k,
+            ..HeadReads::default()
+        },
+        if chunk == 0 { (b * r) as usize } else { chunk },
+    );
+    let (top, ids) = out.top.ok_or("the output head read no top tokens")?;
+    let k = top.size()[1];
+    Ok(TopLogprobs {
+        logprobs: out.logprobs.view([b, r]),
+        mask,
+        top: top.view([b, r, k]),
+        ids: ids.view([b, r, k]),
+    })
+}
+
 /// One forward pass over `prompt ++ response` rows, read at the response positions.
 pub struct ResponseForward {
     /// `log p(response token | prefix)` `[B, R]`.
@@ -328,6 +400,8 @@ pub struct ResponseForward {
     pub mask: Tensor,
     /// The policy's entropy at each response position `[B, R]`, if asked for.
     pub entropy: Option<Tensor>,
+    /// The log-probs of support ids `[B, R, k]` (a teacher's top k), if asked for.
+    pub support: Option<Tensor>,
 }
 
 /// Log-probs (and, at the temperature `entropy_at`, the entropy) of each
@@ -344,7 +418,11 @@ pub fn response_forward(
     entropy_at: Option<f64>,
 ) -> Result<ResponseForward, StageError> {
     let (at, targets, mask) = response_logits(model, prompts, responses)?;
-    Ok(read_responses(&at, &targets, mask, temperature, entropy_at))
+    let reads = HeadReads {
+        entropy_at,
+        ..HeadReads::default()
+    };
+    Ok(read_responses(&at, &targets, mask, temperature, reads))
 }
 
 /// Whether `chunk` splits the output head's work over these responses:
@@ -370,36 +448,37 @@ fn response_hidden(
     Ok(gather_responses(&hidden, packed))
 }
 
-/// Log-probs (and entropy) from hidden states `[B, R, hidden]` through the
-/// output head `chunk` positions at a time, without gradients.
+/// Log-probs from hidden states `[B, R, hidden]` through the output head
+/// `chunk` positions at a time, without gradients.
 fn head_in_chunks(
     model: &Model,
     hidden: &Tensor,
     targets: &Tensor,
     mask: Tensor,
     temperature: f64,
-    entropy_at: Option<f64>,
     chunk: usize,
 ) -> Result<ResponseForward, StageError> {
     let (b, r, h) = hidden.size3().map_err(|e| e.to_string())?;
-    let (logprobs, entropy) = weir_gpu::logprobs::head_forward_chunked(
+    let out = weir_gpu::logprobs::head_forward_chunked(
         &model.lm_weight()?,
         &hidden.detach().reshape([b * r, h]),
         &targets.reshape([b * r]),
         temperature,
-        entropy_at,
+        HeadReads::default(),
         chunk,
     );
     Ok(ResponseForward {
-        logprobs: logprobs.view([b, r]),
+        logprobs: out.logprobs.view([b, r]),
         mask,
-        entropy: entropy.map(|e| e.view([b, r])),
+        entropy: None,
+        support: None,
     })
 }
 
-/// The training pass's head in chunks: log-probs and entropy from the
-/// detached `hidden` `[B, R, hidden]`, `loss_of` on them as leaves, its
-/// gradient in them carried back through the head chunk by chunk
+/// The training pass's head in chunks: log-probs (and what `reads` asks
+/// for besides: the entropy, support ids' log-probs) from the detached
+/// `hidden` `[B, R, hidden]`, `loss_of` on them as leaves, its gradient in
+/// them carried back through the head chunk by chunk
 /// ([`weir_gpu::logprobs::head_backward_chunked`]). Returns what `loss_of`
 /// measured and a surrogate whose backward pass puts that gradient into
 /// `hidden`'s graph and the head's weight: `Σ hidden · ∂L/∂hidden + Σ W · ∂L/∂W`.
@@ -410,7 +489,7 @@ fn chunked_loss<T>(
     targets: &Tensor,
     mask: Tensor,
     temperature: f64,
-    entropy_at: Option<f64>,
+    reads: HeadReads<'_>,
     chunk: usize,
     loss_of: impl FnOnce(ResponseForward) -> Result<(Tensor, T), StageError>,
 ) -> Result<(Tensor, T), StageError> {
@@ -418,38 +497,55 @@ fn chunked_loss<T>(
     let weight = model.lm_weight()?;
     let flat = hidden.detach().reshape([b * r, h]);
     let flat_targets = targets.reshape([b * r]);
-    let (logprobs, entropy) = weir_gpu::logprobs::head_forward_chunked(
+    let flat_support = reads.support.map(|ids| ids.reshape([b * r, -1]));
+    let out = weir_gpu::logprobs::head_forward_chunked(
         &weight,
         &flat,
         &flat_targets,
         temperature,
-        entropy_at,
+        HeadReads {
+            support: flat_support.as_ref(),
+            ..reads
+        },
         chunk,
     );
-    let logprobs = logprobs.detach().view([b, r]).set_requires_grad(true);
-    let entropy = entropy.map(|e| e.detach().view([b, r]).set_requires_grad(true));
+    let leaf = |t: Tensor, shape: &[i64]| t.detach().view(shape).set_requires_grad(true);
+    let logprobs = leaf(out.logprobs, &[b, r]);
+    let entropy = out.entropy.map(|e| leaf(e, &[b, r]));
+    let support = out.support.map(|s| {
+        let k = s.size()[1];
+        leaf(s, &[b, r, k])
+    });
     let (loss, measured) = loss_of(ResponseForward {
         logprobs: logprobs.shallow_clone(),
         mask,
         entropy: entropy.as_ref().map(Tensor::shallow_clone),
+        support: support.as_ref().map(Tensor::shallow_clone),
     })?;
     loss.backward();
     let grad = |t: &Tensor| {
         let g = t.grad();
-        if g.defined() {
-            g.reshape([b * r])
-        } else {
-            t.zeros_like().reshape([b * r])
-        }
+        let g = if g.defined() { g } else { t.zeros_like() };
+        g.reshape([b * r, -1]).squeeze_dim(-1)
     };
+    let grad_logprobs = grad(&logprobs);
     let grad_entropy = entropy.as_ref().map(grad);
+    // [b·r, k] even where k = 1.
+    let grad_support = support.as_ref().map(|s| {
+        let g = s.grad();
+        let g = if g.defined() { g } else { s.zeros_like() };
+        g.reshape([b * r, -1])
+    });
     let (grad_hidden, grad_weight) = weir_gpu::logprobs::head_backward_chunked(
         &weight,
         &flat,
         &flat_targets,
         temperature,
-        &grad(&logprobs),
-        grad_entropy.as_ref().zip(entropy_at),
+        HeadGrads {
+            logprobs: &grad_logprobs,
+            entropy: grad_entropy.as_ref().zip(reads.entropy_at),
+            support: flat_support.as_ref().zip(grad_support.as_ref()),
+        },
         chunk,
     );
     let kind = hidden.kind();
@@ -488,18 +584,22 @@ fn gather_responses(states: &Tensor, packed: Packed) -> (Tensor, Tensor, Tensor)
     (at, targets, packed.response_mask)
 }
 
-/// Log-probs (and entropy) from the logits at the response positions.
+/// Log-probs (and what `reads` asks for besides) from the logits at the
+/// response positions.
 fn read_responses(
     at: &Tensor,
     targets: &Tensor,
     mask: Tensor,
     temperature: f64,
-    entropy_at: Option<f64>,
+    reads: HeadReads<'_>,
 ) -> ResponseForward {
     ResponseForward {
         logprobs: weir_gpu::logprobs::gather_logprobs(at, targets, temperature),
         mask,
-        entropy: entropy_at.map(|t| weir_gpu::logprobs::entropy(at, t)),
+        entropy: reads.entropy_at.map(|t| weir_gpu::logprobs::entropy(at, t)),
+        support: reads
+            .support
+            .map(|ids| weir_gpu::logprobs::logprobs_at(at, ids, temperature)),
     }
 }
 
@@ -513,14 +613,15 @@ fn read_responses(
 /// at most `chunk × vocab` logits exist at once; the gradients are the same.
 /// With `packed`, the rows run as one sequence ([`pack_flat`]): no
 /// position of padding, the same states, a prompt several rows share run
-/// once.
+/// once. `reads` asks for the entropy and the log-probs of support ids
+/// `[B, R, k]` (R the longest response) besides, as leaves of the loss.
 #[allow(clippy::too_many_arguments)]
 pub fn response_backward<T>(
     model: &Model,
     prompts: &[Vec<i64>],
     responses: &[Vec<i64>],
     temperature: f64,
-    entropy_at: Option<f64>,
+    reads: HeadReads<'_>,
     checkpointed: bool,
     chunk: usize,
     packed: bool,
@@ -538,19 +639,13 @@ pub fn response_backward<T>(
             &targets,
             mask,
             temperature,
-            entropy_at,
+            reads,
             chunk,
             loss_of,
         ),
         Responses::Grid(hidden, targets, mask) => {
             let logits = model.lm_logits(hidden)?;
-            loss_of(read_responses(
-                &logits,
-                &targets,
-                mask,
-                temperature,
-                entropy_at,
-            ))
+            loss_of(read_responses(&logits, &targets, mask, temperature, reads))
         }
         Responses::Packed(states, flat) if chunked => {
             let (at, targets, mask) = gather_flat(states, flat);
@@ -560,13 +655,13 @@ pub fn response_backward<T>(
                 &targets,
                 mask,
                 temperature,
-                entropy_at,
+                reads,
                 chunk,
                 loss_of,
             )
         }
         Responses::Packed(states, flat) => {
-            loss_of(read_flat(model, states, flat, temperature, entropy_at)?)
+            loss_of(read_flat(model, states, flat, temperature, reads)?)
         }
     };
     if packed {

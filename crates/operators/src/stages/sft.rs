@@ -125,7 +125,7 @@ impl SftTrainer {
                     &prompts[start..end],
                     &targets[start..end],
                     1.0,
-                    None,
+                    Default::default(),
                     cfg.gradient_checkpointing,
                     cfg.logprob_chunk,
                     false,
