@@ -11,6 +11,7 @@ use weir::graph::parquet_log::{read_parquet_dir, read_parquet_file};
 use weir::operators::rollout::{check, col, Phase};
 use weir::pipelines::config::{
     Aggregation, CorrectionChoice, PreferenceChoice, ReferencePlacement, RewardKind,
+    TeacherPlacement,
 };
 use weir::pipelines::runner::read_resolved;
 use weir::pipelines::{PipelineKind, RunConfig};
@@ -185,7 +186,7 @@ fn every_rl_pipeline_runs_logs_and_checkpoints() {
             }
             // The teacher beside the generator, the reference on the train worker.
             PipelineKind::Distill => {
-                cfg.placement.teacher = ReferencePlacement::Rollout;
+                cfg.placement.teacher = TeacherPlacement::At(ReferencePlacement::Rollout);
             }
             // Every role colocated on one worker.
             PipelineKind::ReinforcePp => {
@@ -2542,6 +2543,32 @@ fn distillation_moves_the_student_toward_its_teacher() {
     assert_eq!(kl.len(), 3, "{kl:?}");
     assert!(kl.values().all(|k| k.is_finite() && *k > 0.0), "{kl:?}");
     assert_eq!(metric(&spread, "learn", "loss").len(), 3);
+
+    // The teacher on a worker of its own: it alone runs the teacher
+    // stage, and the run is the one with the teacher beside the learner.
+    let beside = tmp.path().join("beside");
+    run(PipelineKind::Distill, base("tiny-llama", 2), &beside, false);
+    let mut cfg = base("tiny-llama", 2);
+    cfg.placement.workers = 3;
+    cfg.placement.teacher = TeacherPlacement::Workers(vec![2]);
+    let apart = tmp.path().join("apart");
+    run(PipelineKind::Distill, cfg, &apart, false);
+    let sorted = |dir: &Path| {
+        let mut rows = float_list_column(dir, col::TEACHER_LOGPROBS);
+        rows.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        rows
+    };
+    assert_eq!(sorted(&apart), sorted(&beside));
+    assert_eq!(
+        metric(&apart, "learn", "loss"),
+        metric(&beside, "learn", "loss")
+    );
+    let workers: std::collections::BTreeSet<u32> = metric_rows(&apart)
+        .into_iter()
+        .filter(|r| r.stage == "teacher")
+        .map(|r| r.worker)
+        .collect();
+    assert_eq!(workers, [2].into());
 
     // A missing teacher, or one with another tokenizer: one line naming the key, nothing written.
     let other_tokenizer = tmp.path().join("other-tokenizer");

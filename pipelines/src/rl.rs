@@ -15,7 +15,7 @@ use weir_operators::stages::dynamic_sampling::{DynamicSampling, DynamicSamplingC
 use weir_operators::stages::from_log::{PassLogged, Replaying};
 use weir_operators::stages::prompt_stats::PromptStats;
 
-use crate::config::{DistillTask, ReferencePlacement, RolloutAdvantages};
+use crate::config::{DistillTask, ReferencePlacement, RolloutAdvantages, TeacherPlacement};
 use crate::context::RunContext;
 use crate::roles::{self, ROLLOUT, TRAIN};
 use crate::{PipelineError, PipelineKind, RunConfig};
@@ -358,26 +358,34 @@ fn rollouts(kind: PipelineKind, cfg: &RunConfig, ctx: &RunContext) -> Pipeline {
     // or on the train workers, by group: each of them scores a share of
     // every batch (whole batches in turn would leave all but one idle).
     // Those beside the generator come first: rows reach the train workers once.
+    // A teacher on workers of its own is reached by group, as the train workers are.
+    let by_group = || Partition::ByKey(col::GROUP_ID.into());
+    let placed = |at: ReferencePlacement| match at {
+        ReferencePlacement::Rollout => (ROLLOUT, Partition::Local),
+        ReferencePlacement::Train => (TRAIN, by_group()),
+    };
     let mut scorers = Vec::new();
     if cfg.algorithm.kl_coef > 0.0 {
-        scorers.push(("reference", cfg.placement.reference));
+        scorers.push(("reference", placed(cfg.placement.reference)));
     }
     if teacher {
-        scorers.push(("teacher", cfg.placement.teacher));
+        let at = match &cfg.placement.teacher {
+            TeacherPlacement::At(at) => placed(*at),
+            TeacherPlacement::Workers(_) => (roles::TEACHER, by_group()),
+        };
+        scorers.push(("teacher", at));
     }
-    scorers.sort_by_key(|(_, at)| *at == ReferencePlacement::Train);
-    let pipeline = scorers.into_iter().fold(pipeline, |pipeline, (name, at)| {
-        let (role, partition) = match at {
-            ReferencePlacement::Rollout => (ROLLOUT, Partition::Local),
-            ReferencePlacement::Train => (TRAIN, Partition::ByKey(col::GROUP_ID.into())),
-        };
-        let pipeline = if name == "teacher" {
-            pipeline.stage(name, role, partition, roles::teacher(cfg))
-        } else {
-            pipeline.stage(name, role, partition, roles::reference(cfg))
-        };
-        pipeline.offload(roles::MODEL_QUEUE)
-    });
+    scorers.sort_by_key(|(_, (_, partition))| *partition != Partition::Local);
+    let pipeline = scorers
+        .into_iter()
+        .fold(pipeline, |pipeline, (name, (role, partition))| {
+            let pipeline = if name == "teacher" {
+                pipeline.stage(name, role, partition, roles::teacher(cfg))
+            } else {
+                pipeline.stage(name, role, partition, roles::reference(cfg))
+            };
+            pipeline.offload(roles::MODEL_QUEUE)
+        });
     if judged_apart {
         rewards(
             pipeline,

@@ -37,6 +37,8 @@ pub const ROLLOUT: &str = "rollout";
 pub const TRAIN: &str = "train";
 /// Worker set of a judge reward placed apart (`placement.judge`).
 pub const JUDGE: &str = "judge";
+/// Worker set of a distillation teacher placed apart (`placement.teacher = [..]`).
+pub const TEACHER: &str = "teacher";
 
 /// Queue length of the engine thread of every stage that holds a model
 /// (`Pipeline::offload`): the calls are long, and the worker must stay free

@@ -326,6 +326,12 @@ fn train(req: &RunRequest, segment: &mut Segment) -> Result<RunReport, PipelineE
     } else {
         placement.assign(crate::roles::JUDGE, p.judge.iter().copied())
     };
+    let placement = match &p.teacher {
+        crate::config::TeacherPlacement::Workers(w) => {
+            placement.assign(crate::roles::TEACHER, w.iter().copied())
+        }
+        crate::config::TeacherPlacement::At(_) => placement,
+    };
     let (observer, bar) = crate::progress::observer(
         kind.name(),
         ctx.first_step,

@@ -30,6 +30,55 @@ pub enum ReferencePlacement {
     Rollout,
 }
 
+/// `placement.teacher`: where distillation's teacher runs, as the reference
+/// does (`"train"`, `"rollout"`), or on workers of its own (`[2, 3]`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TeacherPlacement {
+    /// Beside the learner or the generator.
+    At(ReferencePlacement),
+    /// On these workers, a share of every batch each.
+    Workers(Vec<usize>),
+}
+
+impl Serialize for TeacherPlacement {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            TeacherPlacement::At(at) => at.serialize(s),
+            TeacherPlacement::Workers(w) => w.serialize(s),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for TeacherPlacement {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = TeacherPlacement;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("\"train\", \"rollout\" or a list of worker indices")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                match v {
+                    "train" => Ok(TeacherPlacement::At(ReferencePlacement::Train)),
+                    "rollout" => Ok(TeacherPlacement::At(ReferencePlacement::Rollout)),
+                    other => Err(E::invalid_value(serde::de::Unexpected::Str(other), &self)),
+                }
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<Self::Value, A::Error> {
+                let mut workers = Vec::new();
+                while let Some(w) = seq.next_element::<usize>()? {
+                    workers.push(w);
+                }
+                Ok(TeacherPlacement::Workers(workers))
+            }
+        }
+        d.deserialize_any(Visitor)
+    }
+}
+
 /// `algorithm.distill_task`: the task advantage distillation adds its term to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -22,7 +22,7 @@ pub use choices::{
     Aggregation, Backend, CorrectionChoice, DeviceChoice, DistillTask, Dtype, Flavor, GkdTail,
     JudgeVerdict, KlEstimator, OnError, OnNewWeights, OnUnparsed, PolicyLossChoice,
     PreferenceChoice, ReferencePlacement, RewardKind, RolloutAdvantages, ScheduleChoice,
-    ToolFormat, WeightsChannelChoice,
+    TeacherPlacement, ToolFormat, WeightsChannelChoice,
 };
 
 /// A whole run config.
@@ -171,8 +171,8 @@ pub struct PlacementSection {
     pub weights_bucket_mib: usize,
     /// Encrypt every byte between the processes of a cluster.
     pub encrypt: bool,
-    /// Where the distillation teacher runs: `train` or `rollout`.
-    pub teacher: ReferencePlacement,
+    /// Where the distillation teacher runs: `train`, `rollout` or workers of its own.
+    pub teacher: TeacherPlacement,
     /// Shard the trainers' optimizer state over the data-parallel ranks (ZeRO stages 1 and 2).
     pub shard_optimizer: bool,
     /// Workers the judge reward runs on (empty: the rollout workers).
@@ -190,7 +190,7 @@ impl Default for PlacementSection {
             weights_port: 0,
             weights_bucket_mib: 64,
             encrypt: false,
-            teacher: ReferencePlacement::Train,
+            teacher: TeacherPlacement::At(ReferencePlacement::Train),
             shard_optimizer: false,
             judge: Vec::new(),
         }

@@ -202,6 +202,36 @@ fn bad_keys_and_values_are_named() {
             .to_string();
         assert!(err.contains(key), "{items:?}: {err}");
     }
+    // The teacher's placement: a name, or workers that exist.
+    let mut distill = RunConfig::defaults_for(PipelineKind::Distill);
+    distill.model.path = "m".into();
+    let placed = |item: &str| {
+        distill
+            .clone()
+            .with_overrides(&[item.to_string()])
+            .map(|c| c.placement.teacher)
+    };
+    assert_eq!(
+        placed("placement.teacher=[1, 0]").unwrap(),
+        super::TeacherPlacement::Workers(vec![1, 0])
+    );
+    assert_eq!(
+        placed("placement.teacher=\"rollout\"").unwrap(),
+        super::TeacherPlacement::At(super::ReferencePlacement::Rollout)
+    );
+    let err = placed("placement.teacher=\"elsewhere\"")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("placement.teacher") && err.contains("list of worker"),
+        "{err}"
+    );
+    for item in ["placement.teacher=[5]", "placement.teacher=[]"] {
+        let mut c = distill.clone().with_overrides(&[item.to_string()]).unwrap();
+        c.teacher.path = "t".into();
+        let err = c.check_placement().unwrap_err().to_string();
+        assert!(err.contains("placement.teacher"), "{item}: {err}");
+    }
     // A file overrides the pipeline's defaults key by key.
     let sft = RunConfig::load(
         PipelineKind::Sft,

@@ -205,7 +205,7 @@ impl RunConfig {
     }
 
     /// `[placement]`.
-    fn check_placement(&self) -> Result<(), ConfigError> {
+    pub(super) fn check_placement(&self) -> Result<(), ConfigError> {
         let p = &self.placement;
         if p.weights_bucket_mib == 0 {
             return bad(
@@ -234,12 +234,25 @@ impl RunConfig {
                 "places a judge, and no reward uses one (reward.kind = \"judge\" or a judge term): leave it empty",
             );
         }
+        let no_teacher = Vec::new();
+        let teacher = match &p.teacher {
+            super::TeacherPlacement::Workers(w) => w,
+            super::TeacherPlacement::At(_) => &no_teacher,
+        };
+        if matches!(p.teacher, super::TeacherPlacement::Workers(_)) && teacher.is_empty() {
+            return bad(
+                "placement.teacher",
+                "[]".into(),
+                "names no worker: name some, or \"train\" or \"rollout\"",
+            );
+        }
         for (key, set) in [
             ("placement.rollout", &p.rollout),
             ("placement.train", &p.train),
             ("placement.judge", &p.judge),
+            ("placement.teacher", teacher),
         ] {
-            if set.is_empty() && key != "placement.judge" {
+            if set.is_empty() && (key == "placement.rollout" || key == "placement.train") {
                 return bad(key, "[]".into(), "needs at least one worker");
             }
             if let Some(w) = set.iter().find(|w| **w >= p.workers) {
