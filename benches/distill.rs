@@ -7,7 +7,9 @@
 //! tokens, lr 2e-5, β 0.04, k = 1, generation and the reference on worker
 //! 0, the learner on worker 1) and `distill` (the same, the teacher on the
 //! train worker, `algorithm.distill_coef = 1`, no task advantage: the
-//! exact-match reward is logged, not trained on) run in chunks of
+//! exact-match reward is logged, not trained on) and `distill` over the
+//! teacher's top 16 tokens as well (`teacher.top_k = 16`, GKD's
+//! generalized JSD at β = 0.5 added to the same advantage) run in chunks of
 //! `WEIR_BENCH_CHUNK` steps (default 5), each chunk resuming the last,
 //! with the greedy accuracy measured after each, until it reaches the
 //! target (`WEIR_BENCH_TARGET`, default 0.95 × the teacher's accuracy) or
@@ -15,7 +17,8 @@
 //! steps again in one uninterrupted, timed run (no chunk restarts, no
 //! evaluation): its wall time to the target. It prints each method's
 //! accuracy by step, its steps and wall seconds to the target, and last
-//! `distill_vs_grpo_steps_to_target=<GRPO's steps ÷ distillation's>` (a
+//! `distill_vs_grpo_steps_to_target=<GRPO's steps ÷ distillation's>`, the
+//! top-k arm's ratio on the line before it (a
 //! method that never reaches the target counts its maximum, and the line
 //! says so). Under `cargo test` a few steps of everything check that the
 //! bench works.
@@ -39,8 +42,15 @@ fn summary(dir: &Path) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap()
 }
 
-/// The demo's settings for an RL run of `kind` from `start`.
-fn rl_config(kind: PipelineKind, start: &Path, teacher: &Path, seed: u64) -> RunConfig {
+/// The demo's settings for an RL run of `kind` from `start` (distillation
+/// over the teacher's `top_k` tokens as well, when not 0).
+fn rl_config(
+    kind: PipelineKind,
+    start: &Path,
+    teacher: &Path,
+    seed: u64,
+    top_k: usize,
+) -> RunConfig {
     let mut c = RunConfig::defaults_for(kind);
     c.model.path = start.to_path_buf();
     c.run.seed = seed;
@@ -60,6 +70,7 @@ fn rl_config(kind: PipelineKind, start: &Path, teacher: &Path, seed: u64) -> Run
     if kind == PipelineKind::Distill {
         c.teacher.path = teacher.to_path_buf();
         c.algorithm.distill_coef = 1.0;
+        c.teacher.top_k = top_k;
     }
     c
 }
@@ -173,9 +184,17 @@ fn main() {
         demo_started.elapsed().as_secs_f64()
     );
     let mut traces = Vec::new();
-    for kind in [PipelineKind::Grpo, PipelineKind::Distill] {
-        let cfg = rl_config(kind, &start, &teacher, 42);
-        let dir = tmp.path().join(kind.name());
+    for (kind, top_k) in [
+        (PipelineKind::Grpo, 0),
+        (PipelineKind::Distill, 0),
+        (PipelineKind::Distill, 16),
+    ] {
+        let cfg = rl_config(kind, &start, &teacher, 42, top_k);
+        let name = match top_k {
+            0 => kind.name().to_string(),
+            k => format!("{}-top{k}", kind.name()),
+        };
+        let dir = tmp.path().join(&name);
         let trace = train(
             kind,
             cfg.clone(),
@@ -191,19 +210,17 @@ fn main() {
             .map(|(s, a)| format!("{s}:{:.1}%", 100.0 * a))
             .collect();
         let steps = trace.reached.unwrap_or(max_steps);
-        let timed_dir = tmp.path().join(format!("{}-timed", kind.name()));
+        let timed_dir = tmp.path().join(format!("{name}-timed"));
         let seconds = timed(kind, &cfg, &timed_dir, steps);
         match trace.reached {
             Some(steps) => println!(
-                "{:<8} reached {:.1}% at step {steps}, {seconds:.1} s of training ({:.3} s/step); accuracy by step {}",
-                kind.name(),
+                "{name:<12} reached {:.1}% at step {steps}, {seconds:.1} s of training ({:.3} s/step); accuracy by step {}",
                 100.0 * target,
                 seconds / steps as f64,
                 curve.join(" ")
             ),
             None => println!(
-                "{:<8} did not reach {:.1}% in {max_steps} steps ({seconds:.1} s of training); accuracy by step {}",
-                kind.name(),
+                "{name:<12} did not reach {:.1}% in {max_steps} steps ({seconds:.1} s of training); accuracy by step {}",
                 100.0 * target,
                 curve.join(" ")
             ),
@@ -212,6 +229,10 @@ fn main() {
     }
     let steps = |t: &Trace| t.reached.unwrap_or(max_steps) as f64;
     let censored = traces.iter().any(|t| t.reached.is_none());
+    println!(
+        "distill_top16_vs_grpo_steps_to_target={:.2}",
+        steps(&traces[0]) / steps(&traces[2])
+    );
     println!(
         "distill_vs_grpo_steps_to_target={:.2}{}",
         steps(&traces[0]) / steps(&traces[1]),

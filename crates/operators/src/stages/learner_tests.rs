@@ -3,7 +3,9 @@
 
 use super::*;
 use crate::algorithms::Flavor;
+use crate::stages::columns::float_lists;
 use crate::stages::columns::{float_list_array, token_list_array};
+use crate::stages::learn_rows::budget_cuts;
 
 /// A learner's input: prompts, responses, per-token advantages and behaviour log-probs.
 fn learn_rows(

@@ -21,6 +21,7 @@ pub mod distill;
 pub mod dynamic_sampling;
 pub mod from_log;
 pub mod generate;
+mod learn_rows;
 pub mod learner;
 pub mod preference;
 pub mod prompt_files;
