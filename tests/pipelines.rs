@@ -2528,9 +2528,10 @@ fn distillation_moves_the_student_toward_its_teacher() {
     }
 
     // A LoRA student, two data-parallel learner ranks, streaming
-    // generation at staleness 1: every step trains, the teacher scoring
-    // each rank's share.
+    // generation at staleness 1, the teacher's top 3 too: every step
+    // trains, the teacher scoring each rank's share.
     let mut cfg = base("tiny-llama", 3);
+    cfg.teacher.top_k = 3;
     cfg.lora.rank = 4;
     cfg.lora.alpha = 8.0;
     cfg.placement.workers = 3;
@@ -2543,6 +2544,11 @@ fn distillation_moves_the_student_toward_its_teacher() {
     assert_eq!(kl.len(), 3, "{kl:?}");
     assert!(kl.values().all(|k| k.is_finite() && *k > 0.0), "{kl:?}");
     assert_eq!(metric(&spread, "learn", "loss").len(), 3);
+    let gkd = metric(&spread, "learn", "gkd_divergence");
+    assert!(
+        gkd.len() == 3 && gkd.values().all(|d| d.is_finite() && *d > 0.0),
+        "{gkd:?}"
+    );
 
     // The teacher on a worker of its own: it alone runs the teacher
     // stage, and the run is the one with the teacher beside the learner.

@@ -58,6 +58,17 @@ pub fn logged_groups(
     };
     let logged = d.rollout_advantages == RolloutAdvantages::Logged;
     let groups = LoggedGroups::load(&d.rollouts, &filter, d.replay_fraction, logged)?;
+    // What a replayed row cannot be given again: the generator's Σπ².
+    if kind == PipelineKind::Otb && !logged {
+        let squares = weir_operators::rollout::col::SUM_PI_SQUARED;
+        if let Some(path) = groups.file_without(squares) {
+            return Err(format!(
+                "data.rollouts: {}: no `{squares}` column, which the optimal token baseline (otb) needs for every row: only otb runs log it (or set data.rollout_advantages = \"logged\")",
+                path.display()
+            )
+            .into());
+        }
+    }
     tracing::info!(
         groups = groups.len(),
         rows = groups.rows,

@@ -461,6 +461,15 @@ fn bad_logs_are_refused_in_one_line_before_anything_is_written() {
         from("r", &["data.rollouts_where=\"response > 1\""]),
         "column `response` is Utf8, not a number",
     );
+    // A grpo log for the optimal token baseline, which needs each token's Σπ².
+    refused(
+        {
+            let mut args = from("r", &[]);
+            args[1] = "otb".into();
+            args
+        },
+        "no `sum_pi_squared` column",
+    );
     let part = std::fs::read_dir(dir.join("r/rollouts"))
         .unwrap()
         .map(|e| e.unwrap().path())

@@ -114,6 +114,14 @@ impl LoggedGroups {
         })
     }
 
+    /// The first log file that has no column `name`, if one has none.
+    pub fn file_without(&self, name: &str) -> Option<&std::path::Path> {
+        self.files
+            .iter()
+            .find(|f| f.schema.index_of(name).is_err())
+            .map(|f| f.path.as_path())
+    }
+
     /// The logged groups.
     pub fn len(&self) -> usize {
         self.index.len()
