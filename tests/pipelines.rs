@@ -2415,6 +2415,12 @@ fn a_teachers_top_k_is_logged_and_its_divergence_trains_the_student() {
     // Advantages are zero: the term alone trains, and the reverse KL falls too.
     let kl = metric(&dir, "advantage", "teacher_kl");
     assert!(kl[&last] < 0.8 * kl[&0], "{kl:?}");
+    // `weir plot` draws the divergence.
+    let plots = weir::report::plot(&dir).unwrap();
+    assert!(
+        plots.iter().any(|p| p.ends_with("gkd_divergence.png")),
+        "{plots:?}"
+    );
 
     for (key, value, needle) in [
         ("algorithm.gkd_beta", "1.5", "[0, 1]"),

@@ -28,11 +28,13 @@ pub use self::inspect::inspect;
 pub use self::plot::plot;
 
 /// Learner metrics, in the order `inspect` lists them.
-const LEARNER_METRICS: [&str; 8] = [
+const LEARNER_METRICS: [&str; 9] = [
     "reward",
     "kl",
-    // Distillation's reverse KL to the teacher (its advantage stage's).
+    // Distillation's reverse KL to the teacher (its advantage stage's),
+    // and the divergence over the teacher's top k (the learner's).
     "teacher_kl",
+    "gkd_divergence",
     "entropy",
     "loss",
     "grad_norm",

@@ -14,10 +14,11 @@ use super::inspect::SPARK_WIDTH;
 use super::RunMetrics;
 
 /// The per-step curves `plot` draws, each when recorded.
-const PLOTTED: [&str; 6] = [
+const PLOTTED: [&str; 7] = [
     "reward",
     "kl",
     "teacher_kl",
+    "gkd_divergence",
     "entropy",
     "loss",
     "row_latency_s",
@@ -55,7 +56,7 @@ const FONT: &[u8] = include_bytes!("../../assets/fonts/DejaVuSans-subset.ttf");
 
 /// Writes PNG charts of the run in `run_dir` to `RUN_DIR/plots/`: one per
 /// recorded learner curve (`reward.png`, `kl.png`, distillation's
-/// `teacher_kl.png`, `entropy.png`,
+/// `teacher_kl.png` and, over the teacher's top k, `gkd_divergence.png`, `entropy.png`,
 /// `loss.png`, `row_latency_s.png`: from a row's start to its training), a
 /// streaming generator's `generate_slot_occupancy.png`,
 /// `generate_inflight.png`, `generate_partial_ratio.png` and
