@@ -180,6 +180,21 @@ fn judge(cfg: &RunConfig, w: &WorkerInfo, file_columns: &FileColumns) -> Result<
     Ok(Judge::new(model, tokenizer, config)?)
 }
 
+/// Checks the `[judge]` a reward uses before anything is written: its
+/// template against the prompt file's columns, its chat setting against
+/// its tokenizer ([`weir_operators::rewards::judge::check`]).
+pub fn check_judge(cfg: &RunConfig) -> Result<(), StageError> {
+    if !cfg.uses_judge() {
+        return Ok(());
+    }
+    let j = &cfg.judge;
+    let tokenizer = weir_gpu::Tokenizer::load(&j.path)?;
+    let columns = reward_columns(cfg)?;
+    let has_label = cfg.data.label_column.is_some();
+    weir_operators::rewards::judge::check(&j.template, &columns, has_label, j.chat, &tokenizer)?;
+    Ok(())
+}
+
 /// A built-in rule, or a reward the user's binary registered, by name.
 fn rule_term(name: &str) -> Result<TermKind, StageError> {
     if let Some(rule) = rule_reward(name) {

@@ -166,6 +166,7 @@ fn check_request(req: &RunRequest) -> Result<(), PipelineError> {
     if kind.is_rl() {
         check_generation(cfg, &policy)?;
         crate::from_log::check_logs(cfg)?;
+        crate::rewards::check_judge(cfg)?;
     }
     crate::placement::check_data_parallel(cfg)?;
     crate::placement::execution(cfg, &req.cluster)?;

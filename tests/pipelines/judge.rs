@@ -263,8 +263,10 @@ fn bad_judge_inputs_are_refused_naming_their_key() {
     for (i, (change, key)) in cases.iter().enumerate() {
         let mut cfg = base();
         change(&mut cfg);
-        let err = super::run_err(kind, cfg, &tmp.path().join(format!("bad-{i}")));
+        let dir = tmp.path().join(format!("bad-{i}"));
+        let err = super::run_err(kind, cfg, &dir);
         assert!(err.contains(key), "{key}: {err}");
         assert_eq!(err.lines().count(), 1, "{err}");
+        assert!(!dir.exists(), "{key}: the run folder was written");
     }
 }

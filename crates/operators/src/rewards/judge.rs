@@ -119,36 +119,53 @@ pub fn compile(template: &str) -> Result<minijinja::Environment<'static>, String
     Ok(env)
 }
 
+/// Checks a judge's `template` and `chat` setting before anything runs:
+/// the template compiles and names nothing but [`TEMPLATE_NAMES`] and
+/// `columns` (`label` only with a label column), and a chat judge's
+/// tokenizer has a chat template. Returns the compiled template.
+pub fn check(
+    template: &str,
+    columns: &[String],
+    has_label: bool,
+    chat: bool,
+    tokenizer: &Tokenizer,
+) -> Result<minijinja::Environment<'static>, String> {
+    if chat && tokenizer.chat_template().is_none() {
+        return Err(
+            "judge.chat: the judge's tokenizer has no chat template (judge.chat = false gives it the text as is)"
+                .into(),
+        );
+    }
+    let env = compile(template).map_err(|e| format!("judge.template: {e}"))?;
+    let compiled = env.get_template("judge").map_err(|e| e.to_string())?;
+    let known: BTreeSet<&str> = TEMPLATE_NAMES
+        .iter()
+        .copied()
+        .chain(columns.iter().map(String::as_str))
+        .collect();
+    let named = compiled.undeclared_variables(false);
+    if let Some(name) = named.iter().find(|v| !known.contains(v.as_str())) {
+        return Err(format!(
+            "judge.template: names `{name}`, which is none of {known:?} (the prompt, the response, the label and the prompt file's columns)"
+        ));
+    }
+    if !has_label && named.contains("label") {
+        return Err("judge.template: names `label`, but data.label_column is empty".into());
+    }
+    Ok(env)
+}
+
 impl Judge {
-    /// A judge over `model` and its tokenizer. The template must compile
-    /// and name nothing but [`TEMPLATE_NAMES`] and `cfg.columns`.
+    /// A judge over `model` and its tokenizer, its template and chat
+    /// setting as [`check`] holds them.
     pub fn new(model: Model, tokenizer: Tokenizer, cfg: JudgeConfig) -> Result<Self, String> {
-        if cfg.chat && tokenizer.chat_template().is_none() {
-            return Err(
-                "judge.chat: the judge's tokenizer has no chat template (judge.chat = false gives it the text as is)"
-                    .into(),
-            );
-        }
-        let env = compile(&cfg.template).map_err(|e| format!("judge.template: {e}"))?;
-        let template = env.get_template("judge").map_err(|e| e.to_string())?;
-        let known: BTreeSet<&str> = TEMPLATE_NAMES
-            .iter()
-            .copied()
-            .chain(cfg.columns.iter().map(String::as_str))
-            .collect();
-        let unknown: Vec<String> = template
-            .undeclared_variables(false)
-            .into_iter()
-            .filter(|v| !known.contains(v.as_str()))
-            .collect();
-        if let Some(name) = unknown.first() {
-            return Err(format!(
-                "judge.template: names `{name}`, which is none of {known:?} (the prompt, the response, the label and the prompt file's columns)"
-            ));
-        }
-        if cfg.label_column.is_none() && template.undeclared_variables(false).contains("label") {
-            return Err("judge.template: names `label`, but data.label_column is empty".into());
-        }
+        let env = check(
+            &cfg.template,
+            &cfg.columns,
+            cfg.label_column.is_some(),
+            cfg.chat,
+            &tokenizer,
+        )?;
         Ok(Judge {
             model,
             tokenizer,
