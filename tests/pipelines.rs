@@ -2582,7 +2582,34 @@ fn distillation_moves_the_student_toward_its_teacher() {
         .collect();
     assert_eq!(workers, [2].into());
 
-    // A missing teacher, or one with another tokenizer: one line naming the key, nothing written.
+    // A teacher whose vocabulary pads past the student's (Qwen2.5-7B's
+    // against 0.5B's): its top k are the ids the student has a logit for.
+    let mut cfg = base("tiny-qwen3", 1);
+    cfg.teacher.top_k = 8;
+    let wider = tmp.path().join("wider");
+    run(PipelineKind::Distill, cfg, &wider, false);
+    let ids: Vec<i64> = read_parquet_dir(&wider.join("rollouts"))
+        .unwrap()
+        .iter()
+        .flat_map(|b| {
+            weir::operators::stages::columns::token_lists(b, col::TEACHER_TOPK_IDS, "test").unwrap()
+        })
+        .flatten()
+        .collect();
+    assert!(!ids.is_empty());
+    assert!(ids.iter().all(|&id| (0..1000).contains(&id)), "{ids:?}");
+
+    // A missing teacher, or one with another tokenizer, or fewer ids than
+    // the student samples: one line naming the key, nothing written.
+    let mut cfg = base("tiny-llama", 1);
+    cfg.model.path = fixture("tiny-qwen3");
+    let dir = tmp.path().join("refused");
+    let err = run_err(PipelineKind::Distill, cfg, &dir);
+    assert!(
+        err.contains("teacher.path") && err.contains("vocab_size 1000, the policy's"),
+        "{err}"
+    );
+    assert!(!dir.exists());
     let other_tokenizer = tmp.path().join("other-tokenizer");
     std::fs::create_dir_all(&other_tokenizer).unwrap();
     for f in ["config.json", "model.safetensors"] {

@@ -317,6 +317,9 @@ pub fn teacher(
     move |w| {
         let mut model = load_frozen(&cfg, &cfg.teacher.path, w)?;
         let top_k = cfg.teacher.top_k;
+        // The top k among the ids the student has a logit for.
+        let student = weir_gpu::ModelConfig::load(&cfg.model.path)?.vocab_size;
+        let below = (student < model.config.vocab_size).then_some(student);
         if top_k == 0 {
             // Its top k is read on libtorch: it keeps those weights then.
             model.keep_only_cpu_packing()?;
@@ -324,7 +327,7 @@ pub fn teacher(
         Ok(RefLogprob::new(model, cfg.generate.temperature)
             .with_logprob_chunk(cfg.algorithm.logprob_chunk)
             .with_packing(cfg.algorithm.packing)
-            .with_top_k(top_k)
+            .with_top_k(top_k, below)
             .writing(weir_operators::rollout::col::TEACHER_LOGPROBS))
     }
 }

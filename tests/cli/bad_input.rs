@@ -77,6 +77,30 @@ fn a_catalogue_of_bad_run_input_gets_one_line_each() {
     std::fs::create_dir_all(dir.join("foreign")).unwrap();
     std::fs::write(dir.join("foreign/notes.txt"), "mine").unwrap();
     std::fs::create_dir_all(dir.join("empty-model")).unwrap();
+    // tiny-llama with ids 300 and 301 swapped in its tokenizer.json.
+    let swapped = dir.join("swapped-ids");
+    std::fs::create_dir_all(&swapped).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixtures().join("tiny-llama").join(f), swapped.join(f)).unwrap();
+    }
+    let mut tokenizer: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(fixtures().join("tiny-llama/tokenizer.json")).unwrap(),
+    )
+    .unwrap();
+    for entry in tokenizer["model"]["vocab"]
+        .as_object_mut()
+        .unwrap()
+        .values_mut()
+    {
+        match entry.as_i64() {
+            Some(300) => *entry = 301.into(),
+            Some(301) => *entry = 300.into(),
+            _ => {}
+        }
+    }
+    std::fs::write(swapped.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    let swapped = swapped.display().to_string();
+    let qwen3 = fixtures().join("tiny-qwen3").display().to_string();
     let files = [
         ("empty", prompts_file(dir, "empty.jsonl", "")),
         ("csv", prompts_file(dir, "p.csv", "prompt,answer\n1+1=,2\n")),
@@ -324,6 +348,31 @@ fn a_catalogue_of_bad_run_input_gets_one_line_each() {
             ],
             none(),
             "score",
+        ),
+        (
+            "a reference whose tokenizer reads an id as another token",
+            "grpo",
+            vec![format!("model.reference={swapped}")],
+            none(),
+            "`model.reference` = ",
+        ),
+        (
+            "the id that differs",
+            "ppo",
+            vec![format!("model.critic={swapped}")],
+            none(),
+            "token id 300 is",
+        ),
+        (
+            "a reward model with fewer ids than the policy samples",
+            "grpo",
+            vec![
+                format!("model.path={qwen3}"),
+                "reward.kind=model".into(),
+                format!("model.reward_model={rm}"),
+            ],
+            none(),
+            "vocab_size 1000, the policy's",
         ),
         (
             "reward server down",

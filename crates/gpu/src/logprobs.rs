@@ -51,6 +51,10 @@ pub struct HeadReads<'a> {
     pub support: Option<&'a Tensor>,
     /// Read the `top_k` most likely ids and their log-probs (0: not read).
     pub top_k: usize,
+    /// Read the top k among the ids below this one only (a student's
+    /// vocabulary, where it is smaller); the log-probs stay those of the
+    /// whole vocabulary's softmax. `None`: among all ids.
+    pub top_below: Option<i64>,
 }
 
 /// [`head_forward_chunked`]'s outputs: log-probs `[N]`, and the entropy `[N]` and support log-probs `[N, k]` when read.
@@ -100,7 +104,7 @@ pub fn head_forward_chunked(
             ));
         }
         if reads.top_k > 0 {
-            let (values, ids) = top_logprobs(&logits, reads.top_k, temperature);
+            let (values, ids) = top_logprobs(&logits, reads.top_k, temperature, reads.top_below);
             top_values.push(values);
             top_ids.push(ids);
         }
@@ -114,12 +118,20 @@ pub fn head_forward_chunked(
 }
 
 /// The `k` largest of `log_softmax(logits / temperature)` `[.., k]`,
-/// descending, and their ids `[.., k]` (`k` at most the vocabulary).
-pub fn top_logprobs(logits: &Tensor, k: usize, temperature: f64) -> (Tensor, Tensor) {
+/// descending, and their ids `[.., k]`, among the ids below `below` (all:
+/// `None`; `k` at most the ids it leaves).
+pub fn top_logprobs(
+    logits: &Tensor,
+    k: usize,
+    temperature: f64,
+    below: Option<i64>,
+) -> (Tensor, Tensor) {
     let kind = softmax_kind(logits.kind());
     let vocab = logits.size().last().copied().unwrap_or(0);
+    let among = below.map_or(vocab, |b| b.clamp(1, vocab.max(1)));
     let logp = (logits.to_kind(kind) / temperature).log_softmax(-1, kind);
-    logp.topk((k as i64).min(vocab), -1, true, true)
+    logp.narrow(-1, 0, among)
+        .topk((k as i64).min(among), -1, true, true)
 }
 
 /// The gradient of a loss in what [`head_forward_chunked`] read: in the
@@ -241,6 +253,7 @@ mod tests {
                 entropy_at: Some(tau_h),
                 support: Some(&ids),
                 top_k: 2,
+                top_below: None,
             };
             let out = head_forward_chunked(&weight, &hidden, &targets, tau, reads, chunk);
             let close = |a: &Tensor, b: &Tensor| (a - b).abs().max().double_value(&[]) < 1e-12;
@@ -251,6 +264,20 @@ mod tests {
             let full = (logits.detach() / tau).log_softmax(-1, Kind::Double);
             assert!(close(&top, &full.gather(-1, &top_ids, false)));
             assert!(close(&top.select(1, 0), &full.max_dim(-1, false).0));
+            // The top among the first 3 ids: the whole softmax's log-probs, ids below 3.
+            let below = HeadReads {
+                top_below: Some(3),
+                ..reads
+            };
+            let (top3, ids3) = head_forward_chunked(&weight, &hidden, &targets, tau, below, chunk)
+                .top
+                .unwrap();
+            assert!(close(&top3, &full.gather(-1, &ids3, false)));
+            assert!(close(
+                &top3.select(1, 0),
+                &full.narrow(-1, 0, 3).max_dim(-1, false).0
+            ));
+            assert!(ids3.max().int64_value(&[]) < 3);
             let grads = HeadGrads {
                 logprobs: &g_lp,
                 entropy: Some((&g_h, tau_h)),

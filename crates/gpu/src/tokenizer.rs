@@ -443,6 +443,37 @@ impl Tokenizer {
     pub fn dir(&self) -> &Path {
         &self.dir
     }
+
+    /// The first token id that this tokenizer (called `name`) and `other`
+    /// (`other_name`) read as different tokens, in words; `None` when every
+    /// id of either names the same token in both (vocabulary and added
+    /// tokens alike). What one model needs of another whose token ids it
+    /// scores; how the two split text (merges, normalizer) and how their
+    /// files are laid out do not matter to it.
+    pub fn id_difference(&self, name: &str, other: &Tokenizer, other_name: &str) -> Option<String> {
+        let by_id = |t: &Tokenizer| -> std::collections::BTreeMap<u32, String> {
+            t.inner
+                .get_vocab(true)
+                .into_iter()
+                .map(|(token, id)| (id, token))
+                .collect()
+        };
+        let (ours, theirs) = (by_id(self), by_id(other));
+        let shown = |t: Option<&String>| t.map_or("no token".to_string(), |t| format!("{t:?}"));
+        let id = ours
+            .keys()
+            .chain(theirs.keys())
+            .copied()
+            .filter(|id| ours.get(id) != theirs.get(id))
+            .min()?;
+        Some(format!(
+            "token id {id} is {} in {name} and {} in {other_name} ({} ids against {})",
+            shown(ours.get(&id)),
+            shown(theirs.get(&id)),
+            ours.len(),
+            theirs.len()
+        ))
+    }
 }
 
 /// The ChatML template (the arith task's and Qwen's format).
@@ -545,4 +576,71 @@ pub fn train_chatml_bpe(
         std::fs::write(&path, text).map_err(|e| ModelError::io(&path, e))?;
     }
     Ok(tokenizer.get_vocab_size(true))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The fixture's tokenizer, its `tokenizer.json` rewritten by `edit`.
+    fn edited(edit: impl FnOnce(&mut Value)) -> (tempfile::TempDir, Tokenizer) {
+        let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tokenizer");
+        let dir = tempfile::tempdir().unwrap();
+        let mut json: Value =
+            serde_json::from_slice(&std::fs::read(fixture.join("tokenizer.json")).unwrap())
+                .unwrap();
+        edit(&mut json);
+        let text = serde_json::to_string_pretty(&json).unwrap();
+        std::fs::write(dir.path().join("tokenizer.json"), text).unwrap();
+        let tokenizer = Tokenizer::load(dir.path()).unwrap();
+        (dir, tokenizer)
+    }
+
+    #[test]
+    fn tokenizers_differ_only_where_an_id_names_another_token() {
+        let (_a, original) = edited(|_| {});
+        // Another layout and fields no id depends on: the same ids.
+        let (_b, relaid) = edited(|t| {
+            t["truncation"] = serde_json::json!({"max_length": 7, "strategy": "LongestFirst", "stride": 0, "direction": "Right"});
+        });
+        assert_eq!(original.id_difference("a", &relaid, "b"), None);
+        // Two ids swapped: the lower named, with both readings.
+        let (_c, swapped) = edited(|t| {
+            for id in t["model"]["vocab"].as_object_mut().unwrap().values_mut() {
+                match id.as_i64() {
+                    Some(40) => *id = 41.into(),
+                    Some(41) => *id = 40.into(),
+                    _ => {}
+                }
+            }
+        });
+        let said = original.id_difference("a", &swapped, "b").unwrap();
+        let token = |t: &Tokenizer, id: u32| format!("{:?}", t.inner.id_to_token(id).unwrap());
+        assert!(
+            said.starts_with(&format!(
+                "token id 40 is {} in a and {} in b",
+                token(&original, 40),
+                token(&original, 41)
+            )),
+            "{said}"
+        );
+        // A token only one of them has.
+        let next = original.vocab_size() as u32;
+        let (_d, added) = edited(|t| {
+            t["added_tokens"]
+                .as_array_mut()
+                .unwrap()
+                .push(serde_json::json!({
+                    "id": next, "content": "<tool>", "single_word": false, "lstrip": false,
+                    "rstrip": false, "normalized": false, "special": true
+                }));
+        });
+        let said = original.id_difference("a", &added, "b").unwrap();
+        assert!(
+            said.starts_with(&format!(
+                "token id {next} is no token in a and \"<tool>\" in b"
+            )),
+            "{said}"
+        );
+    }
 }

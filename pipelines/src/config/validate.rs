@@ -22,6 +22,7 @@ impl RunConfig {
     pub fn validate(&self, pipeline: PipelineKind) -> Result<(), ConfigError> {
         self.check_run()?;
         self.check_teacher(pipeline)?;
+        self.check_scorers(pipeline)?;
         self.check_judge()?;
         self.check_placement()?;
         self.check_data(pipeline)?;
@@ -83,15 +84,11 @@ impl RunConfig {
                 "no config.json there: not a HuggingFace checkpoint folder",
             );
         }
-        let tokenizer = |dir: &std::path::Path| std::fs::read(dir.join("tokenizer.json")).ok();
-        if tokenizer(teacher) != tokenizer(&self.model.path) {
+        if !teacher.join("tokenizer.json").is_file() {
             return bad(
                 "teacher.path",
                 shown,
-                &format!(
-                    "its tokenizer.json is not the student's ({}): the teacher must score the student's token ids",
-                    self.model.path.join("tokenizer.json").display()
-                ),
+                "no tokenizer.json there to hold to the student's: the teacher scores the student's token ids",
             );
         }
         let a = &self.algorithm;
@@ -115,11 +112,96 @@ impl RunConfig {
                 Ok(c) => c.vocab_size,
                 Err(e) => return bad("teacher.path", shown, &e.to_string()),
             };
-            if k as i64 > vocab {
+            // The top k are read among the ids both vocabularies hold.
+            let student =
+                weir_gpu::ModelConfig::load(&self.model.path).map_or(vocab, |c| c.vocab_size);
+            if k as i64 > vocab.min(student) {
                 return bad(
                     "teacher.top_k",
                     k.to_string(),
-                    &format!("the teacher's vocabulary has {vocab} tokens"),
+                    &format!(
+                        "the teacher's vocabulary has {vocab} tokens, the student's {student}"
+                    ),
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// The checkpoints that read the policy's token ids (the teacher, a
+    /// reference, reward model or critic of their own) give every id the
+    /// policy's meaning: their tokenizers map each id to the same token,
+    /// and their vocabularies (`config.json`'s `vocab_size`, which may pad
+    /// past the tokenizer's) reach at least as far as the policy's, so any
+    /// id it samples can be scored. Folders that do not load are left to
+    /// the checks that load them.
+    fn check_scorers(&self, pipeline: PipelineKind) -> Result<(), ConfigError> {
+        use weir_gpu::{ModelConfig, Tokenizer};
+        if matches!(pipeline, PipelineKind::Sft | PipelineKind::Rm) {
+            return Ok(());
+        }
+        let m = &self.model;
+        let mut scorers = vec![
+            ("model.reference", "the reference", m.reference.as_ref()),
+            (
+                "model.reward_model",
+                "the reward model",
+                m.reward_model.as_ref(),
+            ),
+            ("model.critic", "the critic", m.critic.as_ref()),
+        ];
+        if pipeline == PipelineKind::Distill {
+            scorers.push(("teacher.path", "the teacher", Some(&self.teacher.path)));
+        }
+        let Ok(policy) = ModelConfig::load(&m.path) else {
+            return Ok(());
+        };
+        let policy_tokenizer = std::sync::OnceLock::new();
+        for (key, role, dir) in scorers {
+            let Some(dir) = dir.filter(|d| **d != m.path) else {
+                continue;
+            };
+            let shown = format!("{:?}", dir.display().to_string());
+            let Ok(config) = ModelConfig::load(dir) else {
+                continue;
+            };
+            if config.vocab_size < policy.vocab_size {
+                return bad(
+                    key,
+                    shown,
+                    &format!(
+                        "its config.json has vocab_size {}, the policy's ({}) {}: {role} could not score a sampled id past {}",
+                        config.vocab_size,
+                        m.path.display(),
+                        policy.vocab_size,
+                        config.vocab_size - 1
+                    ),
+                );
+            }
+            let same_file =
+                |f: &str| std::fs::read(dir.join(f)).ok() == std::fs::read(m.path.join(f)).ok();
+            if !dir.join("tokenizer.json").is_file() || same_file("tokenizer.json") {
+                continue;
+            }
+            let theirs = match Tokenizer::load(dir) {
+                Ok(t) => t,
+                Err(e) => return bad(key, shown, &format!("its tokenizer does not load: {e}")),
+            };
+            let Ok(ours) = policy_tokenizer
+                .get_or_init(|| Tokenizer::load(&m.path))
+                .as_ref()
+            else {
+                continue;
+            };
+            if let Some(difference) = theirs.id_difference(
+                &format!("{role}'s tokenizer.json"),
+                ours,
+                &format!("the policy's ({})", m.path.display()),
+            ) {
+                return bad(
+                    key,
+                    shown,
+                    &format!("{difference}: {role} scores the policy's token ids, so its tokenizer must give each the same token"),
                 );
             }
         }

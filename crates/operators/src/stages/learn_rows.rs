@@ -40,11 +40,13 @@ pub(super) struct TopK {
 impl LearnRows {
     /// `batch`'s rows (none for a rank without rows; stage `stage`'s
     /// input), with the reference's log-probs if `references`, and the
-    /// teacher's top-k tokens for a `gkd` term.
+    /// teacher's top-k tokens for a `gkd` term (each an id of the
+    /// student's `vocab`).
     pub(super) fn read(
         batch: Option<&RecordBatch>,
         references: bool,
         gkd: Option<GkdLoss>,
+        vocab: i64,
         stage: &str,
     ) -> Result<Self, StageError> {
         let tokens = |name| batch.map_or(Ok(Vec::new()), |b| token_lists(b, name, stage));
@@ -80,6 +82,12 @@ impl LearnRows {
                             top.ids[i].len(),
                             top.logprobs[i].len(),
                             g.k
+                        )
+                        .into());
+                    }
+                    if let Some(id) = top.ids[i].iter().find(|&&id| !(0..vocab).contains(&id)) {
+                        return Err(format!(
+                            "{stage}: row {i}: teacher top-k id {id} is outside the student's vocabulary (0..{vocab})"
                         )
                         .into());
                     }

@@ -329,7 +329,8 @@ impl Learner {
         batch: Option<&RecordBatch>,
         stage: &str,
     ) -> Result<UpdateStats, StageError> {
-        let mut rows = LearnRows::read(batch, self.cfg.kl_coef > 0.0, self.cfg.gkd, stage)?;
+        let vocab = self.core.model().config.vocab_size;
+        let mut rows = LearnRows::read(batch, self.cfg.kl_coef > 0.0, self.cfg.gkd, vocab, stage)?;
         // Over every rank: rows, the rewards' sum and how many there were.
         let mut step_totals = [
             rows.len() as f64,
@@ -471,6 +472,7 @@ impl Learner {
                     entropy_at: Some(cfg.policy.flavor.entropy_temperature(cfg.temperature)),
                     support: support.as_ref(),
                     top_k: 0,
+                    top_below: None,
                 };
                 response_backward(
                     model,

@@ -863,7 +863,13 @@ fn a_teachers_top_k_term_is_gkds_divergence_on_every_path() {
     // The teacher: the same checkpoint, sharper (temperature 0.5).
     let teacher = Model::load(&dir, weir_gpu::Device::Cpu, Kind::Float).unwrap();
     let read = super::super::sequences::response_top_logprobs(
-        &teacher, &prompts, &responses, 0.5, k, 3, false,
+        &teacher,
+        &prompts,
+        &responses,
+        0.5,
+        super::super::sequences::TopTokens { k, below: None },
+        3,
+        false,
     )
     .unwrap();
     let row = |t: &Tensor, i: usize| t.get(i as i64).narrow(0, 0, responses[i].len() as i64);

@@ -9,7 +9,7 @@ use weir_graph::batch::with_column;
 use weir_graph::{Stage, StageError, StepContext};
 
 use super::columns::{float_list_array, token_list_array, token_lists};
-use super::sequences::{response_logprobs, response_top_logprobs};
+use super::sequences::{response_logprobs, response_top_logprobs, TopTokens};
 use crate::rollout::col;
 
 /// Writes `ref_logprobs` with a frozen model.
@@ -19,7 +19,7 @@ pub struct RefLogprob {
     chunk: usize,
     packed: bool,
     column: &'static str,
-    top_k: usize,
+    top: TopTokens,
 }
 
 impl RefLogprob {
@@ -31,16 +31,19 @@ impl RefLogprob {
             chunk: 0,
             packed: false,
             column: col::REF_LOGPROBS,
-            top_k: 0,
+            top: TopTokens::default(),
         }
     }
 
     /// Also writes the `k` most likely tokens at each response position
     /// and their log-probs (`teacher_topk_ids`, `teacher_topk_logprobs`;
     /// 0: not). Read on libtorch (the CPU kernels read sampled tokens only),
-    /// so the model keeps its libtorch weights.
-    pub fn with_top_k(mut self, k: usize) -> Self {
-        self.top_k = k;
+    /// so the model keeps its libtorch weights. With `below`, the top k are
+    /// taken among the ids below it (the student's vocabulary, where the
+    /// teacher's pads further: ids the student has no logit for), their
+    /// log-probs still the teacher's whole softmax.
+    pub fn with_top_k(mut self, k: usize, below: Option<i64>) -> Self {
+        self.top = TopTokens { k, below };
         self
     }
 
@@ -79,13 +82,13 @@ impl Stage for RefLogprob {
         let row =
             |t: &tch::Tensor, i: usize| t.get(i as i64).narrow(0, 0, lengths[i]).reshape([-1]);
         let mut batch = batch;
-        let lp = if self.top_k > 0 {
+        let lp = if self.top.k > 0 {
             let read = response_top_logprobs(
                 &self.model,
                 &prompts,
                 &responses,
                 self.temperature,
-                self.top_k,
+                self.top,
                 self.chunk,
                 self.packed,
             )?;

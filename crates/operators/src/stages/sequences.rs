@@ -347,7 +347,18 @@ pub struct TopLogprobs {
     pub ids: Tensor,
 }
 
-/// Log-probs of each row's response tokens at `temperature` and the `k`
+/// Which top tokens [`response_top_logprobs`] reads: the `k` most likely
+/// among the ids below `below` (a student's vocabulary, where it is the
+/// smaller; `None`: all ids).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TopTokens {
+    /// How many.
+    pub k: usize,
+    /// Among the ids below this one only.
+    pub below: Option<i64>,
+}
+
+/// Log-probs of each row's response tokens at `temperature` and the `top.k`
 /// most likely tokens at each response position with their log-probs,
 /// without gradients, on libtorch (the CUDA path; on the CPU too: the
 /// CPU kernels read the sampled tokens only), the rows padded or `packed`,
@@ -357,7 +368,7 @@ pub fn response_top_logprobs(
     prompts: &[Vec<i64>],
     responses: &[Vec<i64>],
     temperature: f64,
-    k: usize,
+    top: TopTokens,
     chunk: usize,
     packed: bool,
 ) -> Result<TopLogprobs, StageError> {
@@ -377,7 +388,8 @@ pub fn response_top_logprobs(
         &targets.reshape([b * r]),
         temperature,
         HeadReads {
-            top_k: k,
+            top_k: top.k,
+            top_below: top.below,
             ..HeadReads::default()
         },
         if chunk == 0 { (b * r) as usize } else { chunk },
