@@ -444,12 +444,14 @@ impl Tokenizer {
         &self.dir
     }
 
-    /// The first token id that this tokenizer (called `name`) and `other`
-    /// (`other_name`) read as different tokens, in words; `None` when every
-    /// id of either names the same token in both (vocabulary and added
-    /// tokens alike). What one model needs of another whose token ids it
-    /// scores; how the two split text (merges, normalizer) and how their
-    /// files are laid out do not matter to it.
+    /// The first token id of this tokenizer (called `name`) that `other`
+    /// (`other_name`) reads as another token or not at all, in words;
+    /// `None` when `other` gives every id of this one the same token
+    /// (vocabulary and added tokens alike; ids only `other` has do not
+    /// count: a newer family's added tokens after an older one's). What a
+    /// model scoring this tokenizer's ids needs of its own; how the two
+    /// split text (merges, normalizer) and how their files are laid out do
+    /// not matter to it.
     pub fn id_difference(&self, name: &str, other: &Tokenizer, other_name: &str) -> Option<String> {
         let by_id = |t: &Tokenizer| -> std::collections::BTreeMap<u32, String> {
             t.inner
@@ -459,19 +461,14 @@ impl Tokenizer {
                 .collect()
         };
         let (ours, theirs) = (by_id(self), by_id(other));
-        let shown = |t: Option<&String>| t.map_or("no token".to_string(), |t| format!("{t:?}"));
-        let id = ours
-            .keys()
-            .chain(theirs.keys())
-            .copied()
-            .filter(|id| ours.get(id) != theirs.get(id))
-            .min()?;
+        let (id, token) = ours
+            .iter()
+            .find(|(id, token)| theirs.get(id) != Some(token))?;
         Some(format!(
-            "token id {id} is {} in {name} and {} in {other_name} ({} ids against {})",
-            shown(ours.get(&id)),
-            shown(theirs.get(&id)),
-            ours.len(),
-            theirs.len()
+            "token id {id} is {token:?} in {name} and {} in {other_name}",
+            theirs
+                .get(id)
+                .map_or("no token".to_string(), |t| format!("{t:?}"))
         ))
     }
 }
@@ -617,14 +614,14 @@ mod tests {
         let said = original.id_difference("a", &swapped, "b").unwrap();
         let token = |t: &Tokenizer, id: u32| format!("{:?}", t.inner.id_to_token(id).unwrap());
         assert!(
-            said.starts_with(&format!(
+            said == format!(
                 "token id 40 is {} in a and {} in b",
                 token(&original, 40),
                 token(&original, 41)
-            )),
+            ),
             "{said}"
         );
-        // A token only one of them has.
+        // A token only one of them has: missing where the other reads it.
         let next = original.vocab_size() as u32;
         let (_d, added) = edited(|t| {
             t["added_tokens"]
@@ -635,12 +632,11 @@ mod tests {
                     "rstrip": false, "normalized": false, "special": true
                 }));
         });
-        let said = original.id_difference("a", &added, "b").unwrap();
-        assert!(
-            said.starts_with(&format!(
-                "token id {next} is no token in a and \"<tool>\" in b"
-            )),
-            "{said}"
+        assert_eq!(original.id_difference("a", &added, "b"), None);
+        let said = added.id_difference("b", &original, "a").unwrap();
+        assert_eq!(
+            said,
+            format!("token id {next} is \"<tool>\" in b and no token in a")
         );
     }
 }

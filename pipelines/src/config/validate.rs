@@ -130,8 +130,9 @@ impl RunConfig {
 
     /// The checkpoints that read the policy's token ids (the teacher, a
     /// reference, reward model or critic of their own) give every id the
-    /// policy's meaning: their tokenizers map each id to the same token,
-    /// and their vocabularies (`config.json`'s `vocab_size`, which may pad
+    /// policy's meaning: their tokenizers read each id of the policy's as
+    /// it does (ids of their own past the policy's are fine, as a newer
+    /// family's added tokens are), and their vocabularies (`config.json`'s `vocab_size`, which may pad
     /// past the tokenizer's) reach at least as far as the policy's, so any
     /// id it samples can be scored. Folders that do not load are left to
     /// the checks that load them.
@@ -193,15 +194,15 @@ impl RunConfig {
             else {
                 continue;
             };
-            if let Some(difference) = theirs.id_difference(
-                &format!("{role}'s tokenizer.json"),
-                ours,
-                &format!("the policy's ({})", m.path.display()),
+            if let Some(difference) = ours.id_difference(
+                &format!("the policy's tokenizer ({})", m.path.display()),
+                &theirs,
+                &format!("{role}'s"),
             ) {
                 return bad(
                     key,
                     shown,
-                    &format!("{difference}: {role} scores the policy's token ids, so its tokenizer must give each the same token"),
+                    &format!("{difference}: {role} scores the policy's token ids, so its tokenizer must read each as the policy's does"),
                 );
             }
         }
