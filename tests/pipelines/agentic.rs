@@ -205,6 +205,57 @@ fn the_optimal_token_baseline_counts_only_the_models_tokens_of_an_episode() {
     assert!(super::check_otb(&dir) > 0);
 }
 
+/// Prompts from a file through the chat template (a system prompt and the
+/// question), with tools: the episode's prompt is that conversation
+/// rendered once with the tools' schemas, not the rendered text nested in
+/// another user message.
+#[test]
+fn a_chat_rendered_prompt_file_with_tools_renders_its_conversation_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let prompts = tmp.path().join("questions.jsonl");
+    let lines: Vec<String> = (1..5)
+        .map(|i| {
+            serde_json::json!({"question": format!("{i}*7="), "answer": format!("{}", 7 * i)})
+                .to_string()
+        })
+        .collect();
+    std::fs::write(&prompts, lines.join("\n")).unwrap();
+    let kind = PipelineKind::Grpo;
+    let mut cfg = config(kind, 1);
+    cfg.model.path = with_tool_template(tmp.path());
+    cfg.data.prompts = weir::pipelines::config::Task::File(prompts);
+    cfg.data.prompt_column = "question".into();
+    cfg.data.apply_chat_template = true;
+    cfg.data.system_prompt = Some("Use the tools.".into());
+    cfg.agent.tools = vec!["calculator".into()];
+    let dir = tmp.path().join("run");
+    run(kind, cfg, &dir, false);
+    let tokenizer = weir::gpu::Tokenizer::load(&fixture("arith-sft")).unwrap();
+    let mut rows = 0;
+    for b in &read_parquet_dir(&dir.join("rollouts")).unwrap() {
+        let prompts = lists::<arrow::datatypes::Int64Type>(b, col::PROMPT_TOKENS);
+        let messages = b
+            .column_by_name(col::PROMPT_MESSAGES)
+            .unwrap()
+            .as_string::<i32>();
+        for (row, prompt) in prompts.iter().enumerate() {
+            let m: serde_json::Value = serde_json::from_str(messages.value(row)).unwrap();
+            let question = m[1]["content"].as_str().unwrap();
+            let text = tokenizer.decode(prompt, false).unwrap();
+            let want = format!(
+                "<|im_end|>\n<|im_start|>system\nUse the tools.<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+            );
+            assert!(
+                text.starts_with("<|im_start|>system\nTools:\n") && text.ends_with(&want),
+                "{text}"
+            );
+            assert_eq!(text.matches("<|im_start|>").count(), 4, "{text}");
+            rows += 1;
+        }
+    }
+    assert_eq!(rows, 3 * 4);
+}
+
 #[test]
 fn the_calculator_tool_runs_in_grpo_and_its_schema_reaches_the_prompt() {
     let tmp = tempfile::tempdir().unwrap();

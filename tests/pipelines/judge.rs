@@ -217,6 +217,60 @@ fn a_probability_verdict_is_the_judges_probability_of_its_tokens() {
     }
 }
 
+/// A prompt file read through the policy's chat template (a system
+/// prompt, a user message): the judge's `prompt` is the user's question
+/// as the file gives it, not the policy's rendered markup; the rollout
+/// log keeps the conversation (`prompt_messages`).
+#[test]
+fn a_judge_reads_the_question_not_the_policys_chat_markup() {
+    let tmp = tempfile::tempdir().unwrap();
+    let prompts = tmp.path().join("questions.jsonl");
+    let lines: Vec<String> = (0..6)
+        .map(|i| {
+            serde_json::json!({"question": format!("{i}+{i}="), "answer": format!("{}", 2 * i)})
+                .to_string()
+        })
+        .collect();
+    std::fs::write(&prompts, lines.join("\n")).unwrap();
+    let kind = PipelineKind::Grpo;
+    let mut cfg = config(kind, 1);
+    cfg.data.prompts = weir::pipelines::config::Task::File(prompts);
+    cfg.data.prompt_column = "question".into();
+    cfg.data.label_column = Some("question".into());
+    cfg.data.apply_chat_template = true;
+    cfg.data.system_prompt = Some("Answer with the sum.".into());
+    cfg.reward.kind = RewardKind::Judge;
+    cfg.judge.path = echo_judge(tmp.path());
+    cfg.judge.template = "{% if prompt == label %}1{% else %}0{% endif %}".into();
+    cfg.judge.chat = false;
+    cfg.judge.verdict = JudgeVerdict::Probability;
+    cfg.judge.verdict_tokens = vec!["1".into()];
+    let dir = tmp.path().join("run");
+    run(kind, cfg, &dir, false);
+    let rows = judged_rows(&dir);
+    assert_eq!(rows.len(), 3 * 4);
+    for (_, _, _, _, answer) in &rows {
+        assert_eq!(answer, "1", "the judge's prompt was not the question");
+    }
+    for b in read_parquet_dir(&dir.join("rollouts")).unwrap() {
+        let messages = b
+            .column_by_name(col::PROMPT_MESSAGES)
+            .unwrap()
+            .as_string::<i32>();
+        let prompt = b.column_by_name(col::PROMPT).unwrap().as_string::<i32>();
+        for i in 0..b.num_rows() {
+            let m: serde_json::Value = serde_json::from_str(messages.value(i)).unwrap();
+            assert_eq!(m[0]["content"], "Answer with the sum.");
+            assert!(
+                prompt.value(i).contains("<|im_start|>user"),
+                "{}",
+                prompt.value(i)
+            );
+            assert!(prompt.value(i).contains(m[1]["content"].as_str().unwrap()));
+        }
+    }
+}
+
 /// A judge's bad inputs, each refused in one line naming its key.
 #[test]
 fn bad_judge_inputs_are_refused_naming_their_key() {

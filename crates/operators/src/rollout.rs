@@ -26,8 +26,14 @@ pub mod col {
     pub const GROUP_ID: &str = "group_id";
     /// Which of the n samples of its prompt (u32).
     pub const SAMPLE_IDX: &str = "sample_idx";
-    /// The prompt text as given (utf8).
+    /// The prompt text as given, or, for a prompt file read through the
+    /// chat template, the text the template rendered (utf8).
     pub const PROMPT: &str = "prompt";
+    /// The conversation a prompt file's chat template rendered into
+    /// `prompt`: JSON, a list of `{role, content}` (utf8; optional, written
+    /// where `data.apply_chat_template`, `data.messages_column` or
+    /// `data.system_prompt` renders the prompts of a file).
+    pub const PROMPT_MESSAGES: &str = "prompt_messages";
     /// The prompt's token ids after the chat template (list<i64>).
     pub const PROMPT_TOKENS: &str = "prompt_tokens";
     /// The response text (utf8).
@@ -193,6 +199,7 @@ pub fn columns() -> Vec<(&'static str, DataType, bool, Phase, bool)> {
         (col::GROUP_ID, UInt64, false, Phase::Prompt, false),
         (col::SAMPLE_IDX, UInt32, false, Phase::Prompt, false),
         (col::PROMPT, Utf8, false, Phase::Prompt, false),
+        (col::PROMPT_MESSAGES, Utf8, true, Phase::Prompt, false),
         (
             col::PROMPT_TOKENS,
             tokens_i64(),
@@ -513,6 +520,7 @@ mod tests {
             Arc::new(UInt64Array::from(vec![5, 5])),
             Arc::new(UInt32Array::from(vec![0, 1])),
             Arc::new(StringArray::from(vec!["1+1", "1+1"])),
+            Arc::new(StringArray::from(vec![None::<&str>, None])),
             list_i64(&[&[1, 2], &[1, 2]]),
             Arc::new(StringArray::from(vec!["2", "2"])),
             Arc::new(StringArray::from(vec!["2", "3"])),

@@ -180,17 +180,21 @@ impl EpisodeGenerate {
     ) -> Result<(RecordBatch, Vec<EpisodeInput>), StageError> {
         let mut prompts = token_lists(&batch, col::PROMPT_TOKENS, stage)?;
         let texts = strings(&batch, col::PROMPT, stage)?;
-        let conversation = |text: &str| vec![json!({"role": "user", "content": text})];
+        // The conversation a prompt file's chat template rendered, else the
+        // prompt as the one user message.
+        let given = crate::stages::columns::prompt_conversations(&batch, stage)?;
+        let conversation = |i: usize| match &given[i] {
+            Some(messages) => messages.clone(),
+            None => vec![json!({"role": "user", "content": texts[i]})],
+        };
         let batch = if self.tools.is_empty() {
             batch
         } else {
             let schemas = super::tools::schemas(&self.tools);
-            for (prompt, text) in prompts.iter_mut().zip(&texts) {
-                *prompt = self.tokenizer.encode_conversation(
-                    &conversation(text),
-                    Some(&schemas),
-                    true,
-                )?;
+            for (i, prompt) in prompts.iter_mut().enumerate() {
+                *prompt =
+                    self.tokenizer
+                        .encode_conversation(&conversation(i), Some(&schemas), true)?;
             }
             with_column(&batch, col::PROMPT_TOKENS, token_list_array(&prompts))?
         };
@@ -201,7 +205,7 @@ impl EpisodeGenerate {
             .enumerate()
             .map(|(i, prompt)| {
                 Ok(EpisodeInput {
-                    messages: conversation(&texts[i]),
+                    messages: conversation(i),
                     prompt,
                     stream: streams[i],
                     row: if with_rows {

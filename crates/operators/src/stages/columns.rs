@@ -179,6 +179,54 @@ pub fn strings(batch: &RecordBatch, name: &str, stage: &str) -> Result<Vec<Strin
     Ok((0..s.len()).map(|i| s.value(i).to_string()).collect())
 }
 
+/// Each row's conversation from `prompt_messages` (a list of `{role,
+/// content}`), `None` where the column is absent or the row's is null (a
+/// prompt the chat template did not render from a file).
+pub fn prompt_conversations(
+    batch: &RecordBatch,
+    stage: &str,
+) -> Result<Vec<Option<Vec<serde_json::Value>>>, StageError> {
+    let Some(col) = batch.column_by_name(crate::rollout::col::PROMPT_MESSAGES) else {
+        return Ok(vec![None; batch.num_rows()]);
+    };
+    let name = crate::rollout::col::PROMPT_MESSAGES;
+    let s = col
+        .as_string_opt::<i32>()
+        .ok_or_else(|| wrong_type(stage, name, "utf8", col.data_type().to_string()))?;
+    (0..s.len())
+        .map(|i| {
+            s.is_valid(i)
+                .then(|| {
+                    serde_json::from_str(s.value(i)).map_err(|e| {
+                        StageError::from(format!(
+                            "stage `{stage}`: column `{name}` row {i}: not a list of messages: {e}"
+                        ))
+                    })
+                })
+                .transpose()
+        })
+        .collect()
+}
+
+/// The prompt of a conversation as plain text: its one message besides
+/// the system's, or each such message as `role: content`, a blank line
+/// between them.
+pub fn plain_prompt(messages: &[serde_json::Value]) -> String {
+    let turns: Vec<(&str, &str)> = messages
+        .iter()
+        .filter_map(|m| Some((m.get("role")?.as_str()?, m.get("content")?.as_str()?)))
+        .filter(|(role, _)| *role != "system")
+        .collect();
+    match turns[..] {
+        [(_, content)] => content.to_string(),
+        _ => turns
+            .iter()
+            .map(|(role, content)| format!("{role}: {content}"))
+            .collect::<Vec<_>>()
+            .join("\n\n"),
+    }
+}
+
 /// Builds a `List<Int64>` column (non-null items, as the rollout schema declares).
 pub fn token_list_array(rows: &[Vec<i64>]) -> ArrayRef {
     let mut b = ListBuilder::new(Int64Builder::new()).with_field(Arc::new(Field::new(
@@ -365,6 +413,23 @@ mod tests {
     use arrow::datatypes::Schema;
 
     use super::*;
+
+    #[test]
+    fn a_conversation_as_plain_text_leaves_out_the_system_and_the_markup() {
+        let m = |role: &str, content: &str| serde_json::json!({"role": role, "content": content});
+        let one = [m("system", "Be brief."), m("user", "What is 2+2?")];
+        assert_eq!(plain_prompt(&one), "What is 2+2?");
+        let turns = [
+            m("system", "Be brief."),
+            m("user", "Hi"),
+            m("assistant", "Hello."),
+            m("user", "2+2?"),
+        ];
+        assert_eq!(
+            plain_prompt(&turns),
+            "user: Hi\n\nassistant: Hello.\n\nuser: 2+2?"
+        );
+    }
     use crate::error::OperatorError;
 
     #[test]

@@ -32,15 +32,19 @@ pub struct PromptFormat {
 }
 
 impl PromptFormat {
-    /// The text and tokens of a plain-text prompt.
-    fn text(&self, raw: &str, tokenizer: &Tokenizer) -> Result<(String, Vec<i64>), StageError> {
+    /// The text and tokens of a plain-text prompt (and its conversation, when the chat template renders it).
+    fn text(&self, raw: &str, tokenizer: &Tokenizer) -> Result<Rendered, StageError> {
         let text = match &self.template {
             Some(t) => t.replace("{prompt}", raw),
             None => raw.to_string(),
         };
         if !self.chat {
             let tokens = tokenizer.encode(&text, true)?;
-            return Ok((text, tokens));
+            return Ok(Rendered {
+                text,
+                tokens,
+                messages: None,
+            });
         }
         self.messages(
             vec![Message {
@@ -51,12 +55,12 @@ impl PromptFormat {
         )
     }
 
-    /// The text and tokens of a list of messages.
+    /// The text, tokens and conversation of a list of messages.
     fn messages(
         &self,
         mut messages: Vec<Message>,
         tokenizer: &Tokenizer,
-    ) -> Result<(String, Vec<i64>), StageError> {
+    ) -> Result<Rendered, StageError> {
         if let Some(system) = &self.system {
             if messages.first().is_none_or(|m| m.role != "system") {
                 messages.insert(
@@ -72,8 +76,21 @@ impl PromptFormat {
         // `encode_chat` gives, without a second rendering).
         let text = tokenizer.apply_chat_template(&messages, true)?;
         let tokens = tokenizer.encode(&text, false)?;
-        Ok((text, tokens))
+        let messages = serde_json::to_string(&messages).map_err(|e| e.to_string())?;
+        Ok(Rendered {
+            text,
+            tokens,
+            messages: Some(messages),
+        })
     }
+}
+
+/// A prompt as the model reads it: its text and tokens, and the
+/// conversation (JSON) the chat template rendered, where it did.
+struct Rendered {
+    text: String,
+    tokens: Vec<i64>,
+    messages: Option<String>,
 }
 
 impl PromptSource {
@@ -133,9 +150,8 @@ impl PromptSource {
                         .transpose()?
                 }
             };
-            let tokens_of =
-                |rendered: &Option<(String, Vec<i64>)>| rendered.as_ref().map(|(_, t)| t.len());
-            if rendered.as_ref().is_some_and(|(_, t)| t.is_empty()) {
+            let tokens_of = |rendered: &Option<Rendered>| rendered.as_ref().map(|r| r.tokens.len());
+            if rendered.as_ref().is_some_and(|r| r.tokens.is_empty()) {
                 return Err(format!(
                     "{}: {where_}: the prompt encodes to no tokens",
                     path.display()
@@ -161,7 +177,11 @@ impl PromptSource {
                 )
                 .into());
             }
-            let (text, tokens) = rendered.expect("checked above");
+            let Rendered {
+                text,
+                tokens,
+                messages,
+            } = rendered.expect("checked above");
             let mut values = Vec::with_capacity(extra.len());
             for c in extra {
                 let v = field(&record, c).ok_or_else(|| missing(c))?;
@@ -179,6 +199,7 @@ impl PromptSource {
             }
             rows.push(PromptRow {
                 prompt: text,
+                messages,
                 tokens,
                 extra: values,
             });
@@ -698,7 +719,7 @@ mod file_tests {
             chat: true,
             system: Some("Be brief.".into()),
         };
-        let (text, tokens) = format.text("1+2?", &tok).unwrap();
+        let rendered = format.text("1+2?", &tok).unwrap();
         let messages = [
             Message {
                 role: "system".into(),
@@ -709,19 +730,27 @@ mod file_tests {
                 content: "Question: 1+2?\nAnswer:".into(),
             },
         ];
-        assert_eq!(text, tok.apply_chat_template(&messages, true).unwrap());
-        assert_eq!(tokens, tok.encode_chat(&messages, true).unwrap());
+        assert_eq!(
+            rendered.text,
+            tok.apply_chat_template(&messages, true).unwrap()
+        );
+        assert_eq!(rendered.tokens, tok.encode_chat(&messages, true).unwrap());
+        // The conversation it rendered, kept for the judge and episodes.
+        let kept: Vec<Message> = serde_json::from_str(&rendered.messages.unwrap()).unwrap();
+        assert_eq!(kept, messages);
         // Without the chat template: the templated text as is.
         let plain = PromptFormat {
             chat: false,
             system: None,
             ..format.clone()
         };
-        assert_eq!(plain.text("x", &tok).unwrap().0, "Question: x\nAnswer:");
+        let rendered = plain.text("x", &tok).unwrap();
+        assert_eq!(rendered.text, "Question: x\nAnswer:");
+        assert_eq!(rendered.messages, None);
         // Messages that bring their own system message keep it.
         let own = vec![messages[0].clone(), messages[1].clone()];
-        let (again, _) = format.messages(own, &tok).unwrap();
-        assert_eq!(again.matches("Be brief.").count(), 1);
+        let again = format.messages(own, &tok).unwrap();
+        assert_eq!(again.text.matches("Be brief.").count(), 1);
     }
 
     /// A prompt past the limit is an error naming its line, or, with

@@ -18,6 +18,9 @@ pub use super::prompt_files::PromptColumn;
 pub struct PromptRow {
     /// The prompt as given (text, or the rendered chat).
     pub prompt: String,
+    /// The conversation the chat template rendered into `prompt` (JSON: a
+    /// list of `{role, content}`), where one did.
+    pub messages: Option<String>,
     /// Its token ids, chat template applied.
     pub tokens: Vec<i64>,
     /// Values of the dataset's extra string columns (e.g. `answer`), in column order.
@@ -57,6 +60,8 @@ pub struct PromptSource {
     curriculum: Option<super::prompt_stats::Curriculum>,
     cursor_log: Option<CursorLog>,
     greedy_baseline: bool,
+    /// Whether the rows carry their conversations (`prompt_messages`).
+    with_messages: bool,
     /// The last step the run needs prompts for ([`PromptSource::required_through`]).
     required_through: Option<u64>,
 }
@@ -106,7 +111,9 @@ impl PromptSource {
             .into());
         }
         let order = shuffled(rows.len(), seed, 0);
+        let with_messages = rows.iter().any(|r| r.messages.is_some());
         Ok(PromptSource {
+            with_messages,
             rows: Arc::new(rows),
             tokenize: None,
             extra_columns,
@@ -276,6 +283,7 @@ impl Source for PromptSource {
         let mut step = Vec::new();
         let (mut prompt_id, mut group_id, mut sample_idx, mut text, mut tokens) =
             (vec![], vec![], vec![], vec![], vec![]);
+        let mut messages = Vec::new();
         let mut extra: Vec<Vec<String>> = vec![Vec::new(); self.extra_columns.len()];
         let mut greedy = Vec::new();
         for (i, &p) in prompts.iter().enumerate() {
@@ -295,6 +303,7 @@ impl Source for PromptSource {
                 group_id.push(ctx.step * self.prompts_per_step as u64 + i as u64);
                 sample_idx.push(s as u32);
                 text.push(row.prompt.clone());
+                messages.push(row.messages.clone());
                 tokens.push(row_tokens.clone());
                 for (c, v) in extra.iter_mut().zip(&row.extra) {
                     c.push(v.clone());
@@ -309,15 +318,24 @@ impl Source for PromptSource {
         if self.greedy_baseline {
             dataset.push(Field::new(col::GREEDY_BASELINE, DataType::Boolean, false));
         }
-        let schema = schema_after(Phase::Prompt, &dataset);
+        let mut schema = schema_after(Phase::Prompt, &dataset);
         let mut columns: Vec<ArrayRef> = vec![
             Arc::new(UInt64Array::from(step)),
             Arc::new(UInt64Array::from(prompt_id)),
             Arc::new(UInt64Array::from(group_id)),
             Arc::new(UInt32Array::from(sample_idx)),
             Arc::new(StringArray::from(text)),
-            token_list_array(&tokens),
         ];
+        if self.with_messages {
+            columns.push(Arc::new(StringArray::from(messages)));
+        } else {
+            // The optional conversations column is left out.
+            let kept: Vec<usize> = (0..schema.fields().len())
+                .filter(|&i| schema.field(i).name() != col::PROMPT_MESSAGES)
+                .collect();
+            schema = Arc::new(schema.project(&kept)?);
+        }
+        columns.push(token_list_array(&tokens));
         columns.extend(
             extra
                 .into_iter()
@@ -341,6 +359,7 @@ mod tests {
         (0..n)
             .map(|i| PromptRow {
                 prompt: format!("p{i}"),
+                messages: None,
                 tokens: vec![i as i64 + 4],
                 extra: vec![i.to_string()],
             })

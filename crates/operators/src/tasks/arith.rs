@@ -114,6 +114,7 @@ pub fn prompts(
         .iter()
         .map(|&(a, b)| PromptRow {
             prompt: user_message(a, b),
+            messages: None,
             tokens: Vec::new(),
             extra: vec![(a + b).to_string()],
         })
