@@ -2458,6 +2458,78 @@ fn float_list_column(dir: &Path, name: &str) -> Vec<Vec<f64>> {
         .collect()
 }
 
+/// A reward model whose tokenizer reads the policy's ids otherwise (here
+/// the fixture reward model with two ids swapped in its tokenizer.json)
+/// scores each row as text: the prompt as a user message and the
+/// completion as the answer, rendered by its own chat template and
+/// tokenizer; each logged reward is that rendering's score. PPO's critic
+/// may not start from such a reward model.
+#[test]
+fn a_reward_model_with_its_own_tokenizer_reads_each_row_as_text() {
+    let tmp = tempfile::tempdir().unwrap();
+    let rm = tmp.path().join("rm-swapped");
+    std::fs::create_dir_all(&rm).unwrap();
+    for entry in std::fs::read_dir(fixture("tiny-llama-rm")).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), rm.join(entry.file_name())).unwrap();
+    }
+    let mut tokenizer: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(rm.join("tokenizer.json")).unwrap()).unwrap();
+    for id in tokenizer["model"]["vocab"]
+        .as_object_mut()
+        .unwrap()
+        .values_mut()
+    {
+        match id.as_i64() {
+            Some(300) => *id = 301.into(),
+            Some(301) => *id = 300.into(),
+            _ => {}
+        }
+    }
+    std::fs::write(rm.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    let kind = PipelineKind::Grpo;
+    let mut cfg = config(kind, 1);
+    cfg.reward.kind = RewardKind::Model;
+    cfg.model.reward_model = Some(rm.clone());
+    let dir = tmp.path().join("run");
+    run(kind, cfg.clone(), &dir, false);
+    let (prompts, responses, rewards) = (
+        text_column(&dir, col::PROMPT),
+        text_column(&dir, col::RESPONSE),
+        reward_column(&dir),
+    );
+    assert_eq!(rewards.len(), 3 * 4);
+    let tok = weir::gpu::Tokenizer::load(&rm).unwrap();
+    let model = weir::gpu::Model::load(&rm, weir::gpu::Device::Cpu, tch::Kind::Float).unwrap();
+    for i in 0..rewards.len() {
+        let messages = serde_json::json!([
+            {"role": "user", "content": prompts[i]},
+            {"role": "assistant", "content": weir::operators::rewards::rules::completion(&responses[i])},
+        ]);
+        let ids = tok
+            .encode_conversation(messages.as_array().unwrap(), None, false)
+            .unwrap();
+        let ids = tch::Tensor::from_slice(&ids).view([1, -1]);
+        let want = model.scores(&ids, None).unwrap().double_value(&[0, 0]);
+        assert!(
+            (rewards[i] - want).abs() < 1e-5,
+            "row {i}: {} vs {want}",
+            rewards[i]
+        );
+    }
+    // A critic started from it would score the policy's ids: refused.
+    let mut ppo = config(PipelineKind::Ppo, 1);
+    ppo.reward.kind = RewardKind::Model;
+    ppo.model.reward_model = Some(rm);
+    let refused = tmp.path().join("refused");
+    let err = run_err(PipelineKind::Ppo, ppo, &refused);
+    assert!(
+        err.contains("model.critic") && err.contains("token id 300"),
+        "{err}"
+    );
+    assert!(!refused.exists());
+}
+
 /// On-policy distillation: each token's logged advantage is the teacher's
 /// log-prob less the student's (behaviour) one, plus a task's group
 /// advantage when one is named; a student that is its own teacher sees a

@@ -68,14 +68,21 @@ pub fn reward(
     let file_columns = FileColumnsOnce::default();
     move |w| -> Result<Box<dyn weir_graph::Stage>, StageError> {
         Ok(match cfg.reward.kind {
-            RewardKind::Model => Box::new(RewardModel::new(
-                load(
-                    &cfg,
-                    required(&cfg.model.reward_model, "model.reward_model")?,
-                    w,
-                )?,
-                cfg.algorithm.micro_batch,
-            )?),
+            RewardKind::Model => {
+                let dir = required(&cfg.model.reward_model, "model.reward_model")?;
+                let stage = RewardModel::new(load(&cfg, dir, w)?, cfg.algorithm.micro_batch)?;
+                match crate::config::unread_policy_ids(&cfg.model.path, dir, "the reward model")? {
+                    None => Box::new(stage),
+                    Some(why) => {
+                        if w.index == 0 {
+                            tracing::info!(
+                                "model.reward_model reads each row as text, rendered with its own tokenizer and chat template: {why}"
+                            );
+                        }
+                        Box::new(stage.reading_text(weir_gpu::Tokenizer::load(dir)?))
+                    }
+                }
+            }
             RewardKind::Remote => Box::new(RemoteReward::new(RemoteRewardConfig {
                 url: required(&cfg.reward.url, "reward.url")?.clone(),
                 label_column: cfg.data.label_column.clone(),

@@ -364,8 +364,8 @@ fn a_catalogue_of_bad_run_input_gets_one_line_each() {
             "token id 300 is",
         ),
         (
-            "a reward model with fewer ids than the policy samples",
-            "grpo",
+            "a critic started from a reward model with fewer ids than the policy samples",
+            "ppo",
             vec![
                 format!("model.path={qwen3}"),
                 "reward.kind=model".into(),

@@ -788,6 +788,7 @@ impl LoraSection {
 
 pub use agent::{AgentSection, FunctionTool, HttpToolSpec, ToolSpec};
 pub use docs::{applies, reference_page, Key, Readers, KEYS};
+pub(crate) use validate::unread_policy_ids;
 
 /// A config error: the key and what is wrong with its value.
 #[derive(Debug, thiserror::Error)]

@@ -134,10 +134,11 @@ impl RunConfig {
     /// it does (ids of their own past the policy's are fine, as a newer
     /// family's added tokens are), and their vocabularies (`config.json`'s `vocab_size`, which may pad
     /// past the tokenizer's) reach at least as far as the policy's, so any
-    /// id it samples can be scored. Folders that do not load are left to
-    /// the checks that load them.
+    /// id it samples can be scored. A reward model that does not reads
+    /// each row as text with its own tokenizer instead (then the critic
+    /// must not start from it). Folders that do not load are left to the
+    /// checks that load them.
     fn check_scorers(&self, pipeline: PipelineKind) -> Result<(), ConfigError> {
-        use weir_gpu::{ModelConfig, Tokenizer};
         if matches!(pipeline, PipelineKind::Sft | PipelineKind::Rm) {
             return Ok(());
         }
@@ -154,55 +155,32 @@ impl RunConfig {
         if pipeline == PipelineKind::Distill {
             scorers.push(("teacher.path", "the teacher", Some(&self.teacher.path)));
         }
-        let Ok(policy) = ModelConfig::load(&m.path) else {
-            return Ok(());
-        };
-        let policy_tokenizer = std::sync::OnceLock::new();
         for (key, role, dir) in scorers {
             let Some(dir) = dir.filter(|d| **d != m.path) else {
                 continue;
             };
             let shown = format!("{:?}", dir.display().to_string());
-            let Ok(config) = ModelConfig::load(dir) else {
-                continue;
+            let why = match unread_policy_ids(&m.path, dir, role) {
+                Ok(None) => continue,
+                Ok(Some(why)) => why,
+                Err(e) => return bad(key, shown, &e),
             };
-            if config.vocab_size < policy.vocab_size {
+            if key != "model.reward_model" {
                 return bad(
                     key,
                     shown,
-                    &format!(
-                        "its config.json has vocab_size {}, the policy's ({}) {}: {role} could not score a sampled id past {}",
-                        config.vocab_size,
-                        m.path.display(),
-                        policy.vocab_size,
-                        config.vocab_size - 1
-                    ),
+                    &format!("{why} ({role} scores the policy's token ids)"),
                 );
             }
-            let same_file =
-                |f: &str| std::fs::read(dir.join(f)).ok() == std::fs::read(m.path.join(f)).ok();
-            if !dir.join("tokenizer.json").is_file() || same_file("tokenizer.json") {
-                continue;
-            }
-            let theirs = match Tokenizer::load(dir) {
-                Ok(t) => t,
-                Err(e) => return bad(key, shown, &format!("its tokenizer does not load: {e}")),
-            };
-            let Ok(ours) = policy_tokenizer
-                .get_or_init(|| Tokenizer::load(&m.path))
-                .as_ref()
-            else {
-                continue;
-            };
-            if let Some(difference) = ours.id_difference(
-                &format!("the policy's tokenizer ({})", m.path.display()),
-                &theirs,
-                &format!("{role}'s"),
-            ) {
+            // A reward model reads text with its own tokenizer; a critic
+            // started from it would score the policy's ids.
+            if pipeline == PipelineKind::Ppo && m.critic.is_none() {
                 return bad(
-                    key,
-                    shown,
-                    &format!("{difference}: {role} scores the policy's token ids, so its tokenizer must read each as the policy's does"),
+                    "model.critic",
+                    "\"\"".into(),
+                    &format!(
+                        "the critic would start from model.reward_model ({shown}), which cannot read the policy's token ids ({why}); set model.critic to a checkpoint that does"
+                    ),
                 );
             }
         }
@@ -921,4 +899,47 @@ fn known_rules() -> Vec<String> {
         .collect();
     names.extend(weir_operators::rewards::registered_names());
     names
+}
+
+/// Why the checkpoint in `scorer` (`role`, e.g. "the reference") cannot
+/// score the token ids of the policy in `policy`, in a sentence: its
+/// vocabulary (`config.json`'s `vocab_size`, which may pad past the
+/// tokenizer's) stops short of the policy's, or its tokenizer reads an id
+/// of the policy's as another token ([`weir_gpu::Tokenizer::id_difference`]:
+/// ids of its own past the policy's are fine). `None` when it can, or when
+/// a folder does not load (the checks that load it name that); an error
+/// when its tokenizer.json is there and does not load.
+pub(crate) fn unread_policy_ids(
+    policy: &std::path::Path,
+    scorer: &std::path::Path,
+    role: &str,
+) -> Result<Option<String>, String> {
+    use weir_gpu::{ModelConfig, Tokenizer};
+    let (Ok(ours), Ok(theirs)) = (ModelConfig::load(policy), ModelConfig::load(scorer)) else {
+        return Ok(None);
+    };
+    if theirs.vocab_size < ours.vocab_size {
+        return Ok(Some(format!(
+            "its config.json has vocab_size {}, the policy's ({}) {}: {role} could not score a sampled id past {}",
+            theirs.vocab_size,
+            policy.display(),
+            ours.vocab_size,
+            theirs.vocab_size - 1
+        )));
+    }
+    let file = |dir: &std::path::Path| std::fs::read(dir.join("tokenizer.json")).ok();
+    let theirs_file = file(scorer);
+    if theirs_file.is_none() || theirs_file == file(policy) {
+        return Ok(None);
+    }
+    let theirs =
+        Tokenizer::load(scorer).map_err(|e| format!("its tokenizer does not load: {e}"))?;
+    let Ok(ours) = Tokenizer::load(policy) else {
+        return Ok(None);
+    };
+    Ok(ours.id_difference(
+        &format!("the policy's tokenizer ({})", policy.display()),
+        &theirs,
+        &format!("{role}'s"),
+    ))
 }

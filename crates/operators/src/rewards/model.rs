@@ -8,11 +8,18 @@ use weir_graph::{Stage, StageError, StepContext};
 
 use crate::rollout::col;
 
+/// Rows of token ids.
+type Tokens = Vec<Vec<i64>>;
+
 /// Scores `prompt_tokens + response_tokens` with a reward model
-/// (`*ForSequenceClassification`, pooled at the last non-pad token).
+/// (`*ForSequenceClassification`, pooled at the last non-pad token), or,
+/// for a reward model whose tokenizer is not the policy's, each row as
+/// text through its own tokenizer ([`RewardModel::reading_text`]).
 pub struct RewardModel {
     model: weir_gpu::Model,
     micro_batch: usize,
+    /// The reward model's own tokenizer, when it reads rows as text.
+    text: Option<weir_gpu::Tokenizer>,
 }
 
 impl RewardModel {
@@ -29,7 +36,55 @@ impl RewardModel {
         Ok(RewardModel {
             model,
             micro_batch: micro_batch.max(1),
+            text: None,
         })
+    }
+
+    /// Scores each row as text, through the reward model's own `tokenizer`
+    /// (verl's reward model with another tokenizer than the policy's, and
+    /// TRL's reward processing class): the row's conversation (the prompt
+    /// file's, `prompt_messages`, else the prompt as a user message) with
+    /// the completion (cut at its end-of-turn marker) as the assistant's
+    /// answer, rendered by its chat template; without one, the prompt's
+    /// text and the completion, its special tokens added.
+    pub fn reading_text(mut self, tokenizer: weir_gpu::Tokenizer) -> Self {
+        self.text = Some(tokenizer);
+        self
+    }
+
+    /// Each row of `batch` as the reward model's tokens: the policy's
+    /// prompt and response tokens, or, reading text, the row rendered anew
+    /// (an empty response beside it).
+    fn rows(
+        &self,
+        batch: &RecordBatch,
+        stage: &str,
+    ) -> Result<(Tokens, Tokens), StageError> {
+        use crate::stages::columns::{prompt_conversations, strings, token_lists};
+        let Some(tokenizer) = &self.text else {
+            return Ok((
+                token_lists(batch, col::PROMPT_TOKENS, stage)?,
+                token_lists(batch, col::RESPONSE_TOKENS, stage)?,
+            ));
+        };
+        let prompts = strings(batch, col::PROMPT, stage)?;
+        let responses = strings(batch, col::RESPONSE, stage)?;
+        let conversations = prompt_conversations(batch, stage)?;
+        let mut rows = Vec::with_capacity(prompts.len());
+        for (i, conversation) in conversations.into_iter().enumerate() {
+            let completion = super::rules::completion(&responses[i]);
+            let ids = if tokenizer.chat_template().is_some() {
+                let mut messages = conversation.unwrap_or_else(|| {
+                    vec![serde_json::json!({"role": "user", "content": prompts[i]})]
+                });
+                messages.push(serde_json::json!({"role": "assistant", "content": completion}));
+                tokenizer.encode_conversation(&messages, None, false)?
+            } else {
+                tokenizer.encode(&format!("{}{completion}", prompts[i]), true)?
+            };
+            rows.push(ids);
+        }
+        Ok((rows, vec![Vec::new(); prompts.len()]))
     }
 }
 
@@ -40,8 +95,7 @@ impl Stage for RewardModel {
         batch: RecordBatch,
     ) -> Result<Vec<RecordBatch>, StageError> {
         let stage = ctx.stage();
-        let prompts = crate::stages::columns::token_lists(&batch, col::PROMPT_TOKENS, stage)?;
-        let responses = crate::stages::columns::token_lists(&batch, col::RESPONSE_TOKENS, stage)?;
+        let (prompts, responses) = self.rows(&batch, stage)?;
         let _guard = tch::no_grad_guard();
         let mut scores = Vec::with_capacity(batch.num_rows());
         for start in (0..prompts.len()).step_by(self.micro_batch) {
