@@ -55,11 +55,7 @@ impl RewardModel {
     /// Each row of `batch` as the reward model's tokens: the policy's
     /// prompt and response tokens, or, reading text, the row rendered anew
     /// (an empty response beside it).
-    fn rows(
-        &self,
-        batch: &RecordBatch,
-        stage: &str,
-    ) -> Result<(Tokens, Tokens), StageError> {
+    fn rows(&self, batch: &RecordBatch, stage: &str) -> Result<(Tokens, Tokens), StageError> {
         use crate::stages::columns::{prompt_conversations, strings, token_lists};
         let Some(tokenizer) = &self.text else {
             return Ok((
