@@ -85,9 +85,11 @@ pub struct ExportReport {
     /// Records written.
     pub written: usize,
     /// The keys that read the file back as the log's prompts were read
-    /// (`data.prompts = "…"`, and `data.apply_chat_template = true` when
-    /// the prompts were rendered as chat messages); `None` when neither
-    /// reading gives back the logged tokens or no tokenizer was found.
+    /// (`data.prompts = "…"`, and `data.messages_column = "messages"` for
+    /// the conversations a prompt file's chat template rendered, or
+    /// `data.apply_chat_template = true` for text rendered as a user
+    /// message); `None` when no reading gives back the logged tokens or no
+    /// tokenizer was found.
     pub read_with: Option<Vec<String>>,
     /// Why `read_with` is `None`, when it is.
     pub note: Option<String>,
@@ -99,6 +101,8 @@ struct Row {
     prompt_id: u64,
     group_id: u64,
     prompt: String,
+    /// The conversation the chat template rendered (`prompt_messages`).
+    messages: Option<Vec<Value>>,
     prompt_tokens: Vec<i64>,
     response: String,
     response_len: usize,
@@ -135,6 +139,7 @@ pub fn export(req: &ExportRequest) -> Result<ExportReport, PipelineError> {
         "samples",
         "mean_reward",
         "best_reward",
+        "messages",
     ];
     // The dataset's own text columns (a reference answer…), carried over.
     let dataset: Vec<String> = first
@@ -151,6 +156,7 @@ pub fn export(req: &ExportRequest) -> Result<ExportReport, PipelineError> {
         col::GROUP_ID,
         col::SAMPLE_IDX,
         col::PROMPT,
+        col::PROMPT_MESSAGES,
         col::PROMPT_TOKENS,
         col::RESPONSE,
         col::RESPONSE_TOKENS,
@@ -158,7 +164,12 @@ pub fn export(req: &ExportRequest) -> Result<ExportReport, PipelineError> {
     ];
     wanted.extend(dataset.iter().map(String::as_str));
     let batches = rollout_log::read_all(std::slice::from_ref(&req.source), &filter, Some(&wanted))?;
-    let rows = read_rows(&batches, &dataset)?;
+    let mut rows = read_rows(&batches, &dataset)?;
+    // Conversations are written only where every row has one (a log
+    // that mixes in rows from an older one may not), so records stay alike.
+    if rows.iter().any(|r| r.messages.is_none()) {
+        rows.iter_mut().for_each(|r| r.messages = None);
+    }
     let records = match req.kind {
         ExportKind::Sft => best_responses(&rows, &dataset, req.min_reward),
         ExportKind::Dpo => pairs(&rows, &dataset, req.min_margin),
@@ -185,10 +196,12 @@ pub fn export(req: &ExportRequest) -> Result<ExportReport, PipelineError> {
         .into());
     }
     let (read_with, note) = match prompt_reading(&req.source, &rows) {
-        Ok(Some(chat)) => {
+        Ok(Some(reading)) => {
             let mut keys = vec![format!("data.prompts = {:?}", out.display().to_string())];
-            if chat {
-                keys.push("data.apply_chat_template = true".into());
+            match reading {
+                Reading::Text => {}
+                Reading::Chat => keys.push("data.apply_chat_template = true".into()),
+                Reading::Messages => keys.push("data.messages_column = \"messages\"".into()),
             }
             if req.kind == ExportKind::Sft {
                 keys.push("data.label_column = \"response\"".into());
@@ -197,7 +210,7 @@ pub fn export(req: &ExportRequest) -> Result<ExportReport, PipelineError> {
         }
         Ok(None) => (
             None,
-            Some("neither the prompt text as it is nor rendered with the chat template gives the logged prompt tokens".to_string()),
+            Some("neither the prompt text as it is, nor rendered with the chat template, nor the logged conversations give the logged prompt tokens".to_string()),
         ),
         Err(why) => (None, Some(why)),
     };
@@ -219,6 +232,7 @@ fn read_rows(batches: &[RecordBatch], dataset: &[String]) -> Result<Vec<Row>, Pi
         let groups = columns::u64s(b, col::GROUP_ID, stage)?;
         let samples = columns::u32s(b, col::SAMPLE_IDX, stage)?;
         let prompt = columns::strings(b, col::PROMPT, stage)?;
+        let mut messages = columns::prompt_conversations(b, stage)?;
         let prompt_tokens = columns::token_lists(b, col::PROMPT_TOKENS, stage)?;
         let response = columns::strings(b, col::RESPONSE, stage)?;
         let response_tokens = columns::token_lists(b, col::RESPONSE_TOKENS, stage)?;
@@ -239,6 +253,7 @@ fn read_rows(batches: &[RecordBatch], dataset: &[String]) -> Result<Vec<Row>, Pi
                 prompt_id: prompt_ids[i],
                 group_id: groups[i],
                 prompt,
+                messages: messages[i].take(),
                 prompt_tokens,
                 response,
                 response_len: response_tokens.len(),
@@ -258,6 +273,9 @@ type Record = Vec<(String, Value)>;
 /// The prompt's columns of a record: its text and the dataset's columns.
 fn prompt_record(row: &Row, dataset: &[String]) -> Record {
     let mut record = vec![("prompt".to_string(), Value::from(row.prompt.clone()))];
+    if let Some(messages) = &row.messages {
+        record.push(("messages".to_string(), Value::Array(messages.clone())));
+    }
     record.extend(
         dataset
             .iter()
@@ -357,11 +375,21 @@ fn prompts(rows: &[Row], dataset: &[String], unsolved_below: Option<f64>) -> Vec
         .collect()
 }
 
-/// Whether the log's prompts read back from their text as it is
-/// (`Some(false)`) or rendered as a user message with the chat template
-/// (`Some(true)`); `None` when neither gives the logged tokens; an error
-/// when no tokenizer is known (no manifest).
-fn prompt_reading(source: &Path, rows: &[Row]) -> Result<Option<bool>, String> {
+/// How an exported prompt reads back as the log's prompt tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Reading {
+    /// The text as it is.
+    Text,
+    /// The text as a user message, through the chat template.
+    Chat,
+    /// The logged conversation (`messages`), through the chat template.
+    Messages,
+}
+
+/// How the log's prompts read back (the first 16 rows tried); `None` when
+/// no reading gives the logged tokens; an error when no tokenizer is
+/// known (no manifest).
+fn prompt_reading(source: &Path, rows: &[Row]) -> Result<Option<Reading>, String> {
     let manifest = Manifest::find(source).map_err(|e| e.to_string())?;
     let Some((_, manifest)) = manifest else {
         return Err(format!(
@@ -371,13 +399,23 @@ fn prompt_reading(source: &Path, rows: &[Row]) -> Result<Option<bool>, String> {
     };
     let tokenizer = Tokenizer::load(&manifest.policy.path).map_err(|e| e.to_string())?;
     let sample: Vec<&Row> = rows.iter().take(16).collect();
+    let conversations = sample.iter().all(|r| {
+        r.messages.as_ref().is_some_and(|m| {
+            tokenizer
+                .encode_conversation(m, None, true)
+                .is_ok_and(|t| t == r.prompt_tokens)
+        })
+    });
+    if conversations {
+        return Ok(Some(Reading::Messages));
+    }
     let plain = sample.iter().all(|r| {
         tokenizer
             .encode(&r.prompt, true)
             .is_ok_and(|t| t == r.prompt_tokens)
     });
     if plain {
-        return Ok(Some(false));
+        return Ok(Some(Reading::Text));
     }
     let chat = sample.iter().all(|r| {
         let message = Message {
@@ -389,7 +427,7 @@ fn prompt_reading(source: &Path, rows: &[Row]) -> Result<Option<bool>, String> {
             .and_then(|text| tokenizer.encode(&text, false))
             .is_ok_and(|t| t == r.prompt_tokens)
     });
-    Ok(chat.then_some(true))
+    Ok(chat.then_some(Reading::Chat))
 }
 
 #[derive(Clone, Copy)]
@@ -422,6 +460,7 @@ fn write(out: &Path, format: Format, records: &[Record]) -> Result<(), PipelineE
                             values.iter().map(|v| v.as_str().unwrap_or_default()),
                         )),
                     ),
+                    Value::Array(_) => conversations(&values),
                     Value::Number(n) if n.is_u64() => (
                         DataType::UInt64,
                         Arc::new(UInt64Array::from_iter_values(
@@ -446,4 +485,30 @@ fn write(out: &Path, format: Format, records: &[Record]) -> Result<(), PipelineE
             )?)
         }
     }
+}
+
+/// A column of conversations (JSON lists of `{role, content}`) as Parquet's
+/// list of structs, the layout verl's datasets hold their chat prompts in.
+fn conversations(values: &[&Value]) -> (DataType, ArrayRef) {
+    use arrow::array::{Array, ListBuilder, StringBuilder, StructBuilder};
+    use arrow::datatypes::Fields;
+    let fields = Fields::from(vec![
+        Field::new("role", DataType::Utf8, false),
+        Field::new("content", DataType::Utf8, false),
+    ]);
+    let mut list = ListBuilder::new(StructBuilder::from_fields(fields, values.len()));
+    for value in values {
+        for message in value.as_array().into_iter().flatten() {
+            let item = list.values();
+            for (i, key) in ["role", "content"].into_iter().enumerate() {
+                item.field_builder::<StringBuilder>(i)
+                    .expect("two text fields")
+                    .append_value(message.get(key).and_then(Value::as_str).unwrap_or_default());
+            }
+            item.append(true);
+        }
+        list.append(true);
+    }
+    let array = list.finish();
+    (array.data_type().clone(), Arc::new(array))
 }

@@ -311,6 +311,52 @@ fn exports_feed_the_sft_dpo_and_rl_pipelines() {
         "{err}"
     );
     assert!(!dir.join("none.jsonl").exists());
+
+    // Prompts a file rendered through the chat template (a system prompt
+    // and a question) export as their conversations, a Parquet list of
+    // {role, content} read back with data.messages_column: the next run's
+    // prompt tokens are the logged ones.
+    let questions = dir.join("questions.jsonl");
+    let lines: Vec<String> = (1..4)
+        .map(|i| {
+            serde_json::json!({"question": format!("{i}+{i}="), "answer": format!("{}", 2 * i)})
+                .to_string()
+        })
+        .collect();
+    std::fs::write(&questions, lines.join("\n")).unwrap();
+    let file = format!("data.prompts={}", questions.display());
+    let chat = [
+        "run.steps=1",
+        file.as_str(),
+        "data.prompt_column=question",
+        "data.apply_chat_template=true",
+        "data.system_prompt=Be brief.",
+    ];
+    run_in(dir, &run_args("grpo", "chat", &model, &chat));
+    let text = success(&weir(
+        &["export", "chat", "--as", "prompts", "--out", "chat.parquet"],
+        dir,
+    ));
+    assert!(
+        text.contains("data.messages_column = \"messages\""),
+        "{text}"
+    );
+    let mut grpo = run_args("grpo", "chat-again", &model, &["run.steps=1"]);
+    grpo.extend(read_with(&text));
+    run_in(dir, &grpo);
+    let tokens_by_prompt = |run: &str| {
+        let rows = rollouts(&dir.join(run));
+        let prompts = weir::operators::stages::columns::strings(&rows, "prompt", "test").unwrap();
+        let tokens =
+            weir::operators::stages::columns::token_lists(&rows, "prompt_tokens", "test").unwrap();
+        prompts
+            .into_iter()
+            .zip(tokens)
+            .collect::<std::collections::BTreeMap<_, _>>()
+    };
+    let (before, again) = (tokens_by_prompt("chat"), tokens_by_prompt("chat-again"));
+    assert_eq!(before.len(), 3);
+    assert_eq!(before, again);
 }
 
 /// The run's summary.json.
