@@ -198,7 +198,18 @@ pub fn check_judge(cfg: &RunConfig) -> Result<(), StageError> {
     let tokenizer = weir_gpu::Tokenizer::load(&j.path)?;
     let columns = reward_columns(cfg)?;
     let has_label = cfg.data.label_column.is_some();
-    weir_operators::rewards::judge::check(&j.template, &columns, has_label, j.chat, &tokenizer)?;
+    weir_operators::rewards::judge::check(&j.template, &columns, has_label, j.chat, &tokenizer)
+        .map_err(|e| {
+            // The prompt's own column by name: the template reads it as `prompt`.
+            let d = &cfg.data;
+            let own = [Some(&d.prompt_column), d.messages_column.as_ref()];
+            match own.into_iter().flatten().find(|c| e.contains(&format!("names `{c}`,"))) {
+                Some(c) => format!(
+                    "{e}; `{c}` is the prompt's own column: the template reads the prompt as `prompt`"
+                ),
+                None => e,
+            }
+        })?;
     Ok(())
 }
 

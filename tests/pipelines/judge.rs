@@ -246,7 +246,17 @@ fn a_judge_reads_the_question_not_the_policys_chat_markup() {
     cfg.judge.verdict = JudgeVerdict::Probability;
     cfg.judge.verdict_tokens = vec!["1".into()];
     let dir = tmp.path().join("run");
-    run(kind, cfg, &dir, false);
+    run(kind, cfg.clone(), &dir, false);
+    // The prompt's own column by name is refused, pointing to `prompt`.
+    let mut named = cfg;
+    named.judge.template = "{{ question }}".into();
+    let refused = tmp.path().join("refused");
+    let err = super::run_err(kind, named, &refused);
+    assert!(
+        err.contains("judge.template") && err.contains("reads the prompt as `prompt`"),
+        "{err}"
+    );
+    assert!(!refused.exists());
     let rows = judged_rows(&dir);
     assert_eq!(rows.len(), 3 * 4);
     for (_, _, _, _, answer) in &rows {
