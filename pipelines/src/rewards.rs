@@ -66,21 +66,25 @@ pub fn reward(
 {
     let cfg = cfg.clone();
     let file_columns = FileColumnsOnce::default();
+    // Whether the reward model reads text, and why: asked once per process.
+    let reads_text: Arc<OnceLock<Result<Option<String>, String>>> = Arc::default();
     move |w| -> Result<Box<dyn weir_graph::Stage>, StageError> {
         Ok(match cfg.reward.kind {
             RewardKind::Model => {
                 let dir = required(&cfg.model.reward_model, "model.reward_model")?;
                 let stage = RewardModel::new(load(&cfg, dir, w)?, cfg.algorithm.micro_batch)?;
-                match crate::config::unread_policy_ids(&cfg.model.path, dir, "the reward model")? {
-                    None => Box::new(stage),
-                    Some(why) => {
-                        if w.index == 0 {
-                            tracing::info!(
-                                "model.reward_model reads each row as text, rendered with its own tokenizer and chat template: {why}"
-                            );
-                        }
-                        Box::new(stage.reading_text(weir_gpu::Tokenizer::load(dir)?))
+                let why = reads_text.get_or_init(|| {
+                    let why = crate::config::unread_policy_ids(&cfg.model.path, dir, "the reward model");
+                    if let Ok(Some(why)) = &why {
+                        tracing::info!(
+                            "model.reward_model reads each row as text, rendered with its own tokenizer and chat template: {why}"
+                        );
                     }
+                    why
+                });
+                match why.clone()? {
+                    None => Box::new(stage),
+                    Some(_) => Box::new(stage.reading_text(weir_gpu::Tokenizer::load(dir)?)),
                 }
             }
             RewardKind::Remote => Box::new(RemoteReward::new(RemoteRewardConfig {

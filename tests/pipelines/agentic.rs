@@ -12,7 +12,7 @@ use weir::operators::rollout::{col, TokenKind};
 use weir::pipelines::config::RewardKind;
 use weir::pipelines::PipelineKind;
 
-use super::support::{config, fixture, run, with_tool_template};
+use super::support::{chat_questions, config, fixture, run, with_tool_template};
 
 /// An environment in OpenRLHF's format: async, importing
 /// `openrlhf.utils.agent`; the episode is two turns whatever the model
@@ -212,20 +212,11 @@ fn the_optimal_token_baseline_counts_only_the_models_tokens_of_an_episode() {
 #[test]
 fn a_chat_rendered_prompt_file_with_tools_renders_its_conversation_once() {
     let tmp = tempfile::tempdir().unwrap();
-    let prompts = tmp.path().join("questions.jsonl");
-    let lines: Vec<String> = (1..5)
-        .map(|i| {
-            serde_json::json!({"question": format!("{i}*7="), "answer": format!("{}", 7 * i)})
-                .to_string()
-        })
-        .collect();
-    std::fs::write(&prompts, lines.join("\n")).unwrap();
     let kind = PipelineKind::Grpo;
     let mut cfg = config(kind, 1);
     cfg.model.path = with_tool_template(tmp.path());
-    cfg.data.prompts = weir::pipelines::config::Task::File(prompts);
-    cfg.data.prompt_column = "question".into();
-    cfg.data.apply_chat_template = true;
+    let questions = (1..5).map(|i| (format!("{i}*7="), format!("{}", 7 * i)));
+    chat_questions(&mut cfg, tmp.path(), questions);
     cfg.data.system_prompt = Some("Use the tools.".into());
     cfg.agent.tools = vec!["calculator".into()];
     let dir = tmp.path().join("run");

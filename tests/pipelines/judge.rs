@@ -14,7 +14,7 @@ use weir::operators::rollout::col;
 use weir::pipelines::config::{JudgeVerdict, OnUnparsed, RewardKind, RewardTerm};
 use weir::pipelines::PipelineKind;
 
-use super::support::{config, echo_judge, run};
+use super::support::{chat_questions, config, echo_judge, run};
 
 /// Each logged row: (step, completion, label, reward, judge's answer).
 fn judged_rows(dir: &Path) -> Vec<(u64, String, String, f64, String)> {
@@ -224,20 +224,11 @@ fn a_probability_verdict_is_the_judges_probability_of_its_tokens() {
 #[test]
 fn a_judge_reads_the_question_not_the_policys_chat_markup() {
     let tmp = tempfile::tempdir().unwrap();
-    let prompts = tmp.path().join("questions.jsonl");
-    let lines: Vec<String> = (0..6)
-        .map(|i| {
-            serde_json::json!({"question": format!("{i}+{i}="), "answer": format!("{}", 2 * i)})
-                .to_string()
-        })
-        .collect();
-    std::fs::write(&prompts, lines.join("\n")).unwrap();
     let kind = PipelineKind::Grpo;
     let mut cfg = config(kind, 1);
-    cfg.data.prompts = weir::pipelines::config::Task::File(prompts);
-    cfg.data.prompt_column = "question".into();
+    let questions = (0..6).map(|i| (format!("{i}+{i}="), format!("{}", 2 * i)));
+    chat_questions(&mut cfg, tmp.path(), questions);
     cfg.data.label_column = Some("question".into());
-    cfg.data.apply_chat_template = true;
     cfg.data.system_prompt = Some("Answer with the sum.".into());
     cfg.reward.kind = RewardKind::Judge;
     cfg.judge.path = echo_judge(tmp.path());

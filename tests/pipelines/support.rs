@@ -82,6 +82,24 @@ pub fn config(kind: PipelineKind, steps: u64) -> RunConfig {
     c
 }
 
+/// A prompt file `dir/questions.jsonl` of `{question, answer}` records,
+/// one per `(question, answer)`; the config reads it with the chat template.
+pub fn chat_questions(
+    cfg: &mut RunConfig,
+    dir: &Path,
+    pairs: impl IntoIterator<Item = (String, String)>,
+) {
+    let path = dir.join("questions.jsonl");
+    let lines: Vec<String> = pairs
+        .into_iter()
+        .map(|(q, a)| serde_json::json!({"question": q, "answer": a}).to_string())
+        .collect();
+    std::fs::write(&path, lines.join("\n")).unwrap();
+    cfg.data.prompts = weir::pipelines::config::Task::File(path);
+    cfg.data.prompt_column = "question".into();
+    cfg.data.apply_chat_template = true;
+}
+
 /// A copy of the arith checkpoint whose chat template renders tools and
 /// tool results as Qwen2.5's does.
 pub fn with_tool_template(dir: &Path) -> PathBuf {

@@ -45,7 +45,7 @@ use super::tool_calls::ToolCallParser;
 use super::tools::Tool;
 use crate::rollout::{col, TokenKind};
 use crate::stages::columns::{
-    float_list_array, strings, token_kinds_array, token_list_array, token_lists, u32_list_array,
+    float_list_array, token_kinds_array, token_list_array, token_lists, u32_list_array,
 };
 
 /// The column with each episode's tool calls (JSON text).
@@ -179,22 +179,15 @@ impl EpisodeGenerate {
         batch: RecordBatch,
     ) -> Result<(RecordBatch, Vec<EpisodeInput>), StageError> {
         let mut prompts = token_lists(&batch, col::PROMPT_TOKENS, stage)?;
-        let texts = strings(&batch, col::PROMPT, stage)?;
-        // The conversation a prompt file's chat template rendered, else the
-        // prompt as the one user message.
-        let given = crate::stages::columns::prompt_conversations(&batch, stage)?;
-        let conversation = |i: usize| match &given[i] {
-            Some(messages) => messages.clone(),
-            None => vec![json!({"role": "user", "content": texts[i]})],
-        };
+        let mut conversations = crate::stages::columns::row_conversations(&batch, stage)?;
         let batch = if self.tools.is_empty() {
             batch
         } else {
             let schemas = super::tools::schemas(&self.tools);
-            for (i, prompt) in prompts.iter_mut().enumerate() {
-                *prompt =
-                    self.tokenizer
-                        .encode_conversation(&conversation(i), Some(&schemas), true)?;
+            for (prompt, conversation) in prompts.iter_mut().zip(&conversations) {
+                *prompt = self
+                    .tokenizer
+                    .encode_conversation(conversation, Some(&schemas), true)?;
             }
             with_column(&batch, col::PROMPT_TOKENS, token_list_array(&prompts))?
         };
@@ -205,7 +198,7 @@ impl EpisodeGenerate {
             .enumerate()
             .map(|(i, prompt)| {
                 Ok(EpisodeInput {
-                    messages: conversation(i),
+                    messages: std::mem::take(&mut conversations[i]),
                     prompt,
                     stream: streams[i],
                     row: if with_rows {

@@ -176,14 +176,11 @@ impl Judge {
 
     /// The judge's prompt for each row of `batch`.
     fn prompts(&self, batch: &RecordBatch, stage: &str) -> Result<Vec<Vec<i64>>, StageError> {
-        let mut prompts = strings(batch, col::PROMPT, stage)?;
         // A prompt the chat template rendered is given as its conversation's text.
-        let conversations = crate::stages::columns::prompt_conversations(batch, stage)?;
-        for (prompt, messages) in prompts.iter_mut().zip(&conversations) {
-            if let Some(messages) = messages {
-                *prompt = crate::stages::columns::plain_prompt(messages);
-            }
-        }
+        let prompts: Vec<String> = crate::stages::columns::row_conversations(batch, stage)?
+            .iter()
+            .map(|messages| crate::stages::columns::plain_prompt(messages))
+            .collect();
         let responses = strings(batch, col::RESPONSE, stage)?;
         let labels = match &self.cfg.label_column {
             Some(name) => Some(strings(batch, name, stage)?),

@@ -45,8 +45,9 @@ impl RewardModel {
     /// TRL's reward processing class): the row's conversation (the prompt
     /// file's, `prompt_messages`, else the prompt as a user message) with
     /// the completion (cut at its end-of-turn marker) as the assistant's
-    /// answer, rendered by its chat template; without one, the prompt's
-    /// text and the completion, its special tokens added.
+    /// answer, rendered by its chat template; without one, the
+    /// conversation's plain text ([`plain_prompt`](crate::stages::columns::plain_prompt))
+    /// and the completion, its special tokens added.
     pub fn reading_text(mut self, tokenizer: weir_gpu::Tokenizer) -> Self {
         self.text = Some(tokenizer);
         self
@@ -56,31 +57,27 @@ impl RewardModel {
     /// prompt and response tokens, or, reading text, the row rendered anew
     /// (an empty response beside it).
     fn rows(&self, batch: &RecordBatch, stage: &str) -> Result<(Tokens, Tokens), StageError> {
-        use crate::stages::columns::{prompt_conversations, strings, token_lists};
+        use crate::stages::columns::{plain_prompt, row_conversations, strings, token_lists};
         let Some(tokenizer) = &self.text else {
             return Ok((
                 token_lists(batch, col::PROMPT_TOKENS, stage)?,
                 token_lists(batch, col::RESPONSE_TOKENS, stage)?,
             ));
         };
-        let prompts = strings(batch, col::PROMPT, stage)?;
         let responses = strings(batch, col::RESPONSE, stage)?;
-        let conversations = prompt_conversations(batch, stage)?;
-        let mut rows = Vec::with_capacity(prompts.len());
-        for (i, conversation) in conversations.into_iter().enumerate() {
-            let completion = super::rules::completion(&responses[i]);
+        let mut rows = Vec::with_capacity(responses.len());
+        for (mut messages, response) in row_conversations(batch, stage)?.into_iter().zip(&responses)
+        {
+            let completion = super::rules::completion(response);
             let ids = if tokenizer.chat_template().is_some() {
-                let mut messages = conversation.unwrap_or_else(|| {
-                    vec![serde_json::json!({"role": "user", "content": prompts[i]})]
-                });
                 messages.push(serde_json::json!({"role": "assistant", "content": completion}));
                 tokenizer.encode_conversation(&messages, None, false)?
             } else {
-                tokenizer.encode(&format!("{}{completion}", prompts[i]), true)?
+                tokenizer.encode(&format!("{}{completion}", plain_prompt(&messages)), true)?
             };
             rows.push(ids);
         }
-        Ok((rows, vec![Vec::new(); prompts.len()]))
+        Ok((rows, vec![Vec::new(); responses.len()]))
     }
 }
 

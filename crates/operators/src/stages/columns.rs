@@ -186,10 +186,10 @@ pub fn prompt_conversations(
     batch: &RecordBatch,
     stage: &str,
 ) -> Result<Vec<Option<Vec<serde_json::Value>>>, StageError> {
-    let Some(col) = batch.column_by_name(crate::rollout::col::PROMPT_MESSAGES) else {
+    let name = crate::rollout::col::PROMPT_MESSAGES;
+    let Some(col) = batch.column_by_name(name) else {
         return Ok(vec![None; batch.num_rows()]);
     };
-    let name = crate::rollout::col::PROMPT_MESSAGES;
     let s = col
         .as_string_opt::<i32>()
         .ok_or_else(|| wrong_type(stage, name, "utf8", col.data_type().to_string()))?;
@@ -206,6 +206,23 @@ pub fn prompt_conversations(
                 .transpose()
         })
         .collect()
+}
+
+/// Each row's conversation: the one a prompt file's chat template
+/// rendered ([`prompt_conversations`]), else its `prompt` as the one user
+/// message.
+pub fn row_conversations(
+    batch: &RecordBatch,
+    stage: &str,
+) -> Result<Vec<Vec<serde_json::Value>>, StageError> {
+    let prompts = strings(batch, crate::rollout::col::PROMPT, stage)?;
+    Ok(prompt_conversations(batch, stage)?
+        .into_iter()
+        .zip(prompts)
+        .map(|(given, prompt)| {
+            given.unwrap_or_else(|| vec![serde_json::json!({"role": "user", "content": prompt})])
+        })
+        .collect())
 }
 
 /// The prompt of a conversation as plain text: its one message besides
@@ -414,6 +431,8 @@ mod tests {
 
     use super::*;
 
+    use crate::error::OperatorError;
+
     #[test]
     fn a_conversation_as_plain_text_leaves_out_the_system_and_the_markup() {
         let m = |role: &str, content: &str| serde_json::json!({"role": role, "content": content});
@@ -430,7 +449,6 @@ mod tests {
             "user: Hi\n\nassistant: Hello.\n\nuser: 2+2?"
         );
     }
-    use crate::error::OperatorError;
 
     #[test]
     fn generated_masks_read_token_kinds_and_default_to_all_generated() {
