@@ -129,15 +129,11 @@ impl RunConfig {
     }
 
     /// The checkpoints that read the policy's token ids (the teacher, a
-    /// reference, reward model or critic of their own) give every id the
-    /// policy's meaning: their tokenizers read each id of the policy's as
-    /// it does (ids of their own past the policy's are fine, as a newer
-    /// family's added tokens are), and their vocabularies (`config.json`'s `vocab_size`, which may pad
-    /// past the tokenizer's) reach at least as far as the policy's, so any
-    /// id it samples can be scored. A reward model that does not reads
-    /// each row as text with its own tokenizer instead (then the critic
-    /// must not start from it). Folders that do not load are left to the
-    /// checks that load them.
+    /// reference, reward model or critic of their own) can score them
+    /// ([`unread_policy_ids`]). A reward model that cannot reads each row
+    /// as text with its own tokenizer instead (then the critic must not
+    /// start from it). Folders that do not load are left to the checks
+    /// that load them.
     fn check_scorers(&self, pipeline: PipelineKind) -> Result<(), ConfigError> {
         if matches!(pipeline, PipelineKind::Sft | PipelineKind::Rm) {
             return Ok(());
