@@ -57,6 +57,8 @@ enum Command {
 
 /// Parses the command line and runs the command; exits 1 with one line on error.
 pub fn main() {
+    // Before any thread starts: nothing weir runs may read the secret.
+    crate::cluster::take_secret_from_environment();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("WEIR_LOG")

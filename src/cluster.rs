@@ -120,6 +120,13 @@ impl ClusterArgs {
                 let text = std::fs::read_to_string(path).map_err(|e| {
                     anyhow::anyhow!("--cluster-secret-file {}: {e}", path.display())
                 })?;
+                if let Some(mode) = weir_graph::cluster_secret::readable_by_others(path) {
+                    tracing::warn!(
+                        "--cluster-secret-file {}: readable by other users (mode {mode:o}); \
+                         `chmod 600` it",
+                        path.display()
+                    );
+                }
                 let line = text.lines().next().unwrap_or("").trim_end().to_string();
                 if line.is_empty() {
                     anyhow::bail!(
@@ -129,15 +136,65 @@ impl ClusterArgs {
                 }
                 line
             }
-            None => match std::env::var(SECRET_VAR) {
-                Ok(value) if value.is_empty() => anyhow::bail!("{SECRET_VAR} is set but empty"),
-                Ok(value) => value,
-                Err(std::env::VarError::NotPresent) => return Ok(None),
-                Err(std::env::VarError::NotUnicode(_)) => {
-                    anyhow::bail!("{SECRET_VAR} is not valid UTF-8")
+            None => match secret_from_environment() {
+                Some(Ok(value)) if value.is_empty() => {
+                    anyhow::bail!("{SECRET_VAR} is set but empty")
                 }
+                Some(Ok(value)) => value.clone(),
+                None => return Ok(None),
+                Some(Err(())) => anyhow::bail!("{SECRET_VAR} is not valid UTF-8"),
             },
         };
         Ok(Some(ClusterSecret::new(text.into_bytes())?))
+    }
+}
+
+/// `WEIR_CLUSTER_SECRET` as it was when the process started (`Err` if it
+/// was not UTF-8), taken out of the environment by [`take_secret_from_environment`].
+fn secret_from_environment() -> Option<&'static Result<String, ()>> {
+    ENVIRONMENT_SECRET.get().and_then(Option::as_ref)
+}
+
+static ENVIRONMENT_SECRET: std::sync::OnceLock<Option<Result<String, ()>>> =
+    std::sync::OnceLock::new();
+
+/// Takes `WEIR_CLUSTER_SECRET` out of this process's environment, keeping
+/// its value for [`ClusterArgs`] to read: it is removed from the variables
+/// that child processes inherit, and its bytes are overwritten where the
+/// kernel shows the environment the process started with
+/// (`/proc/<pid>/environ`, which a worker running as the same user could
+/// otherwise read). Call it first thing in `main`, before any thread starts.
+pub fn take_secret_from_environment() {
+    ENVIRONMENT_SECRET.get_or_init(|| {
+        let value = std::env::var_os(SECRET_VAR)?;
+        overwrite_initial_environment(SECRET_VAR);
+        // SAFETY: called before any other thread exists (see above).
+        unsafe { std::env::remove_var(SECRET_VAR) };
+        Some(value.into_string().map_err(|_| ()))
+    });
+}
+
+/// Overwrites with NULs the values of `name=` in the environment block the
+/// process started with (the strings `/proc/<pid>/environ` reads).
+fn overwrite_initial_environment(name: &str) {
+    extern "C" {
+        static mut environ: *mut *mut libc::c_char;
+    }
+    let prefix = format!("{name}=");
+    // SAFETY: before any thread starts, `environ` is the NUL-terminated
+    // array of NUL-terminated strings the process started with; each value
+    // is overwritten within its own string's bytes, and the array is left
+    // as it was (remove_var takes the entry out afterwards).
+    unsafe {
+        let mut entry = environ;
+        while !entry.is_null() && !(*entry).is_null() {
+            let text = std::ffi::CStr::from_ptr(*entry);
+            let bytes = text.to_bytes();
+            if bytes.starts_with(prefix.as_bytes()) {
+                let value = (*entry).add(prefix.len());
+                std::ptr::write_bytes(value, 0, bytes.len() - prefix.len());
+            }
+            entry = entry.add(1);
+        }
     }
 }

@@ -242,7 +242,9 @@ fn prepare(s: &AgenticSettings, train: &[(u32, u32)], init: &Path) -> anyhow::Re
         .collect();
     let vocab = weir_gpu::tokenizer::train_chatml_bpe(&corpus, 400, init)
         .context("training the tokenizer")?;
-    std::fs::write(init.join("chat_template.jinja"), TEMPLATE)?;
+    let template = init.join("chat_template.jinja");
+    weir_durable::write(&template, TEMPLATE.as_bytes())
+        .with_context(|| format!("writing {}", template.display()))?;
     let params = crate::demo_model::make_model(init, vocab, s.seed as i64)?;
     let sft: Vec<Value> = rows
         .iter()
@@ -259,14 +261,14 @@ fn prepare(s: &AgenticSettings, train: &[(u32, u32)], init: &Path) -> anyhow::Re
 
 /// `values` as JSON lines in `path`.
 fn write_lines(path: &Path, values: &[Value]) -> anyhow::Result<()> {
-    let mut file = std::io::BufWriter::new(
-        std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?,
-    );
-    for v in values {
-        writeln!(file, "{v}")?;
-    }
-    file.flush()?;
-    Ok(())
+    weir_durable::write_with(path, |file| {
+        let mut file = std::io::BufWriter::new(file);
+        for v in values {
+            writeln!(file, "{v}")?;
+        }
+        file.flush()
+    })
+    .with_context(|| format!("writing {}", path.display()))
 }
 
 /// Greedy episodes' figures on held-out problems.

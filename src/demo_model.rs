@@ -37,7 +37,9 @@ pub(crate) fn make_model(dir: &Path, vocab: usize, seed: i64) -> anyhow::Result<
         ("config.json", config),
         ("generation_config.json", generation),
     ] {
-        std::fs::write(dir.join(name), serde_json::to_string_pretty(&value)?)?;
+        let path = dir.join(name);
+        weir_durable::write(&path, serde_json::to_string_pretty(&value)?.as_bytes())
+            .with_context(|| format!("writing {}", path.display()))?;
     }
     let mut model = Model::new(ModelConfig::load(dir)?, Device::Cpu, dir)?;
     model.init_weights(0.02, seed);
@@ -56,7 +58,7 @@ pub(crate) fn write_summary(
     runs: &[&std::path::PathBuf],
 ) -> anyhow::Result<()> {
     let path = out.join("summary.json");
-    std::fs::write(&path, serde_json::to_string_pretty(summary)?)
+    weir_durable::write(&path, serde_json::to_string_pretty(summary)?.as_bytes())
         .with_context(|| format!("writing {}", path.display()))?;
     for run in runs {
         crate::report::plot(run)?;

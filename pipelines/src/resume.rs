@@ -167,7 +167,7 @@ pub(crate) fn keep_aside(path: &Path) -> Result<(), PipelineError> {
         .map_or(0, |d| d.as_secs());
     let name = path.file_name().unwrap_or_default().to_string_lossy();
     let target = dir.join(format!("{stamp}-{name}"));
-    std::fs::copy(path, &target).map_err(|e| format!("{}: {e}", target.display()))?;
+    weir_durable::copy(path, &target).map_err(|e| format!("{}: {e}", target.display()))?;
     Ok(())
 }
 

@@ -163,9 +163,11 @@ pub fn plot(run_dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
     }
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     for (path, chart) in &charts {
-        chart
-            .draw(path)
-            .with_context(|| format!("drawing {}", path.display()))?;
+        // Drawn to an exclusive temporary and renamed: never through a link.
+        weir_durable::write_through_path(path, |temporary| {
+            chart.draw(temporary).map_err(std::io::Error::other)
+        })
+        .with_context(|| format!("drawing {}", path.display()))?;
     }
     Ok(charts.into_iter().map(|(path, _)| path).collect())
 }

@@ -569,17 +569,38 @@ fn a_full_disk_ends_the_run_with_an_error_and_keeps_the_last_checkpoint() {
         .iter()
         .map(|f| std::fs::read(ck.join(f)).unwrap())
         .collect();
-    // The disk is full: every write of the metrics file fails (ENOSPC).
-    let full = out.join("metrics.parquet.tmp");
-    std::os::unix::fs::symlink("/dev/full", &full).unwrap();
+    // The disk fills up: every file the run writes past 4 KiB fails
+    // (RLIMIT_FSIZE, with SIGXFSZ ignored, so a write returns EFBIG as a
+    // full disk returns ENOSPC). A link planted at a temporary name no
+    // longer reaches weir's writes, whose temporaries have random names.
     let args = run_args(&out);
-    let output = weir(&strs(&args), tmp.path());
+    let output = {
+        use std::os::unix::process::CommandExt;
+        let mut command = Command::new(env!("CARGO_BIN_EXE_weir"));
+        command.args(strs(&args)).current_dir(tmp.path());
+        // SAFETY: only async-signal-safe calls between fork and exec.
+        unsafe {
+            command.pre_exec(|| {
+                libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+                let limit = libc::rlimit {
+                    rlim_cur: 4096,
+                    rlim_max: 4096,
+                };
+                if libc::setrlimit(libc::RLIMIT_FSIZE, &limit) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        command.output().unwrap()
+    };
     let err = String::from_utf8_lossy(&output.stderr);
     assert!(!output.status.success(), "a full disk went unnoticed");
     assert!(
-        err.contains("metrics.parquet") && err.contains("No space left"),
-        "{err}"
+        err.contains(&out.display().to_string()) && err.contains("File too large"),
+        "the failed write named: {err}"
     );
+    assert!(!err.contains(".tmp"), "the temporary's name, not the file's: {err}");
     assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
     assert!(!err.contains("panicked"), "{err}");
     assert_eq!(
@@ -595,7 +616,6 @@ fn a_full_disk_ends_the_run_with_an_error_and_keeps_the_last_checkpoint() {
         );
     }
     // Space again: the run resumes from that checkpoint and loses nothing.
-    std::fs::remove_file(&full).unwrap();
     success(&weir(&strs(&args), tmp.path()));
     check_run_folder(&out, 0);
 }

@@ -24,6 +24,7 @@ mod held;
 pub mod kv_cache;
 pub mod logprobs;
 pub mod lora;
+pub mod memory_budget;
 pub mod model;
 #[cfg(feature = "cuda")]
 pub mod nccl;
@@ -47,3 +48,8 @@ pub use sampling::{
 };
 pub use stream::{Finished, OnNewWeights, Request, StreamStats, Streamer};
 pub use tokenizer::{Message, Tokenizer};
+
+/// Every binary that links weir's runtime counts the allocations of the
+/// threads that run under a memory budget ([`memory_budget`]).
+#[global_allocator]
+static ALLOCATOR: memory_budget::Counting = memory_budget::Counting;

@@ -92,8 +92,8 @@ pub fn to_safetensors(
 /// Writes what [`to_safetensors`] returns to `path` one tensor at a time,
 /// so no more than the largest tensor is held in host memory beside the
 /// tensors themselves (a checkpoint of the weights or of the optimizer's
-/// moments would otherwise be a second copy of all of them). Written to a
-/// temporary file, then renamed over `path`.
+/// moments would otherwise be a second copy of all of them). Written as
+/// [`write_atomically`] writes.
 pub fn save_safetensors(
     path: &Path,
     tensors: &[(String, Tensor)],
@@ -102,9 +102,8 @@ pub fn save_safetensors(
 ) -> Result<(), ModelError> {
     use std::io::Write;
     let (header, _) = safetensors_header(tensors, kind, metadata)?;
-    let tmp = path.with_extension("tmp");
-    let write = || -> std::io::Result<()> {
-        let mut file = std::io::BufWriter::new(std::fs::File::create(&tmp)?);
+    let fill = |file: &mut std::fs::File| -> std::io::Result<()> {
+        let mut file = std::io::BufWriter::new(file);
         file.write_all(&header)?;
         let mut buffer = Vec::new();
         for (_, tensor) in tensors {
@@ -116,11 +115,10 @@ pub fn save_safetensors(
                 .map_err(|e| std::io::Error::other(e.to_string()))?;
             file.write_all(&buffer)?;
         }
-        // On disk before it takes its name: a power cut leaves the old file or the whole new one.
-        file.into_inner().map_err(|e| e.into_error())?.sync_all()
+        file.flush()
     };
-    write().map_err(|e| ModelError::io(&tmp, e))?;
-    std::fs::rename(&tmp, path).map_err(|e| ModelError::io(path, e))
+    // On disk before it takes its name: a power cut leaves the old file or the whole new one.
+    weir_durable::write_with(path, fill).map_err(|e| ModelError::io(path, e))
 }
 
 /// Named tensors, sorted by name.
@@ -391,7 +389,7 @@ pub fn parse_size(text: &str) -> Option<u64> {
 /// Copies a file, or a folder of files (one level), if `from` exists.
 fn copy_entry(from: &Path, to: &Path) -> Result<(), ModelError> {
     if from.is_file() {
-        std::fs::copy(from, to).map_err(|e| ModelError::io(from, e))?;
+        weir_durable::copy(from, to).map_err(|e| ModelError::io(to, e))?;
     } else if from.is_dir() {
         std::fs::create_dir_all(to).map_err(|e| ModelError::io(to, e))?;
         for entry in std::fs::read_dir(from).map_err(|e| ModelError::io(from, e))? {
@@ -403,31 +401,19 @@ fn copy_entry(from: &Path, to: &Path) -> Result<(), ModelError> {
             };
             if path.is_file() {
                 let target = to.join(path.file_name().unwrap_or_default());
-                std::fs::copy(&path, &target).map_err(|e| ModelError::io(&path, e))?;
+                weir_durable::copy(&path, &target).map_err(|e| ModelError::io(&target, e))?;
             }
         }
     }
     Ok(())
 }
 
-/// Writes `bytes` to `path` through a temporary file and a rename, so
-/// readers never see a half-written file, and syncs the file before the
-/// rename and the folder after it, so a power cut leaves the old file or
-/// the new one, never an empty or partial one under the name.
+/// Writes `bytes` to `path` through an exclusive temporary file and a
+/// rename ([`weir_durable::write`]): readers never see a half-written file,
+/// a power cut leaves the old file or the new one, and a link planted at
+/// the name or beside it is never written through.
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), ModelError> {
-    use std::io::Write;
-    let tmp = path.with_extension("tmp");
-    let write = || -> std::io::Result<()> {
-        let mut file = std::fs::File::create(&tmp)?;
-        file.write_all(bytes)?;
-        file.sync_all()
-    };
-    write().map_err(|e| ModelError::io(&tmp, e))?;
-    std::fs::rename(&tmp, path).map_err(|e| ModelError::io(path, e))?;
-    match path.parent() {
-        Some(dir) => sync_tree(dir, false),
-        None => Ok(()),
-    }
+    weir_durable::write(path, bytes).map_err(|e| ModelError::io(path, e))
 }
 
 /// Syncs `dir` to disk: the folder itself (its entries, renames included)
@@ -446,14 +432,7 @@ pub fn sync_tree(dir: &Path, files: bool) -> Result<(), ModelError> {
             }
         }
     }
-    let dir_path = if dir.as_os_str().is_empty() {
-        Path::new(".")
-    } else {
-        dir
-    };
-    std::fs::File::open(dir_path)
-        .and_then(|d| d.sync_all())
-        .map_err(|e| ModelError::io(dir_path, e))
+    weir_durable::sync_dir(dir).map_err(|e| ModelError::io(dir, e))
 }
 
 #[cfg(test)]
@@ -480,7 +459,7 @@ mod tests {
             let (back, meta) = from_safetensors(&written).unwrap();
             assert_eq!(meta["steps"], "4");
             assert_eq!(back.len(), 3);
-            assert!(!path.with_extension("tmp").exists());
+            assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
         }
     }
 }

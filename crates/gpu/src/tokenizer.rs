@@ -27,7 +27,7 @@ pub struct Tokenizer {
     dir: PathBuf,
     chat_template: Option<String>,
     /// The chat template compiled, on first use (or why it does not compile).
-    chat: std::sync::OnceLock<Result<minijinja::Environment<'static>, String>>,
+    chat: std::sync::OnceLock<Result<std::sync::Arc<minijinja::Environment<'static>>, String>>,
     bos_token: Option<String>,
     eos_token: Option<String>,
     pad_token: Option<String>,
@@ -155,6 +155,12 @@ const CHAT: &str = "chat";
 /// message), far below a template that loops for ever (which then fails
 /// with one line in well under a second).
 pub const CHAT_FUEL: u64 = 5_000_000;
+
+/// The most memory one rendering of a chat template may hold at once: far
+/// above any real conversation's rendering (a prompt file's record is at
+/// most 16 MiB), far below a machine's memory. Fuel does not bound bytes:
+/// one instruction repeats a string 10⁸ times, a few more double it.
+pub const CHAT_BYTES: usize = 256 << 20;
 
 /// A minijinja environment with `template` compiled as [`CHAT`], the
 /// helpers transformers gives chat templates, and the fuel limit.
@@ -332,7 +338,7 @@ impl Tokenizer {
         let config_file = || self.dir.join("tokenizer_config.json");
         let env = self
             .chat
-            .get_or_init(|| chat_environment(template))
+            .get_or_init(|| chat_environment(template).map(std::sync::Arc::new))
             .as_ref()
             .map_err(|e| {
                 ModelError::config(
@@ -349,24 +355,25 @@ impl Tokenizer {
             eos_token => self.eos_token.clone().unwrap_or_default(),
             pad_token => self.pad_token.clone().unwrap_or_default(),
         };
-        let template = env.get_template(CHAT).map_err(|e| {
-            ModelError::config(
-                &config_file(),
-                "chat_template",
-                format!("does not compile: {e}"),
-            )
-        })?;
-        template.render(ctx).map_err(|e| {
-            let why = if e.kind() == minijinja::ErrorKind::OutOfFuel {
-                format!(
-                    "rendering took more than {CHAT_FUEL} steps: a template that loops without \
-                     end, or over far too much?"
-                )
-            } else {
-                format!("rendering failed: {e}")
-            };
-            ModelError::config(&config_file(), "chat_template", why)
-        })
+        let env = std::sync::Arc::clone(env);
+        let rendered = crate::memory_budget::within(CHAT_BYTES, move || {
+            env.get_template(CHAT)
+                .and_then(|template| template.render(ctx))
+                .map_err(|e| (e.kind(), e.to_string()))
+        });
+        let why = match rendered {
+            Ok(Ok(text)) => return Ok(text),
+            Ok(Err((minijinja::ErrorKind::OutOfFuel, _))) => format!(
+                "rendering took more than {CHAT_FUEL} steps: a template that loops without \
+                 end, or over far too much?"
+            ),
+            Ok(Err((_, e))) => format!("rendering failed: {e}"),
+            Err(over) => format!(
+                "rendering {over} (more than a conversation's text could take): a template \
+                 that builds a huge string?"
+            ),
+        };
+        Err(ModelError::config(&config_file(), "chat_template", why))
     }
 
     /// Token ids of a conversation rendered by [`Tokenizer::render_chat`]
@@ -529,9 +536,10 @@ pub fn train_chatml_bpe(
     tokenizer.add_special_tokens(&specials);
     std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
     let path = dir.join("tokenizer.json");
-    tokenizer
-        .save(&path, false)
+    let text = tokenizer
+        .to_string(false)
         .map_err(|e| fail(&path.display().to_string(), e))?;
+    crate::snapshot::write_atomically(&path, text.as_bytes())?;
     let added: serde_json::Map<String, Value> = CHATML_SPECIALS
         .iter()
         .enumerate()
@@ -570,7 +578,7 @@ pub fn train_chatml_bpe(
             path: path.display().to_string(),
             message: e.to_string(),
         })?;
-        std::fs::write(&path, text).map_err(|e| ModelError::io(&path, e))?;
+        crate::snapshot::write_atomically(&path, text.as_bytes())?;
     }
     Ok(tokenizer.get_vocab_size(true))
 }

@@ -58,11 +58,18 @@ impl std::fmt::Debug for ClusterSecret {
 
 impl ClusterSecret {
     /// A secret of these bytes; an empty one is refused.
+    ///
+    /// A process that holds a secret turns itself non-dumpable
+    /// (`PR_SET_DUMPABLE`): its `/proc/<pid>/mem` and `environ` are then
+    /// closed to other processes of the same user — the Python rewards,
+    /// tools and environments it runs — and it writes no core file.
     pub fn new(bytes: impl Into<Vec<u8>>) -> Result<Self, GraphError> {
         let bytes = bytes.into();
         if bytes.is_empty() {
             return Err(GraphError::Execution("the cluster secret is empty".into()));
         }
+        // SAFETY: prctl with integer arguments only changes a flag of this process.
+        unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) };
         Ok(ClusterSecret(bytes))
     }
 
@@ -185,25 +192,14 @@ impl ClusterSecret {
         let path = dir.join(SECRET_FILE);
         let io = |e| GraphError::io(&path, e);
         std::fs::create_dir_all(dir).map_err(|e| GraphError::io(dir, e))?;
-        if !path.exists() {
+        if std::fs::symlink_metadata(&path).is_err() {
             let bytes: [u8; 32] = random()?;
             let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
             // Written aside, then linked into place: a process that starts
             // at the same moment either links first or reads the winner's.
             let aside = dir.join(format!(".{SECRET_FILE}.{}", std::process::id()));
-            {
-                use std::os::unix::fs::OpenOptionsExt;
-                let mut file = std::fs::OpenOptions::new()
-                    .write(true)
-                    .create(true)
-                    .truncate(true)
-                    .mode(0o600)
-                    .open(&aside)
-                    .map_err(|e| GraphError::io(&aside, e))?;
-                std::io::Write::write_all(&mut file, format!("{hex}\n").as_bytes())
-                    .and_then(|()| file.sync_all())
-                    .map_err(|e| GraphError::io(&aside, e))?;
-            }
+            write_private(&aside, format!("{hex}\n").as_bytes())
+                .map_err(|e| GraphError::io(&aside, e))?;
             let linked = std::fs::hard_link(&aside, &path);
             let _ = std::fs::remove_file(&aside);
             match linked {
@@ -212,12 +208,72 @@ impl ClusterSecret {
                 Err(e) => return Err(io(e)),
             }
         }
+        check_private(&path)?;
         let text = std::fs::read_to_string(&path).map_err(io)?;
         let line = text.lines().next().unwrap_or("").trim();
         ClusterSecret::new(line.as_bytes()).map_err(|_| {
             GraphError::Execution(format!("{}: the first line is empty", path.display()))
         })
     }
+}
+
+/// Writes `bytes` to a new file at `path` that only its owner may read,
+/// created exclusively (a stale or planted file, or a link, under the name
+/// is removed first and never followed).
+fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let create = || {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(path)
+    };
+    let mut file = match create() {
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            std::fs::remove_file(path)?;
+            create()?
+        }
+        file => file?,
+    };
+    std::io::Write::write_all(&mut file, bytes)?;
+    file.sync_all()
+}
+
+/// The permission bits of `path` when users other than its owner may read
+/// or write it (group or other bits set), else `None`.
+pub fn readable_by_others(path: &Path) -> Option<u32> {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(path).ok()?.permissions().mode() & 0o777;
+    (mode & 0o077 != 0).then_some(mode)
+}
+
+/// Refuses a run folder's secret file that someone else could know: a
+/// link, a file of another user, or one that others may read or write
+/// (weir writes it 0600 itself, so such a file was planted or loosened).
+fn check_private(path: &Path) -> Result<(), GraphError> {
+    use std::os::unix::fs::MetadataExt;
+    let refuse = |why: String| {
+        GraphError::Execution(format!(
+            "{}: {why}; the cluster secret must be a file only you can read \
+             (remove it, and weir writes a new one)",
+            path.display()
+        ))
+    };
+    let meta = std::fs::symlink_metadata(path).map_err(|e| GraphError::io(path, e))?;
+    if !meta.file_type().is_file() {
+        return Err(refuse("not a plain file (a link?)".into()));
+    }
+    // SAFETY: getuid has no preconditions.
+    let uid = unsafe { libc::getuid() };
+    if meta.uid() != uid {
+        return Err(refuse(format!("owned by user {}, not {uid}", meta.uid())));
+    }
+    if let Some(mode) = readable_by_others(path) {
+        return Err(refuse(format!("readable by other users (mode {mode:o})")));
+    }
+    Ok(())
 }
 
 const HEARTBEAT: &[u8] = b"weir heartbeat v1";
@@ -298,5 +354,32 @@ mod tests {
             .verifies(2, 7, 99, &p));
         assert_eq!(format!("{s:?}"), "ClusterSecret(…)", "never printed");
         assert_ne!(nonce(0), nonce(0), "fresh each time");
+    }
+
+    #[test]
+    fn a_run_folders_secret_is_private_and_a_planted_one_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        // A link planted at the name the copy aside takes is not written through.
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, b"precious").unwrap();
+        let aside = dir.path().join(format!(".{SECRET_FILE}.{}", std::process::id()));
+        std::os::unix::fs::symlink(&victim, &aside).unwrap();
+        let made = ClusterSecret::of_run_folder(dir.path()).unwrap();
+        assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+        let path = dir.path().join(SECRET_FILE);
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        assert_eq!(ClusterSecret::of_run_folder(dir.path()).unwrap(), made);
+        // Loosened (or planted world-readable): refused, naming the mode.
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let err = ClusterSecret::of_run_folder(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("cluster.secret") && err.contains("mode 644"), "{err}");
+        // A link in its place: refused, not followed.
+        std::fs::remove_file(&path).unwrap();
+        std::fs::set_permissions(&victim, std::fs::Permissions::from_mode(0o600)).unwrap();
+        std::os::unix::fs::symlink(&victim, &path).unwrap();
+        let err = ClusterSecret::of_run_folder(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("not a plain file"), "{err}");
     }
 }

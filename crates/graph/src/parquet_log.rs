@@ -2,7 +2,7 @@
 //!
 //! Files are named `part-<worker>-<first step>.parquet` (so a resumed run,
 //! which starts at a later step, never reuses a name) and become visible only when
-//! complete (written to a `.tmp` name, then renamed), so a crash never leaves
+//! complete (written to an exclusive temporary, then renamed), so a crash never leaves
 //! a truncated file for pandas, polars or DuckDB to trip over. A file closes
 //! once it holds `rows_per_file` rows; at every commit point (a checkpoint)
 //! the open file is written out as it stands and stays open, to be rewritten
@@ -181,8 +181,6 @@ pub fn write_parquet_with(
     if let Some(parent) = path.parent() {
         std::fs::create_dir_all(parent).map_err(|e| GraphError::io(parent, e))?;
     }
-    let tmp = path.with_extension("parquet.tmp");
-    let file = File::create(&tmp).map_err(|e| GraphError::io(&tmp, e))?;
     let kv = metadata
         .iter()
         .map(|(k, v)| parquet::file::metadata::KeyValue::new(k.clone(), v.clone()))
@@ -191,25 +189,17 @@ pub fn write_parquet_with(
         .set_compression(Compression::ZSTD(ZstdLevel::default()))
         .set_key_value_metadata((!kv.is_empty()).then_some(kv))
         .build();
-    let mut writer = ArrowWriter::try_new(file, first.schema(), Some(props))
-        .map_err(|e| GraphError::io(&tmp, e))?;
-    for batch in batches {
-        writer.write(batch).map_err(|e| GraphError::io(&tmp, e))?;
-    }
     // On disk before it takes its name, and the name on disk before a
     // commit point counts it: a power cut loses no committed row.
-    writer
-        .into_inner()
-        .map_err(|e| GraphError::io(&tmp, e))?
-        .sync_all()
-        .map_err(|e| GraphError::io(&tmp, e))?;
-    std::fs::rename(&tmp, path).map_err(|e| GraphError::io(path, e))?;
-    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-        File::open(parent)
-            .and_then(|d| d.sync_all())
-            .map_err(|e| GraphError::io(parent, e))?;
-    }
-    Ok(())
+    weir_durable::write_with(path, |file| {
+        let mut writer =
+            ArrowWriter::try_new(file, first.schema(), Some(props)).map_err(std::io::Error::other)?;
+        for batch in batches {
+            writer.write(batch).map_err(std::io::Error::other)?;
+        }
+        writer.close().map(|_| ()).map_err(std::io::Error::other)
+    })
+    .map_err(|e| GraphError::io(path, e))
 }
 
 /// Reads every `*.parquet` file of a folder, in name order.

@@ -103,17 +103,20 @@ pub struct JudgeConfig {
 pub struct Judge {
     model: Model,
     tokenizer: Tokenizer,
-    env: minijinja::Environment<'static>,
+    env: std::sync::Arc<minijinja::Environment<'static>>,
     cfg: JudgeConfig,
 }
 
 /// The names a judge template reads beside the prompt file's columns.
 pub const TEMPLATE_NAMES: &[&str] = &["prompt", "response", "label"];
 
-/// A judge template compiled, undefined names an error when it renders.
+/// A judge template compiled, undefined names an error when it renders,
+/// with a chat template's fuel (its memory bound is kept by [`Judge`]'s
+/// rendering, as [`weir_gpu::tokenizer::CHAT_BYTES`]).
 pub fn compile(template: &str) -> Result<minijinja::Environment<'static>, String> {
     let mut env = minijinja::Environment::new();
     env.set_undefined_behavior(minijinja::UndefinedBehavior::Strict);
+    env.set_fuel(Some(weir_gpu::tokenizer::CHAT_FUEL));
     env.add_template_owned("judge", template.to_string())
         .map_err(|e| format!("does not compile: {e}"))?;
     Ok(env)
@@ -169,7 +172,7 @@ impl Judge {
         Ok(Judge {
             model,
             tokenizer,
-            env,
+            env: std::sync::Arc::new(env),
             cfg,
         })
     }
@@ -192,7 +195,6 @@ impl Judge {
                 columns.push((name.as_str(), strings(batch, name, stage)?));
             }
         }
-        let template = self.env.get_template("judge").map_err(|e| e.to_string())?;
         let mut out = Vec::with_capacity(batch.num_rows());
         for row in 0..batch.num_rows() {
             let mut values = serde_json::Map::new();
@@ -207,9 +209,15 @@ impl Judge {
             if let Some(labels) = &labels {
                 values.insert("label".into(), labels[row].clone().into());
             }
-            let text = template
-                .render(serde_json::Value::Object(values))
-                .map_err(|e| format!("judge.template: row {row}: {e}"))?;
+            let env = std::sync::Arc::clone(&self.env);
+            let values = minijinja::Value::from_serialize(serde_json::Value::Object(values));
+            let text = weir_gpu::memory_budget::within(weir_gpu::tokenizer::CHAT_BYTES, move || {
+                env.get_template("judge")
+                    .and_then(|template| template.render(values))
+                    .map_err(|e| e.to_string())
+            })
+            .map_err(|over| format!("judge.template: row {row}: rendering {over}"))?
+            .map_err(|e| format!("judge.template: row {row}: {e}"))?;
             let ids = if self.cfg.chat {
                 let message = weir_gpu::tokenizer::Message {
                     role: "user".into(),
