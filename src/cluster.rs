@@ -117,9 +117,10 @@ impl ClusterArgs {
     fn secret(&self) -> anyhow::Result<Option<ClusterSecret>> {
         let text = match &self.cluster_secret_file {
             Some(path) => {
-                let text = std::fs::read_to_string(path).map_err(|e| {
-                    anyhow::anyhow!("--cluster-secret-file {}: {e}", path.display())
-                })?;
+                let text = weir_durable::read_text_capped(path, weir_durable::SIDE_FILE_BYTES)
+                    .map_err(|e| {
+                        anyhow::anyhow!("--cluster-secret-file {}: {e}", path.display())
+                    })?;
                 if let Some(mode) = weir_graph::cluster_secret::readable_by_others(path) {
                     tracing::warn!(
                         "--cluster-secret-file {}: readable by other users (mode {mode:o}); \

@@ -89,17 +89,40 @@ fn load(args: &ModelArgs) -> anyhow::Result<Model> {
 }
 
 /// Parses every line of a JSONL file; errors name the file and line.
+/// A line is read only up to a prompt record's bound
+/// (`weir_operators::stages::prompt_files::MAX_RECORD_BYTES`).
 fn read_jsonl(path: &Path) -> anyhow::Result<Vec<(usize, Value)>> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    use std::io::{BufRead, Read};
+    use weir_operators::stages::prompt_files::MAX_RECORD_BYTES;
+    let file = std::fs::File::open(path).with_context(|| format!("reading {}", path.display()))?;
+    let mut reader = std::io::BufReader::new(file);
     let mut out = Vec::new();
-    for (i, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
+    let mut line = Vec::new();
+    for number in 1.. {
+        line.clear();
+        let read = (&mut reader)
+            .take(MAX_RECORD_BYTES as u64 + 1)
+            .read_until(b'\n', &mut line)
+            .with_context(|| format!("reading {}", path.display()))?;
+        if read == 0 {
+            break;
+        }
+        if line.last() == Some(&b'\n') {
+            line.pop();
+        } else if line.len() > MAX_RECORD_BYTES {
+            bail!(
+                "{}: line {number} is longer than {} MiB (the most one input line may hold)",
+                path.display(),
+                MAX_RECORD_BYTES >> 20
+            );
+        }
+        let text = String::from_utf8_lossy(&line);
+        if text.trim().is_empty() {
             continue;
         }
-        let value: Value = serde_json::from_str(line)
-            .with_context(|| format!("{}: line {}: not JSON", path.display(), i + 1))?;
-        out.push((i + 1, value));
+        let value: Value = serde_json::from_str(&text)
+            .with_context(|| format!("{}: line {number}: not JSON", path.display()))?;
+        out.push((number, value));
     }
     if out.is_empty() {
         bail!("{}: no input lines", path.display());

@@ -77,7 +77,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
     } else {
         let text = match &args.config {
             Some(path) => Some(
-                std::fs::read_to_string(path)
+                weir_durable::read_text_capped(path, weir_durable::SIDE_FILE_BYTES)
                     .with_context(|| format!("reading the config {}", path.display()))?,
             ),
             None => None,

@@ -43,6 +43,10 @@ pub fn check_logs(cfg: &RunConfig) -> Result<(), PipelineError> {
     Ok(())
 }
 
+/// The most tokens a logged row may hold where the model's config names no
+/// context (`max_position_embeddings`), and at most in any case.
+pub const MAX_LOGGED_TOKENS: usize = 1 << 20;
+
 /// The logged groups a run of `kind` with `cfg` replays, if it trains from logs.
 pub fn logged_groups(
     kind: PipelineKind,
@@ -57,7 +61,17 @@ pub fn logged_groups(
         None => RowFilter::default(),
     };
     let logged = d.rollout_advantages == RolloutAdvantages::Logged;
-    let groups = LoggedGroups::load(&d.rollouts, &filter, d.replay_fraction, logged)?;
+    // A logged row longer than the model's context cannot be trained on.
+    let context = weir_gpu::ModelConfig::load(std::path::Path::new(&cfg.model.path))?
+        .max_position_embeddings
+        .map_or(MAX_LOGGED_TOKENS, |n| n.max(0) as usize);
+    let groups = LoggedGroups::load(
+        &d.rollouts,
+        &filter,
+        d.replay_fraction,
+        logged,
+        context.min(MAX_LOGGED_TOKENS),
+    )?;
     // What a replayed row cannot be given again: the generator's Σπ².
     if kind == PipelineKind::Otb && !logged {
         let squares = weir_operators::rollout::col::SUM_PI_SQUARED;

@@ -173,8 +173,8 @@ impl Manifest {
         let Some(path) = candidates.into_iter().find(|p| p.is_file()) else {
             return Ok(None);
         };
-        let text =
-            std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let text = weir_durable::read_text_capped(&path, weir_durable::SIDE_FILE_BYTES)
+            .map_err(|e| format!("{}: {e}", path.display()))?;
         let manifest: Manifest =
             serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
         let ours: u64 = SCHEMA_VERSION.parse().unwrap_or(0);

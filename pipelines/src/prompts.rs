@@ -49,7 +49,7 @@ fn source(
             src = src.epochs(d.epochs);
         }
         if let Some(cursor) = ctx.cursor {
-            src.restore(cursor);
+            src.restore(cursor)?;
         }
         if cfg.curriculum.enabled {
             src = src.curriculum(Curriculum {

@@ -84,7 +84,7 @@ pub use crate::resume::{resolved_config_text, RESOLVED};
 /// Reads a run folder's resolved config (for `weir run --resume`).
 pub fn read_resolved(run_dir: &Path) -> Result<(PipelineKind, RunConfig), PipelineError> {
     let path = run_dir.join(RESOLVED);
-    let text = std::fs::read_to_string(&path)
+    let text = weir_durable::read_text_capped(&path, weir_durable::SIDE_FILE_BYTES)
         .map_err(|e| format!("{}: {e} (is this a weir run folder?)", path.display()))?;
     let mut table: toml::Table =
         toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;

@@ -22,6 +22,7 @@ mod log;
 mod models;
 mod report;
 mod runs;
+mod security;
 
 pub(crate) fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models")

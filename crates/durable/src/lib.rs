@@ -1,4 +1,4 @@
-//! # weir-durable: every file weir writes, written one way
+//! # weir-durable: every file weir writes, written one way; side files read within a bound
 //!
 //! A run folder outlives crashes and may sit where other users can write
 //! (a shared scratch disk, `/tmp`). So every file weir writes — checkpoints,
@@ -14,6 +14,11 @@
 //!
 //! Errors are [`std::io::Error`]s about the *target*: callers name the
 //! user's path, never the temporary one, which is removed on failure.
+//!
+//! The small files a user or a checkpoint gives (`config.json`,
+//! `tokenizer.json`, `state.json`, a config) are read with
+//! [`read_capped`]: a file past its bound is refused from its length
+//! before a byte is read, so a sparse multi-gigabyte file costs nothing.
 //!
 //! ```
 //! let dir = tempfile::tempdir().unwrap();
@@ -65,6 +70,50 @@ pub fn write_through_path(
 pub fn copy(from: &Path, to: &Path) -> io::Result<()> {
     let mut source = File::open(from)?;
     write_with(to, |file| io::copy(&mut source, file).map(|_| ()))
+}
+
+/// The most bytes a side file of a checkpoint or a run folder may hold
+/// (`config.json`, `tokenizer_config.json`, `generation_config.json`,
+/// `state.json`, a chat template, a run's config): far above any real one.
+pub const SIDE_FILE_BYTES: u64 = 64 << 20;
+
+/// The most bytes a `tokenizer.json` may hold (the largest released ones
+/// hold about 35 MB).
+pub const TOKENIZER_BYTES: u64 = 512 << 20;
+
+/// Reads the file at `path` whole when it holds at most `cap` bytes; a
+/// larger one is refused from its length, before anything is read or
+/// allocated (an error of kind [`io::ErrorKind::FileTooLarge`] saying both
+/// sizes). A file that grows while it is read is cut at `cap + 1` bytes
+/// and refused the same way.
+pub fn read_capped(path: &Path, cap: u64) -> io::Result<Vec<u8>> {
+    use std::io::Read;
+    let file = File::open(path)?;
+    let too_large = |bytes: u64| {
+        io::Error::new(
+            io::ErrorKind::FileTooLarge,
+            format!(
+                "{} bytes, more than the {} such a file may hold",
+                bytes, cap
+            ),
+        )
+    };
+    let length = file.metadata()?.len();
+    if length > cap {
+        return Err(too_large(length));
+    }
+    let mut bytes = Vec::with_capacity(length as usize);
+    file.take(cap + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > cap {
+        return Err(too_large(bytes.len() as u64));
+    }
+    Ok(bytes)
+}
+
+/// [`read_capped`] as UTF-8 text.
+pub fn read_text_capped(path: &Path, cap: u64) -> io::Result<String> {
+    String::from_utf8(read_capped(path, cap)?)
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
 }
 
 /// Syncs the folder `dir` to disk (its entries: creations and renames).
@@ -157,6 +206,19 @@ mod tests {
         assert_eq!(err.to_string(), "disk full");
         assert_eq!(std::fs::read(&path).unwrap(), b"old");
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn a_sparse_huge_file_is_refused_from_its_length() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("config.json");
+        let file = File::create(&path).unwrap();
+        file.set_len(3 << 30).unwrap();
+        let err = read_capped(&path, SIDE_FILE_BYTES).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::FileTooLarge);
+        assert!(err.to_string().contains(&(3u64 << 30).to_string()), "{err}");
+        std::fs::write(&path, b"{}").unwrap();
+        assert_eq!(read_text_capped(&path, SIDE_FILE_BYTES).unwrap(), "{}");
     }
 
     #[test]

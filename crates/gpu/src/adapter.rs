@@ -108,7 +108,8 @@ impl LoraConfig {
     /// model's folder (relative paths are taken from the adapter folder).
     pub fn read_peft(dir: &Path) -> Result<(LoraConfig, PathBuf), ModelError> {
         let path = dir.join(ADAPTER_CONFIG);
-        let text = std::fs::read_to_string(&path).map_err(|e| ModelError::io(&path, e))?;
+        let text = weir_durable::read_text_capped(&path, weir_durable::SIDE_FILE_BYTES)
+            .map_err(|e| ModelError::io(&path, e))?;
         let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| ModelError::Json {
             path: path.display().to_string(),
             message: e.to_string(),

@@ -23,7 +23,8 @@ pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
             "no model.safetensors and no model.safetensors.index.json",
         ));
     }
-    let text = std::fs::read_to_string(&index).map_err(|e| ModelError::io(&index, e))?;
+    let text = weir_durable::read_text_capped(&index, weir_durable::SIDE_FILE_BYTES)
+        .map_err(|e| ModelError::io(&index, e))?;
     let value: Value = serde_json::from_str(&text).map_err(|e| ModelError::Json {
         path: index.display().to_string(),
         message: e.to_string(),

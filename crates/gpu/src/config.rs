@@ -144,7 +144,8 @@ impl ModelConfig {
     /// Reads `dir/config.json`.
     pub fn load(dir: &Path) -> Result<Self, ModelError> {
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|e| ModelError::io(&path, e))?;
+        let text = weir_durable::read_text_capped(&path, weir_durable::SIDE_FILE_BYTES)
+            .map_err(|e| ModelError::io(&path, e))?;
         let value: Value = serde_json::from_str(&text).map_err(|e| ModelError::Json {
             path: path.display().to_string(),
             message: e.to_string(),

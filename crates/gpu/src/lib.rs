@@ -24,7 +24,6 @@ mod held;
 pub mod kv_cache;
 pub mod logprobs;
 pub mod lora;
-pub mod memory_budget;
 pub mod model;
 #[cfg(feature = "cuda")]
 pub mod nccl;
@@ -48,8 +47,5 @@ pub use sampling::{
 };
 pub use stream::{Finished, OnNewWeights, Request, StreamStats, Streamer};
 pub use tokenizer::{Message, Tokenizer};
-
-/// Every binary that links weir's runtime counts the allocations of the
-/// threads that run under a memory budget ([`memory_budget`]).
-#[global_allocator]
-static ALLOCATOR: memory_budget::Counting = memory_budget::Counting;
+/// Memory budgets for work that input steers (chat templates).
+pub use weir_budget as memory_budget;

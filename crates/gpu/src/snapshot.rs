@@ -298,8 +298,8 @@ impl Model {
             _ => "float32",
         };
         let config_path = self.source.join("config.json");
-        let text =
-            std::fs::read_to_string(&config_path).map_err(|e| ModelError::io(&config_path, e))?;
+        let text = weir_durable::read_text_capped(&config_path, weir_durable::SIDE_FILE_BYTES)
+            .map_err(|e| ModelError::io(&config_path, e))?;
         let mut config: serde_json::Value =
             serde_json::from_str(&text).map_err(|e| ModelError::Json {
                 path: config_path.display().to_string(),

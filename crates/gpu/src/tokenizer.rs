@@ -106,7 +106,8 @@ fn read_json(path: &Path) -> Result<Option<Value>, ModelError> {
     if !path.is_file() {
         return Ok(None);
     }
-    let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
+    let text = weir_durable::read_text_capped(path, weir_durable::SIDE_FILE_BYTES)
+        .map_err(|e| ModelError::io(path, e))?;
     serde_json::from_str(&text)
         .map(Some)
         .map_err(|e| ModelError::Json {
@@ -123,7 +124,7 @@ fn read_json(path: &Path) -> Result<Option<Value>, ModelError> {
 fn chat_template(dir: &Path, config: &Value) -> Result<Option<String>, ModelError> {
     let jinja = dir.join("chat_template.jinja");
     if jinja.is_file() {
-        return std::fs::read_to_string(&jinja)
+        return weir_durable::read_text_capped(&jinja, weir_durable::SIDE_FILE_BYTES)
             .map(Some)
             .map_err(|e| ModelError::io(&jinja, e));
     }
@@ -222,10 +223,14 @@ impl Tokenizer {
                 },
             ));
         }
-        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| ModelError::Json {
-            path: path.display().to_string(),
-            message: e.to_string(),
-        })?;
+        let text = weir_durable::read_text_capped(&path, weir_durable::TOKENIZER_BYTES)
+            .map_err(|e| ModelError::io(&path, e))?;
+        let inner = text
+            .parse::<tokenizers::Tokenizer>()
+            .map_err(|e| ModelError::Json {
+                path: path.display().to_string(),
+                message: e.to_string(),
+            })?;
         let config = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Value::Null);
         let chat_template = chat_template(dir, &config)?;
         let (bos_token, eos_token, pad_token) = (

@@ -363,7 +363,9 @@ mod tests {
         // A link planted at the name the copy aside takes is not written through.
         let victim = dir.path().join("victim");
         std::fs::write(&victim, b"precious").unwrap();
-        let aside = dir.path().join(format!(".{SECRET_FILE}.{}", std::process::id()));
+        let aside = dir
+            .path()
+            .join(format!(".{SECRET_FILE}.{}", std::process::id()));
         std::os::unix::fs::symlink(&victim, &aside).unwrap();
         let made = ClusterSecret::of_run_folder(dir.path()).unwrap();
         assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
@@ -373,13 +375,20 @@ mod tests {
         assert_eq!(ClusterSecret::of_run_folder(dir.path()).unwrap(), made);
         // Loosened (or planted world-readable): refused, naming the mode.
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
-        let err = ClusterSecret::of_run_folder(dir.path()).unwrap_err().to_string();
-        assert!(err.contains("cluster.secret") && err.contains("mode 644"), "{err}");
+        let err = ClusterSecret::of_run_folder(dir.path())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("cluster.secret") && err.contains("mode 644"),
+            "{err}"
+        );
         // A link in its place: refused, not followed.
         std::fs::remove_file(&path).unwrap();
         std::fs::set_permissions(&victim, std::fs::Permissions::from_mode(0o600)).unwrap();
         std::os::unix::fs::symlink(&victim, &path).unwrap();
-        let err = ClusterSecret::of_run_folder(dir.path()).unwrap_err().to_string();
+        let err = ClusterSecret::of_run_folder(dir.path())
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("not a plain file"), "{err}");
     }
 }

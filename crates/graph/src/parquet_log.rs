@@ -192,8 +192,8 @@ pub fn write_parquet_with(
     // On disk before it takes its name, and the name on disk before a
     // commit point counts it: a power cut loses no committed row.
     weir_durable::write_with(path, |file| {
-        let mut writer =
-            ArrowWriter::try_new(file, first.schema(), Some(props)).map_err(std::io::Error::other)?;
+        let mut writer = ArrowWriter::try_new(file, first.schema(), Some(props))
+            .map_err(std::io::Error::other)?;
         for batch in batches {
             writer.write(batch).map_err(std::io::Error::other)?;
         }
@@ -219,17 +219,13 @@ pub fn read_parquet_dir(dir: &Path) -> Result<Vec<RecordBatch>, GraphError> {
 
 /// Reads one Parquet file into batches.
 pub fn read_parquet_file(path: &Path) -> Result<Vec<RecordBatch>, GraphError> {
-    let file = File::open(path).map_err(|e| GraphError::io(path, e))?;
-    let reader = ParquetRecordBatchReaderBuilder::try_new(file)
-        .and_then(|b| b.build())
-        .map_err(|e| GraphError::io(path, e))?;
-    reader
-        .map(|b| b.map_err(|e| GraphError::io(path, e)))
-        .collect()
+    parquet_batches(path)?.1.collect()
 }
 
-/// The batches of the Parquet file at `path`, read one at a time, and the
-/// bytes its row groups hold uncompressed (what reading them all costs).
+/// The batches of the Parquet file at `path`, read one at a time
+/// ([`decode_bounded`]), and the bytes its row groups say they hold
+/// uncompressed (a lower bound of what reading them all costs: encodings
+/// can make a file's values far larger than its metadata says).
 pub fn parquet_batches(
     path: &Path,
 ) -> Result<
@@ -248,11 +244,54 @@ pub fn parquet_batches(
         .iter()
         .map(|g| g.total_byte_size().max(0) as u64)
         .sum();
-    let reader = builder.build().map_err(|e| GraphError::io(path, e))?;
-    Ok((
-        bytes,
-        reader.map(move |b| b.map_err(|e| GraphError::io(path, e))),
-    ))
+    let reader = builder
+        .with_batch_size(DECODE_ROWS)
+        .build()
+        .map_err(|e| GraphError::io(path, e))?;
+    Ok((bytes, decode_bounded(path, reader)))
+}
+
+/// Rows decoded at a time from a Parquet file a user gives.
+pub const DECODE_ROWS: usize = 16;
+
+/// The most memory decoding one batch of [`DECODE_ROWS`] rows may hold: 32
+/// MiB a row, twice the largest prompt record, and far above a rollout row
+/// at any model's context. A file's metadata cannot bound this: dictionary
+/// and run-length encodings turn a few kilobytes into gigabytes of values.
+pub const DECODE_BYTES: usize = DECODE_ROWS * (32 << 20);
+
+/// The batches `reader` decodes (build it with a batch size of
+/// [`DECODE_ROWS`]), each decoded under a memory budget of [`DECODE_BYTES`]
+/// ([`weir_budget::within`]): a batch that would take more ends the
+/// iteration with one error naming `path`, before the memory is taken.
+pub fn decode_bounded<R>(
+    path: &Path,
+    reader: R,
+) -> impl Iterator<Item = Result<RecordBatch, GraphError>> + '_
+where
+    R: Iterator<Item = Result<RecordBatch, arrow::error::ArrowError>> + Send + 'static,
+{
+    let mut reader = Some(reader);
+    std::iter::from_fn(move || {
+        let mut taken = reader.take()?;
+        match weir_budget::within(DECODE_BYTES, move || {
+            let next = taken.next();
+            (taken, next)
+        }) {
+            Ok((back, next)) => {
+                reader = Some(back);
+                Some(next?.map_err(|e| GraphError::io(path, e)))
+            }
+            Err(over) => Some(Err(GraphError::io(
+                path,
+                format!(
+                    "{DECODE_ROWS} rows decode to more memory than they may take ({over}): \
+                     values far larger than the file (a dictionary- or run-length-encoded \
+                     bomb, or a list far past any model's context?)"
+                ),
+            ))),
+        }
+    })
 }
 
 #[cfg(test)]

@@ -463,8 +463,12 @@ fn step_folders(root: &Path) -> Vec<PathBuf> {
 /// `state.json` is there and every component it names is.
 fn complete_state(dir: &Path) -> Result<Option<CheckpointState>, StageError> {
     let path = dir.join("state.json");
-    let Ok(text) = std::fs::read_to_string(&path) else {
-        return Ok(None);
+    let text = match weir_durable::read_text_capped(&path, weir_durable::SIDE_FILE_BYTES) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::FileTooLarge => {
+            return Err(OperatorError::file(&path, e).into())
+        }
+        Err(_) => return Ok(None),
     };
     let value: Value = serde_json::from_str(&text).map_err(|e| OperatorError::file(&path, e))?;
     let state = CheckpointState::from_json(&value, &path)?;

@@ -354,6 +354,21 @@ pub enum SchemaError {
         /// The column's length there.
         found: usize,
     },
+    /// A row holds more tokens than the model reads.
+    #[error(
+        "stage `{stage}`: row {row} holds {tokens} tokens (prompt and response), more than the \
+         {max} the model reads"
+    )]
+    TooLong {
+        /// The stage that checked.
+        stage: String,
+        /// The row.
+        row: usize,
+        /// Its prompt and response tokens.
+        tokens: usize,
+        /// The model's context.
+        max: usize,
+    },
 }
 
 /// Whether a column of type `found` fits the schema's `expected`: the
@@ -400,6 +415,39 @@ pub fn check_schema(schema: &Schema, phase: Phase, stage: &str) -> Result<(), Sc
 /// type, and that per-token columns align with `response_tokens`.
 pub fn check(batch: &RecordBatch, phase: Phase, stage: &str) -> Result<(), SchemaError> {
     check_schema(&batch.schema(), phase, stage)?;
+    check_aligned(batch, phase, stage)
+}
+
+/// Checks rows read from a file before anything sizes memory by them:
+/// every per-token column it holds as long as `response_tokens`, and no
+/// row's prompt and response longer than `max_tokens` (the model's context).
+pub fn check_read(batch: &RecordBatch, max_tokens: usize, what: &str) -> Result<(), SchemaError> {
+    let length = |name| {
+        batch
+            .column_by_name(name)
+            .and_then(|c| c.as_list_opt::<i32>())
+    };
+    if let (Some(prompt), Some(response)) =
+        (length(col::PROMPT_TOKENS), length(col::RESPONSE_TOKENS))
+    {
+        for row in 0..batch.num_rows() {
+            let tokens = prompt.value_length(row) as usize + response.value_length(row) as usize;
+            if tokens > max_tokens {
+                return Err(SchemaError::TooLong {
+                    stage: what.into(),
+                    row,
+                    tokens,
+                    max: max_tokens,
+                });
+            }
+        }
+    }
+    check_aligned(batch, Phase::Learn, what)
+}
+
+/// Checks that `batch`'s per-token columns written up to `phase` align
+/// with `response_tokens`.
+fn check_aligned(batch: &RecordBatch, phase: Phase, stage: &str) -> Result<(), SchemaError> {
     let response_lengths: Option<Vec<usize>> = batch
         .column_by_name(col::RESPONSE_TOKENS)
         .and_then(|c| c.as_list_opt::<i32>())

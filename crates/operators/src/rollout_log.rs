@@ -390,15 +390,17 @@ pub fn read(
         builder = builder.with_projection(mask);
     }
     let reader = builder
+        .with_batch_size(weir_graph::parquet_log::DECODE_ROWS)
         .build()
         .map_err(|e| OperatorError::file(path, e.to_string()))?;
     let mut out = Vec::new();
-    for batch in reader {
+    for batch in weir_graph::parquet_log::decode_bounded(path, reader) {
         let batch = batch.map_err(|e| {
-            OperatorError::file(
-                path,
-                format!("reading row groups {groups:?}: {e} (the file is truncated or corrupt)"),
-            )
+            let why = match e {
+                weir_graph::GraphError::Io { message, .. } => message,
+                other => other.to_string(),
+            };
+            OperatorError::file(path, format!("reading row groups {groups:?}: {why}"))
         })?;
         let what = path.display().to_string();
         let batch = if filter.is_empty() {

@@ -211,13 +211,14 @@ impl Judge {
             }
             let env = std::sync::Arc::clone(&self.env);
             let values = minijinja::Value::from_serialize(serde_json::Value::Object(values));
-            let text = weir_gpu::memory_budget::within(weir_gpu::tokenizer::CHAT_BYTES, move || {
-                env.get_template("judge")
-                    .and_then(|template| template.render(values))
-                    .map_err(|e| e.to_string())
-            })
-            .map_err(|over| format!("judge.template: row {row}: rendering {over}"))?
-            .map_err(|e| format!("judge.template: row {row}: {e}"))?;
+            let text =
+                weir_gpu::memory_budget::within(weir_gpu::tokenizer::CHAT_BYTES, move || {
+                    env.get_template("judge")
+                        .and_then(|template| template.render(values))
+                        .map_err(|e| e.to_string())
+                })
+                .map_err(|over| format!("judge.template: row {row}: rendering {over}"))?
+                .map_err(|e| format!("judge.template: row {row}: {e}"))?;
             let ids = if self.cfg.chat {
                 let message = weir_gpu::tokenizer::Message {
                     role: "user".into(),

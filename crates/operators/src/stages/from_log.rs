@@ -58,6 +58,8 @@ pub struct LoggedGroups {
     filter: RowFilter,
     keep_advantages: bool,
     fraction: f64,
+    /// The most tokens a replayed row may hold (the model's context).
+    max_tokens: usize,
     /// The files read last, each grouped: (file, (step, group) → rows).
     cache: std::sync::Mutex<Vec<(usize, Grouped)>>,
     /// The rows the filter keeps.
@@ -71,12 +73,15 @@ impl LoggedGroups {
     /// Indexes the groups of `sources` that `filter` keeps (only their
     /// step and group columns are read); `fraction` of a step's groups
     /// replay; `keep_advantages`: the logged advantages and returns stay
-    /// (else the advantage stage computes them again).
+    /// (else the advantage stage computes them again); a group's rows are
+    /// refused when one holds more than `max_tokens` or per-token columns
+    /// of another length than its response.
     pub fn load(
         sources: &[PathBuf],
         filter: &RowFilter,
         fraction: f64,
         keep_advantages: bool,
+        max_tokens: usize,
     ) -> Result<Self, OperatorError> {
         let files = rollout_log::open_all(sources)?;
         let mut groups: BTreeMap<(u64, u64), Vec<usize>> = BTreeMap::new();
@@ -109,6 +114,7 @@ impl LoggedGroups {
             filter: filter.clone(),
             keep_advantages,
             fraction,
+            max_tokens,
             cache: std::sync::Mutex::new(Vec::new()),
             rows,
         })
@@ -189,6 +195,10 @@ impl LoggedGroups {
                 .map_err(|e| OperatorError::file(&file.path, e.to_string()))
         };
         let (steps, groups) = (ids(col::STEP)?, ids(col::GROUP_ID)?);
+        // Before a row's lengths size any buffer: a crafted log may hold a
+        // list far past the model's context, or log-probs of another length.
+        rollout::check_read(&rows, self.max_tokens, "data.rollouts")
+            .map_err(|e| OperatorError::file(&file.path, e.to_string()))?;
         let rows = replayable(&rows, self.keep_advantages)
             .map_err(|e| OperatorError::file(&file.path, e))?;
         let mut start = 0;
@@ -467,6 +477,7 @@ mod tests {
             filter: RowFilter::default(),
             keep_advantages: false,
             fraction,
+            max_tokens: 1 << 20,
             cache: Default::default(),
             rows: 3,
         };

@@ -474,9 +474,15 @@ fn each_record(
             if bytes > max_file_bytes() {
                 return Err(too_big(bytes));
             }
-            let mut row = 0;
+            let (mut row, mut decoded) = (0, 0u64);
             for batch in batches {
                 let batch = batch?;
+                // The values as decoded, not as the metadata says: a
+                // dictionary holds one long string for many rows.
+                decoded += batch.get_array_memory_size() as u64;
+                if decoded > max_file_bytes() {
+                    return Err(too_big(decoded));
+                }
                 // One line of JSON per row, the batch's rows only.
                 let mut writer = arrow::json::LineDelimitedWriter::new(Vec::new());
                 writer

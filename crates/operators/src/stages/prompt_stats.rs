@@ -328,7 +328,8 @@ impl PromptStats {
         for file in files.flatten() {
             let path = file.path();
             let bad = |why: &str| format!("{}: {why}", path.display());
-            let text = std::fs::read_to_string(&path).map_err(|e| bad(&e.to_string()))?;
+            let text = weir_durable::read_text_capped(&path, weir_durable::SIDE_FILE_BYTES)
+                .map_err(|e| bad(&e.to_string()))?;
             let saved: serde_json::Value =
                 serde_json::from_str(&text).map_err(|e| bad(&e.to_string()))?;
             for p in saved["prompts"].as_array().into_iter().flatten() {

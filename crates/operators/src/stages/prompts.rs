@@ -228,10 +228,38 @@ impl PromptSource {
         self.cursor
     }
 
-    /// Continues from a saved cursor.
-    pub fn restore(&mut self, cursor: Cursor) {
+    /// Continues from a saved cursor, refused (saying why) when this prompt
+    /// set could not have reached it: a position past its prompts, an epoch
+    /// past `data.epochs`, or more prompts drawn than fit in 63 bits (a
+    /// crafted `state.json`).
+    pub fn restore(&mut self, cursor: Cursor) -> Result<(), String> {
+        let len = self.rows.len() as u64;
+        let drawn = cursor
+            .epoch
+            .checked_mul(len.max(1))
+            .and_then(|d| d.checked_add(cursor.position as u64))
+            .filter(|d| *d < 1 << 63);
+        let why = if cursor.position as u64 > len {
+            Some(format!(
+                "position {} is past the prompt set's {len} prompts",
+                cursor.position
+            ))
+        } else if self.epochs.is_some_and(|e| cursor.epoch > e) {
+            Some(format!("epoch {} is past data.epochs", cursor.epoch))
+        } else if drawn.is_none() {
+            Some(format!("epoch {} cannot be reached", cursor.epoch))
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            return Err(format!(
+                "the checkpoint's cursor (state.json): {why}: resume with the prompt set and \
+                 data.epochs it was written with"
+            ));
+        }
         self.cursor = cursor;
         self.order = shuffled(self.rows.len(), self.seed, cursor.epoch);
+        Ok(())
     }
 
     /// Step `step`'s prompt indices, advancing the cursor (None when the epochs are done).
@@ -413,7 +441,7 @@ mod tests {
         let saved = a.cursor();
         let next = a.next_step(&ctx(1)).unwrap().unwrap().remove(0);
         let mut b = PromptSource::new(rows(6), vec!["answer".into()], 3, 1, 42).unwrap();
-        b.restore(saved);
+        b.restore(saved).unwrap();
         assert_eq!(b.next_step(&ctx(1)).unwrap().unwrap().remove(0), next);
     }
 

@@ -1,4 +1,6 @@
-//! A memory budget for code that input steers: a thread's live bytes capped.
+//! # weir-budget: a memory budget for work that input steers
+//!
+//! A thread's live bytes, capped.
 //!
 //! A chat template or a judge template is a program from a file. Fuel
 //! bounds how many instructions it runs, not how many bytes: one
@@ -18,17 +20,20 @@
 //! than the run it refused.
 //!
 //! Threads outside [`within`] pay one thread-local read per allocation.
+//! Linking this crate makes [`Counting`] the binary's global allocator.
 //!
 //! # Examples
 //!
 //! ```
-//! use weir_gpu::memory_budget::{within, OverBudget};
+//! use weir_budget::{within, OverBudget};
 //!
 //! let small = within(1 << 20, || "x".repeat(1000).len());
 //! assert_eq!(small, Ok(1000));
 //! let huge = within(1 << 20, || "x".repeat(1 << 30).len());
 //! assert_eq!(huge, Err(OverBudget { bytes: 1 << 20 }));
 //! ```
+
+#![deny(missing_docs)]
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
@@ -38,6 +43,9 @@ use std::time::Duration;
 
 /// The system allocator, charging the threads that run under [`within`].
 pub struct Counting;
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
 
 thread_local! {
     /// This thread's budget in bytes; 0 when it has none.
