@@ -50,6 +50,7 @@ mod stage_op;
 pub mod step_fill;
 pub mod synthetic;
 pub mod tensorboard;
+mod unproven;
 pub mod weights_edge;
 
 pub use backpressure::Admission;

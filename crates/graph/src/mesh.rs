@@ -32,7 +32,10 @@
 //! A connection that does not speak this protocol (a port scan, a load
 //! balancer's health check), asks for another process, claims an id that
 //! does not connect here, or does not prove the secret is dropped and
-//! logged, and start-up goes on; only a process that proves the secret but
+//! logged, and start-up goes on; idle and half-open connections are held
+//! in an `Unproven` table that closes the oldest to make room (see the
+//! crate's `unproven` module), and a dial that such a listener closes is
+//! made again until the deadline; only a process that proves the secret but
 //! runs other settings stops the run at once. If a peer has not connected
 //! when the start-up deadline passes, the error says so and names what was
 //! refused in its place.
@@ -44,6 +47,7 @@ use std::time::{Duration, Instant};
 
 use crate::cluster_secret::{random, ClusterSecret, Proof, Side};
 use crate::sealed::{KeyShare, SessionKeys};
+use crate::unproven::{Ticket, Unproven, GREETING};
 use crate::GraphError;
 
 /// Every pair's socket (`None` at this process's own place), with its
@@ -56,11 +60,6 @@ pub(crate) struct Mesh {
 /// The first bytes of every greeting.
 const MAGIC: &[u8; 16] = b"weir cluster v1\0";
 type Nonce = [u8; 32];
-
-/// How long an accepted connection has to complete its handshake.
-const HANDSHAKE: Duration = Duration::from_secs(5);
-/// Handshakes answered at once; further connections are closed at once.
-const MAX_PENDING: usize = 32;
 
 const ADMITTED: u8 = 0;
 const NO_SECRET: u8 = 1;
@@ -230,7 +229,9 @@ fn seconds(timeout: Duration) -> String {
 
 /// Connects to process `peer` at `address` and runs the connecting side of
 /// the handshake; returns the socket, the run value it was told, and the
-/// socket's keys when the run encrypts.
+/// socket's keys when the run encrypts. A connection that closes or stalls
+/// before the peer has proven anything (a listener whose unproven slots
+/// strays hold, a peer not yet listening) is dialled again until the deadline.
 fn dial(
     party: &Party,
     peer: usize,
@@ -238,37 +239,68 @@ fn dial(
     deadline: Instant,
     timeout: Duration,
 ) -> Result<(TcpStream, u64, Option<SessionKeys>), GraphError> {
-    let me = party.me;
-    let late = || GraphError::PeerLost {
-        peer: format!("process {peer}"),
-        reason: format!(
-            "did not connect within {} (is every process started, with the same hostfile?)",
-            seconds(timeout)
-        ),
-    };
-    let mut stream = loop {
+    let mut last: Option<String> = None;
+    loop {
         if let Some(stream) = try_connect(address) {
-            break stream;
+            match handshake(party, peer, address, stream, deadline) {
+                Ok(done) => return Ok(done),
+                Err(Attempt::Fatal(e)) => return Err(e),
+                Err(Attempt::Again(why)) => {
+                    tracing::debug!("process {}: dialling process {peer} again: {why}", party.me);
+                    last = Some(why);
+                }
+            }
         }
         if Instant::now() >= deadline {
-            return Err(late());
+            let note = last
+                .map(|why| format!("; the last try {why}"))
+                .unwrap_or_default();
+            return Err(GraphError::PeerLost {
+                peer: format!("process {peer}"),
+                reason: format!(
+                    "did not connect within {} (is every process started, with the same \
+                     hostfile?){note}",
+                    seconds(timeout)
+                ),
+            });
         }
         std::thread::sleep(Duration::from_millis(50));
-    };
+    }
+}
+
+/// Why one try at a handshake did not connect.
+enum Attempt {
+    /// Nothing was proven either way: try again.
+    Again(String),
+    /// The peer answered in a way no retry changes.
+    Fatal(GraphError),
+}
+
+/// The connecting side of the handshake on `stream` (see [`dial`]).
+fn handshake(
+    party: &Party,
+    peer: usize,
+    address: &str,
+    mut stream: TcpStream,
+    deadline: Instant,
+) -> Result<(TcpStream, u64, Option<SessionKeys>), Attempt> {
+    let me = party.me;
+    // One try waits no longer than a listener gives an unproven connection.
     let left = deadline
         .saturating_duration_since(Instant::now())
-        .max(Duration::from_millis(1));
+        .clamp(Duration::from_millis(1), GREETING * 2);
     let _ = stream.set_nodelay(true);
     let _ = stream.set_read_timeout(Some(left));
     let _ = stream.set_write_timeout(Some(left));
-    let broken = |e: std::io::Error| match e.kind() {
-        ErrorKind::WouldBlock | ErrorKind::TimedOut => late(),
-        _ => GraphError::PeerLost {
-            peer: format!("process {peer}"),
-            reason: format!("closed the connection during the cluster handshake ({e})"),
-        },
+    let broken = |e: std::io::Error| {
+        Attempt::Again(match e.kind() {
+            ErrorKind::WouldBlock | ErrorKind::TimedOut => {
+                format!("had no answer within {}", seconds(left))
+            }
+            _ => format!("was closed during the cluster handshake ({e})"),
+        })
     };
-    let share = KeyShare::new()?;
+    let share = KeyShare::new().map_err(Attempt::Fatal)?;
     let ours: Nonce = *share.public();
     let mut hello = Vec::with_capacity(HELLO);
     hello.extend_from_slice(MAGIC);
@@ -280,9 +312,9 @@ fn dial(
     let mut reply = [0u8; REPLY];
     stream.read_exact(&mut reply).map_err(broken)?;
     if &reply[..16] != MAGIC {
-        return Err(GraphError::Execution(format!(
+        return Err(Attempt::Fatal(GraphError::Execution(format!(
             "{address} (process {peer}) does not speak weir's cluster protocol"
-        )));
+        ))));
     }
     let word = |at: usize| u64::from_le_bytes(reply[at..at + 8].try_into().expect("8 bytes"));
     let (theirs_fingerprint, run) = (word(16), word(24));
@@ -304,17 +336,19 @@ fn dial(
         &their_proof,
     );
     if !genuine || verdict[0] == NO_SECRET {
-        return Err(another_secret(peer, me));
+        return Err(Attempt::Fatal(another_secret(peer, me)));
     }
     if theirs_fingerprint != party.fingerprint || verdict[0] != ADMITTED {
-        return Err(other_settings(
+        return Err(Attempt::Fatal(other_settings(
             peer,
             me,
             theirs_fingerprint,
             party.fingerprint,
-        ));
+        )));
     }
-    let keys = party.keys(share, &theirs, me, peer, run)?;
+    let keys = party
+        .keys(share, &theirs, me, peer, run)
+        .map_err(Attempt::Fatal)?;
     let _ = stream.set_read_timeout(None);
     let _ = stream.set_write_timeout(None);
     Ok((stream, run, keys))
@@ -342,7 +376,8 @@ enum Answered {
 }
 
 /// Accepts every process above this one, answering each connection's
-/// handshake on a thread of its own (at most [`MAX_PENDING`] at once).
+/// handshake on a thread of its own; the connections not yet proven are
+/// held in an [`Unproven`] table, which closes the oldest to make room.
 fn accept_all(
     listener: &TcpListener,
     party: &Party,
@@ -356,11 +391,10 @@ fn accept_all(
         .set_nonblocking(true)
         .map_err(|e| GraphError::Runtime(format!("the cluster listener: {e}")))?;
     let (tx, rx) = mpsc::channel();
-    let mut pending = 0usize;
+    let unproven = Unproven::default();
     let mut refused: Vec<Option<String>> = vec![None; party.processes];
     loop {
         while let Ok(answered) = rx.try_recv() {
-            pending -= 1;
             match answered {
                 Answered::Admitted(peer, stream, keys) if sockets[peer].is_none() => {
                     sockets[peer] = Some((stream, keys.map(|k| *k)));
@@ -395,20 +429,19 @@ fn accept_all(
             });
         }
         match listener.accept() {
-            Ok((stream, from)) if pending < MAX_PENDING => {
-                pending += 1;
+            Ok((stream, from)) => {
+                let (ticket, closed) = unproven.admit(&stream, from);
+                if let Some(old) = closed {
+                    tracing::warn!(
+                        "process {me}: closed an unproven connection from {old} to make room"
+                    );
+                }
                 let (party, tx) = (party.clone(), tx.clone());
-                let spawned = std::thread::Builder::new()
+                let _ = std::thread::Builder::new()
                     .name("weir:handshake".into())
                     .spawn(move || {
-                        let _ = tx.send(answer(stream, from, &party, run));
+                        let _ = tx.send(answer(stream, from, &party, run, ticket));
                     });
-                if spawned.is_err() {
-                    pending -= 1;
-                }
-            }
-            Ok((_, from)) => {
-                tracing::warn!("process {me}: dropped a connection from {from}: {MAX_PENDING} handshakes are under way");
             }
             Err(e) if e.kind() == ErrorKind::WouldBlock => {
                 std::thread::sleep(Duration::from_millis(10));
@@ -423,12 +456,18 @@ fn accept_all(
 }
 
 /// The accepting side of the handshake on `stream`, from `from`.
-fn answer(mut stream: TcpStream, from: SocketAddr, party: &Party, run: u64) -> Answered {
+fn answer(
+    mut stream: TcpStream,
+    from: SocketAddr,
+    party: &Party,
+    run: u64,
+    ticket: Ticket,
+) -> Answered {
     let me = party.me;
     let dropped = |claimed, why: String| Answered::Dropped(from, claimed, why);
     if stream.set_nonblocking(false).is_err()
-        || stream.set_read_timeout(Some(HANDSHAKE)).is_err()
-        || stream.set_write_timeout(Some(HANDSHAKE)).is_err()
+        || stream.set_read_timeout(Some(GREETING)).is_err()
+        || stream.set_write_timeout(Some(GREETING)).is_err()
     {
         return dropped(None, "its socket could not be set up".into());
     }
@@ -437,7 +476,7 @@ fn answer(mut stream: TcpStream, from: SocketAddr, party: &Party, run: u64) -> A
         ErrorKind::WouldBlock | ErrorKind::TimedOut => {
             format!(
                 "it did not finish the handshake within {}",
-                seconds(HANDSHAKE)
+                seconds(GREETING)
             )
         }
         _ => format!("it closed the connection during the handshake ({e})"),
@@ -498,6 +537,7 @@ fn answer(mut stream: TcpStream, from: SocketAddr, party: &Party, run: u64) -> A
         let _ = stream.write_all(&[NO_SECRET]);
         return dropped(Some(peer), "it did not prove the cluster secret".into());
     }
+    ticket.proven();
     if theirs_fingerprint != party.fingerprint {
         let _ = stream.write_all(&[OTHER_SETTINGS]);
         return Answered::Fatal(other_settings(
@@ -564,6 +604,41 @@ mod tests {
         std::thread::spawn(move || {
             connect_on(listener, &hosts, me, &secret, fingerprint, encrypt, timeout)
         })
+    }
+
+    /// More idle and half-open connections than a listener holds, opened
+    /// before the processes start and held open all through: start-up
+    /// finishes, and well before its deadline.
+    #[test]
+    fn a_flood_of_idle_and_half_open_connections_delays_start_up_by_little() {
+        let (listeners, hosts) = bound(3);
+        let mut held = Vec::new();
+        for host in &hosts {
+            for i in 0..100 {
+                let mut stream = TcpStream::connect(host).unwrap();
+                if i % 2 == 1 {
+                    // A partial greeting: the magic and half an id.
+                    stream.write_all(MAGIC).unwrap();
+                    stream.write_all(&[1, 0, 0, 0]).unwrap();
+                }
+                held.push(stream);
+            }
+        }
+        let started = Instant::now();
+        let handles: Vec<_> = listeners
+            .into_iter()
+            .enumerate()
+            .map(|(me, l)| start(l, &hosts, me, "s3cret", 42, Duration::from_secs(60)))
+            .collect();
+        for handle in handles {
+            handle.join().unwrap().unwrap();
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "{:?}",
+            started.elapsed()
+        );
+        drop(held);
     }
 
     #[test]

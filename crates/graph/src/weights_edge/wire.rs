@@ -36,6 +36,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{landing, WeightsPayload};
 use crate::sealed::{KeyShare, Sealed, SessionKeys};
+use crate::unproven::{Ticket, Unproven, GREETING};
 use crate::{ClusterSecret, GraphError};
 
 /// Where to fetch a payload the learner's process offers.
@@ -249,63 +250,37 @@ fn unbracketed(host: &str) -> &str {
         .unwrap_or(host)
 }
 
-/// Fetches served at once: a connection beyond them waits in the
-/// listener's backlog until one ends.
-pub(crate) const MAX_FETCHES: usize = 16;
-
-/// How long a fetcher has to send its request and proof.
-const HANDSHAKE: Duration = Duration::from_secs(5);
-
+/// Accepts every connection, holding those not yet proven in an
+/// [`Unproven`] table (which closes the oldest to make room, so idle
+/// sockets cannot lock a fetcher out), each answered on a thread of its own.
 fn accept(listener: TcpListener, offers: Offers, stop: Arc<AtomicBool>, config: WireConfig) {
-    let serving = Arc::new((Mutex::new(0usize), std::sync::Condvar::new()));
+    let unproven = Unproven::default();
     loop {
-        // A slot first, then the next connection: idle connections cost at
-        // most MAX_FETCHES threads, each for the handshake's deadline.
-        {
-            let (count, freed) = &*serving;
-            let mut count = count.lock().unwrap_or_else(|p| p.into_inner());
-            while *count >= MAX_FETCHES {
-                count = freed.wait(count).unwrap_or_else(|p| p.into_inner());
-            }
-            *count += 1;
-        }
-        let release = {
-            let serving = serving.clone();
-            move || {
-                let (count, freed) = &*serving;
-                *count.lock().unwrap_or_else(|p| p.into_inner()) -= 1;
-                freed.notify_one();
-            }
-        };
         let accepted = listener.accept();
         if stop.load(Ordering::SeqCst) {
             return;
         }
-        let stream = match accepted {
-            Ok((stream, _)) => stream,
+        let (stream, from) = match accepted {
+            Ok(accepted) => accepted,
             Err(e) => {
                 // Out of file descriptors, say: back off rather than spin.
                 tracing::warn!(%e, "the weights server could not accept a connection");
-                release();
                 std::thread::sleep(Duration::from_millis(200));
                 continue;
             }
         };
+        let (ticket, closed) = unproven.admit(&stream, from);
+        if let Some(old) = closed {
+            tracing::debug!(%old, "the weights server closed an unproven connection to make room");
+        }
         let (offers, config) = (offers.clone(), config.clone());
-        let spawned = std::thread::Builder::new()
+        let _ = std::thread::Builder::new()
             .name("weir:weights-send".into())
-            .spawn({
-                let release = release.clone();
-                move || {
-                    if let Err(e) = serve(stream, &offers, &config) {
-                        tracing::warn!(%e, "a weights fetch failed on the sending side");
-                    }
-                    release();
+            .spawn(move || {
+                if let Err(e) = serve(stream, &offers, &config, ticket) {
+                    tracing::warn!(%e, "a weights fetch failed on the sending side");
                 }
             });
-        if spawned.is_err() {
-            release();
-        }
     }
 }
 
@@ -360,9 +335,14 @@ trait ReadWrite: Read + Write + Send {}
 impl<T: Read + Write + Send> ReadWrite for T {}
 
 /// One fetch, on the sending side: the handshake, then the payload.
-fn serve(mut stream: TcpStream, offers: &Offers, config: &WireConfig) -> std::io::Result<()> {
+fn serve(
+    mut stream: TcpStream,
+    offers: &Offers,
+    config: &WireConfig,
+    ticket: Ticket,
+) -> std::io::Result<()> {
     // The request and proof come at once from a real fetcher.
-    timeouts(&stream, HANDSHAKE.min(config.timeout))?;
+    timeouts(&stream, GREETING.min(config.timeout))?;
     let mut magic = [0u8; 8];
     stream.read_exact(&mut magic)?;
     if &magic != MAGIC {
@@ -403,6 +383,7 @@ fn serve(mut stream: TcpStream, offers: &Offers, config: &WireConfig) -> std::io
             "process {process} asked for weights payload {id:016x}: {answer:?}"
         )));
     };
+    ticket.proven();
     stream.set_write_timeout(Some(config.timeout))?;
     let keys = fetch_keys(config, share, &theirs, process, id, nonce, false)?;
     let mut stream = sealed_or_not(stream, keys);
@@ -419,7 +400,9 @@ fn serve(mut stream: TcpStream, offers: &Offers, config: &WireConfig) -> std::io
     Ok(())
 }
 
-/// One fetch, on the receiving side.
+/// One fetch, on the receiving side. A try that ends before the server has
+/// answered (a connection it closed to make room among unproven ones, a
+/// stall) is made again until the peer timeout has passed.
 fn fetch(config: &WireConfig, note: &WireNote) -> Result<WeightsPayload, String> {
     if note.total > config.max_payload {
         return Err(format!(
@@ -427,68 +410,127 @@ fn fetch(config: &WireConfig, note: &WireNote) -> Result<WeightsPayload, String>
             note.total, config.max_payload
         ));
     }
+    let deadline = std::time::Instant::now() + config.timeout;
+    loop {
+        match try_fetch(config, note, deadline) {
+            Ok(payload) => return Ok(payload),
+            Err(Attempt::Fatal(why)) => return Err(why),
+            Err(Attempt::Again(why)) if std::time::Instant::now() >= deadline => {
+                return Err(format!(
+                    "no try got an answer within {:.1} s; the last {why}",
+                    config.timeout.as_secs_f64()
+                ))
+            }
+            Err(Attempt::Again(why)) => {
+                tracing::debug!(%why, "fetching weights again");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+}
+
+/// Why one try at a fetch failed.
+enum Attempt {
+    /// Before the server answered: try again.
+    Again(String),
+    /// The server answered, or the payload broke off: no retry changes it.
+    Fatal(String),
+}
+
+/// What an I/O error means, in words.
+fn in_words(what: &str, e: std::io::Error, waited: Duration) -> String {
+    use std::io::ErrorKind::{
+        BrokenPipe, ConnectionAborted, ConnectionReset, TimedOut, UnexpectedEof, WouldBlock,
+    };
+    match e.kind() {
+        ConnectionReset | ConnectionAborted | BrokenPipe | UnexpectedEof => format!(
+            "{what}: the connection was lost ({e}): the sending process stopped or its network failed"
+        ),
+        WouldBlock | TimedOut => format!(
+            "{what}: no answer within {:.1} s (the sending process is stalled or unreachable)",
+            waited.as_secs_f64()
+        ),
+        _ => format!("{what}: {e}"),
+    }
+}
+
+/// One try at [`fetch`].
+fn try_fetch(
+    config: &WireConfig,
+    note: &WireNote,
+    deadline: std::time::Instant,
+) -> Result<WeightsPayload, Attempt> {
+    let again = |what: &'static str, waited: Duration| {
+        move |e: std::io::Error| Attempt::Again(in_words(what, e, waited))
+    };
     let addresses: Vec<SocketAddr> = note
         .from
         .to_socket_addrs()
-        .map_err(|e| format!("resolving the address: {e}"))?
+        .map_err(|e| Attempt::Fatal(format!("resolving the address: {e}")))?
         .collect();
+    // A handshake waits no longer than a server gives an unproven connection.
+    let left = deadline
+        .saturating_duration_since(std::time::Instant::now())
+        .clamp(Duration::from_millis(1), GREETING * 2);
     let mut last = String::from("the address resolves to nothing");
     let mut stream = None;
     for address in addresses {
-        match TcpStream::connect_timeout(&address, config.timeout) {
+        match TcpStream::connect_timeout(&address, left) {
             Ok(s) => {
                 stream = Some(s);
                 break;
             }
-            Err(e) => last = format!("connecting to {address}: {e}"),
-        }
-    }
-    let mut stream = stream.ok_or(last)?;
-    // A connection that breaks mid-fetch means the sending process stopped
-    // (or its network failed): say so, not only the socket's error.
-    fn io(what: &'static str) -> impl Fn(std::io::Error) -> String {
-        use std::io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset, UnexpectedEof};
-        move |e| match e.kind() {
-            ConnectionReset | ConnectionAborted | BrokenPipe | UnexpectedEof => {
-                format!("{what}: the connection was lost ({e}): the sending process stopped or its network failed")
+            // Nothing listens there: the sending process has ended.
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                return Err(Attempt::Fatal(format!(
+                    "connecting to {address}: {e}: the sending process has stopped"
+                )))
             }
-            _ => format!("{what}: {e}"),
+            Err(e) => last = in_words(&format!("connecting to {address}"), e, left),
         }
     }
-    timeouts(&stream, config.timeout).map_err(io("setting up the connection"))?;
-    let share = KeyShare::new().map_err(|e| e.to_string())?;
+    let mut stream = stream.ok_or(Attempt::Again(last))?;
+    timeouts(&stream, left).map_err(again("setting up the connection", left))?;
+    let share = KeyShare::new().map_err(|e| Attempt::Fatal(e.to_string()))?;
     let mut request = MAGIC.to_vec();
     request.extend_from_slice(&(config.process as u64).to_le_bytes());
     request.extend_from_slice(&note.id.to_le_bytes());
     request.extend_from_slice(share.public());
     stream
         .write_all(&request)
-        .map_err(io("sending the request"))?;
-    let nonce = read_u64(&mut stream).map_err(io("reading the server's nonce"))?;
+        .map_err(again("sending the request", left))?;
+    let nonce = read_u64(&mut stream).map_err(again("reading the server's nonce", left))?;
     let mut theirs = [0u8; 32];
     stream
         .read_exact(&mut theirs)
-        .map_err(io("reading the server's key share"))?;
+        .map_err(again("reading the server's key share", left))?;
     let proof = config.secret.as_ref().map_or([0u8; 32], |secret| {
         secret.wire_proof(config.process, config.fingerprint, nonce, note.id)
     });
     stream
         .write_all(&proof)
-        .map_err(io("sending the proof of the cluster secret"))?;
+        .map_err(again("sending the proof of the cluster secret", left))?;
     let mut answer = [0u8; 1];
     stream
         .read_exact(&mut answer)
-        .map_err(io("reading the server's answer"))?;
+        .map_err(again("reading the server's answer", left))?;
+    let fatal = |why: &str| Attempt::Fatal(why.to_string());
     match answer[0] {
         a if a == Answer::Sending as u8 => {}
         a if a == Answer::NotOffered as u8 => {
-            return Err("the sending process no longer offers it".into())
+            return Err(fatal("the sending process no longer offers it"))
         }
         a if a == Answer::Refused as u8 => {
-            return Err("the sending process refused this process's proof of the cluster secret (do both have the same secret?)".into())
+            return Err(fatal("the sending process refused this process's proof of the cluster secret (do both have the same secret?)"))
         }
-        a => return Err(format!("an unknown answer {a}")),
+        a => return Err(Attempt::Fatal(format!("an unknown answer {a}"))),
     }
+    // From here the server has proven itself: the payload's reads have the
+    // whole peer timeout, and a break is the sending process's failure.
+    let lost = |what: &'static str| {
+        move |e: std::io::Error| Attempt::Fatal(in_words(what, e, config.timeout))
+    };
+    timeouts(&stream, config.timeout).map_err(lost("setting up the connection"))?;
     let keys = fetch_keys(
         config,
         share,
@@ -498,27 +540,28 @@ fn fetch(config: &WireConfig, note: &WireNote) -> Result<WeightsPayload, String>
         nonce,
         true,
     )
-    .map_err(io("deriving the fetch's keys"))?;
+    .map_err(lost("deriving the fetch's keys"))?;
     tracing::debug!(
         id = note.id,
         sealed = keys.is_some(),
         "receiving a weights payload"
     );
     let mut stream = sealed_or_not(stream, keys);
-    let total = read_u64(&mut stream).map_err(io("reading the payload's size"))?;
+    let total = read_u64(&mut stream).map_err(lost("reading the payload's size"))?;
     if total != note.total {
-        return Err(format!(
+        return Err(Attempt::Fatal(format!(
             "the server sends {total} bytes, the note said {}",
             note.total
-        ));
+        )));
     }
     landing::fill(total as usize, |buffer| stream.read_exact(buffer))
-        .map_err(io("receiving the payload"))
+        .map_err(lost("receiving the payload"))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::unproven::MAX_UNPROVEN;
 
     fn config(process: usize, secret: Option<&str>) -> WireConfig {
         WireConfig {
@@ -620,29 +663,42 @@ mod tests {
         assert!(err.contains("more than the"), "{err}");
     }
 
+    /// 300 idle connections and 40 that stop halfway through a request,
+    /// all held open: the server holds a bounded number of threads, and a
+    /// fetch made meanwhile lands, without waiting for them to time out.
     #[test]
-    fn idle_connections_hold_a_few_threads_and_fetches_go_on_after_them() {
+    fn idle_and_half_open_connections_neither_lock_out_a_fetch_nor_pile_up_threads() {
         let sender = Wire::default();
         sender.configure(config(1, Some("s")));
         let payload = WeightsPayload::from(vec![9u8; 5000]);
         let note = sender.offer(&payload, 1).unwrap();
         let address: SocketAddr = note.from.parse().unwrap();
-        let idle: Vec<TcpStream> = (0..300)
-            .filter_map(|_| TcpStream::connect_timeout(&address, Duration::from_millis(20)).ok())
+        let mut held: Vec<TcpStream> = (0..300)
+            .filter_map(|_| TcpStream::connect_timeout(&address, Duration::from_millis(50)).ok())
             .collect();
-        assert!(idle.len() > MAX_FETCHES, "{} connections", idle.len());
+        for _ in 0..40 {
+            if let Ok(mut half) = TcpStream::connect_timeout(&address, Duration::from_millis(50)) {
+                let _ = half.write_all(&MAGIC[..]);
+                let _ = half.write_all(&7u64.to_le_bytes()[..3]);
+                held.push(half);
+            }
+        }
+        assert!(held.len() > MAX_UNPROVEN, "{} connections", held.len());
         std::thread::sleep(Duration::from_millis(300));
         // Other tests of this binary may be fetching too: a little room.
         let threads = sending_threads();
         assert!(
-            threads <= MAX_FETCHES + 4,
+            threads <= MAX_UNPROVEN + 4,
             "{threads} threads for {} idle connections",
-            idle.len()
+            held.len()
         );
-        drop(idle);
         let receiver = Wire::default();
         receiver.configure(config(0, Some("s")));
+        let started = std::time::Instant::now();
         assert_eq!(fetched(&receiver, note).unwrap(), payload);
+        // Before any idle connection's greeting time ran out.
+        assert!(started.elapsed() < GREETING, "{:?}", started.elapsed());
+        drop(held);
     }
 
     #[test]
