@@ -61,8 +61,10 @@ const PERFORMANCE: &[&str] = &[
 /// Keys whose effect depends on what the model writes, which the fixture
 /// model does not: `agent.tool_format` reads calls in another family's
 /// format, and the arith model writes none in any (the parsers' own tests
-/// hold each format to its calls). Their runs must succeed.
-const MODEL_DEPENDENT: &[&str] = &["agent.tool_format"];
+/// hold each format to its calls); `agent.python_network` acts on the
+/// python tool's runs, which the arith model never calls (the tool's own
+/// tests hold it to the network it allows). Their runs must succeed.
+const MODEL_DEPENDENT: &[&str] = &["agent.tool_format", "agent.python_network"];
 
 /// Keys whose effect is to let a run go on that fails without them (with
 /// an error naming the key): the run with the key must run, the one
@@ -975,6 +977,16 @@ fn agent_change(key: &str, dir: &Path) -> (Vec<String>, String) {
         "agent.max_turns" => (with_env, "1".into()),
         "agent.max_observation_tokens" => (with_env, "3".into()),
         "agent.python" => (with_env, "\"python3-that-is-not-there\"".into()),
+        "agent.python_network" => (
+            vec![
+                format!(
+                    "model.path={:?}",
+                    with_tool_template(dir).display().to_string()
+                ),
+                "agent.tools=[\"python\"]".into(),
+            ],
+            "\"allow\"".into(),
+        ),
         "agent.max_concurrency" => (with_env, "1".into()),
         // A server of its own: walks run side by side, and a server holds one episode.
         "agent.action_field" | "agent.observation_field" => {
@@ -1159,7 +1171,12 @@ fn walk(kind: PipelineKind, keys: Keys) {
             let (before, after) = trials.compare(&setting, &change, 1);
             // Which worker reads the prompts of sft, rm and dpo shows nowhere but in speed.
             let placement_only = !kind.is_rl() && name == "placement.rollout";
-            if RESCUES.contains(&name.as_str()) {
+            // Where the machine cannot cut the python tool off the network,
+            // its runs are refused naming the key unless it allows them.
+            let rescues = RESCUES.contains(&name.as_str())
+                || (name == "agent.python_network"
+                    && !weir::operators::agent::python_tool::network_isolated());
+            if rescues {
                 // Without the key the run fails with an error naming it; with it, it runs.
                 assert!(
                     matches!(before, Outcome::Failed(e) if e.contains(&name))

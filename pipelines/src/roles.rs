@@ -137,6 +137,7 @@ fn episodes(
                         wall: timeout,
                         ..PythonLimits::default()
                     },
+                    network: a.python_network,
                 }),
                 ToolSpec::Builtin(other) => {
                     return Err(format!("{key}: no built-in tool {other:?}").into())

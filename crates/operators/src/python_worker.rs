@@ -182,10 +182,15 @@ pub(crate) fn worker_env(
 /// *thread* that forked the child ends, so every fork happens on one thread
 /// that lives as long as the process, never on a step's short-lived one.
 pub(crate) fn spawn_tied(mut command: Command) -> std::io::Result<Child> {
+    tie(&mut command);
+    spawn_on_spawner(command)
+}
+
+/// Makes `command`'s child the leader of a process group of its own that
+/// the kernel kills when this process ends. Its `pre_exec` runs before any
+/// registered after it (the python tool's sandbox forks in its own).
+pub(crate) fn tie(command: &mut Command) {
     use std::os::unix::process::CommandExt;
-    type Job = (Command, mpsc::Sender<std::io::Result<Child>>);
-    static SPAWNER: std::sync::OnceLock<Option<Mutex<mpsc::Sender<Job>>>> =
-        std::sync::OnceLock::new();
     let parent = std::process::id();
     command.process_group(0);
     // SAFETY: only async-signal-safe calls between fork and exec.
@@ -201,6 +206,14 @@ pub(crate) fn spawn_tied(mut command: Command) -> std::io::Result<Child> {
             Ok(())
         });
     }
+}
+
+/// Spawns `command` on the one long-lived thread that starts every child
+/// (see [`spawn_tied`]); `command` should be [`tie`]d.
+pub(crate) fn spawn_on_spawner(command: Command) -> std::io::Result<Child> {
+    type Job = (Command, mpsc::Sender<std::io::Result<Child>>);
+    static SPAWNER: std::sync::OnceLock<Option<Mutex<mpsc::Sender<Job>>>> =
+        std::sync::OnceLock::new();
     let spawner = SPAWNER.get_or_init(|| {
         let (tx, rx) = mpsc::channel::<Job>();
         std::thread::Builder::new()

@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 
 use super::text::none_if_empty;
 use super::validate::bad;
-use super::{ConfigError, OnError, PipelineKind, RewardKind, RunConfig, ToolFormat};
+use super::{ConfigError, OnError, PipelineKind, PythonNetwork, RewardKind, RunConfig, ToolFormat};
 
 /// The built-in tools `agent.tools` may name.
 pub const BUILTIN_TOOLS: &[&str] = &["calculator", "python"];
@@ -66,6 +66,11 @@ impl ToolSpec {
         }
     }
 
+    /// Whether it is the built-in `python`.
+    pub fn is_python_builtin(&self) -> bool {
+        matches!(self, ToolSpec::Builtin(name) if name == "python")
+    }
+
     /// Whether it runs Python (the built-in `python`, or a Python function).
     pub fn runs_python(&self) -> bool {
         matches!(self, ToolSpec::Function(_)) || self.name() == "python"
@@ -105,6 +110,9 @@ pub struct AgentSection {
     pub max_concurrency: usize,
     /// The interpreter of the `python` tool and of a Python environment.
     pub python: String,
+    /// Whether the `python` tool's runs may reach the network: `isolate`
+    /// (refused where the machine cannot cut them off) or `allow`.
+    pub python_network: PythonNetwork,
 }
 
 impl Default for AgentSection {
@@ -122,6 +130,7 @@ impl Default for AgentSection {
             on_error: OnError::default(),
             max_concurrency: 8,
             python: "python3".into(),
+            python_network: PythonNetwork::default(),
         }
     }
 }
@@ -279,6 +288,11 @@ impl RunConfig {
                 a.timeout_s.to_string(),
                 "must be seconds in (0, 86400]",
             );
+        }
+        if a.tools.iter().any(ToolSpec::is_python_builtin) {
+            if let Some(why) = weir_operators::agent::python_tool::refusal(a.python_network) {
+                return bad("agent.python_network", "\"isolate\"".into(), &why);
+            }
         }
         let (key, value) = match &a.environment {
             Some(env) if a.tools.is_empty() => ("agent.environment", format!("{env:?}")),

@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 // The runtime's own enums read their config spelling themselves.
 pub use weir_gpu::{Backend, OnNewWeights};
 pub use weir_operators::agent::episode::OnError;
+pub use weir_operators::agent::python_tool::PythonNetwork;
 pub use weir_operators::agent::tool_calls::ToolFormat;
 pub use weir_operators::algorithms::{Aggregation, Flavor, KlEstimator};
 

@@ -21,8 +21,8 @@ use text::none_if_empty;
 pub use choices::{
     Aggregation, Backend, CorrectionChoice, DeviceChoice, DistillTask, Dtype, Flavor, GkdTail,
     JudgeVerdict, KlEstimator, OnError, OnNewWeights, OnUnparsed, PolicyLossChoice,
-    PreferenceChoice, ReferencePlacement, RewardKind, RolloutAdvantages, ScheduleChoice,
-    TeacherPlacement, ToolFormat, WeightsChannelChoice,
+    PreferenceChoice, PythonNetwork, ReferencePlacement, RewardKind, RolloutAdvantages,
+    ScheduleChoice, TeacherPlacement, ToolFormat, WeightsChannelChoice,
 };
 
 /// A whole run config.
@@ -852,8 +852,13 @@ impl RunConfig {
                     a.python
                 )),
                 agent::ToolSpec::Builtin(name) if name == "python" => lines.push(format!(
-                    "the model's own Python code (agent.tools: python) with the interpreter `{}`",
-                    a.python
+                    "the model's own Python code (agent.tools: python) with the interpreter `{}`{}",
+                    a.python,
+                    if a.python_network == PythonNetwork::Allow {
+                        ", on the network (agent.python_network = \"allow\")"
+                    } else {
+                        ""
+                    }
                 )),
                 _ => {}
             }

@@ -6,7 +6,7 @@
 use super::docs::{applies, Key, KEYS};
 use super::{
     Aggregation, ConfigError, CorrectionChoice, JudgeVerdict, OnUnparsed, PolicyLossChoice,
-    PreferenceChoice, RewardKind, RunConfig, ScheduleChoice, Task, WeightsChannelChoice,
+    PreferenceChoice, RewardKind, RunConfig, ScheduleChoice, Task, ToolSpec, WeightsChannelChoice,
 };
 use crate::PipelineKind;
 
@@ -435,6 +435,12 @@ fn agent(cfg: &RunConfig, found: &mut Inert) {
         "agent",
         &["python"],
         "agent.tools has python or a Python function, or agent.environment names a .py file",
+    );
+    found.unless(
+        a.tools.iter().any(ToolSpec::is_python_builtin),
+        "agent",
+        &["python_network"],
+        "agent.tools has python",
     );
 }
 

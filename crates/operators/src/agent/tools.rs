@@ -10,7 +10,7 @@
 
 use serde_json::{json, Map, Value};
 
-use super::python_tool::PythonLimits;
+use super::python_tool::{PythonLimits, PythonNetwork};
 use super::tool_calls::{MalformedCall, ToolCall};
 
 /// What a call gives the model to read.
@@ -123,6 +123,8 @@ pub struct Python {
     pub interpreter: String,
     /// Each run's limits.
     pub limits: PythonLimits,
+    /// Whether its runs may reach the network (`agent.python_network`).
+    pub network: PythonNetwork,
 }
 
 impl Tool for Python {
@@ -157,7 +159,7 @@ impl Tool for Python {
             Ok(code) => code,
             Err(output) => return output,
         };
-        match super::python_tool::run(&self.interpreter, code, &self.limits) {
+        match super::python_tool::run(&self.interpreter, code, &self.limits, self.network) {
             Ok(ran) => ToolOutput {
                 text: ran.text,
                 ok: ran.ok,
@@ -209,6 +211,7 @@ mod tests {
             Box::new(Python {
                 interpreter: "python3".into(),
                 limits: PythonLimits::default(),
+                network: PythonNetwork::Isolate,
             }),
         ]
     }
