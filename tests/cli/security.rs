@@ -366,20 +366,38 @@ fn crafted_logs_cursors_and_planted_links_of_a_run_folder() {
     let summary = std::fs::read_to_string(dir.join("r/summary.json")).unwrap();
     assert!(summary.contains("steps"), "{summary}");
 
-    // A cursor no prompt set reaches: one line naming it, for the largest
-    // position and the largest epoch.
+    // A cursor no prompt set reaches, a step near 2⁶⁴, a component outside
+    // the checkpoint: one line naming what is wrong.
     let state_path = dir.join("r/checkpoints/step-2/state.json");
     let mut state: serde_json::Value = serde_json::from_str(&state).unwrap();
-    for (key, value) in [("position", u64::MAX), ("epoch", u64::MAX)] {
-        let mut crafted = state.clone();
-        crafted["cursor"][key] = value.into();
-        std::fs::remove_file(&state_path).unwrap();
-        std::fs::write(&state_path, crafted.to_string()).unwrap();
+    let crafted: [(&str, &str, serde_json::Value, &[&str]); 4] = [
+        (
+            "cursor",
+            "position",
+            u64::MAX.into(),
+            &["cursor", "position"],
+        ),
+        ("cursor", "epoch", u64::MAX.into(), &["cursor", "epoch"]),
+        ("", "step", u64::MAX.into(), &["state.json", "`step`"]),
+        (
+            "",
+            "components",
+            serde_json::json!(["../../.."]),
+            &["state.json", "component"],
+        ),
+    ];
+    for (outer, key, value, words) in crafted {
+        let mut bad = state.clone();
+        match outer {
+            "" => bad[key] = value,
+            _ => bad[outer][key] = value,
+        }
+        std::fs::write(&state_path, bad.to_string()).unwrap();
         let output = weir(
             &["run", "--resume", "r", "--quiet", "--set", "run.steps=4"],
             dir,
         );
-        one_line(&output, &["cursor", "state.json"]);
+        one_line(&output, words);
     }
     state["cursor"]["position"] = 0.into();
     std::fs::write(&state_path, state.to_string()).unwrap();

@@ -113,10 +113,13 @@ impl CheckpointState {
     }
 
     fn from_json(v: &Value, path: &Path) -> Result<Self, StageError> {
+        // Steps and versions count up from 0 a step at a time: a crafted
+        // one near 2⁶⁴ would overflow what is computed from it.
         let field = |k: &str| {
             v.get(k)
                 .and_then(Value::as_u64)
-                .ok_or_else(|| format!("{}: no integer `{k}`", path.display()))
+                .filter(|n| *n < 1 << 62 || k == "seed")
+                .ok_or_else(|| format!("{}: no integer `{k}` below 2^62", path.display()))
         };
         let cursor = match v.get("cursor") {
             Some(Value::Object(c)) => Some(Cursor {
@@ -125,20 +128,30 @@ impl CheckpointState {
             }),
             _ => None,
         };
+        let components: Vec<String> = v
+            .get("components")
+            .and_then(Value::as_array)
+            .map(|a| {
+                a.iter()
+                    .filter_map(|c| c.as_str().map(String::from))
+                    .collect()
+            })
+            .unwrap_or_default();
+        // A component is a folder of the checkpoint, named plainly.
+        if let Some(bad) = components
+            .iter()
+            .find(|c| c.is_empty() || c.contains(['/', '\\']) || *c == "." || *c == "..")
+        {
+            return Err(
+                format!("{}: component {bad:?} is not a folder name", path.display()).into(),
+            );
+        }
         Ok(CheckpointState {
             step: field("step")?,
             version: field("version")?,
             cursor,
             seed: field("seed")?,
-            components: v
-                .get("components")
-                .and_then(Value::as_array)
-                .map(|a| {
-                    a.iter()
-                        .filter_map(|c| c.as_str().map(String::from))
-                        .collect()
-                })
-                .unwrap_or_default(),
+            components,
             invariants: v
                 .get("invariants")
                 .and_then(Value::as_object)
