@@ -2232,13 +2232,13 @@ fn every_policy_loss_and_correction_trains_through_grpo() {
 /// operators' tests) on the logged rows, with the step's log-probs from an
 /// independent forward pass of the starting checkpoint. At the first update
 /// the ratio is 1, so the objectives fall into classes that this tells
-/// apart: PPO's −A (GSPO and GMPO coincide with it there), −A·log π (CISPO
-/// and GPG), SAPO's gate and REINFORCE's weight π / π_behaviour.
+/// apart: PPO's −A (GSPO and GMPO coincide with it there), −A·log π (CISPO,
+/// GPG, DPPO and DRO), SAPO's gate and REINFORCE's weight π / π_behaviour.
 #[test]
 fn each_policy_loss_trains_its_own_objective() {
     use tch::{Kind, Tensor};
     use weir::operators::algorithms::{
-        policy_loss, Aggregation, PolicyLossConfig, PolicyObjective,
+        policy_loss, Aggregation, GateDivergence, PolicyLossConfig, PolicyObjective,
     };
     let tmp = tempfile::tempdir().unwrap();
     let model =
@@ -2264,6 +2264,25 @@ fn each_policy_loss_trains_its_own_objective() {
             PolicyObjective::Reinforce { cap: 2.0 },
             Aggregation::TokenMean,
         ),
+        // At ratio 1 no token has moved: DPPO keeps every token, −A·log π.
+        (
+            "dppo_tv",
+            PolicyObjective::Dppo {
+                divergence: GateDivergence::Tv,
+                cap: 20.0,
+            },
+            Aggregation::TokenMean,
+        ),
+        (
+            "dppo_kl",
+            PolicyObjective::Dppo {
+                divergence: GateDivergence::BinaryKl,
+                cap: 20.0,
+            },
+            Aggregation::TokenMean,
+        ),
+        // DRO's penalty is 0 at ratio 1: −A·log π.
+        ("dro", PolicyObjective::Dro { beta: 0.05 }, Aggregation::TokenMean),
     ] {
         let mut cfg = config(PipelineKind::Grpo, 1);
         cfg.algorithm.kl_coef = 0.0;

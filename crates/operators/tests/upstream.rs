@@ -489,11 +489,39 @@ fn overlong_case(c: &mut Check, name: &str, i: &Value, e: &Value) {
     c.vector(name, "penalty", &got, &vector(&e["penalty"]));
 }
 
+/// How many cases each `kind` (the function held to upstream) has.
+fn cases_per_kind(cases: &[Value]) -> std::collections::BTreeMap<String, usize> {
+    let mut per_kind = std::collections::BTreeMap::new();
+    for case in cases {
+        *per_kind.entry(string(&case["kind"]).to_string()).or_default() += 1;
+    }
+    per_kind
+}
+
+fn counts(expected: &[(&str, usize)]) -> std::collections::BTreeMap<String, usize> {
+    expected.iter().map(|(k, n)| (k.to_string(), *n)).collect()
+}
+
 #[test]
 fn weir_matches_recorded_upstream_outputs() {
     let doc = load();
     let cases = doc["cases"].as_array().expect("cases");
-    assert!(cases.len() >= 80, "only {} cases", cases.len());
+    // Every recorded case of every function is read and compared: a kind
+    // whose cases went missing (or a file cut short) fails here.
+    let recorded = cases_per_kind(cases);
+    let expected: &[(&str, usize)] = &[
+        ("advantages_openrlhf", 13),
+        ("advantages_verl", 11),
+        ("aggregate", 10),
+        ("kl", 6),
+        ("kl_controller", 2),
+        ("masked_stats", 4),
+        ("overlong", 3),
+        ("policy_loss", 24),
+        ("token_rewards", 6),
+        ("value_loss", 6),
+    ];
+    assert_eq!(recorded, counts(expected), "cases per function");
     let mut check = Check::default();
     let mut kinds = std::collections::BTreeMap::<(String, String), usize>::new();
     for case in cases {
@@ -876,13 +904,31 @@ fn weir_matches_verl_0_9_and_openrlhf_0_11_releases() {
     assert_eq!(doc["upstream"]["verl"], "0.9.1");
     assert_eq!(doc["upstream"]["openrlhf"], "0.11.2");
     let cases = doc["cases"].as_array().expect("cases");
+    let recorded = cases_per_kind(cases);
+    let expected: &[(&str, usize)] = &[
+        ("advantages_openrlhf", 8),
+        ("advantages_verl_09", 31),
+        ("correction_09", 19),
+        ("forward_kl_topk_09", 5),
+        ("gdpo_09", 6),
+        ("kl_09", 11),
+        ("kl_unbiased", 4),
+        ("otb_09", 6),
+        ("pairwise_09", 3),
+        ("policy_loss", 11),
+        ("policy_loss_09", 68),
+        ("rejection_09", 12),
+        ("stop_properly", 5),
+    ];
+    assert_eq!(recorded, counts(expected), "cases per function");
     let mut check = Check::default();
     let mut kinds = std::collections::BTreeMap::<String, usize>::new();
     for case in cases {
         let (name, kind) = (string(&case["name"]), string(&case["kind"]));
         let flavor = match string(&case["flavor"]) {
             "openrlhf" => Flavor::OpenRlhf,
-            _ => Flavor::Verl,
+            "verl" => Flavor::Verl,
+            other => panic!("{name}: unknown flavor {other}"),
         };
         let (i, e) = (&case["inputs"], &case["expected"]);
         match kind {
@@ -915,7 +961,7 @@ fn weir_matches_verl_0_9_and_openrlhf_0_11_releases() {
         check.worst.0,
         check.worst.1
     );
-    assert!(cases.len() >= 40, "only {} cases", cases.len());
+    assert_eq!(cases.len(), 189);
     assert!(
         check.failures.is_empty(),
         "{} mismatches against verl 0.9.1 / OpenRLHF 0.11.2:\n{}",

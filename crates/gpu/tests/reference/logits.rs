@@ -254,11 +254,17 @@ fn broken_checkpoints_give_errors_naming_the_file_and_tensor() {
 
 /// Rows packed end to end give each row's own hidden states, and their
 /// gradients, whatever attention buckets the lengths fall into: very long
-/// rows alone, short ones sharing a call, a one-token row (float64, tiny
-/// Qwen3 with its q/k norms and grouped keys).
+/// rows alone, short ones sharing a call, a one-token row (float64; tiny
+/// Llama, and tiny Qwen3 with its q/k norms and grouped keys).
 #[test]
 fn packed_rows_attend_within_themselves_in_buckets() {
-    let model = load("tiny-llama", Kind::Double);
+    for family in ["tiny-llama", "tiny-qwen3"] {
+        packed_rows_of(family);
+    }
+}
+
+fn packed_rows_of(family: &str) {
+    let model = load(family, Kind::Double);
     let vocab = model.config.vocab_size;
     // Long rows in buckets of their own, a run of short ones together.
     let lengths = [150i64, 3, 97, 1, 20, 140, 12, 12, 5, 60];
@@ -281,7 +287,7 @@ fn packed_rows_attend_within_themselves_in_buckets() {
             .abs()
             .max()
             .double_value(&[]);
-        assert!(d < 1e-10, "row of {n} tokens at {at}: differs by {d:e}");
+        assert!(d < 1e-10, "{family}: row of {n} tokens at {at}: differs by {d:e}");
         (&alone * weights.narrow(1, at, n))
             .sum(Kind::Double)
             .backward();
@@ -293,11 +299,18 @@ fn packed_rows_attend_within_themselves_in_buckets() {
 /// A group's shared prompt packed once, each sample's response a row that
 /// attends to it: every response's states and the gradients of a loss on
 /// them are those of each prompt + response run alone (float64), the
-/// prompt's states those of the prompt alone.
+/// prompt's states those of the prompt alone (tiny Llama, and tiny Qwen3
+/// with its q/k norms).
 #[test]
 fn a_shared_prompt_packed_once_gives_each_rows_own_states() {
+    for family in ["tiny-llama", "tiny-qwen3"] {
+        shared_prompt_of(family);
+    }
+}
+
+fn shared_prompt_of(family: &str) {
     use weir_gpu::{AttentionRow, PackedLayout};
-    let model = load("tiny-llama", Kind::Double);
+    let model = load(family, Kind::Double);
     let vocab = model.config.vocab_size;
     tch::manual_seed(5);
     let prompt = Tensor::randint(vocab, [1, 9], (Kind::Int64, tch::Device::Cpu));
@@ -336,7 +349,7 @@ fn a_shared_prompt_packed_once_gives_each_rows_own_states() {
         .abs()
         .max()
         .double_value(&[]);
-    assert!(d < 1e-10, "the prompt's states differ by {d:e}");
+    assert!(d < 1e-10, "{family}: the prompt's states differ by {d:e}");
     let mut at = p;
     for (r, &n) in responses.iter().zip(&lengths) {
         let alone = model
@@ -351,7 +364,7 @@ fn a_shared_prompt_packed_once_gives_each_rows_own_states() {
             .abs()
             .max()
             .double_value(&[]);
-        assert!(d < 1e-10, "a response of {n} tokens differs by {d:e}");
+        assert!(d < 1e-10, "{family}: a response of {n} tokens differs by {d:e}");
         (&alone * weights.narrow(1, at, n))
             .sum(Kind::Double)
             .backward();
