@@ -366,6 +366,14 @@ pub fn learner_config(cfg: &RunConfig, kl_in_loss: bool) -> LearnerConfig {
             flavor: cfg.algorithm.flavor,
             correction: {
                 let (low, high) = (a.correction_low, a.correction_high);
+                let gate = |divergence| ImportanceCorrection::DivergenceGate {
+                    divergence,
+                    sequence: matches!(
+                        a.correction,
+                        CorrectionChoice::SeqBinaryKl | CorrectionChoice::SeqTv
+                    ),
+                    high,
+                };
                 match a.correction {
                     CorrectionChoice::Tis => Some(ImportanceCorrection::Tis { low, high }),
                     CorrectionChoice::Icepop => Some(ImportanceCorrection::IcePop { low, high }),
@@ -384,20 +392,12 @@ pub fn learner_config(cfg: &RunConfig, kl_in_loss: bool) -> LearnerConfig {
                     CorrectionChoice::SeqIcepop => {
                         Some(ImportanceCorrection::SequenceIcePop { low, high })
                     }
-                    CorrectionChoice::BinaryKl
-                    | CorrectionChoice::SeqBinaryKl
-                    | CorrectionChoice::Tv
-                    | CorrectionChoice::SeqTv => Some(ImportanceCorrection::DivergenceGate {
-                        divergence: match a.correction {
-                            CorrectionChoice::Tv | CorrectionChoice::SeqTv => GateDivergence::Tv,
-                            _ => GateDivergence::BinaryKl,
-                        },
-                        sequence: matches!(
-                            a.correction,
-                            CorrectionChoice::SeqBinaryKl | CorrectionChoice::SeqTv
-                        ),
-                        high,
-                    }),
+                    CorrectionChoice::BinaryKl | CorrectionChoice::SeqBinaryKl => {
+                        Some(gate(GateDivergence::BinaryKl))
+                    }
+                    CorrectionChoice::Tv | CorrectionChoice::SeqTv => {
+                        Some(gate(GateDivergence::Tv))
+                    }
                     CorrectionChoice::None => None,
                 }
             },

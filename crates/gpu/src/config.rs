@@ -252,7 +252,7 @@ impl ModelConfig {
         let rope_scaling = parse_rope_scaling(scaling, path)?;
         let (attention_bias, o_bias) = match family {
             Family::Qwen2 => (true, false),
-            _ => {
+            Family::Llama | Family::Mistral | Family::Qwen3 => {
                 let b = flag("attention_bias", false);
                 (b, b)
             }
@@ -339,7 +339,7 @@ fn sliding_window_in_use(v: &Value, family: Family) -> Option<&'static str> {
                 .unwrap_or(layers);
             (on && window_short && from < layers).then_some("use_sliding_window")
         }
-        _ => None,
+        Family::Llama | Family::Mistral => None,
     }
 }
 

@@ -76,7 +76,7 @@ fn stage_chain<'scope>(
     let placement = &settings.placement;
     let generators = match pipeline.nodes.iter().find_map(|n| match n {
         Node::Stage(s) if s.kind == StageKind::Generate => Some(&s.role),
-        _ => None,
+        Node::Stage(_) | Node::Sink(_) => None,
     }) {
         Some(role) => placement.workers(role)?,
         None => Vec::new(),

@@ -176,7 +176,7 @@ impl StageRunner {
                 stats.rows_in += batch.num_rows() as u64;
                 let batch = match self.kind {
                     StageKind::Learn => self.stamp_learner_input(step, batch)?,
-                    _ => batch,
+                    StageKind::Plain | StageKind::Generate => batch,
                 };
                 let mut ctx = StepContext::new(
                     self.stage_name(),
@@ -365,7 +365,7 @@ impl StageRunner {
                     None => with_u64_column(b, columns::POLICY_VERSION, self.version),
                 })
                 .collect::<Result<Vec<_>, _>>()?,
-            _ => batches,
+            StageKind::Plain | StageKind::Learn => batches,
         };
         self.steps.entry(step).or_default().rows_out +=
             batches.iter().map(|b| b.num_rows() as u64).sum::<u64>();

@@ -128,7 +128,15 @@ impl std::error::Error for GraphError {
                 source: Some(cause),
                 ..
             } => Some(&**cause),
-            _ => None,
+            GraphError::Stage { source: None, .. }
+            | GraphError::Pipeline(_)
+            | GraphError::Execution(_)
+            | GraphError::Column { .. }
+            | GraphError::StalenessViolated { .. }
+            | GraphError::PeerLost { .. }
+            | GraphError::Codec(_)
+            | GraphError::Io { .. }
+            | GraphError::Runtime(_) => None,
         }
     }
 }

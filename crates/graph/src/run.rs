@@ -571,7 +571,7 @@ fn offers_weights(pipeline: &Pipeline, settings: &RunSettings) -> Result<bool, G
     let role = |kind: StageKind| {
         pipeline.nodes.iter().find_map(|n| match n {
             Node::Stage(s) if s.kind == kind => Some(&s.role),
-            _ => None,
+            Node::Stage(_) | Node::Sink(_) => None,
         })
     };
     let (Some(learner), Some(generator)) = (role(StageKind::Learn), role(StageKind::Generate))

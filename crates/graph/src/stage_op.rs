@@ -224,7 +224,11 @@ fn across(
         WeightsBody::Inline(payload) if env.shared.wire.enabled() && receivers > 0 => {
             Ok(Across::Wire(env.shared.wire.offer(payload, receivers)?))
         }
-        _ => Ok(buckets),
+        WeightsBody::Inline(_)
+        | WeightsBody::External
+        | WeightsBody::Bucket(_)
+        | WeightsBody::Shelved
+        | WeightsBody::Wire(_) => Ok(buckets),
     }
 }
 

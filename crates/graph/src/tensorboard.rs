@@ -257,12 +257,14 @@ pub fn read_scalars(path: &Path) -> Result<Vec<(u64, String, f64)>, GraphError> 
                             match (f, x) {
                                 (1, Field::Bytes(t)) => tag = String::from_utf8_lossy(t).into(),
                                 (2, Field::Fixed32(b)) => value = f64::from(f32::from_le_bytes(b)),
+                                // Protobuf: a reader skips the fields it does not read.
                                 _ => {}
                             }
                         }
                         out.push((step, tag, value));
                     }
                 }
+                // Protobuf: a reader skips the fields it does not read.
                 _ => {}
             }
         }

@@ -257,7 +257,10 @@ mod tests {
         assert_eq!(back[0].version, 4);
         match &back[0].body {
             WeightsBody::Inline(p) => assert_eq!(p.bytes(), &[7u8; 1000][..]),
-            _ => panic!("body lost"),
+            WeightsBody::External
+            | WeightsBody::Bucket(_)
+            | WeightsBody::Shelved
+            | WeightsBody::Wire(_) => panic!("body lost"),
         }
     }
 

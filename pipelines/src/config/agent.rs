@@ -194,7 +194,7 @@ impl RunConfig {
                         );
                     }
                 }
-                _ => {}
+                ToolSpec::Builtin(_) | ToolSpec::Function(_) => {}
             }
             if a.tools[..i].iter().any(|t| t.name() == tool.name()) {
                 return bad(

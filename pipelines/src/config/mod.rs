@@ -860,7 +860,7 @@ impl RunConfig {
                         ""
                     }
                 )),
-                _ => {}
+                agent::ToolSpec::Builtin(_) | agent::ToolSpec::Http(_) => {}
             }
         }
         lines

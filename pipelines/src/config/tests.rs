@@ -275,7 +275,17 @@ fn the_kl_estimator_defaults_to_where_the_kl_goes() {
             | PipelineKind::ReinforcePp
             | PipelineKind::ReinforcePpBaseline
             | PipelineKind::Remax => KlEstimator::K1,
-            _ => KlEstimator::K3,
+            PipelineKind::Grpo
+            | PipelineKind::DrGrpo
+            | PipelineKind::Rloo
+            | PipelineKind::Opo
+            | PipelineKind::GrpoPassk
+            | PipelineKind::Gpg
+            | PipelineKind::Otb
+            | PipelineKind::Distill
+            | PipelineKind::Sft
+            | PipelineKind::Rm
+            | PipelineKind::Dpo => KlEstimator::K3,
         };
         let got = RunConfig::defaults_for(*kind).algorithm.kl_estimator;
         assert_eq!(got, want, "{}", kind.name());

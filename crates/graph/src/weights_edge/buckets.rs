@@ -273,7 +273,11 @@ pub(crate) fn address(
                     Across::Wire(note) => out.push(message(dest, WeightsBody::Wire(note.clone()))),
                 }
             }
-            _ => out.push(message(dest, body.clone())),
+            WeightsBody::Inline(_)
+            | WeightsBody::External
+            | WeightsBody::Bucket(_)
+            | WeightsBody::Shelved
+            | WeightsBody::Wire(_) => out.push(message(dest, body.clone())),
         }
     }
     out

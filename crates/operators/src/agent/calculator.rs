@@ -173,6 +173,7 @@ impl Parser {
             value = match op {
                 Token::Times => value.multiply(&right)?,
                 Token::Divide => value.divide(&right)?,
+                // The `while let` above binds only `*`, `/` and `%`: this is `%`.
                 _ => value.remainder(&right)?,
             };
         }
@@ -191,6 +192,8 @@ impl Parser {
                 self.at += 1;
                 self.unary(depth)
             }
+            // Any other token, or none, is the start of a power (whose atom
+            // refuses what cannot begin one): the grammar's other branch.
             _ => self.power(depth),
         }
     }

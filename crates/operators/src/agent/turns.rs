@@ -296,7 +296,10 @@ impl EpisodeRunner<'_> {
                         reward: 0.0,
                         done: false,
                     },
-                    _ => return Ok(state.end(Finish::of_fault(&fault))),
+                    (EnvFault::Error(_), OnError::End)
+                    | (EnvFault::Timeout(_) | EnvFault::Protocol(_), _) => {
+                        return Ok(state.end(Finish::of_fault(&fault)))
+                    }
                 }
             }
         };

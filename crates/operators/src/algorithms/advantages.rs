@@ -222,7 +222,7 @@ pub fn grpo(
         let (mean, std) = match (xs.len(), flavor) {
             (1, Flavor::OpenRlhf) => return Err(GroupError::TooSmall { group, size: 1 }),
             (1, Flavor::Verl) => (0.0, 1.0),
-            _ => mean_std(&xs, true),
+            (_, Flavor::OpenRlhf | Flavor::Verl) => mean_std(&xs, true),
         };
         for &i in &idx {
             out[i] = if scale_by_std {

@@ -37,7 +37,7 @@ impl KlEstimator {
         match self {
             KlEstimator::K1Plus => KlEstimator::K1,
             KlEstimator::K3Plus => KlEstimator::K3,
-            other => other,
+            KlEstimator::K1 | KlEstimator::K2 | KlEstimator::K3 | KlEstimator::Abs => self,
         }
     }
 
@@ -58,11 +58,12 @@ impl KlEstimator {
 /// k1+ and k3+ have the values of k1 and k3 ([`kl_tensor`] gives them k2's gradient).
 pub fn kl(logprob: f64, ref_logprob: f64, estimator: KlEstimator, flavor: Flavor) -> f64 {
     let r = logprob - ref_logprob;
-    let k = match estimator.value_of() {
-        KlEstimator::K1 => r,
+    // k1+ and k3+ take k1's and k3's values (`KlEstimator::value_of`).
+    let k = match estimator {
+        KlEstimator::K1 | KlEstimator::K1Plus => r,
         KlEstimator::K2 => 0.5 * r * r,
         KlEstimator::Abs => r.abs(),
-        _ => match flavor {
+        KlEstimator::K3 | KlEstimator::K3Plus => match flavor {
             Flavor::OpenRlhf => (-r).exp() - 1.0 + r,
             Flavor::Verl => {
                 let x = (-r).clamp(-20.0, 20.0);
@@ -70,9 +71,14 @@ pub fn kl(logprob: f64, ref_logprob: f64, estimator: KlEstimator, flavor: Flavor
             }
         },
     };
-    match (flavor, estimator.value_of()) {
-        (Flavor::OpenRlhf, _) | (Flavor::Verl, KlEstimator::K3) => k.clamp(-10.0, 10.0),
-        (Flavor::Verl, _) => k,
+    match (flavor, estimator) {
+        (Flavor::OpenRlhf, _) | (Flavor::Verl, KlEstimator::K3 | KlEstimator::K3Plus) => {
+            k.clamp(-10.0, 10.0)
+        }
+        (
+            Flavor::Verl,
+            KlEstimator::K1 | KlEstimator::K1Plus | KlEstimator::K2 | KlEstimator::Abs,
+        ) => k,
     }
 }
 
@@ -189,15 +195,18 @@ pub fn kl_tensor(
     flavor: Flavor,
 ) -> tch::Tensor {
     let r = logprobs - ref_logprobs;
-    let k = match (flavor, estimator.value_of()) {
-        (Flavor::OpenRlhf, KlEstimator::K1) => r.clamp(-10.0, 10.0),
+    // k1+ and k3+ take k1's and k3's values (`KlEstimator::value_of`).
+    let k = match (flavor, estimator) {
+        (Flavor::OpenRlhf, KlEstimator::K1 | KlEstimator::K1Plus) => r.clamp(-10.0, 10.0),
         (Flavor::OpenRlhf, KlEstimator::K2) => (r.square() / 2.0).clamp(-10.0, 10.0),
         (Flavor::OpenRlhf, KlEstimator::Abs) => r.abs().clamp(-10.0, 10.0),
-        (Flavor::OpenRlhf, _) => ((-&r).exp() - 1.0 + &r).clamp(-10.0, 10.0),
-        (Flavor::Verl, KlEstimator::K1) => r.shallow_clone(),
+        (Flavor::OpenRlhf, KlEstimator::K3 | KlEstimator::K3Plus) => {
+            ((-&r).exp() - 1.0 + &r).clamp(-10.0, 10.0)
+        }
+        (Flavor::Verl, KlEstimator::K1 | KlEstimator::K1Plus) => r.shallow_clone(),
         (Flavor::Verl, KlEstimator::K2) => r.square() * 0.5,
         (Flavor::Verl, KlEstimator::Abs) => r.abs(),
-        (Flavor::Verl, _) => {
+        (Flavor::Verl, KlEstimator::K3 | KlEstimator::K3Plus) => {
             let x = (-&r).clamp(-20.0, 20.0);
             (x.exp() - &x - 1.0).clamp(-10.0, 10.0)
         }

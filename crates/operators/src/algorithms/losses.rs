@@ -207,7 +207,9 @@ pub fn policy_loss_in_step(
     // OpenRLHF's GSPO folds the correction into the ratio (against the behaviour policy).
     let gspo_behaviour = match (cfg.flavor, sequence, cfg.correction) {
         (Flavor::OpenRlhf, true, Some(_)) => behaviour_logprobs,
-        _ => None,
+        (Flavor::OpenRlhf, false, _) | (Flavor::OpenRlhf, true, None) | (Flavor::Verl, _, _) => {
+            None
+        }
     };
     let ratio = match cfg.ratio_level {
         RatioLevel::Token => log_ratio.clamp(-20.0, 20.0).exp(),
@@ -233,7 +235,7 @@ pub fn policy_loss_in_step(
     let clipped = surr1.minimum(&surr2);
     let dual_clip = match (cfg.flavor, sequence) {
         (Flavor::Verl, true) => None,
-        _ => cfg.dual_clip,
+        (Flavor::OpenRlhf, _) | (Flavor::Verl, false) => cfg.dual_clip,
     };
     let loss = match dual_clip {
         None => -&clipped,
@@ -259,7 +261,8 @@ pub fn policy_loss_in_step(
         masked_mean(&surr2.lt_tensor(&surr1).to_kind(Kind::Float), mask).double_value(&[]);
     let kl_log_ratio = match (cfg.flavor, cfg.ratio_level) {
         (Flavor::Verl, RatioLevel::Token) => log_ratio.clamp(-20.0, 20.0),
-        _ => log_ratio,
+        (Flavor::OpenRlhf, RatioLevel::Token | RatioLevel::Sequence)
+        | (Flavor::Verl, RatioLevel::Sequence) => log_ratio,
     };
     let approx_kl = masked_mean(&(-kl_log_ratio).detach(), mask).double_value(&[]);
     PolicyLoss {

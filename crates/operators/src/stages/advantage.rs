@@ -675,7 +675,7 @@ impl StepStage for ReinforceAdvantage {
                 let (batch, baselines) = split_greedy(ctx, &batch)?;
                 (batch, Some(baselines))
             }
-            _ => (batch, None),
+            ReinforceBaseline::None | ReinforceBaseline::GroupMean => (batch, None),
         };
         let mut scores = rewards(&batch, ctx.stage())?;
         // verl's REINFORCE++-baseline centres each response's whole return

@@ -483,7 +483,10 @@ fn a_larger_batch_of_the_same_rows_is_the_same_step_except_for_token_sum() {
             .unwrap();
         let factor = match mode {
             crate::algorithms::Aggregation::TokenSum => 2.0,
-            _ => 1.0,
+            crate::algorithms::Aggregation::TokenMean
+            | crate::algorithms::Aggregation::SeqMeanTokenMean
+            | crate::algorithms::Aggregation::SeqMeanTokenSum
+            | crate::algorithms::Aggregation::SeqMeanTokenSumNorm => 1.0,
         };
         for (name, a, b) in [
             ("loss", once.loss, twice.loss),

@@ -256,7 +256,7 @@ impl<M: HeldModel> TrainerCore<M> {
         let model = self.model.hold()?;
         match &self.checkpoints {
             Some(Saves::Actor(plan)) => plan.save_actor(step, version, &model, state),
-            _ => checkpointer
+            Some(Saves::Component(..)) | None => checkpointer
                 .save_component(step, component, &model, state)
                 .map(|_| ()),
         }
