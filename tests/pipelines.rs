@@ -2282,7 +2282,11 @@ fn each_policy_loss_trains_its_own_objective() {
             Aggregation::TokenMean,
         ),
         // DRO's penalty is 0 at ratio 1: −A·log π.
-        ("dro", PolicyObjective::Dro { beta: 0.05 }, Aggregation::TokenMean),
+        (
+            "dro",
+            PolicyObjective::Dro { beta: 0.05 },
+            Aggregation::TokenMean,
+        ),
     ] {
         let mut cfg = config(PipelineKind::Grpo, 1);
         cfg.algorithm.kl_coef = 0.0;

@@ -493,7 +493,9 @@ fn overlong_case(c: &mut Check, name: &str, i: &Value, e: &Value) {
 fn cases_per_kind(cases: &[Value]) -> std::collections::BTreeMap<String, usize> {
     let mut per_kind = std::collections::BTreeMap::new();
     for case in cases {
-        *per_kind.entry(string(&case["kind"]).to_string()).or_default() += 1;
+        *per_kind
+            .entry(string(&case["kind"]).to_string())
+            .or_default() += 1;
     }
     per_kind
 }

@@ -563,3 +563,112 @@ fn cpu_kernels_handle_shapes_no_fixture_has() {
         }
     }
 }
+
+/// `Σ π²` of the distribution `logits` (one position's) becomes after
+/// `params`' temperature, top-k and top-p (greedy: the plain softmax),
+/// computed by hand in float64.
+pub(crate) fn sum_pi_squared_by_hand(logits: &[f32], params: &weir_gpu::SamplingParams) -> f64 {
+    let t = if params.greedy {
+        1.0
+    } else {
+        params.temperature
+    };
+    let mut x: Vec<f64> = logits.iter().map(|&l| f64::from(l) / t).collect();
+    x.sort_by(|a, b| b.total_cmp(a));
+    if !params.greedy {
+        if let Some(k) = params.top_k {
+            // Ties with the k-th stay, as the samplers keep them.
+            let kth = x[k.min(x.len()) - 1];
+            x.retain(|v| *v >= kth);
+        }
+        if let Some(p) = params.top_p.filter(|&p| p < 1.0) {
+            let z: f64 = x.iter().map(|v| v.exp()).sum();
+            let mut mass = 0.0;
+            let mut kept = 0;
+            for v in &x {
+                if mass >= p {
+                    break;
+                }
+                mass += v.exp() / z;
+                kept += 1;
+            }
+            x.truncate(kept.max(1));
+        }
+    }
+    let z: f64 = x.iter().map(|v| v.exp()).sum();
+    x.iter().map(|v| (v.exp() / z).powi(2)).sum()
+}
+
+/// Each generated token's `Σ π²` (what the optimal token baseline reads)
+/// is that of the distribution it was drawn from — the temperature, top-k
+/// and top-p applied to the model's logits at its position — on the
+/// libtorch path and the CPU kernels alike, checked against a forward pass
+/// of the whole sequence.
+#[test]
+fn each_tokens_sum_pi_squared_is_that_of_its_sampling_distribution() {
+    use weir_gpu::SamplingParams;
+    let model = load("arith-sft", Kind::Float);
+    let prompts = vec![vec![1i64, 286, 202, 305], vec![302, 592, 7]];
+    let ids = [0u64, 1];
+    let base = SamplingParams {
+        max_new_tokens: 6,
+        n: 2,
+        seed: 3,
+        sum_pi_squared: true,
+        top_k: None,
+        top_p: None,
+        ..Default::default()
+    };
+    let cases = [
+        SamplingParams {
+            temperature: 1.3,
+            ..base.clone()
+        },
+        SamplingParams {
+            temperature: 0.8,
+            top_k: Some(7),
+            ..base.clone()
+        },
+        SamplingParams {
+            temperature: 1.1,
+            top_p: Some(0.9),
+            ..base.clone()
+        },
+        SamplingParams {
+            temperature: 1.0,
+            top_k: Some(40),
+            top_p: Some(0.7),
+            ..base.clone()
+        },
+        SamplingParams {
+            greedy: true,
+            n: 1,
+            ..base.clone()
+        },
+    ];
+    for params in &cases {
+        for backend in [Backend::Auto, Backend::Torch] {
+            let out = generate_on(&model, &prompts, &ids, params, backend).unwrap();
+            for g in &out {
+                assert_eq!(g.sum_pi_squared.len(), g.tokens.len());
+                let mut sequence = prompts[g.prompt].clone();
+                sequence.extend(&g.tokens);
+                let n = sequence.len() as i64;
+                let logits = model
+                    .logits(&Tensor::from_slice(&sequence).view([1, n]), None, None)
+                    .unwrap()
+                    .get(0)
+                    .to_kind(Kind::Float);
+                let start = prompts[g.prompt].len() as i64 - 1;
+                for (i, got) in g.sum_pi_squared.iter().enumerate() {
+                    let row = Vec::<f32>::try_from(logits.get(start + i as i64)).unwrap();
+                    let want = sum_pi_squared_by_hand(&row, params);
+                    assert!(
+                        (f64::from(*got) - want).abs() < 1e-4,
+                        "{backend:?} {params:?}: token {i}: Σπ² {got} against {want}"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -287,7 +287,10 @@ fn packed_rows_of(family: &str) {
             .abs()
             .max()
             .double_value(&[]);
-        assert!(d < 1e-10, "{family}: row of {n} tokens at {at}: differs by {d:e}");
+        assert!(
+            d < 1e-10,
+            "{family}: row of {n} tokens at {at}: differs by {d:e}"
+        );
         (&alone * weights.narrow(1, at, n))
             .sum(Kind::Double)
             .backward();
@@ -364,7 +367,10 @@ fn shared_prompt_of(family: &str) {
             .abs()
             .max()
             .double_value(&[]);
-        assert!(d < 1e-10, "{family}: a response of {n} tokens differs by {d:e}");
+        assert!(
+            d < 1e-10,
+            "{family}: a response of {n} tokens differs by {d:e}"
+        );
         (&alone * weights.narrow(1, at, n))
             .sum(Kind::Double)
             .backward();

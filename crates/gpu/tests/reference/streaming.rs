@@ -357,3 +357,59 @@ fn the_slot_cache_keeps_every_row_through_growth_and_moves() {
         }
     }
 }
+
+/// Streamed tokens carry the `Σ π²` of the distribution each was drawn
+/// from (temperature, top-k, top-p applied to its position's logits), on
+/// both backends, whatever the pool size.
+#[test]
+fn streamed_tokens_carry_the_sum_pi_squared_of_their_distribution() {
+    let model = load("arith-sft", Kind::Float);
+    let prompts = prompts();
+    let streams: Vec<u64> = (0..prompts.len() as u64).map(|i| 40 + i).collect();
+    for (top_k, top_p) in [(None, Some(0.85)), (Some(12), None), (Some(30), Some(0.6))] {
+        let params = SamplingParams {
+            max_new_tokens: 5,
+            temperature: 1.2,
+            top_k,
+            top_p,
+            seed: 9,
+            sum_pi_squared: true,
+            ..Default::default()
+        };
+        for backend in [Backend::Auto, Backend::Torch] {
+            for max_inflight in [2, 16] {
+                let got = stream_all(
+                    &model,
+                    &params,
+                    max_inflight,
+                    backend,
+                    requests(&prompts, &streams),
+                );
+                for f in &got {
+                    let g = &f.generation;
+                    assert_eq!(g.sum_pi_squared.len(), g.tokens.len());
+                    let prompt = &prompts[f.key as usize];
+                    let mut sequence = prompt.clone();
+                    sequence.extend(&g.tokens);
+                    let n = sequence.len() as i64;
+                    let logits = model
+                        .logits(&Tensor::from_slice(&sequence).view([1, n]), None, None)
+                        .unwrap()
+                        .get(0)
+                        .to_kind(Kind::Float);
+                    for (i, got) in g.sum_pi_squared.iter().enumerate() {
+                        let at = prompt.len() as i64 - 1 + i as i64;
+                        let row = Vec::<f32>::try_from(logits.get(at)).unwrap();
+                        let want = super::generation::sum_pi_squared_by_hand(&row, &params);
+                        assert!(
+                            (f64::from(*got) - want).abs() < 1e-4,
+                            "{backend:?} pool {max_inflight} {top_k:?}/{top_p:?}: row {} \
+                             token {i}: Σπ² {got} against {want}",
+                            f.key
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
