@@ -599,6 +599,33 @@ pub(crate) fn sum_pi_squared_by_hand(logits: &[f32], params: &weir_gpu::Sampling
     x.iter().map(|v| (v.exp() / z).powi(2)).sum()
 }
 
+/// Checks each of `g`'s tokens' `Σ π²` against its position's logits in a
+/// forward pass of `prompt` and the tokens, through `params`' sampling.
+pub(crate) fn assert_sum_pi_squared(
+    model: &Model,
+    prompt: &[i64],
+    g: &weir_gpu::Generation,
+    params: &weir_gpu::SamplingParams,
+    label: &str,
+) {
+    assert_eq!(g.sum_pi_squared.len(), g.tokens.len(), "{label}");
+    let sequence: Vec<i64> = prompt.iter().chain(&g.tokens).copied().collect();
+    let n = sequence.len() as i64;
+    let logits = model
+        .logits(&Tensor::from_slice(&sequence).view([1, n]), None, None)
+        .unwrap()
+        .get(0)
+        .to_kind(Kind::Float);
+    for (i, got) in g.sum_pi_squared.iter().enumerate() {
+        let row = Vec::<f32>::try_from(logits.get(prompt.len() as i64 - 1 + i as i64)).unwrap();
+        let want = sum_pi_squared_by_hand(&row, params);
+        assert!(
+            (f64::from(*got) - want).abs() < 1e-4,
+            "{label}: token {i}: Σπ² {got} against {want}"
+        );
+    }
+}
+
 /// Each generated token's `Σ π²` (what the optimal token baseline reads)
 /// is that of the distribution it was drawn from — the temperature, top-k
 /// and top-p applied to the model's logits at its position — on the
@@ -650,24 +677,8 @@ fn each_tokens_sum_pi_squared_is_that_of_its_sampling_distribution() {
         for backend in [Backend::Auto, Backend::Torch] {
             let out = generate_on(&model, &prompts, &ids, params, backend).unwrap();
             for g in &out {
-                assert_eq!(g.sum_pi_squared.len(), g.tokens.len());
-                let mut sequence = prompts[g.prompt].clone();
-                sequence.extend(&g.tokens);
-                let n = sequence.len() as i64;
-                let logits = model
-                    .logits(&Tensor::from_slice(&sequence).view([1, n]), None, None)
-                    .unwrap()
-                    .get(0)
-                    .to_kind(Kind::Float);
-                let start = prompts[g.prompt].len() as i64 - 1;
-                for (i, got) in g.sum_pi_squared.iter().enumerate() {
-                    let row = Vec::<f32>::try_from(logits.get(start + i as i64)).unwrap();
-                    let want = sum_pi_squared_by_hand(&row, params);
-                    assert!(
-                        (f64::from(*got) - want).abs() < 1e-4,
-                        "{backend:?} {params:?}: token {i}: Σπ² {got} against {want}"
-                    );
-                }
+                let label = format!("{backend:?} {params:?}");
+                assert_sum_pi_squared(&model, &prompts[g.prompt], g, params, &label);
             }
         }
     }

@@ -386,28 +386,17 @@ fn streamed_tokens_carry_the_sum_pi_squared_of_their_distribution() {
                     requests(&prompts, &streams),
                 );
                 for f in &got {
-                    let g = &f.generation;
-                    assert_eq!(g.sum_pi_squared.len(), g.tokens.len());
-                    let prompt = &prompts[f.key as usize];
-                    let mut sequence = prompt.clone();
-                    sequence.extend(&g.tokens);
-                    let n = sequence.len() as i64;
-                    let logits = model
-                        .logits(&Tensor::from_slice(&sequence).view([1, n]), None, None)
-                        .unwrap()
-                        .get(0)
-                        .to_kind(Kind::Float);
-                    for (i, got) in g.sum_pi_squared.iter().enumerate() {
-                        let at = prompt.len() as i64 - 1 + i as i64;
-                        let row = Vec::<f32>::try_from(logits.get(at)).unwrap();
-                        let want = super::generation::sum_pi_squared_by_hand(&row, &params);
-                        assert!(
-                            (f64::from(*got) - want).abs() < 1e-4,
-                            "{backend:?} pool {max_inflight} {top_k:?}/{top_p:?}: row {} \
-                             token {i}: Σπ² {got} against {want}",
-                            f.key
-                        );
-                    }
+                    let label = format!(
+                        "{backend:?} pool {max_inflight} {top_k:?}/{top_p:?}: row {}",
+                        f.key
+                    );
+                    super::generation::assert_sum_pi_squared(
+                        &model,
+                        &prompts[f.key as usize],
+                        &f.generation,
+                        &params,
+                        &label,
+                    );
                 }
             }
         }
