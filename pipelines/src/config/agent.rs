@@ -3,6 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::docs::{key, Key, Readers::*};
 use super::text::none_if_empty;
 use super::validate::bad;
 use super::{ConfigError, OnError, PipelineKind, PythonNetwork, RewardKind, RunConfig, ToolFormat};
@@ -317,3 +318,20 @@ impl RunConfig {
         Ok(())
     }
 }
+
+/// `[agent]`'s rows of [`super::KEYS`], in the order `weir config` prints them.
+pub(super) const KEYS: &[Key] = &[
+    key("agent", "tools", Agentic, "Multi-turn episodes with tools the model may call: built-ins by name, \"calculator\" (exact arithmetic on integers and decimals) and \"python\" (a fresh sandboxed interpreter per call: CPU, memory, process, output and wall-clock limits, every process it starts ends with it, off the network unless agent.python_network allows it; the file system is not isolated); {file, function}, a Python function whose schema comes from its signature and docstring (types from its annotations, each parameter's description from the Args: section), run by long-lived workers; {url, name, description, parameters}, an HTTP endpoint a call posts its arguments to (parameters: the arguments' JSON schema). Their schemas reach the chat template as `tools`, which must render them; each turn's calls are answered and the answers rendered by the template as tool messages. An episode is one row: generate.max_new_tokens bounds its whole response, observations included; the reward reads the model's last turn as response (tool_calls holds every call)."),
+    key("agent", "tool_format", Agentic, "How the model writes tool calls: \"hermes\" (<tool_call>{json}</tool_call>: Hermes, Qwen2.5, Qwen3), \"llama3_json\" (Llama 3.1's bare JSON), \"qwen3_coder\" (Qwen3-Coder's XML). A call that cannot be read is an error observation and counts in tool_parse_failures."),
+    key("agent", "environment", Agentic, "Multi-turn episodes with an environment that answers each turn: a Python file in OpenRLHF's agent format (a class with reset / step, sync or async, whose environment_feedback is appended as raw text and whose rewards are each turn's reward; its `from openrlhf.utils.agent import …` works without OpenRLHF), servers speaking OpenEnv's HTTP protocol (http:// or https:// URLs, comma-separated: each holds one episode at a time; requests bounded by timeout_s, a failed connection or 5xx tried 3 times, an answer outside the protocol fails the run naming the server), or the name of an environment the user's binary registered. Turn rewards sit on each turn's last generated token (env_rewards) and add to the reward."),
+    key("agent", "environment_class", Agentic, "The class of the environment's Python file."),
+    key("agent", "action_field", Agentic, "An OpenEnv server's action field that carries the model's turn: each step posts {\"action\": {action_field: the turn's text}}."),
+    key("agent", "observation_field", Agentic, "The field of an OpenEnv server's observation the model reads next: text is appended raw, a list of {role, content} messages is rendered by the chat template (empty: the observation's only text field, else the whole observation as JSON text)."),
+    key("agent", "max_turns", Agentic, "Turns of the model per episode at most (finish_reason max_turns when the last still called a tool or the environment went on)."),
+    key("agent", "max_observation_tokens", Agentic, "Tokens of one tool output or environment observation (each message's content) past which it is cut, with a marker saying how many were left out (one that fits exactly is kept whole)."),
+    key("agent", "timeout_s", Agentic, "Seconds a tool call (the python tool's wall clock) or an environment's reset or step may take; an environment past it is restarted and its episode ends as timeout."),
+    key("agent", "on_error", Agentic, "A failed tool call or environment step: \"observe\" (its error is what the model reads next, and the episode goes on) or \"end\" (the episode ends: finish_reason tool_error, env_error or timeout). Counted either way, as tool_errors or env_errors."),
+    key("agent", "max_concurrency", Agentic, "Tool calls and environment steps running at once, each on a thread of its own, while the other episodes of the batch go on decoding (an episode whose call is out leaves the decode pool and comes back with its observation); with agent.environment also the environment's instances (a Python file: one worker process each), so as many episodes hold one at once."),
+    key("agent", "python", Agentic, "The interpreter of the python tool, of Python function tools and of a Python environment."),
+    key("agent", "python_network", Agentic, "Whether the python tool's runs may reach the network: \"isolate\" (a network namespace of their own, only a loopback that is down; on a machine that gives weir none, the run is refused naming this key) or \"allow\" (on weir's network, never cut off; said once in the log). See docs/security.md."),
+];

@@ -396,3 +396,77 @@ fn the_python_code_a_config_runs_is_listed() {
         vec!["Python t.py:score with the interpreter `/venv/bin/python`".to_string()]
     );
 }
+
+#[test]
+fn every_key_is_a_field_declared_in_its_sections_file() {
+    // Each section's file holds its struct and its rows of the key table:
+    // a key is added in that one file.
+    let files: &[(&str, &str, &[Key])] = &[
+        ("run", include_str!("run.rs"), super::run::KEYS),
+        (
+            "placement",
+            include_str!("placement.rs"),
+            super::placement::KEYS,
+        ),
+        ("model", include_str!("model.rs"), super::model::KEYS),
+        ("judge", include_str!("judge.rs"), super::judge::KEYS),
+        ("teacher", include_str!("teacher.rs"), super::teacher::KEYS),
+        ("data", include_str!("data.rs"), super::data::KEYS),
+        (
+            "generate",
+            include_str!("generate.rs"),
+            super::generate::KEYS,
+        ),
+        ("reward", include_str!("reward.rs"), super::reward::KEYS),
+        (
+            "algorithm",
+            include_str!("algorithm.rs"),
+            super::algorithm::KEYS,
+        ),
+        (
+            "dynamic_sampling",
+            include_str!("dynamic_sampling.rs"),
+            super::dynamic_sampling::KEYS,
+        ),
+        (
+            "curriculum",
+            include_str!("curriculum.rs"),
+            super::curriculum::KEYS,
+        ),
+        ("eval", include_str!("eval.rs"), super::eval::KEYS),
+        ("lora", include_str!("lora.rs"), super::lora::KEYS),
+        ("agent", include_str!("agent.rs"), super::agent::KEYS),
+    ];
+    for key in KEYS {
+        let (_, text, rows) = files
+            .iter()
+            .find(|(section, ..)| *section == key.section)
+            .unwrap_or_else(|| panic!("[{}] has no file of its own", key.section));
+        assert!(
+            text.contains(&format!("pub {}:", key.name)),
+            "{}.{}: {}.rs declares no such field",
+            key.section,
+            key.name,
+            key.section
+        );
+        assert!(
+            rows.iter().any(|r| r.name == key.name),
+            "{}.{}: not a row of {}.rs",
+            key.section,
+            key.name,
+            key.section
+        );
+    }
+    // The table is the files' rows end to end, each file's of its own section.
+    let rows: Vec<(&str, &str)> = files
+        .iter()
+        .flat_map(|(section, _, rows)| {
+            rows.iter().map(move |r| {
+                assert_eq!(r.section, *section, "{}.{}", r.section, r.name);
+                (r.section, r.name)
+            })
+        })
+        .collect();
+    let table: Vec<(&str, &str)> = KEYS.iter().map(|k| (k.section, k.name)).collect();
+    assert_eq!(rows, table);
+}
