@@ -6,7 +6,8 @@
 //! For each pipeline, a small deterministic base run (one step, k = 0; two
 //! steps for a key that does not act on the first) is compared with a run
 //! that changes one key. Pipelines built by the same function walk the
-//! `algorithm` keys each, the rest once. Some keys only act under
+//! `algorithm` keys each (otb its `generate` keys too: its sampler records
+//! each token's Σπ²), the rest once. Some keys only act under
 //! another setting (a bound of the correction needs a correction): those
 //! are changed on top of that setting, compared with a base that has it.
 //! A few keys are speed and memory knobs by design (threads, idle workers,
@@ -1078,6 +1079,10 @@ enum Keys {
     /// grpo's chain, reinforce_pp_baseline reinforce_pp's), and differs
     /// from it in its estimator alone.
     Algorithm,
+    /// `algorithm.*` and `generate.*`: as [`Keys::Algorithm`], for a
+    /// pipeline whose generator also records something of its own (otb's
+    /// sampler records each token's Σπ², so every sampling key reaches it).
+    AlgorithmAndGenerate,
 }
 
 /// Runs of one pipeline's walk: the base outcome of each setting (the
@@ -1151,7 +1156,12 @@ fn walk(kind: PipelineKind, keys: Keys) {
         section, name: key, ..
     } in KEYS
     {
-        if !applies(kind, section, key) || (keys == Keys::Algorithm && section != "algorithm") {
+        let walked = match keys {
+            Keys::All => true,
+            Keys::Algorithm => section == "algorithm",
+            Keys::AlgorithmAndGenerate => section == "algorithm" || section == "generate",
+        };
+        if !applies(kind, section, key) || !walked {
             continue;
         }
         let name = format!("{section}.{key}");
@@ -1243,14 +1253,12 @@ fn every_algorithm_key_of_dr_grpo_rloo_and_opo_changes_the_run_or_is_refused() {
 }
 
 #[test]
-fn every_algorithm_key_of_grpo_passk_gpg_and_otb_changes_the_run_or_is_refused() {
-    for kind in [
-        PipelineKind::GrpoPassk,
-        PipelineKind::Gpg,
-        PipelineKind::Otb,
-    ] {
+fn every_algorithm_key_of_grpo_passk_gpg_and_otb_and_otbs_generate_keys_change_the_run_or_are_refused(
+) {
+    for kind in [PipelineKind::GrpoPassk, PipelineKind::Gpg] {
         walk(kind, Keys::Algorithm);
     }
+    walk(PipelineKind::Otb, Keys::AlgorithmAndGenerate);
 }
 
 #[test]
