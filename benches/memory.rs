@@ -20,8 +20,8 @@ use std::process::Command;
 use std::time::Instant;
 
 use weir::gpu::{Device, Model, ModelConfig};
+use weir::operators::data::columns::{float_list_array, token_list_array};
 use weir::operators::rollout::col;
-use weir::operators::stages::columns::{float_list_array, token_list_array};
 use weir::operators::stages::learner::{Learner, LearnerConfig};
 
 fn status_kb(key: &str) -> u64 {

@@ -30,8 +30,8 @@ mod random_llama;
 
 use tch::Kind;
 use weir::gpu::{Device, Model};
+use weir::operators::data::columns::{float_list_array, token_list_array};
 use weir::operators::rollout::col;
-use weir::operators::stages::columns::{float_list_array, token_list_array};
 use weir::operators::stages::learner::{Learner, LearnerConfig};
 
 const PROMPTS: usize = 8;

@@ -33,10 +33,10 @@ use std::process::Command;
 use weir::gpu::generate::{generate_on, Backend};
 use weir::gpu::lora::LoraConfig;
 use weir::gpu::{Device, Model, ModelConfig, SamplingParams};
+use weir::operators::data::columns::{float_list_array, token_list_array};
 use weir::operators::rollout::col;
-use weir::operators::stages::columns::{float_list_array, token_list_array};
 use weir::operators::stages::learner::{Learner, LearnerConfig};
-use weir::operators::stages::sequences::response_logprobs;
+use weir::operators::training::sequences::response_logprobs;
 use weir::pipelines::{PipelineKind, RunConfig, RunRequest};
 
 const PROMPTS: usize = 4;

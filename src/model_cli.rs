@@ -90,10 +90,10 @@ fn load(args: &ModelArgs) -> anyhow::Result<Model> {
 
 /// Parses every line of a JSONL file; errors name the file and line.
 /// A line is read only up to a prompt record's bound
-/// (`weir_operators::stages::prompt_files::MAX_RECORD_BYTES`).
+/// (`weir_operators::data::prompt_files::MAX_RECORD_BYTES`).
 fn read_jsonl(path: &Path) -> anyhow::Result<Vec<(usize, Value)>> {
     use std::io::{BufRead, Read};
-    use weir_operators::stages::prompt_files::MAX_RECORD_BYTES;
+    use weir_operators::data::prompt_files::MAX_RECORD_BYTES;
     let file = std::fs::File::open(path).with_context(|| format!("reading {}", path.display()))?;
     let mut reader = std::io::BufReader::new(file);
     let mut out = Vec::new();

@@ -1942,7 +1942,7 @@ fn gdpo_normalises_each_term_and_whitens_over_the_whole_step() {
 /// (its distribution's, which holds at least the sampled token), 0 on an
 /// episode's other tokens. Returns the rows checked.
 fn check_otb(dir: &Path) -> usize {
-    use weir::operators::stages::columns::{env_rewards, generated_masks};
+    use weir::operators::data::columns::{env_rewards, generated_masks};
     let batches = read_parquet_dir(&dir.join("rollouts")).unwrap();
     type Rows = (Vec<f64>, Vec<u64>, [Vec<Vec<f64>>; 4]);
     let mut steps: BTreeMap<u64, Rows> = BTreeMap::new();
@@ -2403,7 +2403,7 @@ fn a_teachers_top_k_is_logged_and_its_divergence_trains_the_student() {
     let lists = |name| -> Vec<Vec<i64>> {
         batches
             .iter()
-            .flat_map(|b| weir::operators::stages::columns::token_lists(b, name, "test").unwrap())
+            .flat_map(|b| weir::operators::data::columns::token_lists(b, name, "test").unwrap())
             .collect()
     };
     let (ids, responses) = (lists(col::TEACHER_TOPK_IDS), lists(col::RESPONSE_TOKENS));
@@ -2477,7 +2477,7 @@ fn float_list_column(dir: &Path, name: &str) -> Vec<Vec<f64>> {
     read_parquet_dir(&dir.join("rollouts"))
         .unwrap()
         .iter()
-        .flat_map(|b| weir::operators::stages::columns::float_lists(b, name, "test").unwrap())
+        .flat_map(|b| weir::operators::data::columns::float_lists(b, name, "test").unwrap())
         .collect()
 }
 
@@ -2687,7 +2687,7 @@ fn distillation_moves_the_student_toward_its_teacher() {
         .unwrap()
         .iter()
         .flat_map(|b| {
-            weir::operators::stages::columns::token_lists(b, col::TEACHER_TOPK_IDS, "test").unwrap()
+            weir::operators::data::columns::token_lists(b, col::TEACHER_TOPK_IDS, "test").unwrap()
         })
         .flatten()
         .collect();

@@ -9,8 +9,8 @@ use weir_graph::{StageError, WorkerInfo};
 use weir_operators::checkpoint::{
     load_optimizer, CheckpointCommits, CheckpointPlan, Checkpointer, StepValues,
 };
+use weir_operators::data::cursor::{Cursor, CursorLog};
 use weir_operators::stages::prompt_stats::StatsView;
-use weir_operators::stages::prompts::{Cursor, CursorLog};
 
 use crate::config::DeviceChoice;
 use crate::RunConfig;
@@ -47,7 +47,7 @@ pub struct RunContext {
     /// Those values as the checkpoint resumed from stored them.
     pub resumed_values: std::collections::BTreeMap<String, f64>,
     /// The logged groups replayed in place of generated ones (`data.rollouts`).
-    pub replay: Option<std::sync::Arc<weir_operators::stages::from_log::LoggedGroups>>,
+    pub replay: Option<std::sync::Arc<weir_operators::data::from_log::LoggedGroups>>,
 }
 
 impl RunContext {

@@ -20,9 +20,9 @@ use arrow::array::{ArrayRef, Float64Array, RecordBatch, StringArray, UInt64Array
 use arrow::datatypes::{DataType, Field, Schema};
 use serde_json::{Map, Value};
 use weir_gpu::{Message, Tokenizer};
+use weir_operators::data::columns;
 use weir_operators::rollout::{self, col};
 use weir_operators::rollout_log::{self, RowFilter};
-use weir_operators::stages::columns;
 
 use crate::manifest::Manifest;
 use crate::PipelineError;

@@ -1,11 +1,11 @@
 //! Training from logs (`data.rollouts`): the logs checked before a run
 //! starts, and their groups loaded for the actor's generator to replay
-//! (`weir_operators::stages::from_log`).
+//! (`weir_operators::data::from_log`).
 
 use std::sync::Arc;
 
+use weir_operators::data::from_log::LoggedGroups;
 use weir_operators::rollout_log::RowFilter;
-use weir_operators::stages::from_log::LoggedGroups;
 
 use crate::config::RolloutAdvantages;
 use crate::manifest::{Manifest, ModelHashes};

@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use weir_graph::{Execution, WorkerInfo};
-use weir_operators::stages::prompts::CursorLog;
+use weir_operators::data::cursor::CursorLog;
 
 use crate::context::RunContext;
 use crate::{PipelineError, PipelineKind, RunConfig, TrainsOn};

@@ -321,7 +321,7 @@ fn logged_steps(files: &[rollout_log::LogFile]) -> Result<Vec<u64>, PipelineErro
     let mut steps = std::collections::BTreeSet::new();
     for file in files {
         for batch in rollout_log::read(file, &RowFilter::default(), Some(&[col::STEP]))? {
-            steps.extend(weir_operators::stages::columns::u64s(
+            steps.extend(weir_operators::data::columns::u64s(
                 &batch,
                 col::STEP,
                 "replay",

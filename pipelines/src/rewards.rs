@@ -7,6 +7,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use weir_graph::{StageError, WorkerInfo};
+use weir_operators::data::prompt_files::PromptRecords;
 use weir_operators::rewards::judge::{Judge, JudgeConfig, JudgeReward, Verdict};
 use weir_operators::rewards::model::RewardModel;
 use weir_operators::rewards::python::{PythonReward, PythonRewardConfig};
@@ -14,7 +15,6 @@ use weir_operators::rewards::remote::{RemoteReward, RemoteRewardConfig};
 use weir_operators::rewards::rule_stage::RuleReward;
 use weir_operators::rewards::terms::{RewardTerms, Term, TermKind};
 use weir_operators::rewards::{rule_reward, rules};
-use weir_operators::stages::prompt_files::PromptRecords;
 
 use crate::config::{JudgeVerdict, OnUnparsed, RewardKind, Task};
 use crate::context::load;

@@ -3,6 +3,7 @@
 //! → rollout log, with the learner's weights flowing back to `generate`.
 
 use weir_graph::{Partition, Pipeline, Stage, StageError, WorkerInfo};
+use weir_operators::data::from_log::{PassLogged, Replaying};
 use weir_operators::rewards::finish::{FinishRewards, StopProperly};
 use weir_operators::rewards::overlong::OverlongPenalty;
 use weir_operators::rollout::col;
@@ -12,7 +13,6 @@ use weir_operators::stages::advantage::{
 use weir_operators::stages::critic::Critic;
 use weir_operators::stages::distill::DistillAdvantage;
 use weir_operators::stages::dynamic_sampling::{DynamicSampling, DynamicSamplingConfig};
-use weir_operators::stages::from_log::{PassLogged, Replaying};
 use weir_operators::stages::prompt_stats::PromptStats;
 
 use crate::config::{DistillTask, ReferencePlacement, RolloutAdvantages, TeacherPlacement};

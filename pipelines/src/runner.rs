@@ -35,8 +35,8 @@ use weir_graph::metrics::MetricRow;
 use weir_graph::parquet_log::write_parquet_atomically;
 use weir_graph::{Placement, RunReport, RunSettings};
 use weir_operators::checkpoint::{latest, CheckpointCommits};
+use weir_operators::data::cursor::CursorLog;
 use weir_operators::stages::prompt_stats::StatsView;
-use weir_operators::stages::prompts::CursorLog;
 
 use crate::context::RunContext;
 use crate::placement::Cluster;

@@ -18,8 +18,8 @@ use std::path::Path;
 use serde_json::{json, Value};
 use weir_gpu::Tokenizer;
 use weir_graph::StageError;
-use weir_operators::stages::prompt_files::{PromptFormat, PromptLimit};
-use weir_operators::stages::prompts::{PromptColumn, PromptSource};
+use weir_operators::data::prompt_files::{PromptColumn, PromptFormat, PromptLimit};
+use weir_operators::stages::prompts::PromptSource;
 use weir_operators::tasks::arith;
 
 use crate::rewards::reward_columns;

@@ -281,7 +281,7 @@ fn exports_feed_the_sft_dpo_and_rl_pipelines() {
     assert!(again.contains("steps: 1"), "{again}");
     // Its prompts are the exported ones (rendered with the chat template).
     let rows = weir::graph::parquet_log::read_parquet_dir(&dir.join("again/rollouts")).unwrap();
-    let prompts = weir::operators::stages::columns::strings(&rows[0], "prompt", "test").unwrap();
+    let prompts = weir::operators::data::columns::strings(&rows[0], "prompt", "test").unwrap();
     let exported: Vec<&str> = hard.iter().map(|p| p["prompt"].as_str().unwrap()).collect();
     assert!(
         prompts
@@ -346,9 +346,9 @@ fn exports_feed_the_sft_dpo_and_rl_pipelines() {
     run_in(dir, &grpo);
     let tokens_by_prompt = |run: &str| {
         let rows = rollouts(&dir.join(run));
-        let prompts = weir::operators::stages::columns::strings(&rows, "prompt", "test").unwrap();
+        let prompts = weir::operators::data::columns::strings(&rows, "prompt", "test").unwrap();
         let tokens =
-            weir::operators::stages::columns::token_lists(&rows, "prompt_tokens", "test").unwrap();
+            weir::operators::data::columns::token_lists(&rows, "prompt_tokens", "test").unwrap();
         prompts
             .into_iter()
             .zip(tokens)
@@ -372,7 +372,7 @@ fn rollouts(dir: &Path) -> arrow::array::RecordBatch {
 
 #[test]
 fn training_from_a_log_improves_accuracy_and_a_mixed_run_logs_both_sources() {
-    use weir::operators::stages::columns::{strings, token_lists, u64s};
+    use weir::operators::data::columns::{strings, token_lists, u64s};
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     let model = fixtures().join("arith-sft");

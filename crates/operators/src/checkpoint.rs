@@ -33,8 +33,8 @@ use weir_gpu::snapshot::{from_safetensors_where, save_safetensors, sync_tree, wr
 use weir_gpu::Model;
 use weir_graph::StageError;
 
+use crate::data::cursor::{Cursor, CursorLog};
 use crate::error::OperatorError;
-use crate::stages::cursor::{Cursor, CursorLog};
 
 /// The run state stored beside the weights.
 #[derive(Clone, Debug, PartialEq)]

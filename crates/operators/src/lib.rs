@@ -12,6 +12,7 @@
 pub mod agent;
 pub mod algorithms;
 pub mod checkpoint;
+pub mod data;
 pub mod error;
 mod python_worker;
 pub mod rewards;
@@ -19,6 +20,7 @@ pub mod rollout;
 pub mod rollout_log;
 pub mod stages;
 pub mod tasks;
+pub mod training;
 
 pub use error::OperatorError;
 pub use weir_graph::columns;

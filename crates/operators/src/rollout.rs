@@ -578,11 +578,11 @@ mod tests {
             Arc::new(StringArray::from(vec!["stop", "length"])),
             Arc::new(arrow::array::Float32Array::from(vec![0.1, 0.1])),
             Arc::new(arrow::array::Float64Array::from(vec![1.7e9, 1.7e9])),
-            crate::stages::columns::u32_list_array(&[vec![3, 3], vec![3]]),
-            crate::stages::columns::bool_list_array(&[vec![false, false], vec![false]]),
-            crate::stages::columns::token_kinds_array(&[None, None]),
-            crate::stages::columns::u32_list_array(&[vec![0, 0], vec![0]]),
-            crate::stages::columns::float_list_array(&[vec![0.0, 0.0], vec![0.0]]),
+            crate::data::columns::u32_list_array(&[vec![3, 3], vec![3]]),
+            crate::data::columns::bool_list_array(&[vec![false, false], vec![false]]),
+            crate::data::columns::token_kinds_array(&[None, None]),
+            crate::data::columns::u32_list_array(&[vec![0, 0], vec![0]]),
+            crate::data::columns::float_list_array(&[vec![0.0, 0.0], vec![0.0]]),
         ];
         // The columns as a plain generator writes them (behaviour log-probs
         // with non-null items, which the schema's nullable items admit).

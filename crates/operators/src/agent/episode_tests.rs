@@ -235,7 +235,7 @@ fn a_models_turn_after_an_observation_has_the_log_probs_of_a_pass_over_the_traje
             .all(|&i| episode.kinds[i] == TokenKind::Generated));
         assert_eq!(episode.kinds[first.len()], TokenKind::Boundary);
         // An independent forward pass over prompt ++ the whole response.
-        let (logprobs, _) = crate::stages::sequences::response_logprobs(
+        let (logprobs, _) = crate::training::sequences::response_logprobs(
             &model,
             std::slice::from_ref(&prompt),
             std::slice::from_ref(&episode.tokens),

@@ -43,10 +43,10 @@ use super::episode::{Budgets, Episode, EpisodeRunner, OnError};
 use super::pool::{run_episodes, EpisodeInput, PoolSettings, Schedule};
 use super::tool_calls::ToolCallParser;
 use super::tools::Tool;
-use crate::rollout::{col, TokenKind};
-use crate::stages::columns::{
+use crate::data::columns::{
     float_list_array, token_kinds_array, token_list_array, token_lists, u32_list_array,
 };
+use crate::rollout::{col, TokenKind};
 
 /// The column with each episode's tool calls (JSON text).
 pub const TOOL_CALLS: &str = "tool_calls";
@@ -179,7 +179,7 @@ impl EpisodeGenerate {
         batch: RecordBatch,
     ) -> Result<(RecordBatch, Vec<EpisodeInput>), StageError> {
         let mut prompts = token_lists(&batch, col::PROMPT_TOKENS, stage)?;
-        let mut conversations = crate::stages::columns::row_conversations(&batch, stage)?;
+        let mut conversations = crate::data::columns::row_conversations(&batch, stage)?;
         let batch = if self.tools.is_empty() {
             batch
         } else {
@@ -617,7 +617,7 @@ mod tests {
         .unwrap();
         let mut ctx = StepContext::detached(0, WorkerInfo::single(), 0);
         let out = stage.process(&mut ctx, batch).unwrap().remove(0);
-        let rewards = crate::stages::columns::float_lists(&out, col::ENV_REWARDS, "t").unwrap();
+        let rewards = crate::data::columns::float_lists(&out, col::ENV_REWARDS, "t").unwrap();
         let kinds = out
             .column_by_name(col::TOKEN_KINDS)
             .unwrap()

@@ -25,8 +25,8 @@ use weir_graph::{
 use super::episode::{Episode, EpisodeError};
 use super::pool::{EpisodePool, PoolSettings};
 use super::stage::{episode_metrics, EpisodeGenerate};
+use crate::data::columns::{bool_list_array, trained_at, u32_list_array, u64s};
 use crate::rollout::col;
-use crate::stages::columns::{bool_list_array, trained_at, u32_list_array, u64s};
 use crate::stages::generate::GroupRows;
 
 /// Rows of a batch are keyed (batch << 32) | row.

@@ -10,8 +10,8 @@ use arrow::array::RecordBatch;
 use weir_graph::batch::with_column;
 use weir_graph::{Stage, StageError, StepContext};
 
+use crate::data::columns::{f32s, float_list_array, float_lists, strings, with_rewards};
 use crate::rollout::col;
-use crate::stages::columns::{f32s, float_list_array, float_lists, strings, with_rewards};
 
 /// The `finish_reason`s a response or an episode may end with.
 pub const FINISH_REASONS: &[&str] = &[

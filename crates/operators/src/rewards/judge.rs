@@ -17,8 +17,8 @@ use weir_graph::batch::with_column;
 use weir_graph::{Stage, StageError, StepContext};
 
 use super::rules;
+use crate::data::columns::{strings, u32s, u64s, with_rewards};
 use crate::rollout::col;
-use crate::stages::columns::{strings, u32s, u64s, with_rewards};
 
 /// How the judge's answer becomes a reward.
 #[derive(Clone, Debug)]
@@ -180,9 +180,9 @@ impl Judge {
     /// The judge's prompt for each row of `batch`.
     fn prompts(&self, batch: &RecordBatch, stage: &str) -> Result<Vec<Vec<i64>>, StageError> {
         // A prompt the chat template rendered is given as its conversation's text.
-        let prompts: Vec<String> = crate::stages::columns::row_conversations(batch, stage)?
+        let prompts: Vec<String> = crate::data::columns::row_conversations(batch, stage)?
             .iter()
-            .map(|messages| crate::stages::columns::plain_prompt(messages))
+            .map(|messages| crate::data::columns::plain_prompt(messages))
             .collect();
         let responses = strings(batch, col::RESPONSE, stage)?;
         let labels = match &self.cfg.label_column {

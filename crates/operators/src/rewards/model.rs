@@ -46,7 +46,7 @@ impl RewardModel {
     /// file's, `prompt_messages`, else the prompt as a user message) with
     /// the completion (cut at its end-of-turn marker) as the assistant's
     /// answer, rendered by its chat template; without one, the
-    /// conversation's plain text ([`plain_prompt`](crate::stages::columns::plain_prompt))
+    /// conversation's plain text ([`plain_prompt`](crate::data::columns::plain_prompt))
     /// and the completion, its special tokens added.
     pub fn reading_text(mut self, tokenizer: weir_gpu::Tokenizer) -> Self {
         self.text = Some(tokenizer);
@@ -57,7 +57,7 @@ impl RewardModel {
     /// prompt and response tokens, or, reading text, the row rendered anew
     /// (an empty response beside it).
     fn rows(&self, batch: &RecordBatch, stage: &str) -> Result<(Tokens, Tokens), StageError> {
-        use crate::stages::columns::{plain_prompt, row_conversations, strings, token_lists};
+        use crate::data::columns::{plain_prompt, row_conversations, strings, token_lists};
         let Some(tokenizer) = &self.text else {
             return Ok((
                 token_lists(batch, col::PROMPT_TOKENS, stage)?,
@@ -93,7 +93,7 @@ impl Stage for RewardModel {
         let mut scores = Vec::with_capacity(batch.num_rows());
         for start in (0..prompts.len()).step_by(self.micro_batch) {
             let end = (start + self.micro_batch).min(prompts.len());
-            let packed = crate::stages::sequences::pack_for(
+            let packed = crate::training::sequences::pack_for(
                 &self.model,
                 &prompts[start..end],
                 &responses[start..end],
@@ -195,8 +195,8 @@ mod tests {
         let batch = RecordBatch::try_new(
             schema,
             vec![
-                crate::stages::columns::token_list_array(&prompts),
-                crate::stages::columns::token_list_array(&responses),
+                crate::data::columns::token_list_array(&prompts),
+                crate::data::columns::token_list_array(&responses),
             ],
         )
         .unwrap();

@@ -30,9 +30,8 @@ impl Stage for OverlongPenalty {
         ctx: &mut StepContext,
         batch: RecordBatch,
     ) -> Result<Vec<RecordBatch>, StageError> {
-        let lengths =
-            crate::stages::columns::token_lists(&batch, col::RESPONSE_TOKENS, "overlong")?;
-        let rewards = crate::stages::columns::f32s(&batch, col::REWARD, "overlong")?;
+        let lengths = crate::data::columns::token_lists(&batch, col::RESPONSE_TOKENS, "overlong")?;
+        let rewards = crate::data::columns::f32s(&batch, col::REWARD, "overlong")?;
         let penalties: Vec<f64> = lengths
             .iter()
             .map(|r| {
@@ -66,7 +65,7 @@ impl Stage for OverlongPenalty {
 #[cfg(test)]
 mod overlong_tests {
     use super::*;
-    use crate::stages::columns::token_list_array;
+    use crate::data::columns::token_list_array;
 
     #[test]
     fn long_responses_lose_reward_in_the_buffer() {
@@ -89,11 +88,11 @@ mod overlong_tests {
         let worker = weir_graph::WorkerInfo::single();
         let mut ctx = StepContext::detached(0, worker, 0);
         let out = stage.process(&mut ctx, batch).unwrap();
-        let r = crate::stages::columns::f32s(&out[0], col::REWARD, "t").unwrap();
+        let r = crate::data::columns::f32s(&out[0], col::REWARD, "t").unwrap();
         // Expected length 4: no penalty at 4, −0.5 at 6, −1 at 8.
         assert_eq!(r, vec![1.0, 0.5, -1.0]);
         // The score before the penalty stays beside it.
-        let scores = crate::stages::columns::scores(&out[0], "t").unwrap();
+        let scores = crate::data::columns::scores(&out[0], "t").unwrap();
         assert_eq!(scores, vec![1.0, 1.0, 0.0]);
     }
 }

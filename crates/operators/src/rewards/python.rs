@@ -30,10 +30,10 @@ use arrow::array::RecordBatch;
 use serde_json::{json, Value};
 use weir_graph::{Stage, StageError, StepContext};
 
+use crate::data::columns::{strings, with_rewards};
 use crate::error::OperatorError;
 use crate::python_worker::{Lost, Worker};
 use crate::rollout::col;
-use crate::stages::columns::{strings, with_rewards};
 
 const DRIVER: &str = include_str!("python_driver.py");
 

@@ -26,8 +26,8 @@ use arrow::array::RecordBatch;
 use serde_json::{json, Value};
 use weir_graph::{Stage, StageError, StepContext};
 
+use crate::data::columns::{strings, with_rewards};
 use crate::rollout::col;
-use crate::stages::columns::{strings, with_rewards};
 
 /// Where and how to ask a reward server.
 #[derive(Clone, Debug, PartialEq)]

@@ -4,8 +4,8 @@ use arrow::array::RecordBatch;
 use weir_graph::{Stage, StageError, StepContext};
 
 use super::RuleReward as RuleFn;
+use crate::data::columns::{strings, with_rewards};
 use crate::rollout::col;
-use crate::stages::columns::{strings, with_rewards};
 
 /// Scores `response` against the column `reference` with a rule.
 pub struct RuleReward {

@@ -9,8 +9,8 @@ use weir_graph::{Stage, StageError, StepContext};
 use super::python::PythonReward;
 use super::rules;
 use super::{check_scores, Reward, RewardRows, RuleReward};
+use crate::data::columns::{float_list_array, strings, token_lists, with_rewards};
 use crate::rollout::col;
-use crate::stages::columns::{float_list_array, strings, token_lists, with_rewards};
 use weir_graph::batch::with_column;
 
 /// What one term computes.
@@ -185,7 +185,7 @@ mod tests {
             ),
             (
                 col::RESPONSE_TOKENS,
-                crate::stages::columns::token_list_array(&[vec![1, 2], vec![1], vec![1, 2, 3, 4]]),
+                crate::data::columns::token_list_array(&[vec![1, 2], vec![1], vec![1, 2, 3, 4]]),
             ),
         ])
         .unwrap();
@@ -223,7 +223,7 @@ mod tests {
             assert!((f64::from(*got) - want).abs() < 1e-6, "{rewards:?}");
         }
         // Each term's own score, unweighted, in the terms' order.
-        let scores = crate::stages::columns::float_lists(&out, col::REWARD_TERMS, "t").unwrap();
+        let scores = crate::data::columns::float_lists(&out, col::REWARD_TERMS, "t").unwrap();
         let want = [[1.0, 1.0, -0.5], [1.0, 0.0, -0.25], [0.0, 1.0, -1.0]];
         for (got, want) in scores.iter().zip(want) {
             assert_eq!(got.len(), 3);

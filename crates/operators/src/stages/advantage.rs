@@ -9,8 +9,8 @@ use weir_gpu::collective::{leads, sum_scalars, GroupMember};
 use weir_graph::batch::with_column;
 use weir_graph::{StageError, StepBuffer, StepContext, StepStage};
 
-use super::columns::{float_lists, rewards, u64s};
 use crate::algorithms::{greedy_baselines, grpo, grpo_passk, opo, remax, rloo, Flavor};
+use crate::data::columns::{float_lists, rewards, u64s};
 use crate::rollout::col;
 
 /// Which group baseline.
@@ -128,7 +128,7 @@ impl StepStage for GroupAdvantage {
             .map(Vec::len)
             .collect();
         // An episode's environment rewards count toward its reward.
-        let env = super::columns::env_rewards(&batch, &lengths, ctx.stage())?;
+        let env = crate::data::columns::env_rewards(&batch, &lengths, ctx.stage())?;
         if let Some(turns) = &env {
             for (r, turn) in rewards.iter_mut().zip(turns) {
                 *r += turn.iter().sum::<f64>();
@@ -150,7 +150,7 @@ impl StepStage for GroupAdvantage {
             let squares = float_lists(&batch, col::SUM_PI_SQUARED, stage)?;
             // An episode's observation tokens hold null log-probs, off the mask.
             let logprobs = float_lists(&batch, col::BEHAVIOR_LOGPROBS, stage)?;
-            let masks = super::columns::generated_masks(&batch, &lengths, stage)?;
+            let masks = crate::data::columns::generated_masks(&batch, &lengths, stage)?;
             let per_token = crate::algorithms::optimal_token_baseline(
                 &rewards, &logprobs, &squares, &masks, &groups,
             )?;
@@ -162,8 +162,12 @@ impl StepStage for GroupAdvantage {
             GroupEstimator::Rloo => rloo(&rewards, &groups, self.flavor)?,
             GroupEstimator::Opo => {
                 // OPO weighs each response by the tokens the model generated.
-                let masks = super::columns::generated_masks(&batch, &lengths, ctx.stage())?;
-                opo(&rewards, &super::columns::generated_counts(&masks), &groups)?
+                let masks = crate::data::columns::generated_masks(&batch, &lengths, ctx.stage())?;
+                opo(
+                    &rewards,
+                    &crate::data::columns::generated_counts(&masks),
+                    &groups,
+                )?
             }
             GroupEstimator::PassK => grpo_passk(&rewards, &groups, true)?,
             GroupEstimator::Gpg => {
@@ -224,7 +228,7 @@ impl GroupAdvantage {
         }
         let groups = u64s(batch, col::GROUP_ID, stage)?;
         let by_std = self.estimator != GroupEstimator::DrGrpo;
-        let masks = super::columns::generated_masks(batch, lengths, stage)?;
+        let masks = crate::data::columns::generated_masks(batch, lengths, stage)?;
         let member = self.data_parallel.as_ref();
         crate::algorithms::advantages::gdpo_over(&terms, &weights, &groups, &masks, by_std, |xs| {
             sum_scalars(member, xs).map_err(StageError::from)
@@ -238,12 +242,12 @@ fn with_advantages(batch: &RecordBatch, per_token: &[Vec<f64>]) -> Result<Record
     let batch = with_column(
         batch,
         col::ADVANTAGES,
-        super::columns::float_list_array(per_token),
+        crate::data::columns::float_list_array(per_token),
     )?;
     Ok(with_column(
         &batch,
         col::RETURNS,
-        super::columns::float_list_array(per_token),
+        crate::data::columns::float_list_array(per_token),
     )?)
 }
 
@@ -401,17 +405,17 @@ impl StepStage for GaeAdvantage {
         let batch = with_column(
             &batch,
             col::TOKEN_REWARDS,
-            super::columns::float_list_array(&rewards),
+            crate::data::columns::float_list_array(&rewards),
         )?;
         let batch = with_column(
             &batch,
             col::ADVANTAGES,
-            super::columns::float_list_array(&advantages),
+            crate::data::columns::float_list_array(&advantages),
         )?;
         let batch = with_column(
             &batch,
             col::RETURNS,
-            super::columns::float_list_array(&returns),
+            crate::data::columns::float_list_array(&returns),
         )?;
         Ok(vec![batch])
     }
@@ -439,7 +443,7 @@ fn kl_shaped_rewards(
     let clip = clip.filter(|_| flavor.clips_scores());
     let behaviour = float_lists(batch, col::BEHAVIOR_LOGPROBS, stage)?;
     let lengths: Vec<usize> = behaviour.iter().map(Vec::len).collect();
-    let mask = super::columns::generated_masks(batch, &lengths, stage)?;
+    let mask = crate::data::columns::generated_masks(batch, &lengths, stage)?;
     let kl = if kl_coef > 0.0 {
         let reference = float_lists(batch, col::REF_LOGPROBS, stage)?;
         let mut kl = kl_tokens(&behaviour, &reference, estimator, flavor);
@@ -454,7 +458,7 @@ fn kl_shaped_rewards(
     };
     let mut rewards = token_rewards(scores, &kl, &mask, kl_coef, clip);
     // An environment's turn rewards, each on its turn's last generated token.
-    if let Some(turns) = super::columns::env_rewards(batch, &lengths, stage)? {
+    if let Some(turns) = crate::data::columns::env_rewards(batch, &lengths, stage)? {
         for (row, turn) in rewards.iter_mut().zip(turns) {
             for (r, t) in row.iter_mut().zip(turn) {
                 *r += t;
@@ -731,17 +735,17 @@ impl StepStage for ReinforceAdvantage {
         let batch = with_column(
             &batch,
             col::TOKEN_REWARDS,
-            super::columns::float_list_array(&rewards),
+            crate::data::columns::float_list_array(&rewards),
         )?;
         let batch = with_column(
             &batch,
             col::ADVANTAGES,
-            super::columns::float_list_array(&advantages),
+            crate::data::columns::float_list_array(&advantages),
         )?;
         let batch = with_column(
             &batch,
             col::RETURNS,
-            super::columns::float_list_array(&returns),
+            crate::data::columns::float_list_array(&returns),
         )?;
         Ok(vec![batch])
     }
@@ -767,7 +771,7 @@ mod tests {
             ),
             (
                 col::BEHAVIOR_LOGPROBS,
-                super::super::columns::float_list_array(&[
+                crate::data::columns::float_list_array(&[
                     vec![-1.0, -1.0],
                     vec![-1.0],
                     vec![-1.0, -1.0, -1.0],
@@ -846,7 +850,7 @@ mod tests {
         columns[1] = Arc::new(Float32Array::from(rewards.to_vec()));
         let mut fields: Vec<_> = good.schema().fields().iter().cloned().collect();
         if let Some(reference) = reference {
-            columns.push(super::super::columns::float_list_array(&reference));
+            columns.push(crate::data::columns::float_list_array(&reference));
             fields.push(Arc::new(arrow::datatypes::Field::new(
                 col::REF_LOGPROBS,
                 columns.last().unwrap().data_type().clone(),
@@ -877,7 +881,7 @@ mod tests {
             vec![-1.0],
         ];
         let batch = scored([1.0, 0.0, 2.0, 1.0], Some(reference));
-        let kinds = super::super::columns::token_kinds_array(&[
+        let kinds = crate::data::columns::token_kinds_array(&[
             Some(vec![Generated, Observation]),
             None,
             Some(vec![Generated, Observation, Generated]),
@@ -919,7 +923,7 @@ mod tests {
     #[test]
     fn environment_rewards_join_token_rewards_and_group_rewards() {
         let with_env = |batch: RecordBatch| {
-            let env = super::super::columns::float_list_array(&[
+            let env = crate::data::columns::float_list_array(&[
                 vec![0.5, 0.0],
                 vec![],
                 vec![0.0, 0.0, 0.0],

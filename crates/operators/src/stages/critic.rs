@@ -15,13 +15,13 @@ use weir_gpu::Model;
 use weir_graph::batch::with_column;
 use weir_graph::{Stage, StageError, StepBuffer, StepContext, StepStage, WorkerInfo};
 
-use super::columns::{float_list_array, float_lists, token_lists};
-use super::sequences::{checked_pad, pack_flat, pack_for};
-use super::train_step::{step_scale_counted, HeldModel, LrSchedule, TrainerCore};
 use crate::algorithms::{value_loss_in_step, Aggregation, Flavor};
 use crate::checkpoint::Checkpointer;
+use crate::data::columns::{float_list_array, float_lists, token_lists};
 use crate::error::OperatorError;
 use crate::rollout::col;
+use crate::training::sequences::{checked_pad, pack_flat, pack_for};
+use crate::training::train_step::{step_scale_counted, HeldModel, LrSchedule, TrainerCore};
 
 type Maker<T> = Box<dyn Fn(&WorkerInfo) -> Result<T, StageError> + Send + Sync>;
 
@@ -281,7 +281,9 @@ impl StepStage for CriticLearner {
         // The value loss, like the policy's, sees generated tokens only.
         let lengths: Vec<usize> = responses.iter().map(Vec::len).collect();
         let generated = match &rows {
-            Some(batch) => super::columns::generated_masks(batch, &lengths, "critic learner")?,
+            Some(batch) => {
+                crate::data::columns::generated_masks(batch, &lengths, "critic learner")?
+            }
             None => Vec::new(),
         };
         let (n, minis) = (prompts.len(), self.mini_batches);
@@ -292,7 +294,7 @@ impl StepStage for CriticLearner {
             (loss_sum, clip_fraction) = (0.0, 0.0);
             for k in 0..minis {
                 let (lo, hi) = (k * n / minis, (k + 1) * n / minis);
-                let counted = super::columns::generated_counts(&generated[lo..hi]);
+                let counted = crate::data::columns::generated_counts(&generated[lo..hi]);
                 let scale = step_scale_counted(
                     self.core.member(),
                     counted.into_iter().zip(lengths[lo..hi].iter().copied()),
@@ -349,8 +351,8 @@ impl StepStage for CriticLearner {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::data::columns::{token_kinds_array, token_list_array};
     use crate::rollout::TokenKind::{Generated, Observation};
-    use crate::stages::columns::{token_kinds_array, token_list_array};
 
     /// Packed (a shared prompt once, no padding), the critic's values are
     /// the padded pass's.

@@ -25,7 +25,7 @@ use arrow::array::RecordBatch;
 use weir_graph::batch::with_column;
 use weir_graph::{Stage, StageError, StepContext};
 
-use super::columns::{float_list_array, float_lists, generated_masks};
+use crate::data::columns::{float_list_array, float_lists, generated_masks};
 use crate::rollout::col;
 
 /// The summed student − teacher log-probs of generated tokens, and their count.

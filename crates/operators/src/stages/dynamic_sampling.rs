@@ -34,7 +34,7 @@ use arrow::array::{RecordBatch, UInt32Array};
 use arrow::compute::{concat_batches, take_record_batch};
 use weir_graph::{RunSteps, Stage, StageError, Step, StepBuffer, StepContext};
 
-use super::columns::{scores, trained_at, u64s};
+use crate::data::columns::{scores, trained_at, u64s};
 use crate::rollout::col;
 
 /// Settings of the filter.

@@ -27,7 +27,7 @@ use weir_graph::{
     PolicyVersion, RunSteps, Stage, StageError, StepContext, StepFill, WeightsPayload,
 };
 
-use super::columns::{
+use crate::data::columns::{
     bool_list_array, float_list_array, token_list_array, token_lists, u32_list_array, u32s, u64s,
 };
 use crate::rollout::col;

@@ -13,8 +13,8 @@ use weir_gpu::OnNewWeights;
 use weir_graph::Stage;
 
 use super::{row_streams, version_u32, with_responses, Generate, Generator, Responses};
+use crate::data::columns::{token_lists, trained_at, u64s};
 use crate::rollout::col;
-use crate::stages::columns::{token_lists, trained_at, u64s};
 
 /// A generator whose rows join a pool of sequences that all advance one
 /// token per pass (continuous batching): a finished sequence's slot goes to
@@ -387,7 +387,7 @@ impl Stage for StreamingGenerate {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::stages::columns::token_list_array;
+    use crate::data::columns::token_list_array;
     use arrow::array::{ArrayRef, UInt64Array};
     use std::sync::Arc;
     use tch::Kind;

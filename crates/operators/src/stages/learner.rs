@@ -17,10 +17,6 @@ use weir_gpu::optim::{AdamWConfig, Optimizer};
 use weir_gpu::Model;
 use weir_graph::{StageError, StepBuffer, StepContext, StepStage, WeightsPayload};
 
-use super::learn_rows::{padded, top_grid, LearnRows};
-use super::sequences::{response_backward, response_logprobs, ResponseForward};
-pub use super::train_step::LrSchedule;
-use super::train_step::{step_scale_counted, TrainerCore};
 use crate::algorithms::corrections::{batch_normalizer, weight_sums};
 use crate::algorithms::{
     aggregate_in_step, importance_weights, kl_tensor, kl_unbiased_gradient, policy_loss_in_step,
@@ -29,6 +25,10 @@ use crate::algorithms::{
 use crate::checkpoint::CheckpointPlan;
 use crate::error::OperatorError;
 use crate::rollout::col;
+use crate::training::learn_rows::{padded, top_grid, LearnRows};
+use crate::training::sequences::{response_backward, response_logprobs, ResponseForward};
+pub use crate::training::train_step::LrSchedule;
+use crate::training::train_step::{step_scale_counted, TrainerCore};
 use weir_gpu::logprobs::HeadReads;
 
 /// Learner settings.
@@ -83,7 +83,7 @@ pub struct LearnerConfig {
     /// them: less memory for one more forward pass, the same gradients.
     pub gradient_checkpointing: bool,
     /// Run each micro-batch's rows end to end as one sequence, attention
-    /// within each row, no padding ([`super::sequences::pack_flat`]); with
+    /// within each row, no padding ([`crate::training::sequences::pack_flat`]); with
     /// `micro_batch_tokens`, a micro-batch holds rows up to that many tokens
     /// in all. The same losses and gradients.
     pub packing: bool,
@@ -355,7 +355,7 @@ impl Learner {
         let scales: Vec<_> = (0..minis)
             .map(|k| {
                 let (lo, hi) = rows.mini_batch(k, minis);
-                let counted = super::columns::generated_counts(&rows.generated[lo..hi]);
+                let counted = crate::data::columns::generated_counts(&rows.generated[lo..hi]);
                 let lengths = rows.responses[lo..hi].iter().map(Vec::len);
                 step_scale_counted(
                     member,

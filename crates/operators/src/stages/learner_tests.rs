@@ -3,9 +3,9 @@
 
 use super::*;
 use crate::algorithms::Flavor;
-use crate::stages::columns::float_lists;
-use crate::stages::columns::{float_list_array, token_list_array};
-use crate::stages::learn_rows::budget_cuts;
+use crate::data::columns::float_lists;
+use crate::data::columns::{float_list_array, token_list_array};
+use crate::training::learn_rows::budget_cuts;
 
 /// A learner's input: prompts, responses, per-token advantages and behaviour log-probs.
 fn learn_rows(
@@ -620,7 +620,7 @@ fn episode_batch(scramble: bool) -> RecordBatch {
         (col::BEHAVIOR_LOGPROBS, -30.0),
         (col::REF_LOGPROBS, 5.0),
     ] {
-        let mut rows = crate::stages::columns::float_lists(&batch, name, "test").unwrap();
+        let mut rows = crate::data::columns::float_lists(&batch, name, "test").unwrap();
         if scramble {
             rows[0][1] = at;
             rows[3][2] = -at;
@@ -635,7 +635,7 @@ fn episode_batch(scramble: bool) -> RecordBatch {
     weir_graph::batch::with_column(
         &batch,
         col::TOKEN_KINDS,
-        crate::stages::columns::token_kinds_array(&kinds),
+        crate::data::columns::token_kinds_array(&kinds),
     )
     .unwrap()
 }
@@ -865,12 +865,12 @@ fn a_teachers_top_k_term_is_gkds_divergence_on_every_path() {
     let k = 4;
     // The teacher: the same checkpoint, sharper (temperature 0.5).
     let teacher = Model::load(&dir, weir_gpu::Device::Cpu, Kind::Float).unwrap();
-    let read = super::super::sequences::response_top_logprobs(
+    let read = crate::training::sequences::response_top_logprobs(
         &teacher,
         &prompts,
         &responses,
         0.5,
-        super::super::sequences::TopTokens { k, below: None },
+        crate::training::sequences::TopTokens { k, below: None },
         3,
         false,
     )

@@ -12,25 +12,20 @@
 //! - [`preference::RewardTrainer`] (Bradley–Terry) and [`preference::DpoTrainer`] (DPO, cDPO, IPO): training on preference pairs.
 //! - [`sft::SftTrainer`]: supervised fine-tuning on a target column.
 //! - [`learner::Learner`]: the clipped policy loss, AdamW, publishes the next weights version.
+//!
+//! What they read lives in [`crate::data`], the trainers' row handling in [`crate::training`].
 
 pub mod advantage;
-pub mod columns;
 pub mod critic;
-pub mod cursor;
 pub mod distill;
 pub mod dynamic_sampling;
-pub mod from_log;
 pub mod generate;
-mod learn_rows;
 pub mod learner;
 pub mod preference;
-pub mod prompt_files;
 pub mod prompt_stats;
 pub mod prompts;
 pub mod reference;
-pub mod sequences;
 pub mod sft;
-pub mod train_step;
 
 /// The buffer of a stage that works on whole steps: a step's rows come out
 /// ordered by group and sample, however their batches arrived (several

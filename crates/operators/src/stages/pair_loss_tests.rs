@@ -14,7 +14,7 @@ use serde_json::Value;
 use weir_graph::{Stage, WorkerInfo};
 
 use super::*;
-use crate::stages::columns::token_list_array;
+use crate::data::columns::token_list_array;
 use crate::stages::sft::{SftConfig, SftTrainer};
 
 /// float32 here against float64 there: relative, past 1.

@@ -14,18 +14,18 @@ use arrow::array::RecordBatch;
 use tch::{Kind, Tensor};
 use weir_gpu::collective::{sum_scalars, GroupMember};
 
-use super::train_step::TrainerCore;
+use crate::training::train_step::TrainerCore;
 use weir_gpu::optim::{AdamWConfig, Optimizer};
 use weir_gpu::{Model, Tokenizer};
 use weir_graph::{StageError, StepBuffer, StepContext, StepStage};
 
-use super::columns::{strings, token_lists};
 use super::learner::LrSchedule;
-use super::sequences::response_forward;
-use super::sequences::{pack_for, response_targets};
 use crate::checkpoint::CheckpointPlan;
+use crate::data::columns::{strings, token_lists};
 use crate::error::OperatorError;
 use crate::rollout::col;
+use crate::training::sequences::response_forward;
+use crate::training::sequences::{pack_for, response_targets};
 
 /// Settings shared by the preference trainers.
 #[derive(Clone, Debug, PartialEq)]

@@ -37,8 +37,8 @@ use timely::dataflow::ProbeHandle;
 use timely::worker::Worker;
 use weir_graph::{StageError, StepBuffer, StepContext, StepStage, WorkerInfo};
 
-use super::columns::{scores, u64s};
 use crate::checkpoint::Checkpointer;
+use crate::data::columns::{scores, u64s};
 use crate::error::OperatorError;
 use crate::rollout::col;
 

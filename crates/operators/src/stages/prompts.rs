@@ -7,25 +7,13 @@ use arrow::array::{ArrayRef, BooleanArray, RecordBatch, StringArray, UInt32Array
 use arrow::datatypes::{DataType, Field};
 use weir_graph::{Source, SourceContext, StageError};
 
-use super::columns::token_list_array;
+use weir_gpu::Tokenizer;
+
+use crate::data::columns::token_list_array;
+use crate::data::cursor::{Cursor, CursorLog};
+use crate::data::prompt_files::{self, PromptColumn, PromptFormat, PromptLimit, PromptRow};
+use crate::error::OperatorError;
 use crate::rollout::{col, schema_after, Phase};
-
-pub use super::cursor::{Cursor, CursorLog};
-pub use super::prompt_files::PromptColumn;
-
-/// One prompt of a dataset.
-#[derive(Clone, Debug, PartialEq)]
-pub struct PromptRow {
-    /// The prompt as given (text, or the rendered chat).
-    pub prompt: String,
-    /// The conversation the chat template rendered into `prompt` (JSON: a
-    /// list of `{role, content}`), where one did.
-    pub messages: Option<String>,
-    /// Its token ids, chat template applied.
-    pub tokens: Vec<i64>,
-    /// Values of the dataset's extra string columns (e.g. `answer`), in column order.
-    pub extra: Vec<String>,
-}
 
 /// Turns a drawn prompt into its token ids, for prompt sets that are cheap
 /// to list and costly to tokenize all at once (the arith task's 9,500 chat
@@ -130,6 +118,27 @@ impl PromptSource {
             greedy_baseline: false,
             required_through: None,
         })
+    }
+
+    /// Reads a prompt set from a `.jsonl` or `.parquet` file: the prompt
+    /// from `prompt`, and each of `extra` (e.g. `answer`) as a string column.
+    /// Errors name the file and the line (JSONL) or row (Parquet) and the
+    /// column; a prompt of more than `max_prompt_tokens` tokens is an error.
+    #[allow(clippy::too_many_arguments)]
+    pub fn from_file(
+        path: &std::path::Path,
+        prompt: &PromptColumn,
+        format: &PromptFormat,
+        extra: &[String],
+        limit: Option<PromptLimit>,
+        tokenizer: &Tokenizer,
+        prompts_per_step: usize,
+        samples: usize,
+        seed: u64,
+    ) -> Result<Self, StageError> {
+        let rows = prompt_files::read(path, prompt, format, extra, limit, tokenizer)?;
+        PromptSource::new(rows, extra.to_vec(), prompts_per_step, samples, seed)
+            .map_err(|e| OperatorError::file(path, e).into())
     }
 
     /// The same prompt set with `samples` rows per prompt (at least 1); the
@@ -411,8 +420,8 @@ mod tests {
             let batch = src.next_step(&ctx(step)).unwrap().unwrap().remove(0);
             assert_eq!(batch.num_rows(), 6, "3 prompts × 2 samples");
             crate::rollout::check(&batch, Phase::Prompt, "source").unwrap();
-            let ids = super::super::columns::u64s(&batch, col::PROMPT_ID, "t").unwrap();
-            let groups = super::super::columns::u64s(&batch, col::GROUP_ID, "t").unwrap();
+            let ids = crate::data::columns::u64s(&batch, col::PROMPT_ID, "t").unwrap();
+            let groups = crate::data::columns::u64s(&batch, col::GROUP_ID, "t").unwrap();
             assert_eq!(
                 groups,
                 vec![
@@ -512,7 +521,7 @@ mod tests {
         let mut drawn = Vec::new();
         for step in 1..5 {
             let batch = src.next_step(&ctx(step)).unwrap().unwrap().remove(0);
-            drawn.extend(super::super::columns::u64s(&batch, col::PROMPT_ID, "t").unwrap());
+            drawn.extend(crate::data::columns::u64s(&batch, col::PROMPT_ID, "t").unwrap());
         }
         assert!(!drawn.contains(&0) && !drawn.contains(&1), "{drawn:?}");
         assert_eq!(drawn.len(), 8, "mastered prompts do not shrink the step");
@@ -554,8 +563,8 @@ mod tests {
         let ra = a.next_step(&ctx(0)).unwrap().unwrap().remove(0);
         let rb = b.next_step(&ctx(0)).unwrap().unwrap().remove(0);
         assert_eq!(ra.num_rows() + rb.num_rows(), 4);
-        let ga = super::super::columns::u64s(&ra, col::GROUP_ID, "t").unwrap();
-        let gb = super::super::columns::u64s(&rb, col::GROUP_ID, "t").unwrap();
+        let ga = crate::data::columns::u64s(&ra, col::GROUP_ID, "t").unwrap();
+        let gb = crate::data::columns::u64s(&rb, col::GROUP_ID, "t").unwrap();
         assert!(ga.iter().all(|g| !gb.contains(g)));
         assert!(PromptSource::new(vec![], vec![], 1, 1, 0).is_err());
     }

@@ -8,9 +8,9 @@ use weir_gpu::Model;
 use weir_graph::batch::with_column;
 use weir_graph::{Stage, StageError, StepContext};
 
-use super::columns::{float_list_array, token_list_array, token_lists};
-use super::sequences::{response_logprobs, response_top_logprobs, TopTokens};
+use crate::data::columns::{float_list_array, token_list_array, token_lists};
 use crate::rollout::col;
+use crate::training::sequences::{response_logprobs, response_top_logprobs, TopTokens};
 
 /// Writes `ref_logprobs` with a frozen model.
 pub struct RefLogprob {

@@ -9,15 +9,15 @@ use weir_gpu::optim::{AdamWConfig, Optimizer};
 use weir_gpu::{Model, Tokenizer};
 use weir_graph::{StageError, StepBuffer, StepContext, StepStage};
 
-use super::columns::token_lists;
 use super::learner::LrSchedule;
-use super::sequences::response_backward;
-use super::sequences::response_targets;
-use super::train_step::{step_scale, TrainerCore};
 use crate::algorithms::{aggregate_in_step, Aggregation, Flavor};
 use crate::checkpoint::CheckpointPlan;
+use crate::data::columns::token_lists;
 use crate::error::OperatorError;
 use crate::rollout::col;
+use crate::training::sequences::response_backward;
+use crate::training::sequences::response_targets;
+use crate::training::train_step::{step_scale, TrainerCore};
 
 /// SFT settings.
 #[derive(Clone, Copy, Debug, PartialEq)]

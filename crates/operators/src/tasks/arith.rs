@@ -8,7 +8,8 @@
 use weir_gpu::{Message, Tokenizer};
 use weir_graph::StageError;
 
-use crate::stages::prompts::{PromptRow, PromptSource, Tokenize};
+use crate::data::prompt_files::PromptRow;
+use crate::stages::prompts::{PromptSource, Tokenize};
 
 /// The end-of-turn token that cuts a completion.
 pub const END: &str = "<|im_end|>";

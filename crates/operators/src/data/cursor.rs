@@ -16,7 +16,7 @@ pub struct Cursor {
 impl Cursor {
     /// Where a source stands after drawing `prompts` more prompts from a
     /// dataset of `len`, when nothing is skipped (no curriculum): what
-    /// [`PromptSource`](super::prompts::PromptSource) reaches, including its lazy turn of the epoch (a
+    /// [`PromptSource`](crate::stages::prompts::PromptSource) reaches, including its lazy turn of the epoch (a
     /// cursor at the end of an epoch stays there until the next draw).
     pub fn after_drawing(self, prompts: u64, len: usize) -> Cursor {
         if prompts == 0 {

@@ -89,7 +89,7 @@ impl LoggedGroups {
         for (at, file) in files.iter().enumerate() {
             for batch in rollout_log::read(file, filter, Some(&[col::STEP, col::GROUP_ID]))? {
                 let ids = |name| {
-                    crate::stages::columns::u64s(&batch, name, "data.rollouts")
+                    crate::data::columns::u64s(&batch, name, "data.rollouts")
                         .map_err(|e| OperatorError::file(&file.path, e.to_string()))
                 };
                 let (steps, ids) = (ids(col::STEP)?, ids(col::GROUP_ID)?);
@@ -191,7 +191,7 @@ impl LoggedGroups {
             return Ok(out);
         };
         let ids = |name| {
-            crate::stages::columns::u64s(&rows, name, "data.rollouts")
+            crate::data::columns::u64s(&rows, name, "data.rollouts")
                 .map_err(|e| OperatorError::file(&file.path, e.to_string()))
         };
         let (steps, groups) = (ids(col::STEP)?, ids(col::GROUP_ID)?);
@@ -359,7 +359,7 @@ impl<S: Stage> Stage for Replaying<S> {
         ctx: &mut StepContext,
         batch: RecordBatch,
     ) -> Result<Vec<RecordBatch>, StageError> {
-        let groups = crate::stages::columns::u64s(&batch, col::GROUP_ID, ctx.stage())?;
+        let groups = crate::data::columns::u64s(&batch, col::GROUP_ID, ctx.stage())?;
         let fresh: BooleanArray = groups
             .iter()
             .map(|&g| Some(self.log.replaces(g).is_none()))
@@ -378,7 +378,7 @@ impl<S: Stage> Stage for Replaying<S> {
             if let Some(at) = self.log.replaces(g) {
                 let rows = as_group(&self.log.group(at)?, ctx.step, g)?;
                 let versions =
-                    crate::stages::columns::u64s(&rows, col::LOGGED_POLICY_VERSION, ctx.stage())?;
+                    crate::data::columns::u64s(&rows, col::LOGGED_POLICY_VERSION, ctx.stage())?;
                 let tally = self.replayed.entry(ctx.step).or_default();
                 tally.0 += rows.num_rows();
                 tally.1 += versions.iter().sum::<u64>();

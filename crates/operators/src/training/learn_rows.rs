@@ -8,33 +8,33 @@ use arrow::array::RecordBatch;
 use tch::Tensor;
 use weir_graph::StageError;
 
-use super::columns::{float_lists, token_lists};
 use crate::algorithms::GkdLoss;
+use crate::data::columns::{float_lists, token_lists};
 use crate::rollout::col;
 
 /// A step's rows as the learner reads them, in the order it trains them.
-pub(super) struct LearnRows {
-    pub(super) prompts: Vec<Vec<i64>>,
-    pub(super) responses: Vec<Vec<i64>>,
-    pub(super) advantages: Vec<Vec<f64>>,
-    pub(super) behaviour: Vec<Vec<f64>>,
+pub(crate) struct LearnRows {
+    pub(crate) prompts: Vec<Vec<i64>>,
+    pub(crate) responses: Vec<Vec<i64>>,
+    pub(crate) advantages: Vec<Vec<f64>>,
+    pub(crate) behaviour: Vec<Vec<f64>>,
     /// The reference's log-probs, when the KL to it is a loss term.
-    pub(super) references: Option<Vec<Vec<f64>>>,
+    pub(crate) references: Option<Vec<Vec<f64>>>,
     /// Each row's reward, when the rows carry one.
-    pub(super) rewards: Option<Vec<f64>>,
+    pub(crate) rewards: Option<Vec<f64>>,
     /// 1.0 on each response token the model generated, 0.0 on an
     /// episode's observation and boundary tokens (`token_kinds`).
-    pub(super) generated: Vec<Vec<f64>>,
+    pub(crate) generated: Vec<Vec<f64>>,
     /// The teacher's top-k tokens and log-probs, when a top-k loss term reads them.
-    pub(super) top: Option<TopK>,
+    pub(crate) top: Option<TopK>,
 }
 
 /// Each row's teacher top-k ids and log-probs: `k` per response position,
 /// position after position.
-pub(super) struct TopK {
-    pub(super) k: usize,
-    pub(super) ids: Vec<Vec<i64>>,
-    pub(super) logprobs: Vec<Vec<f64>>,
+pub(crate) struct TopK {
+    pub(crate) k: usize,
+    pub(crate) ids: Vec<Vec<i64>>,
+    pub(crate) logprobs: Vec<Vec<f64>>,
 }
 
 impl LearnRows {
@@ -42,7 +42,7 @@ impl LearnRows {
     /// input), with the reference's log-probs if `references`, and the
     /// teacher's top-k tokens for a `gkd` term (each an id of the
     /// student's `vocab`).
-    pub(super) fn read(
+    pub(crate) fn read(
         batch: Option<&RecordBatch>,
         references: bool,
         gkd: Option<GkdLoss>,
@@ -52,7 +52,7 @@ impl LearnRows {
         let tokens = |name| batch.map_or(Ok(Vec::new()), |b| token_lists(b, name, stage));
         let floats = |name| batch.map_or(Ok(Vec::new()), |b| float_lists(b, name, stage));
         let rewards = batch
-            .map(|b| super::columns::f32s(b, col::REWARD, stage))
+            .map(|b| crate::data::columns::f32s(b, col::REWARD, stage))
             .transpose()
             .or_else(|e| {
                 // Rows without a reward (a pipeline that scores elsewhere) are fine; a mistyped one is not.
@@ -64,7 +64,7 @@ impl LearnRows {
         let responses = tokens(col::RESPONSE_TOKENS)?;
         let lengths: Vec<usize> = responses.iter().map(Vec::len).collect();
         let generated = batch.map_or(Ok(Vec::new()), |b| {
-            super::columns::generated_masks(b, &lengths, stage)
+            crate::data::columns::generated_masks(b, &lengths, stage)
         })?;
         let top = match gkd {
             None => None,
@@ -111,18 +111,18 @@ impl LearnRows {
         })
     }
 
-    pub(super) fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.prompts.len()
     }
 
     /// The padded width of row `i` in a forward pass.
-    pub(super) fn width(&self, i: usize) -> usize {
+    pub(crate) fn width(&self, i: usize) -> usize {
         self.prompts[i].len() + self.responses[i].len().max(1)
     }
 
     /// Mini-batch `k` of `minis`: rows `[k·rows/M, (k+1)·rows/M)` of every
     /// rank (micro-batches lie within one).
-    pub(super) fn mini_batch(&self, k: usize, minis: usize) -> (usize, usize) {
+    pub(crate) fn mini_batch(&self, k: usize, minis: usize) -> (usize, usize) {
         (k * self.len() / minis, (k + 1) * self.len() / minis)
     }
 
@@ -130,7 +130,7 @@ impl LearnRows {
     /// time, or under a token `budget` (> 0) rows sorted by width within
     /// their mini-batch (whose rows stay its own), so a micro-batch pads to
     /// neighbours of its length, and cut where the budget is reached.
-    pub(super) fn micro_batches(
+    pub(crate) fn micro_batches(
         &mut self,
         minis: usize,
         micro: usize,
@@ -162,7 +162,7 @@ impl LearnRows {
     /// packed end to end: at most `micro` rows, and with a token `budget`
     /// (> 0) rows in order up to that many tokens in all (no row is split:
     /// one longer than the budget is an error naming the key).
-    pub(super) fn packed_micro_batches(
+    pub(crate) fn packed_micro_batches(
         &self,
         minis: usize,
         micro: usize,
@@ -201,7 +201,7 @@ impl LearnRows {
     }
 
     /// Sorts the rows of each of `minis` mini-batches by width.
-    pub(super) fn sort_by_width_within(&mut self, minis: usize) {
+    pub(crate) fn sort_by_width_within(&mut self, minis: usize) {
         let mut order: Vec<usize> = Vec::with_capacity(self.len());
         for k in 0..minis {
             let (lo, hi) = self.mini_batch(k, minis);
@@ -227,7 +227,7 @@ impl LearnRows {
 /// Micro-batches `[start, end)` over rows of ascending `widths`: each at
 /// most `micro` rows whose padded size (rows × the widest) is at most
 /// `budget` tokens; a row wider than the budget goes alone.
-pub(super) fn budget_cuts(widths: &[usize], micro: usize, budget: usize) -> Vec<(usize, usize)> {
+pub(crate) fn budget_cuts(widths: &[usize], micro: usize, budget: usize) -> Vec<(usize, usize)> {
     let mut cuts = Vec::new();
     let mut start = 0;
     for end in 1..=widths.len() {
@@ -254,7 +254,7 @@ fn permute<T>(values: &mut Vec<T>, order: &[usize]) {
     }));
 }
 
-pub(super) fn padded(rows: &[Vec<f64>], width: usize, device: tch::Device) -> Tensor {
+pub(crate) fn padded(rows: &[Vec<f64>], width: usize, device: tch::Device) -> Tensor {
     let mut flat = Vec::with_capacity(rows.len() * width);
     for r in rows {
         flat.extend(
@@ -269,7 +269,7 @@ pub(super) fn padded(rows: &[Vec<f64>], width: usize, device: tch::Device) -> Te
 }
 
 /// Rows of ids, `k` per position, as `[rows, width, k]` (0 past each row's end).
-pub(super) fn top_grid(rows: &[Vec<i64>], width: usize, k: usize, device: tch::Device) -> Tensor {
+pub(crate) fn top_grid(rows: &[Vec<i64>], width: usize, k: usize, device: tch::Device) -> Tensor {
     let mut flat = Vec::with_capacity(rows.len() * width * k);
     for r in rows {
         let n = r.len().min(width * k);

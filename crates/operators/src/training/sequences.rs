@@ -734,7 +734,7 @@ pub fn response_targets(
             tokenizer.dir().display()
         )
     })?;
-    super::columns::strings(batch, column, stage)?
+    crate::data::columns::strings(batch, column, stage)?
         .iter()
         .map(|t| {
             let mut ids = tokenizer.encode(t, false)?;
