@@ -202,7 +202,7 @@ fn the_optimal_token_baseline_counts_only_the_models_tokens_of_an_episode() {
         check_episode_rows(&batches, &feedback) > 0,
         "no episode got past its first turn"
     );
-    assert!(super::check_otb(&dir) > 0);
+    assert!(super::support::check_otb(&dir) > 0);
 }
 
 /// Prompts from a file through the chat template (a system prompt and the

@@ -100,14 +100,17 @@ fn a_judge_reward_scores_as_its_verdict_rule_reads_the_judges_answer() {
     }
     assert!(right > 0 && wrong > 0, "{right} right, {wrong} wrong");
     for name in ["loss", "reward"] {
-        let metric = |d: &Path| -> BTreeMap<u64, f64> { super::metric(d, "learn", name) };
+        let metric = |d: &Path| -> BTreeMap<u64, f64> { super::support::metric(d, "learn", name) };
         assert_eq!(
             metric(&dir),
             metric(&rule_dir),
             "learn {name}: judge vs rule"
         );
     }
-    assert_eq!(super::metric(&dir, "reward", "judge_unparsed").len(), 3);
+    assert_eq!(
+        super::support::metric(&dir, "reward", "judge_unparsed").len(),
+        3
+    );
 
     // The judge on a worker of its own: the reward stages run there alone,
     // and the run is the colocated judge's row for row and step for step.
@@ -122,11 +125,11 @@ fn a_judge_reward_scores_as_its_verdict_rule_reads_the_judges_answer() {
     };
     assert_eq!(sorted(judged_rows(&apart_dir)), sorted(rows.clone()));
     assert_eq!(
-        super::metric(&apart_dir, "learn", "loss"),
-        super::metric(&dir, "learn", "loss")
+        super::support::metric(&apart_dir, "learn", "loss"),
+        super::support::metric(&dir, "learn", "loss")
     );
     let workers = |d: &Path, stage: &str| -> std::collections::BTreeSet<u32> {
-        super::metric_rows(d)
+        super::support::metric_rows(d)
             .into_iter()
             .filter(|r| r.stage == stage)
             .map(|r| r.worker)
@@ -162,14 +165,14 @@ fn a_judge_reward_scores_as_its_verdict_rule_reads_the_judges_answer() {
     // or the configured reward.
     let mut unparsed = cfg.clone();
     unparsed.judge.template = "x".into();
-    let err = super::run_err(kind, unparsed.clone(), &tmp.path().join("unparsed"));
+    let err = super::support::run_err(kind, unparsed.clone(), &tmp.path().join("unparsed"));
     assert!(err.contains("row 0") && err.contains("xxx"), "{err}");
     unparsed.judge.on_unparsed = OnUnparsed::Reward;
     unparsed.judge.unparsed_reward = -0.5;
     let dir = tmp.path().join("unparsed-reward");
     run(kind, unparsed, &dir, false);
     assert!(judged_rows(&dir).iter().all(|r| r.3 == -0.5));
-    assert!(super::metric(&dir, "reward", "judge_unparsed")
+    assert!(super::support::metric(&dir, "reward", "judge_unparsed")
         .values()
         .all(|&v| v == 1.0));
 }
@@ -242,7 +245,7 @@ fn a_judge_reads_the_question_not_the_policys_chat_markup() {
     let mut named = cfg;
     named.judge.template = "{{ question }}".into();
     let refused = tmp.path().join("refused");
-    let err = super::run_err(kind, named, &refused);
+    let err = super::support::run_err(kind, named, &refused);
     assert!(
         err.contains("judge.template") && err.contains("reads the prompt as `prompt`"),
         "{err}"
@@ -319,7 +322,7 @@ fn bad_judge_inputs_are_refused_naming_their_key() {
         let mut cfg = base();
         change(&mut cfg);
         let dir = tmp.path().join(format!("bad-{i}"));
-        let err = super::run_err(kind, cfg, &dir);
+        let err = super::support::run_err(kind, cfg, &dir);
         assert!(err.contains(key), "{key}: {err}");
         assert_eq!(err.lines().count(), 1, "{err}");
         assert!(!dir.exists(), "{key}: the run folder was written");

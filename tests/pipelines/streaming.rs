@@ -6,7 +6,17 @@ use arrow::array::{Array, ListArray};
 use arrow::datatypes::UInt32Type;
 use weir::pipelines::config::OnNewWeights;
 
-use super::*;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use arrow::array::{AsArray, RecordBatch};
+use arrow::datatypes::Float32Type;
+use weir::graph::parquet_log::read_parquet_dir;
+use weir::operators::rollout::{check, col, Phase};
+use weir::pipelines::config::RewardKind;
+use weir::pipelines::PipelineKind;
+
+use super::support::{config, fixture, metric, run, u64s, write_arith_task};
 
 /// Every rollout row of `dir`, keyed by (step, group, sample), as the
 /// columns that must not depend on how generation was scheduled.

@@ -3,8 +3,13 @@
 //! a reward server. Each test binary that includes it uses a part.
 #![allow(dead_code)]
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use arrow::array::{AsArray, RecordBatch};
+use arrow::datatypes::{Float32Type, UInt64Type};
+use weir::graph::parquet_log::{read_parquet_dir, read_parquet_file};
+use weir::operators::rollout::col;
 use weir::pipelines::runner::RunRequest;
 use weir::pipelines::{PipelineKind, RunConfig};
 
@@ -262,4 +267,240 @@ pub fn openenv_server(garbage: bool) -> String {
         });
         (200, answer.to_string())
     })
+}
+
+/// The error of a run that must fail.
+pub fn run_err(kind: PipelineKind, cfg: RunConfig, dir: &Path) -> String {
+    weir::pipelines::run(&request(kind, cfg, dir, false))
+        .unwrap_err()
+        .to_string()
+}
+
+/// Asserts that two per-step curves cover `steps` steps and agree within
+/// 1e-4 relative (1e-6 absolute near zero).
+pub fn assert_curves_match(
+    a: &BTreeMap<u64, f64>,
+    b: &BTreeMap<u64, f64>,
+    steps: usize,
+    what: &str,
+) {
+    assert_eq!(a.len(), steps, "{what}: {a:?}");
+    assert_eq!(
+        a.keys().collect::<Vec<_>>(),
+        b.keys().collect::<Vec<_>>(),
+        "{what}"
+    );
+    for (step, x) in a {
+        let y = b[step];
+        assert!(
+            (x - y).abs() <= 1e-4 * x.abs().max(1e-2),
+            "{what} at step {step}: {x} vs {y}"
+        );
+    }
+}
+
+pub fn u64s(b: &RecordBatch, name: &str) -> Vec<u64> {
+    b.column_by_name(name)
+        .unwrap_or_else(|| panic!("no {name}"))
+        .as_primitive::<UInt64Type>()
+        .values()
+        .to_vec()
+}
+
+/// A text column of every rollout row.
+pub fn text_column(dir: &Path, name: &str) -> Vec<String> {
+    read_parquet_dir(&dir.join("rollouts"))
+        .unwrap()
+        .iter()
+        .flat_map(|b| {
+            let c = b.column_by_name(name).unwrap().as_string::<i32>();
+            (0..b.num_rows())
+                .map(|i| c.value(i).to_string())
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// Every rollout row's reward.
+pub fn reward_column(dir: &Path) -> Vec<f64> {
+    read_parquet_dir(&dir.join("rollouts"))
+        .unwrap()
+        .iter()
+        .flat_map(|b| {
+            let c = b
+                .column_by_name(col::REWARD)
+                .unwrap()
+                .as_primitive::<Float32Type>();
+            c.values().iter().map(|v| f64::from(*v)).collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// Every rollout row's response, answer and reward.
+pub fn scored_rows(dir: &Path) -> Vec<(String, String, f64)> {
+    let rewards = read_parquet_dir(&dir.join("rollouts"))
+        .unwrap()
+        .iter()
+        .flat_map(|b| {
+            let c = b.column_by_name(col::REWARD).unwrap();
+            let c = c.as_primitive::<Float32Type>();
+            c.values().iter().map(|v| f64::from(*v)).collect::<Vec<_>>()
+        })
+        .collect::<Vec<_>>();
+    let (responses, answers) = (text_column(dir, col::RESPONSE), text_column(dir, "answer"));
+    responses
+        .into_iter()
+        .zip(answers)
+        .zip(rewards)
+        .map(|((r, a), w)| (r, a, w))
+        .collect()
+}
+
+/// Metric values of `stage`/`metric` by step.
+pub fn metric(dir: &Path, stage: &str, name: &str) -> BTreeMap<u64, f64> {
+    let mut out = BTreeMap::new();
+    for b in read_parquet_file(&dir.join("metrics.parquet")).unwrap() {
+        for r in weir::graph::metrics::batch_to_rows(&b).unwrap() {
+            if r.stage == stage && r.metric == name {
+                out.insert(r.step, r.value);
+            }
+        }
+    }
+    out
+}
+
+/// A float list column of `b` as rows of f64.
+pub fn float_rows(b: &RecordBatch, name: &str) -> Vec<Vec<f64>> {
+    let list = b.column_by_name(name).unwrap().as_list::<i32>();
+    (0..b.num_rows())
+        .map(|i| {
+            let row = list.value(i);
+            let row = row.as_primitive::<Float32Type>();
+            row.values().iter().map(|x| f64::from(*x)).collect()
+        })
+        .collect()
+}
+
+/// Writes arithmetic chat prompts as JSONL: for each pair `(a, b)`, the
+/// `messages` asking for `a + b` and the `answer`, with `more(i)`'s fields.
+pub fn write_arith_task(
+    path: &Path,
+    pairs: &[(u32, u32)],
+    more: impl Fn(usize) -> serde_json::Value,
+) {
+    use weir::operators::tasks::arith;
+    let lines: Vec<String> = pairs
+        .iter()
+        .enumerate()
+        .map(|(i, &(a, b))| {
+            let mut record = serde_json::json!({
+                "messages": [{"role": "user", "content": arith::user_message(a, b)}],
+                "answer": (a + b).to_string(),
+            });
+            if let serde_json::Value::Object(fields) = more(i) {
+                record.as_object_mut().unwrap().extend(fields);
+            }
+            record.to_string()
+        })
+        .collect();
+    std::fs::write(path, lines.join("\n")).unwrap();
+}
+
+/// Per step, the mean over the rollout rows of `value(batch, row)`.
+pub fn step_means(dir: &Path, value: impl Fn(&RecordBatch, usize) -> f64) -> BTreeMap<u64, f64> {
+    let mut sums: BTreeMap<u64, (f64, f64)> = BTreeMap::new();
+    for b in read_parquet_dir(&dir.join("rollouts")).unwrap() {
+        for (i, step) in u64s(&b, col::STEP).into_iter().enumerate() {
+            let s = sums.entry(step).or_default();
+            s.0 += value(&b, i);
+            s.1 += 1.0;
+        }
+    }
+    sums.into_iter().map(|(k, (sum, n))| (k, sum / n)).collect()
+}
+
+/// Every metric row of a run.
+pub fn metric_rows(dir: &Path) -> Vec<weir::graph::metrics::MetricRow> {
+    read_parquet_file(&dir.join("metrics.parquet"))
+        .unwrap()
+        .iter()
+        .flat_map(|b| weir::graph::metrics::batch_to_rows(b).unwrap())
+        .collect()
+}
+
+/// The optimal token baseline of an `otb` run's log, step by step: the
+/// logged advantages are the estimator's on the logged rewards (an
+/// episode's environment rewards added), behaviour log-probs, `Σ π²` and
+/// generated-token masks; each generated token's `Σ π²` lies in [π², 1]
+/// (its distribution's, which holds at least the sampled token), 0 on an
+/// episode's other tokens. Returns the rows checked.
+pub fn check_otb(dir: &Path) -> usize {
+    use weir::operators::data::columns::{env_rewards, generated_masks};
+    let batches = read_parquet_dir(&dir.join("rollouts")).unwrap();
+    type Rows = (Vec<f64>, Vec<u64>, [Vec<Vec<f64>>; 4]);
+    let mut steps: BTreeMap<u64, Rows> = BTreeMap::new();
+    for b in &batches {
+        let behaviour = float_rows(b, col::BEHAVIOR_LOGPROBS);
+        let lengths: Vec<usize> = behaviour.iter().map(Vec::len).collect();
+        let squares = float_rows(b, col::SUM_PI_SQUARED);
+        let masks = generated_masks(b, &lengths, "test").unwrap();
+        let env = env_rewards(b, &lengths, "test").unwrap();
+        let advantages = float_rows(b, col::ADVANTAGES);
+        let rewards = b
+            .column_by_name(col::REWARD)
+            .unwrap()
+            .as_primitive::<Float32Type>();
+        for (i, (step, group)) in u64s(b, col::STEP)
+            .into_iter()
+            .zip(u64s(b, col::GROUP_ID))
+            .enumerate()
+        {
+            for ((lp, sq), m) in behaviour[i].iter().zip(&squares[i]).zip(&masks[i]) {
+                if *m > 0.0 {
+                    let p2 = (2.0 * lp).exp();
+                    assert!(*sq >= p2 - 1e-5 && *sq <= 1.0 + 1e-5, "Σπ² {sq}, π² {p2}");
+                } else {
+                    assert_eq!(*sq, 0.0);
+                }
+            }
+            let turns: f64 = env.as_ref().map_or(0.0, |e| e[i].iter().sum());
+            let rows = steps.entry(step).or_default();
+            rows.0.push(f64::from(rewards.value(i)) + turns);
+            rows.1.push(group);
+            for (to, from) in rows
+                .2
+                .iter_mut()
+                .zip([&behaviour, &squares, &masks, &advantages])
+            {
+                to.push(from[i].clone());
+            }
+        }
+    }
+    let mut checked = 0;
+    for (step, (rewards, groups, [behaviour, squares, masks, logged])) in &steps {
+        let want = weir::operators::algorithms::optimal_token_baseline(
+            rewards, behaviour, squares, masks, groups,
+        )
+        .unwrap();
+        for (row, (w, l)) in want.iter().zip(logged).enumerate() {
+            assert_eq!(w.len(), l.len());
+            for (t, (a, b)) in w.iter().zip(l).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-4 * a.abs().max(1.0),
+                    "step {step} row {row} token {t}: logged {b}, the estimator gives {a}"
+                );
+            }
+        }
+        checked += logged.len();
+    }
+    checked
+}
+
+/// Every rollout row's list column `name` (float32), in log order.
+pub fn float_list_column(dir: &Path, name: &str) -> Vec<Vec<f64>> {
+    read_parquet_dir(&dir.join("rollouts"))
+        .unwrap()
+        .iter()
+        .flat_map(|b| weir::operators::data::columns::float_lists(b, name, "test").unwrap())
+        .collect()
 }
