@@ -381,4 +381,53 @@ mod tests {
             .to_string();
         assert!(err.contains("a-file"), "{err}");
     }
+
+    /// One 40 MiB value that 64 rows share through the dictionary: a file
+    /// of a few kilobytes whose first batch decodes to 640 MiB, past
+    /// the decoding bound. Reading it is one error naming the file, and
+    /// the memory was never taken.
+    #[test]
+    fn a_batch_that_decodes_past_its_bound_is_refused_before_it_is_held() {
+        use arrow::array::{DictionaryArray, Int32Array, StringArray};
+        use arrow::datatypes::Int32Type;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("bomb.parquet");
+        let value = "x".repeat(40 << 20);
+        let dictionary: DictionaryArray<Int32Type> = DictionaryArray::try_new(
+            Int32Array::from(vec![0; 64]),
+            Arc::new(StringArray::from(vec![value.as_str()])),
+        )
+        .unwrap();
+        let batch =
+            RecordBatch::try_from_iter([("text", Arc::new(dictionary) as ArrayRef)]).unwrap();
+        // Without the Arrow schema in its metadata (as other writers leave
+        // it), the column reads back as plain strings, each row its own copy.
+        let options = parquet::arrow::arrow_writer::ArrowWriterOptions::new()
+            .with_skip_arrow_metadata(true)
+            .with_properties(
+                WriterProperties::builder()
+                    .set_compression(Compression::ZSTD(ZstdLevel::default()))
+                    .build(),
+            );
+        let mut writer =
+            ArrowWriter::try_new_with_options(File::create(&path).unwrap(), batch.schema(), options)
+                .unwrap();
+        writer.write(&batch).unwrap();
+        writer.close().unwrap();
+        assert!(std::fs::metadata(&path).unwrap().len() < 1 << 20);
+        let err = read_parquet_file(&path).unwrap_err().to_string();
+        assert!(
+            err.contains("bomb.parquet") && err.contains("decode to more memory"),
+            "{err}"
+        );
+        // The decoding thread stopped at the bound: this process holds far
+        // less than the 2.5 GiB the file decodes to.
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let peak_kib: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap();
+        assert!(peak_kib < 2 << 20, "peak RSS {peak_kib} KiB");
+    }
 }
