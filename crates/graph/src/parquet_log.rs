@@ -409,9 +409,12 @@ mod tests {
                     .set_compression(Compression::ZSTD(ZstdLevel::default()))
                     .build(),
             );
-        let mut writer =
-            ArrowWriter::try_new_with_options(File::create(&path).unwrap(), batch.schema(), options)
-                .unwrap();
+        let mut writer = ArrowWriter::try_new_with_options(
+            File::create(&path).unwrap(),
+            batch.schema(),
+            options,
+        )
+        .unwrap();
         writer.write(&batch).unwrap();
         writer.close().unwrap();
         assert!(std::fs::metadata(&path).unwrap().len() < 1 << 20);
