@@ -24,8 +24,8 @@
 //! lora_peak_over_full_peak=<ratio>
 //! ```
 //!
-//! `cargo bench --bench run_memory`; under `cargo test` a 4-layer model of
-//! the same widths checks that it runs.
+//! `cargo bench --bench run_memory`; under `cargo test` a 1-layer model of
+//! the same widths checks that it runs (whole runs of one step).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -210,7 +210,7 @@ fn whole_run(dir: &Path, lora: bool, checkpointed: bool) {
     c.data.samples_per_prompt = SAMPLES;
     c.generate.max_new_tokens = NEW_TOKENS;
     c.eval.arith = false;
-    c.run.steps = 3;
+    c.run.steps = if full() { 3 } else { 1 };
     c.run.threads = 1;
     c.run.max_staleness = 0;
     c.run.checkpoint_every = 0;
@@ -264,8 +264,13 @@ fn field(line: &str, key: &str) -> f64 {
         .unwrap_or(f64::NAN)
 }
 
+/// `cargo bench` (else `cargo test`'s quick check).
+fn full() -> bool {
+    std::env::args().any(|a| a == "--bench")
+}
+
 fn main() {
-    let full = std::env::args().any(|a| a == "--bench");
+    let full = full();
     if let Ok(what) = std::env::var("WEIR_RUN_MEMORY_CHILD") {
         let dir = PathBuf::from(std::env::var("WEIR_RUN_MEMORY_DIR").unwrap());
         let (mode, lora) = what.split_once(':').unwrap();
@@ -278,7 +283,7 @@ fn main() {
     }
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("model");
-    let layers = if full { 30 } else { 4 };
+    let layers = if full { 30 } else { 1 };
     let weights_mb = make_checkpoint(&dir, layers) as f64 / (1024.0 * 1024.0);
     println!("model: SmolLM2-135M shape, {layers} layers, float32 weights {weights_mb:.0} MiB; grpo {PROMPTS}×{SAMPLES} samples, {NEW_TOKENS} new tokens");
     let mut peaks = Vec::new();

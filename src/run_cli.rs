@@ -24,7 +24,8 @@ pub struct RunArgs {
     /// Continue the run in this folder from its newest checkpoint.
     #[arg(long, value_name = "RUN_DIR", conflicts_with_all = ["pipeline", "config", "out"])]
     pub resume: Option<PathBuf>,
-    /// No progress bars.
+    /// No progress: neither the bar (on a terminal) nor the line a step
+    /// that a run prints on stderr where it is no terminal (a log file).
     #[arg(long)]
     pub quiet: bool,
     /// The processes of the run: `placement.workers` is split evenly over

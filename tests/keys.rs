@@ -94,7 +94,6 @@ const TIMING: &[&str] = &[
 ];
 
 /// What a run did, as far as a key can change it (timings aside).
-#[derive(Debug)]
 enum Outcome {
     Failed(String),
     Ran {
@@ -102,10 +101,20 @@ enum Outcome {
         rows: Vec<(String, Values)>,
         files: Vec<String>,
         metrics: BTreeMap<(String, u32, String, Option<String>, u64), f64>,
-        /// The final actor's safetensors header and tensor data.
-        weights: (Vec<u8>, Values),
+        /// The final actor's safetensors file.
+        weights: Vec<u8>,
         eval: Option<String>,
     },
+}
+
+/// Briefly: whether it failed, and why.
+impl std::fmt::Debug for Outcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Outcome::Failed(e) => write!(f, "Failed({e:?})"),
+            Outcome::Ran { files, .. } => write!(f, "Ran {{ files: {files:?}, .. }}"),
+        }
+    }
 }
 
 /// A column's values: numbers (compared within rounding) or text.
@@ -175,26 +184,44 @@ fn rows_of(batches: &[RecordBatch]) -> Vec<(String, Values)> {
         .collect()
 }
 
-/// A safetensors file's header, and its data as float32 numbers when every
-/// tensor is float32 (else as bytes).
-fn weights_of(path: &Path) -> (Vec<u8>, Values) {
-    let Ok(bytes) = std::fs::read(path) else {
-        return (Vec::new(), Values::Numbers(Vec::new()));
+/// A safetensors file's bytes (empty when there is none).
+fn weights_of(path: &Path) -> Vec<u8> {
+    std::fs::read(path).unwrap_or_default()
+}
+
+/// Where two safetensors files differ (beyond rounding, when every tensor
+/// is float32), if they do: their bytes compared first, numbers only when
+/// the bytes differ.
+fn weights_differ(a: &[u8], b: &[u8]) -> Option<String> {
+    if a == b {
+        return None;
+    }
+    let header = |bytes: &[u8]| -> Option<usize> {
+        let n = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?) as usize;
+        (bytes.len() >= 8 + n).then_some(8 + n)
     };
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let (header, data) = (bytes[..8 + n].to_vec(), &bytes[8 + n..]);
-    let text = String::from_utf8_lossy(&header[8..]);
-    let values =
-        if text.contains("\"F32\"") && !text.contains("\"BF16\"") && !text.contains("\"F16\"") {
-            Values::Numbers(
-                data.chunks_exact(4)
-                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
-                    .collect(),
-            )
-        } else {
-            Values::Text(format!("{data:?}"))
-        };
-    (header, values)
+    let (Some(n), Some(m)) = (header(a), header(b)) else {
+        return Some(format!("weights: {} vs {} bytes", a.len(), b.len()));
+    };
+    if a[..n] != b[..m] {
+        return Some("weights: headers".into());
+    }
+    let text = String::from_utf8_lossy(&a[8..n]);
+    if !text.contains("\"F32\"") || text.contains("\"BF16\"") || text.contains("\"F16\"") {
+        return Some("weights: data".into());
+    }
+    let floats = |bytes: &[u8]| -> Vec<f32> {
+        bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    };
+    let (x, y) = (floats(&a[n..]), floats(&b[m..]));
+    let i = x
+        .iter()
+        .zip(&y)
+        .position(|(p, q)| !close(f64::from(*p), f64::from(*q)))?;
+    Some(format!("weights: value {i}: {} vs {}", x[i], y[i]))
 }
 
 fn files_under(dir: &Path, root: &Path, out: &mut Vec<String>) {
@@ -305,11 +332,8 @@ fn difference(a: &Outcome, b: &Outcome) -> Option<String> {
             return Some(format!("metric {k:?}: {v} vs {}", metrics2[k]));
         }
     }
-    if weights.0 != weights2.0 {
-        return Some("weights: headers".into());
-    }
-    if let Some(d) = weights.1.differs(&weights2.1) {
-        return Some(format!("weights: {d}"));
+    if let Some(d) = weights_differ(weights, weights2) {
+        return Some(d);
     }
     (eval != eval2).then(|| format!("eval {eval:?} vs {eval2:?}"))
 }
@@ -339,531 +363,605 @@ fn write_prompts(path: &Path) {
     std::fs::write(path, lines.join("\n")).unwrap();
 }
 
+/// The pipelines a row of [`CHANGES`] is for.
+#[derive(Clone, Copy)]
+enum For {
+    All,
+    /// sft, rm and dpo.
+    NotRl,
+    /// The RL pipelines but PPO (whose reward model is a key of its own).
+    RlNotPpo,
+    Remax,
+    /// The group pipelines (grpo's chain).
+    Group,
+    GroupOrDistill,
+}
+
+impl For {
+    fn holds(self, kind: PipelineKind) -> bool {
+        match self {
+            For::All => true,
+            For::NotRl => !kind.is_rl(),
+            For::RlNotPpo => kind.is_rl() && kind != PipelineKind::Ppo,
+            For::Remax => kind == PipelineKind::Remax,
+            For::Group => kind.is_group(),
+            For::GroupOrDistill => kind.is_group() || kind == PipelineKind::Distill,
+        }
+    }
+}
+
+/// A key's change: `key = value` on top of `setting`, the other keys under
+/// which it acts. In both, `$prompts` stands for the prompt file's path,
+/// `$log` for a rollout log (`[PATH]`), `$other`, `$rm`, `$qwen2` and
+/// `$arith` for fixture checkpoints (tiny-llama, tiny-llama-rm, tiny-qwen2,
+/// arith-sft), each quoted.
+struct Change {
+    key: &'static str,
+    only: For,
+    setting: &'static [&'static str],
+    value: &'static str,
+}
+
+const fn to(key: &'static str, setting: &'static [&'static str], value: &'static str) -> Change {
+    Change {
+        key,
+        only: For::All,
+        setting,
+        value,
+    }
+}
+
+/// [`to`] for some pipelines only; a row before the one for all.
+const fn to_for(
+    only: For,
+    key: &'static str,
+    setting: &'static [&'static str],
+    value: &'static str,
+) -> Change {
+    Change {
+        key,
+        only,
+        setting,
+        value,
+    }
+}
+
+const FILE: &str = "data.prompts=$prompts";
+const TIS: &str = "algorithm.correction=\"tis\"";
+/// A large rate over three epochs: the ratios move enough for a clip to bind.
+const EPOCHS: &str = "algorithm.ppo_epochs=3";
+const RATE: &str = "algorithm.lr=0.01";
+
+/// Every key's change but those of the judge, the remote and python
+/// rewards and the agent, which write files of their own (their functions
+/// below): the first row for the key that holds for the pipeline.
+const CHANGES: &[Change] = &[
+    to("run.steps", &[], "3"),
+    to("run.max_staleness", &[], "1"),
+    to("run.seed", &[], "7"),
+    to("run.threads", &[], "2"),
+    to("run.checkpoint_every", &[], "1"),
+    to("run.rows_per_file", &[], "2"),
+    to("run.max_shard_size", &[], "\"100KB\""),
+    to("run.device", &[], "\"cuda\""),
+    to("eval.prompts", &[], "$prompts"),
+    to("eval.k", &["eval.prompts=$prompts"], "3"),
+    to("eval.every", &["eval.prompts=$prompts"], "1"),
+    to("eval.best_checkpoint", &["eval.prompts=$prompts"], "true"),
+    to("eval.arith", &[], "true"),
+    to("eval.batch", &["eval.arith=true"], "7"),
+    to("lora.rank", &[], "4"),
+    to("lora.alpha", &["lora.rank=4"], "4.0"),
+    to("lora.dropout", &["lora.rank=4"], "0.2"),
+    to("lora.target_modules", &["lora.rank=4"], "[\"q_proj\", \"down_proj\"]"),
+    to("placement.workers", &[], "3"),
+    to_for(For::NotRl, "placement.rollout", &["placement.workers=2"], "[1]"),
+    to_for(For::NotRl, "placement.train", &["placement.workers=2"], "[1]"),
+    to("placement.rollout", &[], "[1]"),
+    to("placement.train", &[], "[0]"),
+    to("placement.reference", &[], "\"rollout\""),
+    to("placement.weights_channel", &[], "\"timely\""),
+    to("placement.weights_port", &[], "4321"),
+    to("placement.encrypt", &[], "true"),
+    to("placement.teacher", &[], "\"rollout\""),
+    to(
+        "placement.shard_optimizer",
+        &["placement.workers=2", "placement.train=[0, 1]"],
+        "true",
+    ),
+    to(
+        "placement.weights_bucket_mib",
+        &["placement.weights_channel=\"timely\""],
+        "1",
+    ),
+    to("teacher.path", &[], "$qwen2"),
+    to("teacher.top_k", &[], "3"),
+    to("model.path", &[], "$other"),
+    to("model.dtype", &[], "\"bf16\""),
+    to("model.reference", &[], "$other"),
+    to_for(
+        For::RlNotPpo,
+        "model.reward_model",
+        &["reward.kind=model", "model.reward_model=$rm"],
+        "$arith",
+    ),
+    to("model.reward_model", &[], "$rm"),
+    to("model.critic", &[], "$rm"),
+    to("data.prompts", &[], "$prompts"),
+    to("data.prompt_column", &[FILE], "\"question\""),
+    to("data.messages_column", &[FILE], "\"messages\""),
+    to("data.label_column", &[FILE], "\"answer2\""),
+    to("data.prompt_template", &[FILE], "\"Please: {prompt}\""),
+    to("data.apply_chat_template", &[FILE], "true"),
+    // Long prompts: an error, or left out.
+    to(
+        "data.skip_long_prompts",
+        &[FILE, "data.prompt_column=\"long\""],
+        "true",
+    ),
+    to(
+        "data.system_prompt",
+        &[FILE, "data.apply_chat_template=true"],
+        "\"Answer with a number.\"",
+    ),
+    to("data.chosen_column", &[FILE], "\"chosen2\""),
+    to("data.rejected_column", &[FILE], "\"rejected2\""),
+    to("data.margin_column", &[FILE], "\"margin\""),
+    to("data.epochs", &[FILE, "run.steps=5"], "1"),
+    to("data.rollouts", &[TIS], "$log"),
+    // The log's later steps: its advantages are GAE's over a critic that
+    // has trained, which no estimator computes again from rewards.
+    to("data.rollouts_where", &[TIS, "data.rollouts=$log"], "\"step >= 1\""),
+    to("data.replay_fraction", &[TIS, "data.rollouts=$log"], "0.5"),
+    to(
+        "data.rollout_advantages",
+        &[TIS, "data.rollouts=$log", "data.rollouts_where=\"step >= 2\""],
+        "\"logged\"",
+    ),
+    to("data.prompts_per_step", &[], "3"),
+    to("data.samples_per_prompt", &[], "3"),
+    to("generate.max_new_tokens", &[], "3"),
+    to("generate.temperature", &[], "0.5"),
+    to("generate.top_p", &[], "0.5"),
+    to("generate.top_k", &[], "3"),
+    to("generate.max_inflight", &[], "3"),
+    to("generate.long_tail", &[], "1.0"),
+    to("generate.ignore_eos", &[], "true"),
+    to("generate.backend", &[], "\"torch\""),
+    to(
+        "generate.on_new_weights",
+        &["generate.max_inflight=3", "run.max_staleness=1"],
+        "\"recompute\"",
+    ),
+    to("reward.kind", &[], "\"remote\""),
+    // Two tokens: some responses are cut.
+    to(
+        "reward.stop_properly_coef",
+        &["generate.max_new_tokens=2"],
+        "-1.0",
+    ),
+    to("reward.overlong_buffer", &[], "3"),
+    to(
+        "reward.overlong_penalty_factor",
+        &["reward.overlong_buffer=3"],
+        "5.0",
+    ),
+    to("reward.rule", &[], "\"nope\""),
+    to(
+        "reward.terms",
+        &[
+            "reward.kind=\"terms\"",
+            "reward.terms=[{rule = \"arith_exact_match\"}]",
+        ],
+        "[{rule = \"arith_exact_match\", weight = 2.0}, {rule = \"length\", weight = 0.1}]",
+    ),
+    to("reward.on_finish", &[], "{stop = 0.5, length = -1.0}"),
+    to("algorithm.distill_coef", &[], "0.5"),
+    to("algorithm.gkd_beta", &["teacher.top_k=3"], "0.0"),
+    to("algorithm.gkd_coef", &["teacher.top_k=3"], "0.5"),
+    to("algorithm.gkd_tail", &["teacher.top_k=3"], "\"drop\""),
+    to("algorithm.distill_task", &[], "\"rloo\""),
+    to("algorithm.lr", &[], "0.01"),
+    to("algorithm.warmup_steps", &[], "5"),
+    to(
+        "algorithm.schedule",
+        &["algorithm.warmup_steps=0"],
+        "\"cosine\"",
+    ),
+    to(
+        "algorithm.min_lr_ratio",
+        &["algorithm.schedule=cosine", "algorithm.warmup_steps=0"],
+        "0.5",
+    ),
+    to("algorithm.weight_decay", &["algorithm.warmup_steps=0"], "0.9"),
+    to("algorithm.max_grad_norm", &[], "0.001"),
+    to("algorithm.micro_batch", &[], "1"),
+    to("algorithm.micro_batch_tokens", &[], "8"),
+    to("algorithm.gradient_checkpointing", &[], "true"),
+    to("algorithm.packing", &[], "true"),
+    to("algorithm.logprob_chunk", &[], "5"),
+    to("algorithm.ppo_epochs", &[], "2"),
+    to("algorithm.mini_batches", &[], "2"),
+    to("algorithm.clip_low", &[EPOCHS, RATE], "0.01"),
+    // ReMax on the SFT'd pairs: the greedy answer is mostly right, so
+    // advantages are rarely positive; a reward for wrong answers makes them so.
+    to_for(
+        For::Remax,
+        "algorithm.clip_high",
+        &[EPOCHS, RATE, "reward.kind=\"terms\"", "reward.terms=[{rule = \"exact\", weight = -1.0}]"],
+        "0.0",
+    ),
+    to_for(
+        For::Remax,
+        "algorithm.sapo_tau_pos",
+        &[
+            "algorithm.policy_loss=sapo",
+            "algorithm.aggregation=\"seq-mean-token-mean\"",
+            EPOCHS,
+            RATE,
+            "reward.kind=\"terms\"",
+            "reward.terms=[{rule = \"exact\", weight = -1.0}]",
+        ],
+        "5.0",
+    ),
+    to("algorithm.clip_high", &[EPOCHS, RATE], "0.0"),
+    // The dual clip binds where a negative advantage meets a ratio above
+    // c: stale rows (k = 1) and a large rate move ratios both ways.
+    to(
+        "algorithm.dual_clip",
+        &["run.steps=3", "run.max_staleness=1", EPOCHS, RATE],
+        "1.01",
+    ),
+    to("algorithm.kl_coef", &[], "0.5"),
+    // A target far above any KL: the coefficient shrinks by the clip after
+    // each step, by 0.2 · n / kl_horizon: with 32 responses a step, past
+    // the rounding the comparison allows.
+    to(
+        "algorithm.kl_target",
+        &[
+            "run.steps=3",
+            "algorithm.kl_coef=0.1",
+            "data.prompts_per_step=8",
+            "data.samples_per_prompt=4",
+        ],
+        "1000000.0",
+    ),
+    to(
+        "algorithm.kl_horizon",
+        &["run.steps=3", "algorithm.kl_target=1000000.0"],
+        "1.0",
+    ),
+    // k3+ differs from k3 in its gradient only, by r²/2 per token: a policy
+    // pulled well away from its reference shows it.
+    to_for(
+        For::Group,
+        "algorithm.kl_estimator",
+        &["algorithm.lr=0.05", "algorithm.kl_coef=0.5", "run.steps=3"],
+        "\"k1\"",
+    ),
+    to("algorithm.kl_estimator", &[], "\"k1\""),
+    to("algorithm.entropy_coef", &[], "0.5"),
+    // In this short run every group's samples score alike (zero
+    // advantages), and OpenRLHF aggregates its KL and entropy terms as a
+    // token mean whatever the mode: the mode shows in verl's KL term.
+    to_for(
+        For::Group,
+        "algorithm.aggregation",
+        &["algorithm.flavor=\"verl\""],
+        "\"seq-mean-token-sum\"",
+    ),
+    to("algorithm.aggregation", &[], "\"seq-mean-token-sum\""),
+    to(
+        "algorithm.loss_scale_factor",
+        &["algorithm.aggregation=\"seq-mean-token-sum-norm\""],
+        "3",
+    ),
+    to(
+        "algorithm.policy_loss",
+        &["algorithm.aggregation=\"seq-mean-token-mean\"", EPOCHS, RATE],
+        "\"gspo\"",
+    ),
+    // Dr.GRPO and RLOO agree in both anchors but for one-sample groups
+    // and KL estimates beyond the clamps: a policy far from its reference.
+    // GRPO's flavors differ otherwise only in the whitening epsilon (1e-9
+    // against 1e-6), a change at rounding level in a two-step run.
+    to_for(
+        For::GroupOrDistill,
+        "algorithm.flavor",
+        &["algorithm.lr=0.5", "algorithm.kl_estimator=\"k2\"", "run.steps=3"],
+        "\"verl\"",
+    ),
+    to("algorithm.flavor", &[], "\"verl\""),
+    to(
+        "algorithm.sapo_tau_pos",
+        &["algorithm.policy_loss=sapo", "algorithm.aggregation=\"seq-mean-token-mean\"", EPOCHS, RATE],
+        "5.0",
+    ),
+    to(
+        "algorithm.sapo_tau_neg",
+        &["algorithm.policy_loss=sapo", "algorithm.aggregation=\"seq-mean-token-mean\"", EPOCHS, RATE],
+        "5.0",
+    ),
+    to(
+        "algorithm.clip_cov_ratio",
+        &["algorithm.policy_loss=clip_cov", "algorithm.clip_cov_lb=-100", EPOCHS, RATE],
+        "0.5",
+    ),
+    to(
+        "algorithm.clip_cov_lb",
+        &["algorithm.policy_loss=clip_cov", "algorithm.clip_cov_ratio=0.5", EPOCHS, RATE],
+        "-100",
+    ),
+    to(
+        "algorithm.clip_cov_ub",
+        &[
+            "algorithm.policy_loss=clip_cov",
+            "algorithm.clip_cov_ratio=0.5",
+            "algorithm.clip_cov_lb=-100",
+            EPOCHS,
+            RATE,
+        ],
+        "-50",
+    ),
+    to(
+        "algorithm.gdpo",
+        &[
+            "reward.kind=\"terms\"",
+            "reward.terms=[{rule = \"arith_exact_match\"}, {rule = \"length\", max_tokens = 6, weight = 0.3}]",
+        ],
+        "true",
+    ),
+    to("algorithm.dro_beta", &["algorithm.policy_loss=dro", EPOCHS, RATE], "5.0"),
+    to(
+        "algorithm.reinforce_is_cap",
+        &["algorithm.policy_loss=reinforce", EPOCHS, RATE],
+        "1.0",
+    ),
+    to("algorithm.kl_cov_ratio", &["algorithm.policy_loss=kl_cov", EPOCHS, RATE], "0.5"),
+    to("algorithm.kl_cov_coef", &["algorithm.policy_loss=kl_cov", EPOCHS, RATE], "5.0"),
+    to("algorithm.gamma", &[], "0.5"),
+    to("algorithm.lambda", &[], "0.5"),
+    to("algorithm.critic_lr", &[], "0.01"),
+    to(
+        "algorithm.value_clip",
+        &[EPOCHS, "algorithm.critic_lr=0.01"],
+        "0.001",
+    ),
+    to("algorithm.beta", &[], "0.5"),
+    to("algorithm.preference_loss", &[], "\"ipo\""),
+    to(
+        "algorithm.label_smoothing",
+        &["algorithm.preference_loss=cdpo", "algorithm.label_smoothing=0.1"],
+        "0.3",
+    ),
+    to("algorithm.correction", &[], "\"tis\""),
+    to(
+        "algorithm.correction_low",
+        &["algorithm.correction=tis", "run.max_staleness=1"],
+        "1.0",
+    ),
+    to(
+        "algorithm.correction_high",
+        &["algorithm.correction=tis", "run.max_staleness=1"],
+        "1.0000001",
+    ),
+    to(
+        "algorithm.correction_batch_normalize",
+        &["algorithm.correction=tis", "run.max_staleness=1"],
+        "true",
+    ),
+    // Rows a version stale under a large rate: some tokens' ratios leave the band.
+    to("algorithm.rejection", &["run.max_staleness=1", RATE], "\"token_k1\""),
+    to(
+        "algorithm.rejection_threshold",
+        &["algorithm.rejection=\"token_k1\"", "run.max_staleness=1", RATE],
+        "\"0.99_1.01\"",
+    ),
+    // Its gradient differs from the estimator's once the policy has left its reference.
+    to(
+        "algorithm.kl_unbiased_gradient",
+        &["algorithm.lr=0.05", "algorithm.kl_coef=0.5", "run.steps=3"],
+        "true",
+    ),
+    to("dynamic_sampling.enabled", &[], "true"),
+    to(
+        "dynamic_sampling.target_groups",
+        &["dynamic_sampling.enabled=true", "data.prompts_per_step=6", "data.samples_per_prompt=4"],
+        "1",
+    ),
+    // Every group of six in a step must be informative, or the step waits.
+    to(
+        "dynamic_sampling.max_extra_batches",
+        &[
+            "dynamic_sampling.enabled=true",
+            "dynamic_sampling.target_groups=6",
+            "data.prompts_per_step=6",
+            "data.samples_per_prompt=4",
+        ],
+        "1",
+    ),
+    to("curriculum.enabled", &[], "true"),
+    // The curriculum judges prompts seen before: six prompts, six steps of two.
+    to(
+        "curriculum.min_samples",
+        &[FILE, "run.steps=6", "data.samples_per_prompt=4", "curriculum.enabled=true", "curriculum.max_solve_rate=0.0"],
+        "1",
+    ),
+    to(
+        "curriculum.max_solve_rate",
+        &[FILE, "run.steps=6", "data.samples_per_prompt=4", "curriculum.enabled=true", "curriculum.min_samples=1"],
+        "0.0",
+    ),
+    to(
+        "curriculum.min_solve_rate",
+        &[FILE, "run.steps=6", "data.samples_per_prompt=4", "curriculum.enabled=true", "curriculum.min_samples=1"],
+        "1.0",
+    ),
+    to(
+        "curriculum.solve_threshold",
+        &[
+            FILE,
+            "run.steps=6",
+            "data.samples_per_prompt=4",
+            "curriculum.enabled=true",
+            "curriculum.min_samples=1",
+            "curriculum.max_solve_rate=0.5",
+        ],
+        "-1.0",
+    ),
+];
+
+/// `text` with the paths [`Change`] names put in.
+fn fill(text: &str, prompts: &Path) -> String {
+    let quoted = |p: &Path| format!("{:?}", p.display().to_string());
+    let mut out = text.to_string();
+    // The log only where it is named: making it is a run of its own.
+    let paths: [(&str, &dyn Fn() -> String); 6] = [
+        ("$prompts", &|| quoted(prompts)),
+        ("$log", &a_log),
+        ("$other", &|| quoted(&fixture("tiny-llama"))),
+        ("$rm", &|| quoted(&fixture("tiny-llama-rm"))),
+        ("$qwen2", &|| quoted(&fixture("tiny-qwen2"))),
+        ("$arith", &|| quoted(&fixture("arith-sft"))),
+    ];
+    for (name, path) in paths {
+        if out.contains(name) {
+            out = out.replace(name, &path());
+        }
+    }
+    out
+}
+
 /// The other settings under which `key` acts, and its changed value.
 fn change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String) {
-    let correction = "algorithm.correction=\"tis\"";
-    let file = format!("data.prompts={:?}", prompts.display().to_string());
-    let rm = format!("{:?}", fixture("tiny-llama-rm").display().to_string());
-    let other_model = format!("{:?}", fixture("tiny-llama").display().to_string());
-    let (setting, value): (&[&str], String) = match key {
-        "run.steps" => (&[], "3".into()),
-        "run.max_staleness" => (&[], "1".into()),
-        "run.seed" => (&[], "7".into()),
-        "run.threads" => (&[], "2".into()),
-        "run.checkpoint_every" => (&[], "1".into()),
-        "run.rows_per_file" => (&[], "2".into()),
-        "eval.prompts" => (&[], format!("{:?}", prompts.display().to_string())),
-        "eval.k" => {
-            return (
-                vec![format!("eval.prompts={:?}", prompts.display().to_string())],
-                "3".into(),
-            )
+    let dir = prompts.parent().unwrap();
+    if key.starts_with("judge.") || key == "placement.judge" {
+        return judge_change(key, dir);
+    }
+    if key.starts_with("agent.") {
+        return agent_change(key, dir);
+    }
+    if [
+        "reward.url",
+        "reward.ca_file",
+        "reward.timeout_s",
+        "reward.attempts",
+    ]
+    .contains(&key)
+    {
+        return remote_change(key, prompts, kind);
+    }
+    if [
+        "reward.file",
+        "reward.function",
+        "reward.python",
+        "reward.workers",
+    ]
+    .contains(&key)
+    {
+        return python_change(key, dir);
+    }
+    let row = CHANGES
+        .iter()
+        .find(|c| c.key == key && c.only.holds(kind))
+        .unwrap_or_else(|| panic!("{key}: no changed value in this test; add a row to CHANGES"));
+    let setting = row.setting.iter().map(|s| fill(s, prompts)).collect();
+    (setting, fill(row.value, prompts))
+}
+
+/// A judge's key: the echo judge repeats the scripted verdict, "111" where
+/// the response is the label, "xxx" (unparsed: 0.25) elsewhere.
+fn judge_change(key: &str, dir: &Path) -> (Vec<String>, String) {
+    let judge = echo_judge(dir);
+    let mut setting = vec![
+        "reward.kind=\"judge\"".to_string(),
+        format!("judge.path={:?}", judge.display().to_string()),
+        "judge.template=\"{% if response == label %}1{% else %}x{% endif %}\"".into(),
+        "judge.chat=false".into(),
+        "judge.max_new_tokens=3".into(),
+        "judge.on_unparsed=\"reward\"".into(),
+        "judge.unparsed_reward=0.25".into(),
+    ];
+    let value = match key {
+        "judge.path" => format!("{:?}", fixture("tiny-llama").display().to_string()),
+        "judge.template" => "\"{% if response == label %}2{% else %}x{% endif %}\"".into(),
+        "judge.chat" => "true".into(),
+        "judge.verdict" => "\"probability\"".into(),
+        "judge.pattern" => "\"^(\\\\d)$\"".into(),
+        "judge.verdict_tokens" => {
+            setting.retain(|s| {
+                !s.contains("on_unparsed")
+                    && !s.contains("unparsed_reward")
+                    && !s.contains("max_new_tokens")
+            });
+            setting.push("judge.verdict=\"probability\"".into());
+            "[\"1\"]".into()
         }
-        "eval.every" | "eval.best_checkpoint" => {
-            let value = if key == "eval.every" { "1" } else { "true" };
-            return (
-                vec![format!("eval.prompts={:?}", prompts.display().to_string())],
-                value.into(),
-            );
+        "judge.max_new_tokens" => "1".into(),
+        "judge.temperature" => "1.0".into(),
+        "judge.on_unparsed" => {
+            setting.retain(|s| !s.contains("unparsed_reward"));
+            "\"error\"".into()
         }
-        "run.max_shard_size" => (&[], "\"100KB\"".into()),
-        "lora.rank" => (&[], "4".into()),
-        "lora.alpha" => (&["lora.rank=4"], "4.0".into()),
-        "lora.dropout" => (&["lora.rank=4"], "0.2".into()),
-        "lora.target_modules" => (&["lora.rank=4"], "[\"q_proj\", \"down_proj\"]".into()),
-        "run.device" => (&[], "\"cuda\"".into()),
-        "placement.workers" => (&[], "3".into()),
-        "placement.rollout" | "placement.train" if !kind.is_rl() => {
-            (&["placement.workers=2"], "[1]".into())
+        "judge.unparsed_reward" => "0.75".into(),
+        "placement.judge" => {
+            setting.push("placement.workers=3".into());
+            "[2]".into()
         }
-        "placement.rollout" => (&[], "[1]".into()),
-        "placement.train" => (&[], "[0]".into()),
-        "placement.reference" => (&[], "\"rollout\"".into()),
-        "placement.weights_channel" => (&[], "\"timely\"".into()),
-        "placement.weights_port" => (&[], "4321".into()),
-        "placement.encrypt" => (&[], "true".into()),
-        "placement.teacher" => (&[], "\"rollout\"".into()),
-        // Two tokens: some responses are cut.
-        "reward.stop_properly_coef" => (&["generate.max_new_tokens=2"], "-1.0".into()),
-        "teacher.path" => (
-            &[],
-            format!("{:?}", fixture("tiny-qwen2").display().to_string()),
-        ),
-        // The echo judge repeats the scripted verdict: "111" where the
-        // response is the label, "xxx" (unparsed: 0.25) elsewhere.
-        k if k.starts_with("judge.") || k == "placement.judge" => {
-            let judge = echo_judge(prompts.parent().unwrap());
-            let mut setting = vec![
-                "reward.kind=\"judge\"".to_string(),
-                format!("judge.path={:?}", judge.display().to_string()),
-                "judge.template=\"{% if response == label %}1{% else %}x{% endif %}\"".into(),
-                "judge.chat=false".into(),
-                "judge.max_new_tokens=3".into(),
-                "judge.on_unparsed=\"reward\"".into(),
-                "judge.unparsed_reward=0.25".into(),
-            ];
-            let value = match k {
-                "judge.path" => other_model,
-                "judge.template" => "\"{% if response == label %}2{% else %}x{% endif %}\"".into(),
-                "judge.chat" => "true".into(),
-                "judge.verdict" => "\"probability\"".into(),
-                "judge.pattern" => "\"^(\\\\d)$\"".into(),
-                "judge.verdict_tokens" => {
-                    setting.retain(|s| !s.contains("on_unparsed") && !s.contains("unparsed_reward") && !s.contains("max_new_tokens"));
-                    setting.push("judge.verdict=\"probability\"".into());
-                    "[\"1\"]".into()
-                }
-                "judge.max_new_tokens" => "1".into(),
-                "judge.temperature" => "1.0".into(),
-                "judge.on_unparsed" => "\"error\"".into(),
-                "judge.unparsed_reward" => "0.75".into(),
-                "placement.judge" => {
-                    setting.push("placement.workers=3".into());
-                    "[2]".into()
-                }
-                other => panic!("{other}: no changed value in this test; add one"),
-            };
-            if k == "judge.on_unparsed" {
-                setting.retain(|s| !s.contains("unparsed_reward"));
-            }
-            return (setting, value);
-        }
-        "algorithm.distill_coef" => (&[], "0.5".into()),
-        "teacher.top_k" => (&[], "3".into()),
-        "algorithm.gkd_beta" => (&["teacher.top_k=3"], "0.0".into()),
-        "algorithm.gkd_coef" => (&["teacher.top_k=3"], "0.5".into()),
-        "algorithm.gkd_tail" => (&["teacher.top_k=3"], "\"drop\"".into()),
-        "algorithm.distill_task" => (&[], "\"rloo\"".into()),
-        "placement.shard_optimizer" => (
-            &["placement.workers=2", "placement.train=[0, 1]"],
-            "true".into(),
-        ),
-        "placement.weights_bucket_mib" => (&["placement.weights_channel=\"timely\""], "1".into()),
-        "model.path" => (&[], other_model),
-        "model.dtype" => (&[], "\"bf16\"".into()),
-        "model.reference" => (&[], other_model),
-        "model.reward_model" if kind.is_rl() && kind != PipelineKind::Ppo => {
-            let arith = format!("{:?}", fixture("arith-sft").display().to_string());
-            return (
-                vec![
-                    "reward.kind=model".into(),
-                    format!("model.reward_model={rm}"),
-                ],
-                arith,
-            );
-        }
-        "model.reward_model" | "model.critic" => (&[], rm),
-        "data.prompts" => (&[], format!("{:?}", prompts.display().to_string())),
-        "data.prompt_column" => return (vec![file], "\"question\"".into()),
-        "data.messages_column" => return (vec![file], "\"messages\"".into()),
-        "data.label_column" => return (vec![file], "\"answer2\"".into()),
-        "data.prompt_template" => return (vec![file], "\"Please: {prompt}\"".into()),
-        "data.apply_chat_template" => return (vec![file], "true".into()),
-        // Long prompts: an error, or left out.
-        "data.skip_long_prompts" => {
-            return (
-                vec![file, "data.prompt_column=\"long\"".into()],
-                "true".into(),
-            )
-        }
-        "data.system_prompt" => {
-            return (
-                vec![file, "data.apply_chat_template=true".into()],
-                "\"Answer with a number.\"".into(),
-            )
-        }
-        "data.chosen_column" => return (vec![file], "\"chosen2\"".into()),
-        "data.rejected_column" => return (vec![file], "\"rejected2\"".into()),
-        "data.margin_column" => return (vec![file], "\"margin\"".into()),
-        "data.epochs" => return (vec![file, "run.steps=5".into()], "1".into()),
-        "data.rollouts" => return (vec![correction.into()], a_log()),
-        // The log's later steps: its advantages are GAE's over a critic
-        // that has trained, which no estimator computes again from rewards.
-        "data.rollouts_where" | "data.replay_fraction" | "data.rollout_advantages" => {
-            let value = match key {
-                "data.rollouts_where" => "\"step >= 1\"",
-                "data.replay_fraction" => "0.5",
-                _ => "\"logged\"",
-            };
-            let mut setting = vec![correction.to_string(), format!("data.rollouts={}", a_log())];
-            if key == "data.rollout_advantages" {
-                setting.push("data.rollouts_where=\"step >= 2\"".into());
-            }
-            return (setting, value.into());
-        }
-        "data.prompts_per_step" => (&[], "3".into()),
-        "data.samples_per_prompt" => (&[], "3".into()),
-        "generate.max_new_tokens" => (&[], "3".into()),
-        "generate.temperature" => (&[], "0.5".into()),
-        "generate.top_p" => (&[], "0.5".into()),
-        "generate.top_k" => (&[], "3".into()),
-        "generate.max_inflight" => (&[], "3".into()),
-        "generate.long_tail" => (&[], "1.0".into()),
-        "generate.ignore_eos" => (&[], "true".into()),
-        "generate.backend" => (&[], "\"torch\"".into()),
-        "generate.on_new_weights" => (
-            &["generate.max_inflight=3", "run.max_staleness=1"],
-            "\"recompute\"".into(),
-        ),
-        "reward.kind" => (&[], "\"remote\"".into()),
-        "reward.overlong_buffer" => (&[], "3".into()),
-        "reward.overlong_penalty_factor" => (&["reward.overlong_buffer=3"], "5.0".into()),
-        "reward.rule" => (&[], "\"nope\"".into()),
-        "reward.url" | "reward.ca_file" | "reward.timeout_s" | "reward.attempts" => {
-            let value = match key {
-                "reward.url" => {
-                    format!("{:?}", format!("{}/{}/other", reward_server(), kind.name()))
-                }
-                // The test server is http://: refused, naming the key.
-                "reward.ca_file" => format!("{:?}", prompts.display().to_string()),
-                "reward.timeout_s" => "0.2".into(),
-                _ => "1".into(),
-            };
-            return (
-                vec![
-                    "reward.kind=remote".into(),
-                    format!(
-                        "reward.url={:?}",
-                        format!("{}/{}", reward_server(), kind.name())
-                    ),
-                ],
-                value,
-            );
-        }
-        "reward.file" | "reward.function" | "reward.python" | "reward.workers" => {
-            let dir = prompts.parent().unwrap();
-            let (exact, length) = (dir.join("exact.py"), dir.join("length.py"));
-            let cut = "q[len(p):].split('<|im_end|>')[0].strip()";
-            std::fs::write(
-                &exact,
-                format!(
-                    "def reward_func(queries, prompts, labels, **columns):\n    \
-                     return [float({cut} == l) for q, p, l in zip(queries, prompts, labels)]\n\
-                     def other_func(queries, prompts, labels, **columns):\n    \
-                     return [0.25 + 0.5 * float({cut} == l) for q, p, l in zip(queries, prompts, labels)]\n"
-                ),
-            )
-            .unwrap();
-            std::fs::write(
-                &length,
-                format!("def reward_func(queries, prompts, labels, **columns):\n    return [len({cut}) / 10 for q, p in zip(queries, prompts)]\n"),
-            )
-            .unwrap();
-            let value = match key {
-                "reward.file" => format!("{:?}", length.display().to_string()),
-                "reward.function" => "\"other_func\"".into(),
-                "reward.python" => "\"python3-that-is-not-there\"".into(),
-                _ => "1".into(),
-            };
-            return (
-                vec![
-                    "reward.kind=\"python\"".into(),
-                    format!("reward.file={:?}", exact.display().to_string()),
-                ],
-                value,
-            );
-        }
-        "reward.terms" => (
-            &[
-                "reward.kind=\"terms\"",
-                "reward.terms=[{rule = \"arith_exact_match\"}]",
-            ],
-            "[{rule = \"arith_exact_match\", weight = 2.0}, {rule = \"length\", weight = 0.1}]"
-                .into(),
-        ),
-        "algorithm.lr" => (&[], "0.01".into()),
-        "algorithm.warmup_steps" => (&[], "5".into()),
-        "algorithm.schedule" => (&["algorithm.warmup_steps=0"], "\"cosine\"".into()),
-        "algorithm.min_lr_ratio" => (
-            &["algorithm.schedule=cosine", "algorithm.warmup_steps=0"],
-            "0.5".into(),
-        ),
-        "algorithm.weight_decay" => (&["algorithm.warmup_steps=0"], "0.9".into()),
-        "algorithm.max_grad_norm" => (&[], "0.001".into()),
-        "algorithm.micro_batch" => (&[], "1".into()),
-        "algorithm.micro_batch_tokens" => (&[], "8".into()),
-        "algorithm.gradient_checkpointing" => (&[], "true".into()),
-        "algorithm.packing" => (&[], "true".into()),
-        "algorithm.logprob_chunk" => (&[], "5".into()),
-        "algorithm.ppo_epochs" => (&[], "2".into()),
-        "algorithm.mini_batches" => (&[], "2".into()),
-        "algorithm.clip_low" => (
-            &["algorithm.ppo_epochs=3", "algorithm.lr=0.01"],
-            "0.01".into(),
-        ),
-        // ReMax on the SFT'd pairs: the greedy answer is mostly right, so
-        // advantages are rarely positive; a reward for wrong answers makes them so.
-        "algorithm.clip_high" if kind == PipelineKind::Remax => (
-            &[
-                "algorithm.ppo_epochs=3",
-                "algorithm.lr=0.01",
-                "reward.kind=\"terms\"",
-                "reward.terms=[{rule = \"exact\", weight = -1.0}]",
-            ],
-            "0.0".into(),
-        ),
-        "algorithm.sapo_tau_pos" if kind == PipelineKind::Remax => (
-            &[
-                "algorithm.policy_loss=sapo",
-                "algorithm.aggregation=\"seq-mean-token-mean\"",
-                "algorithm.ppo_epochs=3",
-                "algorithm.lr=0.01",
-                "reward.kind=\"terms\"",
-                "reward.terms=[{rule = \"exact\", weight = -1.0}]",
-            ],
-            "5.0".into(),
-        ),
-        "algorithm.clip_high" => (
-            &["algorithm.ppo_epochs=3", "algorithm.lr=0.01"],
-            "0.0".into(),
-        ),
-        // The dual clip binds where a negative advantage meets a ratio above
-        // c: stale rows (k = 1) and a large rate move ratios both ways.
-        "algorithm.dual_clip" => (
-            &[
-                "run.steps=3",
-                "run.max_staleness=1",
-                "algorithm.ppo_epochs=3",
-                "algorithm.lr=0.01",
-            ],
-            "1.01".into(),
-        ),
-        "algorithm.kl_coef" => (&[], "0.5".into()),
-        // A target far above any KL: the coefficient shrinks by the clip after
-        // each step, by 0.2 · n / kl_horizon: with 32 responses a step, past
-        // the rounding the comparison allows.
-        "algorithm.kl_target" => (
-            &[
-                "run.steps=3",
-                "algorithm.kl_coef=0.1",
-                "data.prompts_per_step=8",
-                "data.samples_per_prompt=4",
-            ],
-            "1000000.0".into(),
-        ),
-        "algorithm.kl_horizon" => (
-            &["run.steps=3", "algorithm.kl_target=1000000.0"],
-            "1.0".into(),
-        ),
-        // k3+ differs from k3 in its gradient only, by r²/2 per token: a policy
-        // pulled well away from its reference shows it.
-        "algorithm.kl_estimator" if kind.is_group() => (
-            &["algorithm.lr=0.05", "algorithm.kl_coef=0.5", "run.steps=3"],
-            "\"k1\"".into(),
-        ),
-        "algorithm.kl_estimator" => (&[], "\"k1\"".into()),
-        "algorithm.entropy_coef" => (&[], "0.5".into()),
-        // In this short run every group's samples score alike (zero
-        // advantages), and OpenRLHF aggregates its KL and entropy terms as a
-        // token mean whatever the mode: the mode shows in verl's KL term.
-        "algorithm.aggregation" if kind.is_group() => (
-            &["algorithm.flavor=\"verl\""],
-            "\"seq-mean-token-sum\"".into(),
-        ),
-        "algorithm.aggregation" => (&[], "\"seq-mean-token-sum\"".into()),
-        "algorithm.loss_scale_factor" => (
-            &["algorithm.aggregation=\"seq-mean-token-sum-norm\""],
-            "3".into(),
-        ),
-        "algorithm.policy_loss" => (
-            &[
-                "algorithm.aggregation=\"seq-mean-token-mean\"",
-                "algorithm.ppo_epochs=3",
-                "algorithm.lr=0.01",
-            ],
-            "\"gspo\"".into(),
-        ),
-        // Dr.GRPO and RLOO agree in both anchors but for one-sample groups
-        // and KL estimates beyond the clamps: a policy far from its reference.
-        // GRPO's flavors differ otherwise only in the whitening epsilon (1e-9
-        // against 1e-6), a change at rounding level in a two-step run.
-        "algorithm.flavor" if kind.is_group() || kind == PipelineKind::Distill => (
-            &[
-                "algorithm.lr=0.5",
-                "algorithm.kl_estimator=\"k2\"",
-                "run.steps=3",
-            ],
-            "\"verl\"".into(),
-        ),
-        "algorithm.flavor" => (&[], "\"verl\"".into()),
-        "algorithm.sapo_tau_pos" | "algorithm.sapo_tau_neg" => (
-            &[
-                "algorithm.policy_loss=sapo",
-                "algorithm.aggregation=\"seq-mean-token-mean\"",
-                "algorithm.ppo_epochs=3",
-                "algorithm.lr=0.01",
-            ],
-            "5.0".into(),
-        ),
-        "algorithm.clip_cov_ratio" => (
-            &[
-                "algorithm.policy_loss=clip_cov",
-                "algorithm.clip_cov_lb=-100",
-                "algorithm.ppo_epochs=3",
-                "algorithm.lr=0.01",
-            ],
-            "0.5".into(),
-        ),
-        "algorithm.clip_cov_lb" => (
-            &[
-                "algorithm.policy_loss=clip_cov",
-                "algorithm.clip_cov_ratio=0.5",
-                "algorithm.ppo_epochs=3",
-                "algorithm.lr=0.01",
-            ],
-            "-100".into(),
-        ),
-        "algorithm.clip_cov_ub" => (
-            &[
-                "algorithm.policy_loss=clip_cov",
-                "algorithm.clip_cov_ratio=0.5",
-                "algorithm.clip_cov_lb=-100",
-                "algorithm.ppo_epochs=3",
-                "algorithm.lr=0.01",
-            ],
-            "-50".into(),
-        ),
-        "algorithm.gdpo" => (
-            &[
-                "reward.kind=\"terms\"",
-                "reward.terms=[{rule = \"arith_exact_match\"}, {rule = \"length\", max_tokens = 6, weight = 0.3}]",
-            ],
-            "true".into(),
-        ),
-        "algorithm.dro_beta" => (
-            &[
-                "algorithm.policy_loss=dro",
-                "algorithm.ppo_epochs=3",
-                "algorithm.lr=0.01",
-            ],
-            "5.0".into(),
-        ),
-        "algorithm.reinforce_is_cap" => (
-            &[
-                "algorithm.policy_loss=reinforce",
-                "algorithm.ppo_epochs=3",
-                "algorithm.lr=0.01",
-            ],
-            "1.0".into(),
-        ),
-        "algorithm.kl_cov_ratio" | "algorithm.kl_cov_coef" => (
-            &[
-                "algorithm.policy_loss=kl_cov",
-                "algorithm.ppo_epochs=3",
-                "algorithm.lr=0.01",
-            ],
-            if key.ends_with("ratio") {
-                "0.5".into()
-            } else {
-                "5.0".into()
-            },
-        ),
-        "algorithm.gamma" => (&[], "0.5".into()),
-        "algorithm.lambda" => (&[], "0.5".into()),
-        "algorithm.critic_lr" => (&[], "0.01".into()),
-        "algorithm.value_clip" => (
-            &["algorithm.ppo_epochs=3", "algorithm.critic_lr=0.01"],
-            "0.001".into(),
-        ),
-        "algorithm.beta" => (&[], "0.5".into()),
-        "algorithm.preference_loss" => (&[], "\"ipo\"".into()),
-        "algorithm.label_smoothing" => (
-            &[
-                "algorithm.preference_loss=cdpo",
-                "algorithm.label_smoothing=0.1",
-            ],
-            "0.3".into(),
-        ),
-        "algorithm.correction" => (&[], "\"tis\"".into()),
-        "algorithm.correction_low" | "algorithm.correction_high" => (
-            &["algorithm.correction=tis", "run.max_staleness=1"],
-            if key.ends_with("low") {
-                "1.0".into()
-            } else {
-                "1.0000001".into()
-            },
-        ),
-        "algorithm.correction_batch_normalize" => (
-            &["algorithm.correction=tis", "run.max_staleness=1"],
-            "true".into(),
-        ),
-        // Rows a version stale under a large rate: some tokens' ratios leave the band.
-        "algorithm.rejection" => (
-            &["run.max_staleness=1", "algorithm.lr=0.01"],
-            "\"token_k1\"".into(),
-        ),
-        "algorithm.rejection_threshold" => (
-            &[
-                "algorithm.rejection=\"token_k1\"",
-                "run.max_staleness=1",
-                "algorithm.lr=0.01",
-            ],
-            "\"0.99_1.01\"".into(),
-        ),
-        // Its gradient differs from the estimator's once the policy has left its reference.
-        "algorithm.kl_unbiased_gradient" => (
-            &["algorithm.lr=0.05", "algorithm.kl_coef=0.5", "run.steps=3"],
-            "true".into(),
-        ),
-        "dynamic_sampling.enabled" => (&[], "true".into()),
-        "dynamic_sampling.target_groups" => (
-            &[
-                "dynamic_sampling.enabled=true",
-                "data.prompts_per_step=6",
-                "data.samples_per_prompt=4",
-            ],
-            "1".into(),
-        ),
-        // Every group of six in a step must be informative, or the step waits.
-        "dynamic_sampling.max_extra_batches" => (
-            &[
-                "dynamic_sampling.enabled=true",
-                "dynamic_sampling.target_groups=6",
-                "data.prompts_per_step=6",
-                "data.samples_per_prompt=4",
-            ],
-            "1".into(),
-        ),
-        "curriculum.enabled" => (&[], "true".into()),
-        // The curriculum judges prompts seen before: six prompts, six steps of two.
-        "curriculum.min_samples"
-        | "curriculum.max_solve_rate"
-        | "curriculum.min_solve_rate"
-        | "curriculum.solve_threshold" => {
-            let mut setting = vec![
-                file,
-                "run.steps=6".into(),
-                "data.samples_per_prompt=4".into(),
-                "curriculum.enabled=true".into(),
-            ];
-            let value = match key {
-                "curriculum.min_samples" => {
-                    setting.push("curriculum.max_solve_rate=0.0".into());
-                    "1"
-                }
-                "curriculum.max_solve_rate" => {
-                    setting.push("curriculum.min_samples=1".into());
-                    "0.0"
-                }
-                "curriculum.min_solve_rate" => {
-                    setting.push("curriculum.min_samples=1".into());
-                    "1.0"
-                }
-                _ => {
-                    setting.push("curriculum.min_samples=1".into());
-                    setting.push("curriculum.max_solve_rate=0.5".into());
-                    "-1.0"
-                }
-            };
-            return (setting, value.into());
-        }
-        "eval.arith" => (&[], "true".into()),
-        "eval.batch" => (&["eval.arith=true"], "7".into()),
-        "reward.on_finish" => (&[], "{stop = 0.5, length = -1.0}".into()),
-        key if key.starts_with("agent.") => return agent_change(key, prompts.parent().unwrap()),
         other => panic!("{other}: no changed value in this test; add one"),
     };
-    (setting.iter().map(|s| s.to_string()).collect(), value)
+    (setting, value)
+}
+
+/// A remote reward's key, against the test's reward server.
+fn remote_change(key: &str, prompts: &Path, kind: PipelineKind) -> (Vec<String>, String) {
+    let value = match key {
+        "reward.url" => format!("{:?}", format!("{}/{}/other", reward_server(), kind.name())),
+        // The test server is http://: refused, naming the key.
+        "reward.ca_file" => format!("{:?}", prompts.display().to_string()),
+        "reward.timeout_s" => "0.2".into(),
+        _ => "1".into(),
+    };
+    let url = format!("{}/{}", reward_server(), kind.name());
+    (
+        vec!["reward.kind=remote".into(), format!("reward.url={url:?}")],
+        value,
+    )
+}
+
+/// A python reward's key: `exact.py` (1 for the label, and `other_func`:
+/// 0.25 + 0.5 for it) and `length.py` (a tenth of the answer's length), in `dir`.
+fn python_change(key: &str, dir: &Path) -> (Vec<String>, String) {
+    let (exact, length) = (dir.join("exact.py"), dir.join("length.py"));
+    let cut = "q[len(p):].split('<|im_end|>')[0].strip()";
+    std::fs::write(
+        &exact,
+        format!(
+            "def reward_func(queries, prompts, labels, **columns):\n    \
+             return [float({cut} == l) for q, p, l in zip(queries, prompts, labels)]\n\
+             def other_func(queries, prompts, labels, **columns):\n    \
+             return [0.25 + 0.5 * float({cut} == l) for q, p, l in zip(queries, prompts, labels)]\n"
+        ),
+    )
+    .unwrap();
+    std::fs::write(
+        &length,
+        format!("def reward_func(queries, prompts, labels, **columns):\n    return [len({cut}) / 10 for q, p in zip(queries, prompts)]\n"),
+    )
+    .unwrap();
+    let value = match key {
+        "reward.file" => format!("{:?}", length.display().to_string()),
+        "reward.function" => "\"other_func\"".into(),
+        "reward.python" => "\"python3-that-is-not-there\"".into(),
+        _ => "1".into(),
+    };
+    (
+        vec![
+            "reward.kind=\"python\"".into(),
+            format!("reward.file={:?}", exact.display().to_string()),
+        ],
+        value,
+    )
 }
 
 /// A rollout log to train from, as `data.rollouts` names it: a three-step

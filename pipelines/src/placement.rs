@@ -13,7 +13,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use weir_graph::{Execution, WorkerInfo};
+use weir_graph::{Execution, RunSteps, WorkerInfo};
 use weir_operators::data::cursor::CursorLog;
 
 use crate::context::RunContext;
@@ -101,12 +101,14 @@ pub(crate) fn execution(cfg: &RunConfig, cluster: &Cluster) -> Result<Execution,
 }
 
 /// The prompt cursors of a process that trains but draws no prompts: derived
-/// from where the segment starts, which holds when nothing is skipped.
+/// from where the segment starts, which holds when nothing is skipped;
+/// `steps` are the engine's ([`weir_graph::RunSettings::run_steps`]).
 pub(crate) fn derived_cursors(
     kind: PipelineKind,
     cfg: &RunConfig,
     ctx: &RunContext,
     cluster: &Cluster,
+    steps: RunSteps,
 ) -> Result<CursorLog, PipelineError> {
     if cfg.curriculum.enabled {
         return Err(format!(
@@ -118,18 +120,9 @@ pub(crate) fn derived_cursors(
         .into());
     }
     let probe = WorkerInfo {
-        index: 0,
-        peers: 1,
         process: cluster.process,
-        rank: 0,
-        role_size: 1,
-        run: 0,
-        steps: weir_graph::RunSteps {
-            first: ctx.first_step,
-            last: Some(ctx.last_step),
-            max_staleness: cfg.run.max_staleness,
-            commit_every: Some(cfg.run.checkpoint_every),
-        },
+        steps,
+        ..WorkerInfo::single()
     };
     let source = match kind.trains_on() {
         TrainsOn::Pairs => crate::prompts::preference_pairs(cfg, ctx)(&probe)?,

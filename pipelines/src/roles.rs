@@ -86,13 +86,14 @@ pub fn actor(
             sum_pi_squared,
             ..cfg.generate.sampling(&tok, cfg.run.seed)
         };
+        let streaming = Streaming {
+            max_inflight: cfg.generate.max_inflight,
+            on_new_weights: cfg.generate.on_new_weights,
+        };
         if cfg.agent.enabled() {
             let stage = episodes(&cfg, model, tok, params)?;
-            if cfg.generate.max_inflight > 0 {
-                let g = &cfg.generate;
-                let streamed =
-                    stage.streamed(g.max_inflight, g.on_new_weights, w.steps, version)?;
-                return Ok(Box::new(streamed));
+            if streaming.max_inflight > 0 {
+                return Ok(Box::new(stage.streamed(streaming, w.steps, version)?));
             }
             return Ok(Box::new(stage));
         }
@@ -101,12 +102,11 @@ pub fn actor(
         if cfg.generate.long_tail > 0.0 {
             generate = generate.with_long_tail(cfg.generate.long_tail);
         }
-        if cfg.generate.max_inflight > 0 {
-            let streaming = Streaming {
-                max_inflight: cfg.generate.max_inflight,
-                on_new_weights: cfg.generate.on_new_weights,
-            };
-            let streamed = generate.streamed(streaming, w.steps, version)?;
+        if streaming.max_inflight > 0 {
+            let mut streamed = generate.streamed(streaming, w.steps, version)?;
+            if let Some(tokens) = cfg.generate.hold_for_weights_at {
+                streamed = streamed.holding_for_weights_at(tokens, w.steps);
+            }
             return evaluating(streamed, &cfg, w, params);
         }
         evaluating(generate, &cfg, w, params)

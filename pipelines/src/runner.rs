@@ -272,12 +272,6 @@ fn prepare(req: &RunRequest) -> Result<Segment, PipelineError> {
         keep_aside(&dir.join("metrics.parquet"))?;
         trim_rollouts(&dir.join("rollouts"), found.as_ref().map(|(_, s)| s.step))?;
     }
-    let local = cluster.local_workers(cfg.placement.workers);
-    let hosts = |set: &[usize]| set.iter().any(|w| local.contains(w));
-    if hosts(&cfg.placement.train) && !hosts(&cfg.placement.rollout) {
-        // Checkpoints are written here, but the prompts are drawn elsewhere.
-        ctx.cursors = crate::placement::derived_cursors(kind, cfg, &ctx, cluster)?;
-    }
     // What produced the rows, for the log's readers to check: once the
     // folder is in order (a resume's tidying removes half-written files).
     let manifest = leader.then(|| {
@@ -300,24 +294,6 @@ fn prepare(req: &RunRequest) -> Result<Segment, PipelineError> {
 /// Builds the pipeline and runs the segment's steps through the engine.
 fn train(req: &RunRequest, segment: &mut Segment) -> Result<RunReport, PipelineError> {
     let (kind, cfg, dir, cluster) = (req.pipeline, &req.config, &req.run_dir, &req.cluster);
-    let ctx = &segment.ctx;
-    let pipeline = match kind {
-        PipelineKind::Grpo => rl::grpo(cfg, ctx)?,
-        PipelineKind::DrGrpo => rl::dr_grpo(cfg, ctx)?,
-        PipelineKind::Rloo => rl::rloo(cfg, ctx)?,
-        PipelineKind::Opo => rl::opo(cfg, ctx)?,
-        PipelineKind::Otb => rl::otb(cfg, ctx)?,
-        PipelineKind::GrpoPassk => rl::grpo_passk(cfg, ctx)?,
-        PipelineKind::Gpg => rl::gpg(cfg, ctx)?,
-        PipelineKind::ReinforcePp => rl::reinforce_pp(cfg, ctx)?,
-        PipelineKind::ReinforcePpBaseline => rl::reinforce_pp_baseline(cfg, ctx)?,
-        PipelineKind::Remax => rl::remax(cfg, ctx)?,
-        PipelineKind::Distill => rl::distill(cfg, ctx)?,
-        PipelineKind::Ppo => rl::ppo(cfg, ctx)?,
-        PipelineKind::Sft => sft::sft(cfg, ctx)?,
-        PipelineKind::Rm => preference::rm(cfg, ctx)?,
-        PipelineKind::Dpo => preference::dpo(cfg, ctx)?,
-    };
     let p = &cfg.placement;
     let placement = Placement::new(p.workers)
         .assign(ROLLOUT, p.rollout.iter().copied())
@@ -335,7 +311,7 @@ fn train(req: &RunRequest, segment: &mut Segment) -> Result<RunReport, PipelineE
     };
     let (observer, bar) = crate::progress::observer(
         kind.name(),
-        ctx.first_step,
+        segment.ctx.first_step,
         cfg.run.steps,
         req.progress && cluster.is_leader(),
     );
@@ -343,7 +319,12 @@ fn train(req: &RunRequest, segment: &mut Segment) -> Result<RunReport, PipelineE
     let fingerprint = {
         use std::hash::{Hash, Hasher};
         let mut h = std::collections::hash_map::DefaultHasher::new();
-        (resolved_config_text(kind, cfg), ctx.first_step, ctx.version).hash(&mut h);
+        (
+            resolved_config_text(kind, cfg),
+            segment.ctx.first_step,
+            segment.ctx.version,
+        )
+            .hash(&mut h);
         h.finish()
     };
     let execution = crate::placement::execution(cfg, cluster)?;
@@ -362,11 +343,11 @@ fn train(req: &RunRequest, segment: &mut Segment) -> Result<RunReport, PipelineE
                 .channel(cfg.placement.weights_port),
         )
         .max_staleness(cfg.run.max_staleness)
-        .steps(cfg.run.steps - ctx.first_step)
-        .resume_at(ctx.first_step, ctx.version)
+        .steps(cfg.run.steps - segment.ctx.first_step)
+        .resume_at(segment.ctx.first_step, segment.ctx.version)
         .metrics_path(dir.join("metrics.parquet"))
         .commits(cfg.run.checkpoint_every, {
-            let commits = ctx.commits.clone();
+            let commits = segment.ctx.commits.clone();
             let trimmed = Arc::new(std::sync::atomic::AtomicU64::new(0));
             Arc::new(move |at| {
                 commits.commit(at)?;
@@ -390,6 +371,36 @@ fn train(req: &RunRequest, segment: &mut Segment) -> Result<RunReport, PipelineE
             })
         })
         .observe(observer);
+    let local = cluster.local_workers(cfg.placement.workers);
+    let hosts = |set: &[usize]| set.iter().any(|w| local.contains(w));
+    if hosts(&cfg.placement.train) && !hosts(&cfg.placement.rollout) {
+        // Checkpoints are written here, but the prompts are drawn elsewhere.
+        segment.ctx.cursors = crate::placement::derived_cursors(
+            kind,
+            cfg,
+            &segment.ctx,
+            cluster,
+            settings.run_steps(),
+        )?;
+    }
+    let ctx = &segment.ctx;
+    let pipeline = match kind {
+        PipelineKind::Grpo => rl::grpo(cfg, ctx)?,
+        PipelineKind::DrGrpo => rl::dr_grpo(cfg, ctx)?,
+        PipelineKind::Rloo => rl::rloo(cfg, ctx)?,
+        PipelineKind::Opo => rl::opo(cfg, ctx)?,
+        PipelineKind::Otb => rl::otb(cfg, ctx)?,
+        PipelineKind::GrpoPassk => rl::grpo_passk(cfg, ctx)?,
+        PipelineKind::Gpg => rl::gpg(cfg, ctx)?,
+        PipelineKind::ReinforcePp => rl::reinforce_pp(cfg, ctx)?,
+        PipelineKind::ReinforcePpBaseline => rl::reinforce_pp_baseline(cfg, ctx)?,
+        PipelineKind::Remax => rl::remax(cfg, ctx)?,
+        PipelineKind::Distill => rl::distill(cfg, ctx)?,
+        PipelineKind::Ppo => rl::ppo(cfg, ctx)?,
+        PipelineKind::Sft => sft::sft(cfg, ctx)?,
+        PipelineKind::Rm => preference::rm(cfg, ctx)?,
+        PipelineKind::Dpo => preference::dpo(cfg, ctx)?,
+    };
     let report = pipeline.run(&settings);
     bar.finish();
     Ok(report?)

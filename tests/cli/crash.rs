@@ -1,5 +1,8 @@
-//! Crash tests: a GRPO run killed with SIGKILL at seeded random moments and
-//! resumed after each kill loses nothing and doubles nothing; with two
+//! Crash tests: a GRPO run killed with SIGKILL and resumed after each kill
+//! loses nothing and doubles nothing. Kills take turns: partway into a step,
+//! just after a checkpoint (both read from the run's own progress: its
+//! checkpoints and its per-step lines), and at a seeded random moment; each
+//! test asserts kills landed after a checkpoint and mid-step. With two
 //! processes (learner ranks on both), killing one ends the other with an
 //! error within the peer timeout and the pair resumes.
 //!
@@ -19,12 +22,13 @@ use weir::graph::parquet_log::read_parquet_file;
 use super::runs::strs;
 use super::*;
 
-/// Long enough that kills (20–1,500 ms after a start) land in start-up,
-/// in steps and in checkpoint writes alike.
+/// Long enough that kills at random (20–1,500 ms after a start) land in
+/// start-up, in steps and in checkpoint writes alike.
 const STEPS: u64 = 24;
 const PROMPTS: u64 = 2;
 const SAMPLES: u64 = 4;
 const K: u64 = 1;
+const CHECKPOINT_EVERY: u64 = 3;
 
 /// A small, seeded generator of kill delays (xorshift64*).
 struct Delays(u64);
@@ -73,7 +77,7 @@ fn run_args_with(out: &Path, more: &[&str]) -> Vec<String> {
         format!("model.path={}", model.display()),
         format!("run.steps={STEPS}"),
         format!("run.max_staleness={K}"),
-        "run.checkpoint_every=3".into(),
+        format!("run.checkpoint_every={CHECKPOINT_EVERY}"),
         format!("data.prompts_per_step={PROMPTS}"),
         format!("data.samples_per_prompt={SAMPLES}"),
         "generate.max_new_tokens=6".into(),
@@ -114,6 +118,115 @@ fn kill_after(child: &mut Child, delay: Duration) -> bool {
     let _ = child.kill();
     let _ = child.wait();
     killed
+}
+
+/// When a kill lands, chosen from the run's own progress: its checkpoints
+/// and the line it prints on stderr as each step finishes.
+#[derive(Clone, Copy, Debug)]
+enum Moment {
+    /// A seeded delay after the start: in start-up, a step or a
+    /// checkpoint's writes alike.
+    Anytime,
+    /// Just after a checkpoint newer than the segment's first is committed.
+    AfterCheckpoint,
+    /// Partway into the step after one that commits nothing.
+    MidStep,
+}
+
+/// Where a kill landed: the newest committed checkpoint, and the last
+/// step the run had reported finished.
+#[derive(Clone, Copy, Debug)]
+struct Landed {
+    checkpoint: Option<u64>,
+    reported: Option<u64>,
+}
+
+impl Landed {
+    /// A resume goes on from a checkpoint this segment or an earlier one wrote.
+    fn after_checkpoint(&self) -> bool {
+        self.checkpoint.is_some()
+    }
+
+    /// Steps had finished past the newest checkpoint: the resume does them again.
+    fn mid_step(&self) -> bool {
+        self.reported
+            .is_some_and(|r| self.checkpoint.is_none_or(|c| r > c))
+    }
+}
+
+/// The steps a run reports finished on stderr (`grpo step 4 (5/24) …`, one
+/// line a step where stderr is no terminal), as they come.
+fn reported_steps(child: &mut Child) -> std::sync::mpsc::Receiver<u64> {
+    use std::io::BufRead;
+    let stderr = child.stderr.take().expect("stderr piped");
+    let (send, steps) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr).lines() {
+            let Ok(line) = line else { return };
+            let words: Vec<&str> = line.split_whitespace().collect();
+            if let [_, "step", n, ..] = words[..] {
+                if let Ok(n) = n.parse() {
+                    let _ = send.send(n);
+                }
+            }
+        }
+    });
+    steps
+}
+
+/// Runs `args` in `root` (the run folder `out`) and kills it at `moment`
+/// unless it ends first: where the kill landed, or how the run ended.
+fn kill_at(
+    args: &[String],
+    out: &Path,
+    root: &Path,
+    moment: Moment,
+    delays: &mut Delays,
+) -> Result<Landed, std::process::ExitStatus> {
+    let first = latest_checkpoint(out);
+    let mut child = spawn(args, root, &[]);
+    let steps = reported_steps(&mut child);
+    let started = Instant::now();
+    let anytime = Duration::from_millis(delays.next_ms(20, 1500));
+    let (mut reported, mut finished_at) = (None, started);
+    let mut step_time = Duration::from_millis(50);
+    loop {
+        assert!(
+            started.elapsed() < Duration::from_secs(300),
+            "{moment:?}: the run neither ended nor reached the moment"
+        );
+        if let Some(status) = child.try_wait().unwrap() {
+            return Err(status);
+        }
+        for step in steps.try_iter() {
+            step_time = finished_at.elapsed().max(Duration::from_millis(1));
+            finished_at = Instant::now();
+            reported = Some(step);
+        }
+        let now = match moment {
+            Moment::Anytime => started.elapsed() >= anytime,
+            Moment::AfterCheckpoint => latest_checkpoint(out) > first,
+            Moment::MidStep => reported.is_some_and(|s| {
+                (s + 1) % CHECKPOINT_EVERY != 0 && Some(s) > latest_checkpoint(out)
+            }),
+        };
+        if now {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    if let Moment::MidStep = moment {
+        // Within the next step: at most half a step's time on.
+        let half = (step_time.as_millis() as u64 / 2).max(2);
+        std::thread::sleep(Duration::from_millis(delays.next_ms(1, half)));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    reported = steps.try_iter().last().or(reported);
+    Ok(Landed {
+        checkpoint: latest_checkpoint(out),
+        reported,
+    })
 }
 
 /// The step of the newest committed checkpoint, if any.
@@ -392,10 +505,12 @@ fn kill_and_resume(seed: u64, kills: u64, more: &[&str]) {
 /// [`kill_and_resume`] with run folders under `root`; returns them.
 fn kill_and_resume_in(root: &Path, seed: u64, kills: u64, more: &[&str]) -> Vec<PathBuf> {
     let mut delays = Delays(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
-    // Kills land anywhere: in start-up, between steps, in a checkpoint's
-    // writes. A run that gets to its end before all kills are spent is
-    // checked, and the rest go to a new run.
-    let mut landed: Vec<Vec<Option<u64>>> = Vec::new();
+    // Kills land partway into a step, just after a checkpoint, and
+    // anywhere (in start-up, between steps, in a checkpoint's writes), in turn.
+    // A run that gets to its end before all kills are spent is checked,
+    // and the rest go to a new run.
+    let moments = [Moment::MidStep, Moment::AfterCheckpoint, Moment::Anytime];
+    let mut landed: Vec<Vec<Landed>> = Vec::new();
     let mut runs = Vec::new();
     while (landed.iter().map(Vec::len).sum::<usize>() as u64) < kills {
         let out = root.join(format!("run-{}", landed.len()));
@@ -404,13 +519,20 @@ fn kill_and_resume_in(root: &Path, seed: u64, kills: u64, more: &[&str]) -> Vec<
         let mut these = Vec::new();
         let mut spent = landed.iter().map(Vec::len).sum::<usize>() as u64;
         while spent < kills && !done.is_file() {
-            let mut child = spawn(&run_args_with(&out, more), root, &[]);
-            if kill_after(&mut child, Duration::from_millis(delays.next_ms(20, 1500))) {
-                these.push(latest_checkpoint(&out));
-                spent += 1;
-            } else {
-                let status = child.wait().unwrap();
-                assert!(status.success(), "WEIR_CRASH_SEED={seed}: a segment failed");
+            // Not quiet: the run reports each step it finishes.
+            let args: Vec<String> = run_args_with(&out, more)
+                .into_iter()
+                .filter(|a| a != "--quiet")
+                .collect();
+            let moment = moments[spent as usize % moments.len()];
+            match kill_at(&args, &out, root, moment, &mut delays) {
+                Ok(at) => {
+                    these.push(at);
+                    spent += 1;
+                }
+                Err(status) => {
+                    assert!(status.success(), "WEIR_CRASH_SEED={seed}: a segment failed")
+                }
             }
         }
         // A kill that landed before the run folder had its config leaves
@@ -451,7 +573,16 @@ fn kill_and_resume_in(root: &Path, seed: u64, kills: u64, more: &[&str]) -> Vec<
         check_run_folder(&out, seed);
         landed.push(these);
     }
-    eprintln!("seed {seed}: newest checkpoint after each kill, per run: {landed:?}");
+    eprintln!("seed {seed}: where each kill landed, per run: {landed:?}");
+    // The kills that matter most landed: some after a checkpoint (the
+    // resume starts from it), some mid-step (the resume does steps again).
+    let all: Vec<&Landed> = landed.iter().flatten().collect();
+    if kills >= moments.len() as u64 {
+        assert!(
+            all.iter().any(|l| l.after_checkpoint()) && all.iter().any(|l| l.mid_step()),
+            "WEIR_CRASH_SEED={seed}: kills after a checkpoint and mid-step: {all:?}"
+        );
+    }
     runs
 }
 

@@ -171,14 +171,16 @@ fn streaming_generation_keeps_the_synchronous_rows_at_k0_and_bounds_every_token_
     }
 }
 
-/// k = 1 with long responses from one prompt a step: the learner's new
-/// weights land while the next step's sequences are half generated. Under
-/// `recompute` each sequence's prompt and tokens so far run again under the
-/// new weights, so every token's behaviour log-prob is what an independent
-/// forward pass of its whole prefix under the weights of its version gives
-/// (the version-v weights are the checkpoint of step v − 1).
+/// k = 1 with one prompt a step: the learner's new weights land while the
+/// next step's sequences are in flight, at their `HOLD`-th token (the
+/// generator's test hook waits there for them, so no timing decides where).
+/// Under `recompute` each sequence's prompt and tokens so far run again
+/// under the new weights, so every token's behaviour log-prob is what an
+/// independent forward pass of its whole prefix under the weights of its
+/// version gives (the version-v weights are the checkpoint of step v − 1).
 #[test]
 fn a_swap_mid_sequence_samples_every_later_token_under_the_new_weights() {
+    const HOLD: usize = 24;
     let tmp = tempfile::tempdir().unwrap();
     let mut cfg = config(PipelineKind::Grpo, 4);
     cfg.run.max_staleness = 1;
@@ -186,13 +188,11 @@ fn a_swap_mid_sequence_samples_every_later_token_under_the_new_weights() {
     cfg.data.prompts_per_step = 1;
     cfg.data.samples_per_prompt = 2;
     cfg.generate.max_inflight = 2;
-    // Long enough that a learner step ends well inside it even when other
-    // processes slow one thread more than the other.
-    cfg.generate.max_new_tokens = 256;
+    cfg.generate.max_new_tokens = 64;
     cfg.generate.ignore_eos = true;
     cfg.generate.on_new_weights = OnNewWeights::Recompute;
-    // libtorch's decode: the GPU path, and slow enough per token here that
-    // a learner step ends mid-sequence.
+    cfg.generate.hold_for_weights_at = Some(HOLD);
+    // libtorch's decode: the GPU path.
     cfg.generate.backend = weir::pipelines::config::Backend::Torch;
     // A step moves the policy far enough that the versions' log-probs tell apart.
     cfg.algorithm.lr = 1e-3;
@@ -224,8 +224,12 @@ fn a_swap_mid_sequence_samples_every_later_token_under_the_new_weights() {
                 continue;
             };
             swapped += 1;
+            assert_eq!(
+                at, HOLD,
+                "row {i}: the swap lands where the generator waits"
+            );
             assert!(
-                at > 0 && recomputed[at],
+                recomputed[at],
                 "row {i}: the swap at token {at} ran over a recomputed cache"
             );
             let ids =
@@ -270,15 +274,13 @@ fn a_swap_mid_sequence_samples_every_later_token_under_the_new_weights() {
             }
         }
     }
-    assert!(
-        swapped >= 2,
-        "weights landed mid-sequence in {swapped} rows"
-    );
+    // Steps 1, 2 and 3 start under the weights before theirs: two rows each.
+    assert_eq!(swapped, 6, "weights landed mid-sequence in {swapped} rows");
     assert!(
         apart > 0.05,
         "the versions' log-probs differ by at most {apart}"
     );
-    assert!(compared >= 2 * 128, "{compared} tokens compared");
+    assert_eq!(compared, 6 * 64, "every token of the swapped rows compared");
 }
 
 #[test]

@@ -210,6 +210,14 @@ impl Streamer {
         })
     }
 
+    /// Whether a sequence in flight has drawn exactly `tokens` tokens, all
+    /// under the current weights.
+    pub fn reached(&self, tokens: usize) -> bool {
+        self.live
+            .iter()
+            .any(|s| s.versions.len() == tokens && s.versions.iter().all(|&v| v == self.version))
+    }
+
     /// Queues requests; they start, oldest first, as slots free up.
     pub fn submit(&mut self, model: &Model, requests: Vec<Request>) -> Result<(), ModelError> {
         let prompts: Vec<Vec<i64>> = requests.iter().map(|r| r.prompt.clone()).collect();

@@ -105,6 +105,12 @@ impl StepFill {
         }
     }
 
+    /// The steps of a run: its staleness bound, its commit points as
+    /// barriers, and steps before its first closed already.
+    pub fn for_run(steps: crate::RunSteps) -> Self {
+        StepFill::new(steps.max_staleness, move |s| steps.next_commit(s)).starting_at(steps.first)
+    }
+
     /// Steps before `step` are closed already (a resumed run starts there).
     pub fn starting_at(mut self, step: Step) -> Self {
         self.closed_below = step;

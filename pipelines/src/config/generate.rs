@@ -34,6 +34,12 @@ pub struct GenerateSection {
     pub ignore_eos: bool,
     /// Which runtime decodes: `auto` or `torch`.
     pub backend: Backend,
+    /// A test hook, no key: a streaming generator waits before a
+    /// sequence's this-many-th token until newer weights arrive
+    /// ([`weir_operators::stages::generate::StreamingGenerate::holding_for_weights_at`]).
+    #[doc(hidden)]
+    #[serde(skip)]
+    pub hold_for_weights_at: Option<usize>,
 }
 
 impl Default for GenerateSection {
@@ -48,6 +54,7 @@ impl Default for GenerateSection {
             long_tail: 0.0,
             ignore_eos: false,
             backend: Backend::Auto,
+            hold_for_weights_at: None,
         }
     }
 }

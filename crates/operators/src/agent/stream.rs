@@ -27,7 +27,7 @@ use super::pool::{EpisodePool, PoolSettings};
 use super::stage::{episode_metrics, EpisodeGenerate};
 use crate::data::columns::{bool_list_array, trained_at, u32_list_array, u64s};
 use crate::rollout::col;
-use crate::stages::generate::GroupRows;
+use crate::stages::generate::{version_u32, GroupRows, Streaming};
 
 /// Rows of a batch are keyed (batch << 32) | row.
 const ROW_BITS: u32 = 32;
@@ -83,20 +83,22 @@ struct InFlight {
 }
 
 impl EpisodeGenerate {
-    /// This generator as a stream: a pool of `max_inflight` sequences
-    /// across batches and steps, new weights reaching it as
-    /// `on_new_weights` says, groups filling the steps of `steps`.
+    /// This generator as a stream: a pool of `settings.max_inflight`
+    /// sequences across batches and steps, new weights reaching it as
+    /// `settings.on_new_weights` says, groups filling the steps of `steps`.
     pub fn streamed(
         self,
-        max_inflight: usize,
-        on_new_weights: OnNewWeights,
+        settings: Streaming,
         steps: RunSteps,
         version: PolicyVersion,
     ) -> Result<StreamingEpisodes, StageError> {
-        let version = u32::try_from(version)
-            .map_err(|_| format!("generate: policy version {version} exceeds u32"))?;
+        let Streaming {
+            max_inflight,
+            on_new_weights,
+        } = settings;
+        let version = version_u32(version)?;
         let mut core = self;
-        let settings = PoolSettings {
+        let pool_settings = PoolSettings {
             max_concurrency: core.max_concurrency,
             call_deadline: core.call_deadline,
             schedule: core.schedule,
@@ -109,13 +111,12 @@ impl EpisodeGenerate {
             (on_new_weights, version),
             core.tools.clone(),
             std::mem::take(&mut core.environments),
-            settings,
+            pool_settings,
         )?;
-        let barrier = move |s| steps.next_commit(s);
         Ok(StreamingEpisodes {
             core,
             pool,
-            fill: StepFill::new(steps.max_staleness, barrier).starting_at(steps.first),
+            fill: StepFill::for_run(steps),
             batches: BTreeMap::new(),
             next_batch: 0,
             held: None,

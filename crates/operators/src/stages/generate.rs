@@ -49,7 +49,7 @@ pub struct Generate {
     backend: Backend,
 }
 
-/// Settings of streaming generation.
+/// Settings of streaming generation, for rows and for episodes alike.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Streaming {
     /// Sequences in flight at most.
@@ -132,21 +132,22 @@ impl Generate {
             version_u32(version)?,
             self.backend,
         )?;
-        let barrier = move |s| steps.next_commit(s);
         let state = StreamState {
             streamer,
-            fill: StepFill::new(steps.max_staleness, barrier).starting_at(steps.first),
+            fill: StepFill::for_run(steps),
             batches: BTreeMap::new(),
             next_batch: 0,
             held: None,
             figures: BTreeMap::new(),
             applies: Vec::new(),
+            hold: None,
         };
         Ok(StreamingGenerate { core: self, state })
     }
 }
 
-fn version_u32(version: PolicyVersion) -> Result<u32, StageError> {
+/// `version` as the runtime's `u32`, refused past it.
+pub(crate) fn version_u32(version: PolicyVersion) -> Result<u32, StageError> {
     u32::try_from(version)
         .map_err(|_| format!("generate: policy version {version} exceeds u32").into())
 }

@@ -40,7 +40,21 @@ pub(super) struct StreamState {
     pub(super) figures: BTreeMap<Step, StepFigures>,
     /// Seconds of each weights update since the last step ended.
     pub(super) applies: Vec<f64>,
+    /// The test hook of [`StreamingGenerate::holding_for_weights_at`].
+    pub(super) hold: Option<Hold>,
 }
+
+/// Where the pool waits for newer weights: at a sequence's `at`-th token,
+/// while versions before `last` can still come, and since when it waits.
+pub(super) struct Hold {
+    at: usize,
+    last: Option<Step>,
+    since: Option<Instant>,
+}
+
+/// How long a hold waits at most: past it, the pool goes on (a run whose
+/// weights cannot come while the pool waits does not hang on the hook).
+const HOLD_LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// A step's figures: its rows and, for the passes run while it was the
 /// oldest step in flight, their count, the sequences in flight over them,
@@ -196,12 +210,49 @@ impl StreamingGenerate {
         Ok(())
     }
 
+    /// A test hook: the pool stops before a sequence's `tokens`-th token
+    /// under the weights it holds until newer weights arrive, so that a swap
+    /// lands there whatever the timing (at most [`HOLD_LIMIT`] a time; only
+    /// where new weights can arrive between passes: a threaded stage whose
+    /// learner needs none of the rows in flight, `keep` or `recompute`).
+    pub fn holding_for_weights_at(mut self, tokens: usize, steps: weir_graph::RunSteps) -> Self {
+        self.state.hold = Some(Hold {
+            at: tokens,
+            last: steps.last,
+            since: None,
+        });
+        self
+    }
+
+    /// Whether the hook of [`Self::holding_for_weights_at`] holds the pool now.
+    fn holding(&mut self) -> bool {
+        let streamer = &self.state.streamer;
+        let Some(hold) = &mut self.state.hold else {
+            return false;
+        };
+        // The learner's step v gives version v + 1: none comes after the last.
+        let more = hold
+            .last
+            .is_some_and(|last| u64::from(streamer.version()) < last);
+        if !more || streamer.on_new_weights() == OnNewWeights::Finish || !streamer.reached(hold.at)
+        {
+            hold.since = None;
+            return false;
+        }
+        hold.since.get_or_insert_with(Instant::now).elapsed() < HOLD_LIMIT
+    }
+
     /// One pass of the pool; returns the rows of every group that ended.
     fn advance_stream(&mut self) -> Result<Vec<(Step, RecordBatch)>, StageError> {
         if self.state.streamer.live() == 0 {
             if let Some((version, weights)) = self.state.held.take() {
                 self.apply_held(version, &weights)?;
             }
+        }
+        if self.holding() {
+            // New weights arrive between two calls.
+            std::thread::sleep(std::time::Duration::from_millis(1));
+            return Ok(Vec::new());
         }
         let state = &mut self.state;
         let finished = state.streamer.advance(&self.core.model)?;
