@@ -511,6 +511,7 @@ fn kill_and_resume_in(root: &Path, seed: u64, kills: u64, more: &[&str]) -> Vec<
     // and the rest go to a new run.
     let moments = [Moment::MidStep, Moment::AfterCheckpoint, Moment::Anytime];
     let mut landed: Vec<Vec<Landed>> = Vec::new();
+    let mut attempts = 0;
     let mut runs = Vec::new();
     while (landed.iter().map(Vec::len).sum::<usize>() as u64) < kills {
         let out = root.join(format!("run-{}", landed.len()));
@@ -524,7 +525,10 @@ fn kill_and_resume_in(root: &Path, seed: u64, kills: u64, more: &[&str]) -> Vec<
                 .into_iter()
                 .filter(|a| a != "--quiet")
                 .collect();
-            let moment = moments[spent as usize % moments.len()];
+            // By attempt, not by kill: a moment a run never reaches (it
+            // ended first) does not hold up the others.
+            let moment = moments[attempts % moments.len()];
+            attempts += 1;
             match kill_at(&args, &out, root, moment, &mut delays) {
                 Ok(at) => {
                     these.push(at);
