@@ -105,7 +105,7 @@ pub fn actor(
         if streaming.max_inflight > 0 {
             let mut streamed = generate.streamed(streaming, w.steps, version)?;
             if let Some(tokens) = cfg.generate.hold_for_weights_at {
-                streamed = streamed.holding_for_weights_at(tokens, w.steps);
+                streamed = streamed.holding_for_weights_at(tokens);
             }
             return evaluating(streamed, &cfg, w, params);
         }

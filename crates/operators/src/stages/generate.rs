@@ -140,7 +140,7 @@ impl Generate {
             held: None,
             figures: BTreeMap::new(),
             applies: Vec::new(),
-            hold: None,
+            hold: stream::Hold::off(steps.last),
         };
         Ok(StreamingGenerate { core: self, state })
     }

@@ -41,15 +41,27 @@ pub(super) struct StreamState {
     /// Seconds of each weights update since the last step ended.
     pub(super) applies: Vec<f64>,
     /// The test hook of [`StreamingGenerate::holding_for_weights_at`].
-    pub(super) hold: Option<Hold>,
+    pub(super) hold: Hold,
 }
 
-/// Where the pool waits for newer weights: at a sequence's `at`-th token,
-/// while versions before `last` can still come, and since when it waits.
+/// Where the pool waits for newer weights: at a sequence's `at`-th token
+/// (`None`: nowhere), while versions before the run's `last` step can
+/// still come, and since when it waits.
 pub(super) struct Hold {
-    at: usize,
+    at: Option<usize>,
     last: Option<Step>,
     since: Option<Instant>,
+}
+
+impl Hold {
+    /// No hold, in a run whose last step is `last`.
+    pub(super) fn off(last: Option<Step>) -> Self {
+        Hold {
+            at: None,
+            last,
+            since: None,
+        }
+    }
 }
 
 /// How long a hold waits at most: past it, the pool goes on (a run whose
@@ -215,27 +227,22 @@ impl StreamingGenerate {
     /// lands there whatever the timing (at most [`HOLD_LIMIT`] a time; only
     /// where new weights can arrive between passes: a threaded stage whose
     /// learner needs none of the rows in flight, `keep` or `recompute`).
-    pub fn holding_for_weights_at(mut self, tokens: usize, steps: weir_graph::RunSteps) -> Self {
-        self.state.hold = Some(Hold {
-            at: tokens,
-            last: steps.last,
-            since: None,
-        });
+    pub fn holding_for_weights_at(mut self, tokens: usize) -> Self {
+        self.state.hold.at = Some(tokens);
         self
     }
 
     /// Whether the hook of [`Self::holding_for_weights_at`] holds the pool now.
     fn holding(&mut self) -> bool {
-        let streamer = &self.state.streamer;
-        let Some(hold) = &mut self.state.hold else {
+        let (streamer, hold) = (&self.state.streamer, &mut self.state.hold);
+        let Some(at) = hold.at else {
             return false;
         };
         // The learner's step v gives version v + 1: none comes after the last.
         let more = hold
             .last
             .is_some_and(|last| u64::from(streamer.version()) < last);
-        if !more || streamer.on_new_weights() == OnNewWeights::Finish || !streamer.reached(hold.at)
-        {
+        if !more || streamer.on_new_weights() == OnNewWeights::Finish || !streamer.reached(at) {
             hold.since = None;
             return false;
         }
