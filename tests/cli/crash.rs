@@ -188,8 +188,10 @@ fn kill_at(
     let steps = reported_steps(&mut child);
     let started = Instant::now();
     let anytime = Duration::from_millis(delays.next_ms(20, 1500));
-    let (mut reported, mut finished_at) = (None, started);
-    let mut step_time = Duration::from_millis(50);
+    // A step's time is the shortest gap between two step lines: the first
+    // line's wait holds the start-up (loading, a resume's replay) as well.
+    let (mut reported, mut finished_at) = (None, None::<Instant>);
+    let mut step_time: Option<Duration> = None;
     loop {
         assert!(
             started.elapsed() < Duration::from_secs(300),
@@ -199,16 +201,22 @@ fn kill_at(
             return Err(status);
         }
         for step in steps.try_iter() {
-            step_time = finished_at.elapsed().max(Duration::from_millis(1));
-            finished_at = Instant::now();
+            if let Some(at) = finished_at {
+                let gap = at.elapsed().max(Duration::from_millis(1));
+                step_time = Some(step_time.map_or(gap, |t| t.min(gap)));
+            }
+            finished_at = Some(Instant::now());
             reported = Some(step);
         }
         let now = match moment {
             Moment::Anytime => started.elapsed() >= anytime,
             Moment::AfterCheckpoint => latest_checkpoint(out) > first,
-            Moment::MidStep => reported.is_some_and(|s| {
-                (s + 1) % CHECKPOINT_EVERY != 0 && Some(s) > latest_checkpoint(out)
-            }),
+            Moment::MidStep => {
+                step_time.is_some()
+                    && reported.is_some_and(|s| {
+                        (s + 1) % CHECKPOINT_EVERY != 0 && Some(s) > latest_checkpoint(out)
+                    })
+            }
         };
         if now {
             break;
@@ -217,7 +225,7 @@ fn kill_at(
     }
     if let Moment::MidStep = moment {
         // Within the next step: at most half a step's time on.
-        let half = (step_time.as_millis() as u64 / 2).max(2);
+        let half = (step_time.unwrap_or_default().as_millis() as u64 / 2).max(2);
         std::thread::sleep(Duration::from_millis(delays.next_ms(1, half)));
     }
     let _ = child.kill();
