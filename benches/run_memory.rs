@@ -25,7 +25,7 @@
 //! ```
 //!
 //! `cargo bench --bench run_memory`; under `cargo test` a 1-layer model of
-//! the same widths checks that it runs (whole runs of one step).
+//! hidden 64 (the same vocabulary) checks that it runs (whole runs of one step).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -63,11 +63,19 @@ fn peak() -> f64 {
 
 /// Writes the random checkpoint (and the fixtures' tokenizer) to `dir`;
 /// returns its float32 weight bytes.
-fn make_checkpoint(dir: &Path, layers: usize) -> u64 {
+/// The SmolLM2-135M-shaped checkpoint (`full`), or for `cargo test` one
+/// layer of hidden 64 with the tokenizer's vocabulary: its whole runs
+/// check that every measurement runs, in seconds rather than a minute.
+fn make_checkpoint(dir: &Path, full: bool) -> u64 {
+    let (layers, hidden, mlp, heads, kv_heads) = if full {
+        (30, 576, 1536, 9, 3)
+    } else {
+        (1, 64, 176, 4, 2)
+    };
     let config = serde_json::json!({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
-        "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": layers,
-        "num_attention_heads": 9, "num_key_value_heads": 3, "max_position_embeddings": 8192,
+        "hidden_size": hidden, "intermediate_size": mlp, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "max_position_embeddings": 8192,
         "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "tie_word_embeddings": true,
         "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "hidden_act": "silu",
         "torch_dtype": "float32"
@@ -283,9 +291,13 @@ fn main() {
     }
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("model");
-    let layers = if full { 30 } else { 1 };
-    let weights_mb = make_checkpoint(&dir, layers) as f64 / (1024.0 * 1024.0);
-    println!("model: SmolLM2-135M shape, {layers} layers, float32 weights {weights_mb:.0} MiB; grpo {PROMPTS}×{SAMPLES} samples, {NEW_TOKENS} new tokens");
+    let weights_mb = make_checkpoint(&dir, full) as f64 / (1024.0 * 1024.0);
+    let shape = if full {
+        "SmolLM2-135M shape"
+    } else {
+        "1 layer, hidden 64 (cargo test)"
+    };
+    println!("model: {shape}, float32 weights {weights_mb:.0} MiB; grpo {PROMPTS}×{SAMPLES} samples, {NEW_TOKENS} new tokens");
     let mut peaks = Vec::new();
     for lora in [false, true] {
         let label = if lora { "lora r16" } else { "full" };
