@@ -152,8 +152,8 @@ fn main() {
     let demo_started = Instant::now();
     let args = weir::demo::DemoArgs {
         out: Some(out.clone()),
-        sft_target: 0.3,
-        sft_chunk: if full { 50 } else { 4 },
+        sft_target: 0.5,
+        sft_chunk: if full { 25 } else { 4 },
         max_sft_steps: if full { 800 } else { 4 },
         grpo_steps: Some(if full { 200 } else { 2 }),
         grpo_lr: None,

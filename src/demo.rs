@@ -2,7 +2,8 @@
 //!
 //! 1. trains a byte-level BPE tokenizer on the arith task's text;
 //! 2. creates a small Llama (hidden 128, 4 layers, 4/2 heads) with fresh weights;
-//! 3. runs the `sft` pipeline on the 9,500 training pairs;
+//! 3. runs the `sft` pipeline on the 9,500 training pairs until greedy
+//!    accuracy on the 500 evaluation pairs reaches 50% (checked every 25 steps);
 //! 4. runs the `grpo` pipeline from the SFT checkpoint with `max_staleness = 1`,
 //!    generation and the reference on worker 0, learning on worker 1, the
 //!    exact-match reward;
@@ -28,11 +29,13 @@ pub struct DemoArgs {
     /// The demo's folder (default: runs/demo-DATE-TIME).
     #[arg(long)]
     pub out: Option<PathBuf>,
-    /// SFT stops once greedy accuracy on the evaluation pairs reaches this.
-    #[arg(long, default_value_t = 0.3)]
+    /// SFT stops once greedy accuracy on the evaluation pairs reaches this
+    /// (GRPO from a start below about 45% ends lower, and how far below
+    /// depends on the host's rounding).
+    #[arg(long, default_value_t = 0.5)]
     pub sft_target: f64,
     /// SFT steps (64 prompts each) between evaluations.
-    #[arg(long, default_value_t = 50)]
+    #[arg(long, default_value_t = 25)]
     pub sft_chunk: u64,
     /// SFT steps at most.
     #[arg(long, default_value_t = 800)]
