@@ -238,10 +238,12 @@ impl StreamingGenerate {
         let Some(at) = hold.at else {
             return false;
         };
-        // The learner's step v gives version v + 1: none comes after the last.
-        let more = hold
-            .last
-            .is_some_and(|last| u64::from(streamer.version()) < last);
+        // The learner's step v gives version v + 1: none comes after the
+        // last, nor while a row of step v is still in the pool.
+        let version = u64::from(streamer.version());
+        let oldest = self.state.batches.values().map(|b| b.step).min();
+        let more = hold.last.is_some_and(|last| version < last)
+            && oldest.is_none_or(|step| step > version);
         if !more || streamer.on_new_weights() == OnNewWeights::Finish || !streamer.reached(at) {
             hold.since = None;
             return false;
