@@ -152,9 +152,10 @@ fn main() {
     let demo_started = Instant::now();
     let args = weir::demo::DemoArgs {
         out: Some(out.clone()),
-        sft_target: 0.5,
-        sft_chunk: if full { 25 } else { 4 },
-        max_sft_steps: if full { 800 } else { 4 },
+        // The demo's own SFT rule (under cargo test: one short chunk).
+        sft_target: weir::demo::SFT_TARGET,
+        sft_chunk: if full { weir::demo::SFT_CHUNK } else { 4 },
+        max_sft_steps: if full { weir::demo::MAX_SFT_STEPS } else { 4 },
         grpo_steps: Some(if full { 200 } else { 2 }),
         grpo_lr: None,
         agentic: false,

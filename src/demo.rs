@@ -23,6 +23,13 @@ use weir_pipelines::runner::RunRequest;
 use weir_pipelines::task::arith_accuracy;
 use weir_pipelines::{PipelineKind, RunConfig};
 
+/// The greedy accuracy at which the demo's SFT stops ([`DemoArgs::sft_target`]).
+pub const SFT_TARGET: f64 = 0.5;
+/// The demo's SFT steps between evaluations.
+pub const SFT_CHUNK: u64 = 25;
+/// The demo's SFT steps at most.
+pub const MAX_SFT_STEPS: u64 = 800;
+
 /// `weir demo`.
 #[derive(clap::Args, Debug)]
 pub struct DemoArgs {
@@ -32,13 +39,13 @@ pub struct DemoArgs {
     /// SFT stops once greedy accuracy on the evaluation pairs reaches this
     /// (GRPO from a start below about 45% ends lower, and how far below
     /// depends on the host's rounding).
-    #[arg(long, default_value_t = 0.5)]
+    #[arg(long, default_value_t = SFT_TARGET)]
     pub sft_target: f64,
     /// SFT steps (64 prompts each) between evaluations.
-    #[arg(long, default_value_t = 25)]
+    #[arg(long, default_value_t = SFT_CHUNK)]
     pub sft_chunk: u64,
     /// SFT steps at most.
-    #[arg(long, default_value_t = 800)]
+    #[arg(long, default_value_t = MAX_SFT_STEPS)]
     pub max_sft_steps: u64,
     /// GRPO steps (8 prompts × 8 samples each; default 200, with --agentic 60).
     #[arg(long)]
