@@ -6,8 +6,9 @@
 //! For each pipeline, a small deterministic base run (one step, k = 0; two
 //! steps for a key that does not act on the first) is compared with a run
 //! that changes one key. Pipelines built by the same function walk the
-//! `algorithm` keys each (otb its `generate` keys too: its sampler records
-//! each token's Σπ²), the rest once. Some keys only act under
+//! `algorithm` keys each, with one changed value a key (otb its `generate`
+//! keys too: its sampler records each token's Σπ²), the rest once, a
+//! key that chooses between behaviours with each of its values. Some keys only act under
 //! another setting (a bound of the correction needs a correction): those
 //! are changed on top of that setting, compared with a base that has it.
 //! A few keys are speed and memory knobs by design (threads, idle workers,
@@ -1221,6 +1222,12 @@ fn walk(kind: PipelineKind, keys: Keys) {
     let tmp = tempfile::tempdir().unwrap();
     let prompts = tmp.path().join("prompts.jsonl");
     write_prompts(&prompts);
+    let mut trials = Trials {
+        kind,
+        root: tmp.path(),
+        baselines: BTreeMap::new(),
+        runs: 0,
+    };
     // The comparison means something only if the same config gives the
     // same outcome, at either length of the base run.
     for steps in [1, 2] {
@@ -1242,13 +1249,9 @@ fn walk(kind: PipelineKind, keys: Keys) {
         if let Some(d) = difference(&first, &again) {
             panic!("{}: two runs of one config differ: {d}", kind.name());
         }
+        // The base outcome of the keys that need no other setting.
+        trials.baselines.insert((Vec::new(), steps), first);
     }
-    let mut trials = Trials {
-        kind,
-        root: tmp.path(),
-        baselines: BTreeMap::new(),
-        runs: 0,
-    };
     let (mut silent, mut unnamed) = (Vec::new(), Vec::new());
     for &Key {
         section, name: key, ..
@@ -1264,8 +1267,15 @@ fn walk(kind: PipelineKind, keys: Keys) {
         }
         let name = format!("{section}.{key}");
         let (setting, value) = change(&name, &prompts, kind);
-        for value in std::iter::once(value).chain(more_values(&name).iter().map(|v| v.to_string()))
-        {
+        // A key's further values act in code every pipeline shares (a
+        // policy loss, a correction, an estimator): walked where every key
+        // is, while a sibling's walk shows that the key reaches its chain.
+        let more: &[&str] = if keys == Keys::All {
+            more_values(&name)
+        } else {
+            &[]
+        };
+        for value in std::iter::once(value).chain(more.iter().map(|v| v.to_string())) {
             // A value that is already the base's changes nothing by definition.
             let base_doc =
                 serde_json::to_value(base(kind, 1).with_overrides(&setting).unwrap()).unwrap();

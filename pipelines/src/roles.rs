@@ -192,23 +192,36 @@ fn episodes(
         } else {
             0
         };
-        for _ in 0..instances {
-            environments.push(match a.environment_file() {
-                Some(file) => Box::new(PythonEnvironment::new(PythonEnvConfig {
-                    file: file.into(),
-                    class: a.environment_class.clone(),
-                    python: a.python.clone(),
-                    timeout,
-                    label_column: cfg.data.label_column.clone(),
-                })?),
-                None => {
+        match a.environment_file() {
+            // Each starts its worker process when it first holds an episode.
+            Some(file) if instances > 0 => {
+                let python = PythonEnvironment::instances(
+                    PythonEnvConfig {
+                        file: file.into(),
+                        class: a.environment_class.clone(),
+                        python: a.python.clone(),
+                        timeout,
+                        label_column: cfg.data.label_column.clone(),
+                    },
+                    instances,
+                )?;
+                environments.extend(
+                    python
+                        .into_iter()
+                        .map(|e| Box::new(e) as Box<dyn Environment>),
+                );
+            }
+            Some(_) => {}
+            None => {
+                for _ in 0..instances {
                     let factory =
                         weir_operators::agent::environment::registered(name).ok_or_else(|| {
                             format!("agent.environment: no environment {name:?} is registered")
                         })?;
-                    factory().map_err(|e| format!("agent.environment {name:?}: {e}"))?
+                    environments
+                        .push(factory().map_err(|e| format!("agent.environment {name:?}: {e}"))?);
                 }
-            });
+            }
         }
         stage = stage.with_environments(environments);
     }

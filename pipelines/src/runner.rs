@@ -351,9 +351,12 @@ fn train(req: &RunRequest, segment: &mut Segment) -> Result<RunReport, PipelineE
             let trimmed = Arc::new(std::sync::atomic::AtomicU64::new(0));
             Arc::new(move |at| {
                 commits.commit(at)?;
-                // Once per commit point and process (every worker calls this).
+                // Once per commit point and process (every worker calls
+                // this): glibc keeps the pages of a model's large
+                // short-lived buffers, so without it a long CPU run's
+                // resident memory creeps up while what it uses stays flat.
                 if trimmed.fetch_max(at + 1, std::sync::atomic::Ordering::SeqCst) <= at {
-                    release_free_memory();
+                    weir_gpu::device::release_freed_host_memory();
                 }
                 Ok(())
             })
@@ -529,19 +532,6 @@ fn finish(
         &serde_json::to_string_pretty(&summary).map_err(|e| e.to_string())?,
     )?;
     Ok(outcome(report, summary))
-}
-
-/// Hands heap memory that is free but kept by the allocator back to the OS.
-/// glibc keeps the pages of a model's large short-lived buffers, so without
-/// this a long CPU run's resident memory creeps up while what it uses stays
-/// flat. Called at each checkpoint, where a few milliseconds do not matter.
-fn release_free_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: malloc_trim only walks the allocator's own free lists; it takes
-    // the allocator's locks and touches no memory that is in use.
-    unsafe {
-        libc::malloc_trim(0);
-    }
 }
 
 /// Refuses checkpoints of the wrong kind: the policy and the reference must

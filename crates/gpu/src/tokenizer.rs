@@ -202,6 +202,41 @@ fn chat_environment(template: &str) -> Result<minijinja::Environment<'static>, S
     Ok(env)
 }
 
+/// How many parsed `tokenizer.json` files [`parsed`] keeps.
+const PARSED_KEPT: usize = 4;
+
+/// The tokenizer that the `tokenizer.json` text `text` describes. A run
+/// loads its policy's tokenizer in several roles (prompts, generator,
+/// evaluation, judge, the checks before it starts), and parsing a large
+/// vocabulary's file is most of a load (hundreds of milliseconds for a
+/// 150k-token BPE), so this process keeps the last [`PARSED_KEPT`] parsed,
+/// by their whole text: a changed file is parsed again.
+fn parsed(text: String) -> Result<tokenizers::Tokenizer, String> {
+    use std::sync::{Mutex, PoisonError};
+    static KEPT: Mutex<Vec<(String, tokenizers::Tokenizer)>> = Mutex::new(Vec::new());
+    {
+        let mut kept = KEPT.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(i) = kept.iter().position(|(t, _)| *t == text) {
+            // The most recently used last.
+            let entry = kept.remove(i);
+            let tokenizer = entry.1.clone();
+            kept.push(entry);
+            return Ok(tokenizer);
+        }
+    }
+    let tokenizer = text
+        .parse::<tokenizers::Tokenizer>()
+        .map_err(|e| e.to_string())?;
+    let mut kept = KEPT.lock().unwrap_or_else(PoisonError::into_inner);
+    if !kept.iter().any(|(t, _)| *t == text) {
+        if kept.len() == PARSED_KEPT {
+            kept.remove(0);
+        }
+        kept.push((text, tokenizer.clone()));
+    }
+    Ok(tokenizer)
+}
+
 impl Tokenizer {
     /// Loads the tokenizer files of the checkpoint folder `dir`.
     pub fn load(dir: &Path) -> Result<Self, ModelError> {
@@ -225,12 +260,10 @@ impl Tokenizer {
         }
         let text = weir_durable::read_text_capped(&path, weir_durable::TOKENIZER_BYTES)
             .map_err(|e| ModelError::io(&path, e))?;
-        let inner = text
-            .parse::<tokenizers::Tokenizer>()
-            .map_err(|e| ModelError::Json {
-                path: path.display().to_string(),
-                message: e.to_string(),
-            })?;
+        let inner = parsed(text).map_err(|message| ModelError::Json {
+            path: path.display().to_string(),
+            message,
+        })?;
         let config = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Value::Null);
         let chat_template = chat_template(dir, &config)?;
         let (bos_token, eos_token, pad_token) = (
@@ -651,5 +684,34 @@ mod tests {
             said,
             format!("token id {next} is \"<tool>\" in b and no token in a")
         );
+    }
+
+    #[test]
+    fn a_tokenizer_loaded_again_is_the_same_and_a_rewritten_file_is_read_again() {
+        let (dir, first) = edited(|_| {});
+        let again = Tokenizer::load(dir.path()).unwrap();
+        let text = "12+30=42, then 7*6";
+        assert_eq!(
+            first.encode(text, true).unwrap(),
+            again.encode(text, true).unwrap()
+        );
+        // The same folder, its file rewritten with two ids swapped: the new reading.
+        let path = dir.path().join("tokenizer.json");
+        let mut json: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        for id in json["model"]["vocab"].as_object_mut().unwrap().values_mut() {
+            match id.as_i64() {
+                Some(40) => *id = 41.into(),
+                Some(41) => *id = 40.into(),
+                _ => {}
+            }
+        }
+        std::fs::write(&path, serde_json::to_string_pretty(&json).unwrap()).unwrap();
+        let rewritten = Tokenizer::load(dir.path()).unwrap();
+        assert_eq!(
+            rewritten.inner.id_to_token(40),
+            first.inner.id_to_token(41),
+            "the rewritten file was not read again"
+        );
+        assert_eq!(rewritten.inner.id_to_token(41), first.inner.id_to_token(40));
     }
 }

@@ -19,9 +19,14 @@
 //! The file runs in a long-lived worker process (`crate::python_worker`),
 //! one instance of the class per episode. A request not answered within
 //! the timeout kills the worker (the episode's state goes with it, so the
-//! episode ends as `timeout`); the next episode starts a new one.
+//! episode ends as `timeout`); the next episode starts a new one. Of a
+//! run's environments ([`PythonEnvironment::instances`]), each starts its
+//! worker when it first holds an episode: a run starts as many Python
+//! processes as episodes hold an environment at once, not one per
+//! `agent.max_concurrency`.
 
 use std::path::PathBuf;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use serde_json::{json, Value};
@@ -56,6 +61,9 @@ impl PythonEnvConfig {
 pub struct PythonEnvironment {
     cfg: PythonEnvConfig,
     worker: Option<Worker>,
+    /// The worker that checked the file, for the first of its siblings
+    /// that needs one.
+    spare: Arc<Mutex<Option<Worker>>>,
     /// The episode under way, by the id its worker knows it by.
     episode: u64,
 }
@@ -64,6 +72,16 @@ impl PythonEnvironment {
     /// Starts its worker: a file that does not load, or lacks the class,
     /// is an error now, naming the file.
     pub fn new(cfg: PythonEnvConfig) -> Result<Self, String> {
+        let mut env = PythonEnvironment::instances(cfg, 1)?;
+        Ok(env.pop().expect("one instance"))
+    }
+
+    /// `n` environments of the file (one for each episode that may hold
+    /// one at once). The file is checked now, by starting one worker: a
+    /// file that does not load, or lacks the class, is an error naming it.
+    /// That worker goes to the first environment that holds an episode;
+    /// the others start theirs when they first do.
+    pub fn instances(cfg: PythonEnvConfig, n: usize) -> Result<Vec<Self>, String> {
         if !cfg.file.is_file() {
             return Err(format!(
                 "agent.environment {}: no such file",
@@ -71,19 +89,30 @@ impl PythonEnvironment {
             ));
         }
         let worker = start(&cfg).map_err(|e| format!("{}: {e}", cfg.name()))?;
-        Ok(PythonEnvironment {
-            cfg,
-            worker: Some(worker),
-            episode: 0,
-        })
+        let spare = Arc::new(Mutex::new(Some(worker)));
+        Ok((0..n.max(1))
+            .map(|_| PythonEnvironment {
+                cfg: cfg.clone(),
+                worker: None,
+                spare: spare.clone(),
+                episode: 0,
+            })
+            .collect())
     }
 
     /// Sends `request` and returns its answer, or why there is none.
     fn call(&mut self, request: Value) -> Result<Value, EnvFault> {
         let name = self.cfg.name();
         if self.worker.is_none() {
-            let worker = start(&self.cfg).map_err(|e| EnvFault::Error(format!("{name}: {e}")))?;
-            self.worker = Some(worker);
+            let spare = self
+                .spare
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take();
+            self.worker = Some(match spare {
+                Some(worker) => worker,
+                None => start(&self.cfg).map_err(|e| EnvFault::Error(format!("{name}: {e}")))?,
+            });
         }
         let worker = self.worker.as_mut().expect("started above");
         match worker.call(&request, self.cfg.timeout) {
@@ -218,6 +247,39 @@ class AgentExecutor(AgentExecutorBase):
         // A new episode starts afresh.
         env.reset(&row, "1+1=").unwrap();
         assert_eq!(env.step("7").unwrap().reward, 1.0);
+    }
+
+    #[test]
+    fn environments_start_a_worker_only_when_they_first_hold_an_episode() {
+        let dir = tempfile::tempdir().unwrap();
+        let starts = dir.path().join("starts");
+        // Each worker that loads the file adds a line.
+        let source = format!(
+            "with open({:?}, 'a') as f:\n    f.write('started\\n')\n\
+             class AgentInstance:\n    def reset(self, s):\n        return s\n\
+             \x20   def step(self, s):\n        return {{'rewards': 1.0, 'environment_feedback': '', 'done': True}}\n",
+            starts.display().to_string()
+        );
+        let started = || std::fs::read_to_string(&starts).unwrap().lines().count();
+        let mut envs = PythonEnvironment::instances(config(dir.path(), &source), 4).unwrap();
+        assert_eq!(envs.len(), 4);
+        assert_eq!(started(), 1, "the file is checked by one worker");
+        // Two episodes at once: the checking worker and one more.
+        let (a, rest) = envs.split_first_mut().unwrap();
+        a.reset(&json!({}), "p").unwrap();
+        rest[2].reset(&json!({}), "q").unwrap();
+        assert_eq!(started(), 2);
+        for env in [&mut *a, &mut rest[2]] {
+            assert!(env.step("x").unwrap().done);
+            env.close();
+        }
+        // Episodes one after another on those two: no more workers.
+        for _ in 0..3 {
+            a.reset(&json!({}), "p").unwrap();
+            a.step("x").unwrap();
+            a.close();
+        }
+        assert_eq!(started(), 2);
     }
 
     #[test]
