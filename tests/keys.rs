@@ -8,7 +8,10 @@
 //! that changes one key. Pipelines built by the same function walk the
 //! `algorithm` keys each, with one changed value a key (otb its `generate`
 //! keys too: its sampler records each token's Σπ²), the rest once, a
-//! key that chooses between behaviours with each of its values. Some keys only act under
+//! key that chooses between behaviours with each of its values; the
+//! sections only the rollout chain reads (rewards, episodes, the judge)
+//! are walked by grpo and by the pipelines whose rollouts differ from
+//! grpo's (ReMax's greedy rows, distillation's teacher). Some keys only act under
 //! another setting (a bound of the correction needs a correction): those
 //! are changed on top of that setting, compared with a base that has it.
 //! A few keys are speed and memory knobs by design (threads, idle workers,
@@ -1182,7 +1185,22 @@ enum Keys {
     /// pipeline whose generator also records something of its own (otb's
     /// sampler records each token's Σπ², so every sampling key reaches it).
     AlgorithmAndGenerate,
+    /// Every key but those of [`ROLLOUT_SECTIONS`]: the pipeline's rollouts
+    /// are built by the function that builds grpo's (`rl::rollouts`, whose
+    /// reward stages, episodes and judge read those sections alone, for
+    /// every pipeline but ReMax's greedy rows and distillation's teacher),
+    /// and grpo's walk covers them.
+    AllButRollouts,
 }
+
+/// The sections that only the rollout chain reads, the same way in every
+/// pipeline [`Keys::AllButRollouts`] walks.
+const ROLLOUT_SECTIONS: &[&str] = &["reward", "agent", "judge"];
+
+/// Keys whose further values ([`more_values`]) act in the learner alone,
+/// which every RL pipeline builds the same way (`roles::learner`): grpo's
+/// walk runs each of them; the others change the key once.
+const LEARNER_VALUES: &[&str] = &["algorithm.policy_loss", "algorithm.correction"];
 
 /// Runs of one pipeline's walk: the base outcome of each setting (the
 /// other keys a changed key needs) and of each step count, run once.
@@ -1261,20 +1279,33 @@ fn walk(kind: PipelineKind, keys: Keys) {
             Keys::All => true,
             Keys::Algorithm => section == "algorithm",
             Keys::AlgorithmAndGenerate => section == "algorithm" || section == "generate",
+            Keys::AllButRollouts => !ROLLOUT_SECTIONS.contains(&section),
         };
+        let name = format!("{section}.{key}");
+        if keys == Keys::AllButRollouts && !walked {
+            // What grpo's walk covers must be what this pipeline prints.
+            assert_eq!(
+                applies(kind, section, key),
+                applies(PipelineKind::Grpo, section, key),
+                "{}: {name} applies here and not to grpo, or the other way: walk it here",
+                kind.name()
+            );
+        }
         if !applies(kind, section, key) || !walked {
             continue;
         }
-        let name = format!("{section}.{key}");
         let (setting, value) = change(&name, &prompts, kind);
-        // A key's further values act in code every pipeline shares (a
-        // policy loss, a correction, an estimator): walked where every key
-        // is, while a sibling's walk shows that the key reaches its chain.
-        let more: &[&str] = if keys == Keys::All {
-            more_values(&name)
-        } else {
-            &[]
-        };
+        // A key's further values act in code every pipeline of a chain
+        // shares (an estimator, an aggregation): walked where every key is,
+        // while a sibling's walk shows that the key reaches its chain; those
+        // that act in the learner alone, in grpo's walk.
+        let learner_only = LEARNER_VALUES.contains(&name.as_str()) && kind != PipelineKind::Grpo;
+        let more: &[&str] =
+            if keys != Keys::Algorithm && keys != Keys::AlgorithmAndGenerate && !learner_only {
+                more_values(&name)
+            } else {
+                &[]
+            };
         for value in std::iter::once(value).chain(more.iter().map(|v| v.to_string())) {
             // A value that is already the base's changes nothing by definition.
             let base_doc =
@@ -1371,12 +1402,12 @@ fn every_algorithm_key_of_grpo_passk_gpg_and_otb_and_otbs_generate_keys_change_t
 
 #[test]
 fn every_ppo_key_changes_the_run_or_is_refused() {
-    walk(PipelineKind::Ppo, Keys::All);
+    walk(PipelineKind::Ppo, Keys::AllButRollouts);
 }
 
 #[test]
 fn every_reinforce_pp_key_changes_the_run_or_is_refused() {
-    walk(PipelineKind::ReinforcePp, Keys::All);
+    walk(PipelineKind::ReinforcePp, Keys::AllButRollouts);
     walk(PipelineKind::ReinforcePpBaseline, Keys::Algorithm);
 }
 

@@ -12,15 +12,18 @@ pub use crate::kv_cache::KvCache;
 use crate::kv_cache::LayerSlot;
 use crate::rope::{self, Rope};
 
-/// RMSNorm as transformers computes it: normalised in float32 whatever the
-/// model dtype (also for a float64 model), then cast back and scaled.
 /// What a new model's large parameters hold until their real values arrive.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Fill {
-    /// Zeros: loading or `Model::init_weights` sets them, so a random fill
-    /// would be wasted work (about half of loading a 200M model); a head a
-    /// checkpoint lacks stays zero.
+    /// Zeros: `Model::init_weights` or a partial load sets them, so a
+    /// random fill would be wasted work (about half of loading a 200M
+    /// model); a head a checkpoint lacks stays zero.
     Zeros,
+    /// Allocated in the model's dtype and left unwritten: every parameter
+    /// is then overwritten from a checkpoint (`Model::load`, which refuses
+    /// a checkpoint that lacks one), so no pass over the weights' memory
+    /// is spent on a fill.
+    Uninit,
     /// No data at all (zero elements), on any device: for a model whose
     /// every parameter is then given data it shares (`Model::load_shared`),
     /// so that no full-size placeholder is ever allocated beside the
@@ -32,6 +35,7 @@ pub(crate) enum Fill {
 fn param(vs: &nn::Path, name: &str, dims: &[i64], fill: Fill) -> Tensor {
     match fill {
         Fill::Zeros => vs.zeros(name, dims),
+        Fill::Uninit => vs.add(name, Tensor::empty(dims, (vs.kind(), vs.device())), true),
         Fill::Unset => vs.add(name, Tensor::empty([0], (vs.kind(), vs.device())), true),
     }
 }

@@ -273,6 +273,7 @@ impl Model {
                     device,
                     dir,
                     crate::decoder::Fill::Unset,
+                    kind,
                 )?;
                 let _guard = tch::no_grad_guard();
                 for (name, mut var) in model.vs.variables() {

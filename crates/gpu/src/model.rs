@@ -65,9 +65,11 @@ impl Model {
         }
         let config = ModelConfig::load(dir)?;
         check_config_fits(dir, &config)?;
-        let mut model = Model::new(config, device, dir)?;
+        // Each parameter is made in `kind` and written once from its file:
+        // the load holds the weights' bytes in `kind` plus one file tensor,
+        // never a float32 copy of a bf16 model.
+        let mut model = Model::filled(config, device, dir, Fill::Uninit, kind)?;
         model.load_weights(dir)?;
-        model.vs.set_kind(kind);
         // The file's tensors are freed: give their pages back.
         crate::device::release_freed_host_memory();
         Ok(model)
@@ -93,7 +95,8 @@ impl Model {
         check_config_fits(dir, &config)?;
         config.head = Head::SequenceClassification;
         config.num_labels = 1;
-        let mut model = Model::new(config, device, dir)?;
+        // The head is written here, every other parameter from the file.
+        let mut model = Model::filled(config, device, dir, Fill::Uninit, kind)?;
         let std = 1.0 / (model.config.hidden_size as f64 + 1.0);
         if let Some(score) = &mut model.score {
             let values = seeded_normal(score.ws.numel(), std, 0x5eed);
@@ -103,24 +106,27 @@ impl Model {
                 .copy_(&Tensor::from_slice(&values).view(score.ws.size().as_slice()));
         }
         model.load_weights_except(dir, &["score.weight"])?;
-        model.vs.set_kind(kind);
         Ok(model)
     }
 
     /// A model for `config` with zero weights (norms at one), to be loaded
     /// or initialised.
     pub fn new(config: ModelConfig, device: Device, source: &Path) -> Result<Self, ModelError> {
-        Model::filled(config, device, source, Fill::Zeros)
+        Model::filled(config, device, source, Fill::Zeros, Kind::Float)
     }
 
-    /// A model whose large parameters are filled as `fill` says.
+    /// A model whose parameters are made in `kind`, the large ones filled
+    /// as `fill` says.
     pub(crate) fn filled(
         config: ModelConfig,
         device: Device,
         source: &Path,
         fill: Fill,
+        kind: Kind,
     ) -> Result<Self, ModelError> {
-        let vs = nn::VarStore::new(device.to_tch()?);
+        let mut vs = nn::VarStore::new(device.to_tch()?);
+        // Of an empty store: the kind its new variables are made in.
+        vs.set_kind(kind);
         let root = vs.root();
         let decoder = Decoder::new(&root / "model", &config, fill);
         let lm_head = (config.head == Head::CausalLm && !config.tie_word_embeddings).then(|| {
