@@ -128,7 +128,7 @@ fn write_checkpoint(dir: &Path, shape: &Shape) -> u64 {
         offset += bytes;
     }
     let mut text = serde_json::to_string(&header).unwrap();
-    while text.len() % 8 != 0 {
+    while !text.len().is_multiple_of(8) {
         text.push(' ');
     }
     let path = dir.join("model.safetensors");
@@ -166,6 +166,8 @@ fn peak_of(mut command: Command, log: &Path) -> (u64, f64) {
     let started = Instant::now();
     let out = std::fs::File::create(log).unwrap();
     command.stdout(out.try_clone().unwrap()).stderr(out);
+    // Reaped by `wait4` below, which also reports its peak memory.
+    #[allow(clippy::zombie_processes)]
     let child = command.spawn().expect("start the child");
     let mut status = 0;
     // SAFETY: an all-zero rusage is a valid value for wait4 to overwrite.
