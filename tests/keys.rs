@@ -9,9 +9,9 @@
 //! `algorithm` keys each, with one changed value a key (otb its `generate`
 //! keys too: its sampler records each token's Σπ²), the rest once, a
 //! key that chooses between behaviours with each of its values; the
-//! sections only the rollout chain reads (rewards, episodes, the judge)
-//! are walked by grpo and by the pipelines whose rollouts differ from
-//! grpo's (ReMax's greedy rows, distillation's teacher). Some keys only act under
+//! sections only the rollout chain reads (rewards, episodes, the judge,
+//! the evaluation), the same function for every RL pipeline, by grpo's
+//! walk alone. Some keys only act under
 //! another setting (a bound of the correction needs a correction): those
 //! are changed on top of that setting, compared with a base that has it.
 //! A few keys are speed and memory knobs by design (threads, idle workers,
@@ -1186,16 +1186,17 @@ enum Keys {
     /// sampler records each token's Σπ², so every sampling key reaches it).
     AlgorithmAndGenerate,
     /// Every key but those of [`ROLLOUT_SECTIONS`]: the pipeline's rollouts
-    /// are built by the function that builds grpo's (`rl::rollouts`, whose
-    /// reward stages, episodes and judge read those sections alone, for
-    /// every pipeline but ReMax's greedy rows and distillation's teacher),
-    /// and grpo's walk covers them.
+    /// are built by the function that builds grpo's (`rl::rollouts`: the
+    /// actor with its evaluation and episodes, the reward stages and the
+    /// judge, which read those sections alone and act on every row alike,
+    /// ReMax's greedy rows too; distillation's teacher is a section of its
+    /// own), and grpo's walk covers them.
     AllButRollouts,
 }
 
-/// The sections that only the rollout chain reads, the same way in every
-/// pipeline [`Keys::AllButRollouts`] walks.
-const ROLLOUT_SECTIONS: &[&str] = &["reward", "agent", "judge"];
+/// The sections that only the rollout chain and the run's evaluation
+/// read, the same way in every pipeline [`Keys::AllButRollouts`] walks.
+const ROLLOUT_SECTIONS: &[&str] = &["reward", "agent", "judge", "eval"];
 
 /// Keys whose further values ([`more_values`]) act in the learner alone,
 /// which every RL pipeline builds the same way (`roles::learner`): grpo's
@@ -1413,13 +1414,12 @@ fn every_reinforce_pp_key_changes_the_run_or_is_refused() {
 
 #[test]
 fn every_remax_key_changes_the_run_or_is_refused() {
-    // ReMax's rollouts have greedy rows of their own: every key.
-    walk(PipelineKind::Remax, Keys::All);
+    walk(PipelineKind::Remax, Keys::AllButRollouts);
 }
 
 #[test]
 fn every_distill_key_changes_the_run_or_is_refused() {
-    walk(PipelineKind::Distill, Keys::All);
+    walk(PipelineKind::Distill, Keys::AllButRollouts);
 }
 
 #[test]

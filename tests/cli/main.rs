@@ -3,9 +3,9 @@
 //! transformers references; bad input lines are named and nothing is written.
 //! `weir inspect` and `weir plot` on a run folder of known metrics and on a
 //! `weir sim` run.
-//! The binary's modules: `models` (the model commands), `report`
-//! (`inspect`, `plot`), `runs` (`config`, `run` in one and two processes,
-//! `demo`), `crash` (SIGKILL at random moments, then resume).
+//! The binary's modules: `acceptance` (the demos), `models` (the model
+//! commands), `report` (`inspect`, `plot`), `runs` (`config`, `run` in one
+//! and two processes), `crash` (SIGKILL at random moments, then resume).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -14,6 +14,7 @@ use arrow::array::RecordBatch;
 use serde_json::Value;
 use weir::graph::parquet_log::read_parquet_file;
 
+mod acceptance;
 mod bad_input;
 #[path = "../common/mod.rs"]
 mod common;

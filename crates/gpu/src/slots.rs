@@ -62,6 +62,8 @@ pub(crate) struct TorchSlots {
     cache: crate::kv_cache::KvCache,
     rows: Vec<usize>,
     logits: Option<Tensor>,
+    /// Contexts prefilled, and sequences they started.
+    prefilled: (usize, usize),
 }
 
 impl TorchSlots {
@@ -72,6 +74,7 @@ impl TorchSlots {
             cache: crate::kv_cache::KvCache::slots(layers),
             rows: Vec::new(),
             logits: None,
+            prefilled: (0, 0),
         }
     }
 
@@ -114,17 +117,22 @@ impl TorchSlots {
         Ok(logits.index_select(0, &Tensor::from_slice(&back).to_device(device)))
     }
 
-    /// Runs `prefills` as one right-padded batch and joins them to the cache.
+    /// Runs `prefills` as one right-padded batch and joins them to the
+    /// cache. Equal contexts run once (a group's samples share their
+    /// prompt): each gets a copy of its context's keys and values.
     fn prefill(
         &mut self,
         model: &Model,
         prefills: &[(usize, &[i64])],
     ) -> Result<Tensor, ModelError> {
         let device = model.device();
-        let width = prefills.iter().map(|p| p.1.len()).max().unwrap_or(0);
+        let (contexts, of) = distinct(prefills.iter().map(|p| p.1));
+        self.prefilled.0 += contexts.len();
+        self.prefilled.1 += prefills.len();
+        let width = contexts.iter().map(|c| c.len()).max().unwrap_or(0);
         let pad = model.config.pad_token_id.unwrap_or(0).max(0);
-        let mut ids = Vec::with_capacity(prefills.len() * width);
-        for &(_, context) in prefills {
+        let mut ids = Vec::with_capacity(contexts.len() * width);
+        for context in &contexts {
             ids.extend(
                 context
                     .iter()
@@ -132,7 +140,7 @@ impl TorchSlots {
                     .chain(std::iter::repeat_n(pad, width - context.len())),
             );
         }
-        let (p, w) = (prefills.len() as i64, width as i64);
+        let (p, w) = (contexts.len() as i64, width as i64);
         let ids = Tensor::from_slice(&ids).view([p, w]).to_device(device);
         let positions = Tensor::arange(w, (Kind::Int64, device))
             .view([1, w])
@@ -143,14 +151,44 @@ impl TorchSlots {
         let hidden = model
             .decoder
             .forward(&ids, None, &positions, Some(&mut cache));
-        let lens: Vec<i64> = prefills.iter().map(|p| p.1.len() as i64).collect();
+        let lens: Vec<i64> = contexts.iter().map(|c| c.len() as i64).collect();
         let last = Tensor::from_slice(&lens).to_device(device) - 1;
         let rows = Tensor::arange(p, (Kind::Int64, device));
         let logits = model.lm_logits(&hidden.index(&[Some(rows), Some(last)]))?;
+        let lens: Vec<i64> = of.iter().map(|&c| lens[c]).collect();
+        let (logits, cache) = if contexts.len() < prefills.len() {
+            let of: Vec<i64> = of.iter().map(|&c| c as i64).collect();
+            let of = Tensor::from_slice(&of).to_device(device);
+            cache.select_rows(&of);
+            (logits.index_select(0, &of), cache)
+        } else {
+            (logits, cache)
+        };
         self.cache.admit(&cache, &lens);
         self.rows.extend(prefills.iter().map(|p| p.0));
         Ok(logits)
     }
+
+    /// Contexts prefilled and sequences they started, since this backend was made.
+    #[cfg(test)]
+    fn prefilled(&self) -> (usize, usize) {
+        self.prefilled
+    }
+}
+
+/// The distinct items of `items` in first-seen order, and each item's index among them.
+fn distinct<'a>(items: impl Iterator<Item = &'a [i64]>) -> (Vec<&'a [i64]>, Vec<usize>) {
+    let mut seen: std::collections::HashMap<&[i64], usize> = std::collections::HashMap::new();
+    let mut unique = Vec::new();
+    let of = items
+        .map(|item| {
+            *seen.entry(item).or_insert_with(|| {
+                unique.push(item);
+                unique.len() - 1
+            })
+        })
+        .collect();
+    (unique, of)
 }
 
 impl Slots for TorchSlots {
@@ -235,4 +273,62 @@ impl Slots for TorchSlots {
     }
 
     fn weights_changed(&mut self) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::Device;
+
+    /// `slots`' logits after its last forward pass (taken).
+    fn logits(slots: &mut TorchSlots) -> Tensor {
+        slots.logits.take().expect("a forward pass ran")
+    }
+
+    fn close(a: &Tensor, b: &Tensor) -> bool {
+        f64::try_from((a - b).abs().max()).unwrap() < 1e-5
+    }
+
+    #[test]
+    fn equal_contexts_are_prefilled_once_and_decode_as_if_each_had_run_alone() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/models/tiny-llama");
+        let model = Model::load(&dir, Device::Cpu, Kind::Float).unwrap();
+        let (a, b): (Vec<i64>, Vec<i64>) = (vec![1, 5, 9, 12, 30], vec![1, 7, 3]);
+        let mut shared = TorchSlots::new(&model);
+        shared
+            .forward(&model, &[], &[(0, &a), (1, &b), (2, &a)])
+            .unwrap();
+        assert_eq!(
+            shared.prefilled(),
+            (2, 3),
+            "a ran once for its two sequences"
+        );
+        let together = logits(&mut shared);
+        let mut alone = TorchSlots::new(&model);
+        alone.forward(&model, &[], &[(0, &a)]).unwrap();
+        let first = logits(&mut alone);
+        assert!(together.get(0).equal(&together.get(2)));
+        assert!(close(&together.get(0), &first.get(0)));
+        // Each sequence's keys are its own: a's two sequences decode
+        // different tokens, and the first still decodes as a alone does.
+        shared
+            .forward(&model, &[(0, 40, 5), (1, 41, 3), (2, 42, 5)], &[])
+            .unwrap();
+        let step = logits(&mut shared);
+        alone.forward(&model, &[(0, 40, 5)], &[]).unwrap();
+        assert!(close(&step.get(0), &logits(&mut alone).get(0)));
+        assert!(!close(&step.get(0), &step.get(2)));
+        // The first leaves; the second goes on as a alone with its token.
+        shared.free(&[0]).unwrap();
+        shared
+            .forward(&model, &[(1, 43, 4), (2, 44, 6)], &[])
+            .unwrap();
+        let later = logits(&mut shared);
+        let mut other = TorchSlots::new(&model);
+        other.forward(&model, &[], &[(2, &a)]).unwrap();
+        other.forward(&model, &[(2, 42, 5)], &[]).unwrap();
+        other.forward(&model, &[(2, 44, 6)], &[]).unwrap();
+        assert!(close(&later.get(1), &logits(&mut other).get(0)));
+    }
 }
