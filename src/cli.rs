@@ -93,6 +93,7 @@ pub fn main() {
         eprintln!("error: {}", one_line(&err));
         exit_now(1);
     }
+    exit_now(0);
 }
 
 /// Ends the process with `code` without running the exit handlers.
@@ -101,9 +102,11 @@ pub fn main() {
 /// backward pass is not interrupted when a peer process dies, and its
 /// thread is not joined. `exit` would run libtorch's static destructors
 /// under that thread, which then fails in a torch call and panics ("Invalid
-/// (backend, op) pair"), so a one-line error grew a panic's backtrace.
-/// Nothing weir writes waits for exit handlers: its files are synced and
-/// closed before the run returns, and only stdout's buffer is left.
+/// (backend, op) pair"), so a one-line error grew a panic's backtrace. And
+/// those destructors, unregistering every operator, cost every command
+/// about 0.15 s of CPU on its way out. Nothing weir writes waits for exit
+/// handlers: its files are synced and closed before the command returns,
+/// and only stdout's buffer is left.
 fn exit_now(code: i32) -> ! {
     use std::io::Write;
     let _ = std::io::stdout().flush();
