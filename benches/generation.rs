@@ -260,7 +260,16 @@ fn main() {
     weir::gpu::device::set_threads(1);
     let (n_prompts, n, new) = if full { (8, 8, 64) } else { (2, 2, 4) };
     let dir = tempfile::tempdir().unwrap();
-    let random = random_llama(dir.path());
+    // Under `cargo test`, a 1-layer stand-in for the 24.6M model: the
+    // paths are checked, not the figures.
+    let (random, random_name) = if full {
+        (random_llama(dir.path()), "random llama (24.6M)")
+    } else {
+        (
+            random_model(dir.path(), "random-llama-tiny", 64, 1, 176, 512),
+            "random llama (hidden 64, 1 layer)",
+        )
+    };
     let prompts = prompts(n_prompts);
     println!("== generation on {device}: {n_prompts} prompts × {n} samples, {new} new tokens, EOS suppressed, temperature 1, 1 thread ==");
     // `cargo bench --bench generation -- long_tail` runs only the long-tail pool.
@@ -269,7 +278,7 @@ fn main() {
     } else {
         vec![
             ("arith-sft (995k)", fixtures().join("models/arith-sft")),
-            ("random llama (24.6M)", random.clone()),
+            (random_name, random.clone()),
         ]
     };
     for (name, path) in models {
@@ -309,7 +318,7 @@ fn main() {
         ]
     } else {
         [
-            ("random llama (24.6M)", &random, 6, 2, 3),
+            (random_name, &random, 6, 2, 3),
             ("random llama (hidden 128, 2 layers)", &small, 6, 2, 3),
         ]
     };
