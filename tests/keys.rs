@@ -5,15 +5,16 @@
 //!
 //! For each pipeline, a small deterministic base run (one step, k = 0; two
 //! steps for a key that does not act on the first) is compared with a run
-//! that changes one key. Pipelines built by the same function walk the
-//! `algorithm` keys each, with one changed value a key (otb its `generate`
-//! keys too: its sampler records each token's Σπ²), the rest once, a
-//! key that chooses between behaviours with each of its values; the
+//! that changes one key; a key that chooses between behaviours, with each
+//! of its values. Pipelines built by the same function as another walk the
+//! `algorithm` keys each, but those only the learner reads (the same
+//! function for every RL pipeline), with one value a key (otb its
+//! `generate` keys too: its sampler records each token's Σπ²). The
 //! sections only the rollout chain reads (rewards, episodes, the judge,
-//! the evaluation), the same function for every RL pipeline, by grpo's
-//! walk alone. Some keys only act under
-//! another setting (a bound of the correction needs a correction): those
-//! are changed on top of that setting, compared with a base that has it.
+//! the evaluation), the same function for every RL pipeline, are walked by
+//! grpo alone. Some keys only act under another setting (a bound of the
+//! correction needs a correction): those are changed on top of that
+//! setting, compared with a base that has it.
 //! A few keys are speed and memory knobs by design (threads, idle workers,
 //! micro-batches, gradient checkpointing, the optimizer's sharding, the evaluation's batch): their runs must succeed and are
 //! held to the same results elsewhere (the learner's tests); they are
@@ -1176,10 +1177,10 @@ fn base(kind: PipelineKind, steps: u64) -> RunConfig {
 enum Keys {
     /// Every key the pipeline reads.
     All,
-    /// `algorithm.*` only: the pipeline is built by the same function as
-    /// one whose walk covers the other keys (the group pipelines share
-    /// grpo's chain, reinforce_pp_baseline reinforce_pp's), and differs
-    /// from it in its estimator alone.
+    /// `algorithm.*` only, but for [`LEARNER_KEYS`]: the pipeline is built
+    /// by the same function as one whose walk covers the other keys (the
+    /// group pipelines share grpo's chain, reinforce_pp_baseline
+    /// reinforce_pp's), and differs from it in its estimator alone.
     Algorithm,
     /// `algorithm.*` and `generate.*`: as [`Keys::Algorithm`], for a
     /// pipeline whose generator also records something of its own (otb's
@@ -1197,6 +1198,51 @@ enum Keys {
 /// The sections that only the rollout chain and the run's evaluation
 /// read, the same way in every pipeline [`Keys::AllButRollouts`] walks.
 const ROLLOUT_SECTIONS: &[&str] = &["reward", "agent", "judge", "eval"];
+
+/// The `algorithm` keys that only the learner reads, and reads the same way
+/// in every RL pipeline (`roles::learner_config` and the optimizer and
+/// schedule it builds, which take no pipeline kind): grpo's walk covers
+/// them, and a sibling's walk (built by grpo's or reinforce_pp's function,
+/// differing in its estimator) changes the keys its own code may read
+/// otherwise — the KL's (in the loss or in the reward by kind), the
+/// flavor, the estimators'.
+const LEARNER_KEYS: &[&str] = &[
+    "lr",
+    "warmup_steps",
+    "schedule",
+    "min_lr_ratio",
+    "weight_decay",
+    "max_grad_norm",
+    "micro_batch",
+    "micro_batch_tokens",
+    "gradient_checkpointing",
+    "packing",
+    "logprob_chunk",
+    "ppo_epochs",
+    "mini_batches",
+    "clip_low",
+    "clip_high",
+    "dual_clip",
+    "entropy_coef",
+    "aggregation",
+    "loss_scale_factor",
+    "policy_loss",
+    "sapo_tau_pos",
+    "sapo_tau_neg",
+    "clip_cov_ratio",
+    "clip_cov_lb",
+    "clip_cov_ub",
+    "kl_cov_ratio",
+    "kl_cov_coef",
+    "dro_beta",
+    "reinforce_is_cap",
+    "correction",
+    "correction_low",
+    "correction_high",
+    "correction_batch_normalize",
+    "rejection",
+    "rejection_threshold",
+];
 
 /// Keys whose further values ([`more_values`]) act in the learner alone,
 /// which every RL pipeline builds the same way (`roles::learner`): grpo's
@@ -1276,14 +1322,18 @@ fn walk(kind: PipelineKind, keys: Keys) {
         section, name: key, ..
     } in KEYS
     {
+        let learner_only = section == "algorithm" && LEARNER_KEYS.contains(&key);
         let walked = match keys {
             Keys::All => true,
-            Keys::Algorithm => section == "algorithm",
-            Keys::AlgorithmAndGenerate => section == "algorithm" || section == "generate",
+            Keys::Algorithm => section == "algorithm" && !learner_only,
+            Keys::AlgorithmAndGenerate => {
+                (section == "algorithm" && !learner_only) || section == "generate"
+            }
             Keys::AllButRollouts => !ROLLOUT_SECTIONS.contains(&section),
         };
         let name = format!("{section}.{key}");
-        if keys == Keys::AllButRollouts && !walked && applies(kind, section, key) {
+        let left_to_grpo = keys == Keys::AllButRollouts || learner_only;
+        if left_to_grpo && !walked && applies(kind, section, key) {
             // A key this pipeline prints and leaves to grpo's walk must be in it.
             assert!(
                 applies(PipelineKind::Grpo, section, key),
