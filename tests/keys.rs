@@ -1199,9 +1199,10 @@ enum Keys {
 /// read, the same way in every pipeline [`Keys::AllButRollouts`] walks.
 const ROLLOUT_SECTIONS: &[&str] = &["reward", "agent", "judge", "eval"];
 
-/// The `algorithm` keys that only the learner reads, and reads the same way
-/// in every RL pipeline (`roles::learner_config` and the optimizer and
-/// schedule it builds, which take no pipeline kind): grpo's walk covers
+/// The `algorithm` keys that among a sibling's stages only the learner
+/// reads, the same way in every RL pipeline (`roles::learner_config` and
+/// the optimizer and schedule it builds, which take no pipeline kind; PPO's
+/// critic reads `aggregation` too, and PPO walks every key): grpo's walk covers
 /// them, and a sibling's walk (built by grpo's or reinforce_pp's function,
 /// differing in its estimator) changes the keys its own code may read
 /// otherwise — the KL's (in the loss or in the reward by kind), the
@@ -1349,13 +1350,16 @@ fn walk(kind: PipelineKind, keys: Keys) {
         // shares (an estimator, an aggregation): walked where every key is,
         // while a sibling's walk shows that the key reaches its chain; those
         // that act in the learner alone, in grpo's walk.
-        let learner_only = LEARNER_VALUES.contains(&name.as_str()) && kind != PipelineKind::Grpo;
-        let more: &[&str] =
-            if keys != Keys::Algorithm && keys != Keys::AlgorithmAndGenerate && !learner_only {
-                more_values(&name)
-            } else {
-                &[]
-            };
+        let values_left_to_grpo =
+            LEARNER_VALUES.contains(&name.as_str()) && kind != PipelineKind::Grpo;
+        let more: &[&str] = if keys != Keys::Algorithm
+            && keys != Keys::AlgorithmAndGenerate
+            && !values_left_to_grpo
+        {
+            more_values(&name)
+        } else {
+            &[]
+        };
         for value in std::iter::once(value).chain(more.iter().map(|v| v.to_string())) {
             // A value that is already the base's changes nothing by definition.
             let base_doc =

@@ -231,10 +231,11 @@ impl KvCache {
         self.slots.as_ref().map_or(&[], |s| &s.lens)
     }
 
-    /// Joins the rows of `prefilled` (a right-padded prefill run in a plain
-    /// cache of its own; its row `j` holds `lens[j]` positions) after a slot
-    /// cache's rows. Only the new rows are copied.
-    pub fn admit(&mut self, prefilled: &KvCache, lens: &[i64]) {
+    /// Joins rows of `prefilled` (a right-padded prefill run in a plain
+    /// cache of its own) after a slot cache's rows: new row `j` is
+    /// prefilled row `from[j]` (row `j` without `from`) and holds `lens[j]`
+    /// positions. Only the new rows are copied, once each.
+    pub fn admit(&mut self, prefilled: &KvCache, lens: &[i64], from: Option<&Tensor>) {
         let slots = self.slots.as_mut().expect("admit needs a slot cache");
         let (n, p) = (slots.lens.len() as i64, lens.len() as i64);
         let width = prefilled.len();
@@ -246,9 +247,12 @@ impl KvCache {
             ] {
                 let new = new.as_ref().expect("the prefill cached its keys");
                 let b = grown(true, buffer.take(), new, n + p, width, n, len);
-                b.narrow(0, n, p)
-                    .narrow(2, 0, width)
-                    .copy_(&new.narrow(2, 0, width));
+                let rows = new.narrow(2, 0, width);
+                let rows = match from {
+                    Some(from) => rows.index_select(0, from),
+                    None => rows,
+                };
+                b.narrow(0, n, p).narrow(2, 0, width).copy_(&rows);
                 *buffer = Some(b);
             }
             mine.len = mine.len.max(width);

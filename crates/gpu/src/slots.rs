@@ -156,15 +156,16 @@ impl TorchSlots {
         let rows = Tensor::arange(p, (Kind::Int64, device));
         let logits = model.lm_logits(&hidden.index(&[Some(rows), Some(last)]))?;
         let lens: Vec<i64> = of.iter().map(|&c| lens[c]).collect();
-        let (logits, cache) = if contexts.len() < prefills.len() {
+        // Each sequence's row of the prefill, where contexts were shared.
+        let from = (contexts.len() < prefills.len()).then(|| {
             let of: Vec<i64> = of.iter().map(|&c| c as i64).collect();
-            let of = Tensor::from_slice(&of).to_device(device);
-            cache.select_rows(&of);
-            (logits.index_select(0, &of), cache)
-        } else {
-            (logits, cache)
+            Tensor::from_slice(&of).to_device(device)
+        });
+        let logits = match &from {
+            Some(from) => logits.index_select(0, from),
+            None => logits,
         };
-        self.cache.admit(&cache, &lens);
+        self.cache.admit(&cache, &lens, from.as_ref());
         self.rows.extend(prefills.iter().map(|p| p.0));
         Ok(logits)
     }
